@@ -1,0 +1,35 @@
+"""EngineArgs: every knob of the engine in one place, shared by the offline API and the launcher."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineArgs:
+    model: str
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    load_format: str = "auto"
+    attention_backend: str = "auto"
+    page_size: int = 1
+    mem_fraction_static: float = 0.88
+    max_total_tokens: int | None = None
+    max_running_requests: int = 256
+    chunked_prefill_size: int = 8192
+    context_length: int | None = None
+    tp_size: int = 1
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        if self.max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
+        if self.chunked_prefill_size < 1:
+            raise ValueError(f"chunked_prefill_size must be >= 1, got {self.chunked_prefill_size}")
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
+            raise ValueError(f"max_total_tokens must hold at least one page, got {self.max_total_tokens}")

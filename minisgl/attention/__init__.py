@@ -1,0 +1,26 @@
+"""Attention backends behind one interface; ``create_backend`` picks the one for the device."""
+
+from __future__ import annotations
+
+from minisgl.attention.base import AttentionBackend, AttentionMetadata
+from minisgl.attention.torch_backend import TorchBackend
+from minisgl.kvcache import BaseKVCache
+
+
+def create_backend(
+    name: str, kv_cache: BaseKVCache, num_qo_heads: int, num_kv_heads: int, head_dim: int
+) -> AttentionBackend:
+    """'auto' means FlashInfer on CUDA and the torch reference elsewhere."""
+    device = kv_cache.k_cache(0).device
+    if name == "auto":
+        name = "flashinfer" if device.type == "cuda" else "torch"
+    if name == "torch":
+        return TorchBackend(kv_cache, num_qo_heads, num_kv_heads, head_dim)
+    if name == "flashinfer":
+        from minisgl.attention.flashinfer_backend import FlashInferBackend
+
+        return FlashInferBackend(kv_cache, num_qo_heads, num_kv_heads, head_dim)
+    raise ValueError(f"unknown attention backend {name!r} (auto, torch, flashinfer)")
+
+
+__all__ = ["AttentionBackend", "AttentionMetadata", "create_backend"]

@@ -1,0 +1,60 @@
+"""The attention backend interface and the per-step metadata every backend consumes."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from minisgl.kvcache import BaseKVCache
+
+
+@dataclass
+class AttentionMetadata:
+    """What one forward step attends over, built once per step by the model runner.
+
+    Request i owns row ``slots[i]`` of ``page_table``; it has ``cached_lens[i]`` tokens already
+    in the cache and computes ``new_lens[i]`` new ones this step. New tokens appear in
+    request order in q/k/v; ``out_loc`` holds their cache slot ids.
+    """
+
+    slots: list[int]
+    cached_lens: list[int]
+    new_lens: list[int]
+    page_table: torch.Tensor  # [max_slots, max_pages_per_req] int32, on the device
+    slots_t: torch.Tensor  # [B] int64, on the device
+    positions: torch.Tensor  # [T] int64
+    out_loc: torch.Tensor  # [T] int64
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.slots)
+
+    @property
+    def is_decode(self) -> bool:
+        return all(n == 1 for n in self.new_lens)
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return [c + n for c, n in zip(self.cached_lens, self.new_lens)]
+
+
+class AttentionBackend(ABC):
+    """Stores the step's new K/V into the paged cache and attends over cached + new tokens."""
+
+    def __init__(self, kv_cache: BaseKVCache, num_qo_heads: int, num_kv_heads: int, head_dim: int):
+        self.kv_cache = kv_cache
+        self.num_qo_heads = num_qo_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.meta: AttentionMetadata | None = None
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Called once per step before any layer runs (plans are shared by all layers)."""
+        self.meta = meta
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hk, D] for the new tokens; returns [T, Hq, D]."""

@@ -1,0 +1,26 @@
+"""Where K and V live: the storage interface the attention backends read and write."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class BaseKVCache(ABC):
+    """Paged K/V storage. A token's slot id is ``page * page_size + offset_in_page``."""
+
+    num_pages: int
+    page_size: int
+
+    @abstractmethod
+    def k_cache(self, layer_id: int) -> torch.Tensor:
+        """Layer view of K: [num_pages, page_size, kv_heads, head_dim] (page stride may be large)."""
+
+    @abstractmethod
+    def v_cache(self, layer_id: int) -> torch.Tensor:
+        """Layer view of V, same shape and strides as ``k_cache``."""
+
+    @abstractmethod
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor, layer_id: int) -> None:
+        """Write k/v [T, kv_heads, head_dim] of T new tokens into slot ids ``out_loc`` [T]."""

@@ -1,0 +1,42 @@
+"""Vocabulary-parallel token embedding and LM head: each rank holds a contiguous slice of the vocab."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minisgl.distributed import all_gather_last_dim, all_reduce, get_tp_info
+from minisgl.utils import cdiv
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__()
+        tp = get_tp_info()
+        self.vocab_size = vocab_size
+        self.shard = cdiv(vocab_size, tp.size)
+        self.start = tp.rank * self.shard
+        self.weight = nn.Parameter(torch.empty(self.shard, hidden_size), requires_grad=False)
+        self.weight.weight_loader = self.load_weight
+
+    def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, part: None = None) -> None:
+        rows = loaded[self.start : self.start + self.shard]
+        param.data[: rows.shape[0]].copy_(rows)
+        param.data[rows.shape[0] :].zero_()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if get_tp_info().size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.shard)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return all_reduce(out.masked_fill(outside.unsqueeze(-1), 0))
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Projects hidden states to logits over the full vocabulary (gathered across ranks)."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = all_gather_last_dim(F.linear(hidden, self.weight))
+        return logits[..., : self.vocab_size]

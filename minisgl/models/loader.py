@@ -1,0 +1,131 @@
+"""Find a checkpoint (local folder or hub id), build the model, and fill its weights.
+
+Weights come from one or many ``*.safetensors`` files (with or without an index), or, with
+``load_format="dummy"``, from a seeded random init in the real shapes (for benchmarks).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm import tqdm
+
+from minisgl.config import ModelConfig
+from minisgl.models import get_model_class
+
+logger = logging.getLogger(__name__)
+
+HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
+
+
+def resolve_model_path(model: str, load_format: str = "auto") -> Path:
+    """A local folder is used as is; anything else that looks like ``org/name`` is fetched from the hub."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ValueError(f"--model {model!r} is a file; pass the checkpoint folder")
+    if model.startswith((".", "/", "~")) or model.count("/") != 1:
+        raise FileNotFoundError(f"model folder {model!r} does not exist and is not a hub id (org/name)")
+    from huggingface_hub import snapshot_download
+
+    patterns = HUB_PATTERNS if load_format != "dummy" else [p for p in HUB_PATTERNS if "safetensors" not in p]
+    try:
+        return Path(snapshot_download(model, allow_patterns=patterns))
+    except Exception as e:  # offline, unknown repo, gated repo: all end here with the hub's reason
+        raise FileNotFoundError(f"could not get {model!r} from the Hugging Face hub: {e}") from e
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [model_dir / n for n in names]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index.name} lists missing files: {', '.join(missing)}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir} (use --load-format dummy for random weights)")
+    return files
+
+
+def iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    files = safetensors_files(model_dir)
+    total = 0
+    for f in files:
+        with safe_open(f, framework="pt") as sf:
+            total += len(list(sf.keys()))
+    with tqdm(total=total, desc="Loading weights", unit="tensor", dynamic_ncols=True) as bar:
+        for f in files:
+            with safe_open(f, framework="pt") as sf:
+                for name in sf.keys():
+                    yield name, sf.get_tensor(name)
+                    bar.update(1)
+
+
+def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Copy checkpoint tensors into (possibly fused, possibly sharded) parameters."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    packed: dict[str, tuple[str, int | str]] = getattr(model, "packed_modules", {})
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    expected = {n for n in params if not (tied and n == "lm_head.weight")}
+    seen: set[str] = set()
+    for name, tensor in weights:
+        if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
+            continue
+        part = None
+        for ckpt_name, (ours, shard) in packed.items():
+            if f".{ckpt_name}." in name:
+                name, part = name.replace(f".{ckpt_name}.", f".{ours}."), shard
+                break
+        if name not in params:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
+        param = params[name]
+        loader = getattr(param, "weight_loader", None)
+        if loader is not None:
+            loader(param, tensor, part)
+        else:
+            param.data.copy_(tensor)
+        seen.add(name)
+    missing = sorted(expected - seen)
+    if missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise ValueError(f"checkpoint lacks {len(missing)} weights: {shown}")
+
+
+def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Random weights in the real shapes: small normals for matrices, ones for norms."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.data.fill_(1.0)
+        else:
+            param.data.normal_(0.0, 0.02, generator=gen)
+
+
+def load_model(
+    model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+    max_positions: int, load_format: str = "auto", seed: int = 0,
+) -> nn.Module:
+    if load_format not in ("auto", "safetensors", "dummy"):
+        raise ValueError(f"unsupported load format {load_format!r} (auto, safetensors, dummy)")
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = get_model_class(config)(config, max_positions)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    if load_format == "dummy":
+        init_dummy_weights(model, seed)
+    else:
+        load_weights(model, iter_weights(model_dir))
+    return model.eval()

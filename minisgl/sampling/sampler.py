@@ -1,0 +1,163 @@
+"""Batched sampling with per-request parameters kept on the device, indexed by request slot.
+
+Parameters are written once when a request starts (``set_request``); each step only gathers
+them by slot. Randomness comes from a counter-based hash of (seed, position, token id), so a
+seeded request samples the same tokens whatever else is in its batch, on CPU and GPU alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from minisgl.sampling.params import SamplingParams
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash on int64 tensors holding values in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Exp(1) noise [B, vocab]: argmax(p / noise) draws from p (the exponential-race trick)."""
+    row = _mix32((seeds & _M32) ^ _mix32(((seeds >> 32) + positions * 0x9E3779B1) & _M32))
+    cols = torch.arange(vocab, device=seeds.device, dtype=torch.int64) * 0x632BE5AB
+    bits = _mix32((row[:, None] + cols[None, :]) & _M32) >> 8  # 24 random bits
+    uniform = (bits.float() + 0.5) * (1.0 / (1 << 24))
+    return -torch.log(uniform)
+
+
+@dataclass
+class SampleOutput:
+    tokens: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor | None = None  # [B] log-probability of each chosen token
+    top_ids: torch.Tensor | None = None  # [B, n] most likely tokens
+    top_logprobs: torch.Tensor | None = None  # [B, n]
+
+
+class Sampler:
+    def __init__(self, max_slots: int, vocab_size: int, device: torch.device):
+        self.vocab_size = vocab_size
+        self.device = device
+        f32 = dict(dtype=torch.float32, device=device)
+        self.temperature = torch.ones(max_slots, **f32)
+        self.top_p = torch.ones(max_slots, **f32)
+        self.top_k = torch.full((max_slots,), vocab_size, dtype=torch.int64, device=device)
+        self.min_p = torch.zeros(max_slots, **f32)
+        self.rep_penalty = torch.ones(max_slots, **f32)
+        self.freq_penalty = torch.zeros(max_slots, **f32)
+        self.pres_penalty = torch.zeros(max_slots, **f32)
+        self.seed = torch.zeros(max_slots, dtype=torch.int64, device=device)
+        self.greedy = torch.ones(max_slots, dtype=torch.bool, device=device)
+        # Host mirrors so each step can pick the cheapest path without reading the device.
+        self.h_greedy = [True] * max_slots
+        self.h_truncate = [False] * max_slots
+        self.h_min_p = [False] * max_slots
+        self.h_penalty = [False] * max_slots
+        self.h_top_n = [-1] * max_slots  # -1: no logprobs, 0: chosen token only, n: plus top-n
+        self.out_counts: torch.Tensor | None = None  # [max_slots, vocab] int32, made on first use
+        self.seen: torch.Tensor | None = None  # [max_slots, vocab] bool: prompt or output tokens
+
+    def set_request(
+        self, slot: int, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
+        seed: int, top_logprobs: int = -1,
+    ) -> None:
+        """Install a request's parameters in ``slot``; ``seed`` is used when params.seed is None."""
+        p = params
+        self.temperature[slot] = p.temperature if p.temperature > 0 else 1.0
+        self.top_p[slot] = p.top_p
+        self.top_k[slot] = p.top_k if p.top_k > 0 else self.vocab_size
+        self.min_p[slot] = p.min_p
+        self.seed[slot] = p.seed if p.seed is not None else seed
+        self.greedy[slot] = p.is_greedy
+        self.h_greedy[slot] = p.is_greedy
+        self.h_truncate[slot] = p.top_p < 1.0 or 0 < p.top_k < self.vocab_size
+        self.h_min_p[slot] = p.min_p > 0.0
+        self.h_top_n[slot] = top_logprobs
+        self.h_penalty[slot] = p.has_penalty
+        if p.has_penalty:
+            self._init_penalty(slot, p, prompt_ids, output_ids)
+
+    def _init_penalty(self, slot: int, p: SamplingParams, prompt_ids: list[int], output_ids: list[int]) -> None:
+        if self.out_counts is None:
+            n = self.temperature.shape[0]
+            self.out_counts = torch.zeros(n, self.vocab_size, dtype=torch.int32, device=self.device)
+            self.seen = torch.zeros(n, self.vocab_size, dtype=torch.bool, device=self.device)
+        self.rep_penalty[slot] = p.repetition_penalty
+        self.freq_penalty[slot] = p.frequency_penalty
+        self.pres_penalty[slot] = p.presence_penalty
+        self.out_counts[slot].zero_()
+        self.seen[slot].zero_()
+        ids = torch.tensor(prompt_ids + output_ids, dtype=torch.int64, device=self.device)
+        self.seen[slot, ids] = True
+        out = torch.tensor(output_ids, dtype=torch.int64, device=self.device)
+        self.out_counts[slot].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
+
+    def _apply_penalties(self, logits: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Repetition (HF rule) over prompt+output; frequency and presence over output tokens."""
+        counts = self.out_counts[slots].float()
+        rep = self.rep_penalty[slots, None]
+        penalized = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(self.seen[slots], penalized, logits)
+        logits = logits - self.freq_penalty[slots, None] * counts
+        return logits - self.pres_penalty[slots, None] * (counts > 0).float()
+
+    def sample(self, logits: torch.Tensor, slots_list: list[int], seq_lens: list[int]) -> SampleOutput:
+        """logits [B, V] for requests in ``slots_list``; ``seq_lens`` give each one's position."""
+        slots = torch.tensor(slots_list, dtype=torch.int64).to(self.device, non_blocking=True)
+        logits = logits.float()
+        penalized = [s for s in slots_list if self.h_penalty[s]]
+        if penalized:
+            logits = self._apply_penalties(logits, slots)
+        greedy_tokens = logits.argmax(dim=-1)
+        if all(self.h_greedy[s] for s in slots_list):
+            tokens = greedy_tokens
+        else:
+            tokens = torch.where(self.greedy[slots], greedy_tokens, self._sample_random(logits, slots, slots_list, seq_lens))
+        out = SampleOutput(tokens=tokens)
+        top_n = max(self.h_top_n[s] for s in slots_list)
+        if top_n >= 0:
+            logprobs = torch.log_softmax(logits, dim=-1)
+            out.logprobs = logprobs.gather(1, tokens[:, None]).squeeze(1)
+            if top_n > 0:
+                out.top_logprobs, out.top_ids = logprobs.topk(top_n, dim=-1)
+        if penalized:
+            self._record_outputs(slots, tokens, slots_list)
+        return out
+
+    def _sample_random(
+        self, logits: torch.Tensor, slots: torch.Tensor, slots_list: list[int], seq_lens: list[int]
+    ) -> torch.Tensor:
+        probs = torch.softmax(logits / self.temperature[slots, None], dim=-1)
+        if any(self.h_truncate[s] for s in slots_list):
+            probs = self._top_k_top_p(probs, self.top_k[slots], self.top_p[slots])
+        if any(self.h_min_p[s] for s in slots_list):
+            floor = self.min_p[slots, None] * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < floor, 0.0)
+        positions = torch.tensor(seq_lens, dtype=torch.int64).to(self.device, non_blocking=True)
+        noise = exponential_noise(self.seed[slots], positions, probs.shape[-1])
+        return (probs / noise).argmax(dim=-1)
+
+    @staticmethod
+    def _top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+        """Zero every token outside the k most likely and outside the smallest set with mass >= p."""
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
+        mass_before = sorted_p.cumsum(dim=-1) - sorted_p
+        drop = (rank >= top_k[:, None]) | (mass_before >= top_p[:, None])
+        drop[:, 0] = False  # the most likely token always survives
+        return torch.zeros_like(probs).scatter_(1, order, sorted_p.masked_fill(drop, 0.0))
+
+    def _record_outputs(self, slots: torch.Tensor, tokens: torch.Tensor, slots_list: list[int]) -> None:
+        keep = [i for i, s in enumerate(slots_list) if self.h_penalty[s]]
+        keep_t = torch.tensor(keep, dtype=torch.int64).to(self.device, non_blocking=True)
+        rows, toks = slots[keep_t], tokens[keep_t]
+        self.out_counts[rows, toks] += 1
+        self.seen[rows, toks] = True

@@ -1,0 +1,59 @@
+"""Small helpers shared by every layer of the stack: device, dtype and logging choices."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    """'auto' picks CUDA when present, else CPU; anything else is taken literally."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was requested but no CUDA device is available")
+    return dev
+
+
+def resolve_dtype(dtype: str, config_dtype: str | None, device: torch.device) -> torch.dtype:
+    """'auto' follows the checkpoint on GPU and uses float32 on CPU (bf16 matmuls are slow there)."""
+    if dtype != "auto":
+        if dtype not in _DTYPES:
+            raise ValueError(f"unsupported dtype {dtype!r}; choose auto, float32, bfloat16 or float16")
+        return _DTYPES[dtype]
+    if device.type == "cpu":
+        return torch.float32
+    return _DTYPES.get(str(config_dtype).replace("torch.", ""), torch.bfloat16)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def divide(a: int, b: int) -> int:
+    if a % b:
+        raise ValueError(f"{a} is not divisible by {b}")
+    return a // b
+
+
+def init_logging(level: str = "info") -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="[%(asctime)s %(processName)s %(levelname)s] %(message)s",
+        datefmt="%H:%M:%S",
+    )
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "").lower() in ("1", "true", "yes")

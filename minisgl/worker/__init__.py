@@ -1,0 +1,3 @@
+from minisgl.worker.model_runner import ModelRunner
+
+__all__ = ["ModelRunner"]
