@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from minisgl.attention.base import AttentionBackend, AttentionMetadata
 from minisgl.attention.torch_backend import TorchBackend
 from minisgl.kvcache import BaseKVCache
@@ -10,10 +12,11 @@ from minisgl.kvcache import BaseKVCache
 def create_backend(
     name: str, kv_cache: BaseKVCache, num_qo_heads: int, num_kv_heads: int, head_dim: int
 ) -> AttentionBackend:
-    """'auto' means FlashInfer on CUDA and the torch reference elsewhere."""
-    device = kv_cache.k_cache(0).device
+    """'auto' means FlashInfer for 16-bit caches on CUDA and the torch reference otherwise."""
+    view = kv_cache.k_cache(0)
     if name == "auto":
-        name = "flashinfer" if device.type == "cuda" else "torch"
+        half = view.dtype in (torch.float16, torch.bfloat16)
+        name = "flashinfer" if view.device.type == "cuda" and half else "torch"
     if name == "torch":
         return TorchBackend(kv_cache, num_qo_heads, num_kv_heads, head_dim)
     if name == "flashinfer":

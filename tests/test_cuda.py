@@ -1,0 +1,120 @@
+"""GPU path: the JIT store kernel, FlashInfer against the torch reference, real-shape decode.
+
+Marked ``cuda``: skipped on machines without a GPU, run on the GPU machine before resolving.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from minisgl.args import EngineArgs
+from minisgl.attention import AttentionMetadata, create_backend
+from minisgl.kernels import store_kv, store_kv_torch
+from minisgl.kvcache import MHAKVCache
+from minisgl.messages import ForwardBatch
+from minisgl.utils import cdiv
+from minisgl.worker import ModelRunner
+from tests.helpers import generate, page_table_writes, prefill_batch
+
+pytestmark = pytest.mark.cuda
+CONFIGS = Path(__file__).resolve().parents[1] / "benchmarks" / "configs"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("heads,dim", [(8, 128), (2, 64), (1, 80), (3, 24), (4, 2)])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_store_kernel_matches_torch(dtype, heads, dim, page_size, index_dtype):
+    torch.manual_seed(0)
+    layers, pages, tokens = 3, 64, 200
+    caches = [MHAKVCache(pages, page_size, layers, heads, dim, dtype, torch.device("cuda")) for _ in range(2)]
+    slots = torch.randperm(pages * page_size, device="cuda")[:tokens].to(index_dtype)
+    fused = torch.randn(tokens, 3, heads, dim, device="cuda", dtype=dtype)  # strided k/v rows
+    for layer in range(layers):
+        k, v = fused[:, 1] + layer, fused[:, 2] - layer
+        store_kv(caches[0].k_cache(layer), caches[0].v_cache(layer), k, v, slots)
+        store_kv_torch(caches[1].k_cache(layer), caches[1].v_cache(layer), k, v, slots)
+    torch.cuda.synchronize()
+    assert torch.equal(caches[0].buffer, caches[1].buffer)
+
+
+def _random_batch(page_size: int, cached: list[int], new: list[int], pages: int, device: str):
+    """Metadata for requests with the given cached/new lengths, each spread over random pages."""
+    seq = [c + n for c, n in zip(cached, new)]
+    max_cols = max(cdiv(s, page_size) for s in seq)
+    table = torch.zeros(len(seq), max_cols, dtype=torch.int32, device=device)
+    perm = torch.randperm(pages)
+    used = 0
+    for i, s in enumerate(seq):
+        n = cdiv(s, page_size)
+        table[i, :n] = perm[used : used + n].to(torch.int32)
+        used += n
+    positions = torch.cat([torch.arange(c, c + n) for c, n in zip(cached, new)]).to(device)
+    req = torch.repeat_interleave(torch.arange(len(seq)), torch.tensor(new)).to(device)
+    out_loc = table[req, positions // page_size].long() * page_size + positions % page_size
+    return AttentionMetadata(
+        slots=list(range(len(seq))), cached_lens=cached, new_lens=new, page_table=table,
+        slots_t=torch.arange(len(seq), device=device), positions=positions, out_loc=out_loc,
+    )
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("heads", [(32, 8), (16, 8), (8, 8)])
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_flashinfer_matches_torch_backend(page_size, heads, mode):
+    torch.manual_seed(0)
+    hq, hk, dim, pages = heads[0], heads[1], 128, 512
+    if mode == "prefill":
+        cached, new = [0, 37, 300, 5], [45, 1, 129, 260]
+    else:
+        cached, new = [0, 15, 700, 31, 1023, 64], [1] * 6
+    outs = []
+    for name in ("torch", "flashinfer"):
+        cache = MHAKVCache(pages, page_size, 2, hk, dim, torch.bfloat16, torch.device("cuda"))
+        cache.buffer.normal_()
+        torch.manual_seed(1)
+        meta = _random_batch(page_size, cached, new, pages, "cuda")
+        backend = create_backend(name, cache, hq, hk, dim)
+        backend.prepare(meta)
+        q = torch.randn(sum(new), hq, dim, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(sum(new), hk, dim, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(sum(new), hk, dim, device="cuda", dtype=torch.bfloat16)
+        outs.append([backend.forward(q, k, v, layer) for layer in range(2)])
+    for ref, got in zip(*outs):
+        torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_tiny_model_fp32_on_cuda_matches_cpu(tiny_models):
+    prompts = [[5, 6, 7, 8, 9, 10, 11], list(range(20, 77)), [42]]
+    results = []
+    for device in ("cpu", "cuda"):
+        runner = ModelRunner(EngineArgs(model=str(tiny_models["qwen3"]), device=device, max_total_tokens=4096,
+                                        max_running_requests=4, page_size=16))
+        results.append((runner.forward(prefill_batch(runner, prompts)).cpu(), generate(runner, prompts, 16)[0]))
+    torch.testing.assert_close(results[1][0], results[0][0], atol=1e-4, rtol=0)
+    assert results[1][1] == results[0][1]
+
+
+def test_tiny_model_bf16_flashinfer_matches_torch_backend(tiny_models):
+    prompts = [list(range(3, 40)), list(range(100, 190))]
+    logits = []
+    for backend in ("torch", "flashinfer"):
+        runner = ModelRunner(EngineArgs(model=str(tiny_models["llama"]), device="cuda", dtype="bfloat16",
+                                        attention_backend=backend, max_total_tokens=4096, max_running_requests=4))
+        logits.append(runner.forward(prefill_batch(runner, prompts)).float())
+    torch.testing.assert_close(logits[1], logits[0], atol=3e-2, rtol=3e-2)
+
+
+def test_llama8b_shape_decode_step_at_batch_64():
+    batch, context = 64, 1024
+    runner = ModelRunner(EngineArgs(model=str(CONFIGS / "llama3.1-8b"), load_format="dummy", device="cuda",
+                                    context_length=2048, max_running_requests=batch, page_size=16,
+                                    max_total_tokens=batch * (context + 16)))
+    writes = page_table_writes(runner, [context + 1] * batch)
+    step = ForwardBatch(slots=list(range(batch)), cached_lens=[context] * batch, new_lens=[1] * batch,
+                        input_ids=list(range(batch)), sample=[True] * batch, **writes)
+    out = runner.step(step)
+    assert len(out.tokens) == batch and all(0 <= t < runner.vocab_size for t in out.tokens)

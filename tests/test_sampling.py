@@ -1,0 +1,124 @@
+"""Sampler: each parameter does what it says, per request, reproducibly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minisgl.sampling import Sampler, SamplingParams
+from minisgl.sampling.sampler import exponential_noise
+
+V = 50
+
+
+def sampler_with(*params: SamplingParams, prompts=None, outputs=None) -> Sampler:
+    s = Sampler(max_slots=8, vocab_size=V, device=torch.device("cpu"))
+    for slot, p in enumerate(params):
+        s.set_request(slot, p, (prompts or {}).get(slot, []), (outputs or {}).get(slot, []), seed=slot)
+    return s
+
+
+def draw(sampler: Sampler, logits: torch.Tensor, slot: int, n: int) -> list[int]:
+    """n draws for one slot at different positions."""
+    return [sampler.sample(logits[None], [slot], [pos]).tokens.item() for pos in range(n)]
+
+
+def test_exponential_noise_is_exp1_and_deterministic():
+    seeds, pos = torch.tensor([1, 2**40 + 3]), torch.tensor([5, 9])
+    a, b = exponential_noise(seeds, pos, 20000), exponential_noise(seeds, pos, 20000)
+    assert torch.equal(a, b)
+    assert (a > 0).all()
+    assert abs(a.mean().item() - 1.0) < 0.03 and abs(a.var().item() - 1.0) < 0.08
+    assert not torch.equal(a[0], a[1])
+
+
+def test_greedy_and_temperature_zero_take_argmax():
+    logits = torch.randn(3, V)
+    s = sampler_with(SamplingParams(temperature=0.0), SamplingParams(top_k=1), SamplingParams(temperature=0.0))
+    assert torch.equal(s.sample(logits, [0, 1, 2], [1, 1, 1]).tokens, logits.argmax(-1))
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.2] + [0.0] * (V - 3))
+    logits = probs.clamp_min(1e-30).log()
+    s = sampler_with(SamplingParams(temperature=1.0))
+    draws = torch.tensor(draw(s, logits, 0, 4000))
+    freq = torch.bincount(draws, minlength=V)[:3].float() / len(draws)
+    torch.testing.assert_close(freq, probs[:3], atol=0.03, rtol=0)
+
+
+def test_top_k_top_p_min_p_restrict_support():
+    logits = torch.linspace(3.0, -3.0, V)  # token 0 most likely, descending
+    probs = logits.softmax(-1)
+    top_p_keep = int((probs.cumsum(0) < 0.6).sum().item()) + 1
+    floor = 0.2 * probs[0]
+    cases = [
+        (SamplingParams(top_k=3), set(range(3))),
+        (SamplingParams(top_p=0.6), set(range(top_p_keep))),
+        (SamplingParams(min_p=0.2), {i for i in range(V) if probs[i] >= floor}),
+    ]
+    for params, allowed in cases:
+        seen = set(draw(sampler_with(params), logits, 0, 600))
+        assert seen <= allowed and len(seen) > 1, (params, seen, allowed)
+
+
+def test_seed_makes_draws_independent_of_batch():
+    logits = torch.randn(4, V)
+    seeded = SamplingParams(temperature=1.0, seed=1234)
+    alone = sampler_with(seeded).sample(logits[2:3], [0], [17]).tokens
+    crowd = sampler_with(SamplingParams(temperature=0.5), SamplingParams(), seeded, SamplingParams(top_p=0.5))
+    together = crowd.sample(logits, [0, 1, 2, 3], [3, 9, 17, 4]).tokens
+    assert together[2] == alone[0]
+    other_seed = sampler_with(SamplingParams(temperature=1.0, seed=99))
+    runs = [draw(sampler_with(seeded), logits[2], 0, 30), draw(other_seed, logits[2], 0, 30)]
+    assert runs[0] == draw(sampler_with(seeded), logits[2], 0, 30)
+    assert runs[0] != runs[1]
+
+
+def test_per_request_parameters_in_one_batch():
+    logits = torch.randn(3, V)
+    s = sampler_with(SamplingParams(temperature=0.0), SamplingParams(top_k=2, seed=5), SamplingParams(temperature=0.0))
+    for pos in range(50):
+        out = s.sample(logits, [0, 1, 2], [pos] * 3).tokens
+        assert out[0] == logits[0].argmax() and out[2] == logits[2].argmax()
+        assert out[1] in logits[1].topk(2).indices
+
+
+def test_penalties_follow_their_formulas():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 1.0] + [-5.0] * (V - 4)])
+    params = SamplingParams(temperature=0.0, repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
+    s = sampler_with(params, prompts={0: [1]}, outputs={0: [0, 0, 2]})
+    got = s._apply_penalties(logits.clone(), torch.tensor([0]))[0]
+    expected = logits[0].clone()
+    expected[0] = 2.0 / 2 - 0.5 * 2 - 0.25  # seen, positive, output twice
+    expected[1] = -1.0 * 2  # seen in the prompt, negative
+    expected[2] = 0.5 / 2 - 0.5 - 0.25
+    torch.testing.assert_close(got, expected)
+    # Penalties steer greedy choice away from repeated tokens and record new outputs.
+    first = s.sample(logits, [0], [4]).tokens.item()
+    assert first == 3
+    assert s.out_counts[0, 3] == 1 and s.seen[0, 3]
+
+
+def test_logprobs_and_top_logprobs():
+    logits = torch.randn(2, V)
+    s = Sampler(max_slots=4, vocab_size=V, device=torch.device("cpu"))
+    s.set_request(0, SamplingParams(temperature=0.0), [], [], seed=0, top_logprobs=3)
+    s.set_request(1, SamplingParams(temperature=0.7, seed=1), [], [], seed=0, top_logprobs=0)
+    out = s.sample(logits, [0, 1], [1, 1])
+    ref = logits.log_softmax(-1)
+    torch.testing.assert_close(out.logprobs, ref.gather(1, out.tokens[:, None])[:, 0])
+    torch.testing.assert_close(out.top_logprobs[0], ref[0].topk(3).values)
+    assert out.top_ids[0, 0] == out.tokens[0]
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", 0), ("min_p", 1.5),
+     ("repetition_penalty", 0.0), ("frequency_penalty", 3.0), ("presence_penalty", -2.5),
+     ("max_new_tokens", -1), ("seed", -1)],
+)
+def test_out_of_range_values_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value}).validate()
+    SamplingParams().validate()
