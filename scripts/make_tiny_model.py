@@ -59,7 +59,7 @@ def train_tokenizer(vocab_size: int):
     )
 
 
-def model_config(arch: str, vocab_size: int, bos: int, eos: int):
+def model_config(arch: str, vocab_size: int, bos: int, eos: int, overrides: dict | None = None):
     import transformers
 
     common = dict(
@@ -67,6 +67,7 @@ def model_config(arch: str, vocab_size: int, bos: int, eos: int):
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
         rms_norm_eps=1e-6, initializer_range=0.1, bos_token_id=bos, eos_token_id=eos,
     )
+    common.update(overrides or {})
     if arch == "llama":
         rope = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 128, "rope_theta": 10000.0}
@@ -74,21 +75,22 @@ def model_config(arch: str, vocab_size: int, bos: int, eos: int):
     if arch == "qwen2":
         return transformers.Qwen2Config(**common, rope_theta=1e6, tie_word_embeddings=True)
     if arch == "qwen3":
-        return transformers.Qwen3Config(**common, head_dim=32, rope_theta=1e6, tie_word_embeddings=True)
+        return transformers.Qwen3Config(**{"head_dim": 32, **common}, rope_theta=1e6, tie_word_embeddings=True)
     if arch == "mistral":
         return transformers.MistralConfig(**common, sliding_window=None, tie_word_embeddings=False)
     raise ValueError(f"unknown arch {arch!r}; choose from {ARCHS}")
 
 
 def make_tiny_model(arch: str, out: str | Path, seed: int = 0, vocab_size: int = 1024,
-                    max_shard_size: str | None = None) -> Path:
+                    max_shard_size: str | None = None, overrides: dict | None = None) -> Path:
+    """``overrides`` replaces config fields, e.g. {"head_dim": 128} for FlashInfer-sized heads."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     out = Path(out)
     tokenizer = train_tokenizer(vocab_size)
     bos, eos = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
-    config = model_config(arch, len(tokenizer), bos, eos)
+    config = model_config(arch, len(tokenizer), bos, eos, overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config = GenerationConfig(bos_token_id=bos, eos_token_id=[eos, bos], pad_token_id=bos)
