@@ -30,7 +30,7 @@ CONFIGS = Path(__file__).resolve().parents[1] / "benchmarks" / "configs"
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 def test_store_kernel_matches_torch(dtype, heads, dim, page_size, index_dtype):
     torch.manual_seed(0)
-    layers, pages, tokens = 3, 64, 200
+    layers, pages, tokens = 3, 256, 200
     caches = [MHAKVCache(pages, page_size, layers, heads, dim, dtype, torch.device("cuda")) for _ in range(2)]
     slots = torch.randperm(pages * page_size, device="cuda")[:tokens].to(index_dtype)
     fused = torch.randn(tokens, 3, heads, dim, device="cuda", dtype=dtype)  # strided k/v rows
