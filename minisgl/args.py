@@ -21,6 +21,8 @@ class EngineArgs:
     context_length: int | None = None
     tp_size: int = 1
     seed: int = 0
+    disable_radix_cache: bool = False
+    schedule_policy: str = "lpm"
 
     def validate(self) -> None:
         if self.page_size < 1:
@@ -31,5 +33,7 @@ class EngineArgs:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if self.chunked_prefill_size < 1:
             raise ValueError(f"chunked_prefill_size must be >= 1, got {self.chunked_prefill_size}")
+        if self.schedule_policy not in ("fcfs", "lpm"):
+            raise ValueError(f"schedule_policy must be fcfs or lpm, got {self.schedule_policy!r}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ValueError(f"max_total_tokens must hold at least one page, got {self.max_total_tokens}")

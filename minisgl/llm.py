@@ -1,0 +1,115 @@
+"""Offline API: ``LLM(model, **engine_args).generate(prompts, sampling_params)`` in one process."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import msgspec
+
+from minisgl.args import EngineArgs
+from minisgl.sampling import SamplingParams
+from minisgl.scheduler import Req, Scheduler
+from minisgl.worker import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+def _eos_ids(runner: ModelRunner, tokenizer: Any) -> list[int]:
+    """EOS ids from config.json, generation_config.json and the tokenizer, merged."""
+    ids = set(runner.config.eos_token_ids)
+    gen = runner.model_dir / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update([eos] if isinstance(eos, int) else eos or [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return sorted(ids)
+
+
+def load_tokenizer(path: str) -> Any:
+    """The checkpoint's Hugging Face tokenizer, or None when the folder has none (dummy configs)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as e:
+        logger.warning("no tokenizer at %s (%s): only token-id prompts will work", path, e)
+        return None
+
+
+class LLM:
+    def __init__(self, model: str, **engine_args: Any):
+        self.args = EngineArgs(model=model, **engine_args)
+        self.runner = ModelRunner(self.args)
+        self.tokenizer = load_tokenizer(self.args.tokenizer or str(self.runner.model_dir))
+        self.scheduler = Scheduler(
+            self.args, self.runner.num_pages, self.runner.context_len, self.runner.vocab_size,
+            _eos_ids(self.runner, self.tokenizer), self.runner.step,
+        )
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass token ids instead of text")
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        return list(prompt)
+
+    def _decode(self, ids: list[int], skip_special_tokens: bool) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def _apply_stop_strings(self, req: Req) -> None:
+        """Finish a request whose decoded output contains one of its stop strings."""
+        stops = req.params.stop
+        if not stops or self.tokenizer is None or req.finished:
+            return
+        text = self._decode(req.output_ids, req.params.skip_special_tokens)
+        if any(s in text for s in ([stops] if isinstance(stops, str) else stops)):
+            self.scheduler.finish(req, "stop")
+
+    def _result(self, req: Req) -> dict[str, Any]:
+        text = self._decode(req.output_ids, req.params.skip_special_tokens)
+        stops = req.params.stop
+        if text is not None and stops:
+            cuts = [text.find(s) for s in ([stops] if isinstance(stops, str) else stops)]
+            cuts = [c for c in cuts if c >= 0]
+            text = text[: min(cuts)] if cuts else text
+        meta: dict[str, Any] = {
+            "id": req.rid,
+            "prompt_tokens": len(req.prompt_ids),
+            "completion_tokens": len(req.output_ids),
+            "cached_tokens": req.cached_tokens,
+            "finish_reason": req.finish_reason,
+        }
+        if req.top_logprobs >= 0:
+            meta["output_token_logprobs"] = req.output_logprobs
+            if req.top_logprobs > 0:
+                meta["output_top_logprobs"] = req.output_top_logprobs
+        return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
+
+    def generate(
+        self, prompts: Prompt | list[Prompt],
+        sampling_params: SamplingParams | dict | list[SamplingParams | dict] | None = None,
+        top_logprobs: int = -1,
+    ) -> list[dict[str, Any]]:
+        """Generate for every prompt (text or token ids); results come back in prompt order.
+
+        ``top_logprobs``: -1 for none, 0 for the chosen token's log-probability, n for the n
+        most likely tokens as well.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
+        params = [p if isinstance(p, SamplingParams) else msgspec.convert(p or {}, SamplingParams) for p in params]
+        reqs = [self.scheduler.add_request(self._encode(p), sp, top_logprobs) for p, sp in zip(prompts, params)]
+        while self.scheduler.has_work:
+            for req in self.scheduler.step():
+                self._apply_stop_strings(req)
+        return [self._result(r) for r in reqs]

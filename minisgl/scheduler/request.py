@@ -1,0 +1,42 @@
+"""Req: one generation request as the scheduler sees it (tokens, pages, lock, progress)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from minisgl.kvcache import CacheHandle
+from minisgl.sampling import SamplingParams
+
+
+@dataclass(eq=False)
+class Req:
+    rid: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    max_len: int  # prompt + outputs may not exceed this many tokens
+    top_logprobs: int = -1
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: str | None = None
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache instead of computed
+    # Cache state, valid while the request holds a page-table slot.
+    slot: int | None = None
+    handle: CacheHandle = CacheHandle(0)  # the locked cached prefix
+    pages: list[int] = field(default_factory=list)  # KV pages for tokens [0, kv_len)
+    kv_len: int = 0  # tokens whose KV is computed or being computed by a sent step
+    table_len: int = 0  # entries of `pages` already written to the worker's page table
+    prefill_target: int = 0  # at admission: every token so far needs KV before decoding resumes
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def prefilling(self) -> bool:
+        return self.kv_len < self.prefill_target
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,325 @@
+"""Scheduler: continuous batching over a paged KV cache shared through the prefix cache.
+
+Each ``step`` builds one batch: prefill chunks first (requests already prefilling, then new
+ones in policy order, up to the chunk budget), otherwise one decode token for every running
+request. Prefilled whole pages are inserted into the prefix cache as soon as their chunk is
+scheduled (locked by the request), so later requests in the same round reuse them: within a
+step every layer stores all new K/V before attending. When pages run out it evicts unlocked
+cache, then retracts the newest running requests back to the queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from minisgl.args import EngineArgs
+from minisgl.kvcache import CacheHandle, PageAllocator, create_cache_manager
+from minisgl.messages import ForwardBatch, NewRequest, StepOutput
+from minisgl.sampling import SamplingParams
+from minisgl.scheduler.policy import order_waiting
+from minisgl.scheduler.request import Req
+from minisgl.utils import cdiv
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Counters:
+    prefix_queried_tokens: int = 0  # tokens looked up in the prefix cache
+    prefix_hit_tokens: int = 0  # of those, tokens served from the cache
+    retractions: int = 0
+    steps: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self, args: EngineArgs, num_pages: int, context_len: int, vocab_size: int,
+        eos_ids: list[int], executor: Callable[[ForwardBatch], StepOutput],
+    ):
+        self.args = args
+        self.page_size = args.page_size
+        self.context_len = context_len
+        self.vocab_size = vocab_size
+        self.eos_ids = set(eos_ids)
+        self.executor = executor
+        self.cache = create_cache_manager(args.page_size, args.disable_radix_cache)
+        self.allocator = PageAllocator(num_pages)
+        self.free_slots = list(range(args.max_running_requests - 1, -1, -1))
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []  # requests holding a slot, oldest first
+        self.counters = Counters()
+        self._rng = random.Random(args.seed)
+        self._next_rid = 0
+
+    # ---- requests in and out -------------------------------------------------------------------
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, top_logprobs: int = -1) -> Req:
+        """Validate and queue a request. Raises ValueError naming what is wrong."""
+        params.validate(self.vocab_size)
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if any(not 0 <= t < self.vocab_size for t in prompt_ids):
+            raise ValueError(f"input_ids must be in [0, {self.vocab_size})")
+        if len(prompt_ids) >= self.context_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_ids)} tokens; the context length is {self.context_len}"
+            )
+        max_len = min(len(prompt_ids) + params.max_new_tokens, self.context_len)
+        if cdiv(max_len, self.page_size) > self.allocator.num_pages:
+            raise ValueError(f"the request needs {max_len} tokens of KV cache; the pool holds "
+                             f"{self.allocator.num_pages * self.page_size}")
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        req = Req(self._next_rid, list(prompt_ids), params, seed, max_len, top_logprobs)
+        self._next_rid += 1
+        if params.max_new_tokens == 0:
+            req.finish_reason = "length"
+        else:
+            self.waiting.append(req)
+        return req
+
+    def finish(self, req: Req, reason: str) -> None:
+        """End a request early (abort, stop string): free its slot and cache what it computed."""
+        if req.finished:
+            return
+        req.finish_reason = reason
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req.slot is not None:
+            self._release(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    def step(self) -> list[Req]:
+        """Schedule and run one batch; returns the requests that produced a token this step."""
+        entries, decode = self._schedule()
+        if not entries:
+            return []
+        batch = self._build_batch(entries, decode)
+        out = self.executor(batch)
+        self.counters.steps += 1
+        logger.debug(
+            "step %d: %s batch of %d requests, %d tokens; %d running, %d queued, %d free pages",
+            self.counters.steps, "decode" if decode else "prefill", len(entries),
+            sum(n for _, n, _ in entries), len(self.running), len(self.waiting), self.allocator.num_free,
+        )
+        return self._process(entries, out)
+
+    def _schedule(self) -> tuple[list[tuple[Req, int, bool]], bool]:
+        while True:
+            entries = self._schedule_prefill()
+            if entries:
+                return entries, False
+            entries = self._schedule_decode()
+            if entries or not self.running:
+                return entries, True
+            # Every running request is mid-prefill and none could get pages: make room.
+            self._retract(self.running[-1])
+
+    def _alloc(self, n: int) -> list[int] | None:
+        """n free pages, evicting unlocked cache if needed; None if even that is not enough."""
+        short = n - self.allocator.num_free
+        if short > 0:
+            if short > self.cache.size_info().evictable:
+                return None
+            self.allocator.free(self.cache.evict(short))
+        return self.allocator.alloc(n)
+
+    def _admit(self, req: Req) -> None:
+        """Give a waiting request a slot and lock the longest cached prefix of its tokens."""
+        ids = req.all_ids
+        handle, pages = self.cache.match_prefix(ids[:-1])
+        self.cache.lock_handle(handle)
+        req.slot, req.handle, req.pages = self.free_slots.pop(), handle, pages
+        req.kv_len, req.table_len, req.prefill_target = handle.cached_len, 0, len(ids)
+        self.running.append(req)
+
+    def _count_hit(self, req: Req, tokens: int) -> None:
+        req.cached_tokens += tokens
+        self.counters.prefix_hit_tokens += tokens
+
+    def _rematch(self, req: Req) -> None:
+        """A prefilling request picks up pages another request cached since its last chunk."""
+        handle, pages = self.cache.match_prefix(req.all_ids[: req.prefill_target - 1])
+        if handle.cached_len > req.kv_len:
+            self.cache.lock_handle(handle)
+            self.cache.lock_handle(req.handle, unlock=True)
+            self._count_hit(req, handle.cached_len - req.kv_len)
+            req.handle, req.pages, req.kv_len = handle, pages, handle.cached_len
+
+    def _schedule_chunk(self, req: Req, budget: int) -> tuple[Req, int, bool] | None:
+        """Reserve pages for the request's next prefill chunk (at most ``budget`` tokens)."""
+        if self.cache.reuses_prefixes:
+            self._rematch(req)
+        target = req.prefill_target
+        end = min(target, req.kv_len + budget)
+        if end < target:
+            end -= end % self.page_size  # chunks end on page boundaries
+        if end <= req.kv_len:
+            return None
+        pages = self._alloc(cdiv(end, self.page_size) - len(req.pages))
+        if pages is None:
+            return None
+        req.pages += pages
+        start, req.kv_len = req.kv_len, end
+        if self.cache.reuses_prefixes:
+            # Publish the whole pages at once; the request's final token stays out so that an
+            # identical prompt can never produce a duplicate page while both are running.
+            upto = min(end, target - 1)
+            req.handle, tree_pages, duplicates = self.cache.commit(req.all_ids[:upto], req.pages, req.handle)
+            assert not duplicates, "pages were cached between a match and its commit"
+        return req, end - start, end == target
+
+    def _schedule_prefill(self) -> list[tuple[Req, int, bool]]:
+        budget, entries = self.args.chunked_prefill_size, []
+        for req in [r for r in self.running if r.prefilling]:
+            if budget <= 0:
+                return entries
+            entry = self._schedule_chunk(req, budget)
+            if entry is None:
+                return entries
+            entries.append(entry)
+            budget -= entry[1]
+        for req in order_waiting(self.waiting, self.cache, self.args.schedule_policy):
+            if budget <= 0 or not self.free_slots:
+                break
+            self._admit(req)
+            matched = req.kv_len
+            entry = self._schedule_chunk(req, budget)
+            if entry is None:
+                self._release(req)  # not enough pages now: try again after others finish
+                break
+            self.waiting.remove(req)
+            self.counters.prefix_queried_tokens += req.prefill_target
+            self._count_hit(req, matched)
+            entries.append(entry)
+            budget -= entry[1]
+        return entries
+
+    def _schedule_decode(self) -> list[tuple[Req, int, bool]]:
+        """One token for every request past its prefill; retracts the newest when pages run out."""
+        while True:
+            decoding = [r for r in self.running if not r.prefilling]
+            needy = [r for r in decoding if r.kv_len % self.page_size == 0]
+            pages = self._alloc(len(needy))
+            if pages is not None:
+                break
+            self._retract(self.running[-1])
+        for req, page in zip(needy, pages):
+            req.pages.append(page)
+        for req in decoding:
+            req.kv_len += 1
+        return [(req, 1, True) for req in decoding]
+
+    def _build_batch(self, entries: list[tuple[Req, int, bool]], decode: bool) -> ForwardBatch:
+        batch = ForwardBatch(slots=[], cached_lens=[], new_lens=[], input_ids=[], sample=[])
+        for req, new, sample in entries:
+            start = req.kv_len - new
+            batch.slots.append(req.slot)
+            batch.cached_lens.append(start)
+            batch.new_lens.append(new)
+            batch.sample.append(sample)
+            if decode:
+                batch.input_ids.append(-1)  # the worker feeds back the token it sampled last step
+            else:
+                batch.input_ids += req.all_ids[start : req.kv_len]
+            if req.table_len == 0:
+                batch.new_requests.append(self._new_request_msg(req))
+            for col in range(req.table_len, len(req.pages)):
+                batch.table_slots.append(req.slot)
+                batch.table_cols.append(col)
+                batch.table_pages.append(req.pages[col])
+            req.table_len = len(req.pages)
+        return batch
+
+    def _new_request_msg(self, req: Req) -> NewRequest:
+        penalties = req.params.has_penalty
+        return NewRequest(
+            slot=req.slot, sampling=req.params, seed=req.seed, top_logprobs=req.top_logprobs,
+            prompt_ids=req.prompt_ids if penalties else [], output_ids=req.output_ids if penalties else [],
+        )
+
+    def _process(self, entries: list[tuple[Req, int, bool]], out: StepOutput) -> list[Req]:
+        sampled = [req for req, _, sample in entries if sample]
+        for i, req in enumerate(sampled):
+            token = out.tokens[i]
+            req.output_ids.append(token)
+            if out.logprobs is not None:
+                req.output_logprobs.append(out.logprobs[i])
+            if out.top_ids is not None:
+                req.output_top_logprobs.append(list(zip(out.top_ids[i], out.top_logprobs[i])))
+            reason = self._finish_reason(req, token)
+            if reason is not None:
+                self.finish(req, reason)
+        return sampled
+
+    def _finish_reason(self, req: Req, token: int) -> str | None:
+        p = req.params
+        if (p.stop_token_ids and token in p.stop_token_ids) or (not p.ignore_eos and token in self.eos_ids):
+            return "stop"
+        if len(req.prompt_ids) + len(req.output_ids) >= req.max_len:
+            return "length"
+        return None
+
+    # ---- giving pages back ---------------------------------------------------------------------
+
+    def _release(self, req: Req) -> None:
+        """Cache the request's computed whole pages, free the rest and its slot."""
+        computed = req.all_ids[: req.kv_len]
+        handle, _, duplicates = self.cache.commit(computed, req.pages, req.handle)
+        self.cache.lock_handle(handle, unlock=True)
+        tail = req.pages[self.cache.aligned(len(computed)) // self.page_size :]
+        self.allocator.free(duplicates + tail)
+        self.free_slots.append(req.slot)
+        self.running.remove(req)
+        req.slot, req.handle, req.pages, req.kv_len, req.table_len = None, CacheHandle(0), [], 0, 0
+
+    def _retract(self, req: Req) -> None:
+        """Send a running request back to the front of the queue; its outputs so far are kept."""
+        logger.info("out of KV pages: retracting request %d (%d tokens)", req.rid, req.kv_len)
+        self._release(req)
+        self.waiting.appendleft(req)
+        self.counters.retractions += 1
+
+    # ---- introspection -------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, float]:
+        info = self.cache.size_info()
+        c = self.counters
+        return {
+            "running_requests": len(self.running),
+            "queued_requests": len(self.waiting),
+            "total_pages": self.allocator.num_pages,
+            "free_pages": self.allocator.num_free,
+            "evictable_pages": info.evictable,
+            "protected_pages": info.protected,
+            "used_pages": self.allocator.num_pages - self.allocator.num_free,
+            "prefix_queried_tokens": c.prefix_queried_tokens,
+            "prefix_hit_tokens": c.prefix_hit_tokens,
+            "cache_hit_rate": c.prefix_hit_tokens / c.prefix_queried_tokens if c.prefix_queried_tokens else 0.0,
+            "retractions": c.retractions,
+        }
+
+    def check_integrity(self) -> None:
+        """Every page is exactly one of: free, cached, or private to one running request."""
+        self.cache.check_integrity()
+        free = self.allocator.free_pages()
+        cached = set(self.cache.all_pages()) if hasattr(self.cache, "all_pages") else set()
+        private: list[int] = []
+        for req in self.running:
+            assert cdiv(req.kv_len, self.page_size) <= len(req.pages), f"request {req.rid} lacks pages"
+            private += [p for p in req.pages if p not in cached]
+        assert len(set(free)) == len(free), "a page is free twice"
+        assert len(set(private)) == len(private), "a page is private to two requests"
+        assert not set(free) & cached and not set(free) & set(private), "a used page is also free"
+        info = self.cache.size_info()
+        assert len(free) + info.total + len(private) == self.allocator.num_pages, (
+            f"free {len(free)} + cached {info.total} + private {len(private)} != {self.allocator.num_pages}"
+        )
