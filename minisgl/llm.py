@@ -108,7 +108,14 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
         params = [p if isinstance(p, SamplingParams) else msgspec.convert(p or {}, SamplingParams) for p in params]
-        reqs = [self.scheduler.add_request(self._encode(p), sp, top_logprobs) for p, sp in zip(prompts, params)]
+        reqs: list[Req] = []
+        try:
+            for prompt, sp in zip(prompts, params):
+                reqs.append(self.scheduler.add_request(self._encode(prompt), sp, top_logprobs))
+        except ValueError:
+            for req in reqs:  # all or nothing: a bad prompt leaves no queued work behind
+                self.scheduler.finish(req, "abort")
+            raise
         while self.scheduler.has_work:
             for req in self.scheduler.step():
                 self._apply_stop_strings(req)

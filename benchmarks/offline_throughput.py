@@ -1,0 +1,88 @@
+"""Offline throughput through the LLM API, radix cache on and off in one run.
+
+    python benchmarks/offline_throughput.py --model benchmarks/configs/llama3.1-8b --load-format dummy
+
+Prints a table and writes JSON to benchmarks/results/. Outputs ignore EOS so every request
+generates exactly its output length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.workloads import WORKLOADS  # noqa: E402
+from minisgl.llm import LLM  # noqa: E402
+from minisgl.sampling import SamplingParams  # noqa: E402
+from minisgl.scheduler import Scheduler  # noqa: E402
+
+
+def run(llm: LLM, prompts: list[list[int]], output_lens: list[int]) -> dict[str, float]:
+    params = [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for n in output_lens]
+    if llm.runner.device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    results = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    out_tokens = sum(len(r["output_ids"]) for r in results)
+    in_tokens = sum(len(p) for p in prompts)
+    stats = llm.scheduler.stats()
+    return {
+        "seconds": elapsed, "requests": len(prompts), "input_tokens": in_tokens, "output_tokens": out_tokens,
+        "output_tok_per_s": out_tokens / elapsed, "total_tok_per_s": (in_tokens + out_tokens) / elapsed,
+        "cache_hit_rate": stats["cache_hit_rate"], "retractions": stats["retractions"],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--load-format", default="dummy")
+    ap.add_argument("--workloads", nargs="+", default=["shared-prefix", "random"], choices=list(WORKLOADS))
+    ap.add_argument("--page-size", type=int, default=1)
+    ap.add_argument("--max-running-requests", type=int, default=256)
+    ap.add_argument("--chunked-prefill-size", type=int, default=8192)
+    ap.add_argument("--context-length", type=int, default=4096)
+    ap.add_argument("--radix", nargs="+", default=["on", "off"], choices=["on", "off"])
+    ap.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/offline_<model>.json)")
+    args = ap.parse_args()
+
+    llm = LLM(args.model, load_format=args.load_format, page_size=args.page_size,
+              max_running_requests=args.max_running_requests, chunked_prefill_size=args.chunked_prefill_size,
+              context_length=args.context_length)
+    rows = []
+    for name in args.workloads:
+        wl = WORKLOADS[name](llm.runner.vocab_size)
+        for radix in args.radix:
+            # A fresh scheduler (and so an empty cache) per run, over the same model and KV pool.
+            llm.args.disable_radix_cache = radix == "off"
+            llm.scheduler = Scheduler(llm.args, llm.runner.num_pages, llm.runner.context_len,
+                                      llm.runner.vocab_size, sorted(llm.scheduler.eos_ids), llm.runner.step)
+            result = run(llm, wl.prompts, wl.output_lens)
+            rows.append({"workload": name, "radix": radix, **result})
+            print(f"{name:14s} radix={radix:3s} {result['seconds']:8.2f} s  "
+                  f"{result['output_tok_per_s']:9.0f} out tok/s  hit rate {result['cache_hit_rate']:.2f}", flush=True)
+    for name in args.workloads:
+        times = {r["radix"]: r["seconds"] for r in rows if r["workload"] == name}
+        if len(times) == 2:
+            print(f"{name}: radix off / on = {times['off'] / times['on']:.2f}x")
+    device = llm.runner.device
+    info = {"model": args.model, "device": str(device), "args": vars(args), "rows": rows}
+    if device.type == "cuda":
+        import torch
+
+        info["gpu"] = torch.cuda.get_device_name(device)
+    out = Path(args.out or Path(__file__).parent / "results" / f"offline_{Path(args.model).name}.json")
+    out.write_text(json.dumps(info, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""Token-id workloads shared by the benchmarks (deterministic for a given seed)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+
+@dataclass
+class Workload:
+    name: str
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+
+def random_workload(vocab: int, num: int = 256, low: int = 100, high: int = 1024, seed: int = 0) -> Workload:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(low, high))] for _ in range(num)]
+    return Workload("random", prompts, [rng.randint(low, high) for _ in range(num)])
+
+
+def shared_prefix_workload(
+    vocab: int, groups: int = 16, per_group: int = 16, system_len: int = 2048, question_len: int = 128,
+    output_len: int = 256, seed: int = 1,
+) -> Workload:
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(groups):
+        system = [rng.randrange(vocab) for _ in range(system_len)]
+        prompts += [system + [rng.randrange(vocab) for _ in range(question_len)] for _ in range(per_group)]
+    rng.shuffle(prompts)
+    return Workload("shared-prefix", prompts, [output_len] * len(prompts))
+
+
+WORKLOADS = {"random": random_workload, "shared-prefix": shared_prefix_workload}

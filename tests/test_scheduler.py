@@ -1,0 +1,158 @@
+"""The scheduler and offline API: same tokens under any cache size, policy or chunking."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from minisgl.llm import LLM
+from minisgl.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+
+
+class CheckedLLM(LLM):
+    """Runs the scheduler's integrity check after every step."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        step = self.scheduler.step
+
+        def checked_step():
+            out = step()
+            self.scheduler.check_integrity()
+            return out
+
+        self.scheduler.step = checked_step
+
+
+def make_llm(path, **kw) -> CheckedLLM:
+    kw = {"device": "cpu", "max_total_tokens": 16384, "max_running_requests": 64, **kw}
+    return CheckedLLM(str(path), **kw)
+
+
+def shared_prefix_prompts(groups: int, per_group: int, prefix_len: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    prompts = []
+    for g in range(groups):
+        prefix = [rng.randrange(3, 1000) for _ in range(prefix_len)]
+        for i in range(per_group):
+            # Distinct first suffix token, so requests of a group share exactly the prefix.
+            prompts.append(prefix + [10 + i] + [rng.randrange(3, 1000) for _ in range(rng.randint(2, 12))])
+    rng.shuffle(prompts)
+    return prompts
+
+
+def tokens(results) -> list[list[int]]:
+    return [r["output_ids"] for r in results]
+
+
+def test_small_pool_evicts_and_retracts_yet_matches_large_pool_and_naive(tiny_llama):
+    prompts = shared_prefix_prompts(groups=8, per_group=8, prefix_len=40)
+    ref = tokens(make_llm(tiny_llama, disable_radix_cache=True).generate(prompts, GREEDY))
+    large = make_llm(tiny_llama)
+    assert tokens(large.generate(prompts, GREEDY)) == ref
+    small = make_llm(tiny_llama, max_total_tokens=400, page_size=4, chunked_prefill_size=128)
+    assert tokens(small.generate(prompts, GREEDY)) == ref
+    stats = small.scheduler.stats()
+    assert stats["retractions"] > 0, "the pool was meant to force retraction"
+    assert stats["prefix_hit_tokens"] > 0
+    assert stats["running_requests"] == stats["queued_requests"] == stats["protected_pages"] == 0
+    assert stats["free_pages"] + stats["evictable_pages"] == stats["total_pages"]
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "lpm"])
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_cached_tokens_are_what_the_tree_could_serve(tiny_llama, policy, page_size):
+    prefix_len = 37
+    prompts = shared_prefix_prompts(groups=4, per_group=4, prefix_len=prefix_len, seed=1)
+    llm = make_llm(tiny_llama, page_size=page_size, schedule_policy=policy)
+    results = llm.generate(prompts, GREEDY)
+    cached = [r["meta_info"]["cached_tokens"] for r in results]
+    shared = prefix_len - prefix_len % page_size
+    by_prefix: dict[tuple, list[int]] = {}
+    for p, c in zip(prompts, cached):
+        by_prefix.setdefault(tuple(p[:prefix_len]), []).append(c)
+    for group in by_prefix.values():
+        # One request per group computes the prefix; the others, even in the same round, reuse it.
+        assert sorted(group) == [0] + [shared] * 3
+    stats = llm.scheduler.stats()
+    assert stats["prefix_hit_tokens"] == sum(cached)
+    assert stats["prefix_queried_tokens"] == sum(len(p) for p in prompts)
+    # Asking again: everything but the last token of each prompt is cached, page-aligned.
+    again = llm.generate(prompts, GREEDY)
+    assert [r["meta_info"]["cached_tokens"] for r in again] == [(len(p) - 1) - (len(p) - 1) % page_size for p in prompts]
+    assert tokens(again) == tokens(results)
+
+
+def test_chunk_smaller_than_shared_prefix(tiny_llama):
+    prompts = shared_prefix_prompts(groups=2, per_group=5, prefix_len=70, seed=2)
+    ref = tokens(make_llm(tiny_llama, disable_radix_cache=True).generate(prompts, GREEDY))
+    for page_size in (1, 8):
+        llm = make_llm(tiny_llama, page_size=page_size, chunked_prefill_size=24)
+        assert tokens(llm.generate(prompts, GREEDY)) == ref
+
+
+def test_retraction_keeps_seeded_sampling_identical(tiny_llama):
+    prompts = shared_prefix_prompts(groups=4, per_group=6, prefix_len=30, seed=3)
+    params = [SamplingParams(temperature=0.9, top_p=0.9, seed=i, max_new_tokens=16, ignore_eos=True,
+                             repetition_penalty=1.2 if i % 2 else 1.0) for i in range(len(prompts))]
+    ref = tokens(make_llm(tiny_llama).generate(prompts, params))
+    small = make_llm(tiny_llama, max_total_tokens=260, page_size=2)
+    assert tokens(small.generate(prompts, params)) == ref
+    assert small.scheduler.stats()["retractions"] > 0
+
+
+def test_finish_reasons(tiny_llama):
+    llm = make_llm(tiny_llama)
+    free = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True))[0]
+    first = free["output_ids"][0]
+    stop_tok = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_new_tokens=8, stop_token_ids=[first]))[0]
+    assert stop_tok["output_ids"] == [first] and stop_tok["meta_info"]["finish_reason"] == "stop"
+    assert free["meta_info"]["finish_reason"] == "length" and len(free["output_ids"]) == 8
+    # EOS ends generation unless ignore_eos.
+    eos = sorted(llm.scheduler.eos_ids)[0]
+    llm.scheduler.eos_ids = {first}
+    assert llm.generate([[5, 6, 7]], GREEDY)[0]["meta_info"]["completion_tokens"] == 12
+    assert llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0))[0]["output_ids"] == [first]
+    llm.scheduler.eos_ids = {eos}
+    # The context limit ends generation too.
+    short = make_llm(tiny_llama, context_length=10)
+    res = short.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_new_tokens=50, ignore_eos=True))[0]
+    assert res["meta_info"]["finish_reason"] == "length" and len(res["output_ids"]) == 7
+    zero = llm.generate([[5, 6]], SamplingParams(max_new_tokens=0))[0]
+    assert zero["output_ids"] == [] and zero["meta_info"]["finish_reason"] == "length"
+
+
+def test_text_prompts_stop_strings_and_logprobs(tiny_llama):
+    llm = make_llm(tiny_llama)
+    base = llm.generate("Hello world", SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True))[0]
+    assert base["text"] == llm.tokenizer.decode(base["output_ids"], skip_special_tokens=True)
+    stop = base["text"][3:6]
+    res = llm.generate("Hello world", SamplingParams(temperature=0.0, max_new_tokens=16, stop=stop))[0]
+    assert res["meta_info"]["finish_reason"] == "stop"
+    assert stop not in res["text"] and base["text"].startswith(res["text"])
+    lp = llm.generate([[5, 6, 7]], GREEDY, top_logprobs=2)[0]["meta_info"]
+    assert len(lp["output_token_logprobs"]) == 12 and all(x <= 0 for x in lp["output_token_logprobs"])
+    assert all(len(top) == 2 for top in lp["output_top_logprobs"])
+
+
+@pytest.mark.parametrize(
+    "prompt,params,match",
+    [([], SamplingParams(), "empty"), ([1] * 2000, SamplingParams(), "context length"),
+     ([5, 99999], SamplingParams(), "input_ids"), ([1], SamplingParams(top_p=2.0), "top_p"),
+     ([1], SamplingParams(stop_token_ids=[-3]), "stop_token_ids")],
+)
+def test_bad_requests_are_rejected(tiny_llama, prompt, params, match):
+    llm = make_llm(tiny_llama)
+    with pytest.raises(ValueError, match=match):
+        llm.generate([[7, 8, 9], prompt], [SamplingParams(), params])
+    assert not llm.scheduler.has_work
+    assert llm.generate([[7, 8, 9]], GREEDY)[0]["meta_info"]["completion_tokens"] == 12
+
+
+def test_request_larger_than_the_pool_is_rejected(tiny_llama):
+    llm = make_llm(tiny_llama, max_total_tokens=64)
+    with pytest.raises(ValueError, match="KV cache"):
+        llm.generate([[1] * 60], SamplingParams(max_new_tokens=10))
