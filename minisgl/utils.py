@@ -18,7 +18,7 @@ _DTYPES = {
 def resolve_device(device: str = "auto") -> torch.device:
     """'auto' picks CUDA when present, else CPU; anything else is taken literally."""
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
