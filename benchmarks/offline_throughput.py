@@ -80,6 +80,7 @@ def main() -> None:
 
         info["gpu"] = torch.cuda.get_device_name(device)
     out = Path(args.out or Path(__file__).parent / "results" / f"offline_{Path(args.model).name}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(info, indent=2))
     print(f"wrote {out}")
 

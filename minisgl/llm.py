@@ -37,7 +37,7 @@ def load_tokenizer(path: str) -> Any:
     try:
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, TypeError) as e:
-        logger.warning("no tokenizer at %s (%s): only token-id prompts will work", path, e)
+        logger.warning("no usable tokenizer at %s (%s): only token-id prompts will work", path, type(e).__name__)
         return None
 
 
