@@ -57,6 +57,10 @@ class BaseCacheManager(ABC):
     def size_info(self) -> SizeInfo: ...
 
     @abstractmethod
+    def all_pages(self) -> list[int]:
+        """Every page the cache holds, locked or not (for integrity checks)."""
+
+    @abstractmethod
     def reset(self) -> list[int]:
         """Drop every unlocked entry; returns the freed pages. Raises if anything is locked."""
 

@@ -33,6 +33,9 @@ class NaiveCacheManager(BaseCacheManager):
     def size_info(self) -> SizeInfo:
         return SizeInfo(0, 0)
 
+    def all_pages(self) -> list[int]:
+        return []
+
     def reset(self) -> list[int]:
         return []
 

@@ -173,7 +173,7 @@ class Scheduler:
             # Publish the whole pages at once; the request's final token stays out so that an
             # identical prompt can never produce a duplicate page while both are running.
             upto = min(end, target - 1)
-            req.handle, tree_pages, duplicates = self.cache.commit(req.all_ids[:upto], req.pages, req.handle)
+            req.handle, _, duplicates = self.cache.commit(req.all_ids[:upto], req.pages, req.handle)
             assert not duplicates, "pages were cached between a match and its commit"
         return req, end - start, end == target
 
@@ -311,7 +311,7 @@ class Scheduler:
         """Every page is exactly one of: free, cached, or private to one running request."""
         self.cache.check_integrity()
         free = self.allocator.free_pages()
-        cached = set(self.cache.all_pages()) if hasattr(self.cache, "all_pages") else set()
+        cached = set(self.cache.all_pages())
         private: list[int] = []
         for req in self.running:
             assert cdiv(req.kv_len, self.page_size) <= len(req.pages), f"request {req.rid} lacks pages"
