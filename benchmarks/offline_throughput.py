@@ -19,7 +19,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.workloads import WORKLOADS  # noqa: E402
 from minisgl.llm import LLM  # noqa: E402
 from minisgl.sampling import SamplingParams  # noqa: E402
-from minisgl.scheduler import Scheduler  # noqa: E402
 
 
 def run(llm: LLM, prompts: list[list[int]], output_lens: list[int]) -> dict[str, float]:
@@ -61,10 +60,7 @@ def main() -> None:
     for name in args.workloads:
         wl = WORKLOADS[name](llm.runner.vocab_size)
         for radix in args.radix:
-            # A fresh scheduler (and so an empty cache) per run, over the same model and KV pool.
-            llm.args.disable_radix_cache = radix == "off"
-            llm.scheduler = Scheduler(llm.args, llm.runner.num_pages, llm.runner.context_len,
-                                      llm.runner.vocab_size, sorted(llm.scheduler.eos_ids), llm.runner.step)
+            llm.reset_scheduler(disable_radix_cache=radix == "off")  # empty cache per run
             result = run(llm, wl.prompts, wl.output_lens)
             rows.append({"workload": name, "radix": radix, **result})
             print(f"{name:14s} radix={radix:3s} {result['seconds']:8.2f} s  "

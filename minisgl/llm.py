@@ -46,9 +46,17 @@ class LLM:
         self.args = EngineArgs(model=model, **engine_args)
         self.runner = ModelRunner(self.args)
         self.tokenizer = load_tokenizer(self.args.tokenizer or str(self.runner.model_dir))
+        self.eos_ids = _eos_ids(self.runner, self.tokenizer)
+        self.reset_scheduler()
+
+    def reset_scheduler(self, disable_radix_cache: bool | None = None) -> None:
+        """A fresh scheduler (empty prefix cache) over the same model and KV pool, optionally
+        switching the radix cache on or off; used to compare both in one process."""
+        if disable_radix_cache is not None:
+            self.args.disable_radix_cache = disable_radix_cache
         self.scheduler = Scheduler(
             self.args, self.runner.num_pages, self.runner.context_len, self.runner.vocab_size,
-            _eos_ids(self.runner, self.tokenizer), self.runner.step,
+            self.eos_ids, self.runner.step,
         )
 
     def _encode(self, prompt: Prompt) -> list[int]:
@@ -65,19 +73,17 @@ class LLM:
 
     def _apply_stop_strings(self, req: Req) -> None:
         """Finish a request whose decoded output contains one of its stop strings."""
-        stops = req.params.stop
+        stops = req.params.stop_strings
         if not stops or self.tokenizer is None or req.finished:
             return
         text = self._decode(req.output_ids, req.params.skip_special_tokens)
-        if any(s in text for s in ([stops] if isinstance(stops, str) else stops)):
+        if any(s in text for s in stops):
             self.scheduler.finish(req, "stop")
 
     def _result(self, req: Req) -> dict[str, Any]:
         text = self._decode(req.output_ids, req.params.skip_special_tokens)
-        stops = req.params.stop
-        if text is not None and stops:
-            cuts = [text.find(s) for s in ([stops] if isinstance(stops, str) else stops)]
-            cuts = [c for c in cuts if c >= 0]
+        if text is not None and req.params.stop_strings:
+            cuts = [c for c in (text.find(s) for s in req.params.stop_strings) if c >= 0]
             text = text[: min(cuts)] if cuts else text
         meta: dict[str, Any] = {
             "id": req.rid,

@@ -30,6 +30,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return self.temperature == 0.0 or self.top_k == 1
 
     @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
     def has_penalty(self) -> bool:
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
