@@ -17,9 +17,12 @@ setup(
         "tqdm",
         "msgspec",
         "pyzmq",
+        "starlette",
+        "uvicorn",
+        "prometheus-client",
     ],
     extras_require={
         "cuda": ["flashinfer-python>=0.6", "apache-tvm-ffi>=0.1.15", "ninja"],
-        "test": ["pytest", "hypothesis"],
+        "test": ["pytest", "hypothesis", "httpx", "openai"],
     },
 )

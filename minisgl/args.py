@@ -37,3 +37,18 @@ class EngineArgs:
             raise ValueError(f"schedule_policy must be fcfs or lpm, got {self.schedule_policy!r}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ValueError(f"max_total_tokens must hold at least one page, got {self.max_total_tokens}")
+
+
+@dataclass
+class ServerArgs(EngineArgs):
+    """EngineArgs plus what only the HTTP server needs."""
+
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    log_level: str = "info"
+    served_model_name: str | None = None
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model

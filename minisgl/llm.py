@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
@@ -11,6 +10,7 @@ import msgspec
 from minisgl.args import EngineArgs
 from minisgl.sampling import SamplingParams
 from minisgl.scheduler import Req, Scheduler
+from minisgl.tokenizer import eos_ids, load_tokenizer
 from minisgl.worker import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -18,35 +18,12 @@ logger = logging.getLogger(__name__)
 Prompt = str | list[int]
 
 
-def _eos_ids(runner: ModelRunner, tokenizer: Any) -> list[int]:
-    """EOS ids from config.json, generation_config.json and the tokenizer, merged."""
-    ids = set(runner.config.eos_token_ids)
-    gen = runner.model_dir / "generation_config.json"
-    if gen.is_file():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        ids.update([eos] if isinstance(eos, int) else eos or [])
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return sorted(ids)
-
-
-def load_tokenizer(path: str) -> Any:
-    """The checkpoint's Hugging Face tokenizer, or None when the folder has none (dummy configs)."""
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError, TypeError) as e:
-        logger.warning("no usable tokenizer at %s (%s): only token-id prompts will work", path, type(e).__name__)
-        return None
-
-
 class LLM:
     def __init__(self, model: str, **engine_args: Any):
         self.args = EngineArgs(model=model, **engine_args)
         self.runner = ModelRunner(self.args)
         self.tokenizer = load_tokenizer(self.args.tokenizer or str(self.runner.model_dir))
-        self.eos_ids = _eos_ids(self.runner, self.tokenizer)
+        self.eos_ids = eos_ids(self.runner.model_dir, self.tokenizer)
         self.reset_scheduler()
 
     def reset_scheduler(self, disable_radix_cache: bool | None = None) -> None:

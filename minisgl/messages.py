@@ -46,3 +46,114 @@ class StepOutput(msgspec.Struct, array_like=True):
     logprobs: list[float] | None = None
     top_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
+
+
+# ---- serving: API <-> tokenizer <-> scheduler <-> worker ----------------------------------------
+# Every socket carries one tagged union, so a receiver decodes with a single typed decoder.
+
+
+class ChatMessage(msgspec.Struct):
+    role: str
+    content: str
+
+
+class GenerateReq(msgspec.Struct, tag=True):
+    """API -> tokenizer: exactly one of text, input_ids or messages (rendered by the chat template)."""
+
+    rid: str
+    sampling: SamplingParams
+    text: str | None = None
+    input_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    top_logprobs: int = -1
+    fill_context: bool = False  # max_new_tokens becomes whatever context the prompt leaves
+
+
+class TokenizedReq(msgspec.Struct, tag=True):
+    """Tokenizer -> scheduler."""
+
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    top_logprobs: int = -1
+
+
+class AbortReq(msgspec.Struct, tag=True):
+    """Ends a request wherever it is. reason "stop" comes from a matched stop string."""
+
+    rid: str
+    reason: str = "abort"
+
+
+class ControlReq(msgspec.Struct, tag=True):
+    """A question for the scheduler (op: "stats" or "flush_cache"); answered by ControlReply."""
+
+    cid: int
+    op: str
+
+
+class ControlReply(msgspec.Struct, tag=True):
+    cid: int
+    ok: bool
+    data: dict[str, float | int | str | bool]
+
+
+class TokenOut(msgspec.Struct, array_like=True):
+    """New tokens of one request since the last message. The first message after admission has
+    no tokens (it tells the API the request was accepted); ``error`` means it was refused."""
+
+    rid: str
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    top_ids: list[list[int]] = []
+    top_logprobs: list[list[float]] = []
+    finish_reason: str | None = None
+    cached_tokens: int = 0
+    error: str | None = None
+
+
+class TokenBatch(msgspec.Struct, tag=True):
+    """Scheduler -> tokenizer: one step's outputs."""
+
+    items: list[TokenOut]
+
+
+class TokenLogprob(msgspec.Struct, array_like=True):
+    token_id: int
+    text: str
+    logprob: float
+    top: list[tuple[int, str, float]] = []
+
+
+class ReqUpdate(msgspec.Struct, array_like=True):
+    """Tokenizer -> API: what one request produced since its last update, detokenized."""
+
+    rid: str
+    text: str = ""  # new text, safe to show (complete characters, no part of a stop string)
+    token_ids: list[int] = []
+    logprobs: list[TokenLogprob] = []
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
+
+
+class UpdateBatch(msgspec.Struct, tag=True):
+    items: list[ReqUpdate]
+
+
+class EngineInfo(msgspec.Struct, tag=True):
+    """Sent once along the start-up chain (worker -> scheduler -> tokenizer -> launcher)."""
+
+    model_path: str
+    num_pages: int
+    page_size: int
+    context_len: int
+    vocab_size: int
+    max_running_requests: int = 0
+    eos_ids: list[int] = []
+
+
+ToTokenizer = GenerateReq | AbortReq | ControlReq | ControlReply | TokenBatch | EngineInfo
+ToScheduler = TokenizedReq | AbortReq | ControlReq
+ToApi = UpdateBatch | ControlReply

@@ -91,6 +91,13 @@ class Scheduler:
         if req.slot is not None:
             self._release(req)
 
+    def flush_cache(self) -> bool:
+        """Drop every cached prefix; refused (False) while requests are queued or running."""
+        if self.has_work:
+            return False
+        self.allocator.free(self.cache.reset())
+        return True
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

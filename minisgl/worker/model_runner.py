@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from minisgl.args import EngineArgs
 from minisgl.attention import AttentionMetadata, create_backend
@@ -107,6 +108,10 @@ class ModelRunner:
             useful = self.max_slots * cdiv(self.context_len, self.page_size) * bytes_per_page
             budget = min(_available_host_bytes() * self.args.mem_fraction_static * 0.5, useful)
         num_pages = int(budget // bytes_per_page)
+        if get_tp_info().size > 1:  # every rank must hold the same pages: take the smallest budget
+            n = torch.tensor([num_pages], device=self.device)
+            dist.all_reduce(n, op=dist.ReduceOp.MIN)
+            num_pages = int(n.item())
         if num_pages < cdiv(self.context_len, self.page_size) // 8 or num_pages < 1:
             raise RuntimeError(
                 f"only {num_pages} KV pages fit in memory; lower --context-length or raise --mem-fraction-static"

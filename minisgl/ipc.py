@@ -1,0 +1,129 @@
+"""ZeroMQ plumbing shared by every process: socket addresses and typed msgspec sockets.
+
+Each process binds one PULL socket for what it receives and connects PUSH sockets to its peers,
+so start-up order does not matter (ZeroMQ queues until the peer binds). Addresses are ``ipc://``
+files in a private (0700) runtime folder made by the launcher.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import tempfile
+import threading
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Addresses:
+    """Where each process listens."""
+
+    root: str
+
+    @classmethod
+    def make(cls) -> Addresses:
+        return cls(tempfile.mkdtemp(prefix="minisgl-"))  # mkdtemp creates the folder with mode 0700
+
+    def _ipc(self, name: str) -> str:
+        return f"ipc://{os.path.join(self.root, name)}"
+
+    @property
+    def launcher(self) -> str:
+        return self._ipc("launcher")
+
+    @property
+    def api(self) -> str:
+        return self._ipc("api")
+
+    @property
+    def tokenizer(self) -> str:
+        return self._ipc("tokenizer")
+
+    @property
+    def scheduler(self) -> str:
+        return self._ipc("scheduler")
+
+    @property
+    def worker_out(self) -> str:
+        return self._ipc("worker-out")
+
+    def worker(self, rank: int) -> str:
+        return self._ipc(f"worker-{rank}")
+
+    @property
+    def dist_init(self) -> str:
+        return f"file://{os.path.join(self.root, 'dist-init')}"
+
+
+def _socket(ctx: zmq.Context, kind: int, addr: str, bind: bool) -> zmq.Socket:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.bind(addr) if bind else sock.connect(addr)
+    return sock
+
+
+class Sender:
+    """PUSH socket that encodes msgspec Structs as MessagePack."""
+
+    def __init__(self, ctx: zmq.Context, addr: str):
+        self.sock = _socket(ctx, zmq.PUSH, addr, bind=False)
+        self._enc = msgspec.msgpack.Encoder()
+
+    def send(self, msg: Any) -> None:
+        self.sock.send(self._enc.encode(msg), copy=False)
+
+
+class Receiver(Generic[T]):
+    """Bound PULL socket that decodes one message type (usually a tagged union)."""
+
+    def __init__(self, ctx: zmq.Context, addr: str, kind: Any):
+        self.sock = _socket(ctx, zmq.PULL, addr, bind=True)
+        self._dec = msgspec.msgpack.Decoder(kind)
+
+    def recv(self, timeout_ms: int | None = None) -> T | None:
+        """The next message; None when ``timeout_ms`` passes first (0 polls)."""
+        if timeout_ms is not None and not self.sock.poll(timeout_ms):
+            return None
+        return self._dec.decode(self.sock.recv(copy=False).buffer)
+
+    def recv_as(self, kind: type[T]) -> T:
+        """The next message decoded as ``kind`` (a one-off message, such as start-up info)."""
+        return msgspec.msgpack.decode(self.sock.recv(copy=False).buffer, type=kind)
+
+    def recv_all(self) -> list[T]:
+        """Every message already waiting, without blocking."""
+        out: list[T] = []
+        while self.sock.poll(0):
+            out.append(self._dec.decode(self.sock.recv(copy=False).buffer))
+        return out
+
+
+class AsyncReceiver(Generic[T]):
+    def __init__(self, ctx: zmq.asyncio.Context, addr: str, kind: Any):
+        self.sock = _socket(ctx, zmq.PULL, addr, bind=True)
+        self._dec = msgspec.msgpack.Decoder(kind)
+
+    async def recv(self) -> T:
+        return self._dec.decode(await self.sock.recv())
+
+
+def become_child() -> None:
+    """Set-up every child process runs first: die with the launcher (even if it is SIGKILLed),
+    and leave Ctrl-C to the launcher, which stops the children in order. tqdm gets a thread
+    lock instead of its default multiprocessing one, whose semaphore would outlive a killed child."""
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    signal.signal(signal.SIGINT, signal.SIG_IGN)

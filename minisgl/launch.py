@@ -1,0 +1,179 @@
+"""Start the server: ``python -m minisgl.launch --model <hf-id-or-dir>``.
+
+The launcher spawns the tokenizer, scheduler and one worker per tensor-parallel rank, waits
+until the model is loaded, then serves HTTP itself (uvicorn). It prints one line when ready.
+
+Exit codes: 0 after SIGINT/SIGTERM (a clean shutdown), 1 when a server process died or failed
+to start, 2 for bad arguments. In every case the children are stopped before it exits, and a
+child whose launcher is killed outright dies with it (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import multiprocessing as mp
+import shutil
+import signal
+import sys
+import threading
+from multiprocessing.connection import wait
+from multiprocessing.process import BaseProcess
+
+import uvicorn
+import zmq
+
+from minisgl.api.client import EngineClient
+from minisgl.api.server import create_app
+from minisgl.args import ServerArgs
+from minisgl.ipc import Addresses, Receiver
+from minisgl.messages import EngineInfo
+from minisgl.scheduler.process import run_scheduler
+from minisgl.tokenizer.process import run_tokenizer
+from minisgl.utils import init_logging
+from minisgl.worker.process import run_worker
+
+logger = logging.getLogger("minisgl.launch")
+
+
+def parse_args(argv: list[str] | None = None) -> ServerArgs:
+    d = ServerArgs(model="")
+    ap = argparse.ArgumentParser(prog="python -m minisgl.launch", description="Serve a model over HTTP.")
+    ap.add_argument("--model", required=True, help="local checkpoint folder or Hugging Face hub id")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer folder or hub id (default: the model's)")
+    ap.add_argument("--served-model-name", default=None, help="name in /v1/models and OpenAI requests")
+    ap.add_argument("--host", default=d.host, help="address to bind (default %(default)s)")
+    ap.add_argument("--port", type=int, default=d.port)
+    ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>'")
+    ap.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
+    ap.add_argument("--tp-size", type=int, default=d.tp_size, help="tensor-parallel ranks (GPUs)")
+    ap.add_argument("--dtype", default=d.dtype, help="auto, bfloat16, float16 or float32")
+    ap.add_argument("--load-format", default=d.load_format, choices=["auto", "dummy"])
+    ap.add_argument("--device", default=d.device, help="auto (cuda if present, else cpu), cuda or cpu")
+    ap.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "torch", "flashinfer"])
+    ap.add_argument("--page-size", type=int, default=d.page_size)
+    ap.add_argument("--mem-fraction-static", type=float, default=d.mem_fraction_static,
+                    help="fraction of GPU memory for weights and KV cache")
+    ap.add_argument("--max-total-tokens", type=int, default=None, help="KV cache size in tokens (overrides memory sizing)")
+    ap.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
+    ap.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)
+    ap.add_argument("--context-length", type=int, default=None)
+    ap.add_argument("--disable-radix-cache", action="store_true")
+    ap.add_argument("--schedule-policy", default=d.schedule_policy, choices=["lpm", "fcfs"])
+    ap.add_argument("--seed", type=int, default=d.seed)
+    return ServerArgs(**vars(ap.parse_args(argv)))
+
+
+class ChildDied(RuntimeError):
+    pass
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, plus the one "ready" line once the socket is listening."""
+
+    def __init__(self, config: uvicorn.Config, args: ServerArgs, info: EngineInfo):
+        super().__init__(config)
+        self.args, self.info = args, info
+
+    async def startup(self, sockets: list | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            print(
+                f"minisgl ready: serving {self.args.model_name!r} at http://{self.args.host}:{self.args.port} "
+                f"({self.info.num_pages * self.info.page_size} KV tokens, context {self.info.context_len})",
+                flush=True,
+            )
+
+
+class Launcher:
+    def __init__(self, args: ServerArgs):
+        self.args = args
+        self.addrs = Addresses.make()
+        ctx = mp.get_context("spawn")
+        level = args.log_level
+        self.procs: list[BaseProcess] = [
+            ctx.Process(target=run_tokenizer, args=(self.addrs, args.tokenizer, level), name="tokenizer"),
+            ctx.Process(target=run_scheduler, args=(args, self.addrs, level), name="scheduler"),
+        ] + [
+            ctx.Process(target=run_worker, args=(args, rank, self.addrs, level), name=f"worker-{rank}")
+            for rank in range(args.tp_size)
+        ]
+        self.stopping = False
+        self.dead: BaseProcess | None = None
+
+    def _wait_ready(self, inbox: Receiver[EngineInfo]) -> EngineInfo:
+        while True:
+            info = inbox.recv(timeout_ms=200)
+            if info is not None:
+                return info
+            for p in self.procs:
+                if not p.is_alive():
+                    raise ChildDied(f"the {p.name} process exited with code {p.exitcode} during start-up")
+
+    def _watch(self, server: uvicorn.Server) -> None:
+        """Stop serving as soon as any child dies."""
+        ready = wait([p.sentinel for p in self.procs])
+        if self.stopping:
+            return
+        self.dead = next(p for p in self.procs if p.sentinel in ready)
+        server.should_exit = True
+
+    def run(self) -> int:
+        inbox: Receiver[EngineInfo] = Receiver(zmq.Context.instance(), self.addrs.launcher, EngineInfo)
+        try:
+            logger.info("starting %s (runtime folder %s)", ", ".join(p.name for p in self.procs), self.addrs.root)
+            for p in self.procs:
+                p.start()
+            info = self._wait_ready(inbox)
+            pids = {p.name: p.pid for p in self.procs if p.pid is not None}
+            app = create_app(EngineClient(self.addrs), info, self.args, pids)
+            config = uvicorn.Config(
+                app, host=self.args.host, port=self.args.port,
+                log_level=self.args.log_level, access_log=False, timeout_graceful_shutdown=3,
+            )
+            server = _Server(config, self.args, info)
+            threading.Thread(target=self._watch, args=(server,), daemon=True).start()
+            server.run()
+            if self.dead is not None:
+                raise ChildDied(f"the {self.dead.name} process exited with code {self.dead.exitcode}")
+            return 0 if server.started else 1
+        except KeyboardInterrupt:
+            return 0
+        except ChildDied as e:
+            logger.error("%s; shutting down", e)
+            return 1
+        finally:
+            self.stopping = True
+            self._stop_children()
+            shutil.rmtree(self.addrs.root, ignore_errors=True)
+
+    def _stop_children(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+        for p in self.procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    init_logging(args.log_level)
+    try:
+        args.validate()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    # Until uvicorn installs its own handlers (and after it restores these), SIGTERM acts like Ctrl-C.
+    signal.signal(signal.SIGTERM, _interrupt)
+    return Launcher(args).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

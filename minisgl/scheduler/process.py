@@ -1,0 +1,138 @@
+"""Scheduler process: owns the Scheduler (radix cache, pages, batching) and drives the workers.
+
+It takes tokenized requests, aborts and control questions from the tokenizer process, runs one
+batch at a time on the worker(s), and sends every step's new tokens back to the tokenizer
+process. When idle it blocks on its socket; every few seconds of activity it logs a stats line.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import zmq
+
+from minisgl.args import EngineArgs
+from minisgl.ipc import Addresses, Receiver, Sender, become_child
+from minisgl.messages import (
+    AbortReq, ControlReply, ControlReq, EngineInfo, ForwardBatch, StepOutput, TokenBatch, TokenizedReq,
+    TokenOut, ToScheduler,
+)
+from minisgl.scheduler.request import Req
+from minisgl.scheduler.scheduler import Scheduler
+from minisgl.tokenizer import eos_ids, load_tokenizer
+from minisgl.utils import init_logging
+
+logger = logging.getLogger(__name__)
+
+STATS_INTERVAL_S = 10.0
+
+
+class SchedulerProcess:
+    def __init__(self, args: EngineArgs, addrs: Addresses):
+        self.args = args
+        ctx = zmq.Context()
+        self.inbox: Receiver[ToScheduler] = Receiver(ctx, addrs.scheduler, ToScheduler)
+        self.results: Receiver[StepOutput] = Receiver(ctx, addrs.worker_out, StepOutput)
+        self.tokenizer = Sender(ctx, addrs.tokenizer)
+        self.workers = [Sender(ctx, addrs.worker(r)) for r in range(args.tp_size)]
+        info = self.results.recv_as(EngineInfo)  # the worker's first message: what it loaded
+        info.eos_ids = eos_ids(info.model_path, load_tokenizer(args.tokenizer or info.model_path))
+        self.info = info
+        self.sched = Scheduler(args, info.num_pages, info.context_len, info.vocab_size, info.eos_ids, self._execute)
+        self.by_rid: dict[str, Req] = {}
+        self.rid_of: dict[int, str] = {}
+        self.outbox: list[TokenOut] = []
+        self._last_log, self._tokens_since_log = time.monotonic(), 0
+        self.tokenizer.send(info)
+
+    def _execute(self, batch: ForwardBatch) -> StepOutput:
+        for worker in self.workers:
+            worker.send(batch)
+        out = self.results.recv()
+        assert out is not None
+        return out
+
+    # ---- messages ------------------------------------------------------------------------------
+
+    def _handle(self, msg: ToScheduler) -> None:
+        if isinstance(msg, TokenizedReq):
+            try:
+                req = self.sched.add_request(msg.input_ids, msg.sampling, msg.top_logprobs)
+            except ValueError as e:
+                self.outbox.append(TokenOut(msg.rid, error=str(e)))
+                return
+            self.by_rid[msg.rid], self.rid_of[req.rid] = req, msg.rid
+            self.outbox.append(TokenOut(msg.rid, finish_reason=req.finish_reason))
+            if req.finished:  # max_new_tokens == 0
+                self._forget(req)
+        elif isinstance(msg, AbortReq):
+            req = self.by_rid.get(msg.rid)
+            if req is not None:
+                self.sched.finish(req, msg.reason)
+                self._forget(req)
+        elif isinstance(msg, ControlReq):
+            self.tokenizer.send(self._control(msg))
+
+    def _control(self, msg: ControlReq) -> ControlReply:
+        if msg.op == "stats":
+            return ControlReply(msg.cid, True, self.sched.stats())
+        if msg.op == "flush_cache":
+            ok = self.sched.flush_cache()
+            return ControlReply(msg.cid, ok, {} if ok else {"error": "requests are running; flush when idle"})
+        return ControlReply(msg.cid, False, {"error": f"unknown control op {msg.op!r}"})
+
+    def _forget(self, req: Req) -> None:
+        self.by_rid.pop(self.rid_of.pop(req.rid), None)
+
+    def _token_out(self, req: Req) -> TokenOut:
+        out = TokenOut(self.rid_of[req.rid], [req.output_ids[-1]], finish_reason=req.finish_reason,
+                       cached_tokens=req.cached_tokens)
+        if req.top_logprobs >= 0:
+            out.logprobs = [req.output_logprobs[-1]]
+        if req.top_logprobs > 0:
+            top = req.output_top_logprobs[-1]
+            out.top_ids, out.top_logprobs = [[t for t, _ in top]], [[lp for _, lp in top]]
+        return out
+
+    # ---- main loop -----------------------------------------------------------------------------
+
+    def run(self) -> None:
+        while True:
+            if self.sched.has_work:
+                msgs = self.inbox.recv_all()
+            else:
+                first = self.inbox.recv(timeout_ms=int(STATS_INTERVAL_S * 1000))
+                msgs = ([first] if first is not None else []) + self.inbox.recv_all()
+            for msg in msgs:
+                self._handle(msg)
+            if self.sched.has_work:
+                for req in self.sched.step():
+                    self.outbox.append(self._token_out(req))
+                    self._tokens_since_log += 1
+                    if req.finished:
+                        self._forget(req)
+            if self.outbox:
+                self.tokenizer.send(TokenBatch(self.outbox))
+                self.outbox = []
+            self._maybe_log_stats()
+
+    def _maybe_log_stats(self) -> None:
+        now = time.monotonic()
+        if now - self._last_log < STATS_INTERVAL_S or not (self._tokens_since_log or self.sched.has_work):
+            return
+        s = self.sched.stats()
+        logger.info(
+            "running %d, queued %d, KV pages in use %d/%d (%.1f%%), cache hit rate %.1f%%, %.1f tokens/s",
+            s["running_requests"], s["queued_requests"], s["used_pages"] - s["evictable_pages"],
+            s["total_pages"], 100 * (s["used_pages"] - s["evictable_pages"]) / s["total_pages"],
+            100 * s["cache_hit_rate"], self._tokens_since_log / (now - self._last_log),
+        )
+        self._last_log, self._tokens_since_log = now, 0
+
+
+def run_scheduler(args: EngineArgs, addrs: Addresses, log_level: str) -> None:
+    """Process entry point (spawned by the launcher)."""
+    become_child()
+    init_logging(log_level)
+    SchedulerProcess(args, addrs).run()

@@ -1,0 +1,37 @@
+"""Tokenizer side of the server: loading the checkpoint's tokenizer, incremental detokenization,
+stop strings, and the tokenizer process itself."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from minisgl.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """The checkpoint's Hugging Face tokenizer, or None when the folder has none (dummy configs)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError, TypeError) as e:
+        logger.warning("no usable tokenizer at %s (%s): only token-id prompts will work", path, type(e).__name__)
+        return None
+
+
+def eos_ids(model_dir: str | Path, tokenizer: Any) -> list[int]:
+    """EOS ids from config.json, generation_config.json and the tokenizer, merged."""
+    model_dir = Path(model_dir)
+    ids = set(ModelConfig.from_path(model_dir).eos_token_ids)
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update([eos] if isinstance(eos, int) else eos or [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return sorted(ids)

@@ -1,0 +1,65 @@
+"""Streaming text out of a growing token list: complete characters only, stop strings held back.
+
+``IncrementalDetokenizer`` decodes a short window of recent tokens each time and emits the part
+past what it emitted before, holding back while the window ends in an incomplete UTF-8 sequence
+(decoded as U+FFFD). ``StopStringFilter`` sits behind it: it holds back any tail that could be
+the start of a stop string, so a stop string split across tokens is caught and never shown.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self._start = 0  # window start: a few tokens of context before the unsent ones
+        self._sent = 0  # tokens whose text has been emitted
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, ids: list[int], final: bool = False) -> str:
+        """Append tokens and return the new text that is safe to show. With ``final`` (the request
+        is over) everything left is returned, incomplete characters included."""
+        self.ids += ids
+        shown = self._decode(self.ids[self._start : self._sent])
+        text = self._decode(self.ids[self._start :])
+        if len(text) <= len(shown) or (text.endswith(REPLACEMENT) and not final):
+            return ""
+        self._start, self._sent = self._sent, len(self.ids)
+        return text[len(shown) :]
+
+
+class StopStringFilter:
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self._held = ""
+        self.matched = False
+
+    def feed(self, text: str, final: bool = False) -> str:
+        """The part of ``text`` (appended to what is held) that can be shown. After a match,
+        returns the text before the stop string and sets ``matched``; later calls return ""."""
+        if self.matched:
+            return ""
+        buf = self._held + text
+        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.matched, self._held = True, ""
+            return buf[: min(hits)]
+        keep = 0 if final else self._partial_suffix(buf)
+        self._held = buf[len(buf) - keep :] if keep else ""
+        return buf[: len(buf) - keep]
+
+    def _partial_suffix(self, buf: str) -> int:
+        """Length of the longest tail of ``buf`` that is a proper prefix of some stop string."""
+        for n in range(min(len(buf), max((len(s) for s in self.stops), default=1) - 1), 0, -1):
+            tail = buf[-n:]
+            if any(s.startswith(tail) for s in self.stops):
+                return n
+        return 0

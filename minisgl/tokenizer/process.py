@@ -1,0 +1,170 @@
+"""Tokenizer process: text in, token ids to the scheduler; token ids back, text to the API.
+
+Requests arrive from the API as text, token ids or chat messages (rendered with the checkpoint's
+chat template). Length checks that need the token count happen here, so the API can answer 4xx
+before anything is queued. Outputs from the scheduler are detokenized incrementally per request;
+a matched stop string ends the request here and tells the scheduler to stop it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import zmq
+
+from minisgl.ipc import Addresses, Receiver, Sender, become_child
+from minisgl.messages import (
+    AbortReq, ControlReply, ControlReq, EngineInfo, GenerateReq, ReqUpdate, TokenBatch, TokenizedReq,
+    TokenLogprob, TokenOut, ToTokenizer, UpdateBatch,
+)
+from minisgl.tokenizer import load_tokenizer
+from minisgl.tokenizer.detokenizer import IncrementalDetokenizer, StopStringFilter
+from minisgl.utils import init_logging
+
+logger = logging.getLogger(__name__)
+
+
+class RequestState:
+    """What the tokenizer process remembers about one running request."""
+
+    def __init__(self, req: GenerateReq, prompt_tokens: int, tokenizer: Any):
+        self.rid = req.rid
+        self.prompt_tokens = prompt_tokens
+        self.top_logprobs = req.top_logprobs
+        self.tokenizer = tokenizer
+        skip = req.sampling.skip_special_tokens
+        self.detok = IncrementalDetokenizer(tokenizer, skip) if tokenizer is not None else None
+        self.stops = StopStringFilter(req.sampling.stop_strings)
+
+    def _token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token]) if self.tokenizer is not None else ""
+
+    def update(self, out: TokenOut) -> ReqUpdate:
+        """Turn the scheduler's new tokens into an update; a matched stop string finishes it."""
+        final = out.finish_reason is not None
+        upd = ReqUpdate(self.rid, token_ids=out.tokens, finish_reason=out.finish_reason,
+                        prompt_tokens=self.prompt_tokens, cached_tokens=out.cached_tokens)
+        if self.detok is not None:
+            upd.text = self.stops.feed(self.detok.add(out.tokens, final), final)
+            if self.stops.matched:
+                upd.finish_reason = "stop"
+        if self.top_logprobs >= 0:
+            for i, (token, lp) in enumerate(zip(out.tokens, out.logprobs)):
+                top = []
+                if self.top_logprobs > 0:
+                    top = [(t, self._token_text(t), p) for t, p in zip(out.top_ids[i], out.top_logprobs[i])]
+                upd.logprobs.append(TokenLogprob(token, self._token_text(token), lp, top))
+        return upd
+
+
+class TokenizerProcess:
+    def __init__(self, addrs: Addresses, tokenizer_path: str | None):
+        ctx = zmq.Context()
+        self.inbox: Receiver[ToTokenizer] = Receiver(ctx, addrs.tokenizer, ToTokenizer)
+        self.api = Sender(ctx, addrs.api)
+        self.scheduler = Sender(ctx, addrs.scheduler)
+        self.launcher = Sender(ctx, addrs.launcher)
+        self.tokenizer_path = tokenizer_path
+        self.tokenizer: Any = None
+        self.info: EngineInfo | None = None
+        self.reqs: dict[str, RequestState] = {}
+
+    def run(self) -> None:
+        while True:
+            msg = self.inbox.recv()
+            if isinstance(msg, GenerateReq):
+                self._on_generate(msg)
+            elif isinstance(msg, TokenBatch):
+                self._on_tokens(msg)
+            elif isinstance(msg, AbortReq):
+                self._on_abort(msg)
+            elif isinstance(msg, ControlReq):
+                self.scheduler.send(msg)
+            elif isinstance(msg, ControlReply):
+                self.api.send(msg)
+            elif isinstance(msg, EngineInfo):
+                self.info = msg
+                self.tokenizer = load_tokenizer(self.tokenizer_path or msg.model_path)
+                self.launcher.send(msg)
+
+    # ---- requests in ---------------------------------------------------------------------------
+
+    def _encode(self, req: GenerateReq) -> list[int]:
+        if req.input_ids is not None:
+            return req.input_ids
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: send input_ids instead of text")
+        if req.messages is not None:
+            if not self.tokenizer.chat_template:
+                raise ValueError("this model has no chat template; use /v1/completions or /generate")
+            text = self.tokenizer.apply_chat_template(
+                [{"role": m.role, "content": m.content} for m in req.messages],
+                tokenize=False, add_generation_prompt=True,
+            )
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(req.text, add_special_tokens=True)
+
+    def _check_length(self, req: GenerateReq, n: int) -> None:
+        assert self.info is not None
+        limit = self.info.context_len
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if n >= limit:
+            raise ValueError(f"the prompt has {n} tokens; this model's context length is {limit}")
+        if req.fill_context:
+            req.sampling.max_new_tokens = limit - n
+        elif n + req.sampling.max_new_tokens > limit:
+            raise ValueError(
+                f"the prompt has {n} tokens and max_new_tokens is {req.sampling.max_new_tokens}: "
+                f"together over this model's context length of {limit} tokens"
+            )
+
+    def _on_generate(self, req: GenerateReq) -> None:
+        try:
+            if req.rid in self.reqs:
+                raise ValueError(f"request id {req.rid!r} is already in use")
+            ids = self._encode(req)
+            self._check_length(req, len(ids))
+        except ValueError as e:
+            self.api.send(UpdateBatch([ReqUpdate(req.rid, error=str(e))]))
+            return
+        except Exception as e:  # a tokenizer or template failure must not take the process down
+            logger.exception("could not tokenize request %s", req.rid)
+            self.api.send(UpdateBatch([ReqUpdate(req.rid, error=f"tokenization failed: {e}")]))
+            return
+        self.reqs[req.rid] = RequestState(req, len(ids), self.tokenizer)
+        self.scheduler.send(TokenizedReq(req.rid, ids, req.sampling, req.top_logprobs))
+
+    def _on_abort(self, msg: AbortReq) -> None:
+        self.scheduler.send(msg)
+        if self.reqs.pop(msg.rid, None) is not None:
+            self.api.send(UpdateBatch([ReqUpdate(msg.rid, finish_reason=msg.reason)]))
+
+    # ---- tokens out ----------------------------------------------------------------------------
+
+    def _on_tokens(self, batch: TokenBatch) -> None:
+        updates = []
+        for out in batch.items:
+            state = self.reqs.get(out.rid)
+            if state is None:  # ended here already (stop string, abort); late tokens are dropped
+                continue
+            if out.error is not None:
+                del self.reqs[out.rid]
+                updates.append(ReqUpdate(out.rid, error=out.error))
+                continue
+            upd = state.update(out)
+            if upd.finish_reason is not None:
+                del self.reqs[out.rid]
+                if out.finish_reason is None:  # a stop string: the scheduler still runs it
+                    self.scheduler.send(AbortReq(out.rid, "stop"))
+            updates.append(upd)
+        if updates:
+            self.api.send(UpdateBatch(updates))
+
+
+def run_tokenizer(addrs: Addresses, tokenizer_path: str | None, log_level: str) -> None:
+    """Process entry point (spawned by the launcher)."""
+    become_child()
+    init_logging(log_level)
+    TokenizerProcess(addrs, tokenizer_path).run()

@@ -1,0 +1,58 @@
+"""GPU-worker process: one per tensor-parallel rank. Receives ForwardBatch messages from the
+scheduler, runs them on its ModelRunner, and (rank 0 only) sends back the sampled tokens.
+
+Sampled tokens stay on the device as each slot's ``last_token``, so the scheduler never has to
+send decode inputs back; all ranks sample identically (same logits after the all-gather, same
+counter-based noise), so only rank 0 reports.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+import zmq
+
+from minisgl.args import EngineArgs
+from minisgl.distributed import set_tp_info
+from minisgl.ipc import Addresses, Receiver, Sender, become_child
+from minisgl.messages import EngineInfo, ForwardBatch
+from minisgl.utils import init_logging
+from minisgl.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def _init_distributed(args: EngineArgs, rank: int, addrs: Addresses) -> None:
+    if args.tp_size == 1:
+        return
+    on_gpu = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
+    if on_gpu:
+        args.device = f"cuda:{rank}"
+    dist.init_process_group(
+        "nccl" if on_gpu else "gloo", init_method=addrs.dist_init, rank=rank, world_size=args.tp_size
+    )
+    set_tp_info(rank, args.tp_size)
+
+
+def run_worker(args: EngineArgs, rank: int, addrs: Addresses, log_level: str) -> None:
+    """Process entry point (spawned by the launcher)."""
+    become_child()
+    init_logging(log_level)
+    _init_distributed(args, rank, addrs)
+    runner = ModelRunner(args)
+    ctx = zmq.Context()
+    inbox: Receiver[ForwardBatch] = Receiver(ctx, addrs.worker(rank), ForwardBatch)
+    outbox = Sender(ctx, addrs.worker_out) if rank == 0 else None
+    if outbox is not None:
+        outbox.send(EngineInfo(
+            model_path=str(runner.model_dir), num_pages=runner.num_pages, page_size=runner.page_size,
+            context_len=runner.context_len, vocab_size=runner.vocab_size,
+            max_running_requests=args.max_running_requests,
+        ))
+    while True:
+        batch = inbox.recv()
+        result = runner.step(batch)
+        if outbox is not None:
+            outbox.send(result)

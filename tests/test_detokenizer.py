@@ -1,0 +1,70 @@
+"""Incremental detokenization and stop strings, against the tiny byte-level BPE tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minisgl.tokenizer import load_tokenizer
+from minisgl.tokenizer.detokenizer import IncrementalDetokenizer, StopStringFilter
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_llama: Path):
+    return load_tokenizer(tiny_llama)
+
+
+def _stream(tok, ids: list[int], chunks: list[int], skip: bool = True) -> list[str]:
+    detok = IncrementalDetokenizer(tok, skip)
+    pieces, i = [], 0
+    for n in chunks:
+        pieces.append(detok.add(ids[i : i + n]))
+        i += n
+    pieces.append(detok.add(ids[i:], final=True))
+    return pieces
+
+
+def test_multibyte_characters_never_split(tok):
+    text = "naïve café → 東京 🙂🙂 done"
+    ids = tok.encode(text)
+    assert any("\ufffd" in tok.decode([t]) for t in ids), "the test needs tokens that split a character"
+    pieces = _stream(tok, ids, [1] * len(ids))
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in p for p in pieces)
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_pieces_add_up_to_the_full_decode(tok, data):
+    text = data.draw(st.text(alphabet=st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=40))
+    special = data.draw(st.booleans())
+    ids = tok.encode(text) + ([tok.eos_token_id] if special else [])
+    chunks = data.draw(st.lists(st.integers(1, 4), max_size=len(ids)))
+    for skip in (True, False):
+        pieces = _stream(tok, ids, chunks, skip)
+        assert "".join(pieces) == tok.decode(ids, skip_special_tokens=skip)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    text=st.text(alphabet="abc", max_size=30),
+    stops=st.lists(st.text(alphabet="abc", min_size=1, max_size=4), min_size=1, max_size=3),
+    cuts=st.lists(st.integers(0, 30), max_size=6),
+)
+def test_stop_filter_matches_the_first_stop_and_never_leaks(text, stops, cuts):
+    f = StopStringFilter(stops)
+    bounds = sorted({0, len(text), *[c for c in cuts if c <= len(text)]})
+    shown = ""
+    for a, b in zip(bounds, bounds[1:]):
+        shown += f.feed(text[a:b])
+        if f.matched:
+            break
+    if not f.matched:
+        shown += f.feed("", final=True)
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    assert f.matched == bool(hits)
+    assert shown == (text[: min(hits)] if hits else text)
+    assert not any(s in shown for s in stops)

@@ -1,0 +1,365 @@
+"""The real server (launcher + tokenizer + scheduler + worker processes) on a tiny checkpoint.
+
+One server serves the whole module; every test leaves it idle, and `idle_and_clean` checks that
+no request is left and every KV page is free or reclaimable cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from minisgl.llm import LLM
+from tests.server_utils import ServerProcess
+
+PAGE_SIZE = 4
+SYSTEM = "You are a careful assistant. Answer briefly and cite the standard library where useful. " * 3
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama: Path):
+    srv = ServerProcess(tiny_llama, "--page-size", str(PAGE_SIZE), "--max-total-tokens", "16384",
+                        "--served-model-name", "tiny")
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama: Path) -> LLM:
+    return LLM(str(tiny_llama), device="cpu", max_total_tokens=16384)
+
+
+def greedy(llm: LLM, prompt: str | list[int], n: int, **extra) -> dict:
+    return llm.generate(prompt, {"max_new_tokens": n, "temperature": 0.0, **extra})[0]
+
+
+def idle_and_clean(srv: ServerProcess, timeout: float = 10.0) -> dict:
+    """Wait until the server has no requests; then every page must be free or evictable."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s = srv.server_info()["scheduler"]
+        if s["running_requests"] == 0 and s["queued_requests"] == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert s["running_requests"] == 0 and s["queued_requests"] == 0, s
+    assert s["protected_pages"] == 0, s
+    assert s["free_pages"] + s["evictable_pages"] == s["total_pages"], s
+    return s
+
+
+def sse_events(lines) -> list:
+    out = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+# ---- correctness against the offline API ----------------------------------------------------------
+
+
+def test_generate_matches_offline(server: ServerProcess, offline: LLM):
+    for prompt in ["Hello world", "The quick brown fox"]:
+        want = greedy(offline, prompt, 24, ignore_eos=True)
+        r = httpx.post(f"{server.url}/generate", json={
+            "text": prompt, "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True},
+        }, timeout=60)
+        assert r.status_code == 200, r.text
+        got = r.json()
+        assert got["output_ids"] == want["output_ids"]
+        assert got["text"] == want["text"]
+        meta = got["meta_info"]
+        assert meta["prompt_tokens"] == want["meta_info"]["prompt_tokens"]
+        assert meta["completion_tokens"] == 24 and meta["finish_reason"] == {"type": "length"}
+        assert meta["e2e_latency"] > 0
+    idle_and_clean(server)
+
+
+def test_generate_stream_and_input_ids(server: ServerProcess, offline: LLM):
+    ids = offline.tokenizer.encode("Streaming with token ids")
+    want = greedy(offline, ids, 16, ignore_eos=True)
+    with httpx.stream("POST", f"{server.url}/generate", json={
+        "input_ids": ids, "stream": True, "return_logprob": True, "top_logprobs_num": 2,
+        "sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True},
+    }, timeout=60) as r:
+        assert r.status_code == 200
+        events = sse_events(r.iter_lines())
+    assert events[-1] == "[DONE]"
+    last = events[-2]
+    assert last["output_ids"] == want["output_ids"] and last["text"] == want["text"]
+    assert len(last["meta_info"]["output_token_logprobs"]) == 16
+    assert all(len(top) == 2 for top in last["meta_info"]["output_top_logprobs"])
+    # greedy: the chosen token is the most likely one
+    assert [lp[1] for lp in last["meta_info"]["output_token_logprobs"]] == want["output_ids"]
+    assert len(events) == 17  # one event per token, then [DONE]
+    idle_and_clean(server)
+
+
+def test_openai_client_completions_and_chat(server: ServerProcess, offline: LLM):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+    want = greedy(offline, "Once upon a time", 20, ignore_eos=True)
+    out = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=20, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert out.choices[0].text == want["text"] and out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 20
+    assert out.usage.prompt_tokens == want["meta_info"]["prompt_tokens"]
+    stream = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=20, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in stream) == want["text"]
+
+    messages = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "What is a list?"}]
+    text = offline.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = offline.tokenizer.encode(text, add_special_tokens=False)
+    want = greedy(offline, ids, 20)
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=20, temperature=0)
+    assert chat.choices[0].message.content == want["text"]
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.usage.prompt_tokens == len(ids)
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=20, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    ))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want["text"]
+    usage = chunks[-1].usage
+    assert usage.completion_tokens == len(want["output_ids"])
+    # the same chat prompt was just served, so all but its last token comes from the cache
+    assert usage.prompt_tokens_details.cached_tokens >= len(ids) - PAGE_SIZE
+    idle_and_clean(server)
+
+
+def test_n_choices_logprobs_and_batch_prompts(server: ServerProcess, offline: LLM):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    out = client.completions.create(model="tiny", prompt=["Alpha", "Beta"], n=2, max_tokens=8,
+                                    temperature=0, logprobs=3, extra_body={"ignore_eos": True})
+    assert len(out.choices) == 4 and [c.index for c in out.choices] == [0, 1, 2, 3]
+    for i, prompt in enumerate(["Alpha", "Beta"]):
+        want = greedy(offline, prompt, 8, ignore_eos=True)["text"]
+        assert out.choices[2 * i].text == want and out.choices[2 * i + 1].text == want
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == 8 and len(lp.top_logprobs[0]) == 3 and all(x <= 0 for x in lp.token_logprobs)
+    assert "".join(lp.tokens) == out.choices[0].text
+
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], n=3, max_tokens=6, temperature=1.0,
+        seed=7, logprobs=True, top_logprobs=2,
+    )
+    assert len(chat.choices) == 3
+    assert all(len(c.logprobs.content) == len(c.logprobs.content) and c.logprobs.content for c in chat.choices)
+    assert all(len(t.top_logprobs) == 2 for c in chat.choices for t in c.logprobs.content)
+    assert chat.usage.completion_tokens == sum(len(c.logprobs.content) for c in chat.choices)
+    idle_and_clean(server)
+
+
+# ---- concurrency and the prefix cache -------------------------------------------------------------
+
+
+def test_concurrent_streams_share_prefix(server: ServerProcess, offline: LLM):
+    httpx.post(f"{server.url}/flush_cache", timeout=30).raise_for_status()
+    prompts = [f"{SYSTEM} Question {i}: what does module number {i} do?" for i in range(32)]
+    prefix_len = len(offline.tokenizer.encode(SYSTEM))
+    wants = offline.generate(prompts, {"max_new_tokens": 16, "temperature": 0.0})
+
+    async def one(client: httpx.AsyncClient, prompt: str) -> dict:
+        body = {"text": prompt, "stream": True, "sampling_params": {"max_new_tokens": 16, "temperature": 0}}
+        async with client.stream("POST", f"{server.url}/generate", json=body) as r:
+            assert r.status_code == 200
+            events = sse_events([line async for line in r.aiter_lines()])
+        assert events[-1] == "[DONE]"
+        return events[-2]
+
+    async def all_of_them() -> list[dict]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    results = asyncio.run(all_of_them())
+    for got, want in zip(results, wants):
+        assert got["output_ids"] == want["output_ids"]
+        assert got["text"] == want["text"]
+    cached = [r["meta_info"]["cached_tokens"] for r in results]
+    assert sum(c >= prefix_len - PAGE_SIZE for c in cached) >= 31, cached
+    stats = idle_and_clean(server)
+    assert stats["prefix_hit_tokens"] > 0
+
+
+# ---- stop strings ---------------------------------------------------------------------------------
+
+
+def _split_stop(offline: LLM, prompt: str, n: int) -> tuple[str, str]:
+    """A 3-character stop string that straddles a token boundary of the greedy output, found at
+    its first occurrence; returns it and the text that must come back (everything before it)."""
+    ids = greedy(offline, prompt, n, ignore_eos=True)["output_ids"]
+    text = offline.tokenizer.decode(ids)
+    for k in range(2, len(ids) - 1):
+        b = len(offline.tokenizer.decode(ids[:k]))
+        stop = text[b - 1 : b + 2]
+        if len(stop) == 3 and stop.strip() and "\ufffd" not in stop and text.find(stop) == b - 1:
+            return stop, text[: b - 1]
+    raise AssertionError("no usable token boundary in the greedy output")
+
+
+def test_stop_string_across_tokens(server: ServerProcess, offline: LLM):
+    stop, expected = _split_stop(offline, "Hello world", 40)
+    body = {"text": "Hello world", "stream": True,
+            "sampling_params": {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True, "stop": [stop]}}
+    with httpx.stream("POST", f"{server.url}/generate", json=body, timeout=60) as r:
+        events = sse_events(r.iter_lines())
+    texts = [e["text"] for e in events[:-1]]
+    assert texts[-1] == expected
+    assert all(stop not in t for t in texts)
+    assert events[-2]["meta_info"]["finish_reason"] == {"type": "stop"}
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    chunks = list(client.completions.create(model="tiny", prompt="Hello world", max_tokens=40, temperature=0,
+                                            stop=stop, stream=True, extra_body={"ignore_eos": True}))
+    streamed = "".join(c.choices[0].text for c in chunks)
+    assert streamed == expected and chunks[-1].choices[0].finish_reason == "stop"
+    idle_and_clean(server)
+
+
+# ---- bad input ------------------------------------------------------------------------------------
+
+LONG = list(range(10, 1100))
+BAD_REQUESTS = [
+    # (path, body, status, words the message must contain)
+    ("/generate", b'{"text": "hi"', 400, "malformed JSON"),
+    ("/generate", b"", 400, "empty"),
+    ("/generate", b"[1, 2]", 400, "Expected `object`"),
+    ("/generate", {"sampling_params": {}}, 400, "exactly one of text or input_ids"),
+    ("/generate", {"text": "a", "input_ids": [1]}, 400, "exactly one of text or input_ids"),
+    ("/generate", {"text": "a", "sampling_params": {"temperature": "hot"}}, 400, "$.sampling_params.temperature"),
+    ("/generate", {"text": "a", "sampling_params": {"temperature": -1}}, 400, "temperature must be >= 0"),
+    ("/generate", {"text": "a", "sampling_params": {"top_p": 0}}, 400, "top_p"),
+    ("/generate", {"text": "a", "sampling_params": {"top_k": 0}}, 400, "top_k"),
+    ("/generate", {"text": "a", "sampling_params": {"max_new_tokens": -1}}, 400, "max_new_tokens"),
+    ("/generate", {"text": "a", "sampling_params": {"seed": -5}}, 400, "seed"),
+    ("/generate", {"text": "a", "sampling_params": {"tempurature": 0.5}}, 400, "unknown field `tempurature`"),
+    ("/generate", {"text": "a", "sampling_params": {"stop_token_ids": [10**7]}}, 400, "stop_token_ids"),
+    ("/generate", {"input_ids": [10**7]}, 400, "input_ids"),
+    ("/generate", {"input_ids": []}, 400, "empty"),
+    ("/generate", {"text": ""}, 400, "empty"),
+    ("/generate", {"input_ids": LONG}, 400, "context length"),
+    ("/generate", {"text": "a", "sampling_params": {"max_new_tokens": 5000}}, 400, "context length"),
+    ("/generate", {"text": "a", "rid": 5}, 400, "$.rid"),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "a"}, 404, "'gpt-4' does not exist"),
+    ("/v1/completions", {"prompt": "a"}, 400, "missing required field `model`"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "max_tokens": "ten"}, 400, "$.max_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "n": 0}, 400, "n must be"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "logprobs": 50}, 400, "logprobs"),
+    ("/v1/completions", {"model": "tiny", "prompt": 123}, 400, "prompt must be"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "presence_penalty": 5}, 400, "presence_penalty"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "best_of_all": 2}, 400, "unknown field `best_of_all`"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": []}, 400, "messages must not be empty"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, 400,
+     "$.messages[0].role"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                              "temperature": 3}, 400, "temperature"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                              "top_logprobs": 2}, 400, "needs logprobs"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": [
+        {"type": "image_url"}]}]}, 400, "not supported"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                              "max_completion_tokens": 4096}, 400, "context length"),
+    ("/abort_request", {"rid": "nobody"}, 404, "no running request"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,words", BAD_REQUESTS, ids=[f"{i}:{b[0]}" for i, b in enumerate(BAD_REQUESTS)])
+def test_bad_request(server: ServerProcess, path: str, body, status: int, words: str):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(f"{server.url}{path}", content=content, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == status, r.text
+    message = r.json()["error"]["message"]
+    assert words in message, message
+
+
+def test_server_healthy_after_bad_requests(server: ServerProcess):
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+    assert httpx.get(f"{server.url}/health_generate", timeout=30).status_code == 200
+    assert httpx.get(f"{server.url}/generate", timeout=10).status_code == 405
+    idle_and_clean(server)
+
+
+# ---- disconnects, aborts, info, metrics -----------------------------------------------------------
+
+
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_disconnect_mid_stream_frees_pages(server: ServerProcess):
+    aborted = 'minisgl_requests_total{finish_reason="abort"}'
+    before = _metric(httpx.get(f"{server.url}/metrics", timeout=10).text, aborted)
+    body = {"text": "A long story", "stream": True,
+            "sampling_params": {"max_new_tokens": 1000, "temperature": 0, "ignore_eos": True}}
+    with httpx.stream("POST", f"{server.url}/generate", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        seen = 0
+        for line in lines:
+            seen += line.startswith("data: ")
+            if seen == 3:
+                break
+        busy = server.server_info()["scheduler"]
+        assert busy["running_requests"] == 1 and busy["protected_pages"] + busy["free_pages"] < busy["total_pages"]
+    # leaving the block closes the connection mid-stream
+    idle_and_clean(server)
+    after = _metric(httpx.get(f"{server.url}/metrics", timeout=10).text, aborted)
+    assert after == before + 1
+
+
+def test_disconnect_non_streaming_frees_pages(server: ServerProcess):
+    body = {"text": "Another long story", "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/generate", json=body, timeout=0.3)
+    idle_and_clean(server)
+
+
+def test_abort_request_by_id(server: ServerProcess):
+    body = {"text": "Abort me", "rid": "victim", "stream": True,
+            "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}}
+    with httpx.stream("POST", f"{server.url}/generate", json=body, timeout=60) as r:
+        events = []
+        for line in r.iter_lines():
+            if line.startswith("data: ") and not events:
+                r2 = httpx.post(f"{server.url}/abort_request", json={"rid": "victim"}, timeout=10)
+                assert r2.json() == {"aborted": ["victim"]}
+            if line.startswith("data: "):
+                events.append(line)
+        final = json.loads(events[-2][len("data: "):])
+    assert final["meta_info"]["finish_reason"] == {"type": "abort"}
+    assert final["meta_info"]["completion_tokens"] < 1000
+    idle_and_clean(server)
+
+
+def test_info_metrics_and_flush(server: ServerProcess):
+    info = httpx.get(f"{server.url}/get_model_info", timeout=10).json()
+    assert info["served_model_name"] == "tiny" and info["is_generation"] and info["context_length"] == 1024
+    sinfo = server.server_info()
+    assert sinfo["server_args"]["page_size"] == PAGE_SIZE and "api_key" not in sinfo["server_args"]
+    assert set(sinfo["processes"]) == {"tokenizer", "scheduler", "worker-0"}
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    for name in ["minisgl_requests_total", "minisgl_prompt_tokens_total", "minisgl_generation_tokens_total",
+                 "minisgl_time_to_first_token_seconds_bucket", "minisgl_inter_token_latency_seconds_bucket",
+                 "minisgl_e2e_request_latency_seconds_bucket", "minisgl_running_requests",
+                 "minisgl_queued_requests", "minisgl_kv_usage", "minisgl_cache_hit_rate"]:
+        assert name in text, name
+    assert _metric(text, "minisgl_generation_tokens_total") > 0
+    assert 0 < _metric(text, "minisgl_cache_hit_rate") <= 1
+    assert httpx.post(f"{server.url}/flush_cache", timeout=10).json() == {"success": True}
+    s = idle_and_clean(server)
+    assert s["evictable_pages"] == 0 and s["free_pages"] == s["total_pages"]
