@@ -50,25 +50,34 @@ def main() -> None:
     ap.add_argument("--chunked-prefill-size", type=int, default=8192)
     ap.add_argument("--context-length", type=int, default=4096)
     ap.add_argument("--radix", nargs="+", default=["on", "off"], choices=["on", "off"])
+    ap.add_argument("--ablations", action="store_true",
+                    help="also run each workload (radix on) without CUDA graphs and without overlap")
     ap.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/offline_<model>.json)")
     args = ap.parse_args()
 
     llm = LLM(args.model, load_format=args.load_format, page_size=args.page_size,
               max_running_requests=args.max_running_requests, chunked_prefill_size=args.chunked_prefill_size,
               context_length=args.context_length)
+    graphs = llm.runner.graphs
+    variants = [(f"radix-{r}", r == "off", True, True) for r in args.radix]
+    if args.ablations:
+        variants += [("no-cuda-graph", False, False, True), ("no-overlap", False, True, False)]
     rows = []
     for name in args.workloads:
         wl = WORKLOADS[name](llm.runner.vocab_size)
-        for radix in args.radix:
-            llm.reset_scheduler(disable_radix_cache=radix == "off")  # empty cache per run
+        for variant, radix_off, use_graphs, overlap in variants:
+            llm.runner.graphs = graphs if use_graphs else None
+            llm.args.disable_overlap_schedule = not overlap
+            llm.reset_scheduler(disable_radix_cache=radix_off)  # empty cache per run
             result = run(llm, wl.prompts, wl.output_lens)
-            rows.append({"workload": name, "radix": radix, **result})
-            print(f"{name:14s} radix={radix:3s} {result['seconds']:8.2f} s  "
-                  f"{result['output_tok_per_s']:9.0f} out tok/s  hit rate {result['cache_hit_rate']:.2f}", flush=True)
-    for name in args.workloads:
-        times = {r["radix"]: r["seconds"] for r in rows if r["workload"] == name}
-        if len(times) == 2:
-            print(f"{name}: radix off / on = {times['off'] / times['on']:.2f}x")
+            rows.append({"workload": name, "variant": variant, **result})
+            print(f"{name:14s} {variant:14s} {result['seconds']:8.2f} s  {result['output_tok_per_s']:9.0f} out tok/s"
+                  f"  hit rate {result['cache_hit_rate']:.2f}", flush=True)
+        llm.runner.graphs = graphs
+        base = next(r["seconds"] for r in rows if r["workload"] == name and r["variant"] == variants[0][0])
+        for r in rows:
+            if r["workload"] == name and r["variant"] != variants[0][0]:
+                print(f"{name}: {r['variant']} / {variants[0][0]} = {r['seconds'] / base:.2f}x")
     device = llm.runner.device
     info = {"model": args.model, "device": str(device), "args": vars(args), "rows": rows}
     if device.type == "cuda":

@@ -23,6 +23,8 @@ class EngineArgs:
     seed: int = 0
     disable_radix_cache: bool = False
     schedule_policy: str = "lpm"
+    disable_overlap_schedule: bool = False
+    cuda_graph_max_bs: int | None = None  # None: min(max_running_requests, 256); 0 disables graphs
 
     def validate(self) -> None:
         if self.page_size < 1:

@@ -61,6 +61,10 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     ap.add_argument("--disable-radix-cache", action="store_true")
     ap.add_argument("--schedule-policy", default=d.schedule_policy, choices=["lpm", "fcfs"])
     ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--cuda-graph-max-bs", type=int, default=None,
+                    help="largest decode batch run from a CUDA graph (default min(max-running-requests, 256); 0: off)")
+    ap.add_argument("--disable-overlap-schedule", action="store_true",
+                    help="wait for each step's tokens before scheduling the next")
     return ServerArgs(**vars(ap.parse_args(argv)))
 
 

@@ -11,6 +11,7 @@ from minisgl.args import EngineArgs
 from minisgl.sampling import SamplingParams
 from minisgl.scheduler import Req, Scheduler
 from minisgl.tokenizer import eos_ids, load_tokenizer
+from minisgl.tokenizer.detokenizer import TextStream
 from minisgl.worker import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -33,7 +34,7 @@ class LLM:
             self.args.disable_radix_cache = disable_radix_cache
         self.scheduler = Scheduler(
             self.args, self.runner.num_pages, self.runner.context_len, self.runner.vocab_size,
-            self.eos_ids, self.runner.step,
+            self.eos_ids, self.runner,
         )
 
     def _encode(self, prompt: Prompt) -> list[int]:
@@ -43,25 +44,7 @@ class LLM:
             return self.tokenizer.encode(prompt, add_special_tokens=True)
         return list(prompt)
 
-    def _decode(self, ids: list[int], skip_special_tokens: bool) -> str | None:
-        if self.tokenizer is None:
-            return None
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-
-    def _apply_stop_strings(self, req: Req) -> None:
-        """Finish a request whose decoded output contains one of its stop strings."""
-        stops = req.params.stop_strings
-        if not stops or self.tokenizer is None or req.finished:
-            return
-        text = self._decode(req.output_ids, req.params.skip_special_tokens)
-        if any(s in text for s in stops):
-            self.scheduler.finish(req, "stop")
-
-    def _result(self, req: Req) -> dict[str, Any]:
-        text = self._decode(req.output_ids, req.params.skip_special_tokens)
-        if text is not None and req.params.stop_strings:
-            cuts = [c for c in (text.find(s) for s in req.params.stop_strings) if c >= 0]
-            text = text[: min(cuts)] if cuts else text
+    def _result(self, req: Req, text: str | None) -> dict[str, Any]:
         meta: dict[str, Any] = {
             "id": req.rid,
             "prompt_tokens": len(req.prompt_ids),
@@ -99,7 +82,15 @@ class LLM:
             for req in reqs:  # all or nothing: a bad prompt leaves no queued work behind
                 self.scheduler.finish(req, "abort")
             raise
+        texts: dict[int, list[str]] = {r.rid: [] for r in reqs}
+        streams = {}
+        if self.tokenizer is not None:
+            streams = {r.rid: TextStream(self.tokenizer, r.params.stop_strings, r.params.skip_special_tokens)
+                       for r in reqs}
         while self.scheduler.has_work:
             for req in self.scheduler.step():
-                self._apply_stop_strings(req)
-        return [self._result(r) for r in reqs]
+                if req.rid in streams:
+                    texts[req.rid].append(streams[req.rid].add(req.output_ids[-1:], req.finished))
+                    if streams[req.rid].stopped:
+                        self.scheduler.finish(req, "stop")
+        return [self._result(r, "".join(texts[r.rid]) if streams else None) for r in reqs]

@@ -120,3 +120,25 @@ def test_llama8b_shape_decode_step_at_batch_64():
                         input_ids=list(range(batch)), sample=[True] * batch, **writes)
     out = runner.step(step)
     assert len(out.tokens) == batch and all(0 <= t < runner.vocab_size for t in out.tokens)
+
+
+def test_cuda_graphs_and_overlap_keep_greedy_tokens(tmp_path):
+    """Graph replay (with padding to captured sizes) and overlap scheduling give the eager,
+    synchronous engine's greedy tokens."""
+    from minisgl.llm import LLM
+
+    path = make_tiny_model("llama", tmp_path / "llama-hd128", overrides={"head_dim": 128})
+    rng = torch.Generator().manual_seed(0)
+    prefix = torch.randint(3, 900, (40,), generator=rng).tolist()
+    prompts = [prefix[: 10 + i] + torch.randint(3, 900, (1 + i % 7,), generator=rng).tolist() for i in range(37)]
+    params = [{"max_new_tokens": 8 + i % 13, "temperature": 0.0, "ignore_eos": True} for i in range(37)]
+    outs = {}
+    for name, kw in {"eager-sync": dict(cuda_graph_max_bs=0, disable_overlap_schedule=True),
+                     "graphs-sync": dict(cuda_graph_max_bs=24, disable_overlap_schedule=True),
+                     "graphs-overlap": dict(cuda_graph_max_bs=24)}.items():
+        llm = LLM(str(path), device="cuda", dtype="bfloat16", max_total_tokens=8192, max_running_requests=40,
+                  page_size=4, **kw)
+        assert (llm.runner.graphs is not None) == (kw["cuda_graph_max_bs"] != 0)
+        outs[name] = [r["output_ids"] for r in llm.generate(prompts, params)]
+    assert outs["graphs-sync"] == outs["eager-sync"]
+    assert outs["graphs-overlap"] == outs["eager-sync"]

@@ -54,7 +54,7 @@ def test_pieces_add_up_to_the_full_decode(tok, data):
     stops=st.lists(st.text(alphabet="abc", min_size=1, max_size=4), min_size=1, max_size=3),
     cuts=st.lists(st.integers(0, 30), max_size=6),
 )
-def test_stop_filter_matches_the_first_stop_and_never_leaks(text, stops, cuts):
+def test_stop_filter_cuts_at_the_first_completed_stop_and_never_leaks(text, stops, cuts):
     f = StopStringFilter(stops)
     bounds = sorted({0, len(text), *[c for c in cuts if c <= len(text)]})
     shown = ""
@@ -64,7 +64,12 @@ def test_stop_filter_matches_the_first_stop_and_never_leaks(text, stops, cuts):
             break
     if not f.matched:
         shown += f.feed("", final=True)
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    assert f.matched == bool(hits)
-    assert shown == (text[: min(hits)] if hits else text)
+    ends = [text.find(s) + len(s) for s in stops if s in text]
+    assert f.matched == bool(ends)
+    if not ends:
+        assert shown == text
+        return
+    # Cut right before a stop string, no later than where the first stop string completes.
+    assert any(text.startswith(s, len(shown)) for s in stops)
+    assert len(shown) < min(ends)
     assert not any(s in shown for s in stops)

@@ -156,3 +156,21 @@ def test_request_larger_than_the_pool_is_rejected(tiny_llama):
     llm = make_llm(tiny_llama, max_total_tokens=64)
     with pytest.raises(ValueError, match="KV cache"):
         llm.generate([[1] * 60], SamplingParams(max_new_tokens=10))
+
+
+def test_overlap_schedule_matches_synchronous(tiny_llama):
+    """Launching step N+1 before step N's tokens are known changes nothing about the tokens,
+    also when requests stop early (EOS, stop strings, short max_new_tokens) and get retracted."""
+    prompts = shared_prefix_prompts(groups=4, per_group=6, prefix_len=30, seed=3)
+    params = [SamplingParams(temperature=0.0, max_new_tokens=1 + i % 9, ignore_eos=i % 2 == 0) for i in range(len(prompts))]
+    kw = {"max_total_tokens": 300, "page_size": 4, "chunked_prefill_size": 64}
+    sync = make_llm(tiny_llama, disable_overlap_schedule=True, **kw)
+    overlap = make_llm(tiny_llama, **kw)
+    assert overlap.scheduler.overlap and not sync.scheduler.overlap
+    want = sync.generate(prompts, params)
+    got = overlap.generate(prompts, params)
+    assert tokens(got) == tokens(want)
+    assert [r["text"] for r in got] == [r["text"] for r in want]
+    assert overlap.scheduler.stats()["retractions"] > 0
+    overlap.scheduler.check_integrity()
+    assert overlap.scheduler.stats()["protected_pages"] == 0

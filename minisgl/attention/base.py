@@ -51,9 +51,16 @@ class AttentionBackend(ABC):
         self.scale = head_dim**-0.5
         self.meta: AttentionMetadata | None = None
 
-    def prepare(self, meta: AttentionMetadata) -> None:
-        """Called once per step before any layer runs (plans are shared by all layers)."""
+    supports_cuda_graph = False
+
+    def prepare(self, meta: AttentionMetadata, graph_batch_size: int | None = None) -> None:
+        """Called once per step before any layer runs (plans are shared by all layers).
+        ``graph_batch_size``: the step replays the CUDA graph captured for that many requests."""
         self.meta = meta
+
+    def init_cuda_graph(self, max_bs: int, max_pages_per_req: int) -> None:
+        """Allocate the fixed buffers that captured decode graphs read their plans from."""
+        raise NotImplementedError(f"{type(self).__name__} cannot run inside CUDA graphs")
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:

@@ -39,16 +39,20 @@ class SchedulerProcess:
         info = self.results.recv_as(EngineInfo)  # the worker's first message: what it loaded
         info.eos_ids = eos_ids(info.model_path, load_tokenizer(args.tokenizer or info.model_path))
         self.info = info
-        self.sched = Scheduler(args, info.num_pages, info.context_len, info.vocab_size, info.eos_ids, self._execute)
+        self.sched = Scheduler(args, info.num_pages, info.context_len, info.vocab_size, info.eos_ids, self)
         self.by_rid: dict[str, Req] = {}
         self.rid_of: dict[int, str] = {}
         self.outbox: list[TokenOut] = []
         self._last_log, self._tokens_since_log = time.monotonic(), 0
         self.tokenizer.send(info)
 
-    def _execute(self, batch: ForwardBatch) -> StepOutput:
+    # The Scheduler's executor: batches go to every rank, tokens come back from rank 0.
+
+    def launch(self, batch: ForwardBatch) -> None:
         for worker in self.workers:
             worker.send(batch)
+
+    def collect(self) -> StepOutput:
         out = self.results.recv()
         assert out is not None
         return out

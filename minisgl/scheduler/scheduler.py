@@ -6,6 +6,11 @@ request. Prefilled whole pages are inserted into the prefix cache as soon as the
 scheduled (locked by the request), so later requests in the same round reuse them: within a
 step every layer stores all new K/V before attending. When pages run out it evicts unlocked
 cache, then retracts the newest running requests back to the queue.
+
+With overlap scheduling (the default) the next batch is built and launched before the previous
+one's tokens are known: decode inputs come from the worker's own last sampled token, and a
+request whose in-flight step may be its last is not scheduled again. A request that turns out
+to have finished (EOS, stop string) simply has its extra in-flight token dropped.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from __future__ import annotations
 import logging
 import random
 from collections import deque
-from collections.abc import Callable
+from typing import Protocol
 from dataclasses import dataclass
 
 from minisgl.args import EngineArgs
@@ -27,6 +32,17 @@ from minisgl.utils import cdiv
 logger = logging.getLogger(__name__)
 
 
+class Executor(Protocol):
+    """Runs batches in launch order: ``collect`` returns the oldest launched batch's output."""
+
+    def launch(self, batch: ForwardBatch) -> None: ...
+
+    def collect(self) -> StepOutput: ...
+
+
+Entry = tuple[Req, int, bool]  # request, new tokens this step, whether it samples a token
+
+
 @dataclass
 class Counters:
     prefix_queried_tokens: int = 0  # tokens looked up in the prefix cache
@@ -38,7 +54,7 @@ class Counters:
 class Scheduler:
     def __init__(
         self, args: EngineArgs, num_pages: int, context_len: int, vocab_size: int,
-        eos_ids: list[int], executor: Callable[[ForwardBatch], StepOutput],
+        eos_ids: list[int], executor: Executor,
     ):
         self.args = args
         self.page_size = args.page_size
@@ -46,6 +62,8 @@ class Scheduler:
         self.vocab_size = vocab_size
         self.eos_ids = set(eos_ids)
         self.executor = executor
+        self.overlap = not args.disable_overlap_schedule
+        self.inflight: deque[list[Entry]] = deque()  # launched batches whose tokens are not back yet
         self.cache = create_cache_manager(args.page_size, args.disable_radix_cache)
         self.allocator = PageAllocator(num_pages)
         self.free_slots = list(range(args.max_running_requests - 1, -1, -1))
@@ -100,32 +118,34 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.inflight)
 
     # ---- one step ------------------------------------------------------------------------------
 
     def step(self) -> list[Req]:
-        """Schedule and run one batch; returns the requests that produced a token this step."""
+        """Schedule and launch one batch, then process the oldest batch whose turn has come
+        (with overlap, the one before). Returns the requests that got a token."""
         entries, decode = self._schedule()
-        if not entries:
-            return []
-        batch = self._build_batch(entries, decode)
-        out = self.executor(batch)
-        self.counters.steps += 1
-        logger.debug(
-            "step %d: %s batch of %d requests, %d tokens; %d running, %d queued, %d free pages",
-            self.counters.steps, "decode" if decode else "prefill", len(entries),
-            sum(n for _, n, _ in entries), len(self.running), len(self.waiting), self.allocator.num_free,
-        )
-        return self._process(entries, out)
+        if entries:
+            self.executor.launch(self._build_batch(entries, decode))
+            self.inflight.append(entries)
+            self.counters.steps += 1
+            logger.debug(
+                "step %d: %s batch of %d requests, %d tokens; %d running, %d queued, %d free pages",
+                self.counters.steps, "decode" if decode else "prefill", len(entries),
+                sum(n for _, n, _ in entries), len(self.running), len(self.waiting), self.allocator.num_free,
+            )
+        if len(self.inflight) > (1 if self.overlap and entries else 0):
+            return self._process(self.inflight.popleft(), self.executor.collect())
+        return []
 
-    def _schedule(self) -> tuple[list[tuple[Req, int, bool]], bool]:
+    def _schedule(self) -> tuple[list[Entry], bool]:
         while True:
             entries = self._schedule_prefill()
             if entries:
                 return entries, False
             entries = self._schedule_decode()
-            if entries or not self.running:
+            if entries or not self.running or self.inflight:
                 return entries, True
             # Every running request is mid-prefill and none could get pages: make room.
             self._retract(self.running[-1])
@@ -161,7 +181,7 @@ class Scheduler:
             self._count_hit(req, handle.cached_len - req.kv_len)
             req.handle, req.pages, req.kv_len = handle, pages, handle.cached_len
 
-    def _schedule_chunk(self, req: Req, budget: int) -> tuple[Req, int, bool] | None:
+    def _schedule_chunk(self, req: Req, budget: int) -> Entry | None:
         """Reserve pages for the request's next prefill chunk (at most ``budget`` tokens)."""
         if self.cache.reuses_prefixes:
             self._rematch(req)
@@ -184,7 +204,7 @@ class Scheduler:
             assert not duplicates, "pages were cached between a match and its commit"
         return req, end - start, end == target
 
-    def _schedule_prefill(self) -> list[tuple[Req, int, bool]]:
+    def _schedule_prefill(self) -> list[Entry]:
         budget, entries = self.args.chunked_prefill_size, []
         for req in [r for r in self.running if r.prefilling]:
             if budget <= 0:
@@ -210,10 +230,11 @@ class Scheduler:
             budget -= entry[1]
         return entries
 
-    def _schedule_decode(self) -> list[tuple[Req, int, bool]]:
+    def _schedule_decode(self) -> list[Entry]:
         """One token for every request past its prefill; retracts the newest when pages run out."""
         while True:
-            decoding = [r for r in self.running if not r.prefilling]
+            # kv_len + 1 tokens exist once the in-flight step (if any) samples; stop at max_len.
+            decoding = [r for r in self.running if not r.prefilling and r.kv_len + 1 < r.max_len]
             needy = [r for r in decoding if r.kv_len % self.page_size == 0]
             pages = self._alloc(len(needy))
             if pages is not None:
@@ -225,7 +246,7 @@ class Scheduler:
             req.kv_len += 1
         return [(req, 1, True) for req in decoding]
 
-    def _build_batch(self, entries: list[tuple[Req, int, bool]], decode: bool) -> ForwardBatch:
+    def _build_batch(self, entries: list[Entry], decode: bool) -> ForwardBatch:
         batch = ForwardBatch(slots=[], cached_lens=[], new_lens=[], input_ids=[], sample=[])
         for req, new, sample in entries:
             start = req.kv_len - new
@@ -253,9 +274,12 @@ class Scheduler:
             prompt_ids=req.prompt_ids if penalties else [], output_ids=req.output_ids if penalties else [],
         )
 
-    def _process(self, entries: list[tuple[Req, int, bool]], out: StepOutput) -> list[Req]:
+    def _process(self, entries: list[Entry], out: StepOutput) -> list[Req]:
         sampled = [req for req, _, sample in entries if sample]
+        got = []
         for i, req in enumerate(sampled):
+            if req.finished:  # finished while this batch was in flight: drop the extra token
+                continue
             token = out.tokens[i]
             req.output_ids.append(token)
             if out.logprobs is not None:
@@ -265,7 +289,8 @@ class Scheduler:
             reason = self._finish_reason(req, token)
             if reason is not None:
                 self.finish(req, reason)
-        return sampled
+            got.append(req)
+        return got
 
     def _finish_reason(self, req: Req, token: int) -> str | None:
         p = req.params

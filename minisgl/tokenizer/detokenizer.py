@@ -63,3 +63,20 @@ class StopStringFilter:
             if any(s.startswith(tail) for s in self.stops):
                 return n
         return 0
+
+
+class TextStream:
+    """One request's output text: detokenized incrementally, cut at its first stop string."""
+
+    def __init__(self, tokenizer: Any, stops: list[str], skip_special_tokens: bool = True):
+        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+        self.stops = StopStringFilter(stops)
+
+    def add(self, ids: list[int], final: bool = False) -> str:
+        """New text safe to show; ``final`` flushes everything held back."""
+        return self.stops.feed(self.detok.add(ids, final), final)
+
+    @property
+    def stopped(self) -> bool:
+        """A stop string was matched: the request is over, whatever the model does next."""
+        return self.stops.matched

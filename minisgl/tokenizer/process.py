@@ -19,7 +19,7 @@ from minisgl.messages import (
     TokenLogprob, TokenOut, ToTokenizer, UpdateBatch,
 )
 from minisgl.tokenizer import load_tokenizer
-from minisgl.tokenizer.detokenizer import IncrementalDetokenizer, StopStringFilter
+from minisgl.tokenizer.detokenizer import TextStream
 from minisgl.utils import init_logging
 
 logger = logging.getLogger(__name__)
@@ -33,9 +33,9 @@ class RequestState:
         self.prompt_tokens = prompt_tokens
         self.top_logprobs = req.top_logprobs
         self.tokenizer = tokenizer
-        skip = req.sampling.skip_special_tokens
-        self.detok = IncrementalDetokenizer(tokenizer, skip) if tokenizer is not None else None
-        self.stops = StopStringFilter(req.sampling.stop_strings)
+        self.text = None
+        if tokenizer is not None:
+            self.text = TextStream(tokenizer, req.sampling.stop_strings, req.sampling.skip_special_tokens)
 
     def _token_text(self, token: int) -> str:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else ""
@@ -45,9 +45,9 @@ class RequestState:
         final = out.finish_reason is not None
         upd = ReqUpdate(self.rid, token_ids=out.tokens, finish_reason=out.finish_reason,
                         prompt_tokens=self.prompt_tokens, cached_tokens=out.cached_tokens)
-        if self.detok is not None:
-            upd.text = self.stops.feed(self.detok.add(out.tokens, final), final)
-            if self.stops.matched:
+        if self.text is not None:
+            upd.text = self.text.add(out.tokens, final)
+            if self.text.stopped:
                 upd.finish_reason = "stop"
         if self.top_logprobs >= 0:
             for i, (token, lp) in enumerate(zip(out.tokens, out.logprobs)):

@@ -1,13 +1,18 @@
 """ModelRunner: owns the model, the KV cache, the page table and the sampler of one rank.
 
-Its one job is ``step(batch) -> StepOutput``: write the batch's page-table updates, run the
-model over the new tokens of every request, and sample the next token of each request that
-asked for one. The cache is sized from the memory left after the weights and a warm-up pass.
+Its one job is running ForwardBatches: write the batch's page-table updates, run the model
+over the new tokens of every request, and sample the next token of each request that asked for
+one. ``launch`` queues a step on the device without waiting for it; ``collect`` returns the
+oldest launched step's tokens (the only host sync of a step). The cache is sized from the memory
+left after the weights and a warm-up pass; one extra scratch page and page-table row take the
+padding rows of CUDA-graph batches.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +31,15 @@ from minisgl.sampling import SampleOutput, Sampler, SamplingParams
 from minisgl.utils import cdiv, resolve_device, resolve_dtype
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Pending:
+    """A launched step: its sampled values on their way to host memory."""
+
+    top_n: list[int]  # logprobs wanted per row, fixed at launch (a slot may change hands before collect)
+    host: dict[str, torch.Tensor]
+    event: torch.cuda.Event | None
 
 
 def _available_host_bytes() -> int:
@@ -56,16 +70,25 @@ class ModelRunner:
             self.model_dir, self.config, self.dtype, self.device, self.context_len, args.load_format, args.seed
         )
         self.vocab_size = self.config.vocab_size
+        self.pad_slot = self.max_slots  # page-table row of padding requests; points at the scratch page
         self.page_table = torch.zeros(
-            (self.max_slots, cdiv(self.context_len, self.page_size)), dtype=torch.int32, device=self.device
+            (self.max_slots + 1, cdiv(self.context_len, self.page_size)), dtype=torch.int32, device=self.device
         )
-        self.last_token = torch.zeros(self.max_slots, dtype=torch.int64, device=self.device)
+        self.last_token = torch.zeros(self.max_slots + 1, dtype=torch.int64, device=self.device)
+        self.pending: deque[_Pending] = deque()
+        self.graphs = None
         self.sampler = Sampler(self.max_slots, self.vocab_size, self.device)
         self.num_pages = self._profile_num_pages()
-        self.kv_cache = self._make_cache(self.num_pages)
+        self.kv_cache = self._make_cache(self.num_pages + 1)
+        self.page_table[self.pad_slot] = self.num_pages
         self.attn = create_backend(
             args.attention_backend, self.kv_cache, self.num_qo_heads, self.num_kv_heads, self.config.head_dim
         )
+        if self.device.type == "cuda" and args.cuda_graph_max_bs != 0 and self.attn.supports_cuda_graph:
+            from minisgl.worker.cuda_graph import CudaGraphRunner
+
+            max_bs = args.cuda_graph_max_bs or min(self.max_slots, 256)
+            self.graphs = CudaGraphRunner(self, min(max_bs, self.max_slots))
         logger.info(
             "KV cache: %d pages x %d tokens (%.2f GiB, %s) on %s",
             self.num_pages, self.page_size, self.kv_cache.buffer.nbytes / 2**30, self.dtype, self.device,
@@ -168,6 +191,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [N, vocab] of the last new token of each request with sample=True."""
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.graphs.forward(batch)
         meta, input_ids = self._metadata(batch)
         self.attn.prepare(meta)
         set_attention_backend(self.attn)
@@ -177,24 +202,58 @@ class ModelRunner:
         return self.model.compute_logits(hidden[rows])
 
     @torch.inference_mode()
-    def step(self, batch: ForwardBatch) -> StepOutput:
+    def launch(self, batch: ForwardBatch) -> None:
+        """Queue one step on the device; its tokens come back through ``collect``."""
         self.add_requests(batch.new_requests)
         logits = self.forward(batch)
         chosen = [i for i, s in enumerate(batch.sample) if s]
         if not chosen:
-            return StepOutput(tokens=[])
+            self.pending.append(_Pending([], {}, None))
+            return
         slots = [batch.slots[i] for i in chosen]
         seq_lens = [batch.cached_lens[i] + batch.new_lens[i] for i in chosen]
         out = self.sampler.sample(logits, slots, seq_lens)
-        self.last_token[torch.tensor(slots, device=self.device)] = out.tokens
-        return self._to_message(out, slots)
+        slots_t = torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
+        self.last_token[slots_t] = out.tokens
+        self.pending.append(self._to_host(out, slots))
 
-    def _to_message(self, out: SampleOutput, slots: list[int]) -> StepOutput:
-        msg = StepOutput(tokens=out.tokens.tolist())
-        if out.logprobs is not None:
-            msg.logprobs = out.logprobs.tolist()
-        if out.top_ids is not None:
-            wanted = [self.sampler.h_top_n[s] for s in slots]
-            msg.top_ids = [row[:n] for row, n in zip(out.top_ids.tolist(), wanted)]
-            msg.top_logprobs = [row[:n] for row, n in zip(out.top_logprobs.tolist(), wanted)]
+    def _to_host(self, out: SampleOutput, slots: list[int]) -> _Pending:
+        """Start copying the sampled values to (pinned) host memory; an event marks the end."""
+        on_gpu = self.device.type == "cuda"
+        host = {}
+        for name in ("tokens", "logprobs", "top_ids", "top_logprobs"):
+            value = getattr(out, name)
+            if value is not None:
+                host[name] = torch.empty(value.shape, dtype=value.dtype, pin_memory=on_gpu)
+                host[name].copy_(value, non_blocking=on_gpu)
+        event = None
+        if on_gpu:
+            event = torch.cuda.Event()
+            event.record()
+        return _Pending([self.sampler.h_top_n[s] for s in slots], host, event)
+
+    def oldest_done(self) -> bool:
+        """Whether ``collect`` would return without waiting."""
+        event = self.pending[0].event
+        return event is None or event.query()
+
+    def collect(self) -> StepOutput:
+        """Tokens (and logprobs) of the oldest launched step, waiting for it if needed."""
+        p = self.pending.popleft()
+        if p.event is not None:
+            p.event.synchronize()
+        if not p.top_n:
+            return StepOutput(tokens=[])
+        h = p.host
+        msg = StepOutput(tokens=h["tokens"].tolist())
+        if "logprobs" in h:
+            msg.logprobs = h["logprobs"].tolist()
+        if "top_ids" in h:
+            msg.top_ids = [row[:n] for row, n in zip(h["top_ids"].tolist(), p.top_n)]
+            msg.top_logprobs = [row[:n] for row, n in zip(h["top_logprobs"].tolist(), p.top_n)]
         return msg
+
+    def step(self, batch: ForwardBatch) -> StepOutput:
+        """launch + collect: one synchronous step (tests and simple drivers)."""
+        self.launch(batch)
+        return self.collect()

@@ -1,7 +1,8 @@
 """GPU-worker process: one per tensor-parallel rank. Receives ForwardBatch messages from the
 scheduler, runs them on its ModelRunner, and (rank 0 only) sends back the sampled tokens.
 
-Sampled tokens stay on the device as each slot's ``last_token``, so the scheduler never has to
+While a step runs the worker spins between its socket and the step's CUDA event, so a batch
+that arrives meanwhile is launched behind it with no gap. Sampled tokens stay on the device as each slot's ``last_token``, so the scheduler never has to
 send decode inputs back; all ranks sample identically (same logits after the all-gather, same
 counter-based noise), so only rank 0 reports.
 """
@@ -52,7 +53,12 @@ def run_worker(args: EngineArgs, rank: int, addrs: Addresses, log_level: str) ->
             max_running_requests=args.max_running_requests,
         ))
     while True:
-        batch = inbox.recv()
-        result = runner.step(batch)
-        if outbox is not None:
-            outbox.send(result)
+        # Launch every batch as soon as it arrives (the scheduler sends step N+1 while step N
+        # runs), and hand back each step's tokens once its device work is done.
+        batch = inbox.recv(timeout_ms=None if not runner.pending else 0)
+        if batch is not None:
+            runner.launch(batch)
+        elif runner.oldest_done():
+            result = runner.collect()
+            if outbox is not None:
+                outbox.send(result)

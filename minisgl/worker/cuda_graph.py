@@ -1,0 +1,106 @@
+"""CudaGraphRunner: decode steps replayed from CUDA graphs captured once at start-up.
+
+A decode step of an 8B model is ~1,000 small kernel launches; replaying a graph costs one.
+Graphs are captured for a ladder of batch sizes up to ``max_bs``; a batch is padded to the next
+captured size with dummy requests that live in the runner's padding slot (its page-table row
+points at a scratch page, so their K/V writes land nowhere that matters). Inputs go through
+static buffers; the attention backend plans each step into per-size buffers outside the graph.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import msgspec
+import torch
+from tqdm import tqdm
+
+from minisgl.attention.context import set_attention_backend
+from minisgl.messages import ForwardBatch
+
+if TYPE_CHECKING:
+    from minisgl.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def batch_sizes(max_bs: int) -> list[int]:
+    sizes = [s for s in (1, 2, 4, 8, *range(16, max_bs + 1, 16)) if s <= max_bs]
+    return sizes if sizes[-1] == max_bs else [*sizes, max_bs]
+
+
+class CudaGraphRunner:
+    def __init__(self, runner: ModelRunner, max_bs: int):
+        self.runner = runner
+        self.sizes = batch_sizes(max_bs)
+        self.max_bs = max_bs
+        dev = runner.device
+        self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(max_bs, dtype=torch.int64, device=dev)
+        self.out_loc = torch.zeros(max_bs, dtype=torch.int64, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        runner.attn.init_cuda_graph(max_bs, runner.page_table.shape[1])
+        self._capture()
+
+    def _pad(self, batch: ForwardBatch, size: int) -> ForwardBatch:
+        n = size - len(batch.slots)
+        if n == 0:
+            return batch
+        return msgspec.structs.replace(
+            batch, slots=batch.slots + [self.runner.pad_slot] * n, cached_lens=batch.cached_lens + [0] * n,
+            new_lens=batch.new_lens + [1] * n, input_ids=batch.input_ids + [0] * n,
+            sample=batch.sample + [False] * n,
+        )
+
+    def _load(self, batch: ForwardBatch) -> None:
+        """Copy the padded batch's inputs into the static buffers and plan attention."""
+        size = len(batch.slots)
+        meta, input_ids = self.runner._metadata(batch)
+        self.input_ids[:size].copy_(input_ids)
+        self.positions[:size].copy_(meta.positions)
+        self.out_loc[:size].copy_(meta.out_loc)
+        meta.positions, meta.out_loc = self.positions[:size], self.out_loc[:size]
+        self.runner.attn.prepare(meta, graph_batch_size=size)
+        set_attention_backend(self.runner.attn)
+
+    def _run_model(self, size: int) -> torch.Tensor:
+        model = self.runner.model
+        return model.compute_logits(model(self.input_ids[:size], self.positions[:size]))
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        start = time.perf_counter()
+        pool = None
+        stream = torch.cuda.Stream()
+        for size in tqdm(sorted(self.sizes, reverse=True), desc="Capturing CUDA graphs", unit="graph"):
+            self._load(self._pad(ForwardBatch([], [], [], [], []), size))
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self._run_model(size)  # warm-up outside the graph (lazy inits, autotuning)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                self.logits[size] = self._run_model(size)
+            pool = graph.pool()
+            self.graphs[size] = graph
+        torch.cuda.synchronize()
+        logger.info("captured %d CUDA graphs (batch sizes up to %d) in %.1f s",
+                    len(self.sizes), self.max_bs, time.perf_counter() - start)
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return len(batch.slots) <= self.max_bs and all(n == 1 for n in batch.new_lens)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits of the batch's sampling requests, from the graph of the next size up."""
+        size = self.sizes[bisect.bisect_left(self.sizes, len(batch.slots))]
+        self._load(self._pad(batch, size))
+        self.graphs[size].replay()
+        logits = self.logits[size][: len(batch.slots)]
+        if all(batch.sample):
+            return logits
+        rows = torch.tensor([i for i, s in enumerate(batch.sample) if s]).to(logits.device, non_blocking=True)
+        return logits[rows]
