@@ -82,15 +82,24 @@ class LLM:
             for req in reqs:  # all or nothing: a bad prompt leaves no queued work behind
                 self.scheduler.finish(req, "abort")
             raise
-        texts: dict[int, list[str]] = {r.rid: [] for r in reqs}
+        # Text is decoded once at the end, except for requests with stop strings, which are
+        # detokenized as they go so the stop can end them.
         streams = {}
         if self.tokenizer is not None:
             streams = {r.rid: TextStream(self.tokenizer, r.params.stop_strings, r.params.skip_special_tokens)
-                       for r in reqs}
+                       for r in reqs if r.params.stop_strings}
+        texts: dict[int, list[str]] = {rid: [] for rid in streams}
         while self.scheduler.has_work:
             for req in self.scheduler.step():
                 if req.rid in streams:
                     texts[req.rid].append(streams[req.rid].add(req.output_ids[-1:], req.finished))
                     if streams[req.rid].stopped:
                         self.scheduler.finish(req, "stop")
-        return [self._result(r, "".join(texts[r.rid]) if streams else None) for r in reqs]
+        return [self._result(r, self._text(r, texts)) for r in reqs]
+
+    def _text(self, req: Req, texts: dict[int, list[str]]) -> str | None:
+        if self.tokenizer is None:
+            return None
+        if req.rid in texts:
+            return "".join(texts[req.rid])
+        return self.tokenizer.decode(req.output_ids, skip_special_tokens=req.params.skip_special_tokens)

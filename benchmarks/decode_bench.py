@@ -1,0 +1,155 @@
+"""Decode step time against the memory-bandwidth floor, and FlashInfer's two decode kernels.
+
+    python benchmarks/decode_bench.py --model benchmarks/configs/llama3.1-8b --batch-sizes 1 16 64 128 256
+
+Part 1: a full decode step (CUDA graph, sampling included) at each batch size with every
+request at ``--context`` tokens. The floor is (weight bytes + KV bytes read) / measured
+device-to-device copy bandwidth. "sync" waits for each step's tokens (what a lone request
+sees); "pipelined" launches steps back to back (what overlap scheduling achieves).
+
+Part 2: one layer's decode attention, tensor-core vs CUDA-core path, on 256 requests either in
+16 groups sharing a 2048-token prefix (plus 256 private tokens each) or with 2304 private tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from minisgl.args import EngineArgs  # noqa: E402
+from minisgl.messages import ForwardBatch  # noqa: E402
+from minisgl.worker import ModelRunner  # noqa: E402
+
+
+def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting the read and the write."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return 2 * nbytes * iters / (start.elapsed_time(end) / 1e3)
+
+
+def step_times(runner: ModelRunner, bs: int, context: int, iters: int) -> tuple[float, float]:
+    """(sync, pipelined) seconds per decode step for ``bs`` requests of ``context`` tokens."""
+    pages_per_req = context + 1  # page size 1
+    first = ForwardBatch(
+        slots=list(range(bs)), cached_lens=[context] * bs, new_lens=[1] * bs, input_ids=[1] * bs,
+        sample=[True] * bs, table_slots=[s for s in range(bs) for _ in range(pages_per_req)],
+        table_cols=[c for _ in range(bs) for c in range(pages_per_req)],
+        table_pages=list(range(bs * pages_per_req)),
+    )
+    runner.step(first)
+    batch = ForwardBatch(slots=first.slots, cached_lens=first.cached_lens, new_lens=first.new_lens,
+                         input_ids=[-1] * bs, sample=first.sample)
+    for _ in range(3):
+        runner.step(batch)
+    t = time.perf_counter()
+    for _ in range(iters):
+        runner.step(batch)
+    sync = (time.perf_counter() - t) / iters
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(iters):
+        runner.launch(batch)
+    for _ in range(iters):
+        runner.collect()
+    return sync, (time.perf_counter() - t) / iters
+
+
+def attention_kernels(qo_heads: int, kv_heads: int, head_dim: int, iters: int = 50) -> list[dict]:
+    import flashinfer
+
+    groups, per_group, shared, private = 16, 16, 2048, 256
+    n = groups * per_group
+    rows = []
+    for layout in ("shared-prefix", "no-sharing"):
+        indices = []
+        if layout == "shared-prefix":
+            base = groups * shared
+            for g in range(groups):
+                for r in range(per_group):
+                    own = base + (g * per_group + r) * private
+                    indices.append(list(range(g * shared, (g + 1) * shared)) + list(range(own, own + private)))
+        else:
+            indices = [list(range(i * (shared + private), (i + 1) * (shared + private))) for i in range(n)]
+        total_pages = max(max(x) for x in indices) + 1
+        kv = torch.randn(total_pages, 2, 1, kv_heads, head_dim, dtype=torch.bfloat16, device="cuda")
+        q = torch.randn(n, qo_heads, head_dim, dtype=torch.bfloat16, device="cuda")
+        indptr = torch.tensor([0] + [len(x) for x in indices]).cumsum(0).int()
+        flat = torch.tensor([p for x in indices for p in x], dtype=torch.int32, device="cuda")
+        last = torch.ones(n, dtype=torch.int32)
+        for tensor_cores in (True, False):
+            ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tensor_cores)
+            w.plan(indptr, flat, last, qo_heads, kv_heads, head_dim, 1, q_data_type=torch.bfloat16,
+                   kv_data_type=torch.bfloat16)
+            w.run(q, kv)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                w.run(q, kv)
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end) / iters
+            distinct = total_pages * 2 * kv_heads * head_dim * 2
+            rows.append({"batch": layout, "path": "tensor-core" if tensor_cores else "cuda-core", "ms": ms,
+                         "distinct_kv_floor_ms": distinct / 3.0e12 * 1e3})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64, 128, 256])
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    bw = copy_bandwidth()
+    max_bs = max(args.batch_sizes)
+    runner = ModelRunner(EngineArgs(
+        model=args.model, load_format="dummy", device="cuda", context_length=args.context + 64,
+        max_running_requests=max_bs, max_total_tokens=max_bs * (args.context + 1),
+    ))
+    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    kv_per_token = runner.kv_cache.buffer.nbytes // (runner.num_pages + 1)
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; weights {weight_bytes / 2**30:.2f} GiB; "
+          f"KV {kv_per_token / 1024:.0f} KiB/token; {torch.cuda.get_device_name()}")
+    print(f"{'batch':>6} {'sync ms':>9} {'pipe ms':>9} {'floor ms':>9} {'pipe/floor':>10}")
+    steps = []
+    for bs in args.batch_sizes:
+        sync, pipe = step_times(runner, bs, args.context, args.iters)
+        floor = (weight_bytes + bs * args.context * kv_per_token) / bw
+        steps.append({"batch": bs, "sync_ms": sync * 1e3, "pipelined_ms": pipe * 1e3, "floor_ms": floor * 1e3})
+        print(f"{bs:>6} {sync * 1e3:9.2f} {pipe * 1e3:9.2f} {floor * 1e3:9.2f} {pipe / floor:10.2f}", flush=True)
+    cfg = runner.config
+    kernels = attention_kernels(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    print(f"\none layer of decode attention, {cfg.num_heads} q / {cfg.num_kv_heads} kv heads, 256 requests:")
+    for k in kernels:
+        print(f"  {k['batch']:14s} {k['path']:12s} {k['ms']:7.3f} ms  (distinct KV read once: "
+              f"{k['distinct_kv_floor_ms']:.3f} ms)")
+    out = Path(args.out or Path(__file__).parent / "results" / f"decode_{Path(args.model).name}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "model": args.model, "gpu": torch.cuda.get_device_name(), "copy_bandwidth": bw, "context": args.context,
+        "weight_bytes": weight_bytes, "kv_bytes_per_token": kv_per_token, "steps": steps, "attention": kernels,
+    }, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

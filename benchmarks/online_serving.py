@@ -1,0 +1,142 @@
+"""Online serving: the shared-prefix workload through HTTP /generate streaming.
+
+    python benchmarks/online_serving.py --model benchmarks/configs/llama3.1-8b --max-concurrency 64
+    python benchmarks/online_serving.py --url http://127.0.0.1:30000 --request-rate 8
+
+Starts ``python -m minisgl.launch`` with dummy weights (unless ``--url`` points at a running
+server), sends every request as token ids with ``ignore_eos``, either at a Poisson request rate
+or keeping at most ``--max-concurrency`` in flight, and reports request and token throughput,
+TTFT, inter-token latency and end-to-end latency (mean, p50, p99) and the cache hit rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.workloads import WORKLOADS  # noqa: E402
+
+
+async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], output_len: int) -> dict:
+    body = {"input_ids": prompt, "stream": True,
+            "sampling_params": {"max_new_tokens": output_len, "temperature": 0.0, "ignore_eos": True}}
+    start = time.perf_counter()
+    arrivals, tokens, cached = [], 0, 0
+    async with client.stream("POST", f"{url}/generate", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            n = event["meta_info"]["completion_tokens"]
+            if n > tokens:
+                arrivals += [time.perf_counter()] * (n - tokens)
+                tokens = n
+            cached = event["meta_info"]["cached_tokens"]
+    end = time.perf_counter()
+    itl = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    return {"ttft": arrivals[0] - start, "e2e": end - start, "itl": itl, "tokens": tokens, "cached": cached,
+            "prompt": len(prompt)}
+
+
+async def run(url: str, prompts: list[list[int]], output_lens: list[int], rate: float | None,
+              concurrency: int | None, seed: int) -> tuple[list[dict], float]:
+    rng = random.Random(seed)
+    limit = asyncio.Semaphore(concurrency or len(prompts))
+    async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None)) as client:
+        async def gated(p: list[int], n: int) -> dict:
+            async with limit:
+                return await one_request(client, url, p, n)
+
+        start = time.perf_counter()
+        tasks = []
+        for p, n in zip(prompts, output_lens):
+            tasks.append(asyncio.create_task(gated(p, n)))
+            if rate:
+                await asyncio.sleep(rng.expovariate(rate))
+        results = await asyncio.gather(*tasks)
+    return results, time.perf_counter() - start
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    v = sorted(values)
+    pick = lambda q: v[min(len(v) - 1, int(q * len(v)))]  # noqa: E731
+    return {"mean": sum(v) / len(v), "p50": pick(0.5), "p99": pick(0.99)}
+
+
+def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "minisgl.launch", "--model", args.model, "--load-format", args.load_format,
+           "--port", str(args.port), "--log-level", "warning", *args.server_args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:
+        print(line, end="")
+        if line.startswith("minisgl ready"):
+            return proc, f"http://127.0.0.1:{args.port}"
+    raise RuntimeError("the server exited before it was ready")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="checkpoint or config folder to serve (ignored with --url)")
+    ap.add_argument("--load-format", default="dummy")
+    ap.add_argument("--url", default=None)
+    ap.add_argument("--port", type=int, default=30123)
+    ap.add_argument("--workload", default="shared-prefix", choices=list(WORKLOADS))
+    ap.add_argument("--request-rate", type=float, default=None, help="requests/s (Poisson); default all at once")
+    ap.add_argument("--max-concurrency", type=int, default=None)
+    ap.add_argument("--num-prompts", type=int, default=None, help="only the first N requests of the workload")
+    ap.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="passed to minisgl.launch")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    proc = None
+    url = args.url
+    if url is None:
+        proc, url = start_server(args)
+    try:
+        vocab = httpx.get(f"{url}/get_model_info", timeout=30).json()["vocab_size"]
+        wl = WORKLOADS[args.workload](vocab)
+        n = args.num_prompts or len(wl.prompts)
+        results, elapsed = asyncio.run(run(url, wl.prompts[:n], wl.output_lens[:n], args.request_rate,
+                                           args.max_concurrency, seed=0))
+        sched = httpx.get(f"{url}/get_server_info", timeout=30).json()["scheduler"]
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
+    out_tokens = sum(r["tokens"] for r in results)
+    report = {
+        "workload": args.workload, "requests": len(results), "seconds": elapsed,
+        "request_rate": args.request_rate, "max_concurrency": args.max_concurrency,
+        "request_throughput": len(results) / elapsed, "output_tok_per_s": out_tokens / elapsed,
+        "total_tok_per_s": (out_tokens + sum(r["prompt"] for r in results)) / elapsed,
+        "ttft_s": summary([r["ttft"] for r in results]),
+        "itl_s": summary([x for r in results for x in r["itl"]]),
+        "e2e_s": summary([r["e2e"] for r in results]),
+        "cache_hit_rate": sched["cache_hit_rate"],
+        "cached_tokens_reported": sum(r["cached"] for r in results),
+    }
+    print(f"{args.workload}: {len(results)} requests in {elapsed:.2f} s, {report['request_throughput']:.2f} req/s, "
+          f"{report['output_tok_per_s']:.0f} out tok/s, cache hit rate {report['cache_hit_rate']:.2f}")
+    for key in ("ttft_s", "itl_s", "e2e_s"):
+        s = report[key]
+        print(f"  {key[:-2]:5s} mean {s['mean'] * 1e3:9.1f} ms  p50 {s['p50'] * 1e3:9.1f} ms  p99 {s['p99'] * 1e3:9.1f} ms")
+    name = Path(args.model).name if args.model else "server"
+    out = Path(args.out or Path(__file__).parent / "results" / f"online_{name}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
