@@ -69,6 +69,23 @@ def step_times(runner: ModelRunner, bs: int, context: int, iters: int) -> tuple[
     return sync, (time.perf_counter() - t) / iters
 
 
+def profile(runner: ModelRunner, bs: int, context: int) -> None:
+    """Where a decode step's time goes, on the host and on the GPU."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    step_times(runner, bs, context, iters=3)
+    batch = ForwardBatch(slots=list(range(bs)), cached_lens=[context] * bs, new_lens=[1] * bs,
+                         input_ids=[-1] * bs, sample=[True] * bs)
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            runner.launch(batch)
+        for _ in range(5):
+            runner.collect()
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+
+
 def attention_kernels(qo_heads: int, kv_heads: int, head_dim: int, iters: int = 50) -> list[dict]:
     import flashinfer
 
@@ -116,6 +133,8 @@ def main() -> None:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64, 128, 256])
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--profile", type=int, default=0, metavar="BS",
+                    help="print a torch-profiler table of 5 pipelined steps at this batch size and exit")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -129,6 +148,9 @@ def main() -> None:
     kv_per_token = runner.kv_cache.buffer.nbytes // (runner.num_pages + 1)
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; weights {weight_bytes / 2**30:.2f} GiB; "
           f"KV {kv_per_token / 1024:.0f} KiB/token; {torch.cuda.get_device_name()}")
+    if args.profile:
+        profile(runner, args.profile, args.context)
+        return
     print(f"{'batch':>6} {'sync ms':>9} {'pipe ms':>9} {'floor ms':>9} {'pipe/floor':>10}")
     steps = []
     for bs in args.batch_sizes:

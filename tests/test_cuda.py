@@ -142,3 +142,36 @@ def test_cuda_graphs_and_overlap_keep_greedy_tokens(tmp_path):
         outs[name] = [r["output_ids"] for r in llm.generate(prompts, params)]
     assert outs["graphs-sync"] == outs["eager-sync"]
     assert outs["graphs-overlap"] == outs["eager-sync"]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_kernels_match_torch(dtype):
+    """FlashInfer's fused norm, SiLU-and-mul and rotary against the torch reference, including
+    q/k that are strided views of a fused qkv projection (as the model passes them)."""
+    from minisgl.kernels import fused
+    from minisgl.layers.rotary import RotaryEmbedding
+
+    torch.manual_seed(0)
+    tol = dict(atol=2e-2, rtol=2e-2)
+    x = torch.randn(37, 4096, dtype=dtype, device="cuda")
+    res = torch.randn_like(x)
+    w = torch.rand(4096, dtype=dtype, device="cuda") + 0.5
+    torch.testing.assert_close(fused.rmsnorm(x, w, 1e-5), fused.rmsnorm_torch(x, w, 1e-5), **tol)
+    want_norm, want_res = fused.rmsnorm_torch(x + res, w, 1e-5), x + res
+    got_norm, got_res = fused.add_rmsnorm(x.clone(), res.clone(), w, 1e-5)
+    torch.testing.assert_close(got_norm, want_norm, **tol)
+    torch.testing.assert_close(got_res, want_res, **tol)
+    gu = torch.randn(37, 2 * 1024, dtype=dtype, device="cuda")
+    gate, up = gu.chunk(2, dim=-1)
+    torch.testing.assert_close(fused.silu_and_mul(gu), torch.nn.functional.silu(gate) * up, **tol)
+
+    rope = RotaryEmbedding(128, 4096, 500000.0, None).cuda()
+    qkv = torch.randn(37, (32 + 2 * 8) * 128, dtype=dtype, device="cuda")
+    q, k, _ = qkv.split([32 * 128, 8 * 128, 8 * 128], dim=-1)
+    q, k = q.view(37, 32, 128), k.view(37, 8, 128)
+    pos = torch.randint(0, 4096, (37,), device="cuda")
+    got_q, got_k = fused.apply_rope(pos, q, k, rope.cos, rope.sin, rope.cos_sin)
+    want_q, want_k = fused.apply_rope(pos, q, k, rope.cos, rope.sin, None)
+    torch.testing.assert_close(got_q, want_q, **tol)
+    torch.testing.assert_close(got_k, want_k, **tol)

@@ -13,7 +13,7 @@ from torch import nn
 from minisgl.attention.context import get_attention_backend
 from minisgl.config import ModelConfig
 from minisgl.distributed import get_tp_info
-from minisgl.layers.activation import silu_and_mul
+from minisgl.kernels.fused import silu_and_mul
 from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from minisgl.layers.norm import RMSNorm

@@ -155,7 +155,8 @@ class ModelRunner:
             self.sampler.set_request(slot, params, [], [], seed=slot)
         logits = torch.zeros(rows, self.vocab_size, dtype=self.dtype, device=self.device)
         self.sampler.sample(logits, list(range(rows)), [1] * rows)
-        self.sampler.set_request(0, SamplingParams(temperature=0.0), [], [], seed=0)
+        for slot in range(rows):  # leave every slot greedy, as a fresh runner has them
+            self.sampler.set_request(slot, SamplingParams(temperature=0.0), [], [], seed=0)
 
     # ---- one step -----------------------------------------------------------------------------
 
