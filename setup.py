@@ -24,5 +24,6 @@ setup(
     extras_require={
         "cuda": ["flashinfer-python>=0.6", "apache-tvm-ffi>=0.1.15", "ninja"],
         "test": ["pytest", "hypothesis", "httpx", "openai"],
+        "bench": ["httpx", "matplotlib"],
     },
 )

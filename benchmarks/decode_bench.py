@@ -14,7 +14,6 @@ Part 2: one layer's decode attention, tensor-core vs CUDA-core path, on 256 requ
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.workloads import save_result  # noqa: E402
 from minisgl.args import EngineArgs  # noqa: E402
 from minisgl.messages import ForwardBatch  # noqa: E402
 from minisgl.worker import ModelRunner  # noqa: E402
@@ -86,7 +86,7 @@ def profile(runner: ModelRunner, bs: int, context: int) -> None:
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
 
 
-def attention_kernels(qo_heads: int, kv_heads: int, head_dim: int, iters: int = 50) -> list[dict]:
+def attention_kernels(qo_heads: int, kv_heads: int, head_dim: int, bandwidth: float, iters: int = 50) -> list[dict]:
     import flashinfer
 
     groups, per_group, shared, private = 16, 16, 2048, 256
@@ -123,7 +123,7 @@ def attention_kernels(qo_heads: int, kv_heads: int, head_dim: int, iters: int = 
             ms = start.elapsed_time(end) / iters
             distinct = total_pages * 2 * kv_heads * head_dim * 2
             rows.append({"batch": layout, "path": "tensor-core" if tensor_cores else "cuda-core", "ms": ms,
-                         "distinct_kv_floor_ms": distinct / 3.0e12 * 1e3})
+                         "distinct_kv_floor_ms": distinct / bandwidth * 1e3})
     return rows
 
 
@@ -159,18 +159,15 @@ def main() -> None:
         steps.append({"batch": bs, "sync_ms": sync * 1e3, "pipelined_ms": pipe * 1e3, "floor_ms": floor * 1e3})
         print(f"{bs:>6} {sync * 1e3:9.2f} {pipe * 1e3:9.2f} {floor * 1e3:9.2f} {pipe / floor:10.2f}", flush=True)
     cfg = runner.config
-    kernels = attention_kernels(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    kernels = attention_kernels(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, bw)
     print(f"\none layer of decode attention, {cfg.num_heads} q / {cfg.num_kv_heads} kv heads, 256 requests:")
     for k in kernels:
         print(f"  {k['batch']:14s} {k['path']:12s} {k['ms']:7.3f} ms  (distinct KV read once: "
               f"{k['distinct_kv_floor_ms']:.3f} ms)")
-    out = Path(args.out or Path(__file__).parent / "results" / f"decode_{Path(args.model).name}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
+    save_result({
         "model": args.model, "gpu": torch.cuda.get_device_name(), "copy_bandwidth": bw, "context": args.context,
         "weight_bytes": weight_bytes, "kv_bytes_per_token": kv_per_token, "steps": steps, "attention": kernels,
-    }, indent=2))
-    print(f"wrote {out}")
+    }, args.out, f"decode_{Path(args.model).name}")
 
 
 if __name__ == "__main__":

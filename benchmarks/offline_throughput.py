@@ -9,14 +9,13 @@ generates exactly its output length.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.workloads import WORKLOADS  # noqa: E402
+from benchmarks.workloads import WORKLOADS, save_result  # noqa: E402
 from minisgl.llm import LLM  # noqa: E402
 from minisgl.sampling import SamplingParams  # noqa: E402
 
@@ -84,10 +83,7 @@ def main() -> None:
         import torch
 
         info["gpu"] = torch.cuda.get_device_name(device)
-    out = Path(args.out or Path(__file__).parent / "results" / f"offline_{Path(args.model).name}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(info, indent=2))
-    print(f"wrote {out}")
+    save_result(info, args.out, f"offline_{Path(args.model).name}")
 
 
 if __name__ == "__main__":

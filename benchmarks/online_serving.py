@@ -24,7 +24,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.workloads import WORKLOADS  # noqa: E402
+from benchmarks.workloads import WORKLOADS, save_result  # noqa: E402
 
 
 async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], output_len: int) -> dict:
@@ -132,10 +132,7 @@ def main() -> None:
         s = report[key]
         print(f"  {key[:-2]:5s} mean {s['mean'] * 1e3:9.1f} ms  p50 {s['p50'] * 1e3:9.1f} ms  p99 {s['p99'] * 1e3:9.1f} ms")
     name = Path(args.model).name if args.model else "server"
-    out = Path(args.out or Path(__file__).parent / "results" / f"online_{name}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {out}")
+    save_result(report, args.out, f"online_{name}")
 
 
 if __name__ == "__main__":

@@ -33,3 +33,14 @@ def shared_prefix_workload(
 
 
 WORKLOADS = {"random": random_workload, "shared-prefix": shared_prefix_workload}
+
+
+def save_result(data: dict, out: str | None, default_name: str) -> None:
+    """Write a benchmark's JSON to ``out``, or to benchmarks/results/<default_name>.json."""
+    import json
+    from pathlib import Path
+
+    path = Path(out or Path(__file__).parent / "results" / f"{default_name}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2))
+    print(f"wrote {path}")
