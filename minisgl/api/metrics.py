@@ -40,9 +40,6 @@ class Metrics:
 
     def render(self, stats: dict[str, float]) -> bytes:
         """The exposition text, after refreshing the engine gauges from a fresh stats reply."""
-        stats = dict(stats)
-        total = stats.get("total_pages") or 1
-        stats["kv_usage"] = (total - stats.get("free_pages", 0) - stats.get("evictable_pages", 0)) / total
         for name, gauge in self.engine.items():
             gauge.set(stats.get(name, 0))
         return generate_latest(self.registry)

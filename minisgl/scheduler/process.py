@@ -127,9 +127,8 @@ class SchedulerProcess:
             return
         s = self.sched.stats()
         logger.info(
-            "running %d, queued %d, KV pages in use %d/%d (%.1f%%), cache hit rate %.1f%%, %.1f tokens/s",
-            s["running_requests"], s["queued_requests"], s["used_pages"] - s["evictable_pages"],
-            s["total_pages"], 100 * (s["used_pages"] - s["evictable_pages"]) / s["total_pages"],
+            "running %d, queued %d, KV usage %.1f%% of %d pages, cache hit rate %.1f%%, %.1f tokens/s",
+            s["running_requests"], s["queued_requests"], 100 * s["kv_usage"], s["total_pages"],
             100 * s["cache_hit_rate"], self._tokens_since_log / (now - self._last_log),
         )
         self._last_log, self._tokens_since_log = now, 0

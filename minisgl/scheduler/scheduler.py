@@ -333,6 +333,8 @@ class Scheduler:
             "evictable_pages": info.evictable,
             "protected_pages": info.protected,
             "used_pages": self.allocator.num_pages - self.allocator.num_free,
+            # Pages that eviction cannot reclaim now: private to requests or locked by them.
+            "kv_usage": (self.allocator.num_pages - self.allocator.num_free - info.evictable) / self.allocator.num_pages,
             "prefix_queried_tokens": c.prefix_queried_tokens,
             "prefix_hit_tokens": c.prefix_hit_tokens,
             "cache_hit_rate": c.prefix_hit_tokens / c.prefix_queried_tokens if c.prefix_queried_tokens else 0.0,
