@@ -19,7 +19,7 @@ from minisgl.messages import (
     TokenLogprob, TokenOut, ToTokenizer, UpdateBatch,
 )
 from minisgl.tokenizer import load_tokenizer
-from minisgl.tokenizer.detokenizer import TextStream
+from minisgl.tokenizer.detokenizer import TextStream, decode_ids
 from minisgl.utils import init_logging
 
 logger = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ class RequestState:
             self.text = TextStream(tokenizer, req.sampling.stop_strings, req.sampling.skip_special_tokens)
 
     def _token_text(self, token: int) -> str:
-        return self.tokenizer.decode([token]) if self.tokenizer is not None else ""
+        return decode_ids(self.tokenizer, [token], skip_special_tokens=False) if self.tokenizer is not None else ""
 
     def update(self, out: TokenOut) -> ReqUpdate:
         """Turn the scheduler's new tokens into an update; a matched stop string finishes it."""
