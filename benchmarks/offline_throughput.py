@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.workloads import WORKLOADS, save_result  # noqa: E402
+from benchmarks.workloads import WORKLOADS, Workload, save_result  # noqa: E402
 from minisgl.llm import LLM  # noqa: E402
 from minisgl.sampling import SamplingParams  # noqa: E402
 
@@ -39,6 +39,31 @@ def run(llm: LLM, prompts: list[list[int]], output_lens: list[int]) -> dict[str,
     }
 
 
+def profile(llm: LLM, wl: Workload) -> None:
+    """Kernel time by kernel over one run and how much of the wall time the GPU was busy; then
+    the host side of a second run by Python function (cProfile)."""
+    import cProfile
+    import pstats
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    run(llm, wl.prompts[:8], [8] * 8)  # warm up outside the trace
+    llm.reset_scheduler(disable_radix_cache=False)
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        result = run(llm, wl.prompts, wl.output_lens)
+    events = prof.key_averages()
+    busy = sum(e.self_device_time_total for e in events) / 1e6
+    print(events.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=90))
+    print(f"{wl.name}: wall {result['seconds']:.2f} s (profiled), kernels {busy:.2f} s, "
+          f"GPU idle {result['seconds'] - busy:.2f} s")
+    llm.reset_scheduler(disable_radix_cache=False)
+    with cProfile.Profile() as host:
+        result = run(llm, wl.prompts, wl.output_lens)
+    print(f"host profile of a second run ({result['seconds']:.2f} s under cProfile):")
+    pstats.Stats(host).sort_stats("tottime").print_stats(30)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
@@ -52,11 +77,16 @@ def main() -> None:
     ap.add_argument("--ablations", action="store_true",
                     help="also run each workload (radix on) without CUDA graphs and without overlap")
     ap.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/offline_<model>.json)")
+    ap.add_argument("--profile", action="store_true",
+                    help="run the first workload once (radix on) under the torch profiler and print where GPU time goes")
     args = ap.parse_args()
 
     llm = LLM(args.model, load_format=args.load_format, page_size=args.page_size,
               max_running_requests=args.max_running_requests, chunked_prefill_size=args.chunked_prefill_size,
               context_length=args.context_length)
+    if args.profile:
+        profile(llm, WORKLOADS[args.workloads[0]](llm.runner.vocab_size))
+        return
     graphs = llm.runner.graphs
     variants = [(f"radix-{r}", r == "off", True, True) for r in args.radix]
     if args.ablations:

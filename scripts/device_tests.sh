@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run on the GPU machine from the project root (see ../shared/device/README.md):
 #   source .device/env.sh && bash scripts/device_tests.sh; bash .device/save-cache.sh
-# Times the JIT store kernel build (cold, then cached), then runs the whole test suite.
+# Times the JIT rope_store kernel build (cold, then cached), then runs the whole test suite.
 set -o pipefail
 out=${OUT:-/tmp}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -10,8 +10,8 @@ for attempt in first second; do
 import sys, time
 start = time.perf_counter()
 from minisgl.kernels.jit import load_module
-load_module("store_kv")
-print(f"store_kv load ({sys.argv[1]} process): {time.perf_counter() - start:.2f} s")
+load_module("rope_store")
+print(f"rope_store load ({sys.argv[1]} process): {time.perf_counter() - start:.2f} s")
 PY
 done
 python -m pytest tests -q -rs --durations=15 "$@" 2>&1 | tee "$out/pytest.log"

@@ -1,4 +1,4 @@
-"""GPU path: the JIT store kernel, FlashInfer against the torch reference, real-shape decode.
+"""GPU path: the JIT rope_store kernel, FlashInfer against the torch reference, real-shape decode.
 
 Marked ``cuda``: skipped on machines without a GPU, run on the GPU machine before resolving.
 """
@@ -12,7 +12,7 @@ import torch
 
 from minisgl.args import EngineArgs
 from minisgl.attention import AttentionMetadata, create_backend
-from minisgl.kernels import store_kv, store_kv_torch
+from minisgl.kernels import rope_store, rope_store_torch, store_kv_torch
 from minisgl.kvcache import MHAKVCache
 from minisgl.messages import ForwardBatch
 from minisgl.utils import cdiv
@@ -25,21 +25,36 @@ CONFIGS = Path(__file__).resolve().parents[1] / "benchmarks" / "configs"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("heads,dim", [(8, 128), (2, 64), (1, 80), (3, 24), (4, 2)])
+@pytest.mark.parametrize("heads,dim", [((32, 8), 128), ((16, 8), 128), ((4, 2), 64), ((2, 1), 32), ((8, 8), 256)])
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
-def test_store_kernel_matches_torch(dtype, heads, dim, page_size, index_dtype):
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_store_kernel_matches_torch(dtype, heads, dim, page_size, qk_norm):
+    """q/k norm + rotary + K/V store in one kernel, against the torch ops it replaces, on a
+    page-first cache and a qkv tensor with strided rows."""
+    from minisgl.layers.rotary import RotaryEmbedding
+
     torch.manual_seed(0)
-    layers, pages, tokens = 3, 256, 200
-    caches = [MHAKVCache(pages, page_size, layers, heads, dim, dtype, torch.device("cuda")) for _ in range(2)]
-    slots = torch.randperm(pages * page_size, device="cuda")[:tokens].to(index_dtype)
-    fused = torch.randn(tokens, 3, heads, dim, device="cuda", dtype=dtype)  # strided k/v rows
-    for layer in range(layers):
-        k, v = fused[:, 1] + layer, fused[:, 2] - layer
-        store_kv(caches[0].k_cache(layer), caches[0].v_cache(layer), k, v, slots)
-        store_kv_torch(caches[1].k_cache(layer), caches[1].v_cache(layer), k, v, slots)
+    (hq, hk), layers, pages, tokens = heads, 3, 128, 100
+    caches = [MHAKVCache(pages, page_size, layers, hk, dim, dtype, torch.device("cuda")) for _ in range(2)]
+    slots = torch.randperm(pages * page_size, device="cuda")[:tokens]
+    positions = torch.randint(0, 4096, (tokens,), device="cuda")
+    cos_sin = RotaryEmbedding(dim, 4096, 500000.0, None).cuda().cos_sin
+    width = (hq + 2 * hk) * dim
+    qkv = torch.randn(tokens, width + 64, device="cuda", dtype=dtype)[:, :width]
+    norm = None
+    if qk_norm:
+        norm = (torch.rand(dim, device="cuda", dtype=dtype) + 0.5, torch.rand(dim, device="cuda", dtype=dtype) + 0.5, 1e-6)
+    layer = 1
+    got = rope_store(qkv, hq, positions, cos_sin, caches[0].k_cache(layer), caches[0].v_cache(layer), slots, norm)
+    want = rope_store_torch(qkv, hq, positions, cos_sin, caches[1].k_cache(layer), caches[1].v_cache(layer), slots, norm)
     torch.cuda.synchronize()
-    assert torch.equal(caches[0].buffer, caches[1].buffer)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+    assert got.is_contiguous() and got.shape == (tokens, hq, dim)
+    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(caches[0].buffer, caches[1].buffer, **tol)
+    # V is copied exactly, and nothing outside the written slots of the layer changed.
+    assert torch.equal(caches[0].buffer[1], caches[1].buffer[1])
+    assert (caches[0].buffer[:, :, [0, 2]] == 0).all()
 
 
 def _random_batch(page_size: int, cached: list[int], new: list[int], pages: int, device: str):
@@ -82,7 +97,11 @@ def test_flashinfer_matches_torch_backend(page_size, heads, mode):
         q = torch.randn(sum(new), hq, dim, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(sum(new), hk, dim, device="cuda", dtype=torch.bfloat16)
         v = torch.randn(sum(new), hk, dim, device="cuda", dtype=torch.bfloat16)
-        outs.append([backend.forward(q, k, v, layer) for layer in range(2)])
+        out = []
+        for layer in range(2):
+            store_kv_torch(cache.k_cache(layer), cache.v_cache(layer), k, v, meta.out_loc)
+            out.append(backend.forward(q, layer))
+        outs.append(out)
     for ref, got in zip(*outs):
         torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
@@ -147,10 +166,8 @@ def test_cuda_graphs_and_overlap_keep_greedy_tokens(tmp_path):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fused_kernels_match_torch(dtype):
-    """FlashInfer's fused norm, SiLU-and-mul and rotary against the torch reference, including
-    q/k that are strided views of a fused qkv projection (as the model passes them)."""
+    """FlashInfer's fused norm and SiLU-and-mul against the torch reference."""
     from minisgl.kernels import fused
-    from minisgl.layers.rotary import RotaryEmbedding
 
     torch.manual_seed(0)
     tol = dict(atol=2e-2, rtol=2e-2)
@@ -165,13 +182,3 @@ def test_fused_kernels_match_torch(dtype):
     gu = torch.randn(37, 2 * 1024, dtype=dtype, device="cuda")
     gate, up = gu.chunk(2, dim=-1)
     torch.testing.assert_close(fused.silu_and_mul(gu), torch.nn.functional.silu(gate) * up, **tol)
-
-    rope = RotaryEmbedding(128, 4096, 500000.0, None).cuda()
-    qkv = torch.randn(37, (32 + 2 * 8) * 128, dtype=dtype, device="cuda")
-    q, k, _ = qkv.split([32 * 128, 8 * 128, 8 * 128], dim=-1)
-    q, k = q.view(37, 32, 128), k.view(37, 8, 128)
-    pos = torch.randint(0, 4096, (37,), device="cuda")
-    got_q, got_k = fused.apply_rope(pos, q, k, rope.cos, rope.sin, rope.cos_sin)
-    want_q, want_k = fused.apply_rope(pos, q, k, rope.cos, rope.sin, None)
-    torch.testing.assert_close(got_q, want_q, **tol)
-    torch.testing.assert_close(got_k, want_k, **tol)

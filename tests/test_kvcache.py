@@ -32,7 +32,7 @@ def test_store_kv_writes_each_slot(page_size, index_dtype):
     # k/v as strided views of a fused projection, like the model produces.
     fused = torch.randn(10, 3, 2, 8)
     k, v = fused[:, 1], fused[:, 2]
-    cache.store_kv(k, v, slots, layer_id=2)
+    store_kv_torch(cache.k_cache(2), cache.v_cache(2), k, v, slots)
     for i, slot in enumerate(slots.tolist()):
         page, off = divmod(slot, page_size)
         assert torch.equal(cache.buffer[0, page, 2, off], k[i])

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from minisgl.kernels.rope_store import rope_store
 from minisgl.kvcache import BaseKVCache
 
 
@@ -41,7 +42,7 @@ class AttentionMetadata:
 
 
 class AttentionBackend(ABC):
-    """Stores the step's new K/V into the paged cache and attends over cached + new tokens."""
+    """Writes the step's new K/V into the paged cache and attends over cached + new tokens."""
 
     def __init__(self, kv_cache: BaseKVCache, num_qo_heads: int, num_kv_heads: int, head_dim: int):
         self.kv_cache = kv_cache
@@ -62,6 +63,17 @@ class AttentionBackend(ABC):
         """Allocate the fixed buffers that captured decode graphs read their plans from."""
         raise NotImplementedError(f"{type(self).__name__} cannot run inside CUDA graphs")
 
+    def rope_store(
+        self, qkv: torch.Tensor, positions: torch.Tensor, layer_id: int, cos_sin: torch.Tensor,
+        norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    ) -> torch.Tensor:
+        """From a layer's qkv projection [T, (Hq + 2 Hk) * D]: per-head q/k norm (``norm``),
+        rotary, K/V written to the new tokens' slots. Returns q [T, Hq, D] for ``forward``."""
+        return rope_store(
+            qkv, self.num_qo_heads, positions, cos_sin, self.kv_cache.k_cache(layer_id),
+            self.kv_cache.v_cache(layer_id), self.meta.out_loc, norm,
+        )
+
     @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
-        """q: [T, Hq, D], k/v: [T, Hk, D] for the new tokens; returns [T, Hq, D]."""
+    def forward(self, q: torch.Tensor, layer_id: int) -> torch.Tensor:
+        """q: [T, Hq, D] of the new tokens, whose K/V ``rope_store`` has written; returns [T, Hq, D]."""

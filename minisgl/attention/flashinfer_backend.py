@@ -81,7 +81,6 @@ class FlashInferBackend(AttentionBackend):
             qo_indptr[1:] = torch.tensor(meta.new_lens, dtype=torch.int32).cumsum(0)
             self.prefill.plan(qo_indptr, kv_indptr, indices, last_page_len, *heads, causal=True, **common)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
-        self.kv_cache.store_kv(k, v, self.meta.out_loc, layer_id)
+    def forward(self, q: torch.Tensor, layer_id: int) -> torch.Tensor:
         cache = (self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id))
-        return self.wrapper.run(q.contiguous(), cache)
+        return self.wrapper.run(q, cache)

@@ -9,9 +9,8 @@ from minisgl.utils import cdiv
 
 
 class TorchBackend(AttentionBackend):
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, layer_id: int) -> torch.Tensor:
         meta = self.meta
-        self.kv_cache.store_kv(k, v, meta.out_loc, layer_id)
         k_cache, v_cache = self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id)
         page_size = self.kv_cache.page_size
         group = self.num_qo_heads // self.num_kv_heads

@@ -1,5 +1,5 @@
 """Python side of the custom kernels: CUDA sources in kernels/csrc compiled on first use."""
 
-from minisgl.kernels.store import store_kv, store_kv_torch
+from minisgl.kernels.rope_store import rope_store, rope_store_torch, store_kv_torch
 
-__all__ = ["store_kv", "store_kv_torch"]
+__all__ = ["rope_store", "rope_store_torch", "store_kv_torch"]

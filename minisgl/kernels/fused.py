@@ -1,6 +1,6 @@
 """Fused elementwise kernels: FlashInfer's on CUDA for 16-bit tensors, torch everywhere else.
 
-A decode step of a Llama layer runs a dozen tiny elementwise ops (norms, residual adds, rotary,
+A decode step of a Llama layer runs a dozen tiny elementwise ops (norms, residual adds,
 SiLU-and-mul); each is a separate launch that reads and writes the activations. FlashInfer
 fuses each group into one kernel. The torch versions are the reference (CPU, fp32, tests).
 """
@@ -61,29 +61,3 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return flashinfer.activation.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
-
-
-def rotate_half_torch(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
-def apply_rope(
-    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-    cos_sin: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q [T, Hq, D] and k [T, Hk, D] (rotate-half layout) by their positions; ``cos``/``sin``
-    are [max_pos, D/2] float32 tables and ``cos_sin`` their concatenation for the fused kernel."""
-    if _fused(q) and cos_sin is not None:
-        import flashinfer
-
-        q, k = q.contiguous(), k.contiguous()
-        flashinfer.rope.apply_rope_with_cos_sin_cache_inplace(
-            positions, q.view(q.shape[0], -1), k.view(k.shape[0], -1), q.shape[-1], cos_sin, is_neox=True
-        )
-        return q, k
-    c = cos[positions].unsqueeze(1).to(q.dtype)
-    s = sin[positions].unsqueeze(1).to(q.dtype)
-    return rotate_half_torch(q, c, s), rotate_half_torch(k, c, s)

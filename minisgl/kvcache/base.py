@@ -20,7 +20,3 @@ class BaseKVCache(ABC):
     @abstractmethod
     def v_cache(self, layer_id: int) -> torch.Tensor:
         """Layer view of V, same shape and strides as ``k_cache``."""
-
-    @abstractmethod
-    def store_kv(self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor, layer_id: int) -> None:
-        """Write k/v [T, kv_heads, head_dim] of T new tokens into slot ids ``out_loc`` [T]."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from minisgl.kernels import store_kv
 from minisgl.kvcache.base import BaseKVCache
 
 
@@ -42,6 +41,3 @@ class MHAKVCache(BaseKVCache):
 
     def v_cache(self, layer_id: int) -> torch.Tensor:
         return self.buffer[1, :, layer_id]
-
-    def store_kv(self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor, layer_id: int) -> None:
-        store_kv(self.k_cache(layer_id), self.v_cache(layer_id), k, v, out_loc)

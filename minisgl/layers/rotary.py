@@ -1,4 +1,4 @@
-"""Rotary position embedding (rotate-half layout) with default, linear and Llama-3 frequency scaling."""
+"""Rotary position embedding tables (rotate-half layout) with default, linear and Llama-3 frequency scaling."""
 
 from __future__ import annotations
 
@@ -7,8 +7,6 @@ from typing import Any
 
 import torch
 from torch import nn
-
-from minisgl.kernels.fused import apply_rope
 
 
 def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -33,18 +31,14 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> to
 
 
 class RotaryEmbedding(nn.Module):
-    """Precomputes cos/sin for every position up to ``max_positions`` and rotates q and k in place."""
+    """The cos/sin table of every position up to ``max_positions``, shared by all layers.
+
+    ``cos_sin`` is [max_positions, head_dim] float32: the cos of the head_dim/2 frequencies, then
+    their sin. The attention backend's ``rope_store`` applies it (rotate-half layout).
+    """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None):
         super().__init__()
         inv_freq = _inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
-        self.register_buffer("cos_sin", torch.cat([self.cos, self.sin], dim=-1), persistent=False)
-
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, Hq, D], k: [T, Hk, D]; returns rotated copies in the input dtype."""
-        return apply_rope(positions, q, k, self.cos, self.sin, self.cos_sin)
+        self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)

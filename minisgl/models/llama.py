@@ -39,17 +39,10 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        out = get_attention_backend().forward(q, k, v, self.layer_id)
-        return self.o_proj(out.reshape(-1, q_size))
+        backend = get_attention_backend()
+        norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if hasattr(self, "q_norm") else None
+        q = backend.rope_store(self.qkv_proj(x), positions, self.layer_id, self.rotary.cos_sin, norm)
+        return self.o_proj(backend.forward(q, self.layer_id).reshape(-1, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):

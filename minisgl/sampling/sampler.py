@@ -46,16 +46,16 @@ class Sampler:
     def __init__(self, max_slots: int, vocab_size: int, device: torch.device):
         self.vocab_size = vocab_size
         self.device = device
-        f32 = dict(dtype=torch.float32, device=device)
-        self.temperature = torch.ones(max_slots, **f32)
-        self.top_p = torch.ones(max_slots, **f32)
-        self.top_k = torch.full((max_slots,), vocab_size, dtype=torch.int64, device=device)
-        self.min_p = torch.zeros(max_slots, **f32)
-        self.rep_penalty = torch.ones(max_slots, **f32)
-        self.freq_penalty = torch.zeros(max_slots, **f32)
-        self.pres_penalty = torch.zeros(max_slots, **f32)
-        self.seed = torch.zeros(max_slots, dtype=torch.int64, device=device)
-        self.greedy = torch.ones(max_slots, dtype=torch.bool, device=device)
+        # Per-slot parameters live in two tables, written on the host by ``set_request`` and
+        # uploaded in one copy each before the next sample: a device write per field would be a
+        # synchronous copy that stalls the host behind the step in flight.
+        self._host_f = torch.tensor([[1.0, 1.0, 0.0, 1.0, 0.0, 0.0]] * max_slots, dtype=torch.float32)
+        self._host_i = torch.tensor([[vocab_size, 0, 1]] * max_slots, dtype=torch.int64)
+        self._dev_f, self._dev_i = self._host_f.to(device), self._host_i.to(device)
+        self._dirty: set[int] = set()
+        self.temperature, self.top_p, self.min_p = self._dev_f[:, 0], self._dev_f[:, 1], self._dev_f[:, 2]
+        self.rep_penalty, self.freq_penalty, self.pres_penalty = self._dev_f[:, 3], self._dev_f[:, 4], self._dev_f[:, 5]
+        self.top_k, self.seed, self.greedy = self._dev_i[:, 0], self._dev_i[:, 1], self._dev_i[:, 2]
         # Host mirrors so each step can pick the cheapest path without reading the device.
         self.h_greedy = [True] * max_slots
         self.h_truncate = [False] * max_slots
@@ -65,39 +65,51 @@ class Sampler:
         self.out_counts: torch.Tensor | None = None  # [max_slots, vocab] int32, made on first use
         self.seen: torch.Tensor | None = None  # [max_slots, vocab] bool: prompt or output tokens
 
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """Copy a fresh host tensor without blocking the host (pinned first on CUDA)."""
+        if self.device.type == "cuda":
+            t = t.pin_memory()
+        return t.to(self.device, non_blocking=True)
+
     def set_request(
         self, slot: int, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
         seed: int, top_logprobs: int = -1,
     ) -> None:
         """Install a request's parameters in ``slot``; ``seed`` is used when params.seed is None."""
         p = params
-        self.temperature[slot] = p.temperature if p.temperature > 0 else 1.0
-        self.top_p[slot] = p.top_p
-        self.top_k[slot] = p.top_k if p.top_k > 0 else self.vocab_size
-        self.min_p[slot] = p.min_p
-        self.seed[slot] = p.seed if p.seed is not None else seed
-        self.greedy[slot] = p.is_greedy
+        self._host_f[slot] = torch.tensor([
+            p.temperature if p.temperature > 0 else 1.0, p.top_p, p.min_p,
+            p.repetition_penalty, p.frequency_penalty, p.presence_penalty,
+        ])
+        top_k = p.top_k if p.top_k > 0 else self.vocab_size
+        self._host_i[slot] = torch.tensor([top_k, p.seed if p.seed is not None else seed, int(p.is_greedy)])
+        self._dirty.add(slot)
         self.h_greedy[slot] = p.is_greedy
         self.h_truncate[slot] = p.top_p < 1.0 or 0 < p.top_k < self.vocab_size
         self.h_min_p[slot] = p.min_p > 0.0
         self.h_top_n[slot] = top_logprobs
         self.h_penalty[slot] = p.has_penalty
         if p.has_penalty:
-            self._init_penalty(slot, p, prompt_ids, output_ids)
+            self._init_penalty(slot, prompt_ids, output_ids)
 
-    def _init_penalty(self, slot: int, p: SamplingParams, prompt_ids: list[int], output_ids: list[int]) -> None:
+    def _upload(self) -> None:
+        if not self._dirty:
+            return
+        rows = torch.tensor(sorted(self._dirty), dtype=torch.int64)
+        self._dirty.clear()
+        rows_d = self._to_device(rows)
+        self._dev_f[rows_d] = self._to_device(self._host_f[rows])
+        self._dev_i[rows_d] = self._to_device(self._host_i[rows])
+
+    def _init_penalty(self, slot: int, prompt_ids: list[int], output_ids: list[int]) -> None:
         if self.out_counts is None:
-            n = self.temperature.shape[0]
+            n = self._dev_f.shape[0]
             self.out_counts = torch.zeros(n, self.vocab_size, dtype=torch.int32, device=self.device)
             self.seen = torch.zeros(n, self.vocab_size, dtype=torch.bool, device=self.device)
-        self.rep_penalty[slot] = p.repetition_penalty
-        self.freq_penalty[slot] = p.frequency_penalty
-        self.pres_penalty[slot] = p.presence_penalty
         self.out_counts[slot].zero_()
         self.seen[slot].zero_()
-        ids = torch.tensor(prompt_ids + output_ids, dtype=torch.int64, device=self.device)
-        self.seen[slot, ids] = True
-        out = torch.tensor(output_ids, dtype=torch.int64, device=self.device)
+        self.seen[slot, self._to_device(torch.tensor(prompt_ids + output_ids, dtype=torch.int64))] = True
+        out = self._to_device(torch.tensor(output_ids, dtype=torch.int64))
         self.out_counts[slot].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
 
     def _apply_penalties(self, logits: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -111,6 +123,7 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, slots_list: list[int], seq_lens: list[int]) -> SampleOutput:
         """logits [B, V] for requests in ``slots_list``; ``seq_lens`` give each one's position."""
+        self._upload()
         slots = torch.tensor(slots_list, dtype=torch.int64).to(self.device, non_blocking=True)
         logits = logits.float()
         penalized = [s for s in slots_list if self.h_penalty[s]]
@@ -120,7 +133,8 @@ class Sampler:
         if all(self.h_greedy[s] for s in slots_list):
             tokens = greedy_tokens
         else:
-            tokens = torch.where(self.greedy[slots], greedy_tokens, self._sample_random(logits, slots, slots_list, seq_lens))
+            sampled = self._sample_random(logits, slots, slots_list, seq_lens)
+            tokens = torch.where(self.greedy[slots].bool(), greedy_tokens, sampled)
         out = SampleOutput(tokens=tokens)
         top_n = max(self.h_top_n[s] for s in slots_list)
         if top_n >= 0:

@@ -244,6 +244,9 @@ class Scheduler:
             req.pages.append(page)
         for req in decoding:
             req.kv_len += 1
+        # Requests that share a prefix share its first page. Adjacent in the batch, they are
+        # attended by neighbouring thread blocks at the same time, so the prefix's re-reads hit L2.
+        decoding.sort(key=lambda r: r.pages[0])
         return [(req, 1, True) for req in decoding]
 
     def _build_batch(self, entries: list[Entry], decode: bool) -> ForwardBatch:

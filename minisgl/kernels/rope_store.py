@@ -1,0 +1,70 @@
+"""rope_store: a layer's step from the qkv projection to the KV cache, in one kernel on CUDA.
+
+Between the qkv GEMM and attention a layer normalizes q and k per head (Qwen3), rotates them,
+and writes k and v into their cache slots. Done as separate torch or FlashInfer ops that is
+four to twelve launches per layer, each reading and writing the activations; the JIT kernel in
+kernels/csrc/rope_store.cu does it in one. The torch version is the reference (CPU, tests).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minisgl.kernels.fused import rmsnorm_torch
+from minisgl.kernels.jit import load_module
+
+KERNEL_HEAD_DIMS = (32, 64, 128, 256)
+
+
+def store_kv_torch(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor
+) -> None:
+    """Caches are [pages, page_size, H, D] layer views; ``out_loc`` holds slot ids (page * page_size + offset)."""
+    page_size = k_cache.shape[1]
+    loc = out_loc.long()
+    pages, offsets = loc // page_size, loc % page_size
+    k_cache[pages, offsets] = k
+    v_cache[pages, offsets] = v
+
+
+def rotate_half_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def rope_store_torch(
+    qkv: torch.Tensor, num_q_heads: int, positions: torch.Tensor, cos_sin: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, out_loc: torch.Tensor,
+    norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+) -> torch.Tensor:
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    q, k, v = qkv.view(qkv.shape[0], -1, head_dim).split([num_q_heads, num_kv_heads, num_kv_heads], dim=1)
+    if norm is not None:
+        q_weight, k_weight, eps = norm
+        q, k = rmsnorm_torch(q, q_weight, eps), rmsnorm_torch(k, k_weight, eps)
+    cos, sin = cos_sin[positions].unsqueeze(1).to(q.dtype).chunk(2, dim=-1)
+    q, k = rotate_half_torch(q, cos, sin), rotate_half_torch(k, cos, sin)
+    store_kv_torch(k_cache, v_cache, k, v, out_loc)
+    return q
+
+
+def rope_store(
+    qkv: torch.Tensor, num_q_heads: int, positions: torch.Tensor, cos_sin: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, out_loc: torch.Tensor,
+    norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+) -> torch.Tensor:
+    """Rotate q and k of ``qkv`` [T, (Hq + 2 Hk) * D] by ``positions`` (rotate-half layout,
+    ``cos_sin`` = [max_pos, D] float32 cos | sin), after a per-head RMSNorm when ``norm`` =
+    (q_weight, k_weight, eps) is given. K and V go to slots ``out_loc`` of the [pages,
+    page_size, Hk, D] cache views; returns q as a contiguous [T, Hq, D]."""
+    head_dim = k_cache.shape[3]
+    if not qkv.is_cuda or head_dim not in KERNEL_HEAD_DIMS:
+        return rope_store_torch(qkv, num_q_heads, positions, cos_sin, k_cache, v_cache, out_loc, norm)
+    q = torch.empty(qkv.shape[0], num_q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    empty = qkv.new_empty(0)
+    q_weight, k_weight, eps = norm if norm is not None else (empty, empty, 0.0)
+    load_module("rope_store").rope_store(
+        qkv, q, k_cache, v_cache, positions, out_loc, cos_sin, q_weight, k_weight, eps,
+        torch.cuda.current_stream().cuda_stream,
+    )
+    return q
