@@ -8,7 +8,8 @@ device-to-device copy bandwidth. "sync" waits for each step's tokens (what a lon
 sees); "pipelined" launches steps back to back (what overlap scheduling achieves).
 
 Part 2: one layer's decode attention, tensor-core vs CUDA-core path, on 256 requests either in
-16 groups sharing a 2048-token prefix (plus 256 private tokens each) or with 2304 private tokens.
+16 groups sharing a 2048-token prefix (plus 256 private tokens each) or with 2304 private tokens,
+with the layer's K/V in dense tensors or spread page-first as the engine stores them.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.workloads import save_result  # noqa: E402
 from minisgl.args import EngineArgs  # noqa: E402
 from minisgl.messages import ForwardBatch  # noqa: E402
+from minisgl.utils import cdiv  # noqa: E402
 from minisgl.worker import ModelRunner  # noqa: E402
 
 
@@ -45,7 +47,7 @@ def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20) -> float:
 
 def step_times(runner: ModelRunner, bs: int, context: int, iters: int) -> tuple[float, float]:
     """(sync, pipelined) seconds per decode step for ``bs`` requests of ``context`` tokens."""
-    pages_per_req = context + 1  # page size 1
+    pages_per_req = cdiv(context + 1, runner.page_size)
     first = ForwardBatch(
         slots=list(range(bs)), cached_lens=[context] * bs, new_lens=[1] * bs, input_ids=[1] * bs,
         sample=[True] * bs, table_slots=[s for s in range(bs) for _ in range(pages_per_req)],
@@ -90,10 +92,13 @@ def profile(runner: ModelRunner, bs: int, context: int) -> None:
 PAGE_FIRST_LAYERS = 8  # enough to spread one layer's tokens as the engine does, small enough to fit
 
 
-def attention_kernels(qo_heads: int, kv_heads: int, head_dim: int, bandwidth: float, iters: int = 50) -> list[dict]:
+def attention_kernels(
+    qo_heads: int, kv_heads: int, head_dim: int, page_size: int, bandwidth: float, iters: int = 50
+) -> list[dict]:
     import flashinfer
 
-    groups, per_group, shared, private = 16, 16, 2048, 256
+    groups, per_group = 16, 16
+    shared, private = 2048 // page_size, 256 // page_size  # in pages
     n = groups * per_group
     rows = []
     for layout in ("shared-prefix", "no-sharing"):
@@ -110,20 +115,20 @@ def attention_kernels(qo_heads: int, kv_heads: int, head_dim: int, bandwidth: fl
         q = torch.randn(n, qo_heads, head_dim, dtype=torch.bfloat16, device="cuda")
         indptr = torch.tensor([0] + [len(x) for x in indices]).cumsum(0).int()
         flat = torch.tensor([p for x in indices for p in x], dtype=torch.int32, device="cuda")
-        last = torch.ones(n, dtype=torch.int32)
+        last = torch.full((n,), page_size, dtype=torch.int32)
         # Cache layouts: K and V of a layer in two dense tensors (layer-first), or the engine's
         # page-first layout, where a token's K for one layer sits among those of the others.
-        layer_first = torch.randn(2, total_pages, 1, kv_heads, head_dim, dtype=torch.bfloat16, device="cuda")
+        layer_first = torch.randn(2, total_pages, page_size, kv_heads, head_dim, dtype=torch.bfloat16, device="cuda")
         caches = {"layer-first": (layer_first[0], layer_first[1])}
         del layer_first
-        page_first = torch.randn(2, total_pages, PAGE_FIRST_LAYERS, 1, kv_heads, head_dim, dtype=torch.bfloat16,
-                                 device="cuda")
+        page_first = torch.randn(2, total_pages, PAGE_FIRST_LAYERS, page_size, kv_heads, head_dim,
+                                 dtype=torch.bfloat16, device="cuda")
         caches["page-first"] = (page_first[0, :, 0], page_first[1, :, 0])
         for storage, kv in caches.items():
             for tensor_cores in (True, False):
                 ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
                 w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tensor_cores)
-                w.plan(indptr, flat, last, qo_heads, kv_heads, head_dim, 1, q_data_type=torch.bfloat16,
+                w.plan(indptr, flat, last, qo_heads, kv_heads, head_dim, page_size, q_data_type=torch.bfloat16,
                        kv_data_type=torch.bfloat16)
                 w.run(q, kv)
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -133,7 +138,7 @@ def attention_kernels(qo_heads: int, kv_heads: int, head_dim: int, bandwidth: fl
                 end.record()
                 end.synchronize()
                 ms = start.elapsed_time(end) / iters
-                distinct = total_pages * 2 * kv_heads * head_dim * 2
+                distinct = total_pages * page_size * 2 * kv_heads * head_dim * 2
                 rows.append({"batch": layout, "cache": storage, "path": "tensor-core" if tensor_cores else "cuda-core",
                              "ms": ms, "distinct_kv_floor_ms": distinct / bandwidth * 1e3})
         del caches, page_first
@@ -146,6 +151,7 @@ def main() -> None:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64, 128, 256])
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--page-size", type=int, default=EngineArgs.page_size)
     ap.add_argument("--profile", type=int, default=0, metavar="BS",
                     help="print a torch-profiler table of 5 pipelined steps at this batch size and exit")
     ap.add_argument("--out", default=None)
@@ -155,12 +161,13 @@ def main() -> None:
     max_bs = max(args.batch_sizes)
     runner = ModelRunner(EngineArgs(
         model=args.model, load_format="dummy", device="cuda", context_length=args.context + 64,
-        max_running_requests=max_bs, max_total_tokens=max_bs * (args.context + 1),
+        page_size=args.page_size, max_running_requests=max_bs,
+        max_total_tokens=max_bs * cdiv(args.context + 1, args.page_size) * args.page_size,
     ))
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    kv_per_token = runner.kv_cache.buffer.nbytes // (runner.num_pages + 1)
+    kv_per_token = runner.kv_cache.buffer.nbytes // ((runner.num_pages + 1) * args.page_size)
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; weights {weight_bytes / 2**30:.2f} GiB; "
-          f"KV {kv_per_token / 1024:.0f} KiB/token; {torch.cuda.get_device_name()}")
+          f"KV {kv_per_token / 1024:.0f} KiB/token; page size {args.page_size}; {torch.cuda.get_device_name()}")
     if args.profile:
         profile(runner, args.profile, args.context)
         return
@@ -175,13 +182,14 @@ def main() -> None:
     del runner  # free its cache for the kernel comparison's own (graphs hold a cycle: collect it)
     gc.collect()
     torch.cuda.empty_cache()
-    kernels = attention_kernels(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, bw)
+    kernels = attention_kernels(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, args.page_size, bw)
     print(f"\none layer of decode attention, {cfg.num_heads} q / {cfg.num_kv_heads} kv heads, 256 requests:")
     for k in kernels:
         print(f"  {k['batch']:14s} {k['cache']:12s} {k['path']:12s} {k['ms']:7.3f} ms  (distinct KV read once: "
               f"{k['distinct_kv_floor_ms']:.3f} ms)")
     save_result({
         "model": args.model, "gpu": torch.cuda.get_device_name(), "copy_bandwidth": bw, "context": args.context,
+        "page_size": args.page_size,
         "weight_bytes": weight_bytes, "kv_bytes_per_token": kv_per_token, "steps": steps, "attention": kernels,
     }, args.out, f"decode_{Path(args.model).name}")
 

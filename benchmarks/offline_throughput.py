@@ -16,6 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.workloads import WORKLOADS, Workload, save_result  # noqa: E402
+from minisgl.args import EngineArgs  # noqa: E402
 from minisgl.llm import LLM  # noqa: E402
 from minisgl.sampling import SamplingParams  # noqa: E402
 
@@ -69,7 +70,7 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--load-format", default="dummy")
     ap.add_argument("--workloads", nargs="+", default=["shared-prefix", "random"], choices=list(WORKLOADS))
-    ap.add_argument("--page-size", type=int, default=1)
+    ap.add_argument("--page-size", type=int, default=EngineArgs.page_size)
     ap.add_argument("--max-running-requests", type=int, default=256)
     ap.add_argument("--chunked-prefill-size", type=int, default=8192)
     ap.add_argument("--context-length", type=int, default=4096)

@@ -13,7 +13,7 @@ class EngineArgs:
     device: str = "auto"
     load_format: str = "auto"
     attention_backend: str = "auto"
-    page_size: int = 1
+    page_size: int = 16  # tokens per KV page; 16 decodes ~3% faster than 1 on FlashInfer (benchmarks/results)
     mem_fraction_static: float = 0.88
     max_total_tokens: int | None = None
     max_running_requests: int = 256

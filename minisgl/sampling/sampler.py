@@ -124,19 +124,22 @@ class Sampler:
     def sample(self, logits: torch.Tensor, slots_list: list[int], seq_lens: list[int]) -> SampleOutput:
         """logits [B, V] for requests in ``slots_list``; ``seq_lens`` give each one's position."""
         self._upload()
+        penalized = any(self.h_penalty[s] for s in slots_list)
+        all_greedy = all(self.h_greedy[s] for s in slots_list)
+        top_n = max(self.h_top_n[s] for s in slots_list)
+        if all_greedy and not penalized and top_n < 0:
+            return SampleOutput(tokens=logits.argmax(dim=-1))  # exact on 16-bit logits: no float copy
         slots = torch.tensor(slots_list, dtype=torch.int64).to(self.device, non_blocking=True)
         logits = logits.float()
-        penalized = [s for s in slots_list if self.h_penalty[s]]
         if penalized:
             logits = self._apply_penalties(logits, slots)
         greedy_tokens = logits.argmax(dim=-1)
-        if all(self.h_greedy[s] for s in slots_list):
+        if all_greedy:
             tokens = greedy_tokens
         else:
             sampled = self._sample_random(logits, slots, slots_list, seq_lens)
             tokens = torch.where(self.greedy[slots].bool(), greedy_tokens, sampled)
         out = SampleOutput(tokens=tokens)
-        top_n = max(self.h_top_n[s] for s in slots_list)
         if top_n >= 0:
             logprobs = torch.log_softmax(logits, dim=-1)
             out.logprobs = logprobs.gather(1, tokens[:, None]).squeeze(1)
