@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import os
 import random
 import subprocess
 import sys
@@ -21,10 +21,37 @@ import time
 from pathlib import Path
 
 import httpx
+import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.workloads import WORKLOADS, save_result  # noqa: E402
+
+
+class _Meta(msgspec.Struct):
+    completion_tokens: int
+    cached_tokens: int
+
+
+class _Event(msgspec.Struct):
+    meta_info: _Meta
+
+
+# Only the counters are decoded: the client must not become the bottleneck it measures.
+_event_decoder = msgspec.json.Decoder(_Event)
+
+
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """User + system CPU seconds so far of each server process (local servers only)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for name, pid in pids.items():
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[name] = (int(fields[11]) + int(fields[12])) / ticks
+    return out
 
 
 async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], output_len: int) -> dict:
@@ -37,12 +64,11 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], ou
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            event = json.loads(line[6:])
-            n = event["meta_info"]["completion_tokens"]
-            if n > tokens:
-                arrivals += [time.perf_counter()] * (n - tokens)
-                tokens = n
-            cached = event["meta_info"]["cached_tokens"]
+            meta = _event_decoder.decode(line[6:]).meta_info
+            if meta.completion_tokens > tokens:
+                arrivals += [time.perf_counter()] * (meta.completion_tokens - tokens)
+                tokens = meta.completion_tokens
+            cached = meta.cached_tokens
     end = time.perf_counter()
     itl = [b - a for a, b in zip(arrivals, arrivals[1:])]
     return {"ttft": arrivals[0] - start, "e2e": end - start, "itl": itl, "tokens": tokens, "cached": cached,
@@ -107,8 +133,12 @@ def main() -> None:
         vocab = httpx.get(f"{url}/get_model_info", timeout=30).json()["vocab_size"]
         wl = WORKLOADS[args.workload](vocab)
         n = args.num_prompts or len(wl.prompts)
+        pids = httpx.get(f"{url}/get_server_info", timeout=30).json()["processes"]
+        cpu_before, client_before = cpu_seconds(pids), time.process_time()
         results, elapsed = asyncio.run(run(url, wl.prompts[:n], wl.output_lens[:n], args.request_rate,
                                            args.max_concurrency, seed=0))
+        cpu = {k: (v - cpu_before[k]) / elapsed for k, v in cpu_seconds(pids).items() if k in cpu_before}
+        cpu["benchmark client"] = (time.process_time() - client_before) / elapsed
         sched = httpx.get(f"{url}/get_server_info", timeout=30).json()["scheduler"]
     finally:
         if proc is not None:
@@ -125,12 +155,14 @@ def main() -> None:
         "e2e_s": summary([r["e2e"] for r in results]),
         "cache_hit_rate": sched["cache_hit_rate"],
         "cached_tokens_reported": sum(r["cached"] for r in results),
+        "cpu_busy": cpu,
     }
     print(f"{args.workload}: {len(results)} requests in {elapsed:.2f} s, {report['request_throughput']:.2f} req/s, "
           f"{report['output_tok_per_s']:.0f} out tok/s, cache hit rate {report['cache_hit_rate']:.2f}")
     for key in ("ttft_s", "itl_s", "e2e_s"):
         s = report[key]
         print(f"  {key[:-2]:5s} mean {s['mean'] * 1e3:9.1f} ms  p50 {s['p50'] * 1e3:9.1f} ms  p99 {s['p99'] * 1e3:9.1f} ms")
+    print("  CPU busy (share of one core): " + ", ".join(f"{k} {v:.0%}" for k, v in cpu.items()))
     name = Path(args.model).name if args.model else "server"
     save_result(report, args.out, f"online_{name}")
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import multiprocessing as mp
+import os
 import shutil
 import signal
 import sys
@@ -129,7 +130,7 @@ class Launcher:
             for p in self.procs:
                 p.start()
             info = self._wait_ready(inbox)
-            pids = {p.name: p.pid for p in self.procs if p.pid is not None}
+            pids = {"api": os.getpid(), **{p.name: p.pid for p in self.procs if p.pid is not None}}
             app = create_app(EngineClient(self.addrs), info, self.args, pids)
             config = uvicorn.Config(
                 app, host=self.args.host, port=self.args.port,

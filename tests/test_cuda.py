@@ -182,3 +182,34 @@ def test_fused_kernels_match_torch(dtype):
     gu = torch.randn(37, 2 * 1024, dtype=dtype, device="cuda")
     gate, up = gu.chunk(2, dim=-1)
     torch.testing.assert_close(fused.silu_and_mul(gu), torch.nn.functional.silu(gate) * up, **tol)
+
+@pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype")
+def test_launch_does_not_sync_the_host(tmp_path):
+    """A step's launch (page-table writes, plan, graph replay or eager forward, sampling, copy
+    to pinned memory) never waits for the GPU: only ``collect`` does. torch's sync debug mode
+    raises on any synchronizing call made during the launches."""
+    from minisgl.messages import NewRequest
+    from minisgl.sampling import SamplingParams
+
+    path = make_tiny_model("llama", tmp_path / "llama-hd128", overrides={"head_dim": 128})
+    runner = ModelRunner(EngineArgs(model=str(path), device="cuda", dtype="bfloat16", max_total_tokens=8192,
+                                    max_running_requests=8, cuda_graph_max_bs=8))
+    prompts = [list(range(3, 40)), list(range(100, 190)), [7] * 20]
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9, seed=3),
+              SamplingParams(temperature=0.0, repetition_penalty=1.2)]
+    new = [NewRequest(slot=i, sampling=p, seed=i, top_logprobs=2 if i == 0 else -1, prompt_ids=prompts[i])
+           for i, p in enumerate(params)]
+    lens = [len(p) for p in prompts]
+    prefill = prefill_batch(runner, prompts, reserve=8, new_requests=new)
+    decode = [ForwardBatch(slots=[0, 1, 2], cached_lens=[n + i for n in lens], new_lens=[1] * 3,
+                           input_ids=[-1] * 3, sample=[True] * 3) for i in range(4)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        runner.launch(prefill)
+        for batch in decode:
+            runner.launch(batch)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    outs = [runner.collect() for _ in range(5)]
+    assert all(len(o.tokens) == 3 for o in outs) and outs[0].top_ids is not None

@@ -38,6 +38,7 @@ def test_sigterm_stops_everything(tiny_llama: Path):
         assert r.status_code == 200
         procs = srv.server_info(**auth)["processes"]
         children = descendants(srv.proc.pid)
+        assert procs.pop("api") == srv.proc.pid  # the launcher serves the API itself
         assert set(procs.values()) <= children
         start = time.monotonic()
         code = srv.stop(signal.SIGTERM)
@@ -82,7 +83,7 @@ def test_tensor_parallel_on_cpu_matches_one_rank(tiny_llama: Path):
     srv = ServerProcess(tiny_llama, "--tp-size", "2")
     try:
         srv.wait_ready()
-        assert set(srv.server_info()["processes"]) == {"tokenizer", "scheduler", "worker-0", "worker-1"}
+        assert set(srv.server_info()["processes"]) == {"api", "tokenizer", "scheduler", "worker-0", "worker-1"}
         r = httpx.post(f"{srv.url}/generate", timeout=60,
                        json={"text": "Hello world", "sampling_params": {"max_new_tokens": 16, "temperature": 0}})
         assert r.json()["output_ids"] == want[0]["output_ids"]

@@ -351,7 +351,7 @@ def test_info_metrics_and_flush(server: ServerProcess):
     assert info["served_model_name"] == "tiny" and info["is_generation"] and info["context_length"] == 1024
     sinfo = server.server_info()
     assert sinfo["server_args"]["page_size"] == PAGE_SIZE and "api_key" not in sinfo["server_args"]
-    assert set(sinfo["processes"]) == {"tokenizer", "scheduler", "worker-0"}
+    assert set(sinfo["processes"]) == {"api", "tokenizer", "scheduler", "worker-0"}
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
     for name in ["minisgl_requests_total", "minisgl_prompt_tokens_total", "minisgl_generation_tokens_total",
                  "minisgl_time_to_first_token_seconds_bucket", "minisgl_inter_token_latency_seconds_bucket",

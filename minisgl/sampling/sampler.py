@@ -108,7 +108,10 @@ class Sampler:
             self.seen = torch.zeros(n, self.vocab_size, dtype=torch.bool, device=self.device)
         self.out_counts[slot].zero_()
         self.seen[slot].zero_()
-        self.seen[slot, self._to_device(torch.tensor(prompt_ids + output_ids, dtype=torch.int64))] = True
+        # index_fill_ rather than ``seen[slot, ids] = True``: a Python value in an indexed
+        # assignment is copied to the device synchronously.
+        seen = self._to_device(torch.tensor(prompt_ids + output_ids, dtype=torch.int64))
+        self.seen[slot].index_fill_(0, seen, True)
         out = self._to_device(torch.tensor(output_ids, dtype=torch.int64))
         self.out_counts[slot].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
 
@@ -177,4 +180,4 @@ class Sampler:
         keep_t = torch.tensor(keep, dtype=torch.int64).to(self.device, non_blocking=True)
         rows, toks = slots[keep_t], tokens[keep_t]
         self.out_counts[rows, toks] += 1
-        self.seen[rows, toks] = True
+        self.seen.index_put_((rows, toks), torch.ones_like(toks, dtype=torch.bool))
