@@ -120,7 +120,6 @@ def attention_kernels(
         # page-first layout, where a token's K for one layer sits among those of the others.
         layer_first = torch.randn(2, total_pages, page_size, kv_heads, head_dim, dtype=torch.bfloat16, device="cuda")
         caches = {"layer-first": (layer_first[0], layer_first[1])}
-        del layer_first
         page_first = torch.randn(2, total_pages, PAGE_FIRST_LAYERS, page_size, kv_heads, head_dim,
                                  dtype=torch.bfloat16, device="cuda")
         caches["page-first"] = (page_first[0, :, 0], page_first[1, :, 0])
@@ -141,7 +140,7 @@ def attention_kernels(
                 distinct = total_pages * page_size * 2 * kv_heads * head_dim * 2
                 rows.append({"batch": layout, "cache": storage, "path": "tensor-core" if tensor_cores else "cuda-core",
                              "ms": ms, "distinct_kv_floor_ms": distinct / bandwidth * 1e3})
-        del caches, page_first
+        del caches, layer_first, page_first  # free before the next layout's tensors
     return rows
 
 

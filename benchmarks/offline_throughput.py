@@ -79,7 +79,7 @@ def main() -> None:
                     help="also run each workload (radix on) without CUDA graphs and without overlap")
     ap.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/offline_<model>.json)")
     ap.add_argument("--profile", action="store_true",
-                    help="run the first workload once (radix on) under the torch profiler and print where GPU time goes")
+                    help="profile the first workload (radix on): GPU kernels and idle time, then the host by function")
     args = ap.parse_args()
 
     llm = LLM(args.model, load_format=args.load_format, page_size=args.page_size,

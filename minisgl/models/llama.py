@@ -12,23 +12,17 @@ from torch import nn
 
 from minisgl.attention.context import get_attention_backend
 from minisgl.config import ModelConfig
-from minisgl.distributed import get_tp_info
 from minisgl.kernels.fused import silu_and_mul
 from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.rotary import RotaryEmbedding
-from minisgl.utils import divide
 
 
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
         super().__init__()
-        tp_size = get_tp_info().size
         self.layer_id = layer_id
-        self.head_dim = config.head_dim
-        self.num_heads = divide(config.num_heads, tp_size)
-        self.num_kv_heads = max(1, config.num_kv_heads // tp_size)
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads, config.qkv_bias
         )
@@ -42,7 +36,7 @@ class Attention(nn.Module):
         backend = get_attention_backend()
         norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if hasattr(self, "q_norm") else None
         q = backend.rope_store(self.qkv_proj(x), positions, self.layer_id, self.rotary.cos_sin, norm)
-        return self.o_proj(backend.forward(q, self.layer_id).reshape(-1, self.num_heads * self.head_dim))
+        return self.o_proj(backend.forward(q, self.layer_id).flatten(1))
 
 
 class MLP(nn.Module):
