@@ -10,6 +10,12 @@ sees); "pipelined" launches steps back to back (what overlap scheduling achieves
 Part 2: one layer's decode attention, tensor-core vs CUDA-core path, on 256 requests either in
 16 groups sharing a 2048-token prefix (plus 256 private tokens each) or with 2304 private tokens,
 with the layer's K/V in dense tensors or spread page-first as the engine stores them.
+
+Part 3: one layer's decode attention, plain (tensor-core decode over every page) against
+cascade (shared level once per group + own level + merge), at batch 64 and 256 with 1 to 128
+groups sharing 256 or 2048 tokens plus 256 of their own, each timed as CUDA-graph replays as
+the engine runs it, against the floor of reading every distinct page once. It also times the
+two levels alone and the shared level on FlashInfer's fa3 backend.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.workloads import save_result  # noqa: E402
 from minisgl.args import EngineArgs  # noqa: E402
+from minisgl.config import ModelConfig  # noqa: E402
 from minisgl.messages import ForwardBatch  # noqa: E402
 from minisgl.utils import cdiv  # noqa: E402
 from minisgl.worker import ModelRunner  # noqa: E402
@@ -144,6 +151,88 @@ def attention_kernels(
     return rows
 
 
+def replay_ms(fn, iters: int = 20) -> float:
+    """Milliseconds per call of ``fn`` when ``iters`` calls replay from one CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / (5 * iters)
+
+
+CASCADE_CASES = [  # (batch, groups, shared tokens); every request also has 256 tokens of its own
+    (256, 16, 2048), (256, 1, 2048), (256, 4, 2048), (256, 64, 2048), (64, 1, 2048), (64, 4, 2048), (64, 16, 2048),
+    (128, 64, 2048), (128, 64, 256), (128, 64, 512),  # pairs
+    (256, 16, 256), (256, 64, 256), (256, 16, 512), (256, 64, 512), (64, 16, 256), (64, 32, 512),
+    (256, 0, 0), (64, 0, 0),  # no sharing: 2304 tokens of its own each
+]
+
+
+CASCADE_VARIANTS = [  # (name, two levels, FlashInferBackend options); "cascade" is the engine's default
+    ("plain", False, {}),
+    ("cascade", True, {}),
+    ("cascade_tile128", True, {"shared_tile": 128}),
+    ("cascade_fa3", True, {"shared_backend": "fa3"}),
+    ("cascade_cudacore_own", True, {"own_tensor_cores": False}),
+]
+
+
+def cascade_kernels(qo_heads: int, kv_heads: int, head_dim: int, page_size: int, bandwidth: float) -> list[dict]:
+    from minisgl.attention.base import decode_metadata
+    from minisgl.attention.flashinfer_backend import FlashInferBackend
+    from minisgl.kvcache import MHAKVCache
+
+    own_len, rows = 256, []
+    for batch, groups, shared in CASCADE_CASES:
+        shared_pages = shared // page_size
+        if groups:
+            per = [batch // groups + (g < batch % groups) for g in range(groups)]
+            layout = [(shared_pages, [shared + own_len + 1] * n) for n in per]
+            loose: list[int] = []
+        else:
+            layout, loose = [], [2304 + 1] * batch
+        total_pages = sum(p + n * cdiv(own_len + 1, page_size) for p, n in ((p, len(l)) for p, l in layout))
+        total_pages += sum(cdiv(n, page_size) for n in loose)
+        cache = MHAKVCache(total_pages, page_size, PAGE_FIRST_LAYERS // 2, kv_heads, head_dim, torch.bfloat16,
+                           torch.device("cuda"))
+        cache.buffer.normal_()
+        q = torch.randn(batch, qo_heads, head_dim, dtype=torch.bfloat16, device="cuda")
+        row = {"batch": batch, "groups": groups, "shared_tokens": shared, "own_tokens": own_len if groups else 2304,
+               "distinct_kv_floor_ms": total_pages * page_size * 2 * kv_heads * head_dim * 2 / bandwidth * 1e3}
+        for name, cascade, kw in CASCADE_VARIANTS:
+            if cascade and not groups:
+                continue
+            backend = FlashInferBackend(cache, qo_heads, kv_heads, head_dim, **kw)
+            meta = decode_metadata(page_size, layout, loose, "cuda", cascade=cascade)
+            backend.init_cuda_graph(batch, meta.page_table.shape[1])
+            backend.prepare(meta, graph_batch_size=batch)
+            row[f"{name}_ms"] = replay_ms(lambda: backend.forward(q, 0))
+            if name == "cascade":
+                kv = (cache.k_cache(0), cache.v_cache(0))
+                row["own_level_ms"] = replay_ms(lambda: backend.wrapper.run(q, kv, return_lse=True))
+                row["shared_level_ms"] = replay_ms(lambda: backend.shared_level.run(
+                    q, kv, out=backend._s_out[:batch], lse=backend._s_lse[:batch], return_lse=True))
+            del backend
+        rows.append(row)
+        del cache
+        torch.cuda.empty_cache()
+        cells = "  ".join(f"{k} {v:.3f}" for k, v in row.items() if k.endswith("_ms"))
+        print(f"  batch {batch:3d} groups {groups:3d} shared {shared:4d}: {cells}", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
@@ -154,9 +243,20 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=0, metavar="BS",
                     help="print a torch-profiler table of 5 pipelined steps at this batch size and exit")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3], help="which parts to run")
     args = ap.parse_args()
 
     bw = copy_bandwidth()
+    cfg = ModelConfig.from_path(Path(args.model))
+    result = {"model": args.model, "gpu": torch.cuda.get_device_name(), "copy_bandwidth": bw, "context": args.context,
+              "page_size": args.page_size}
+    if 3 in args.parts:
+        print(f"one layer of decode attention, {cfg.num_heads} q / {cfg.num_kv_heads} kv heads, page size "
+              f"{args.page_size}: plain vs cascade (CUDA-graph replays, ms)")
+        result["cascade"] = cascade_kernels(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, args.page_size, bw)
+    if 1 not in args.parts and 2 not in args.parts:
+        save_result(result, args.out, f"decode_{Path(args.model).name}")
+        return
     max_bs = max(args.batch_sizes)
     runner = ModelRunner(EngineArgs(
         model=args.model, load_format="dummy", device="cuda", context_length=args.context + 64,
@@ -177,20 +277,18 @@ def main() -> None:
         floor = (weight_bytes + bs * args.context * kv_per_token) / bw
         steps.append({"batch": bs, "sync_ms": sync * 1e3, "pipelined_ms": pipe * 1e3, "floor_ms": floor * 1e3})
         print(f"{bs:>6} {sync * 1e3:9.2f} {pipe * 1e3:9.2f} {floor * 1e3:9.2f} {pipe / floor:10.2f}", flush=True)
-    cfg = runner.config
     del runner  # free its cache for the kernel comparison's own (graphs hold a cycle: collect it)
     gc.collect()
     torch.cuda.empty_cache()
-    kernels = attention_kernels(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, args.page_size, bw)
-    print(f"\none layer of decode attention, {cfg.num_heads} q / {cfg.num_kv_heads} kv heads, 256 requests:")
-    for k in kernels:
-        print(f"  {k['batch']:14s} {k['cache']:12s} {k['path']:12s} {k['ms']:7.3f} ms  (distinct KV read once: "
-              f"{k['distinct_kv_floor_ms']:.3f} ms)")
-    save_result({
-        "model": args.model, "gpu": torch.cuda.get_device_name(), "copy_bandwidth": bw, "context": args.context,
-        "page_size": args.page_size,
-        "weight_bytes": weight_bytes, "kv_bytes_per_token": kv_per_token, "steps": steps, "attention": kernels,
-    }, args.out, f"decode_{Path(args.model).name}")
+    result.update(weight_bytes=weight_bytes, kv_bytes_per_token=kv_per_token, steps=steps)
+    if 2 in args.parts:
+        kernels = attention_kernels(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, args.page_size, bw)
+        print(f"\none layer of decode attention, {cfg.num_heads} q / {cfg.num_kv_heads} kv heads, 256 requests:")
+        for k in kernels:
+            print(f"  {k['batch']:14s} {k['cache']:12s} {k['path']:12s} {k['ms']:7.3f} ms  (distinct KV read once: "
+                  f"{k['distinct_kv_floor_ms']:.3f} ms)")
+        result["attention"] = kernels
+    save_result(result, args.out, f"decode_{Path(args.model).name}")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
-"""Offline throughput through the LLM API, radix cache on and off in one run.
+"""Offline throughput through the LLM API: radix cache and cascade attention on and off in one run.
 
     python benchmarks/offline_throughput.py --model benchmarks/configs/llama3.1-8b --load-format dummy
 
-Prints a table and writes JSON to benchmarks/results/. Outputs ignore EOS so every request
+Variants: radix-on (everything on), cascade-off, radix-off, and with --ablations no-cuda-graph
+and no-overlap. Prints a table (with prefill tokens computed against the workload's distinct
+prompt tokens) and writes JSON to benchmarks/results/. Outputs ignore EOS so every request
 generates exactly its output length.
 """
 
@@ -15,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.workloads import WORKLOADS, Workload, save_result  # noqa: E402
+from benchmarks.workloads import WORKLOADS, Workload, distinct_tokens, save_result  # noqa: E402
 from minisgl.args import EngineArgs  # noqa: E402
 from minisgl.llm import LLM  # noqa: E402
 from minisgl.sampling import SamplingParams  # noqa: E402
@@ -37,6 +39,8 @@ def run(llm: LLM, prompts: list[list[int]], output_lens: list[int]) -> dict[str,
         "seconds": elapsed, "requests": len(prompts), "input_tokens": in_tokens, "output_tokens": out_tokens,
         "output_tok_per_s": out_tokens / elapsed, "total_tok_per_s": (in_tokens + out_tokens) / elapsed,
         "cache_hit_rate": stats["cache_hit_rate"], "retractions": stats["retractions"],
+        "prefill_tokens": stats["prefill_tokens"], "cascade_steps": stats["cascade_steps"],
+        "decode_steps": stats["decode_steps"],
     }
 
 
@@ -65,6 +69,15 @@ def profile(llm: LLM, wl: Workload) -> None:
     pstats.Stats(host).sort_stats("tottime").print_stats(30)
 
 
+VARIANTS = {  # name: (radix cache off, cascade off, CUDA graphs, overlap)
+    "radix-on": (False, False, True, True),
+    "cascade-off": (False, True, True, True),
+    "radix-off": (True, True, True, True),
+    "no-cuda-graph": (False, False, False, True),
+    "no-overlap": (False, False, True, False),
+}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
@@ -74,7 +87,8 @@ def main() -> None:
     ap.add_argument("--max-running-requests", type=int, default=256)
     ap.add_argument("--chunked-prefill-size", type=int, default=8192)
     ap.add_argument("--context-length", type=int, default=4096)
-    ap.add_argument("--radix", nargs="+", default=["on", "off"], choices=["on", "off"])
+    ap.add_argument("--variants", nargs="+", default=["radix-on", "cascade-off", "radix-off"],
+                    choices=list(VARIANTS), help="radix-on has radix cache and cascade attention on")
     ap.add_argument("--ablations", action="store_true",
                     help="also run each workload (radix on) without CUDA graphs and without overlap")
     ap.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/offline_<model>.json)")
@@ -89,25 +103,28 @@ def main() -> None:
         profile(llm, WORKLOADS[args.workloads[0]](llm.runner.vocab_size))
         return
     graphs = llm.runner.graphs
-    variants = [(f"radix-{r}", r == "off", True, True) for r in args.radix]
-    if args.ablations:
-        variants += [("no-cuda-graph", False, False, True), ("no-overlap", False, True, False)]
+    variants = args.variants + (["no-cuda-graph", "no-overlap"] if args.ablations else [])
     rows = []
     for name in args.workloads:
         wl = WORKLOADS[name](llm.runner.vocab_size)
-        for variant, radix_off, use_graphs, overlap in variants:
+        distinct = distinct_tokens(wl.prompts)
+        for variant in variants:
+            radix_off, cascade_off, use_graphs, overlap = VARIANTS[variant]
             llm.runner.graphs = graphs if use_graphs else None
             llm.args.disable_overlap_schedule = not overlap
+            llm.args.disable_cascade_attention = cascade_off
             llm.reset_scheduler(disable_radix_cache=radix_off)  # empty cache per run
             result = run(llm, wl.prompts, wl.output_lens)
+            result["distinct_prompt_tokens"] = distinct
             rows.append({"workload": name, "variant": variant, **result})
             print(f"{name:14s} {variant:14s} {result['seconds']:8.2f} s  {result['output_tok_per_s']:9.0f} out tok/s"
-                  f"  hit rate {result['cache_hit_rate']:.2f}", flush=True)
+                  f"  hit rate {result['cache_hit_rate']:.2f}  prefill {result['prefill_tokens'] / distinct:.3f}x "
+                  f"distinct  cascade steps {result['cascade_steps']}/{result['decode_steps']}", flush=True)
         llm.runner.graphs = graphs
-        base = next(r["seconds"] for r in rows if r["workload"] == name and r["variant"] == variants[0][0])
+        base = next(r["seconds"] for r in rows if r["workload"] == name and r["variant"] == variants[0])
         for r in rows:
-            if r["workload"] == name and r["variant"] != variants[0][0]:
-                print(f"{name}: {r['variant']} / {variants[0][0]} = {r['seconds'] / base:.2f}x")
+            if r["workload"] == name and r["variant"] != variants[0]:
+                print(f"{name}: {r['variant']} / {variants[0]} = {r['seconds'] / base:.2f}x")
     device = llm.runner.device
     info = {"model": args.model, "device": str(device), "args": vars(args), "rows": rows}
     if device.type == "cuda":

@@ -21,18 +21,67 @@ def random_workload(vocab: int, num: int = 256, low: int = 100, high: int = 1024
 
 def shared_prefix_workload(
     vocab: int, groups: int = 16, per_group: int = 16, system_len: int = 2048, question_len: int = 128,
-    output_len: int = 256, seed: int = 1,
+    output_len: int = 256, seed: int = 1, shuffle: bool = True, name: str = "shared-prefix",
 ) -> Workload:
     rng = random.Random(seed)
     prompts = []
     for _ in range(groups):
         system = [rng.randrange(vocab) for _ in range(system_len)]
         prompts += [system + [rng.randrange(vocab) for _ in range(question_len)] for _ in range(per_group)]
-    rng.shuffle(prompts)
-    return Workload("shared-prefix", prompts, [output_len] * len(prompts))
+    if shuffle:
+        rng.shuffle(prompts)
+    return Workload(name, prompts, [output_len] * len(prompts))
 
 
-WORKLOADS = {"random": random_workload, "shared-prefix": shared_prefix_workload}
+def generated_shared_prefix(vocab: int, shuffle: bool) -> Workload:
+    """SGLang's bench_serving default generated-shared-prefix shape: 64 groups of 16 prompts,
+    2048-token system prompt, 128-token question, 256 output tokens."""
+    name = "gsp-shuffled" if shuffle else "gsp"
+    return shared_prefix_workload(vocab, groups=64, per_group=16, shuffle=shuffle, seed=2, name=name)
+
+
+def multi_turn_workload(
+    vocab: int, systems: int = 4, conversations: int = 16, turns: int = 4, system_len: int = 1024, seed: int = 3
+) -> Workload:
+    """Chat histories as conversation trees: each of ``systems`` system prompts opens
+    ``conversations`` chats; turn t's prompt is the system prompt, every earlier turn's user
+    message and (synthetic) answer, and a new user message. All turns arrive at once."""
+    rng = random.Random(seed)
+    prompts, outputs = [], []
+    for _ in range(systems):
+        history_root = [rng.randrange(vocab) for _ in range(system_len)]
+        for _ in range(conversations):
+            history = list(history_root)
+            for _ in range(turns):
+                history += [rng.randrange(vocab) for _ in range(rng.randint(32, 192))]  # the user's message
+                prompts.append(list(history))
+                outputs.append(128)
+                history += [rng.randrange(vocab) for _ in range(128)]  # the answer the next turn sees
+    order = list(range(len(prompts)))
+    rng.shuffle(order)
+    return Workload("multi-turn", [prompts[i] for i in order], [outputs[i] for i in order])
+
+
+def distinct_tokens(prompts: list[list[int]]) -> int:
+    """Prompt tokens a perfect prefix cache computes once: the nodes of the prompts' token trie."""
+    total, previous = 0, []
+    for p in sorted(prompts):
+        common = 0
+        for a, b in zip(p, previous):
+            if a != b:
+                break
+            common += 1
+        total += len(p) - common
+        previous = p
+    return total
+
+
+WORKLOADS = {
+    "random": random_workload, "shared-prefix": shared_prefix_workload,
+    "gsp": lambda vocab: generated_shared_prefix(vocab, shuffle=False),
+    "gsp-shuffled": lambda vocab: generated_shared_prefix(vocab, shuffle=True),
+    "multi-turn": multi_turn_workload,
+}
 
 
 def save_result(data: dict, out: str | None, default_name: str) -> None:

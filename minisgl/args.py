@@ -24,6 +24,7 @@ class EngineArgs:
     disable_radix_cache: bool = False
     schedule_policy: str = "lpm"
     disable_overlap_schedule: bool = False
+    disable_cascade_attention: bool = False  # decode reads shared prefixes once per group (radix cache only)
     cuda_graph_max_bs: int | None = None  # None: min(max_running_requests, 256); 0 disables graphs
 
     def validate(self) -> None:

@@ -66,6 +66,8 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
                     help="largest decode batch run from a CUDA graph (default min(max-running-requests, 256); 0: off)")
     ap.add_argument("--disable-overlap-schedule", action="store_true",
                     help="wait for each step's tokens before scheduling the next")
+    ap.add_argument("--disable-cascade-attention", action="store_true",
+                    help="decode every request over all its pages, even those it shares with others")
     return ServerArgs(**vars(ap.parse_args(argv)))
 
 

@@ -26,6 +26,11 @@ class ForwardBatch(msgspec.Struct, array_like=True):
     ``page_table[table_slots[j], table_cols[j]] = table_pages[j]``. ``input_ids`` holds the new
     tokens back to back; -1 means "the token this slot sampled last step", so decode inputs need
     not round-trip through the scheduler.
+
+    Cascade decode (``group_sizes`` non-empty): the first ``sum(group_sizes)`` requests come in
+    groups, group g being the next ``group_sizes[g]`` of them, whose page-table rows all begin
+    with the same ``group_pages[g]`` pages (a prefix they share in the radix tree). Attention
+    reads those pages once per group and each request's remaining pages on their own.
     """
 
     slots: list[int]
@@ -37,6 +42,8 @@ class ForwardBatch(msgspec.Struct, array_like=True):
     table_cols: list[int] = []
     table_pages: list[int] = []
     new_requests: list[NewRequest] = []
+    group_sizes: list[int] = []
+    group_pages: list[int] = []
 
 
 class StepOutput(msgspec.Struct, array_like=True):

@@ -185,8 +185,8 @@ def test_fused_kernels_match_torch(dtype):
 
 @pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype")
 def test_launch_does_not_sync_the_host(tmp_path):
-    """A step's launch (page-table writes, plan, graph replay or eager forward, sampling, copy
-    to pinned memory) never waits for the GPU: only ``collect`` does. torch's sync debug mode
+    """A step's launch (page-table writes, plan, graph replay or eager forward, cascade or not,
+    sampling, copy to pinned memory) never waits for the GPU: only ``collect`` does. torch's sync debug mode
     raises on any synchronizing call made during the launches."""
     from minisgl.messages import NewRequest
     from minisgl.sampling import SamplingParams
@@ -203,6 +203,8 @@ def test_launch_does_not_sync_the_host(tmp_path):
     prefill = prefill_batch(runner, prompts, reserve=8, new_requests=new)
     decode = [ForwardBatch(slots=[0, 1, 2], cached_lens=[n + i for n in lens], new_lens=[1] * 3,
                            input_ids=[-1] * 3, sample=[True] * 3) for i in range(4)]
+    for batch in decode[2:]:  # cascade steps: requests 0 and 1 as a group over one page
+        batch.group_sizes, batch.group_pages = [2], [1]
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

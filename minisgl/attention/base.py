@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from minisgl.kernels.rope_store import rope_store
 from minisgl.kvcache import BaseKVCache
+
+# Most groups one cascade decode step may have: CUDA graphs plan the shared level for a fixed
+# number of groups per captured batch size (min(size // 2, this)).
+MAX_CASCADE_GROUPS = 64
+
+
+def graph_groups(batch_size: int) -> int:
+    """How many cascade groups the CUDA graph of a batch size has room for."""
+    return min(batch_size // 2, MAX_CASCADE_GROUPS)
 
 
 @dataclass
@@ -17,7 +26,8 @@ class AttentionMetadata:
 
     Request i owns row ``slots[i]`` of ``page_table``; it has ``cached_lens[i]`` tokens already
     in the cache and computes ``new_lens[i]`` new ones this step. New tokens appear in
-    request order in q/k/v; ``out_loc`` holds their cache slot ids.
+    request order in q/k/v; ``out_loc`` holds their cache slot ids. ``group_sizes`` and
+    ``group_pages`` describe a cascade decode step (see ``ForwardBatch``); empty otherwise.
     """
 
     slots: list[int]
@@ -27,6 +37,8 @@ class AttentionMetadata:
     slots_t: torch.Tensor  # [B] int64, on the device
     positions: torch.Tensor  # [T] int64
     out_loc: torch.Tensor  # [T] int64
+    group_sizes: list[int] = field(default_factory=list)
+    group_pages: list[int] = field(default_factory=list)
 
     @property
     def num_reqs(self) -> int:
@@ -39,6 +51,15 @@ class AttentionMetadata:
     @property
     def seq_lens(self) -> list[int]:
         return [c + n for c, n in zip(self.cached_lens, self.new_lens)]
+
+    @property
+    def cascade(self) -> bool:
+        return bool(self.group_sizes)
+
+    def skip_pages(self) -> list[int]:
+        """Per request, the leading pages its group reads at the shared level (0 outside groups)."""
+        skip = [p for n, p in zip(self.group_sizes, self.group_pages) for _ in range(n)]
+        return skip + [0] * (self.num_reqs - len(skip))
 
 
 class AttentionBackend(ABC):
@@ -77,3 +98,40 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(self, q: torch.Tensor, layer_id: int) -> torch.Tensor:
         """q: [T, Hq, D] of the new tokens, whose K/V ``rope_store`` has written; returns [T, Hq, D]."""
+
+
+def decode_metadata(
+    page_size: int, groups: list[tuple[int, list[int]]], loose: list[int], device: torch.device | str,
+    first_page: int = 0, cascade: bool = True,
+) -> AttentionMetadata:
+    """Decode metadata for synthetic batches (tests and benchmarks): ``groups`` holds (shared
+    pages, sequence lengths of its members), whose page-table rows start with the same pages;
+    ``loose`` holds the lengths of requests that share nothing. Pages are numbered from
+    ``first_page`` in order; ``cascade=False`` gives the same batch as a plain decode step."""
+    rows, sizes, shared, page = [], [], [], first_page
+    for num_shared, lens in groups:
+        prefix = list(range(page, page + num_shared))
+        page += num_shared
+        for n in lens:
+            own = -(-n // page_size) - num_shared
+            assert own >= 1, "every request needs a page of its own past the shared ones"
+            rows.append(prefix + list(range(page, page + own)))
+            page += own
+        sizes.append(len(lens))
+        shared.append(num_shared)
+    for n in loose:
+        rows.append(list(range(page, page + -(-n // page_size))))
+        page += len(rows[-1])
+    seq_lens = [n for _, lens in groups for n in lens] + list(loose)
+    table = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.int32)
+    for i, r in enumerate(rows):
+        table[i, : len(r)] = torch.tensor(r, dtype=torch.int32)
+    table = table.to(device)
+    positions = torch.tensor([n - 1 for n in seq_lens], device=device)
+    slots = torch.arange(len(rows), device=device)
+    out_loc = table[slots, positions // page_size].long() * page_size + positions % page_size
+    return AttentionMetadata(
+        slots=list(range(len(rows))), cached_lens=[n - 1 for n in seq_lens], new_lens=[1] * len(rows),
+        page_table=table, slots_t=slots, positions=positions, out_loc=out_loc,
+        group_sizes=sizes if cascade else [], group_pages=shared if cascade else [],
+    )

@@ -1,4 +1,9 @@
-"""Plain torch paged attention: one request at a time, written to be read. The numerical reference."""
+"""Plain torch paged attention: one request at a time, written to be read. The numerical reference.
+
+Cascade decode steps run the same math in two levels: each group's queries attend to the
+group's shared pages once, each request attends to its own remaining pages, and the two
+partial results merge by their log-sum-exp. Tests compare it with the single-level path.
+"""
 
 from __future__ import annotations
 
@@ -8,27 +13,68 @@ from minisgl.attention.base import AttentionBackend
 from minisgl.utils import cdiv
 
 
+def merge_partials(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over keys A and B together, from attention over each ([q, h, d], lse [q, h])."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    out = out_a * (lse_a - lse).exp()[..., None] + out_b * (lse_b - lse).exp()[..., None]
+    return out, lse
+
+
 class TorchBackend(AttentionBackend):
-    def forward(self, q: torch.Tensor, layer_id: int) -> torch.Tensor:
-        meta = self.meta
-        k_cache, v_cache = self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id)
-        page_size = self.kv_cache.page_size
+    def _gather(self, layer_id: int, slot: int, first_page: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of tokens [first_page * page_size, end) of the request in ``slot``, GQA-expanded."""
+        meta, page_size = self.meta, self.kv_cache.page_size
         group = self.num_qo_heads // self.num_kv_heads
+        pages = meta.page_table[slot, first_page : cdiv(end, page_size)].long()
+        count = end - first_page * page_size
+        keys = self.kv_cache.k_cache(layer_id)[pages].flatten(0, 1)[:count].repeat_interleave(group, dim=1)
+        values = self.kv_cache.v_cache(layer_id)[pages].flatten(0, 1)[:count].repeat_interleave(group, dim=1)
+        return keys.float(), values.float()
+
+    def _attend(
+        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Softmax attention of query [q, h, d] over keys/values [k, h, d]; mask [q, k] is True
+        where a key is hidden. Returns (out [q, h, d] float32, lse [q, h])."""
+        scores = torch.einsum("qhd,khd->hqk", query.float(), keys) * self.scale
+        if mask is not None:
+            scores.masked_fill_(mask, float("-inf"))
+        lse = scores.logsumexp(dim=-1)
+        out = torch.einsum("hqk,khd->qhd", (scores - lse[..., None]).exp(), values)
+        return out, lse.transpose(0, 1)
+
+    def forward(self, q: torch.Tensor, layer_id: int) -> torch.Tensor:
+        if self.meta.cascade:
+            return self._forward_cascade(q, layer_id)
+        meta = self.meta
         out = torch.empty_like(q)
         start = 0
         for slot, cached, new in zip(meta.slots, meta.cached_lens, meta.new_lens):
             total = cached + new
-            pages = meta.page_table[slot, : cdiv(total, page_size)].long()
-            # Gather this request's whole sequence (prefix + new tokens) from its pages.
-            keys = k_cache[pages].flatten(0, 1)[:total].repeat_interleave(group, dim=1)
-            values = v_cache[pages].flatten(0, 1)[:total].repeat_interleave(group, dim=1)
-            query = q[start : start + new]
-            scores = torch.einsum("qhd,khd->hqk", query.float(), keys.float()) * self.scale
+            keys, values = self._gather(layer_id, slot, 0, total)
             # New token j sits at position cached + j and sees keys 0..cached + j.
             q_pos = torch.arange(cached, total, device=q.device)[:, None]
             k_pos = torch.arange(total, device=q.device)[None, :]
-            scores.masked_fill_(k_pos > q_pos, float("-inf"))
-            probs = scores.softmax(dim=-1)
-            out[start : start + new] = torch.einsum("hqk,khd->qhd", probs, values.float()).to(q.dtype)
+            got, _ = self._attend(q[start : start + new], keys, values, k_pos > q_pos)
+            out[start : start + new] = got.to(q.dtype)
             start += new
         return out
+
+    def _forward_cascade(self, q: torch.Tensor, layer_id: int) -> torch.Tensor:
+        """Decode only (one query per request): every key a query sees precedes it, so no mask."""
+        meta = self.meta
+        skip = meta.skip_pages()
+        own = [self._attend(q[i : i + 1], *self._gather(layer_id, slot, skip[i], total), None)
+               for i, (slot, total) in enumerate(zip(meta.slots, meta.seq_lens))]
+        out = torch.cat([o for o, _ in own])
+        lse = torch.cat([s for _, s in own])
+        start = 0
+        for size, pages in zip(meta.group_sizes, meta.group_pages):
+            rows = slice(start, start + size)
+            keys, values = self._gather(layer_id, meta.slots[start], 0, pages * self.kv_cache.page_size)
+            shared, shared_lse = self._attend(q[rows], keys, values, None)
+            out[rows], lse[rows] = merge_partials(shared, shared_lse, out[rows], lse[rows])
+            start += size
+        return out.to(q.dtype)

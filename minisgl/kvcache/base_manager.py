@@ -32,6 +32,7 @@ class BaseCacheManager(ABC):
 
     def __init__(self, page_size: int):
         self.page_size = page_size
+        self.epoch = 0  # changes whenever what ``shared_prefix`` returns may have changed
 
     def aligned(self, n: int) -> int:
         return n - n % self.page_size
@@ -55,6 +56,11 @@ class BaseCacheManager(ABC):
 
     @abstractmethod
     def size_info(self) -> SizeInfo: ...
+
+    def shared_prefix(self, handle: CacheHandle) -> tuple[object, int] | None:
+        """(a key naming the deepest cached prefix this handle shares with another locked
+        handle, its length in tokens), or None. Caches that share nothing return None."""
+        return None
 
     @abstractmethod
     def all_pages(self) -> list[int]:

@@ -16,7 +16,7 @@ from minisgl.kvcache.base_manager import BaseCacheManager, CacheHandle, SizeInfo
 
 
 class _Node:
-    __slots__ = ("key", "pages", "children", "parent", "ref", "last_access")
+    __slots__ = ("key", "pages", "children", "parent", "ref", "last_access", "depth")
 
     def __init__(self, key: list[int], pages: list[int], parent: _Node | None, tick: int):
         self.key = key
@@ -25,6 +25,7 @@ class _Node:
         self.parent = parent
         self.ref = 0  # locks held on this node or any descendant
         self.last_access = tick
+        self.depth = (parent.depth if parent is not None else 0) + len(key)  # tokens from the root to its end
 
     def __lt__(self, other: _Node) -> bool:  # heap order for LRU eviction
         return self.last_access < other.last_access
@@ -59,6 +60,7 @@ class RadixCacheManager(BaseCacheManager):
 
     def _split(self, node: _Node, num_pages: int) -> _Node:
         """Cut ``node`` after ``num_pages`` pages; returns the new upper half (same locks)."""
+        self.epoch += 1
         cut = num_pages * self.page_size
         upper = _Node(node.key[:cut], node.pages[:num_pages], node.parent, node.last_access)
         upper.ref = node.ref
@@ -94,11 +96,21 @@ class RadixCacheManager(BaseCacheManager):
 
     # ---- interface ----------------------------------------------------------------------------
 
+    def shared_prefix(self, handle: CacheHandle) -> tuple[object, int] | None:
+        """The deepest node on the handle's path locked by two or more requests, and its
+        length in tokens: the part of the path that this request shares with another running
+        one. None when it shares nothing. Walks nodes, not pages."""
+        node = handle.node
+        while node is not self.root and node.ref < 2:
+            node = node.parent
+        return None if node is self.root else (node, node.depth)
+
     def match_prefix(self, ids: list[int]) -> tuple[RadixHandle, list[int]]:
         node, matched = self._walk(ids)
         return RadixHandle(matched, node), self._path_pages(node)
 
     def lock_handle(self, handle: CacheHandle, unlock: bool = False) -> None:
+        self.epoch += 1
         node = handle.node
         while node is not self.root:
             if unlock:
@@ -173,6 +185,7 @@ class RadixCacheManager(BaseCacheManager):
             assert node.parent.children.get(self._edge(node.key, 0)) is node, "child keyed by the wrong page"
             assert node.ref >= sum(c.ref for c in node.children.values()), "a locked node has an unlocked ancestor"
             assert node.ref >= 0, "negative lock count"
+            assert node.depth == node.parent.depth + len(node.key), "node depth out of date"
             dup = seen.intersection(node.pages)
             assert not dup and len(set(node.pages)) == len(node.pages), f"page(s) {dup} appear twice"
             seen.update(node.pages)

@@ -25,6 +25,7 @@ from minisgl.args import EngineArgs
 from minisgl.kvcache import CacheHandle, PageAllocator, create_cache_manager
 from minisgl.messages import ForwardBatch, NewRequest, StepOutput
 from minisgl.sampling import SamplingParams
+from minisgl.scheduler.cascade import DecodeOrder, plan_cascade
 from minisgl.scheduler.policy import order_waiting
 from minisgl.scheduler.request import Req
 from minisgl.utils import cdiv
@@ -49,6 +50,9 @@ class Counters:
     prefix_hit_tokens: int = 0  # of those, tokens served from the cache
     retractions: int = 0
     steps: int = 0
+    prefill_tokens: int = 0  # prompt tokens computed (not served from the cache)
+    decode_steps: int = 0
+    cascade_steps: int = 0  # decode steps that read shared prefixes once per group
 
 
 class Scheduler:
@@ -72,6 +76,8 @@ class Scheduler:
         self.counters = Counters()
         self._rng = random.Random(args.seed)
         self._next_rid = 0
+        self._groups = DecodeOrder([])  # the last decode step's order and cascade groups
+        self._groups_key: tuple = ()  # what they were computed from (tree lock epoch, requests)
 
     # ---- requests in and out -------------------------------------------------------------------
 
@@ -127,9 +133,9 @@ class Scheduler:
         (with overlap, the one before). Returns the requests that got a token."""
         entries, decode = self._schedule()
         if entries:
-            self.executor.launch(self._build_batch(entries, decode))
+            self.executor.launch(self._build_batch(entries, decode, self._groups if decode else None))
             self.inflight.append(entries)
-            self.counters.steps += 1
+            self._count_step(entries, decode)
             logger.debug(
                 "step %d: %s batch of %d requests, %d tokens; %d running, %d queued, %d free pages",
                 self.counters.steps, "decode" if decode else "prefill", len(entries),
@@ -138,6 +144,15 @@ class Scheduler:
         if len(self.inflight) > (1 if self.overlap and entries else 0):
             return self._process(self.inflight.popleft(), self.executor.collect())
         return []
+
+    def _count_step(self, entries: list[Entry], decode: bool) -> None:
+        c = self.counters
+        c.steps += 1
+        if decode:
+            c.decode_steps += 1
+            c.cascade_steps += bool(self._groups.group_sizes)
+        else:
+            c.prefill_tokens += sum(n for _, n, _ in entries)
 
     def _schedule(self) -> tuple[list[Entry], bool]:
         while True:
@@ -244,13 +259,16 @@ class Scheduler:
             req.pages.append(page)
         for req in decoding:
             req.kv_len += 1
-        # Requests that share a prefix share its first page. Adjacent in the batch, they are
-        # attended by neighbouring thread blocks at the same time, so the prefix's re-reads hit L2.
-        decoding.sort(key=lambda r: r.pages[0])
-        return [(req, 1, True) for req in decoding]
+        key = (self.cache.epoch, *map(id, decoding))
+        if key != self._groups_key:  # locks and requests unchanged: last step's groups still hold
+            self._groups_key = key
+            self._groups = plan_cascade(decoding, self.cache, self.page_size, not self.args.disable_cascade_attention)
+        return [(req, 1, True) for req in self._groups.reqs]
 
-    def _build_batch(self, entries: list[Entry], decode: bool) -> ForwardBatch:
+    def _build_batch(self, entries: list[Entry], decode: bool, groups: DecodeOrder | None) -> ForwardBatch:
         batch = ForwardBatch(slots=[], cached_lens=[], new_lens=[], input_ids=[], sample=[])
+        if groups is not None:
+            batch.group_sizes, batch.group_pages = groups.group_sizes, groups.group_pages
         for req, new, sample in entries:
             start = req.kv_len - new
             batch.slots.append(req.slot)
@@ -342,6 +360,9 @@ class Scheduler:
             "prefix_hit_tokens": c.prefix_hit_tokens,
             "cache_hit_rate": c.prefix_hit_tokens / c.prefix_queried_tokens if c.prefix_queried_tokens else 0.0,
             "retractions": c.retractions,
+            "prefill_tokens": c.prefill_tokens,
+            "decode_steps": c.decode_steps,
+            "cascade_steps": c.cascade_steps,
         }
 
     def check_integrity(self) -> None:

@@ -5,6 +5,8 @@ Graphs are captured for a ladder of batch sizes up to ``max_bs``; a batch is pad
 captured size with dummy requests that live in the runner's padding slot (its page-table row
 points at a scratch page, so their K/V writes land nowhere that matters). Inputs go through
 static buffers; the attention backend plans each step into per-size buffers outside the graph.
+Unless cascade attention is off, each size also has a cascade graph (two-level attention over
+cascade groups, see ``ForwardBatch``), replayed for steps that carry groups.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import msgspec
 import torch
 from tqdm import tqdm
 
+from minisgl.attention.base import graph_groups
 from minisgl.attention.context import set_attention_backend
 from minisgl.messages import ForwardBatch
 
@@ -41,8 +44,9 @@ class CudaGraphRunner:
         self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(max_bs, dtype=torch.int64, device=dev)
         self.out_loc = torch.zeros(max_bs, dtype=torch.int64, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.cascade = not runner.args.disable_cascade_attention
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # by (size, cascade)
+        self.logits: dict[tuple[int, bool], torch.Tensor] = {}
         runner.attn.init_cuda_graph(max_bs, runner.page_table.shape[1])
         self._capture()
 
@@ -71,35 +75,57 @@ class CudaGraphRunner:
         model = self.runner.model
         return model.compute_logits(model(self.input_ids[:size], self.positions[:size]))
 
+    def _capture_batch(self, size: int, cascade: bool) -> ForwardBatch:
+        """A padding batch that plans what the graph must hold: for cascade, as many groups as
+        the size has room for, each sharing one (scratch) page, covering every row."""
+        batch = self._pad(ForwardBatch([], [], [], [], []), size)
+        if not cascade:
+            return batch
+        groups = graph_groups(size)
+        sizes = [2] * (groups - 1) + [size - 2 * (groups - 1)]
+        page = self.runner.page_size
+        return msgspec.structs.replace(batch, cached_lens=[page] * size, group_sizes=sizes, group_pages=[1] * groups)
+
     @torch.inference_mode()
     def _capture(self) -> None:
         start = time.perf_counter()
         pool = None
         stream = torch.cuda.Stream()
-        for size in tqdm(sorted(self.sizes, reverse=True), desc="Capturing CUDA graphs", unit="graph"):
-            self._load(self._pad(ForwardBatch([], [], [], [], []), size))
+        keys = [(s, c) for s in sorted(self.sizes, reverse=True) for c in (False, True) if not c or self._fits(s)]
+        for size, cascade in tqdm(keys, desc="Capturing CUDA graphs", unit="graph"):
+            self._load(self._capture_batch(size, cascade))
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 self._run_model(size)  # warm-up outside the graph (lazy inits, autotuning)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self.logits[size] = self._run_model(size)
+                self.logits[size, cascade] = self._run_model(size)
             pool = graph.pool()
-            self.graphs[size] = graph
+            self.graphs[size, cascade] = graph
         torch.cuda.synchronize()
-        logger.info("captured %d CUDA graphs (batch sizes up to %d) in %.1f s",
-                    len(self.sizes), self.max_bs, time.perf_counter() - start)
+        logger.info("captured %d CUDA graphs (batch sizes up to %d%s) in %.1f s", len(keys), self.max_bs,
+                    ", plain and cascade" if self.cascade else "", time.perf_counter() - start)
+
+    def _fits(self, size: int, groups: int = 1) -> bool:
+        """Whether the cascade graph of this size exists and has room for ``groups`` groups."""
+        return self.cascade and 1 <= groups <= graph_groups(size)
+
+    def _size(self, batch: ForwardBatch) -> int:
+        return self.sizes[bisect.bisect_left(self.sizes, len(batch.slots))]
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        return len(batch.slots) <= self.max_bs and all(n == 1 for n in batch.new_lens)
+        if len(batch.slots) > self.max_bs or any(n != 1 for n in batch.new_lens):
+            return False
+        return not batch.group_sizes or self._fits(self._size(batch), len(batch.group_sizes))
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits of the batch's sampling requests, from the graph of the next size up."""
-        size = self.sizes[bisect.bisect_left(self.sizes, len(batch.slots))]
+        size = self._size(batch)
+        key = (size, bool(batch.group_sizes))
         self._load(self._pad(batch, size))
-        self.graphs[size].replay()
-        logits = self.logits[size][: len(batch.slots)]
+        self.graphs[key].replay()
+        logits = self.logits[key][: len(batch.slots)]
         if all(batch.sample):
             return logits
         rows = torch.tensor([i for i, s in enumerate(batch.sample) if s]).to(logits.device, non_blocking=True)

@@ -185,7 +185,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             slots=batch.slots, cached_lens=batch.cached_lens, new_lens=batch.new_lens,
             page_table=self.page_table, slots_t=torch.from_numpy(slots).to(dev, non_blocking=True),
-            positions=positions_t, out_loc=out_loc,
+            positions=positions_t, out_loc=out_loc, group_sizes=batch.group_sizes, group_pages=batch.group_pages,
         )
         return meta, input_ids
 

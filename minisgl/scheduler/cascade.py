@@ -1,0 +1,58 @@
+"""Cascade groups: which decoding requests read a shared prefix's KV pages once per step.
+
+The radix tree knows who shares what: every running request locks its cached prefix, so a
+node locked twice or more is a prefix that several running requests share. A request's group
+is the deepest such node on its path. The cost rule keeps a group when reading its prefix
+once saves more than the extra kernels cost (measured in benchmarks/decode_bench.py):
+groups of two or more requests sharing at least ``MIN_SHARED_TOKENS``, and a whole step only
+when the groups together skip at least ``MIN_SAVED_TOKENS`` token reads per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from minisgl.attention.base import MAX_CASCADE_GROUPS
+from minisgl.kvcache import BaseCacheManager
+from minisgl.scheduler.request import Req
+
+MIN_SHARED_TOKENS = 256
+MIN_SAVED_TOKENS = 8192
+
+
+@dataclass
+class DecodeOrder:
+    """Decoding requests in batch order: the groups' members first, group by group."""
+
+    reqs: list[Req]
+    group_sizes: list[int] = field(default_factory=list)
+    group_pages: list[int] = field(default_factory=list)
+
+
+def plan_cascade(reqs: list[Req], cache: BaseCacheManager, page_size: int, enabled: bool = True) -> DecodeOrder:
+    buckets: dict[int, tuple[int, list[Req]]] = {}
+    loose: list[Req] = []
+    for req in reqs:
+        shared = cache.shared_prefix(req.handle) if enabled else None
+        if shared is None or shared[1] < MIN_SHARED_TOKENS:
+            loose.append(req)
+        else:
+            buckets.setdefault(id(shared[0]), (shared[1], []))[1].append(req)
+    groups = []
+    for tokens, members in buckets.values():
+        if len(members) >= 2:
+            groups.append((tokens, members))
+        else:
+            loose += members
+    groups.sort(key=lambda g: -(len(g[1]) - 1) * g[0])  # the largest savings first
+    for _, members in groups[MAX_CASCADE_GROUPS:]:
+        loose += members
+    groups = groups[:MAX_CASCADE_GROUPS]
+    if sum((len(m) - 1) * t for t, m in groups) < MIN_SAVED_TOKENS:
+        loose, groups = reqs, []
+    # Neighbouring thread blocks attend at the same time: requests that still share pages
+    # (ungrouped ones with a common first page) sit together so their re-reads hit L2.
+    order = DecodeOrder([r for _, m in groups for r in m] + sorted(loose, key=lambda r: r.pages[0]))
+    order.group_sizes = [len(m) for _, m in groups]
+    order.group_pages = [t // page_size for t, _ in groups]
+    return order
