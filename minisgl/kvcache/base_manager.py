@@ -57,9 +57,9 @@ class BaseCacheManager(ABC):
     @abstractmethod
     def size_info(self) -> SizeInfo: ...
 
-    def shared_prefix(self, handle: CacheHandle) -> tuple[object, int] | None:
-        """(a key naming the deepest cached prefix this handle shares with another locked
-        handle, its length in tokens), or None. Caches that share nothing return None."""
+    def shared_prefix(self, handle: CacheHandle, min_requests: int = 2) -> tuple[object, int] | None:
+        """(a key naming the deepest cached prefix this handle shares with ``min_requests`` - 1
+        other locked handles, its length in tokens), or None. Caches that share nothing return None."""
         return None
 
     @abstractmethod

@@ -96,12 +96,12 @@ class RadixCacheManager(BaseCacheManager):
 
     # ---- interface ----------------------------------------------------------------------------
 
-    def shared_prefix(self, handle: CacheHandle) -> tuple[object, int] | None:
-        """The deepest node on the handle's path locked by two or more requests, and its
-        length in tokens: the part of the path that this request shares with another running
-        one. None when it shares nothing. Walks nodes, not pages."""
+    def shared_prefix(self, handle: CacheHandle, min_requests: int = 2) -> tuple[object, int] | None:
+        """The deepest node on the handle's path locked by ``min_requests`` or more requests,
+        and its length in tokens: the part of the path that this request shares with others
+        running. None when it shares nothing. Walks nodes, not pages."""
         node = handle.node
-        while node is not self.root and node.ref < 2:
+        while node is not self.root and node.ref < min_requests:
             node = node.parent
         return None if node is self.root else (node, node.depth)
 

@@ -1,8 +1,9 @@
 """Cascade groups: which decoding requests read a shared prefix's KV pages once per step.
 
 The radix tree knows who shares what: every running request locks its cached prefix, so a
-node locked twice or more is a prefix that several running requests share. A request's group
-is the deepest such node on its path. The cost rule keeps a group when reading its prefix
+node locked n times is a prefix that n running requests share. A request's group is the
+deepest node on its path that ``MIN_GROUP_SIZE`` requests share (in a chat tree, the system
+prompt that many conversations share, rather than a turn that only the next turn extends). The cost rule keeps a group when reading its prefix
 once saves more than the extra kernels cost. Fitted to benchmarks/decode_bench.py part 3 on the
 H100 (8B attention shape, results/gpu_2026-11-22.md): the plain decode already serves re-reads
 of a prefix from L2 when its requests sit together, so pairs and 4-request groups at batch 64
@@ -37,7 +38,7 @@ def plan_cascade(reqs: list[Req], cache: BaseCacheManager, page_size: int, enabl
     buckets: dict[int, tuple[int, list[Req]]] = {}
     loose: list[Req] = []
     for req in reqs:
-        shared = cache.shared_prefix(req.handle) if enabled else None
+        shared = cache.shared_prefix(req.handle, max(MIN_GROUP_SIZE, 2)) if enabled else None
         if shared is None or shared[1] < MIN_SHARED_TOKENS:
             loose.append(req)
         else:
