@@ -190,7 +190,7 @@ CASCADE_VARIANTS = [  # (name, two levels, FlashInferBackend options); "cascade"
 
 
 def cascade_kernels(qo_heads: int, kv_heads: int, head_dim: int, page_size: int, bandwidth: float) -> list[dict]:
-    from minisgl.attention.base import decode_metadata
+    from minisgl.attention.synthetic import decode_metadata
     from minisgl.attention.flashinfer_backend import FlashInferBackend
     from minisgl.kvcache import MHAKVCache
 
@@ -203,8 +203,7 @@ def cascade_kernels(qo_heads: int, kv_heads: int, head_dim: int, page_size: int,
             loose: list[int] = []
         else:
             layout, loose = [], [2304 + 1] * batch
-        total_pages = sum(p + n * cdiv(own_len + 1, page_size) for p, n in ((p, len(l)) for p, l in layout))
-        total_pages += sum(cdiv(n, page_size) for n in loose)
+        total_pages = int(decode_metadata(page_size, layout, loose, "cpu").page_table.max()) + 1
         cache = MHAKVCache(total_pages, page_size, PAGE_FIRST_LAYERS // 2, kv_heads, head_dim, torch.bfloat16,
                            torch.device("cuda"))
         cache.buffer.normal_()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from minisgl.attention import create_backend
-from minisgl.attention.base import decode_metadata
+from minisgl.attention.synthetic import decode_metadata
 from minisgl.kvcache import MHAKVCache
 from minisgl.scheduler import cascade
 from minisgl.sampling import SamplingParams

@@ -50,7 +50,6 @@ class FlashInferBackend(AttentionBackend):
         self.dtype = kv_cache.k_cache(0).dtype
         self.shared_backend = shared_backend
         self.shared_tile = shared_tile
-        self.own_tensor_cores = own_tensor_cores
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(

@@ -3,8 +3,8 @@
 The radix tree knows who shares what: every running request locks its cached prefix, so a
 node locked n times is a prefix that n running requests share. A request's group is the
 deepest node on its path that ``MIN_GROUP_SIZE`` requests share (in a chat tree, the system
-prompt that many conversations share, rather than a turn that only the next turn extends). The cost rule keeps a group when reading its prefix
-once saves more than the extra kernels cost. Fitted to benchmarks/decode_bench.py part 3 on the
+prompt that many conversations share, rather than a turn that only the next turn extends).
+The cost rule keeps a group when reading its prefix once saves more than the extra kernels cost. Fitted to benchmarks/decode_bench.py part 3 on the
 H100 (8B attention shape, results/gpu_2026-11-22.md): the plain decode already serves re-reads
 of a prefix from L2 when its requests sit together, so pairs and 4-request groups at batch 64
 lose or tie, prefixes of 256-512 tokens lose, while 16+ requests on 2048 tokens win 1.3-1.7x.
@@ -35,17 +35,18 @@ class DecodeOrder:
 
 
 def plan_cascade(reqs: list[Req], cache: BaseCacheManager, page_size: int, enabled: bool = True) -> DecodeOrder:
+    min_size = max(MIN_GROUP_SIZE, 2)
     buckets: dict[int, tuple[int, list[Req]]] = {}
     loose: list[Req] = []
     for req in reqs:
-        shared = cache.shared_prefix(req.handle, max(MIN_GROUP_SIZE, 2)) if enabled else None
+        shared = cache.shared_prefix(req.handle, min_size) if enabled else None
         if shared is None or shared[1] < MIN_SHARED_TOKENS:
             loose.append(req)
         else:
             buckets.setdefault(id(shared[0]), (shared[1], []))[1].append(req)
     groups = []
     for tokens, members in buckets.values():
-        if len(members) >= max(MIN_GROUP_SIZE, 2):
+        if len(members) >= min_size:
             groups.append((tokens, members))
         else:
             loose += members
@@ -57,7 +58,7 @@ def plan_cascade(reqs: list[Req], cache: BaseCacheManager, page_size: int, enabl
         loose, groups = reqs, []
     # Neighbouring thread blocks attend at the same time: requests that still share pages
     # (ungrouped ones with a common first page) sit together so their re-reads hit L2.
-    order = DecodeOrder([r for _, m in groups for r in m] + sorted(loose, key=lambda r: r.pages[0]))
-    order.group_sizes = [len(m) for _, m in groups]
-    order.group_pages = [t // page_size for t, _ in groups]
-    return order
+    return DecodeOrder(
+        [r for _, m in groups for r in m] + sorted(loose, key=lambda r: r.pages[0]),
+        group_sizes=[len(m) for _, m in groups], group_pages=[t // page_size for t, _ in groups],
+    )

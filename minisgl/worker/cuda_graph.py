@@ -5,7 +5,7 @@ Graphs are captured for a ladder of batch sizes up to ``max_bs``; a batch is pad
 captured size with dummy requests that live in the runner's padding slot (its page-table row
 points at a scratch page, so their K/V writes land nowhere that matters). Inputs go through
 static buffers; the attention backend plans each step into per-size buffers outside the graph.
-Unless cascade attention is off, each size also has a cascade graph (two-level attention over
+Unless cascade attention or the radix cache is off, each size also has a cascade graph (two-level attention over
 cascade groups, see ``ForwardBatch``), replayed for steps that carry groups.
 """
 
@@ -44,7 +44,8 @@ class CudaGraphRunner:
         self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(max_bs, dtype=torch.int64, device=dev)
         self.out_loc = torch.zeros(max_bs, dtype=torch.int64, device=dev)
-        self.cascade = not runner.args.disable_cascade_attention
+        # Groups come from the radix tree: without it no step carries any.
+        self.cascade = not (runner.args.disable_cascade_attention or runner.args.disable_radix_cache)
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # by (size, cascade)
         self.logits: dict[tuple[int, bool], torch.Tensor] = {}
         runner.attn.init_cuda_graph(max_bs, runner.page_table.shape[1])
