@@ -15,7 +15,8 @@ Part 3: one layer's decode attention, plain (tensor-core decode over every page)
 cascade (shared level once per group + own level + merge), at batch 64 and 256 with 1 to 128
 groups sharing 256 or 2048 tokens plus 256 of their own, each timed as CUDA-graph replays as
 the engine runs it, against the floor of reading every distinct page once. It also times the
-two levels alone and the shared level on FlashInfer's fa3 backend.
+two levels alone, the levels one after the other instead of on two streams, and the shared
+level on FlashInfer's fa3 backend.
 """
 
 from __future__ import annotations
@@ -183,19 +184,23 @@ CASCADE_CASES = [  # (batch, groups, shared tokens); every request also has 256 
 CASCADE_VARIANTS = [  # (name, two levels, FlashInferBackend options); "cascade" is the engine's default
     ("plain", False, {}),
     ("cascade", True, {}),
+    ("cascade_serial", True, {"overlap_levels": False}),  # levels one after the other on one stream
     ("cascade_tile128", True, {"shared_tile": 128}),
     ("cascade_fa3", True, {"shared_backend": "fa3"}),
     ("cascade_cudacore_own", True, {"own_tensor_cores": False}),
 ]
 
 
-def cascade_kernels(qo_heads: int, kv_heads: int, head_dim: int, page_size: int, bandwidth: float) -> list[dict]:
+def cascade_kernels(
+    qo_heads: int, kv_heads: int, head_dim: int, page_size: int, bandwidth: float,
+    cases: list[tuple[int, int, int]] = CASCADE_CASES, variants: list[str] | None = None,
+) -> list[dict]:
     from minisgl.attention.synthetic import decode_metadata
     from minisgl.attention.flashinfer_backend import FlashInferBackend
     from minisgl.kvcache import MHAKVCache
 
     own_len, rows = 256, []
-    for batch, groups, shared in CASCADE_CASES:
+    for batch, groups, shared in cases:
         shared_pages = shared // page_size
         if groups:
             per = [batch // groups + (g < batch % groups) for g in range(groups)]
@@ -211,7 +216,7 @@ def cascade_kernels(qo_heads: int, kv_heads: int, head_dim: int, page_size: int,
         row = {"batch": batch, "groups": groups, "shared_tokens": shared, "own_tokens": own_len if groups else 2304,
                "distinct_kv_floor_ms": total_pages * page_size * 2 * kv_heads * head_dim * 2 / bandwidth * 1e3}
         for name, cascade, kw in CASCADE_VARIANTS:
-            if cascade and not groups:
+            if (cascade and not groups) or (variants and name not in variants):
                 continue
             backend = FlashInferBackend(cache, qo_heads, kv_heads, head_dim, **kw)
             meta = decode_metadata(page_size, layout, loose, "cuda", cascade=cascade)
@@ -247,6 +252,10 @@ def main() -> None:
                     help="print a torch-profiler table of 5 pipelined steps at this batch size and exit")
     ap.add_argument("--out", default=None)
     ap.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3], help="which parts to run")
+    ap.add_argument("--cascade-cases", nargs="+", default=None, metavar="BxGxS",
+                    help="part 3 cases as batch x groups x shared tokens, e.g. 256x16x2048 (default: all)")
+    ap.add_argument("--cascade-variants", nargs="+", default=None,
+                    help=f"part 3 variants (default: all of {', '.join(v[0] for v in CASCADE_VARIANTS)})")
     args = ap.parse_args()
 
     bw = copy_bandwidth()
@@ -256,7 +265,9 @@ def main() -> None:
     if 3 in args.parts:
         print(f"one layer of decode attention, {cfg.num_heads} q / {cfg.num_kv_heads} kv heads, page size "
               f"{args.page_size}: plain vs cascade (CUDA-graph replays, ms)")
-        result["cascade"] = cascade_kernels(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, args.page_size, bw)
+        cases = [tuple(map(int, c.split("x"))) for c in args.cascade_cases] if args.cascade_cases else CASCADE_CASES
+        result["cascade"] = cascade_kernels(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, args.page_size, bw,
+                                            cases, args.cascade_variants)
     if 1 not in args.parts and 2 not in args.parts:
         save_result(result, args.out, f"decode_{Path(args.model).name}")
         return

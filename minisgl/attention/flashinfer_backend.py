@@ -9,7 +9,10 @@ Cascade decode steps (groups of requests sharing a cached prefix, see ``ForwardB
 levels. Shared: the paged prefill kernel, non-causal, with each group as one request whose
 queries are its members' (GQA heads packed), reads each shared page once. Own: the decode
 wrapper over each request's pages past its group's prefix. Both return their log-sum-exp and
-``merge_state_in_place`` folds the shared result into the own one. Under CUDA graphs the shared
+``merge_state_in_place`` folds the shared result into the own one. The shared level (compute-
+bound) runs on a high-priority side stream while the own level (memory-bound) runs on the main
+one: 0.188 against 0.200 ms per layer one after the other (benchmarks/decode_bench.py part 3,
+H100, 256 requests in 16 groups). It has a workspace of its own. Under CUDA graphs the shared
 level has a fixed number of group slots (empty ones have no queries), a last slot that takes the
 rows outside groups (against one page; the merge's row mask discards them), and the merge a row
 mask. FlashInfer sizes a graph's query tile from its rows and slots: the slot count is chosen
@@ -25,9 +28,11 @@ from minisgl.attention.base import AttentionBackend, AttentionMetadata, graph_gr
 from minisgl.kvcache import BaseKVCache
 from minisgl.utils import cdiv
 
-# Split-KV scratch: a graph's shared level plans for its worst case (e.g. 268 MB at batch 256,
-# 32 query heads, tile 64); the levels run one after another, so they share the buffer.
-WORKSPACE_BYTES = 512 * 1024 * 1024
+# Split-KV scratch of the prefill and decode (own level) wrappers.
+WORKSPACE_BYTES = 256 * 1024 * 1024
+# The shared level's, allocated at its first cascade step: a graph's shared level plans for its
+# worst case (e.g. 268 MB at batch 256, 32 query heads, tile 64).
+SHARED_WORKSPACE_BYTES = 512 * 1024 * 1024
 # The shared level packs a group's queries per KV head (fa2 does, fa3 does not): measured in
 # benchmarks/decode_bench.py (part 3) on the H100.
 SHARED_LEVEL_BACKEND = "fa2"
@@ -40,6 +45,7 @@ class FlashInferBackend(AttentionBackend):
     def __init__(
         self, kv_cache: BaseKVCache, num_qo_heads: int, num_kv_heads: int, head_dim: int,
         shared_backend: str = SHARED_LEVEL_BACKEND, shared_tile: int = SHARED_TILE, own_tensor_cores: bool = True,
+        overlap_levels: bool = True,
     ):
         import flashinfer
 
@@ -55,7 +61,10 @@ class FlashInferBackend(AttentionBackend):
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=own_tensor_cores
         )
-        self.shared = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=shared_backend)
+        # The shared level runs on this stream (None: the main one); its wrapper is made at need.
+        self.level_stream = torch.cuda.Stream(device, priority=-1) if overlap_levels else None
+        self._shared_workspace: torch.Tensor | None = None
+        self._shared_eager = None
         self.wrapper = self.prefill
         self.shared_level = None  # the wrapper running this step's shared level; None: single level
         self.shared_rows = 0  # queries in groups this step (they come first)
@@ -74,6 +83,12 @@ class FlashInferBackend(AttentionBackend):
         self._s_mask = torch.zeros(max_bs, dtype=torch.bool, device=device)
         self._s_out = torch.zeros(max_bs, self.num_qo_heads, self.head_dim, dtype=self.dtype, device=device)
         self._s_lse = torch.zeros(max_bs, self.num_qo_heads, dtype=torch.float32, device=device)
+
+    def shared_workspace(self) -> torch.Tensor:
+        """The shared level's scratch, allocated at the first cascade step."""
+        if self._shared_workspace is None:
+            self._shared_workspace = torch.empty(SHARED_WORKSPACE_BYTES, dtype=torch.uint8, device=self.workspace.device)
+        return self._shared_workspace
 
     def _graph_wrapper(self, size: int):
         import flashinfer
@@ -96,13 +111,21 @@ class FlashInferBackend(AttentionBackend):
             groups = max(groups, size - max(64 // gqa, 1))
         return groups + 1
 
+    def _eager_shared_wrapper(self):
+        import flashinfer
+
+        if self._shared_eager is None:
+            self._shared_eager = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                self.shared_workspace(), "NHD", backend=self.shared_backend)
+        return self._shared_eager
+
     def _graph_shared_wrapper(self, size: int):
         import flashinfer
 
         if size not in self._graph_shared:
             slots = self._shared_slots(size)
             self._graph_shared[size] = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-                self.workspace, "NHD", use_cuda_graph=True, backend=self.shared_backend,
+                self.shared_workspace(), "NHD", use_cuda_graph=True, backend=self.shared_backend,
                 qo_indptr_buf=self._s_qo_indptr[: slots + 1], paged_kv_indptr_buf=self._s_kv_indptr[: slots + 1],
                 paged_kv_indices_buf=self._s_indices, paged_kv_last_page_len_buf=self._s_last_page_len[:slots],
             )
@@ -154,7 +177,7 @@ class FlashInferBackend(AttentionBackend):
         leaders = list(np.cumsum([0] + sizes[:-1]))
         self.shared_rows = sum(sizes)
         if graph_batch_size is None:
-            self.shared_level = self.shared
+            self.shared_level = self._eager_shared_wrapper()
         else:
             free = self._shared_slots(graph_batch_size) - 1 - len(sizes)
             if free < 0:
@@ -182,14 +205,21 @@ class FlashInferBackend(AttentionBackend):
             return self.wrapper.run(q, cache)
         from flashinfer import merge_state_in_place
 
-        out, lse = self.wrapper.run(q, cache, return_lse=True)
         if self.graph_size is None:
             rows = self.shared_rows
-            shared, shared_lse = self.shared_level.run(q[:rows], cache, return_lse=True)
-            merge_state_in_place(out[:rows], lse[:rows], shared, shared_lse)
+            shared = torch.empty_like(q[:rows])
+            shared_lse = torch.empty(rows, q.shape[1], dtype=torch.float32, device=q.device)
+            mask, own_rows = None, slice(0, rows)
         else:
-            size = self.graph_size
-            shared, shared_lse = self._s_out[:size], self._s_lse[:size]
-            self.shared_level.run(q, cache, out=shared, lse=shared_lse, return_lse=True)
-            merge_state_in_place(out, lse, shared, shared_lse, mask=self._s_mask[:size])
+            rows = self.graph_size
+            shared, shared_lse = self._s_out[:rows], self._s_lse[:rows]
+            mask, own_rows = self._s_mask[:rows], slice(None)
+        main = torch.cuda.current_stream()
+        side = self.level_stream or main
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            self.shared_level.run(q[:rows], cache, out=shared, lse=shared_lse, return_lse=True)
+        out, lse = self.wrapper.run(q, cache, return_lse=True)
+        main.wait_stream(side)
+        merge_state_in_place(out[own_rows], lse[own_rows], shared, shared_lse, mask=mask)
         return out
