@@ -41,6 +41,13 @@ class BaseCacheManager(ABC):
     def match_prefix(self, ids: list[int]) -> tuple[CacheHandle, list[int]]:
         """Longest cached whole-page prefix of ``ids`` and its pages. Does not lock."""
 
+    def cached_lengths(self, seqs: list[list[int]], common: list[int]) -> list[int]:
+        """How many leading tokens of each request's tokens the cache would serve at admission
+        (whole pages; the last token is always computed), for ordering a queue: unlike
+        ``match_prefix`` it leaves eviction order alone. ``common[i]`` is how many leading tokens
+        ``seqs[i]`` shares with ``seqs[i - 1]``; a cache may use it to resume the previous walk."""
+        return [self.match_prefix(ids[:-1])[0].cached_len for ids in seqs]
+
     @abstractmethod
     def lock_handle(self, handle: CacheHandle, unlock: bool = False) -> None:
         """Protect (or release) the handle's prefix from eviction; locks nest."""

@@ -105,6 +105,28 @@ class RadixCacheManager(BaseCacheManager):
             node = node.parent
         return None if node is self.root else (node, node.depth)
 
+    def cached_lengths(self, seqs: list[list[int]], common: list[int]) -> list[int]:
+        """Walks read only (no split, no LRU touch); each starts from the deepest node of the
+        previous walk that lies within the part its sequence shares with the previous one, so
+        sorted sequences cost about their distinct cached tokens, not their total."""
+        out, node = [], self.root
+        for ids, shared in zip(seqs, common):
+            limit = self.aligned(max(len(ids) - 1, 0))
+            while node.depth > min(shared, limit):
+                node = node.parent
+            matched = node.depth
+            while matched < limit:
+                child = node.children.get(self._edge(ids, matched))
+                if child is None:
+                    break
+                pages = min(self._common_pages(child.key, ids, matched), (limit - matched) // self.page_size)
+                if pages < len(child.pages):
+                    matched += pages * self.page_size
+                    break
+                node, matched = child, child.depth
+            out.append(matched)
+        return out
+
     def match_prefix(self, ids: list[int]) -> tuple[RadixHandle, list[int]]:
         node, matched = self._walk(ids)
         return RadixHandle(matched, node), self._path_pages(node)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 
 from minisgl.kvcache import CacheHandle
@@ -21,6 +22,7 @@ class Req:
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache instead of computed
+    queued_step: int = 0  # the scheduler step at which it was queued (for aging)
     # Cache state, valid while the request holds a page-table slot.
     slot: int | None = None
     handle: CacheHandle = CacheHandle(0)  # the locked cached prefix
@@ -28,10 +30,20 @@ class Req:
     kv_len: int = 0  # tokens whose KV is computed or being computed by a sent step
     table_len: int = 0  # entries of `pages` already written to the worker's page table
     prefill_target: int = 0  # at admission: every token so far needs KV before decoding resumes
+    _key: tuple[int, bytes] = field(default=(-1, b""), repr=False)  # (length, queue_key)
 
     @property
     def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+        """Prompt and outputs (the prompt list itself while there are no outputs: do not mutate)."""
+        return self.prompt_ids + self.output_ids if self.output_ids else self.prompt_ids
+
+    def queue_key(self) -> bytes:
+        """``all_ids`` packed as int32: sorting these groups shared prefixes (memcmp order).
+        Built once per queueing; a waiting request's tokens do not change."""
+        n = len(self.prompt_ids) + len(self.output_ids)
+        if self._key[0] != n:
+            self._key = (n, array("i", self.all_ids).tobytes())
+        return self._key[1]
 
     @property
     def prefilling(self) -> bool:

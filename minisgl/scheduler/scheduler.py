@@ -97,7 +97,8 @@ class Scheduler:
             raise ValueError(f"the request needs {max_len} tokens of KV cache; the pool holds "
                              f"{self.allocator.num_pages * self.page_size}")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        req = Req(self._next_rid, list(prompt_ids), params, seed, max_len, top_logprobs)
+        req = Req(self._next_rid, list(prompt_ids), params, seed, max_len, top_logprobs,
+                  queued_step=self.counters.steps)
         self._next_rid += 1
         if params.max_new_tokens == 0:
             req.finish_reason = "length"
@@ -229,7 +230,9 @@ class Scheduler:
                 return entries
             entries.append(entry)
             budget -= entry[1]
-        for req in order_waiting(self.waiting, self.cache, self.args.schedule_policy):
+        if budget <= 0 or not self.free_slots or not self.waiting:
+            return entries
+        for req in order_waiting(self.waiting, self.cache, self.args.schedule_policy, self.counters.steps):
             if budget <= 0 or not self.free_slots:
                 break
             self._admit(req)

@@ -1,0 +1,119 @@
+"""Admission order: lpm by radix subtree (no queue-length cliff), aging, and a shared prefix
+computed once however it is chunked or queued."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+from minisgl.kvcache import BaseCacheManager
+from minisgl.kvcache.radix_manager import RadixCacheManager
+from minisgl.sampling import SamplingParams
+from minisgl.scheduler.policy import AGING_STEPS, order_waiting
+from minisgl.scheduler.request import Req
+from tests.test_scheduler import make_llm
+
+
+def make_req(rid: int, ids: list[int], queued_step: int = 0) -> Req:
+    return Req(rid, ids, SamplingParams(), 0, len(ids) + 8, queued_step=queued_step)
+
+
+def fill_cache(cache: RadixCacheManager, prompts: list[list[int]]) -> None:
+    next_page = 0
+    for ids in prompts:
+        n = len(ids) // cache.page_size
+        cache.insert_prefix(ids, list(range(next_page, next_page + n)))
+        next_page += n
+
+
+def tree_shape(cache: RadixCacheManager) -> list:
+    return sorted((n.depth, n.last_access, n.ref) for n in cache._nodes())
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_cached_lengths_equal_match_prefix_and_touch_nothing(page_size):
+    rng = random.Random(page_size)
+    stems = [[rng.randrange(50) for _ in range(rng.randint(0, 40))] for _ in range(6)]
+    def seq() -> list[int]:
+        return rng.choice(stems)[: rng.randint(0, 40)] + [rng.randrange(50) for _ in range(rng.randint(0, 30))]
+    cache = RadixCacheManager(page_size)
+    fill_cache(cache, [seq() for _ in range(40)])
+    queries = sorted(seq() for _ in range(200))
+    common = [0] + [len(os.path.commonprefix([a, b])) for a, b in zip(queries, queries[1:])]
+    before = tree_shape(cache)
+    fast = cache.cached_lengths(queries, common)
+    assert tree_shape(cache) == before, "ordering a queue must not split nodes or touch eviction order"
+    assert fast == BaseCacheManager.cached_lengths(cache, queries, common)
+    cache.check_integrity()
+
+
+def test_lpm_orders_long_queues_by_hit_then_subtree_oldest_first():
+    rng = random.Random(0)
+    cache = RadixCacheManager(4)
+    systems = [[1000 + g] + [rng.randrange(900) for _ in range(63)] for g in range(20)]
+    fill_cache(cache, systems[:3])  # groups 0-2 have their system prompt cached
+    reqs = []
+    for i in range(600):  # far beyond the old 128-request cliff
+        g = rng.randrange(len(systems))
+        reqs.append(make_req(i, systems[g] + [rng.randrange(900) for _ in range(rng.randint(2, 9))]))
+    order = order_waiting(reqs, cache, "lpm", step=1)
+    assert sorted(map(id, order)) == sorted(map(id, reqs))
+    group = {id(r): r.prompt_ids[0] - 1000 for r in reqs}
+    hits = [64 if group[id(r)] < 3 else 0 for r in order]
+    assert hits == sorted(hits, reverse=True), "longest cached prefix first"
+    runs = [group[id(order[0])]]
+    for r in order[1:]:
+        if group[id(r)] != runs[-1]:
+            runs.append(group[id(r)])
+    assert len(runs) == len(set(runs)) == 20, "each group's requests go together"
+    first_seen = {}
+    for i, r in enumerate(reqs):
+        first_seen.setdefault(group[id(r)], i)
+    uncached = [g for g in runs if g >= 3]
+    assert uncached == sorted(uncached, key=first_seen.get), "uncached groups go oldest first"
+    assert order_waiting(reqs, cache, "fcfs", step=1) == reqs
+
+
+def test_aged_requests_go_first_in_arrival_order():
+    cache = RadixCacheManager(1)
+    cached = list(range(100, 140))
+    fill_cache(cache, [cached])
+    old = [make_req(0, [7, 8, 9], queued_step=0), make_req(1, [5, 6], queued_step=3)]
+    young = [make_req(2 + i, cached + [i], queued_step=AGING_STEPS - 10) for i in range(4)]
+    assert order_waiting(old + young, cache, "lpm", step=AGING_STEPS - 1)[:2] == young[:2]
+    assert order_waiting(old + young, cache, "lpm", step=AGING_STEPS + 3)[:2] == old
+
+
+def test_nested_prompts_do_not_recurse():
+    cache = RadixCacheManager(1)
+    base = list(range(3000))
+    reqs = [make_req(i, base[: 2 + i]) for i in range(2000)]  # each a prefix of the next
+    order = order_waiting(reqs[::-1], cache, "lpm", step=0)
+    assert len(order) == 2000 and order[0] is reqs[-1]  # the oldest (here: longest) leads its subtree
+
+
+def distinct_tokens(prompts: list[list[int]]) -> int:
+    ordered = sorted(prompts)
+    return len(ordered[0]) + sum(len(b) - len(os.path.commonprefix([a, b])) for a, b in zip(ordered, ordered[1:]))
+
+
+@pytest.mark.parametrize("policy", ["lpm", "fcfs"])
+@pytest.mark.parametrize("chunk,page_size,running", [(48, 4, 64), (64, 1, 3), (200, 8, 5)])
+def test_a_shared_prefix_is_computed_once(tiny_llama, policy, chunk, page_size, running):
+    """Groups share a 150-token prefix, longer than a chunk; their requests arrive shuffled among
+    unrelated ones, and few may run at once: still each prefix is prefilled once."""
+    rng = random.Random(chunk)
+    prompts = []
+    for g in range(3):
+        prefix = [rng.randrange(3, 1000) for _ in range(150)]
+        prompts += [prefix + [rng.randrange(3, 1000) for _ in range(rng.randint(1, 12))] for _ in range(6)]
+    prompts += [[rng.randrange(3, 1000) for _ in range(rng.randint(20, 90))] for _ in range(6)]
+    rng.shuffle(prompts)
+    llm = make_llm(tiny_llama, page_size=page_size, chunked_prefill_size=chunk, schedule_policy=policy,
+                   max_running_requests=running)
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=3, ignore_eos=True))
+    computed = llm.scheduler.stats()["prefill_tokens"]
+    # A request recomputes at most the partial page its cached prefix ends in.
+    assert distinct_tokens(prompts) <= computed <= distinct_tokens(prompts) + len(prompts) * (page_size - 1) + len(prompts)
