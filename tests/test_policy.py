@@ -84,6 +84,8 @@ def test_aged_requests_go_first_in_arrival_order():
     young = [make_req(2 + i, cached + [i], queued_step=AGING_STEPS - 10) for i in range(4)]
     assert order_waiting(old + young, cache, "lpm", step=AGING_STEPS - 1)[:2] == young[:2]
     assert order_waiting(old + young, cache, "lpm", step=AGING_STEPS + 3)[:2] == old
+    # Everyone aged (a long batch): lpm among them, no crash.
+    assert order_waiting(old + young, cache, "lpm", step=10 * AGING_STEPS)[:4] == young
 
 
 def test_nested_prompts_do_not_recurse():

@@ -4,10 +4,11 @@ The radix tree knows who shares what: every running request locks its cached pre
 node locked n times is a prefix that n running requests share. A request's group is the
 deepest node on its path that ``MIN_GROUP_SIZE`` requests share (in a chat tree, the system
 prompt that many conversations share, rather than a turn that only the next turn extends).
-The cost rule keeps a group when reading its prefix once saves more than the extra kernels cost. Fitted to benchmarks/decode_bench.py part 3 on the
-H100 (8B attention shape, results/gpu_2026-11-22.md): the plain decode already serves re-reads
-of a prefix from L2 when its requests sit together, so pairs and 4-request groups at batch 64
-lose or tie, prefixes of 256-512 tokens lose, while 16+ requests on 2048 tokens win 1.3-1.7x.
+The cost rule keeps a group when reading its prefix once saves more than the extra kernels
+cost. Fitted to benchmarks/decode_bench.py part 3 on the H100 (8B attention shape, levels on two
+streams; results/gpu_2026-11-22.md): the plain decode already serves re-reads of a prefix from
+L2 when its requests sit together, so pairs tie or lose and prefixes of 256 tokens lose, 512
+ties or wins 6%, while 4+ requests on 2048 tokens win 1.15-1.9x, also at batch 64.
 Kept: groups of at least ``MIN_GROUP_SIZE`` requests sharing at least ``MIN_SHARED_TOKENS``,
 and a step only when its groups together skip ``MIN_SAVED_TOKENS`` token reads per layer.
 """
@@ -22,7 +23,7 @@ from minisgl.scheduler.request import Req
 
 MIN_GROUP_SIZE = 4
 MIN_SHARED_TOKENS = 1024
-MIN_SAVED_TOKENS = 110_000
+MIN_SAVED_TOKENS = 64_000  # 64 requests in 16 groups on 2048 tokens skip 98k and win 14%
 
 
 @dataclass

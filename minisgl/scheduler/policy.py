@@ -6,8 +6,9 @@ the scheduler publishes a chunk's pages when it schedules it, the ones right beh
 them in the same round or the next. Sharing comes from the radix order of the prompts (sorted
 token sequences: a shared prefix is a contiguous run), so a round costs O(n log n) however long
 the queue. Among equal hits, subtrees go oldest first: the oldest request leads, then those
-sharing most with it. A request queued for ``AGING_STEPS`` scheduler steps goes ahead of every
-younger one, in arrival order, so a prompt with no hit is never starved.
+sharing most with it. Requests queued for ``AGING_STEPS`` scheduler steps or more go ahead of
+every younger one (in the same order among themselves), so newer requests with better hits
+cannot starve a prompt with none.
 """
 
 from __future__ import annotations
@@ -32,11 +33,13 @@ def order_waiting(waiting: Sequence[Req], cache: BaseCacheManager, policy: str, 
         return queue
     aged = [r for r in queue if step - r.queued_step >= AGING_STEPS]
     young = [r for r in queue if step - r.queued_step < AGING_STEPS]
-    return aged + prefix_order(young, cache)
+    return prefix_order(aged, cache) + prefix_order(young, cache)
 
 
 def prefix_order(reqs: list[Req], cache: BaseCacheManager) -> list[Req]:
     """Longest cached prefix first; ties in subtree order, oldest subtree first."""
+    if len(reqs) < 2:
+        return reqs
     seniority = {id(r): i for i, r in enumerate(reqs)}
     radix = sorted(reqs, key=Req.queue_key)
     common = [0] + [_common_tokens(a.queue_key(), b.queue_key()) for a, b in zip(radix, radix[1:])]
