@@ -82,6 +82,13 @@ class Sender:
     def send(self, msg: Any) -> None:
         self.sock.send(self._enc.encode(msg), copy=False)
 
+    def encode(self, msg: Any) -> bytes:
+        """Encode without sending (raises on what MessagePack cannot carry, sends nothing)."""
+        return self._enc.encode(msg)
+
+    def send_encoded(self, payload: bytes) -> None:
+        self.sock.send(payload, copy=False)
+
 
 class Receiver(Generic[T]):
     """Bound PULL socket that decodes one message type (usually a tagged union)."""

@@ -273,6 +273,23 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
                               "max_completion_tokens": 4096}, 400, "context length"),
     ("/abort_request", {"rid": "nobody"}, 404, "no running request"),
+    # Hostile values: integers past every width, invalid UTF-8, deep nesting, huge inputs.
+    ("/generate", {"text": "hello", "sampling_params": {"top_k": 2**63, "max_new_tokens": 4}}, 400, "top_k"),
+    ("/generate", {"text": "hello", "sampling_params": {"top_k": 2**64 - 1}}, 400, "top_k"),
+    ("/generate", {"input_ids": [2**64 + 5]}, 400, "input_ids"),
+    ("/generate", {"text": "a", "sampling_params": {"max_new_tokens": 2**70}}, 400, "max_new_tokens"),
+    ("/generate", {"text": "a", "sampling_params": {"stop_token_ids": [2**65]}}, 400, "stop_token_ids"),
+    ("/generate", {"text": "a", "sampling_params": {"seed": 2**80}}, 400, "seed"),
+    ("/v1/completions", {"model": "tiny", "prompt": [2**64 + 1]}, 400, "prompt must be"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "max_tokens": 2**64}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_k": 2**63},
+     400, "top_k"),
+    ("/generate", b'{"text": "\xff\xfe bad"}'.replace(b"\\x", b"\\x"), 400, "malformed JSON"),
+    ("/generate", b'{"text": "' + bytes([0xFF, 0xFE]) + b'"}', 400, "not valid UTF-8"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": ' + b"[" * 1000 + b"]" * 1000 + b"}", 400, "nested too deeply"),
+    ("/generate", {"text": "a", "sampling_params": {"stop": ["x"] * 500}}, 400, "stop takes at most"),
+    ("/generate", {"text": "a", "sampling_params": {"stop": "y" * 5000}}, 400, "stop takes at most"),
+    ("/generate", {"text": "word " * 8000}, 400, "characters"),
 ]
 
 
@@ -343,6 +360,56 @@ def test_abort_request_by_id(server: ServerProcess):
         final = json.loads(events[-2][len("data: "):])
     assert final["meta_info"]["finish_reason"] == {"type": "abort"}
     assert final["meta_info"]["completion_tokens"] < 1000
+    idle_and_clean(server)
+
+
+def test_hostile_requests_leave_no_registration(server: ServerProcess):
+    """A request refused after it was named (here: an integer MessagePack cannot carry reached
+    the sender before validation did, or any refusal) leaves its rid free for reuse."""
+    for _ in range(2):
+        r = httpx.post(f"{server.url}/generate", json={"input_ids": [2**64 + 5], "rid": "once"}, timeout=10)
+        assert r.status_code == 400
+        r = httpx.post(f"{server.url}/generate", json={"text": "a", "rid": "once",
+                                                       "sampling_params": {"max_new_tokens": 5000}}, timeout=10)
+        assert r.status_code == 400
+    assert server.server_info()["active_requests"] == 0
+    r = httpx.post(f"{server.url}/abort_request", json={"abort_all": True}, timeout=10)
+    assert r.json() == {"aborted": []}
+    idle_and_clean(server)
+
+
+def test_reused_rid_never_gets_earlier_tokens(server: ServerProcess):
+    """A client rid is only a name: after a stop string or an abort ends a request, the next
+    request with the same rid must see only its own tokens."""
+    def run(text: str, **params) -> dict:
+        body = {"text": text, "rid": "same", "sampling_params": {"temperature": 0, **params}}
+        return httpx.post(f"{server.url}/generate", json=body, timeout=60).json()
+
+    ref = run("Tell me about the sea", max_new_tokens=12, ignore_eos=True)
+    for trial in range(6):
+        stopped = run("Count with me: one two three", max_new_tokens=200, ignore_eos=True,
+                      stop=ref["text"][:1] or "e")
+        assert stopped["meta_info"]["finish_reason"] is not None
+        again = run("Tell me about the sea", max_new_tokens=12, ignore_eos=True)
+        assert again["output_ids"] == ref["output_ids"], trial
+    idle_and_clean(server)
+
+
+def test_abort_by_prefix_names_nobody(server: ServerProcess):
+    """"chatcmpl" is a prefix of every chat id, not an id: it aborts nothing. The chat's own id
+    aborts its choices."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Go on"}], "max_tokens": 900,
+            "stream": True, "ignore_eos": True, "logprobs": True, "top_logprobs": 20, "n": 2}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        cid = next(json.loads(x[len("data: "):])["id"] for x in lines if x.startswith("data: "))
+        assert server.server_info()["active_requests"] == 2
+        assert httpx.post(f"{server.url}/abort_request", json={"rid": "chatcmpl"}, timeout=10).status_code == 404
+        r2 = httpx.post(f"{server.url}/abort_request", json={"rid": cid}, timeout=10).json()
+        assert r2 == {"aborted": [f"{cid}-0", f"{cid}-1"]}
+        finals = [c["finish_reason"] for x in lines if x.startswith("data: {")
+                  for c in json.loads(x[len("data: "):])["choices"] if c["finish_reason"]]
+    assert finals == ["abort", "abort"]
     idle_and_clean(server)
 
 

@@ -12,6 +12,7 @@ import itertools
 import logging
 from collections.abc import AsyncIterator
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -26,10 +27,13 @@ class EngineError(ValueError):
 
 
 class RequestStream:
-    """Updates of one accepted request, ending with the one that has a finish_reason."""
+    """Updates of one accepted request, ending with the one that has a finish_reason.
 
-    def __init__(self, client: EngineClient, rid: str, queue: asyncio.Queue[ReqUpdate]):
-        self.client, self.rid, self._queue = client, rid, queue
+    ``rid`` is the client's name for it; ``uid`` the engine's id, never reused, so a name used
+    again later can never receive an earlier request's tokens."""
+
+    def __init__(self, client: EngineClient, rid: str, uid: str, queue: asyncio.Queue[ReqUpdate]):
+        self.client, self.rid, self.uid, self._queue = client, rid, uid, queue
         self.finished = False
 
     def __aiter__(self) -> AsyncIterator[ReqUpdate]:
@@ -48,14 +52,17 @@ class RequestStream:
         """Stop the request if it is still running (client gone, or asked to)."""
         if not self.finished:
             self.finished = True
-            self.client.abort(self.rid)
+            self.client.abort_uid(self.uid)
 
 
 class EngineClient:
     def __init__(self, addrs: Addresses):
         self.addrs = addrs
         self._sender = Sender(zmq.Context.instance(), addrs.tokenizer)
-        self._queues: dict[str, asyncio.Queue[ReqUpdate]] = {}
+        self._queues: dict[str, asyncio.Queue[ReqUpdate]] = {}  # by uid
+        self._uids: dict[str, str] = {}  # client rid -> uid, while running
+        self._names: dict[str, str] = {}  # uid -> client rid
+        self._next_uid = itertools.count()
         self._replies: dict[int, asyncio.Future[ControlReply]] = {}
         self._cids = itertools.count()
         self._task: asyncio.Task | None = None
@@ -77,35 +84,55 @@ class EngineClient:
                     if queue is None:
                         continue
                     if upd.error is not None or upd.finish_reason is not None:
-                        del self._queues[upd.rid]
+                        self._forget(upd.rid)
                     queue.put_nowait(upd)
             else:
                 fut = self._replies.pop(msg.cid, None)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
 
+    def _forget(self, uid: str) -> None:
+        self._queues.pop(uid, None)
+        name = self._names.pop(uid, None)
+        if name is not None:
+            self._uids.pop(name, None)
+
     @property
     def active_rids(self) -> list[str]:
-        return list(self._queues)
+        return list(self._uids)
 
     async def open(self, req: GenerateReq) -> tuple[RequestStream, ReqUpdate]:
         """Submit a request and wait until the engine accepts it; returns the stream and the
         acceptance update. Raises EngineError with the engine's reason if it is refused."""
-        if req.rid in self._queues:
+        if req.rid in self._uids:
             raise EngineError(f"request id {req.rid!r} is already in use")
-        queue: asyncio.Queue[ReqUpdate] = asyncio.Queue()
-        self._queues[req.rid] = queue
-        self._sender.send(req)
-        stream = RequestStream(self, req.rid, queue)
+        uid = str(next(self._next_uid))
         try:
+            payload = self._sender.encode(msgspec.structs.replace(req, rid=uid))
+        except (OverflowError, TypeError, ValueError) as e:  # e.g. an integer msgpack cannot carry
+            raise EngineError(f"the request cannot be encoded: {e}") from None
+        queue: asyncio.Queue[ReqUpdate] = asyncio.Queue()
+        self._queues[uid], self._uids[req.rid], self._names[uid] = queue, uid, req.rid
+        stream = RequestStream(self, req.rid, uid, queue)
+        try:
+            self._sender.send_encoded(payload)
             first = await anext(aiter(stream))
         except asyncio.CancelledError:
             stream.abort()
             raise
+        except BaseException:
+            self._forget(uid)
+            raise
         return stream, first
 
     def abort(self, rid: str) -> None:
-        self._sender.send(AbortReq(rid))
+        """Abort the running request the client named ``rid`` (no-op if there is none)."""
+        uid = self._uids.get(rid)
+        if uid is not None:
+            self.abort_uid(uid)
+
+    def abort_uid(self, uid: str) -> None:
+        self._sender.send(AbortReq(uid))
 
     async def control(self, op: str, timeout: float = 30.0) -> ControlReply:
         cid = next(self._cids)

@@ -7,15 +7,18 @@ SamplingParams.validate. Unknown fields are refused, so a typo never silently do
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
 from minisgl.messages import ChatMessage
 from minisgl.sampling import SamplingParams
+from minisgl.sampling.params import Int32, Int64
 
 MAX_N = 64
 MAX_TOP_LOGPROBS = 20
+MAX_BODY_BYTES = 64 << 20
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
 
 
 class BadRequest(ValueError):
@@ -27,6 +30,8 @@ class BadRequest(ValueError):
 
 
 def decode(body: bytes, kind: type) -> Any:
+    if len(body) > MAX_BODY_BYTES:
+        raise BadRequest(f"the request body has {len(body)} bytes; at most {MAX_BODY_BYTES} are accepted", status=413)
     if not body.strip():
         raise BadRequest("the request body is empty; send a JSON object")
     try:
@@ -35,17 +40,21 @@ def decode(body: bytes, kind: type) -> Any:
         raise BadRequest(f"invalid request: {e}") from None
     except msgspec.DecodeError as e:
         raise BadRequest(f"malformed JSON: {e}") from None
+    except UnicodeDecodeError as e:
+        raise BadRequest(f"malformed JSON: a string is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    except RecursionError:
+        raise BadRequest("malformed JSON: nested too deeply") from None
 
 
 class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
     """SGLang's native /generate."""
 
     text: str | None = None
-    input_ids: list[int] | None = None
+    input_ids: list[TokenId] | None = None
     sampling_params: SamplingParams = msgspec.field(default_factory=SamplingParams)
     stream: bool = False
     return_logprob: bool = False
-    top_logprobs_num: int = 0
+    top_logprobs_num: Int32 = 0
     rid: str | None = None
 
     def check(self) -> None:
@@ -68,21 +77,21 @@ class _OpenAIBase(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Fields shared by /v1/completions and /v1/chat/completions, plus SGLang's extras."""
 
     model: str
-    max_tokens: int | None = None
+    max_tokens: Int32 | None = None
     temperature: float = 1.0
     top_p: float = 1.0
-    n: int = 1
+    n: Int32 = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    seed: int | None = None
+    seed: Int64 | None = None
     user: str | None = None
-    top_k: int = -1
+    top_k: Int32 = -1
     min_p: float = 0.0
     repetition_penalty: float = 1.0
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int32] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
 
@@ -114,21 +123,19 @@ class _OpenAIBase(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 class CompletionRequest(_OpenAIBase, kw_only=True):
     prompt: Any  # a string, a list of strings, a list of token ids, or a list of those lists
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    max_tokens: Int32 | None = 16
+    logprobs: Int32 | None = None
     echo: bool = False
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
         if isinstance(p, str):
             return [p]
-        if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        if isinstance(p, list) and p and all(_is_token(t) for t in p):
             return [p]
         if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
             return list(p)
-        if isinstance(p, list) and p and all(
-            isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool) for t in x) for x in p
-        ):
+        if isinstance(p, list) and p and all(isinstance(x, list) and x and all(_is_token(t) for t in x) for x in p):
             return list(p)
         raise BadRequest("prompt must be a non-empty string, list of strings, list of token ids, "
                          "or list of token-id lists", param="prompt")
@@ -169,9 +176,9 @@ class ChatMessageIn(msgspec.Struct, forbid_unknown_fields=True):
 
 class ChatCompletionRequest(_OpenAIBase, kw_only=True):
     messages: list[ChatMessageIn]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int32 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int32 | None = None
 
     def check(self) -> None:
         self._check_common(self.max_new_tokens)
@@ -195,6 +202,10 @@ class ChatCompletionRequest(_OpenAIBase, kw_only=True):
 class AbortRequest(msgspec.Struct, forbid_unknown_fields=True):
     rid: str | None = None
     abort_all: bool = False
+
+
+def _is_token(t: Any) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31
 
 
 def _validate(params: SamplingParams) -> None:

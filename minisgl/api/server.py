@@ -356,13 +356,19 @@ class Api:
         elif body.rid is None:
             raise BadRequest("give rid or abort_all: true", param="rid")
         else:
-            # An OpenAI request with n > 1 runs as "<id>-<choice>"; its id aborts every choice.
-            targets = [r for r in active if r == body.rid or r.startswith(body.rid + "-")]
+            # An OpenAI request runs as "<id>-<choice>"; its id aborts its own choices (only: a
+            # prefix such as "chatcmpl" names nobody).
+            targets = [r for r in active if r == body.rid or _choice_of(r, body.rid)]
             if not targets:
                 raise BadRequest(f"no running request has id {body.rid!r}", status=404, param="rid")
         for rid in targets:
             self.client.abort(rid)
         return JSONResponse({"aborted": targets})
+
+
+def _choice_of(rid: str, request_id: str) -> bool:
+    base, _, choice = rid.rpartition("-")
+    return base == request_id and choice.isdigit()
 
 
 def _with_errors(api: Api, handler: Callable) -> Callable:

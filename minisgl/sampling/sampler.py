@@ -29,8 +29,10 @@ def exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) 
     """Exp(1) noise [B, vocab]: argmax(p / noise) draws from p (the exponential-race trick)."""
     row = _mix32((seeds & _M32) ^ _mix32(((seeds >> 32) + positions * 0x9E3779B1) & _M32))
     cols = torch.arange(vocab, device=seeds.device, dtype=torch.int64) * 0x632BE5AB
-    bits = _mix32((row[:, None] + cols[None, :]) & _M32) >> 8  # 24 random bits
-    uniform = (bits.float() + 0.5) * (1.0 / (1 << 24))
+    bits = _mix32((row[:, None] + cols[None, :]) & _M32) >> 9  # 23 random bits
+    # (bits + 0.5) / 2**23 is exact in float32 and lies in (0, 1): the noise is never 0, so a
+    # token of probability 0 scores 0 and can never win (with 24 bits it could round to 1.0).
+    uniform = (bits.float() + 0.5) * (1.0 / (1 << 23))
     return -torch.log(uniform)
 
 
@@ -81,7 +83,7 @@ class Sampler:
             p.temperature if p.temperature > 0 else 1.0, p.top_p, p.min_p,
             p.repetition_penalty, p.frequency_penalty, p.presence_penalty,
         ])
-        top_k = p.top_k if p.top_k > 0 else self.vocab_size
+        top_k = min(p.top_k, self.vocab_size) if p.top_k > 0 else self.vocab_size
         self._host_i[slot] = torch.tensor([top_k, p.seed if p.seed is not None else seed, int(p.is_greedy)])
         self._dirty.add(slot)
         self.h_greedy[slot] = p.is_greedy
@@ -168,10 +170,12 @@ class Sampler:
     @staticmethod
     def _top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         """Zero every token outside the k most likely and outside the smallest set with mass >= p."""
-        sorted_p, order = probs.sort(dim=-1, descending=True)
+        sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
         rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
         mass_before = sorted_p.cumsum(dim=-1) - sorted_p
-        drop = (rank >= top_k[:, None]) | (mass_before >= top_p[:, None])
+        # top_p = 1 keeps everything: the float32 cumsum can pass 1.0 before the tail, and a
+        # row must not lose tokens because another row in its batch truncates.
+        drop = (rank >= top_k[:, None]) | ((mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0))
         drop[:, 0] = False  # the most likely token always survives
         return torch.zeros_like(probs).scatter_(1, order, sorted_p.masked_fill(drop, 0.0))
 

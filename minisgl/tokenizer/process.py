@@ -24,6 +24,10 @@ from minisgl.utils import init_logging
 
 logger = logging.getLogger(__name__)
 
+# A text longer than this many characters per token of the context cannot fit it: refused
+# before tokenizing, so one huge prompt cannot stall everyone else's requests.
+MAX_CHARS_PER_TOKEN = 32
+
 
 class RequestState:
     """What the tokenizer process remembers about one running request."""
@@ -93,6 +97,11 @@ class TokenizerProcess:
     def _encode(self, req: GenerateReq) -> list[int]:
         if req.input_ids is not None:
             return req.input_ids
+        assert self.info is not None
+        chars = len(req.text or "") + sum(len(m.content) for m in req.messages or [])
+        if chars > MAX_CHARS_PER_TOKEN * self.info.context_len:
+            raise ValueError(f"the prompt has {chars} characters, more than the context length of "
+                             f"{self.info.context_len} tokens can hold")
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: send input_ids instead of text")
         if req.messages is not None:
