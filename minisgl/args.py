@@ -34,8 +34,9 @@ class EngineArgs:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         if self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
-        if self.chunked_prefill_size < 1:
-            raise ValueError(f"chunked_prefill_size must be >= 1, got {self.chunked_prefill_size}")
+        if self.chunked_prefill_size < self.page_size:  # chunks end on page boundaries
+            raise ValueError(f"chunked_prefill_size must be >= page_size ({self.page_size}), "
+                             f"got {self.chunked_prefill_size}")
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise ValueError(f"schedule_policy must be fcfs or lpm, got {self.schedule_policy!r}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:

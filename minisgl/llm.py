@@ -94,6 +94,9 @@ class LLM:
                 if req.rid in streams:
                     texts[req.rid].append(streams[req.rid].add(req.output_ids[-1:], req.finished))
                     if streams[req.rid].stopped:
+                        # A stop string is a stop even when it ends on the last allowed token.
+                        if req.finished:
+                            req.finish_reason = "stop"
                         self.scheduler.finish(req, "stop")
         return [self._result(r, self._text(r, texts)) for r in reqs]
 

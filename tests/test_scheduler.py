@@ -174,3 +174,49 @@ def test_overlap_schedule_matches_synchronous(tiny_llama):
     assert overlap.scheduler.stats()["retractions"] > 0
     overlap.scheduler.check_integrity()
     assert overlap.scheduler.stats()["protected_pages"] == 0
+
+
+def test_chunk_smaller_than_a_page_is_refused(tiny_llama):
+    """Chunks end on page boundaries: a chunk budget under one page never advanced (a hang)."""
+    with pytest.raises(ValueError, match="chunked_prefill_size must be >= page_size"):
+        make_llm(tiny_llama, page_size=16, chunked_prefill_size=8)
+    llm = make_llm(tiny_llama, page_size=16, chunked_prefill_size=16)
+    assert len(llm.generate([list(range(5, 60))], GREEDY)[0]["output_ids"]) == 12
+
+
+def test_retraction_does_not_inflate_cache_hits(tiny_llama):
+    """A retracted request re-admitted finds its own pages; that is no cache hit."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 1000) for _ in range(rng.randint(4, 9))] for _ in range(24)]
+    llm = make_llm(tiny_llama, max_total_tokens=160, page_size=2)
+    results = llm.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True))
+    stats = llm.scheduler.stats()
+    assert stats["retractions"] > 0
+    for p, r in zip(prompts, results):
+        assert r["meta_info"]["cached_tokens"] <= len(p) - 1
+    assert stats["prefix_queried_tokens"] == sum(len(p) for p in prompts)
+    assert stats["prefix_hit_tokens"] == sum(r["meta_info"]["cached_tokens"] for r in results)
+    assert stats["cache_hit_rate"] < 0.5
+
+
+def test_stop_string_on_the_last_allowed_token_is_a_stop(tiny_llama):
+    llm = make_llm(tiny_llama)
+    n = 10
+    free = llm.generate("Once upon", SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True))[0]
+    head = llm.tokenizer.decode(free["output_ids"][:-1], skip_special_tokens=True)
+    text = free["text"]
+    assert len(text) > len(head)
+    # The shortest tail that starts inside the first n-1 tokens' text, ends the text and occurs once.
+    stop = next(text[i:] for i in range(len(head) - 1, -1, -1) if text.count(text[i:]) == 1)
+    res = llm.generate("Once upon", SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True, stop=stop))[0]
+    assert res["meta_info"]["finish_reason"] == "stop" and res["text"] == text[: len(text) - len(stop)]
+
+
+def test_child_processes_use_one_thread():
+    import subprocess
+    import sys
+
+    code = ("import torch; from minisgl.ipc import become_child, cpu_worker_threads; become_child(); "
+            "print(torch.get_num_threads(), cpu_worker_threads())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out[0] == "1" and int(out[1]) >= 1

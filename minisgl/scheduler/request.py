@@ -23,6 +23,7 @@ class Req:
     finish_reason: str | None = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache instead of computed
     queued_step: int = 0  # the scheduler step at which it was queued (for aging)
+    retracted: bool = False  # re-prefills its own tokens: no longer counts cache hits
     # Cache state, valid while the request holds a page-table slot.
     slot: int | None = None
     handle: CacheHandle = CacheHandle(0)  # the locked cached prefix

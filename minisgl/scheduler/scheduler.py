@@ -185,8 +185,11 @@ class Scheduler:
         self.running.append(req)
 
     def _count_hit(self, req: Req, tokens: int) -> None:
-        req.cached_tokens += tokens
-        self.counters.prefix_hit_tokens += tokens
+        """Hits count once per request, on its prompt: a retracted request re-admitted finds
+        its own earlier pages, which is no hit."""
+        if not req.retracted:
+            req.cached_tokens += tokens
+            self.counters.prefix_hit_tokens += tokens
 
     def _rematch(self, req: Req) -> None:
         """A prefilling request picks up pages another request cached since its last chunk."""
@@ -242,7 +245,8 @@ class Scheduler:
                 self._release(req)  # not enough pages now: try again after others finish
                 break
             self.waiting.remove(req)
-            self.counters.prefix_queried_tokens += req.prefill_target
+            if not req.retracted:
+                self.counters.prefix_queried_tokens += req.prefill_target
             self._count_hit(req, matched)
             entries.append(entry)
             budget -= entry[1]
@@ -341,6 +345,7 @@ class Scheduler:
         """Send a running request back to the front of the queue; its outputs so far are kept."""
         logger.info("out of KV pages: retracting request %d (%d tokens)", req.rid, req.kv_len)
         self._release(req)
+        req.retracted = True
         self.waiting.appendleft(req)
         self.counters.retractions += 1
 

@@ -17,7 +17,7 @@ import zmq
 
 from minisgl.args import EngineArgs
 from minisgl.distributed import set_tp_info
-from minisgl.ipc import Addresses, Receiver, Sender, become_child
+from minisgl.ipc import Addresses, Receiver, Sender, become_child, cpu_worker_threads
 from minisgl.messages import EngineInfo, ForwardBatch
 from minisgl.utils import init_logging
 from minisgl.worker.model_runner import ModelRunner
@@ -39,7 +39,7 @@ def _init_distributed(args: EngineArgs, rank: int, addrs: Addresses) -> None:
 
 def run_worker(args: EngineArgs, rank: int, addrs: Addresses, log_level: str) -> None:
     """Process entry point (spawned by the launcher)."""
-    become_child()
+    become_child(threads=cpu_worker_threads() // args.tp_size or 1)
     init_logging(log_level)
     _init_distributed(args, rank, addrs)
     runner = ModelRunner(args)
