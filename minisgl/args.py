@@ -52,6 +52,8 @@ class ServerArgs(EngineArgs):
     api_key: str | None = None
     log_level: str = "info"
     served_model_name: str | None = None
+    max_queued_requests: int | None = None  # beyond the running ones; more get a 503 (None: no limit)
+    watchdog_timeout: float = 300.0  # seconds a step may take before the server gives up and exits
 
     @property
     def model_name(self) -> str:

@@ -4,7 +4,7 @@ The launcher spawns the tokenizer, scheduler and one worker per tensor-parallel 
 until the model is loaded, then serves HTTP itself (uvicorn). It prints one line when ready.
 
 Exit codes: 0 after SIGINT/SIGTERM (a clean shutdown), 1 when a server process died or failed
-to start, 2 for bad arguments. In every case the children are stopped before it exits, and a
+to start (also: the port is taken, or a step outlived ``--watchdog-timeout``), 2 for bad arguments. In every case the children are stopped before it exits, and a
 child whose launcher is killed outright dies with it (PR_SET_PDEATHSIG).
 """
 
@@ -16,6 +16,7 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
+import socket
 import sys
 import threading
 from multiprocessing.connection import wait
@@ -45,7 +46,12 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     ap.add_argument("--served-model-name", default=None, help="name in /v1/models and OpenAI requests")
     ap.add_argument("--host", default=d.host, help="address to bind (default %(default)s)")
     ap.add_argument("--port", type=int, default=d.port)
-    ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>'")
+    ap.add_argument("--api-key", default=os.environ.get("MINISGL_API_KEY"),
+                    help="require 'Authorization: Bearer <key>' (default: $MINISGL_API_KEY)")
+    ap.add_argument("--max-queued-requests", type=int, default=None,
+                    help="requests that may wait beyond the running ones; more get 503 (default: no limit)")
+    ap.add_argument("--watchdog-timeout", type=float, default=d.watchdog_timeout,
+                    help="seconds a model step may take before the server reports itself dead and exits")
     ap.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
     ap.add_argument("--tp-size", type=int, default=d.tp_size, help="tensor-parallel ranks (GPUs)")
     ap.add_argument("--dtype", default=d.dtype, help="auto, bfloat16, float16 or float32")
@@ -100,7 +106,8 @@ class Launcher:
         level = args.log_level
         self.procs: list[BaseProcess] = [
             ctx.Process(target=run_tokenizer, args=(self.addrs, args.tokenizer, level), name="tokenizer"),
-            ctx.Process(target=run_scheduler, args=(args, self.addrs, level), name="scheduler"),
+            ctx.Process(target=run_scheduler, args=(args, self.addrs, level, args.watchdog_timeout),
+                        name="scheduler"),
         ] + [
             ctx.Process(target=run_worker, args=(args, rank, self.addrs, level), name=f"worker-{rank}")
             for rank in range(args.tp_size)
@@ -128,6 +135,7 @@ class Launcher:
     def run(self) -> int:
         inbox: Receiver[EngineInfo] = Receiver(zmq.Context.instance(), self.addrs.launcher, EngineInfo)
         try:
+            _check_port(self.args.host, self.args.port)
             logger.info("starting %s (runtime folder %s)", ", ".join(p.name for p in self.procs), self.addrs.root)
             for p in self.procs:
                 p.start()
@@ -149,6 +157,9 @@ class Launcher:
         except ChildDied as e:
             logger.error("%s; shutting down", e)
             return 1
+        except OSError as e:
+            logger.error("cannot serve at %s:%d: %s", self.args.host, self.args.port, e)
+            return 1
         finally:
             self.stopping = True
             self._stop_children()
@@ -163,6 +174,13 @@ class Launcher:
             if p.is_alive():
                 p.kill()
                 p.join()
+
+
+def _check_port(host: str, port: int) -> None:
+    """Fail before loading the model, not after, when the address is taken."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
 
 
 def _interrupt(signum: int, frame: object) -> None:

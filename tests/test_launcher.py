@@ -90,3 +90,73 @@ def test_tensor_parallel_on_cpu_matches_one_rank(tiny_llama: Path):
         assert srv.stop() == 0
     finally:
         srv.stop(signal.SIGKILL)
+
+
+def test_hung_worker_trips_the_watchdog(tiny_llama: Path):
+    """A stopped worker used to keep /health at 200 and streams hanging forever."""
+    srv = ServerProcess(tiny_llama, "--watchdog-timeout", "2")
+    try:
+        srv.wait_ready()
+        worker = srv.server_info()["processes"]["worker-0"]
+        children = descendants(srv.proc.pid)
+        os.kill(worker, signal.SIGSTOP)
+        try:
+            r = httpx.post(f"{srv.url}/generate", timeout=30,
+                           json={"text": "hi", "sampling_params": {"max_new_tokens": 50}})
+            assert r.status_code != 200
+        except httpx.HTTPError:
+            pass  # the server went away mid-request: also an error for the client
+        assert srv.proc.wait(30) == 1, srv.output
+        assert "--watchdog-timeout" in srv.output
+        if alive(worker):
+            os.kill(worker, signal.SIGCONT)
+        assert _all_gone(children), [p for p in children if alive(p)]
+    finally:
+        srv.stop(signal.SIGKILL)
+
+
+def test_port_in_use_fails_before_loading_and_api_key_from_env(tiny_llama: Path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        start = time.monotonic()
+        res = subprocess.run([sys.executable, "-m", "minisgl.launch", "--model", str(tiny_llama), "--device", "cpu",
+                              "--port", str(port)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert res.returncode == 1 and f"cannot serve at 127.0.0.1:{port}" in res.stderr
+        assert "Loading" not in res.stderr and time.monotonic() - start < 30
+    os.environ["MINISGL_API_KEY"] = "from-env"
+    try:
+        srv = ServerProcess(tiny_llama)
+    finally:
+        del os.environ["MINISGL_API_KEY"]
+    try:
+        srv.wait_ready()
+        assert httpx.get(f"{srv.url}/v1/models", timeout=10).status_code == 401
+        r = httpx.get(f"{srv.url}/v1/models", headers={"Authorization": "Bearer from-env"}, timeout=10)
+        assert r.status_code == 200
+    finally:
+        srv.stop(signal.SIGKILL)
+
+
+def test_queue_limit_answers_503(tiny_llama: Path):
+    srv = ServerProcess(tiny_llama, "--max-queued-requests", "0", "--max-running-requests", "2",
+                        "--max-total-tokens", "256")
+    try:
+        srv.wait_ready()
+        body = {"model": str(tiny_llama), "prompt": "hi", "max_tokens": 4, "n": 3}
+        r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=30)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+        assert "capacity" in r.json()["error"]["message"]
+        body["n"] = 2
+        assert httpx.post(f"{srv.url}/v1/completions", json=body, timeout=30).status_code == 200
+        # No max_tokens: as many as fit the pool (256 tokens), not the context (1024), so not refused.
+        chat = {"model": str(tiny_llama), "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}
+        r = httpx.post(f"{srv.url}/v1/chat/completions", json=chat, timeout=60)
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        assert usage["prompt_tokens"] + usage["completion_tokens"] == 256
+    finally:
+        srv.stop(signal.SIGKILL)

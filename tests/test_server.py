@@ -290,6 +290,8 @@ BAD_REQUESTS = [
     ("/generate", {"text": "a", "sampling_params": {"stop": ["x"] * 500}}, 400, "stop takes at most"),
     ("/generate", {"text": "a", "sampling_params": {"stop": "y" * 5000}}, 400, "stop takes at most"),
     ("/generate", {"text": "word " * 8000}, 400, "characters"),
+    ("/generate", b'{"text": "\\ud800"}', 400, "lone UTF-16 surrogate"),
+    ("/v1/completions", {"model": "tiny", "prompt": ["a"] * 20, "n": 20}, 400, "at most 256"),
 ]
 
 
@@ -305,7 +307,10 @@ def test_bad_request(server: ServerProcess, path: str, body, status: int, words:
 def test_server_healthy_after_bad_requests(server: ServerProcess):
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
     assert httpx.get(f"{server.url}/health_generate", timeout=30).status_code == 200
-    assert httpx.get(f"{server.url}/generate", timeout=10).status_code == 405
+    r = httpx.get(f"{server.url}/generate", timeout=10)
+    assert r.status_code == 405 and "Method Not Allowed" in r.json()["error"]["message"]
+    r = httpx.post(f"{server.url}/v2/nothing", timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
     idle_and_clean(server)
 
 
@@ -344,6 +349,8 @@ def test_disconnect_non_streaming_frees_pages(server: ServerProcess):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/generate", json=body, timeout=0.3)
     idle_and_clean(server)
+    time.sleep(0.5)
+    assert "never retrieved" not in server.output and "Traceback" not in server.output, server.output
 
 
 def test_abort_request_by_id(server: ServerProcess):

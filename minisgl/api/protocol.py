@@ -7,6 +7,7 @@ SamplingParams.validate. Unknown fields are refused, so a typo never silently do
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -19,6 +20,8 @@ MAX_N = 64
 MAX_TOP_LOGPROBS = 20
 MAX_BODY_BYTES = 64 << 20
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
+MAX_SEQUENCES = 256  # prompts x n in one request: more would crowd out everyone else's requests
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
 class BadRequest(ValueError):
@@ -39,6 +42,8 @@ def decode(body: bytes, kind: type) -> Any:
     except msgspec.ValidationError as e:
         raise BadRequest(f"invalid request: {e}") from None
     except msgspec.DecodeError as e:
+        if _SURROGATE.search(body):  # msgspec calls a lone surrogate escape "truncated"
+            raise BadRequest("malformed JSON: a \\u escape is a lone UTF-16 surrogate (not a character)") from None
         raise BadRequest(f"malformed JSON: {e}") from None
     except UnicodeDecodeError as e:
         raise BadRequest(f"malformed JSON: a string is not valid UTF-8 ({e.reason} at byte {e.start})") from None

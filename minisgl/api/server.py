@@ -20,6 +20,7 @@ from typing import Any
 
 import msgspec
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -27,7 +28,7 @@ from starlette.routing import Route
 from minisgl.api.client import EngineClient, EngineError, RequestStream
 from minisgl.api.metrics import Metrics, RequestTimer
 from minisgl.api.protocol import (
-    AbortRequest, BadRequest, ChatCompletionRequest, CompletionRequest, GenerateRequest, decode,
+    MAX_SEQUENCES, AbortRequest, BadRequest, ChatCompletionRequest, CompletionRequest, GenerateRequest, decode,
 )
 from minisgl.api.streaming import SSE_DONE, EventStream, sse
 from minisgl.args import ServerArgs
@@ -38,8 +39,17 @@ OPEN_PATHS = {"/health"}  # reachable without the API key (liveness probes)
 
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    kind = {401: "authentication_error", 404: "not_found_error"}.get(status, "invalid_request_error")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
+    kind = {401: "authentication_error", 404: "not_found_error", 503: "server_busy_error"}.get(
+        status, "invalid_request_error")
+    headers = {"Retry-After": "1"} if status == 503 else None
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status,
+                        headers=headers)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own 404 and 405 in the same JSON shape as every other error."""
+    assert isinstance(exc, HTTPException)
+    return error_response(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
 
 
 class Run:
@@ -82,6 +92,11 @@ class Run:
         if not self.stream.finished:
             self.stream.abort()
             self._apply(ReqUpdate(self.rid, finish_reason="abort"))
+
+
+def _retrieve(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()
 
 
 async def _merge(runs: list[Run]) -> AsyncIterator[tuple[int, ReqUpdate]]:
@@ -145,7 +160,14 @@ class Api:
     # ---- starting and finishing requests --------------------------------------------------------
 
     async def _start(self, reqs: list[GenerateReq]) -> list[Run]:
-        """Submit all requests; if the engine refuses any, abort the rest and raise."""
+        """Submit all requests; if the engine refuses any, abort the rest and raise. Refused
+        whole when they are more than one request may run, or the queue is full."""
+        if len(reqs) > MAX_SEQUENCES:
+            raise BadRequest(f"the request asks for {len(reqs)} sequences (prompts x n); at most {MAX_SEQUENCES}",
+                             param="n")
+        limit = self.args.max_queued_requests
+        if limit is not None and len(self.client.active_rids) + len(reqs) > limit + self.info.max_running_requests:
+            raise BadRequest(f"the server is at capacity ({limit} queued requests); retry later", status=503)
         pending = [asyncio.ensure_future(self.client.open(r)) for r in reqs]
         results = await asyncio.gather(*pending, return_exceptions=True)
         errors = [e for e in results if isinstance(e, BaseException)]
@@ -166,6 +188,7 @@ class Api:
                 return True
             if await request.is_disconnected():
                 task.cancel()
+                task.add_done_callback(_retrieve)  # its outcome no longer matters; do not log it
                 for r in runs:
                     r.abort()
                 return False
@@ -427,5 +450,6 @@ def create_app(client: EngineClient, info: EngineInfo, args: ServerArgs, pids: d
         yield
         await client.stop()
 
-    app = Starlette(routes=[Route(p, _with_errors(api, h), methods=m) for p, h, m in routes], lifespan=lifespan)
+    app = Starlette(routes=[Route(p, _with_errors(api, h), methods=m) for p, h, m in routes], lifespan=lifespan,
+                    exception_handlers={HTTPException: _http_error})
     return ApiKeyMiddleware(app, args.api_key) if args.api_key else app

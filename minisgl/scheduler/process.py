@@ -8,6 +8,8 @@ process. When idle it blocks on its socket; every few seconds of activity it log
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 
 import zmq
@@ -44,6 +46,7 @@ class SchedulerProcess:
         self.rid_of: dict[int, str] = {}
         self.outbox: list[TokenOut] = []
         self._last_log, self._tokens_since_log = time.monotonic(), 0
+        self._turned = time.monotonic()  # when the main loop last came round
         self.tokenizer.send(info)
 
     # The Scheduler's executor: batches go to every rank, tokens come back from rank 0.
@@ -101,8 +104,19 @@ class SchedulerProcess:
 
     # ---- main loop -----------------------------------------------------------------------------
 
+    def watchdog(self, timeout: float) -> None:
+        """Exit when the loop stops turning while there is work (a hung worker): the launcher
+        then shuts the server down, its clients get errors and /health stops answering."""
+        while True:
+            time.sleep(min(timeout / 4, 5.0))
+            stalled = time.monotonic() - self._turned
+            if self.sched.has_work and stalled > timeout:
+                logger.error("no model step finished in %.0f s (--watchdog-timeout): exiting", stalled)
+                os._exit(1)
+
     def run(self) -> None:
         while True:
+            self._turned = time.monotonic()
             if self.sched.has_work:
                 msgs = self.inbox.recv_all()
             else:
@@ -134,8 +148,10 @@ class SchedulerProcess:
         self._last_log, self._tokens_since_log = now, 0
 
 
-def run_scheduler(args: EngineArgs, addrs: Addresses, log_level: str) -> None:
+def run_scheduler(args: EngineArgs, addrs: Addresses, log_level: str, watchdog_timeout: float) -> None:
     """Process entry point (spawned by the launcher)."""
     become_child()
     init_logging(log_level)
-    SchedulerProcess(args, addrs).run()
+    proc = SchedulerProcess(args, addrs)
+    threading.Thread(target=proc.watchdog, args=(watchdog_timeout,), daemon=True, name="watchdog").start()
+    proc.run()

@@ -121,8 +121,9 @@ class TokenizerProcess:
             raise ValueError("the prompt is empty")
         if n >= limit:
             raise ValueError(f"the prompt has {n} tokens; this model's context length is {limit}")
-        if req.fill_context:
-            req.sampling.max_new_tokens = limit - n
+        if req.fill_context:  # what the context leaves, within what the KV pool can hold
+            pool = self.info.num_pages * self.info.page_size
+            req.sampling.max_new_tokens = max(1, min(limit, pool) - n)
         elif n + req.sampling.max_new_tokens > limit:
             raise ValueError(
                 f"the prompt has {n} tokens and max_new_tokens is {req.sampling.max_new_tokens}: "
