@@ -11,7 +11,7 @@ from minisgl.args import EngineArgs
 from minisgl.sampling import SamplingParams
 from minisgl.scheduler import Req, Scheduler
 from minisgl.tokenizer import eos_ids, load_tokenizer
-from minisgl.tokenizer.detokenizer import TextStream
+from minisgl.tokenizer.detokenizer import TextStream, decode_ids
 from minisgl.worker import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -105,4 +105,4 @@ class LLM:
             return None
         if req.rid in texts:
             return "".join(texts[req.rid])
-        return self.tokenizer.decode(req.output_ids, skip_special_tokens=req.params.skip_special_tokens)
+        return decode_ids(self.tokenizer, req.output_ids, req.params.skip_special_tokens)

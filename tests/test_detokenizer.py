@@ -73,3 +73,36 @@ def test_stop_filter_cuts_at_the_first_completed_stop_and_never_leaks(text, stop
     assert any(text.startswith(s, len(shown)) for s in stops)
     assert len(shown) < min(ends)
     assert not any(s in shown for s in stops)
+
+
+class Transformers4Cleanup:
+    """A slow tokenizer that cleans up spaces the way transformers 4.x does by default (5.x
+    ignores the setting for BPE, so the real tokenizer cannot show the bug here)."""
+
+    is_fast = False
+    clean_up_tokenization_spaces = True
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def decode(self, ids, skip_special_tokens=False, clean_up_tokenization_spaces=None):
+        text = self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        if self.clean_up_tokenization_spaces if clean_up_tokenization_spaces is None else clean_up_tokenization_spaces:
+            for a, b in [(" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't")]:
+                text = text.replace(a, b)
+        return text
+
+
+def test_clean_up_setting_never_drops_punctuation_in_streams(tiny_llama: Path):
+    """With clean_up_tokenization_spaces (Llama-3 under transformers 4.x), decoding " return",
+    " ", ".", " value" piece by piece dropped the "."; streamed text must equal the whole text."""
+    from minisgl.tokenizer.detokenizer import TextStream, decode_ids
+
+    real = load_tokenizer(tiny_llama)
+    tok = Transformers4Cleanup(real)
+    ids = [t for piece in [" return", " ", ".", " value", " ,", " end", " !"] for t in real.encode(piece, add_special_tokens=False)]
+    whole = decode_ids(tok, ids, skip_special_tokens=True)
+    assert whole == decode_ids(real, ids, skip_special_tokens=True) == " return . value , end !"
+    stream = TextStream(tok, [])
+    pieces = [stream.add([t]) for t in ids] + [stream.add([], final=True)]
+    assert "".join(pieces) == whole
