@@ -163,6 +163,21 @@ def test_cuda_graphs_and_overlap_keep_greedy_tokens(tmp_path):
     assert outs["graphs-overlap"] == outs["eager-sync"]
 
 
+def test_one_token_prefill_chunks_under_cuda_graphs(tmp_path):
+    """--chunked-prefill-size 1 --page-size 1: prefill batches of one new token per request look
+    like decode batches and replay a graph, with rows that sample nothing (an IndexError once)."""
+    from minisgl.llm import LLM
+
+    path = make_tiny_model("llama", tmp_path / "llama-hd128", overrides={"head_dim": 128})
+    prompts = [[5 + i, 17, 23, 42 + i, 7] for i in range(6)]
+    params = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+    outs = []
+    for kw in (dict(cuda_graph_max_bs=0), dict(cuda_graph_max_bs=8, chunked_prefill_size=1)):
+        llm = LLM(str(path), device="cuda", dtype="float32", max_total_tokens=2048, page_size=1, **kw)
+        outs.append([r["output_ids"] for r in llm.generate(prompts, params)])
+    assert outs[0] == outs[1]
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fused_kernels_match_torch(dtype):

@@ -129,5 +129,6 @@ class CudaGraphRunner:
         logits = self.logits[key][: len(batch.slots)]
         if all(batch.sample):
             return logits
-        rows = torch.tensor([i for i, s in enumerate(batch.sample) if s]).to(logits.device, non_blocking=True)
-        return logits[rows]
+        # int64 even when empty: a one-token prefill chunk that samples nothing has no rows.
+        rows = [i for i, s in enumerate(batch.sample) if s]
+        return logits[torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)]
