@@ -84,9 +84,13 @@ class ChildDied(RuntimeError):
 class _Server(uvicorn.Server):
     """uvicorn, plus the one "ready" line once the socket is listening."""
 
-    def __init__(self, config: uvicorn.Config, args: ServerArgs, info: EngineInfo):
+    def __init__(self, config: uvicorn.Config, args: ServerArgs, info: EngineInfo, client: EngineClient):
         super().__init__(config)
-        self.args, self.info = args, info
+        self.args, self.info, self.client = args, info, client
+
+    async def shutdown(self, sockets: list | None = None) -> None:
+        self.client.fail_all()  # open streams end with an error event and [DONE], not a cut
+        await super().shutdown(sockets)
 
     async def startup(self, sockets: list | None = None) -> None:
         await super().startup(sockets)
@@ -141,12 +145,13 @@ class Launcher:
                 p.start()
             info = self._wait_ready(inbox)
             pids = {"api": os.getpid(), **{p.name: p.pid for p in self.procs if p.pid is not None}}
-            app = create_app(EngineClient(self.addrs), info, self.args, pids)
+            client = EngineClient(self.addrs)
+            app = create_app(client, info, self.args, pids)
             config = uvicorn.Config(
                 app, host=self.args.host, port=self.args.port,
                 log_level=self.args.log_level, access_log=False, timeout_graceful_shutdown=3,
             )
-            server = _Server(config, self.args, info)
+            server = _Server(config, self.args, info, client)
             threading.Thread(target=self._watch, args=(server,), daemon=True).start()
             server.run()
             if self.dead is not None:

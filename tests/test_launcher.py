@@ -3,6 +3,7 @@ Each case starts its own server and checks that no process of it survives."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -158,5 +159,24 @@ def test_queue_limit_answers_503(tiny_llama: Path):
         assert r.status_code == 200, r.text
         usage = r.json()["usage"]
         assert usage["prompt_tokens"] + usage["completion_tokens"] == 256
+    finally:
+        srv.stop(signal.SIGKILL)
+
+
+def test_shutdown_ends_open_streams_with_an_error_event(tiny_llama: Path):
+    srv = ServerProcess(tiny_llama)
+    try:
+        srv.wait_ready()
+        body = {"model": str(tiny_llama), "prompt": "Once", "max_tokens": 1000, "stream": True, "ignore_eos": True,
+                "logprobs": 20}
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            next(x for x in lines if x.startswith("data: "))
+            srv.proc.send_signal(signal.SIGTERM)
+            rest = [x for x in lines if x.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        error = json.loads(rest[-2][len("data: "):])["error"]
+        assert error["code"] == 503 and "shutting down" in error["message"]
+        assert srv.proc.wait(20) == 0
     finally:
         srv.stop(signal.SIGKILL)

@@ -21,9 +21,16 @@ from minisgl.messages import AbortReq, ControlReply, ControlReq, GenerateReq, Re
 
 logger = logging.getLogger(__name__)
 
+SHUTTING_DOWN = "the server is shutting down"
+
 
 class EngineError(ValueError):
-    """The engine refused a request; the message names the problem."""
+    """The engine refused a request; the message names the problem. ``status`` is the HTTP
+    code: 400 for a refused request, 503 when the server is going away."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
 
 
 class RequestStream:
@@ -44,7 +51,7 @@ class RequestStream:
             upd = await self._queue.get()
             if upd.error is not None:
                 self.finished = True
-                raise EngineError(upd.error)
+                raise EngineError(upd.error, 503 if upd.error == SHUTTING_DOWN else 400)
             self.finished = upd.finish_reason is not None
             yield upd
 
@@ -96,6 +103,14 @@ class EngineClient:
         name = self._names.pop(uid, None)
         if name is not None:
             self._uids.pop(name, None)
+
+    def fail_all(self) -> None:
+        """End every running request with an error (the server is shutting down), so streams
+        close with an error event instead of a cut connection."""
+        for uid in list(self._queues):
+            self._queues[uid].put_nowait(ReqUpdate(uid, error=SHUTTING_DOWN))
+            self.abort_uid(uid)
+            self._forget(uid)
 
     @property
     def active_rids(self) -> list[str]:

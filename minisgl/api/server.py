@@ -94,27 +94,43 @@ class Run:
             self._apply(ReqUpdate(self.rid, finish_reason="abort"))
 
 
+BODY_TIMEOUT_S = 30.0  # a client that sends its body slower than this holds a connection for nothing
+
+
+async def _read(request: Request, kind: type) -> Any:
+    """The request body decoded as ``kind``; 408 when it does not arrive in time."""
+    try:
+        body = await asyncio.wait_for(request.body(), BODY_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise BadRequest(f"the request body did not arrive within {BODY_TIMEOUT_S:.0f} s", status=408) from None
+    return decode(body, kind)
+
+
 def _retrieve(fut: asyncio.Future) -> None:
     if not fut.cancelled():
         fut.exception()
 
 
 async def _merge(runs: list[Run]) -> AsyncIterator[tuple[int, ReqUpdate]]:
-    """Updates of several runs as they arrive, tagged with the run's index."""
-    queue: asyncio.Queue[tuple[int, ReqUpdate | None]] = asyncio.Queue()
+    """Updates of several runs as they arrive, tagged with the run's index; a run's failure
+    is raised here."""
+    queue: asyncio.Queue[tuple[int, ReqUpdate | Exception | None]] = asyncio.Queue()
 
     async def pump(i: int, run: Run) -> None:
         try:
             async for upd in run.updates():
                 queue.put_nowait((i, upd))
-        finally:
             queue.put_nowait((i, None))
+        except Exception as e:
+            queue.put_nowait((i, e))
 
     tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(runs)]
     try:
         left = len(runs)
         while left:
             i, upd = await queue.get()
+            if isinstance(upd, Exception):
+                raise upd
             if upd is None:
                 left -= 1
             else:
@@ -221,7 +237,7 @@ class Api:
         return {"text": run.text, "output_ids": run.token_ids, "meta_info": meta}
 
     async def generate(self, request: Request) -> Response:
-        body: GenerateRequest = decode(await request.body(), GenerateRequest)
+        body: GenerateRequest = await _read(request, GenerateRequest)
         body.check()
         req = GenerateReq(body.rid or uuid.uuid4().hex, body.sampling_params, text=body.text,
                           input_ids=body.input_ids, top_logprobs=body.top_logprobs)
@@ -241,7 +257,7 @@ class Api:
     # ---- OpenAI ---------------------------------------------------------------------------------
 
     async def completions(self, request: Request) -> Response:
-        body: CompletionRequest = decode(await request.body(), CompletionRequest)
+        body: CompletionRequest = await _read(request, CompletionRequest)
         self._check_model(body.model)
         body.check()
         cid, prompts = f"cmpl-{uuid.uuid4().hex}", body.prompts()
@@ -281,7 +297,7 @@ class Api:
         return self._stream(runs, events())
 
     async def chat_completions(self, request: Request) -> Response:
-        body: ChatCompletionRequest = decode(await request.body(), ChatCompletionRequest)
+        body: ChatCompletionRequest = await _read(request, ChatCompletionRequest)
         self._check_model(body.model)
         body.check()
         messages = [m.flat() for m in body.messages]
@@ -372,7 +388,7 @@ class Api:
         return JSONResponse({"success": True})
 
     async def abort_request(self, request: Request) -> Response:
-        body: AbortRequest = decode(await request.body(), AbortRequest)
+        body: AbortRequest = await _read(request, AbortRequest)
         active = self.client.active_rids
         if body.abort_all:
             targets = active
@@ -404,8 +420,8 @@ def _with_errors(api: Api, handler: Callable) -> Callable:
             api.metrics.errors.labels(str(e.status)).inc()
             return error_response(e.status, str(e), e.param)
         except EngineError as e:
-            api.metrics.errors.labels("400").inc()
-            return error_response(400, str(e))
+            api.metrics.errors.labels(str(e.status)).inc()
+            return error_response(e.status, str(e))
 
     return endpoint
 

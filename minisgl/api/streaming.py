@@ -54,6 +54,11 @@ class EventStream:
                     chunk = nxt.result()
                 except StopAsyncIteration:
                     break
+                except Exception as e:  # the engine failed the request mid-stream: say so, then end
+                    chunk = sse({"error": {"message": str(e), "type": "server_error",
+                                           "code": getattr(e, "status", 500)}}) + SSE_DONE
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    break
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 if gone.done():
                     return
