@@ -26,6 +26,7 @@ import uvicorn
 import zmq
 
 from minisgl.api.client import EngineClient
+from minisgl.api.connections import HeaderTimeoutProtocol
 from minisgl.api.server import create_app
 from minisgl.args import ServerArgs
 from minisgl.ipc import Addresses, Receiver
@@ -150,6 +151,7 @@ class Launcher:
             config = uvicorn.Config(
                 app, host=self.args.host, port=self.args.port,
                 log_level=self.args.log_level, access_log=False, timeout_graceful_shutdown=3,
+                http=HeaderTimeoutProtocol,
             )
             server = _Server(config, self.args, info, client)
             threading.Thread(target=self._watch, args=(server,), daemon=True).start()

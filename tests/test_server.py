@@ -420,6 +420,21 @@ def test_abort_by_prefix_names_nobody(server: ServerProcess):
     idle_and_clean(server)
 
 
+def test_stalled_headers_are_dropped(server: ServerProcess):
+    """A client that never finishes its request head is disconnected; finished ones are served."""
+    import socket
+
+    from minisgl.api.connections import HEADER_TIMEOUT_S
+
+    with socket.create_connection(("127.0.0.1", server.port)) as slow:
+        slow.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\n")
+        slow.settimeout(HEADER_TIMEOUT_S + 10)
+        start = time.monotonic()
+        assert slow.recv(100) == b""  # closed by the server
+        assert HEADER_TIMEOUT_S - 1 < time.monotonic() - start < HEADER_TIMEOUT_S + 5
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
 def test_info_metrics_and_flush(server: ServerProcess):
     info = httpx.get(f"{server.url}/get_model_info", timeout=10).json()
     assert info["served_model_name"] == "tiny" and info["is_generation"] and info["context_length"] == 1024
