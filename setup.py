@@ -20,10 +20,11 @@ setup(
         "starlette",
         "uvicorn",
         "prometheus-client",
+        "gguf",
     ],
     extras_require={
         "cuda": ["flashinfer-python>=0.6", "apache-tvm-ffi>=0.1.15", "ninja"],
-        "test": ["pytest", "hypothesis", "httpx", "openai"],
+        "test": ["pytest", "hypothesis", "httpx", "openai", "accelerate"],  # accelerate: transformers reading GGUF
         "bench": ["httpx", "matplotlib"],
     },
 )

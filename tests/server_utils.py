@@ -11,6 +11,9 @@ import threading
 import time
 from pathlib import Path
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,3 +89,14 @@ class ServerProcess:
     @property
     def output(self) -> str:
         return "".join(self.lines)
+
+
+@contextmanager
+def running_server(model: Path, *extra: str) -> Iterator[ServerProcess]:
+    """A ready server for one test; killed (SIGKILL) afterwards whatever happened."""
+    srv = ServerProcess(model, *extra)
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop(signal.SIGKILL)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.server_utils import ROOT, ServerProcess, alive, descendants
+from tests.server_utils import ROOT, ServerProcess, alive, descendants, running_server
 
 
 def _all_gone(pids: set[int], timeout: float = 10.0) -> bool:
@@ -95,9 +95,7 @@ def test_tensor_parallel_on_cpu_matches_one_rank(tiny_llama: Path):
 
 def test_hung_worker_trips_the_watchdog(tiny_llama: Path):
     """A stopped worker used to keep /health at 200 and streams hanging forever."""
-    srv = ServerProcess(tiny_llama, "--watchdog-timeout", "2")
-    try:
-        srv.wait_ready()
+    with running_server(tiny_llama, "--watchdog-timeout", "2") as srv:
         worker = srv.server_info()["processes"]["worker-0"]
         children = descendants(srv.proc.pid)
         os.kill(worker, signal.SIGSTOP)
@@ -112,8 +110,6 @@ def test_hung_worker_trips_the_watchdog(tiny_llama: Path):
         if alive(worker):
             os.kill(worker, signal.SIGCONT)
         assert _all_gone(children), [p for p in children if alive(p)]
-    finally:
-        srv.stop(signal.SIGKILL)
 
 
 def test_port_in_use_fails_before_loading_and_api_key_from_env(tiny_llama: Path):
@@ -143,10 +139,8 @@ def test_port_in_use_fails_before_loading_and_api_key_from_env(tiny_llama: Path)
 
 
 def test_queue_limit_answers_503(tiny_llama: Path):
-    srv = ServerProcess(tiny_llama, "--max-queued-requests", "0", "--max-running-requests", "2",
-                        "--max-total-tokens", "256")
-    try:
-        srv.wait_ready()
+    with running_server(tiny_llama, "--max-queued-requests", "0", "--max-running-requests", "2",
+                        "--max-total-tokens", "256") as srv:
         body = {"model": str(tiny_llama), "prompt": "hi", "max_tokens": 4, "n": 3}
         r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=30)
         assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
@@ -159,14 +153,10 @@ def test_queue_limit_answers_503(tiny_llama: Path):
         assert r.status_code == 200, r.text
         usage = r.json()["usage"]
         assert usage["prompt_tokens"] + usage["completion_tokens"] == 256
-    finally:
-        srv.stop(signal.SIGKILL)
 
 
 def test_shutdown_ends_open_streams_with_an_error_event(tiny_llama: Path):
-    srv = ServerProcess(tiny_llama)
-    try:
-        srv.wait_ready()
+    with running_server(tiny_llama) as srv:
         body = {"model": str(tiny_llama), "prompt": "Once", "max_tokens": 1000, "stream": True, "ignore_eos": True,
                 "logprobs": 20}
         with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as r:
@@ -178,5 +168,18 @@ def test_shutdown_ends_open_streams_with_an_error_event(tiny_llama: Path):
         error = json.loads(rest[-2][len("data: "):])["error"]
         assert error["code"] == 503 and "shutting down" in error["message"]
         assert srv.proc.wait(20) == 0
-    finally:
-        srv.stop(signal.SIGKILL)
+
+
+def test_installed_package_has_every_module(tmp_path: Path):
+    """Imported from outside the source tree: a package folder without __init__.py is left out
+    of a built wheel, and the server then fails at import."""
+    import pkgutil
+
+    import minisgl
+
+    names = [m.name for m in pkgutil.walk_packages(minisgl.__path__, "minisgl.")]
+    code = "import importlib, sys; [importlib.import_module(n) for n in sys.argv[1:]]; print('ok')"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    res = subprocess.run([sys.executable, "-c", code, "minisgl.launch", *names], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.stdout.strip() == "ok", res.stderr[-2000:]

@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from minisgl.config import ModelConfig
 from minisgl.models import get_model_class
+from minisgl.models.gguf_file import converted_checkpoint, find_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -25,12 +26,18 @@ HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken"
 
 
 def resolve_model_path(model: str, load_format: str = "auto") -> Path:
-    """A local folder is used as is; anything else that looks like ``org/name`` is fetched from the hub."""
+    """A local folder is used as is; a .gguf file (or a folder holding one) is converted once
+    into a cached folder; anything else that looks like ``org/name`` is fetched from the hub."""
+    gguf = find_gguf(model) if load_format in ("auto", "gguf") else None
+    if gguf is not None:
+        return converted_checkpoint(gguf)
+    if load_format == "gguf":
+        raise FileNotFoundError(f"--load-format gguf: no .gguf file at {model!r}")
     path = Path(model).expanduser()
     if path.is_dir():
         return path
     if path.exists():
-        raise ValueError(f"--model {model!r} is a file; pass the checkpoint folder")
+        raise ValueError(f"--model {model!r} is a file; pass the checkpoint folder or a .gguf file")
     if model.startswith((".", "/", "~")) or model.count("/") != 1:
         raise FileNotFoundError(f"model folder {model!r} does not exist and is not a hub id (org/name)")
     from huggingface_hub import snapshot_download
@@ -115,8 +122,8 @@ def load_model(
     model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
     max_positions: int, load_format: str = "auto", seed: int = 0,
 ) -> nn.Module:
-    if load_format not in ("auto", "safetensors", "dummy"):
-        raise ValueError(f"unsupported load format {load_format!r} (auto, safetensors, dummy)")
+    if load_format not in ("auto", "safetensors", "gguf", "dummy"):
+        raise ValueError(f"unsupported load format {load_format!r} (auto, safetensors, gguf, dummy)")
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

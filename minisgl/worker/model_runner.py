@@ -32,6 +32,9 @@ from minisgl.utils import cdiv, resolve_device, resolve_dtype
 
 logger = logging.getLogger(__name__)
 
+CPU_KV_BYTES = 256 << 20  # default KV pool on CPU (or one full context, if larger)
+CPU_WARMUP_TOKENS = 64
+
 
 @dataclass
 class _Pending:
@@ -107,7 +110,11 @@ class ModelRunner:
         bytes_per_page = MHAKVCache.bytes_per_page(
             self.page_size, self.config.num_layers, self.num_kv_heads, self.config.head_dim, self.dtype
         )
+        # On CUDA the largest prefill measures peak activations; on CPU nothing is measured, and a
+        # full 8192-token torch-attention prefill took minutes: a short one checks the path.
         tokens = min(self.args.chunked_prefill_size, self.context_len)
+        if self.device.type != "cuda":
+            tokens = min(tokens, CPU_WARMUP_TOKENS)
         self.kv_cache = self._make_cache(cdiv(tokens, self.page_size))
         self.attn = create_backend(
             self.args.attention_backend, self.kv_cache, self.num_qo_heads, self.num_kv_heads, self.config.head_dim
@@ -127,9 +134,11 @@ class ModelRunner:
             activations = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
             budget = free - total * (1 - self.args.mem_fraction_static) - activations
         else:
-            # On CPU, more than every slot at full context is never useful.
-            useful = self.max_slots * cdiv(self.context_len, self.page_size) * bytes_per_page
-            budget = min(_available_host_bytes() * self.args.mem_fraction_static * 0.5, useful)
+            # On CPU, more than every slot at full context is never useful, and a laptop should
+            # not give gigabytes to it by default (--max-total-tokens asks for more).
+            context = cdiv(self.context_len, self.page_size) * bytes_per_page
+            laptop = max(CPU_KV_BYTES, context)  # at least one full-context request fits
+            budget = min(_available_host_bytes() * self.args.mem_fraction_static * 0.5, self.max_slots * context, laptop)
         num_pages = int(budget // bytes_per_page)
         if get_tp_info().size > 1:  # every rank must hold the same pages: take the smallest budget
             n = torch.tensor([num_pages], device=self.device)

@@ -1,0 +1,169 @@
+"""GGUF checkpoints (llama.cpp's single-file format), read with the ``gguf`` package.
+
+A ``.gguf`` file becomes a checkpoint folder that the engine then loads like any other:
+config.json from the file's metadata, every tensor dequantized to float32 safetensors (the
+values the quantized file stands for; ``--dtype`` casts them at load), and the tokenizer with
+its chat template from the metadata. The folder is built once and cached under
+``~/.cache/minisgl/gguf`` by the file's name, size and modification time, so a restart (or a
+test run) loads it directly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+}
+TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+CACHE_ROOT = Path(os.environ.get("MINISGL_CACHE", Path.home() / ".cache" / "minisgl")) / "gguf"
+
+
+def find_gguf(model: str) -> Path | None:
+    """The .gguf file ``model`` names: the file itself, or the only one in a folder that has
+    no safetensors. None when ``model`` is not a GGUF checkpoint."""
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir() and not any(path.glob("*.safetensors")):
+        files = sorted(path.glob("*.gguf"))
+        if len(files) > 1:
+            raise ValueError(f"{path} holds several .gguf files ({', '.join(f.name for f in files)}); name one")
+        return files[0] if files else None
+    return None
+
+
+def converted_checkpoint(path: Path, cache_root: Path = CACHE_ROOT) -> Path:
+    """The cached checkpoint folder for a .gguf file, converting it first if needed."""
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    out = cache_root / f"{path.stem}-{key}"
+    if (out / "model.safetensors").is_file():
+        return out
+    cache_root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=cache_root))
+    try:
+        convert(path, tmp)
+        try:
+            tmp.rename(out)  # atomic: another process converting the same file may have won
+        except OSError:
+            shutil.rmtree(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def convert(path: Path, out: Path) -> None:
+    """Write config.json, model.safetensors and the tokenizer files of ``path`` into ``out``."""
+    import gguf
+    from safetensors.torch import save_file
+
+    reader = gguf.GGUFReader(str(path))
+    config = _config(reader, path)
+    tensors = _tensors(reader, config, path)
+    if "lm_head.weight" not in tensors:
+        config["tie_word_embeddings"] = True
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(tensors, str(out / "model.safetensors"))
+    _save_tokenizer(path, out)
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _config(reader: Any, path: Path) -> dict[str, Any]:
+    arch = _field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"{path.name}: GGUF architecture {arch!r} is not supported ({', '.join(ARCHITECTURES)})")
+
+    def meta(name: str, default: Any = None) -> Any:
+        value = _field(reader, f"{arch}.{name}", default)
+        if value is None:
+            raise ValueError(f"{path.name}: GGUF metadata lacks {arch}.{name}")
+        return value
+
+    heads = meta("attention.head_count")
+    hidden = meta("embedding_length")
+    vocab = meta("vocab_size", len(reader.fields["tokenizer.ggml.tokens"].data))
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    return {
+        "architectures": [ARCHITECTURES[arch]], "model_type": arch, "vocab_size": int(vocab),
+        "hidden_size": hidden, "intermediate_size": meta("feed_forward_length"),
+        "num_hidden_layers": meta("block_count"), "num_attention_heads": heads,
+        "num_key_value_heads": meta("attention.head_count_kv", heads),
+        "head_dim": meta("attention.key_length", hidden // heads),
+        "rms_norm_eps": meta("attention.layer_norm_rms_epsilon"), "rope_theta": meta("rope.freq_base", 10000.0),
+        "max_position_embeddings": meta("context_length"), "hidden_act": "silu", "torch_dtype": "float32",
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"), "eos_token_id": eos,
+        "tie_word_embeddings": False,
+    }
+
+
+def _hf_name(name: str) -> str:
+    stem, _, kind = name.rpartition(".")  # kind: weight or bias
+    if stem in TOP_NAMES:
+        return f"{TOP_NAMES[stem]}.{kind}"
+    blk, layer, part = stem.split(".", 2)
+    if blk != "blk" or part not in LAYER_NAMES:
+        raise ValueError(f"unexpected GGUF tensor {name!r}")
+    return f"model.layers.{layer}.{LAYER_NAMES[part]}.{kind}"
+
+
+def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp stores Llama's q and k rows with each head's two rotary halves interleaved;
+    put them back in the Hugging Face order (first half, then second half, per head)."""
+    half = w.shape[0] // heads // 2
+    return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _tensors(reader: Any, config: dict[str, Any], path: Path) -> dict[str, torch.Tensor]:
+    from gguf import GGMLQuantizationType, quants
+    from tqdm import tqdm
+
+    out: dict[str, torch.Tensor] = {}
+    for t in tqdm(reader.tensors, desc=f"Dequantizing {path.name}", unit="tensor"):
+        try:
+            data = quants.dequantize(t.data, t.tensor_type)
+        except NotImplementedError:
+            kind = GGMLQuantizationType(t.tensor_type).name
+            raise ValueError(f"{path.name}: tensor {t.name} uses quantization {kind}, which gguf cannot "
+                             f"dequantize") from None
+        data = np.asarray(data, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
+        name = _hf_name(t.name)
+        if config["model_type"] in ("llama", "mistral"):
+            if name.endswith("q_proj.weight"):
+                data = _unpermute(data, config["num_attention_heads"])
+            elif name.endswith("k_proj.weight"):
+                data = _unpermute(data, config["num_key_value_heads"])
+        out[name] = torch.from_numpy(np.array(data, copy=not data.flags.writeable, order="C"))
+    return out
+
+
+def _save_tokenizer(path: Path, out: Path) -> None:
+    """The tokenizer and chat template in the file's metadata, saved as tokenizer files."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tok.save_pretrained(str(out))

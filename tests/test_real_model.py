@@ -1,0 +1,91 @@
+"""The real model (SmolLM2-135M-Instruct, Q4_1 GGUF) against transformers loading the same file:
+same logits, same greedy tokens, the chat template applied as apply_chat_template does, and
+answers that stop at the end-of-turn token."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from minisgl.llm import LLM
+from minisgl.models.gguf_file import converted_checkpoint
+from minisgl.sampling import SamplingParams
+from tests.helpers import prefill_batch
+
+PROMPTS = [
+    "The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+    "List three colors:", "1, 2, 3, 4,", "Translate to French: good morning", "Q: What is 12 * 12?\nA:",
+    "The quick brown fox",
+]
+CHATS = [
+    [{"role": "user", "content": "What is the capital of Italy?"}],
+    [{"role": "system", "content": "You answer in one word."}, {"role": "user", "content": "Name a fruit."}],
+    [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello! How can I help?"},
+     {"role": "user", "content": "Tell me a fun fact about cats."}],
+]
+
+
+@pytest.fixture(scope="module")
+def hf(smollm2_gguf: Path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kw = dict(gguf_file=smollm2_gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(smollm2_gguf.parent), dtype=torch.float32, **kw).eval()
+    model.generation_config.eos_token_id = None  # run the full length, as ignore_eos does (no EOS masking)
+    return model, AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), **kw)
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_gguf: Path) -> LLM:
+    return LLM(str(smollm2_gguf), device="cpu", max_total_tokens=16384, page_size=4)
+
+
+def test_logits_equal_transformers(llm: LLM, hf):
+    model, tok = hf
+    prompts = [tok.encode(p) for p in PROMPTS]
+    runner = llm.runner
+    hidden_logits = runner.forward(prefill_batch(runner, prompts))
+    for i, ids in enumerate(prompts):
+        with torch.no_grad():
+            want = model(torch.tensor([ids])).logits[0, -1]
+        torch.testing.assert_close(hidden_logits[i], want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("radix", [True, False])
+def test_greedy_tokens_equal_transformers(smollm2_gguf: Path, llm: LLM, hf, radix: bool):
+    model, tok = hf
+    texts = PROMPTS + [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in CHATS]
+    prompts = [tok.encode(t, add_special_tokens=False) for t in texts]
+    engine = llm if radix else LLM(str(smollm2_gguf), device="cpu", max_total_tokens=16384, disable_radix_cache=True)
+    got = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=32, ignore_eos=True))
+    for ids, res in zip(prompts, got):
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, pad_token_id=0)
+        assert res["output_ids"] == out[0, len(ids):].tolist()
+    engine.scheduler.check_integrity()
+
+
+def test_chat_stops_at_end_of_turn_without_special_tokens(llm: LLM, hf):
+    """The chat template as apply_chat_template renders it; the answer is transformers' answer,
+    ends at <|im_end|> with finish_reason stop, and shows no special token."""
+    model, tok = hf
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    for chat in CHATS:
+        res = llm.chat(chat, SamplingParams(temperature=0.0, max_new_tokens=200))[0]
+        ids = tok.encode(tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True),
+                         add_special_tokens=False)
+        assert res["meta_info"]["prompt_tokens"] == len(ids)
+        with torch.no_grad():
+            want = model.generate(torch.tensor([ids]), max_new_tokens=200, do_sample=False, eos_token_id=end,
+                                  pad_token_id=0)[0, len(ids):].tolist()
+        assert res["output_ids"] == want
+        assert res["meta_info"]["finish_reason"] == "stop" and res["output_ids"][-1] == end
+        assert "<|im_" not in res["text"] and res["text"].strip()
+
+
+def test_conversion_is_cached(smollm2_gguf: Path, llm: LLM):
+    folder = converted_checkpoint(smollm2_gguf)
+    assert folder == llm.runner.model_dir and (folder / "tokenizer.json").is_file()
+    assert (folder / "chat_template.jinja").is_file() or "chat_template" in (folder / "tokenizer_config.json").read_text()
