@@ -39,6 +39,8 @@ def test_two_level_equals_single_level(page_size, layout):
         backend.prepare(decode_metadata(page_size, groups, loose, "cpu", cascade=two_level))
         outs.append(backend.forward(q, layer_id=1))
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    # The batched (padded) decode path against one request at a time.
+    torch.testing.assert_close(outs[1], backend._forward_each(q, layer_id=1), atol=1e-5, rtol=1e-5)
 
 
 def spy_groups(llm) -> list[tuple[list[int], list[int], int]]:
