@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+from dataclasses import dataclass, fields
 
 
 @dataclass
@@ -58,3 +59,37 @@ class ServerArgs(EngineArgs):
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
+
+
+def add_engine_args(ap: argparse.ArgumentParser) -> None:
+    """The engine's flags (SGLang's names), shared by the server and ``minisgl.generate``."""
+    d = EngineArgs(model="")
+    ap.add_argument("--model", required=True, help="local checkpoint folder, .gguf file, or Hugging Face hub id")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer folder or hub id (default: the model's)")
+    ap.add_argument("--tp-size", type=int, default=d.tp_size, help="tensor-parallel ranks (GPUs)")
+    ap.add_argument("--dtype", default=d.dtype, help="auto, bfloat16, float16 or float32")
+    ap.add_argument("--load-format", default=d.load_format, choices=["auto", "safetensors", "gguf", "dummy"],
+                    help="auto: safetensors, or GGUF for a .gguf file; dummy: random weights in the real shapes")
+    ap.add_argument("--device", default=d.device, help="auto (cuda if present, else cpu), cuda or cpu")
+    ap.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "torch", "flashinfer"])
+    ap.add_argument("--page-size", type=int, default=d.page_size)
+    ap.add_argument("--mem-fraction-static", type=float, default=d.mem_fraction_static,
+                    help="fraction of GPU memory for weights and KV cache")
+    ap.add_argument("--max-total-tokens", type=int, default=None, help="KV cache size in tokens (overrides memory sizing)")
+    ap.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
+    ap.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)
+    ap.add_argument("--context-length", type=int, default=None)
+    ap.add_argument("--disable-radix-cache", action="store_true")
+    ap.add_argument("--schedule-policy", default=d.schedule_policy, choices=["lpm", "fcfs"])
+    ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--cuda-graph-max-bs", type=int, default=None,
+                    help="largest decode batch run from a CUDA graph (default min(max-running-requests, 256); 0: off)")
+    ap.add_argument("--disable-overlap-schedule", action="store_true",
+                    help="wait for each step's tokens before scheduling the next")
+    ap.add_argument("--disable-cascade-attention", action="store_true",
+                    help="decode every request over all its pages, even those it shares with others")
+
+
+def engine_kwargs(ns: argparse.Namespace) -> dict:
+    """The EngineArgs fields of parsed arguments (for ``LLM(**...)``, model excluded)."""
+    return {f.name: getattr(ns, f.name) for f in fields(EngineArgs) if f.name != "model" and hasattr(ns, f.name)}

@@ -28,7 +28,7 @@ import zmq
 from minisgl.api.client import EngineClient
 from minisgl.api.connections import HeaderTimeoutProtocol
 from minisgl.api.server import create_app
-from minisgl.args import ServerArgs
+from minisgl.args import ServerArgs, add_engine_args
 from minisgl.ipc import Addresses, Receiver
 from minisgl.messages import EngineInfo
 from minisgl.scheduler.process import run_scheduler
@@ -42,8 +42,7 @@ logger = logging.getLogger("minisgl.launch")
 def parse_args(argv: list[str] | None = None) -> ServerArgs:
     d = ServerArgs(model="")
     ap = argparse.ArgumentParser(prog="python -m minisgl.launch", description="Serve a model over HTTP.")
-    ap.add_argument("--model", required=True, help="local checkpoint folder, .gguf file, or Hugging Face hub id")
-    ap.add_argument("--tokenizer", default=None, help="tokenizer folder or hub id (default: the model's)")
+    add_engine_args(ap)
     ap.add_argument("--served-model-name", default=None, help="name in /v1/models and OpenAI requests")
     ap.add_argument("--host", default=d.host, help="address to bind (default %(default)s)")
     ap.add_argument("--port", type=int, default=d.port)
@@ -54,28 +53,6 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     ap.add_argument("--watchdog-timeout", type=float, default=d.watchdog_timeout,
                     help="seconds a model step may take before the server reports itself dead and exits")
     ap.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
-    ap.add_argument("--tp-size", type=int, default=d.tp_size, help="tensor-parallel ranks (GPUs)")
-    ap.add_argument("--dtype", default=d.dtype, help="auto, bfloat16, float16 or float32")
-    ap.add_argument("--load-format", default=d.load_format, choices=["auto", "safetensors", "gguf", "dummy"],
-                    help="auto: safetensors, or GGUF for a .gguf file; dummy: random weights in the real shapes")
-    ap.add_argument("--device", default=d.device, help="auto (cuda if present, else cpu), cuda or cpu")
-    ap.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "torch", "flashinfer"])
-    ap.add_argument("--page-size", type=int, default=d.page_size)
-    ap.add_argument("--mem-fraction-static", type=float, default=d.mem_fraction_static,
-                    help="fraction of GPU memory for weights and KV cache")
-    ap.add_argument("--max-total-tokens", type=int, default=None, help="KV cache size in tokens (overrides memory sizing)")
-    ap.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
-    ap.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)
-    ap.add_argument("--context-length", type=int, default=None)
-    ap.add_argument("--disable-radix-cache", action="store_true")
-    ap.add_argument("--schedule-policy", default=d.schedule_policy, choices=["lpm", "fcfs"])
-    ap.add_argument("--seed", type=int, default=d.seed)
-    ap.add_argument("--cuda-graph-max-bs", type=int, default=None,
-                    help="largest decode batch run from a CUDA graph (default min(max-running-requests, 256); 0: off)")
-    ap.add_argument("--disable-overlap-schedule", action="store_true",
-                    help="wait for each step's tokens before scheduling the next")
-    ap.add_argument("--disable-cascade-attention", action="store_true",
-                    help="decode every request over all its pages, even those it shares with others")
     return ServerArgs(**vars(ap.parse_args(argv)))
 
 

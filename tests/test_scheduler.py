@@ -220,3 +220,15 @@ def test_child_processes_use_one_thread():
             "print(torch.get_num_threads(), cpu_worker_threads())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out[0] == "1" and int(out[1]) >= 1
+
+
+def test_deleting_an_llm_frees_its_model_and_pool(tiny_llama):
+    import gc
+    import weakref
+
+    llm = make_llm(tiny_llama)
+    llm.generate([[5, 6, 7]], GREEDY)
+    model, pool = weakref.ref(llm.runner.model), weakref.ref(llm.runner.kv_cache.buffer)
+    del llm
+    gc.collect()
+    assert model() is None and pool() is None
