@@ -134,8 +134,8 @@ def test_noise_is_never_zero_so_filtered_tokens_never_win():
         assert bool((noise > 0).all()) and bool(noise.isfinite().all())
 
 
-def test_filtered_tokens_are_never_sampled_over_a_million_draws():
-    vocab, rows = 256, 4096
+def test_filtered_tokens_are_never_sampled_over_two_million_draws():
+    vocab, rows = 256, 8192
     torch.manual_seed(0)
     logits = torch.randn(rows, vocab) * 4
     params = [SamplingParams(top_k=5), SamplingParams(top_p=0.3), SamplingParams(min_p=0.5),
@@ -159,7 +159,7 @@ def test_filtered_tokens_are_never_sampled_over_a_million_draws():
             keep = (logits[r] / 0.05).softmax(-1).gather(1, order[r]) > 0
         allowed[r] = torch.zeros_like(keep).scatter_(1, order[r], keep)
     slots = list(range(rows))
-    for step in range(250):  # a million draws
+    for step in range(250):  # two million draws
         tokens = s.sample(logits, slots, [step] * rows).tokens
         assert bool(allowed[torch.arange(rows), tokens].all()), f"a filtered token was sampled at step {step}"
 
