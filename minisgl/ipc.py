@@ -88,7 +88,7 @@ class Sender:
         self._enc = msgspec.msgpack.Encoder()
 
     def send(self, msg: Any) -> None:
-        self.sock.send(self._enc.encode(msg), copy=False)
+        self.send_encoded(self.encode(msg))
 
     def encode(self, msg: Any) -> bytes:
         """Encode without sending (raises on what MessagePack cannot carry, sends nothing)."""

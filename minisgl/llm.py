@@ -10,7 +10,7 @@ import msgspec
 from minisgl.args import EngineArgs
 from minisgl.sampling import SamplingParams
 from minisgl.scheduler import Req, Scheduler
-from minisgl.tokenizer import eos_ids, load_tokenizer
+from minisgl.tokenizer import encode_chat, eos_ids, load_tokenizer
 from minisgl.tokenizer.detokenizer import TextStream, decode_ids
 from minisgl.worker import ModelRunner
 
@@ -68,14 +68,7 @@ class LLM:
         if self.tokenizer is None or not self.tokenizer.chat_template:
             raise ValueError("this model has no chat template; use generate()")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [
-            self.tokenizer.encode(
-                self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True),
-                add_special_tokens=False,
-            )
-            for c in conversations
-        ]
-        return self.generate(prompts, sampling_params, top_logprobs)
+        return self.generate([encode_chat(self.tokenizer, c) for c in conversations], sampling_params, top_logprobs)
 
     def generate(
         self, prompts: Prompt | list[Prompt],

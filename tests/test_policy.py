@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from benchmarks.workloads import distinct_tokens
 from minisgl.kvcache import BaseCacheManager
 from minisgl.kvcache.radix_manager import RadixCacheManager
 from minisgl.sampling import SamplingParams
@@ -94,11 +95,6 @@ def test_nested_prompts_do_not_recurse():
     reqs = [make_req(i, base[: 2 + i]) for i in range(2000)]  # each a prefix of the next
     order = order_waiting(reqs[::-1], cache, "lpm", step=0)
     assert len(order) == 2000 and order[0] is reqs[-1]  # the oldest (here: longest) leads its subtree
-
-
-def distinct_tokens(prompts: list[list[int]]) -> int:
-    ordered = sorted(prompts)
-    return len(ordered[0]) + sum(len(b) - len(os.path.commonprefix([a, b])) for a, b in zip(ordered, ordered[1:]))
 
 
 @pytest.mark.parametrize("policy", ["lpm", "fcfs"])

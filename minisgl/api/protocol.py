@@ -19,7 +19,8 @@ from minisgl.sampling.params import Int32, Int64
 MAX_N = 64
 MAX_TOP_LOGPROBS = 20
 MAX_BODY_BYTES = 64 << 20
-TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
+MAX_TOKEN_ID = 2**31 - 1
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
 MAX_SEQUENCES = 256  # prompts x n in one request: more would crowd out everyone else's requests
 _SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
@@ -210,7 +211,7 @@ class AbortRequest(msgspec.Struct, forbid_unknown_fields=True):
 
 
 def _is_token(t: Any) -> bool:
-    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31
+    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_TOKEN_ID
 
 
 def _validate(params: SamplingParams) -> None:

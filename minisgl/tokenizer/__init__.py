@@ -24,6 +24,14 @@ def load_tokenizer(path: str | Path) -> Any:
         return None
 
 
+def encode_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of a conversation rendered by the checkpoint's chat template, ready for the
+    assistant's turn (the template adds any special tokens itself). The server and the offline
+    API both render chats here, so they send the model the same tokens."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
 def eos_ids(model_dir: str | Path, tokenizer: Any) -> list[int]:
     """EOS ids from config.json, generation_config.json and the tokenizer, merged."""
     model_dir = Path(model_dir)

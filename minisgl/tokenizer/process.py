@@ -18,7 +18,7 @@ from minisgl.messages import (
     AbortReq, ControlReply, ControlReq, EngineInfo, GenerateReq, ReqUpdate, TokenBatch, TokenizedReq,
     TokenLogprob, TokenOut, ToTokenizer, UpdateBatch,
 )
-from minisgl.tokenizer import load_tokenizer
+from minisgl.tokenizer import encode_chat, load_tokenizer
 from minisgl.tokenizer.detokenizer import TextStream, decode_ids
 from minisgl.utils import init_logging
 
@@ -107,11 +107,7 @@ class TokenizerProcess:
         if req.messages is not None:
             if not self.tokenizer.chat_template:
                 raise ValueError("this model has no chat template; use /v1/completions or /generate")
-            text = self.tokenizer.apply_chat_template(
-                [{"role": m.role, "content": m.content} for m in req.messages],
-                tokenize=False, add_generation_prompt=True,
-            )
-            return self.tokenizer.encode(text, add_special_tokens=False)
+            return encode_chat(self.tokenizer, [{"role": m.role, "content": m.content} for m in req.messages])
         return self.tokenizer.encode(req.text, add_special_tokens=True)
 
     def _check_length(self, req: GenerateReq, n: int) -> None:
@@ -132,8 +128,6 @@ class TokenizerProcess:
 
     def _on_generate(self, req: GenerateReq) -> None:
         try:
-            if req.rid in self.reqs:
-                raise ValueError(f"request id {req.rid!r} is already in use")
             ids = self._encode(req)
             self._check_length(req, len(ids))
         except ValueError as e:
