@@ -188,6 +188,16 @@ CASCADE_VARIANTS = [  # (name, two levels, FlashInferBackend options); "cascade"
     ("cascade_tile128", True, {"shared_tile": 128}),
     ("cascade_fa3", True, {"shared_backend": "fa3"}),
     ("cascade_cudacore_own", True, {"own_tensor_cores": False}),
+    # The shared level on our Triton kernel (minisgl/kernels/shared_level.py), and its knobs.
+    ("triton", True, {"shared_backend": "triton"}),
+    ("triton_split512", True, {"shared_backend": "triton", "triton_options": {"split_tokens": 512}}),
+    ("triton_split2048", True, {"shared_backend": "triton", "triton_options": {"split_tokens": 2048}}),
+    ("triton_bn32", True, {"shared_backend": "triton", "triton_options": {"block_n": 32}}),
+    ("triton_stages3", True, {"shared_backend": "triton", "triton_options": {"num_stages": 3}}),
+    ("triton_warps8", True, {"shared_backend": "triton", "triton_options": {"num_warps": 8}}),
+    ("triton_programs2", True, {"shared_backend": "triton", "triton_options": {"programs_per_sm": 2}}),
+    ("triton_programs8", True, {"shared_backend": "triton", "triton_options": {"programs_per_sm": 8}}),
+    ("triton_serial", True, {"shared_backend": "triton", "overlap_levels": False}),
 ]
 
 
@@ -227,11 +237,13 @@ def cascade_kernels(
             except RuntimeError as e:  # a variant FlashInfer cannot plan: say so, measure the rest
                 print(f"  {name} failed: {str(e)[:160]}")
                 continue
+            kv = (cache.k_cache(0), cache.v_cache(0))
             if name == "cascade":
-                kv = (cache.k_cache(0), cache.v_cache(0))
                 row["own_level_ms"] = replay_ms(lambda: backend.wrapper.run(q, kv, return_lse=True))
                 row["shared_level_ms"] = replay_ms(lambda: backend.shared_level.run(
                     q, kv, out=backend._s_out[:batch], lse=backend._s_lse[:batch], return_lse=True))
+            if name == "triton":
+                row["triton_shared_level_ms"] = replay_ms(lambda: backend.triton_shared.run(q, *kv, backend.scale))
             del backend
         rows.append(row)
         del cache

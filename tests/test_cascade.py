@@ -109,8 +109,8 @@ def test_cascade_tokens_equal_plain(tiny_llama, cheap_cascade, page_size, prefix
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("graph", [False, True])
 def test_flashinfer_cascade_matches_plain(page_size, layout, graph):
-    """bf16, 8B head shape; in graph mode the shared level has padded (empty) group slots and the
-    batch padded rows, as CUDA graphs run it."""
+    """bf16, 8B head shape, the shared level on FlashInfer and on our Triton kernel; in graph mode
+    the shared level has padded (empty) group slots and the batch padded rows, as CUDA graphs run it."""
     torch.manual_seed(0)
     groups, loose = LAYOUTS[layout]
     groups = [(pages * (16 // page_size), lens) for pages, lens in groups]
@@ -120,11 +120,16 @@ def test_flashinfer_cascade_matches_plain(page_size, layout, graph):
     n = sum(len(lens) for _, lens in groups) + len(loose)
     q = torch.randn(n, hq, dim, dtype=torch.bfloat16, device="cuda")
     outs = {}
-    for name, two_level in (("torch", False), ("flashinfer", False), ("flashinfer", True)):
-        backend = create_backend(name, cache, hq, hk, dim)
+    for name, two_level in (("torch", False), ("flashinfer", False), ("flashinfer", True), ("triton", True)):
+        if name == "triton":
+            from minisgl.attention.flashinfer_backend import FlashInferBackend
+
+            backend = FlashInferBackend(cache, hq, hk, dim, shared_backend="triton")
+        else:
+            backend = create_backend(name, cache, hq, hk, dim)
         meta = decode_metadata(page_size, groups, loose, "cuda", cascade=two_level)
         size = None
-        if graph and name == "flashinfer":
+        if graph and name != "torch":
             size = n + 3  # three padding rows reading page 0
             pad = dict(slots=meta.slots + [0] * 3, cached_lens=meta.cached_lens + [0] * 3, new_lens=[1] * size)
             meta.slots, meta.cached_lens, meta.new_lens = pad["slots"], pad["cached_lens"], pad["new_lens"]
@@ -136,6 +141,7 @@ def test_flashinfer_cascade_matches_plain(page_size, layout, graph):
     ref = outs["torch", False]
     torch.testing.assert_close(outs["flashinfer", False], ref, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(outs["flashinfer", True], ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(outs["triton", True], ref, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.cuda

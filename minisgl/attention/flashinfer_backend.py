@@ -33,9 +33,10 @@ WORKSPACE_BYTES = 256 * 1024 * 1024
 # The shared level's, allocated at its first cascade step: a graph's shared level plans for its
 # worst case (e.g. 268 MB at batch 256, 32 query heads, tile 64).
 SHARED_WORKSPACE_BYTES = 512 * 1024 * 1024
-# The shared level packs a group's queries per KV head (fa2 does, fa3 does not): measured in
-# benchmarks/decode_bench.py (part 3) on the H100.
-SHARED_LEVEL_BACKEND = "fa2"
+# The shared level: our Triton kernel ("triton", 0.173 against FlashInfer fa2's 0.188 ms per
+# layer at 256 requests in 16 groups on 2048 tokens) or FlashInfer's paged prefill ("fa2",
+# "fa3"); benchmarks/decode_bench.py part 3 on the H100.
+SHARED_LEVEL_BACKEND = "triton"
 SHARED_TILE = 64  # rows of packed queries per tile of the shared level (64 or 128)
 
 
@@ -45,7 +46,7 @@ class FlashInferBackend(AttentionBackend):
     def __init__(
         self, kv_cache: BaseKVCache, num_qo_heads: int, num_kv_heads: int, head_dim: int,
         shared_backend: str = SHARED_LEVEL_BACKEND, shared_tile: int = SHARED_TILE, own_tensor_cores: bool = True,
-        overlap_levels: bool = True,
+        overlap_levels: bool = True, triton_options: dict | None = None,
     ):
         import flashinfer
 
@@ -65,6 +66,11 @@ class FlashInferBackend(AttentionBackend):
         self.level_stream = torch.cuda.Stream(device, priority=-1) if overlap_levels else None
         self._shared_workspace: torch.Tensor | None = None
         self._shared_eager = None
+        self.triton_shared = None
+        if shared_backend == "triton":
+            from minisgl.attention.cascade_triton import TritonSharedLevel
+
+            self.triton_shared = TritonSharedLevel(num_qo_heads, num_kv_heads, head_dim, device, **(triton_options or {}))
         self.wrapper = self.prefill
         self.shared_level = None  # the wrapper running this step's shared level; None: single level
         self.shared_rows = 0  # queries in groups this step (they come first)
@@ -83,6 +89,8 @@ class FlashInferBackend(AttentionBackend):
         self._s_mask = torch.zeros(max_bs, dtype=torch.bool, device=device)
         self._s_out = torch.zeros(max_bs, self.num_qo_heads, self.head_dim, dtype=self.dtype, device=device)
         self._s_lse = torch.zeros(max_bs, self.num_qo_heads, dtype=torch.float32, device=device)
+        if self.triton_shared is not None:
+            self.triton_shared.init_cuda_graph(max_bs, max_pages_per_req)
 
     def shared_workspace(self) -> torch.Tensor:
         """The shared level's scratch, allocated at the first cascade step."""
@@ -176,6 +184,13 @@ class FlashInferBackend(AttentionBackend):
         last_page_len = [page_size] * len(pages)
         leaders = list(np.cumsum([0] + sizes[:-1]))
         self.shared_rows = sum(sizes)
+        device = meta.page_table.device
+        if self.triton_shared is not None:
+            rows = meta.slots_t[torch.tensor(leaders, dtype=torch.int64).to(device, non_blocking=True)]
+            indices = self._page_indices(meta.page_table, rows, [0] * len(pages), pages, sum(pages))
+            self.triton_shared.plan(sizes, pages, page_size, indices, graph_batch_size)
+            self.shared_level = self.triton_shared
+            return
         if graph_batch_size is None:
             self.shared_level = self._eager_shared_wrapper()
         else:
@@ -190,7 +205,6 @@ class FlashInferBackend(AttentionBackend):
             self.shared_level = self._graph_shared_wrapper(graph_batch_size)
             mask = torch.arange(graph_batch_size) < self.shared_rows
             self._s_mask[:graph_batch_size].copy_(mask, non_blocking=True)
-        device = meta.page_table.device
         real = [p for p in pages if p]
         rows = meta.slots_t[torch.tensor(leaders, dtype=torch.int64).to(device, non_blocking=True)]
         indices = self._page_indices(meta.page_table, rows, [0] * len(real), real, sum(real))
@@ -205,6 +219,16 @@ class FlashInferBackend(AttentionBackend):
             return self.wrapper.run(q, cache)
         from flashinfer import merge_state_in_place
 
+        main = torch.cuda.current_stream()
+        side = self.level_stream or main
+        side.wait_stream(main)
+        if self.shared_level is self.triton_shared:
+            with torch.cuda.stream(side):
+                self.triton_shared.run(q, *cache, self.scale)
+            out, lse = self.wrapper.run(q, cache, return_lse=True)
+            main.wait_stream(side)
+            self.triton_shared.combine(out, lse)
+            return out
         if self.graph_size is None:
             rows = self.shared_rows
             shared = torch.empty_like(q[:rows])
@@ -214,9 +238,6 @@ class FlashInferBackend(AttentionBackend):
             rows = self.graph_size
             shared, shared_lse = self._s_out[:rows], self._s_lse[:rows]
             mask, own_rows = self._s_mask[:rows], slice(None)
-        main = torch.cuda.current_stream()
-        side = self.level_stream or main
-        side.wait_stream(main)
         with torch.cuda.stream(side):
             self.shared_level.run(q[:rows], cache, out=shared, lse=shared_lse, return_lse=True)
         out, lse = self.wrapper.run(q, cache, return_lse=True)
