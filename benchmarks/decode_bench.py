@@ -15,8 +15,8 @@ Part 3: one layer's decode attention, plain (tensor-core decode over every page)
 cascade (shared level once per group + own level + merge), at batch 64 and 256 with 1 to 128
 groups sharing 256 or 2048 tokens plus 256 of their own, each timed as CUDA-graph replays as
 the engine runs it, against the floor of reading every distinct page once. It also times the
-two levels alone, the levels one after the other instead of on two streams, and the shared
-level on FlashInfer's fa3 backend.
+two levels alone, the own level on FlashInfer's decode instead of our kernel, the levels one
+after the other instead of on two streams, and the kernel's tuning knobs.
 """
 
 from __future__ import annotations
@@ -184,20 +184,17 @@ CASCADE_CASES = [  # (batch, groups, shared tokens); every request also has 256 
 CASCADE_VARIANTS = [  # (name, two levels, FlashInferBackend options); "cascade" is the engine's default
     ("plain", False, {}),
     ("cascade", True, {}),
+    ("cascade_own_flashinfer", True, {"own_backend": "flashinfer"}),  # own level on FlashInfer's decode
     ("cascade_serial", True, {"overlap_levels": False}),  # levels one after the other on one stream
-    ("cascade_tile128", True, {"shared_tile": 128}),
-    ("cascade_fa3", True, {"shared_backend": "fa3"}),
-    ("cascade_cudacore_own", True, {"own_tensor_cores": False}),
-    # The shared level on our Triton kernel (minisgl/kernels/shared_level.py), and its knobs.
-    ("triton", True, {"shared_backend": "triton"}),
-    ("triton_split512", True, {"shared_backend": "triton", "triton_options": {"split_tokens": 512}}),
-    ("triton_split2048", True, {"shared_backend": "triton", "triton_options": {"split_tokens": 2048}}),
-    ("triton_bn32", True, {"shared_backend": "triton", "triton_options": {"block_n": 32}}),
-    ("triton_stages3", True, {"shared_backend": "triton", "triton_options": {"num_stages": 3}}),
-    ("triton_warps8", True, {"shared_backend": "triton", "triton_options": {"num_warps": 8}}),
-    ("triton_programs2", True, {"shared_backend": "triton", "triton_options": {"programs_per_sm": 2}}),
-    ("triton_programs8", True, {"shared_backend": "triton", "triton_options": {"programs_per_sm": 8}}),
-    ("triton_serial", True, {"shared_backend": "triton", "overlap_levels": False}),
+    ("items1", True, {"cascade_options": {"items_per_sm": 1}}),  # shared-level items per SM (splits)
+    ("items4", True, {"cascade_options": {"items_per_sm": 4}}),
+    ("shared_bn32", True, {"cascade_options": {"block_n": 32}}),
+    ("shared_stages3", True, {"cascade_options": {"num_stages": 3}}),
+    ("own_bn32", True, {"cascade_options": {"own_block_n": 32}}),
+    ("own_bn128", True, {"cascade_options": {"own_block_n": 128}}),
+    ("own_stages3", True, {"cascade_options": {"own_stages": 3}}),
+    ("programs2", True, {"cascade_options": {"programs_per_sm": 2}}),
+    ("programs8", True, {"cascade_options": {"programs_per_sm": 8}}),
 ]
 
 
@@ -239,11 +236,10 @@ def cascade_kernels(
                 continue
             kv = (cache.k_cache(0), cache.v_cache(0))
             if name == "cascade":
-                row["own_level_ms"] = replay_ms(lambda: backend.wrapper.run(q, kv, return_lse=True))
-                row["shared_level_ms"] = replay_ms(lambda: backend.shared_level.run(
-                    q, kv, out=backend._s_out[:batch], lse=backend._s_lse[:batch], return_lse=True))
-            if name == "triton":
-                row["triton_shared_level_ms"] = replay_ms(lambda: backend.triton_shared.run(q, *kv, backend.scale))
+                row["shared_level_ms"] = replay_ms(lambda: backend.cascade.run_shared(q, *kv, backend.scale))
+                row["own_level_ms"] = replay_ms(lambda: backend.cascade.run_own(q, *kv, backend.scale))
+            if name == "cascade_own_flashinfer":
+                row["flashinfer_own_level_ms"] = replay_ms(lambda: backend.wrapper.run(q, kv, return_lse=True))
             del backend
         rows.append(row)
         del cache

@@ -5,12 +5,15 @@ node locked n times is a prefix that n running requests share. A request's group
 deepest node on its path that ``MIN_GROUP_SIZE`` requests share (in a chat tree, the system
 prompt that many conversations share, rather than a turn that only the next turn extends).
 The cost rule keeps a group when reading its prefix once saves more than the extra kernels
-cost. Fitted to benchmarks/decode_bench.py part 3 on the H100 (8B attention shape, levels on two
-streams; results/gpu_2026-11-22.md): the plain decode already serves re-reads of a prefix from
-L2 when its requests sit together, so pairs tie or lose and prefixes of 256 tokens lose, 512
-ties or wins 6%, while 4+ requests on 2048 tokens win 1.15-1.9x, also at batch 64.
-Kept: groups of at least ``MIN_GROUP_SIZE`` requests sharing at least ``MIN_SHARED_TOKENS``,
-and a step only when its groups together skip ``MIN_SAVED_TOKENS`` token reads per layer.
+cost. Fitted to benchmarks/decode_bench.py part 3 on the H100 (8B attention shape, both levels
+on our Triton kernel, results/gpu_2026-11-22.md "Session 6"): from batch 32 on, every measured
+sharing of 256+ tokens wins (pairs on 256 tokens 3%, 16 groups on 2048 tokens 2.1x), while
+below batch 32 the cascade's fixed cost (a second launch and the merge, ~5-7 us a layer) loses
+to the plain decode, which is latency-bound there (batch 16 x 4 groups x 256: 0.017 vs 0.015 ms).
+Kept: groups of at least ``MIN_GROUP_SIZE`` requests (broad groups, so a chat tree's system
+prompt rather than a pair's turn) sharing at least ``MIN_SHARED_TOKENS``, and a step only when
+it has ``MIN_BATCH`` requests and its groups together skip ``MIN_SAVED_TOKENS`` token reads per
+layer.
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ from minisgl.kvcache import BaseCacheManager
 from minisgl.scheduler.request import Req
 
 MIN_GROUP_SIZE = 4
-MIN_SHARED_TOKENS = 1024
-MIN_SAVED_TOKENS = 64_000  # 64 requests in 16 groups on 2048 tokens skip 98k and win 14%
+MIN_SHARED_TOKENS = 256
+MIN_BATCH = 32
+MIN_SAVED_TOKENS = 4096  # batch 32 in 8 groups on 256 tokens skips 6k and wins 4%
 
 
 @dataclass
@@ -55,7 +59,7 @@ def plan_cascade(reqs: list[Req], cache: BaseCacheManager, page_size: int, enabl
     for _, members in groups[MAX_CASCADE_GROUPS:]:
         loose += members
     groups = groups[:MAX_CASCADE_GROUPS]
-    if sum((len(m) - 1) * t for t, m in groups) < MIN_SAVED_TOKENS:
+    if len(reqs) < MIN_BATCH or sum((len(m) - 1) * t for t, m in groups) < MIN_SAVED_TOKENS:
         loose, groups = reqs, []
     # Neighbouring thread blocks attend at the same time: requests that still share pages
     # (ungrouped ones with a common first page) sit together so their re-reads hit L2.

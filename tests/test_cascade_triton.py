@@ -1,0 +1,176 @@
+"""Cascade decode on our Triton kernel (``minisgl.kernels.partial_attention``) against the torch
+reference: on CPU through Triton's interpreter (when triton is installed), on CUDA for real."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from minisgl.attention.base import AttentionMetadata
+from minisgl.attention.synthetic import decode_metadata
+from minisgl.kvcache import MHAKVCache
+from minisgl.utils import cdiv
+
+LOG2E = 1.4426950408889634
+LAYOUTS = {  # (shared pages at page size 16, member sequence lengths) per group; loose requests
+    "even": ([(4, [70, 90, 65]), (3, [50, 49])], [33, 7]),
+    "uneven, a group of one, a long group": ([(6, [100] * 21), (2, [40]), (1, [17, 18, 19, 20])], []),
+    "loose first": ([(2, [40, 41])], [64, 64, 3]),
+}
+
+
+def own_level(backend, q: torch.Tensor, meta: AttentionMetadata, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each request over its pages past its group's shared ones: (out, base-2 lse)."""
+    skip = meta.skip_pages()
+    parts = [backend._attend(q[i : i + 1], *backend._gather(layer, slot, skip[i], total), None)
+             for i, (slot, total) in enumerate(zip(meta.slots, meta.seq_lens))]
+    return torch.cat([o for o, _ in parts]).to(q.dtype), torch.cat([s for _, s in parts]) * LOG2E
+
+
+def plan_args(meta: AttentionMetadata, page_size: int, pad: int = 0) -> tuple:
+    """TritonCascade.plan's arguments for ``meta`` (plus ``pad`` rows of one token on page 0)."""
+    skip = meta.skip_pages() + [0] * pad
+    lens = meta.seq_lens + [1] * pad
+    slots = meta.slots + [0] * pad
+    pages = [cdiv(n, page_size) - k for n, k in zip(lens, skip)]
+    own = torch.cat([meta.page_table[s, k : k + p] if i < meta.num_reqs else meta.page_table[0, :1] * 0
+                     for i, (s, k, p) in enumerate(zip(slots, skip, pages))])
+    leaders = [sum(meta.group_sizes[:g]) for g in range(len(meta.group_pages))]
+    shared = torch.cat([meta.page_table[meta.slots[r], :p] for r, p in zip(leaders, meta.group_pages)])
+    tokens = [n - k * page_size for n, k in zip(lens, skip)]
+    return list(meta.group_sizes), list(meta.group_pages), page_size, shared, (tokens, pages, own)
+
+
+def check(device: str, dtype: torch.dtype, graph: bool) -> None:
+    """Every layout at page sizes 1 and 16, groups in up to 8 splits or none, the own level here or
+    given: the two levels equal the single-level torch reference. In graph mode, as CUDA graphs
+    run it: captured on another plan with padding rows, replayed on this one."""
+    from minisgl.attention import create_backend
+    from minisgl.attention.cascade_triton import TritonCascade
+
+    torch.manual_seed(0)
+    hq, hk, dim = (32, 8, 128) if device == "cuda" else (8, 2, 32)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    for page_size in (1, 16):
+        for groups, loose in LAYOUTS.values():
+            groups = [(pages * (16 // page_size), lens) for pages, lens in groups]
+            cache = MHAKVCache(4096 // page_size + 64, page_size, 2, hk, dim, dtype, torch.device(device))
+            cache.buffer.normal_()
+            ref_backend = create_backend("torch", cache, hq, hk, dim)
+            n = sum(len(lens) for _, lens in groups) + len(loose)
+            q = torch.randn(n, hq, dim, dtype=dtype, device=device)
+            ref_backend.prepare(decode_metadata(page_size, groups, loose, device, cascade=False))
+            ref = ref_backend.forward(q, 1).float()
+            meta = decode_metadata(page_size, groups, loose, device)
+            ref_backend.prepare(meta)
+            own_out, own_lse = own_level(ref_backend, q, meta, 1)
+            for items, min_split in ((1000, 16), (16, 64), (1, 4096)):  # many splits to none
+                for own_here in (True, False):
+                    level = TritonCascade(hq, hk, dim, torch.device(device), items_per_sm=items, block_n=16,
+                                          min_split_tokens=min_split, own_block_n=16, own_level=own_here)
+                    k, v = cache.k_cache(1), cache.v_cache(1)
+                    if not graph:
+                        sizes, pages, ps, shared, own = plan_args(meta, page_size)
+                        level.plan(sizes, pages, ps, shared, own if own_here else None, None)
+                        level.run_shared(q, k, v, ref_backend.scale)
+                        out, lse = (torch.empty_like(q), None) if own_here else (own_out.clone(), own_lse)
+                        if own_here:
+                            level.run_own(q, k, v, ref_backend.scale)
+                        level.combine(out, lse)
+                        torch.testing.assert_close(out.float(), ref, **tol)
+                        continue
+                    size = n + 3
+                    level.init_cuda_graph(size, meta.page_table.shape[1])
+                    level._part_o.fill_(float("nan"))  # stale partial states must not leak into rows
+                    q_buf = torch.cat([q, q[:3]])
+                    out_buf = torch.zeros(size, hq, dim, dtype=dtype, device=device)
+                    lse_buf = torch.zeros(size, hq, device=device)
+                    pair = decode_metadata(page_size, [(1, [page_size + 1] * 2)], [], device)
+                    sizes, pages, ps, shared, own = plan_args(pair, page_size, pad=size - 2)
+                    level.plan(sizes, pages, ps, shared, own if own_here else None, size)
+
+                    def step():
+                        level.run_shared(q_buf, k, v, ref_backend.scale)
+                        if own_here:
+                            level.run_own(q_buf, k, v, ref_backend.scale)
+                        level.combine(out_buf, None if own_here else lse_buf)
+
+                    graph_obj = None
+                    if device == "cuda":
+                        step()  # compile outside the capture
+                        graph_obj = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(graph_obj):
+                            step()
+                    sizes, pages, ps, shared, own = plan_args(meta, page_size, pad=3)
+                    level.plan(sizes, pages, ps, shared.clone(), own if own_here else None, size)
+                    padding = torch.randn(3, hq, dim, dtype=dtype, device=device)
+                    out_buf.copy_(torch.cat([own_out, padding]))
+                    lse_buf.copy_(torch.cat([own_lse, torch.randn(3, hq, device=device)]))
+                    graph_obj.replay() if graph_obj is not None else step()
+                    torch.testing.assert_close(out_buf[:n].float(), ref, **tol)
+                    if not own_here:
+                        assert torch.equal(out_buf[n:], padding), "rows outside groups keep the own level's state"
+
+
+def patch_interpreter_ranges() -> None:
+    """Triton 3.6's interpreter runs ``tl.range`` as Python's ``range``, which numpy 2 refuses
+    for the one-element arrays that stand for loaded scalars: unwrap them first."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    def scalar(x):
+        return int(x.handle.data.item()) if isinstance(x, tl.tensor) else x
+
+    original = interpreter._patch_lang_core
+
+    def patched(lang, scope):
+        original(lang, scope)
+        ranged = lang.range
+        scope.set_attr(lang, "range", lambda *a, **kw: ranged(*map(scalar, a), **{k: scalar(v) for k, v in kw.items()}))
+
+    interpreter._patch_lang_core = patched
+
+
+def test_work_lists():
+    from minisgl.attention.cascade_triton import MAX_SPLITS, own_work, shared_work
+
+    # 3 tiles, about 9 items wanted: 3 splits a group, but none under 4 pages.
+    work, splits = shared_work([3, 1], [10, 100], page_size=16, members_per_tile=2, target_items=9, min_split_pages=4)
+    rows = [tuple(r) for r in work.tolist()]
+    # Group 0: tiles of 2 and 1 member, pages 0-9 in runs of 4, 4, 2 (tokens, 16 per page).
+    assert rows[:6] == [(0, 2, 0, 64, 0), (0, 2, 4, 64, 1), (0, 2, 8, 32, 2),
+                        (2, 1, 0, 64, 0), (2, 1, 4, 64, 1), (2, 1, 8, 32, 2)]
+    # Group 1: 100 pages in runs of 34, 34, 32.
+    assert rows[6:] == [(3, 1, 10, 34 * 16, 0), (3, 1, 44, 34 * 16, 1), (3, 1, 78, 32 * 16, 2)]
+    assert splits.tolist() == [3, 3, 3, 3]
+    # Many tiles: no splits; a huge target: at most MAX_SPLITS.
+    assert shared_work([1] * 40, [8] * 40, 16, 2, 9, 1)[1].tolist() == [1] * 40
+    assert shared_work([1], [100], 16, 2, 1000, 1)[1].tolist() == [MAX_SPLITS]
+    import numpy as np
+
+    own = own_work([5, 17, 1], [1, 2, 1], np.array([3, 8, 0]))
+    assert own.tolist() == [[0, 1, 0, 5, 3], [1, 1, 1, 17, 8], [2, 1, 3, 1, 0]]
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_triton_interpreter_matches_reference(graph):
+    """The kernels' logic on CPU: Triton's interpreter must be switched on before triton loads,
+    so it runs in a child process."""
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    code = ("from tests.test_cascade_triton import check, patch_interpreter_ranges; import torch; "
+            f"patch_interpreter_ranges(); check('cpu', torch.float32, {graph})")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("graph", [False, True])
+def test_triton_cascade_cuda(graph):
+    check("cuda", torch.bfloat16, graph)
