@@ -178,6 +178,7 @@ CASCADE_CASES = [  # (batch, groups, shared tokens); every request also has 256 
     (128, 64, 2048), (128, 64, 256), (128, 64, 512),  # pairs
     (256, 16, 256), (256, 64, 256), (256, 16, 512), (256, 64, 512), (64, 16, 256), (64, 32, 512),
     (256, 0, 0), (64, 0, 0),  # no sharing: 2304 tokens of its own each
+    (64, 8, 2048, 32), (256, 16, 2048, 64),  # groups and loose requests of 2304 tokens
 ]
 
 
@@ -193,6 +194,9 @@ CASCADE_VARIANTS = [  # (name, two levels, FlashInferBackend options); "cascade"
     ("own_bn32", True, {"cascade_options": {"own_block_n": 32}}),
     ("own_bn128", True, {"cascade_options": {"own_block_n": 128}}),
     ("own_stages3", True, {"cascade_options": {"own_stages": 3}}),
+    ("own_bn128_stages3", True, {"cascade_options": {"own_block_n": 128, "own_stages": 3}}),
+    ("own_items8", True, {"cascade_options": {"own_items_per_sm": 8}}),
+    ("own_items8_programs8", True, {"cascade_options": {"own_items_per_sm": 8, "programs_per_sm": 8}}),
     ("programs2", True, {"cascade_options": {"programs_per_sm": 2}}),
     ("programs8", True, {"cascade_options": {"programs_per_sm": 8}}),
 ]
@@ -207,20 +211,19 @@ def cascade_kernels(
     from minisgl.kvcache import MHAKVCache
 
     own_len, rows = 256, []
-    for batch, groups, shared in cases:
+    for batch, groups, shared, *rest in cases:
         shared_pages = shared // page_size
-        if groups:
-            per = [batch // groups + (g < batch % groups) for g in range(groups)]
-            layout = [(shared_pages, [shared + own_len + 1] * n) for n in per]
-            loose: list[int] = []
-        else:
-            layout, loose = [], [2304 + 1] * batch
+        loose = [2304 + 1] * (rest[0] if rest else 0 if groups else batch)
+        grouped = batch - len(loose)
+        per = [grouped // groups + (g < grouped % groups) for g in range(groups)]
+        layout = [(shared_pages, [shared + own_len + 1] * n) for n in per]
         total_pages = int(decode_metadata(page_size, layout, loose, "cpu").page_table.max()) + 1
         cache = MHAKVCache(total_pages, page_size, PAGE_FIRST_LAYERS // 2, kv_heads, head_dim, torch.bfloat16,
                            torch.device("cuda"))
         cache.buffer.normal_()
         q = torch.randn(batch, qo_heads, head_dim, dtype=torch.bfloat16, device="cuda")
         row = {"batch": batch, "groups": groups, "shared_tokens": shared, "own_tokens": own_len if groups else 2304,
+               "loose_requests": len(loose),
                "distinct_kv_floor_ms": total_pages * page_size * 2 * kv_heads * head_dim * 2 / bandwidth * 1e3}
         for name, cascade, kw in CASCADE_VARIANTS:
             if (cascade and not groups) or (variants and name not in variants):
@@ -261,7 +264,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3], help="which parts to run")
     ap.add_argument("--cascade-cases", nargs="+", default=None, metavar="BxGxS",
-                    help="part 3 cases as batch x groups x shared tokens, e.g. 256x16x2048 (default: all)")
+                    help="part 3 cases as batch x groups x shared tokens [x loose requests of 2304 tokens "
+                         "among the batch], e.g. 256x16x2048 or 64x8x2048x32 (default: all)")
     ap.add_argument("--cascade-variants", nargs="+", default=None,
                     help=f"part 3 variants (default: all of {', '.join(v[0] for v in CASCADE_VARIANTS)})")
     args = ap.parse_args()

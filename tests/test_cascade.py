@@ -60,7 +60,7 @@ def cheap_cascade(monkeypatch):
     """Let every shared page count, so tiny prompts form groups."""
     monkeypatch.setattr(cascade, "MIN_GROUP_SIZE", 2)
     monkeypatch.setattr(cascade, "MIN_SHARED_TOKENS", 1)
-    monkeypatch.setattr(cascade, "MIN_SAVED_TOKENS", 1)
+    monkeypatch.setattr(cascade, "MIN_SAVED_SHARE", 0)
     monkeypatch.setattr(cascade, "MIN_BATCH", 1)
 
 
@@ -84,6 +84,27 @@ def test_cost_rule_drops_groups_that_do_not_pay(tiny_llama):
     seen = spy_groups(llm)
     llm.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True))
     assert seen and not any(sizes for sizes, _, _ in seen), "20 shared tokens are below the measured minimum"
+
+
+def test_cost_rule_weighs_saved_reads_against_the_batch(tiny_llama, monkeypatch):
+    """Groups run as a cascade only when they skip MIN_SAVED_SHARE of the step's KV reads: the
+    same groups beside long requests of their own do not."""
+    import random
+
+    monkeypatch.setattr(cascade, "MIN_GROUP_SIZE", 2)
+    monkeypatch.setattr(cascade, "MIN_SHARED_TOKENS", 1)
+    monkeypatch.setattr(cascade, "MIN_BATCH", 1)
+    grouped = shared_prefix_prompts(groups=2, per_group=4, prefix_len=41, seed=6)
+    rng = random.Random(1)
+    long_alone = [[rng.randrange(3, 1000) for _ in range(300)] for _ in range(6)]
+    params = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+    ran = {}
+    for name, prompts in (("groups only", grouped), ("with long requests", grouped + long_alone)):
+        llm = make_llm(tiny_llama, page_size=4)
+        seen = spy_groups(llm)
+        llm.generate(prompts, params)
+        ran[name] = any(sizes for sizes, _, n in seen if n == len(prompts))
+    assert ran == {"groups only": True, "with long requests": False}
 
 
 @pytest.mark.parametrize("page_size,prefix_len,pool", [(1, 37, 16384), (16, 37, 16384), (4, 40, 400)])

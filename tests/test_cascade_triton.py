@@ -19,6 +19,7 @@ from minisgl.utils import cdiv
 LOG2E = 1.4426950408889634
 LAYOUTS = {  # (shared pages at page size 16, member sequence lengths) per group; loose requests
     "even": ([(4, [70, 90, 65]), (3, [50, 49])], [33, 7]),
+    "long loose and long own parts": ([(2, [300, 40, 41])], [700, 5]),
     "uneven, a group of one, a long group": ([(6, [100] * 21), (2, [40]), (1, [17, 18, 19, 20])], []),
     "loose first": ([(2, [40, 41])], [64, 64, 3]),
 }
@@ -153,8 +154,12 @@ def test_work_lists():
     assert shared_work([1], [100], 16, 2, 1000, 1)[1].tolist() == [MAX_SPLITS]
     import numpy as np
 
-    own = own_work([5, 17, 1], [1, 2, 1], np.array([3, 8, 0]))
-    assert own.tolist() == [[0, 1, 0, 5, 3], [1, 1, 1, 17, 8], [2, 1, 3, 1, 0]]
+    own, counts = own_work([5, 17, 1], [1, 2, 1], np.array([3, 8, 0]), 16, target_items=1, min_split_pages=4)
+    assert own.tolist() == [[0, 1, 0, 5, 3], [1, 1, 1, 17, 8], [2, 1, 3, 1, 0]] and counts.tolist() == [1, 1, 1]
+    # A long request among short ones splits into runs of whole pages (the last one partial).
+    own, counts = own_work([20, 100, 3], [2, 7, 1], np.array([0, 0, 2]), 16, target_items=5, min_split_pages=2)
+    assert own.tolist() == [[0, 1, 0, 20, 0], [1, 1, 2, 32, 0], [1, 1, 4, 32, 1], [1, 1, 6, 32, 2],
+                            [1, 1, 8, 4, 3], [2, 1, 9, 3, 2]] and counts.tolist() == [1, 4, 1]
 
 
 @pytest.mark.parametrize("graph", [False, True])

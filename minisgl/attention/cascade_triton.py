@@ -18,7 +18,8 @@ import torch
 from minisgl.attention.base import graph_groups
 from minisgl.utils import cdiv
 
-MAX_SPLITS = 8  # most splits of one group's shared pages (sizes the partial-state buffers)
+MAX_SPLITS = 8  # most splits of one group's shared pages (with the next, sizes the partial states)
+MAX_OWN_SPLITS = 8  # most splits of one request's own pages
 
 
 def shared_work(
@@ -46,12 +47,24 @@ def shared_work(
     return np.array(items, dtype=np.int32).reshape(-1, 5), np.array(splits, dtype=np.int32)
 
 
-def own_work(tokens: list[int], pages: list[int], slots: np.ndarray) -> np.ndarray:
-    """One item per request: its ``tokens`` past the shared part, on its ``pages`` (concatenated
-    in request order), into slot ``slots[i]``."""
-    first = np.concatenate([[0], np.cumsum(pages)[:-1]]) if pages else np.zeros(0, dtype=np.int64)
-    rows = np.arange(len(tokens))
-    return np.stack([rows, np.ones_like(rows), first, np.asarray(tokens), slots], axis=1).astype(np.int32)
+def own_work(tokens: list[int], pages: list[int], first_slots: np.ndarray, page_size: int, target_items: int,
+             min_split_pages: int) -> tuple[np.ndarray, np.ndarray]:
+    """Items for each request's ``tokens`` past its shared part, on its ``pages`` (concatenated
+    in request order), into slots from ``first_slots[i]`` on, and each request's slot count.
+    Long runs (a request outside groups, or far past its group's prefix) split into runs of
+    equal pages, sized so the batch makes about ``target_items`` items, at most
+    ``MAX_OWN_SPLITS`` a request: one long run per CTA would leave the GPU waiting on it."""
+    per = max(cdiv(cdiv(sum(tokens), page_size), max(target_items, 1)), min_split_pages)
+    items, counts = [], []
+    entry = 0
+    for i, (n, count) in enumerate(zip(tokens, pages)):
+        run = max(per, cdiv(count, MAX_OWN_SPLITS))
+        k = cdiv(count, run)
+        items += [(i, 1, entry + s * run, min(run * page_size, n - s * run * page_size), first_slots[i] + s)
+                  for s in range(k)]
+        counts.append(k)
+        entry += count
+    return np.array(items, dtype=np.int32).reshape(-1, 5), np.array(counts, dtype=np.int32)
 
 
 class _Level:
@@ -97,7 +110,7 @@ class TritonCascade:
         self, num_qo_heads: int, num_kv_heads: int, head_dim: int, device: torch.device,
         items_per_sm: int = 2, min_split_tokens: int = 256, block_m: int = 64, block_n: int = 64, programs_per_sm: int = 4,
         num_warps: int = 4, num_stages: int = 2, own_level: bool = True, own_block_n: int = 64,
-        own_stages: int = 2,
+        own_stages: int = 2, own_items_per_sm: int = 4,
     ):
         self.heads = (num_qo_heads, num_kv_heads, head_dim)
         self.device = device
@@ -107,6 +120,7 @@ class TritonCascade:
         # The shared level aims at ``items_per_sm`` CTAs per SM (each item runs once per KV head).
         self.target_items = max(1, items_per_sm * sms // num_kv_heads)
         self.min_split_tokens = min_split_tokens
+        self.own_target_items = max(1, own_items_per_sm * sms // num_kv_heads)
         programs = max(1, programs_per_sm * sms // num_kv_heads)
         self.shared = _Level(device, dict(block_m=block_m, block_n=block_n, num_warps=num_warps,
                                           num_stages=num_stages), programs)
@@ -121,10 +135,11 @@ class TritonCascade:
         hq, _, dim = self.heads
         self.shared.init_cuda_graph(self.max_items(max_bs), graph_groups(max_bs) * max_pages_per_req)
         if self.own is not None:
-            self.own.init_cuda_graph(max_bs, max_bs * max_pages_per_req)
+            self.own.init_cuda_graph(max_bs * MAX_OWN_SPLITS, max_bs * max_pages_per_req)
         self._splits = torch.zeros(max_bs, dtype=torch.int32, device=self.device)
-        self._part_o = torch.zeros(MAX_SPLITS + 1, max_bs, hq, dim, dtype=torch.float32, device=self.device)
-        self._part_lse = torch.zeros(MAX_SPLITS + 1, max_bs, hq, dtype=torch.float32, device=self.device)
+        depth = MAX_SPLITS + (MAX_OWN_SPLITS if self.own is not None else 0)
+        self._part_o = torch.zeros(depth, max_bs, hq, dim, dtype=torch.float32, device=self.device)
+        self._part_lse = torch.zeros(depth, max_bs, hq, dtype=torch.float32, device=self.device)
 
     def plan(
         self, sizes: list[int], pages: list[int], page_size: int, shared_indices: torch.Tensor,
@@ -143,8 +158,10 @@ class TritonCascade:
         counts[: len(splits)] = splits
         if self.own is not None:
             tokens, own_pages, own_indices = own
-            self.own.plan(own_work(tokens, own_pages, counts), own_indices, graph)
-            counts += 1
+            work, own_counts = own_work(tokens, own_pages, counts, page_size, self.own_target_items,
+                                        max(self.min_split_tokens // page_size, 1))
+            self.own.plan(work, own_indices, graph)
+            counts += own_counts
         if graph:
             self._splits[:rows].copy_(torch.from_numpy(counts), non_blocking=True)
             self.splits, self.part_o, self.part_lse = self._splits[:rows], self._part_o, self._part_lse

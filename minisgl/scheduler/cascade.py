@@ -6,14 +6,16 @@ deepest node on its path that ``MIN_GROUP_SIZE`` requests share (in a chat tree,
 prompt that many conversations share, rather than a turn that only the next turn extends).
 The cost rule keeps a group when reading its prefix once saves more than the extra kernels
 cost. Fitted to benchmarks/decode_bench.py part 3 on the H100 (8B attention shape, both levels
-on our Triton kernel, results/gpu_2026-11-22.md "Session 6"): from batch 32 on, every measured
-sharing of 256+ tokens wins (pairs on 256 tokens 3%, 16 groups on 2048 tokens 2.1x), while
-below batch 32 the cascade's fixed cost (a second launch and the merge, ~5-7 us a layer) loses
-to the plain decode, which is latency-bound there (batch 16 x 4 groups x 256: 0.017 vs 0.015 ms).
+on our Triton kernel, results/gpu_2026-11-22.md "Session 6"): from batch 32 on, batches whose
+groups skip 44% or more of the step's KV reads win (16 groups of 16 on 2048 tokens 2.1x, pairs
+on 2048 tokens 2%), while batches with many long requests outside groups lose even where
+groups save a third of the reads (64 requests, 32 of them alone on 2304 tokens: 0.160 vs
+0.153 ms): the plain decode already serves a small group's re-reads from L2, and our own level
+is slower than FlashInfer's decode on long runs. Below batch 32 the cascade's fixed cost (a
+second launch and the merge, ~5-7 us a layer) loses to the latency-bound plain decode.
 Kept: groups of at least ``MIN_GROUP_SIZE`` requests (broad groups, so a chat tree's system
 prompt rather than a pair's turn) sharing at least ``MIN_SHARED_TOKENS``, and a step only when
-it has ``MIN_BATCH`` requests and its groups together skip ``MIN_SAVED_TOKENS`` token reads per
-layer.
+it has ``MIN_BATCH`` requests and its groups together skip ``MIN_SAVED_SHARE`` of its reads.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from minisgl.scheduler.request import Req
 MIN_GROUP_SIZE = 4
 MIN_SHARED_TOKENS = 256
 MIN_BATCH = 32
-MIN_SAVED_TOKENS = 4096  # batch 32 in 8 groups on 256 tokens skips 6k and wins 4%
+MIN_SAVED_SHARE = 0.4
 
 
 @dataclass
@@ -59,7 +61,8 @@ def plan_cascade(reqs: list[Req], cache: BaseCacheManager, page_size: int, enabl
     for _, members in groups[MAX_CASCADE_GROUPS:]:
         loose += members
     groups = groups[:MAX_CASCADE_GROUPS]
-    if len(reqs) < MIN_BATCH or sum((len(m) - 1) * t for t, m in groups) < MIN_SAVED_TOKENS:
+    saved = sum((len(m) - 1) * t for t, m in groups)
+    if len(reqs) < MIN_BATCH or saved < MIN_SAVED_SHARE * sum(r.kv_len for r in reqs):
         loose, groups = reqs, []
     # Neighbouring thread blocks attend at the same time: requests that still share pages
     # (ungrouped ones with a common first page) sit together so their re-reads hit L2.
