@@ -1,0 +1,76 @@
+"""Greedy tokens with cascade attention on and off, on a real checkpoint in bf16 (CUDA).
+
+    python benchmarks/cascade_agreement.py --model SmolLM2-135M-Instruct.Q4_1.gguf
+
+64 chats in 4 groups of 16 share a long system prompt, so every decode step at batch 64 runs
+as a cascade (asserted). The two runs round differently (the plain decode and our two-level
+kernel sum in different orders), so a near-tied logit can flip; the report gives the share of
+chats whose tokens match over all tokens and each first divergence (chat, token), with the
+same figures for fp16 against bf16 of the plain path as a yardstick of rounding noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from minisgl.llm import LLM  # noqa: E402
+from minisgl.sampling import SamplingParams  # noqa: E402
+
+RULES = ["Answer in plain English.", "Be brief and precise.", "Never invent facts.", "Use short sentences.",
+         "Explain terms a child would not know.", "Prefer examples to abstractions.", "Stay polite.",
+         "If unsure, say so."]
+ROLES = ["a patient science teacher", "a ship's navigator", "a museum guide", "a friendly librarian"]
+QUESTIONS = ["Why is the sky blue?", "How do tides work?", "What is a star?", "Why do leaves fall?",
+             "How does a compass work?", "What is rain made of?", "How do birds fly?", "What is a volcano?",
+             "Why is the sea salty?", "How do plants eat?", "What causes wind?", "What is an eclipse?",
+             "How do fish breathe?", "Why do we sleep?", "What is thunder?", "How big is the moon?"]
+
+
+def chats() -> list[list[dict]]:
+    out = []
+    for role in ROLES:
+        system = f"You are {role}. " + " ".join(f"Rule {i + 1}: {r}" for i, r in enumerate(RULES * 6))
+        out += [[{"role": "system", "content": system}, {"role": "user", "content": q}] for q in QUESTIONS]
+    return out
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
+    first = [(i, next((j for j, (x, y) in enumerate(zip(u, v)) if x != y), min(len(u), len(v))))
+             for i, (u, v) in enumerate(zip(a, b)) if u != v]
+    return {"identical": len(a) - len(first), "of": len(a), "first_divergences": first}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--page-size", type=int, default=16)
+    args = ap.parse_args()
+    params = SamplingParams(temperature=0.0, max_new_tokens=args.tokens, ignore_eos=True)
+    outs, cascade_steps = {}, 0
+    for name, kw in {"cascade": dict(dtype="bfloat16"), "plain": dict(dtype="bfloat16", disable_cascade_attention=True),
+                     "plain fp16": dict(dtype="float16", disable_cascade_attention=True)}.items():
+        llm = LLM(args.model, device="cuda", page_size=args.page_size, max_running_requests=64, **kw)
+        launch = llm.runner.launch
+
+        def spy(batch, launch=launch):
+            nonlocal cascade_steps
+            cascade_steps += bool(batch.group_sizes)
+            launch(batch)
+
+        llm.runner.launch = spy
+        outs[name] = [r["output_ids"] for r in llm.chat(chats(), params)]
+        del llm
+    assert cascade_steps > args.tokens // 2, f"only {cascade_steps} cascade steps"
+    report = {"cascade vs plain (bf16)": agreement(outs["cascade"], outs["plain"]),
+              "plain fp16 vs plain bf16": agreement(outs["plain fp16"], outs["plain"]), "cascade_steps": cascade_steps}
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
