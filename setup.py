@@ -23,8 +23,11 @@ setup(
         "gguf",
     ],
     extras_require={
-        "cuda": ["flashinfer-python>=0.6", "apache-tvm-ffi>=0.1.15", "ninja"],
-        "test": ["pytest", "hypothesis", "httpx", "openai", "accelerate"],  # accelerate: transformers reading GGUF
+        # triton: the cascade's kernels (torch's CUDA wheels bring it too).
+        "cuda": ["flashinfer-python>=0.6", "apache-tvm-ffi>=0.1.15", "ninja", "triton>=3.4"],
+        # accelerate: transformers reading GGUF; triton: its interpreter runs the cascade kernels on CPU.
+        "test": ["pytest", "hypothesis", "httpx", "openai", "accelerate",
+                 "triton>=3.4; platform_system == 'Linux' and platform_machine == 'x86_64'"],
         "bench": ["httpx", "matplotlib"],
     },
 )

@@ -12,9 +12,12 @@ same figures for fp16 against bf16 of the plain path as a yardstick of rounding 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -65,7 +68,9 @@ def main() -> None:
 
         llm.runner.launch = spy
         outs[name] = [r["output_ids"] for r in llm.chat(chats(), params)]
-        del llm
+        del llm, spy, launch
+        gc.collect()  # the spy closes over the runner: free its KV pool before the next run
+        torch.cuda.empty_cache()
     assert cascade_steps > args.tokens // 2, f"only {cascade_steps} cascade steps"
     report = {"cascade vs plain (bf16)": agreement(outs["cascade"], outs["plain"]),
               "plain fp16 vs plain bf16": agreement(outs["plain fp16"], outs["plain"]), "cascade_steps": cascade_steps}

@@ -143,6 +143,7 @@ class ReqUpdate(msgspec.Struct, array_like=True):
     prompt_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None
+    matched: str | None = None  # the stop string that finished it (finish_reason "stop")
 
 
 class UpdateBatch(msgspec.Struct, tag=True):

@@ -158,8 +158,10 @@ def test_work_lists():
     assert own.tolist() == [[0, 1, 0, 5, 3], [1, 1, 1, 17, 8], [2, 1, 3, 1, 0]] and counts.tolist() == [1, 1, 1]
     # A long request among short ones splits into runs of whole pages (the last one partial).
     own, counts = own_work([20, 100, 3], [2, 7, 1], np.array([0, 0, 2]), 16, target_items=5, min_split_pages=2)
-    assert own.tolist() == [[0, 1, 0, 20, 0], [1, 1, 2, 32, 0], [1, 1, 4, 32, 1], [1, 1, 6, 32, 2],
-                            [1, 1, 8, 4, 3], [2, 1, 9, 3, 2]] and counts.tolist() == [1, 4, 1]
+    assert own.tolist() == [[0, 1, 0, 20, 0], [1, 1, 2, 48, 0], [1, 1, 5, 48, 1], [1, 1, 8, 4, 2],
+                            [2, 1, 9, 3, 2]] and counts.tolist() == [1, 3, 1]
+    # A run just past the target length stays whole rather than leaving a one-page tail.
+    assert own_work([17 * 16], [17], np.array([0]), 16, target_items=1, min_split_pages=16)[1].tolist() == [1]
 
 
 @pytest.mark.parametrize("graph", [False, True])

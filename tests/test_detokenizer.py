@@ -65,7 +65,8 @@ def test_stop_filter_cuts_at_the_first_completed_stop_and_never_leaks(text, stop
     if not f.matched:
         shown += f.feed("", final=True)
     ends = [text.find(s) + len(s) for s in stops if s in text]
-    assert f.matched == bool(ends)
+    assert (f.matched is not None) == bool(ends)
+    assert f.matched is None or f.matched in stops
     if not ends:
         assert shown == text
         return

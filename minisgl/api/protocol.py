@@ -1,17 +1,21 @@
 """Request bodies of the HTTP API as msgspec Structs, and their translation to GenerateReq.
 
-Decoding with msgspec gives the type errors for free ("Expected `int`, got `str` - at
-`$.max_tokens`"); range checks that msgspec cannot express live in ``check`` and in
-SamplingParams.validate. Unknown fields are refused, so a typo never silently does nothing.
+A body is parsed, its fields sorted by the route's schema (``api.fields``: implemented, inert,
+refused unless default, or unknown and ignored with a warning), and the implemented ones
+converted to the route's Struct, which gives the type errors for free ("Expected `int`, got
+`str` - at `$.max_tokens`"); range checks that msgspec cannot express live in ``check`` and in
+SamplingParams.validate.
 """
 
 from __future__ import annotations
 
 import re
+import uuid
 from typing import Annotated, Any, Literal
 
 import msgspec
 
+from minisgl.api.fields import Schema, UnsupportedField
 from minisgl.messages import ChatMessage
 from minisgl.sampling import SamplingParams
 from minisgl.sampling.params import Int32, Int64
@@ -33,15 +37,14 @@ class BadRequest(ValueError):
         self.status, self.param = status, param
 
 
-def decode(body: bytes, kind: type) -> Any:
+def decode(body: bytes, kind: type, schema: Schema | None = None) -> Any:
+    """``body`` as a ``kind``; with a ``schema``, only the fields it implements reach ``kind``."""
     if len(body) > MAX_BODY_BYTES:
         raise BadRequest(f"the request body has {len(body)} bytes; at most {MAX_BODY_BYTES} are accepted", status=413)
     if not body.strip():
         raise BadRequest("the request body is empty; send a JSON object")
     try:
-        return msgspec.json.decode(body, type=kind)
-    except msgspec.ValidationError as e:
-        raise BadRequest(f"invalid request: {e}") from None
+        raw = msgspec.json.decode(body)
     except msgspec.DecodeError as e:
         if _SURROGATE.search(body):  # msgspec calls a lone surrogate escape "truncated"
             raise BadRequest("malformed JSON: a \\u escape is a lone UTF-16 surrogate (not a character)") from None
@@ -50,33 +53,126 @@ def decode(body: bytes, kind: type) -> Any:
         raise BadRequest(f"malformed JSON: a string is not valid UTF-8 ({e.reason} at byte {e.start})") from None
     except RecursionError:
         raise BadRequest("malformed JSON: nested too deeply") from None
+    if not isinstance(raw, dict):
+        raise BadRequest(f"the request body must be a JSON object, got {type(raw).__name__}")
+    try:
+        return msgspec.convert(schema.sort(raw) if schema else raw, type=kind)
+    except UnsupportedField as e:
+        raise BadRequest(str(e), param=e.param) from None
+    except msgspec.ValidationError as e:
+        raise BadRequest(f"invalid request: {e}") from None
+
+
+class SamplingIn(SamplingParams, kw_only=True, forbid_unknown_fields=True):
+    """SGLang's sampling_params: SamplingParams plus the fields the API itself handles."""
+
+    n: Int32 = 1
+    sampling_seed: Int64 | None = None
+
+    def params(self, choice: int = 0) -> SamplingParams:
+        """Choice ``choice``'s parameters (a given seed is offset so the n choices differ)."""
+        fields = {f: getattr(self, f) for f in SamplingParams.__struct_fields__}
+        seed = self.sampling_seed if self.sampling_seed is not None else self.seed
+        fields["seed"] = None if seed is None else seed + choice
+        params = SamplingParams(**fields)
+        _validate(params)
+        return params
+
+
+class GenerateItem(msgspec.Struct):
+    """One sequence of a /generate request, after batching and n are expanded."""
+
+    rid: str
+    text: str | None
+    input_ids: list[int] | None
+    sampling: SamplingParams
+    top_logprobs: int  # -1: no logprobs
 
 
 class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
-    """SGLang's native /generate."""
+    """SGLang's native /generate: one prompt or a batch (``text`` or ``input_ids`` a list of
+    them), one ``sampling_params`` or one per prompt, each prompt sampled ``n`` times."""
 
-    text: str | None = None
-    input_ids: list[TokenId] | None = None
-    sampling_params: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    text: str | list[str] | None = None
+    input_ids: list[Any] | None = None
+    sampling_params: SamplingIn | list[SamplingIn] | None = None
     stream: bool = False
-    return_logprob: bool = False
-    top_logprobs_num: Int32 = 0
-    rid: str | None = None
-
-    def check(self) -> None:
-        if (self.text is None) == (self.input_ids is None):
-            raise BadRequest("give exactly one of text or input_ids", param="text")
-        if not 0 <= self.top_logprobs_num <= MAX_TOP_LOGPROBS:
-            raise BadRequest(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs_num")
-        _validate(self.sampling_params)
+    return_logprob: bool | list[bool] | None = None
+    top_logprobs_num: Int32 | list[Int32] | None = None
+    logprob_start_len: Int32 | list[Int32] | None = None
+    return_text_in_logprobs: bool = False
+    rid: str | list[str] | None = None
 
     @property
-    def top_logprobs(self) -> int:
-        return self.top_logprobs_num if self.return_logprob else -1
+    def is_batch(self) -> bool:
+        return isinstance(self.text, list) or (self.input_ids is not None and not all(map(_is_token, self.input_ids)))
+
+    def _prompts(self) -> list[str | list[int]]:
+        if (self.text is None) == (self.input_ids is None):
+            raise BadRequest("give exactly one of text or input_ids", param="text")
+        if self.text is not None:
+            prompts = [self.text] if isinstance(self.text, str) else list(self.text)
+        elif self.input_ids and all(map(_is_token, self.input_ids)):
+            prompts = [self.input_ids]
+        elif self.input_ids and all(isinstance(x, list) and x and all(map(_is_token, x)) for x in self.input_ids):
+            prompts = list(self.input_ids)
+        else:
+            raise BadRequest(f"input_ids must be a non-empty list of token ids in [0, {MAX_TOKEN_ID}] or a list of "
+                             "such lists", param="input_ids")
+        if not prompts:
+            raise BadRequest("the batch is empty", param="text")
+        return prompts
+
+    def _per_prompt(self, value: Any, name: str, count: int, default: Any) -> list[Any]:
+        if value is None:
+            return [default] * count
+        if not isinstance(value, list):
+            return [value] * count
+        if len(value) != count:
+            raise BadRequest(f"{name} has {len(value)} entries for {count} prompts", param=name)
+        return value
+
+    def items(self) -> list[GenerateItem]:
+        """The sequences to run, prompt by prompt, each prompt's n samples together."""
+        prompts = self._prompts()
+        count = len(prompts)
+        sampling = self._per_prompt(self.sampling_params, "sampling_params", count, SamplingIn())
+        want = self._per_prompt(self.return_logprob, "return_logprob", count, False)
+        tops = self._per_prompt(self.top_logprobs_num, "top_logprobs_num", count, 0)
+        starts = self._per_prompt(self.logprob_start_len, "logprob_start_len", count, -1)
+        if len({s.n for s in sampling}) > 1:
+            raise BadRequest("every sampling_params of a batch must have the same n", param="sampling_params.n")
+        n = sampling[0].n
+        if not 1 <= n <= MAX_N:
+            raise BadRequest(f"n must be in [1, {MAX_N}], got {n}", param="sampling_params.n")
+        single = not self.is_batch and n == 1
+        rids = self._rids(count * n, single)
+        out = []
+        for i, prompt in enumerate(prompts):
+            if not 0 <= tops[i] <= MAX_TOP_LOGPROBS:
+                raise BadRequest(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs_num")
+            if want[i] and starts[i] not in (-1, None):
+                raise BadRequest(f"logprob_start_len={starts[i]} is not supported yet: prompt logprobs are not "
+                                 "computed yet (use -1)", param="logprob_start_len")
+            for j in range(n):
+                out.append(GenerateItem(
+                    rids[i * n + j], prompt if isinstance(prompt, str) else None,
+                    None if isinstance(prompt, str) else prompt, sampling[i].params(j), tops[i] if want[i] else -1))
+        return out
+
+    def _rids(self, total: int, single: bool) -> list[str]:
+        if self.rid is None:
+            return [uuid.uuid4().hex for _ in range(total)]
+        if isinstance(self.rid, str):
+            return [self.rid] if single else [f"{self.rid}-{k}" for k in range(total)]
+        if len(self.rid) != total:
+            raise BadRequest(f"rid has {len(self.rid)} entries for {total} sequences", param="rid")
+        return list(self.rid)
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # every chunk carries the usage so far
 
 
 class _OpenAIBase(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -100,6 +196,8 @@ class _OpenAIBase(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stop_token_ids: list[Int32] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    logit_bias: dict[str, float] | None = None
 
     def _check_common(self, max_tokens: int | None) -> None:
         if max_tokens is not None and max_tokens < 1:
@@ -117,7 +215,7 @@ class _OpenAIBase(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
             seed=None if self.seed is None else self.seed + choice, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-            skip_special_tokens=self.skip_special_tokens,
+            skip_special_tokens=self.skip_special_tokens, no_stop_trim=self.no_stop_trim, logit_bias=self.logit_bias,
         )
         _validate(params)
         return params
@@ -126,12 +224,16 @@ class _OpenAIBase(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
+
 
 class CompletionRequest(_OpenAIBase, kw_only=True):
     prompt: Any  # a string, a list of strings, a list of token ids, or a list of those lists
     max_tokens: Int32 | None = 16
     logprobs: Int32 | None = None
-    echo: bool = False
+    best_of: Int32 | None = None
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -148,8 +250,8 @@ class CompletionRequest(_OpenAIBase, kw_only=True):
 
     def check(self) -> None:
         self._check_common(self.max_tokens)
-        if self.echo:
-            raise BadRequest("echo is not supported", param="echo")
+        if self.best_of not in (None, self.n):
+            raise BadRequest(f"best_of={self.best_of} is not supported yet: only best_of equal to n", param="best_of")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise BadRequest(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]", param="logprobs")
 

@@ -51,14 +51,15 @@ def own_work(tokens: list[int], pages: list[int], first_slots: np.ndarray, page_
              min_split_pages: int) -> tuple[np.ndarray, np.ndarray]:
     """Items for each request's ``tokens`` past its shared part, on its ``pages`` (concatenated
     in request order), into slots from ``first_slots[i]`` on, and each request's slot count.
-    Long runs (a request outside groups, or far past its group's prefix) split into runs of
-    equal pages, sized so the batch makes about ``target_items`` items, at most
+    Long runs (a request outside groups, or far past its group's prefix) split into about
+    equal runs of whole pages, sized so the batch makes about ``target_items`` items, at most
     ``MAX_OWN_SPLITS`` a request: one long run per CTA would leave the GPU waiting on it."""
     per = max(cdiv(cdiv(sum(tokens), page_size), max(target_items, 1)), min_split_pages)
     items, counts = [], []
     entry = 0
     for i, (n, count) in enumerate(zip(tokens, pages)):
-        run = max(per, cdiv(count, MAX_OWN_SPLITS))
+        k = min(max(count // per, 1), MAX_OWN_SPLITS)  # runs of about ``per`` pages, none much shorter
+        run = cdiv(count, k)
         k = cdiv(count, run)
         items += [(i, 1, entry + s * run, min(run * page_size, n - s * run * page_size), first_slots[i] + s)
                   for s in range(k)]

@@ -12,6 +12,7 @@ Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 MAX_STOP_STRINGS = 128
 MAX_STOP_CHARS = 1024  # per stop string
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -33,6 +34,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stop_token_ids: list[Int32] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    no_stop_trim: bool = False  # keep the matched stop string at the end of the text
+    logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> added logit
 
     @property
     def is_greedy(self) -> bool:
@@ -67,6 +70,16 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         stops = self.stop_strings
         if len(stops) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stops):
             raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters")
+        if self.logit_bias:
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens")
+            for key, bias in self.logit_bias.items():
+                if not key.isdigit() or int(key) >= 2**31:
+                    raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+                if not -100.0 <= bias <= 100.0:
+                    raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} for {key}")
+                if vocab_size is not None and int(key) >= vocab_size:
+                    raise ValueError(f"logit_bias token {key} is outside the vocabulary [0, {vocab_size})")
         if self.stop_token_ids and len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids")
         if self.stop_token_ids and vocab_size is not None:

@@ -64,6 +64,8 @@ class Sampler:
         self.h_min_p = [False] * max_slots
         self.h_penalty = [False] * max_slots
         self.h_top_n = [-1] * max_slots  # -1: no logprobs, 0: chosen token only, n: plus top-n
+        self.h_bias = [False] * max_slots
+        self.bias: torch.Tensor | None = None  # [max_slots, vocab] float32 logit_bias, made on first use
         self.out_counts: torch.Tensor | None = None  # [max_slots, vocab] int32, made on first use
         self.seen: torch.Tensor | None = None  # [max_slots, vocab] bool: prompt or output tokens
 
@@ -93,6 +95,14 @@ class Sampler:
         self.h_penalty[slot] = p.has_penalty
         if p.has_penalty:
             self._init_penalty(slot, prompt_ids, output_ids)
+        if self.h_bias[slot]:
+            self.bias[slot].zero_()  # the slot's previous request had a bias
+        self.h_bias[slot] = bool(p.logit_bias)
+        if p.logit_bias:
+            if self.bias is None:
+                self.bias = torch.zeros(self._dev_f.shape[0], self.vocab_size, dtype=torch.float32, device=self.device)
+            ids = torch.tensor([int(k) for k in p.logit_bias], dtype=torch.int64)
+            self.bias[slot, self._to_device(ids)] = self._to_device(torch.tensor(list(p.logit_bias.values())))
 
     def _upload(self) -> None:
         if not self._dirty:
@@ -132,10 +142,13 @@ class Sampler:
         penalized = any(self.h_penalty[s] for s in slots_list)
         all_greedy = all(self.h_greedy[s] for s in slots_list)
         top_n = max(self.h_top_n[s] for s in slots_list)
-        if all_greedy and not penalized and top_n < 0:
+        biased = any(self.h_bias[s] for s in slots_list)
+        if all_greedy and not penalized and top_n < 0 and not biased:
             return SampleOutput(tokens=logits.argmax(dim=-1))  # exact on 16-bit logits: no float copy
         slots = torch.tensor(slots_list, dtype=torch.int64).to(self.device, non_blocking=True)
         logits = logits.float()
+        if biased:  # OpenAI's logit_bias: added to the logits before penalties and sampling
+            logits = logits + self.bias[slots]
         if penalized:
             logits = self._apply_penalties(logits, slots)
         greedy_tokens = logits.argmax(dim=-1)

@@ -49,21 +49,24 @@ class IncrementalDetokenizer:
 
 
 class StopStringFilter:
-    def __init__(self, stops: list[str]):
+    def __init__(self, stops: list[str], keep: bool = False):
         self.stops = [s for s in stops if s]
+        self.keep = keep  # show the matched stop string (SGLang's no_stop_trim)
         self._held = ""
-        self.matched = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     def feed(self, text: str, final: bool = False) -> str:
         """The part of ``text`` (appended to what is held) that can be shown. After a match,
-        returns the text before the stop string and sets ``matched``; later calls return ""."""
-        if self.matched:
+        returns the text before the stop string (through it with ``keep``) and sets ``matched``;
+        later calls return ""."""
+        if self.matched is not None:
             return ""
         buf = self._held + text
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for i, s in ((buf.find(s), s) for s in self.stops) if i >= 0]
         if hits:
-            self.matched, self._held = True, ""
-            return buf[: min(hits)]
+            at, stop = min(hits, key=lambda h: (h[0], -len(h[1])))
+            self.matched, self._held = stop, ""
+            return buf[: at + (len(stop) if self.keep else 0)]
         keep = 0 if final else self._partial_suffix(buf)
         self._held = buf[len(buf) - keep :] if keep else ""
         return buf[: len(buf) - keep]
@@ -80,9 +83,9 @@ class StopStringFilter:
 class TextStream:
     """One request's output text: detokenized incrementally, cut at its first stop string."""
 
-    def __init__(self, tokenizer: Any, stops: list[str], skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: Any, stops: list[str], skip_special_tokens: bool = True, keep_stop: bool = False):
         self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
-        self.stops = StopStringFilter(stops)
+        self.stops = StopStringFilter(stops, keep_stop)
 
     def add(self, ids: list[int], final: bool = False) -> str:
         """New text safe to show; ``final`` flushes everything held back."""
@@ -91,4 +94,4 @@ class TextStream:
     @property
     def stopped(self) -> bool:
         """A stop string was matched: the request is over, whatever the model does next."""
-        return self.stops.matched
+        return self.stops.matched is not None

@@ -39,7 +39,8 @@ class RequestState:
         self.tokenizer = tokenizer
         self.text = None
         if tokenizer is not None:
-            self.text = TextStream(tokenizer, req.sampling.stop_strings, req.sampling.skip_special_tokens)
+            self.text = TextStream(tokenizer, req.sampling.stop_strings, req.sampling.skip_special_tokens,
+                                   req.sampling.no_stop_trim)
 
     def _token_text(self, token: int) -> str:
         return decode_ids(self.tokenizer, [token], skip_special_tokens=False) if self.tokenizer is not None else ""
@@ -52,7 +53,7 @@ class RequestState:
         if self.text is not None:
             upd.text = self.text.add(out.tokens, final)
             if self.text.stopped:
-                upd.finish_reason = "stop"
+                upd.finish_reason, upd.matched = "stop", self.text.stops.matched
         if self.top_logprobs >= 0:
             for i, (token, lp) in enumerate(zip(out.tokens, out.logprobs)):
                 top = []

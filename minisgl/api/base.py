@@ -1,0 +1,190 @@
+"""What every route shares: a request in flight (``Run``), reading bodies, starting runs and
+collecting or streaming them, and the JSON error shape."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from minisgl.api.client import EngineClient, RequestStream
+from minisgl.api.fields import Schema
+from minisgl.api.metrics import Metrics, RequestTimer
+from minisgl.api.protocol import MAX_SEQUENCES, BadRequest, decode
+from minisgl.api.streaming import EventStream
+from minisgl.args import ServerArgs
+from minisgl.messages import EngineInfo, GenerateReq, ReqUpdate
+
+
+def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
+    kind = {401: "authentication_error", 404: "not_found_error", 503: "server_busy_error"}.get(
+        status, "invalid_request_error")
+    headers = {"Retry-After": "1"} if status == 503 else None
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status,
+                        headers=headers)
+
+
+class Run:
+    """One request in flight: what it produced so far, and its latency bookkeeping."""
+
+    def __init__(self, stream: RequestStream, first: ReqUpdate, metrics: Metrics, timer: RequestTimer):
+        self.stream, self.metrics, self.timer = stream, metrics, timer
+        self.rid = stream.rid
+        self.text, self.token_ids, self.logprobs = "", [], []
+        self.finish_reason: str | None = None
+        self.matched: str | None = None  # the stop string that finished it
+        self.prompt_tokens = self.cached_tokens = 0
+        self.e2e_latency = 0.0
+        self._first: ReqUpdate | None = first
+
+    def _apply(self, upd: ReqUpdate) -> None:
+        self.text += upd.text
+        self.token_ids += upd.token_ids
+        self.logprobs += upd.logprobs
+        self.prompt_tokens, self.cached_tokens = upd.prompt_tokens or self.prompt_tokens, upd.cached_tokens
+        self.timer.tokens_arrived(len(upd.token_ids))
+        if upd.matched is not None:
+            self.matched = upd.matched
+        if upd.finish_reason is not None:
+            self.finish_reason = upd.finish_reason
+            self.e2e_latency = self.timer.finished(upd.finish_reason, self.prompt_tokens, self.cached_tokens)
+
+    def finish_info(self) -> dict[str, Any] | None:
+        """SGLang's meta_info finish_reason: what stopped it ("matched" stop string or token id)."""
+        if self.finish_reason is None:
+            return None
+        if self.finish_reason == "stop":
+            matched = self.matched if self.matched is not None else (self.token_ids[-1] if self.token_ids else None)
+            return {"type": "stop", "matched": matched}
+        if self.finish_reason == "length":
+            return {"type": "length", "length": len(self.token_ids)}
+        return {"type": self.finish_reason}
+
+    async def updates(self) -> AsyncIterator[ReqUpdate]:
+        """Each update, applied to the totals before it is yielded (the acceptance one first)."""
+        if self._first is not None:
+            first, self._first = self._first, None
+            self._apply(first)
+            yield first
+        async for upd in self.stream:
+            self._apply(upd)
+            yield upd
+
+    async def wait(self) -> None:
+        async for _ in self.updates():
+            pass
+
+    def abort(self) -> None:
+        if not self.stream.finished:
+            self.stream.abort()
+            self._apply(ReqUpdate(self.rid, finish_reason="abort"))
+
+
+BODY_TIMEOUT_S = 30.0  # a client that sends its body slower than this holds a connection for nothing
+
+
+async def read_body(request: Request, kind: type, schema: Schema | None = None) -> Any:
+    """The request body decoded as ``kind`` (fields sorted by ``schema``); 408 when it does
+    not arrive in time."""
+    try:
+        body = await asyncio.wait_for(request.body(), BODY_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise BadRequest(f"the request body did not arrive within {BODY_TIMEOUT_S:.0f} s", status=408) from None
+    return decode(body, kind, schema)
+
+
+def _retrieve(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
+async def merge(runs: list[Run]) -> AsyncIterator[tuple[int, ReqUpdate]]:
+    """Updates of several runs as they arrive, tagged with the run's index; a run's failure
+    is raised here."""
+    queue: asyncio.Queue[tuple[int, ReqUpdate | Exception | None]] = asyncio.Queue()
+
+    async def pump(i: int, run: Run) -> None:
+        try:
+            async for upd in run.updates():
+                queue.put_nowait((i, upd))
+            queue.put_nowait((i, None))
+        except Exception as e:
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(runs)]
+    try:
+        left = len(runs)
+        while left:
+            i, upd = await queue.get()
+            if isinstance(upd, Exception):
+                raise upd
+            if upd is None:
+                left -= 1
+            else:
+                yield i, upd
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+class ApiBase:
+    """State and plumbing of the routes (native and OpenAI route classes extend it)."""
+
+    def __init__(self, client: EngineClient, info: EngineInfo, args: ServerArgs, pids: dict[str, int]):
+        self.client, self.info, self.args, self.pids = client, info, args, pids
+        self.metrics = Metrics()
+        self.created = int(time.time())
+
+    # ---- starting and finishing requests --------------------------------------------------------
+
+    async def _start(self, reqs: list[GenerateReq]) -> list[Run]:
+        """Submit all requests; if the engine refuses any, abort the rest and raise. Refused
+        whole when they are more than one request may run, or the queue is full."""
+        if len(reqs) > MAX_SEQUENCES:
+            raise BadRequest(f"the request asks for {len(reqs)} sequences (prompts x n); at most {MAX_SEQUENCES}",
+                             param="n")
+        limit = self.args.max_queued_requests
+        if limit is not None and len(self.client.active_rids) + len(reqs) > limit + self.info.max_running_requests:
+            raise BadRequest(f"the server is at capacity ({limit} queued requests); retry later", status=503)
+        pending = [asyncio.ensure_future(self.client.open(r)) for r in reqs]
+        results = await asyncio.gather(*pending, return_exceptions=True)
+        errors = [e for e in results if isinstance(e, BaseException)]
+        if errors:
+            for res in results:
+                if not isinstance(res, BaseException):
+                    res[0].abort()
+            raise errors[0]
+        return [Run(stream, first, self.metrics, RequestTimer(self.metrics)) for stream, first in results]
+
+    async def _collect(self, runs: list[Run], request: Request) -> bool:
+        """Wait for every run to finish; False (and all aborted) if the client left first."""
+        task = asyncio.ensure_future(asyncio.gather(*(r.wait() for r in runs)))
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                task.result()
+                return True
+            if await request.is_disconnected():
+                task.cancel()
+                task.add_done_callback(_retrieve)  # its outcome no longer matters; do not log it
+                for r in runs:
+                    r.abort()
+                return False
+
+    def _stream(self, runs: list[Run], events: AsyncIterator[bytes]) -> EventStream:
+        def close() -> None:
+            for r in runs:
+                r.abort()
+
+        return EventStream(events, close)
+
+    def _check_model(self, model: str) -> None:
+        """SGLang answers to its served name, its model path, and "default"."""
+        if model not in (self.args.model_name, self.args.model, "default"):
+            raise BadRequest(f"model {model!r} does not exist; this server serves {self.args.model_name!r}",
+                             status=404, param="model")
+

@@ -1,0 +1,160 @@
+"""Which request fields the server honours, accepts as inert, or refuses: SGLang's and OpenAI's.
+
+Real clients send fields this server has no use for (SGLang's benchmark client sends
+``lora_path: null``, the smg router ``log_metrics`` and ``return_bytes``, the openai client
+``user``), so refusing every unknown field breaks them. Dropping one that changes the result,
+though, returns wrong answers without a word (lm-eval scored a wrong accuracy when ``echo``
+was dropped). Each schema below sorts a body's fields into:
+
+- ``implemented``: passed on to the request's Struct;
+- ``inert``: accepted whatever the value (routing hints, logging switches, cache salts);
+- ``default_only``: accepted at their default (or null), refused by name otherwise, because
+  another value would change the result and is not implemented yet;
+- anything else: ignored with one warning per field name, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger("minisgl.api")
+_warned: set[str] = set()
+
+
+class UnsupportedField(ValueError):
+    """A field whose value would change results in a way this server does not implement yet."""
+
+    def __init__(self, path: str, value: Any, why: str):
+        super().__init__(f"{path}={value!r} is not supported yet{': ' + why if why else ''}")
+        self.param = path
+
+
+@dataclass
+class Schema:
+    name: str
+    implemented: set[str]
+    inert: set[str] = field(default_factory=set)
+    default_only: dict[str, Any] = field(default_factory=dict)  # field -> its default (a tuple: any of them)
+    why: dict[str, str] = field(default_factory=dict)  # field -> what refusing it means
+    nested: dict[str, Schema] = field(default_factory=dict)  # object fields sorted by their own schema
+
+    def sort(self, body: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+        """The implemented fields of ``body`` (nested objects sorted in turn); refuses or warns
+        about the rest as the schema says."""
+        kept: dict[str, Any] = {}
+        for key, value in body.items():
+            path = f"{prefix}{key}"
+            if key in self.implemented:
+                kept[key] = self._nested(key, value, path)
+            elif key in self.inert:
+                continue
+            elif key in self.default_only:
+                if not _is_default(value, self.default_only[key]):
+                    raise UnsupportedField(path, value, self.why.get(key, ""))
+            elif path not in _warned:
+                _warned.add(path)
+                logger.warning("ignoring the request field %r: no %s field has that name", path, self.name)
+        return kept
+
+    def _nested(self, key: str, value: Any, path: str) -> Any:
+        schema = self.nested.get(key)
+        if schema is None:
+            return value
+        if isinstance(value, dict):
+            return schema.sort(value, f"{path}.")
+        if isinstance(value, list):
+            return [schema.sort(v, f"{path}[{i}].") if isinstance(v, dict) else v for i, v in enumerate(value)]
+        return value
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    """null, the default, one of several defaults, or an empty list or object."""
+    if value is None or value == default or (isinstance(value, (list, dict)) and not value):
+        return True
+    return isinstance(default, tuple) and value in default
+
+
+GRAMMAR = "structured output (json_schema, regex, ebnf) comes with the xgrammar work"
+TOOLS = "tool calls come with the xgrammar work"
+INPUT_LOGPROBS = "prompt logprobs are not computed yet"
+MULTIMODAL = "this server serves text-only models"
+
+SAMPLING = Schema(
+    "SGLang sampling_params",
+    implemented={"max_new_tokens", "stop", "stop_token_ids", "temperature", "top_p", "top_k", "min_p",
+                 "frequency_penalty", "presence_penalty", "repetition_penalty", "ignore_eos", "skip_special_tokens",
+                 "no_stop_trim", "logit_bias", "seed", "sampling_seed", "n"},
+    inert={"stream_interval", "custom_params"},
+    default_only={"min_new_tokens": 0, "stop_regex": None, "json_schema": None, "regex": None, "ebnf": None,
+                  "structural_tag": None, "spaces_between_special_tokens": True},
+    why={"json_schema": GRAMMAR, "regex": GRAMMAR, "ebnf": GRAMMAR, "structural_tag": GRAMMAR},
+)
+
+GENERATE = Schema(
+    "SGLang /generate",
+    implemented={"text", "input_ids", "sampling_params", "stream", "return_logprob", "top_logprobs_num", "rid",
+                 "return_text_in_logprobs", "logprob_start_len"},
+    inert={"model", "log_metrics", "background", "no_logs", "return_bytes", "custom_labels", "external_trace_header",
+           "received_time", "conversation_id", "priority", "routing_key", "extra_key", "routed_dp_rank",
+           "data_parallel_rank", "disagg_prefill_dp_rank", "stream_options"},
+    default_only={"input_embeds": None, "image_data": None, "video_data": None, "audio_data": None,
+                  "use_audio_in_video": False, "return_hidden_states": False, "return_routed_experts": False,
+                  "return_indexer_topk": False, "routed_experts_start_len": 0, "modalities": None,
+                  "session_params": None, "lora_path": None, "lora_id": None, "custom_logit_processor": None,
+                  "positional_embed_overrides": None, "bootstrap_host": None, "bootstrap_port": None,
+                  "bootstrap_room": None, "bootstrap_pair_key": None, "decode_tp_size": None,
+                  "require_reasoning": False, "token_ids_logprob": None, "return_entropy": False,
+                  "need_wait_for_mm_inputs": None, "num_items_assigned": None, "max_dynamic_patch": None,
+                  "min_dynamic_patch": None, "image_max_dynamic_patch": None, "video_max_dynamic_patch": None,
+                  "multi_item_delimiter_indices": None},
+    why={"token_ids_logprob": "logprobs of chosen ids are not computed yet", "input_embeds": MULTIMODAL,
+         "image_data": MULTIMODAL, "video_data": MULTIMODAL, "audio_data": MULTIMODAL,
+         "lora_path": "LoRA adapters are not supported"},
+    nested={"sampling_params": SAMPLING},
+)
+
+STREAM_OPTIONS = Schema("OpenAI stream_options", implemented={"include_usage", "continuous_usage_stats"})
+
+_OPENAI_COMMON = dict(
+    implemented={"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
+                 "presence_penalty", "frequency_penalty", "seed", "user", "top_k", "min_p", "repetition_penalty",
+                 "stop_token_ids", "ignore_eos", "skip_special_tokens", "logit_bias", "logprobs", "no_stop_trim"},
+    inert={"store", "metadata", "service_tier", "priority", "extra_key", "cache_salt", "data_parallel_rank",
+           "routed_dp_rank", "rid", "bootstrap_host", "bootstrap_port", "bootstrap_room", "stream_reasoning",
+           "separate_reasoning", "return_text_in_logprobs"},
+    default_only={"min_tokens": 0, "regex": None, "json_schema": None, "ebnf": None, "response_format": ({"type": "text"},),
+                  "lora_path": None, "session_params": None, "return_hidden_states": False, "stop_regex": None,
+                  "spaces_between_special_tokens": True},
+    why={"regex": GRAMMAR, "json_schema": GRAMMAR, "ebnf": GRAMMAR, "response_format": GRAMMAR,
+         "lora_path": "LoRA adapters are not supported"},
+)
+
+COMPLETION = Schema(
+    "OpenAI completions",
+    implemented=_OPENAI_COMMON["implemented"] | {"prompt", "best_of"},
+    inert=_OPENAI_COMMON["inert"],
+    default_only={**_OPENAI_COMMON["default_only"], "echo": False, "suffix": None},
+    why={**_OPENAI_COMMON["why"], "echo": INPUT_LOGPROBS, "suffix": "fill-in-the-middle is not supported"},
+    nested={"stream_options": STREAM_OPTIONS},
+)
+
+MESSAGE = Schema(
+    "OpenAI chat message",
+    implemented={"role", "content", "name"},
+    inert={"reasoning_content", "refusal"},
+    default_only={"tool_calls": None, "tool_call_id": None, "function_call": None, "audio": None},
+    why={"tool_calls": TOOLS, "tool_call_id": TOOLS, "function_call": TOOLS},
+)
+
+CHAT = Schema(
+    "OpenAI chat completions",
+    implemented=_OPENAI_COMMON["implemented"] | {"messages", "max_completion_tokens", "top_logprobs"},
+    inert=_OPENAI_COMMON["inert"] | {"parallel_tool_calls", "modalities"},
+    default_only={**_OPENAI_COMMON["default_only"], "tools": None, "tool_choice": ("none", "auto"), "functions": None,
+                  "function_call": None, "continue_final_message": False, "chat_template_kwargs": None,
+                  "reasoning_effort": None, "prediction": None, "audio": None, "web_search_options": None},
+    why={**_OPENAI_COMMON["why"], "tools": TOOLS, "tool_choice": TOOLS, "functions": TOOLS, "function_call": TOOLS},
+    nested={"stream_options": STREAM_OPTIONS, "messages": MESSAGE},
+)

@@ -1,0 +1,137 @@
+"""SGLang's native routes: /generate (single or batched, streamed per index), health, server
+and model info, metrics, cache flush and abort."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import asdict
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+import minisgl
+from minisgl.api.base import ApiBase, Run, error_response, merge, read_body
+from minisgl.api.client import EngineError
+from minisgl.api.fields import GENERATE
+from minisgl.api.protocol import AbortRequest, BadRequest, GenerateRequest
+from minisgl.api.streaming import SSE_DONE, sse
+from minisgl.messages import GenerateReq
+from minisgl.sampling import SamplingParams
+
+
+def _logprob_entry(logprob: float, token: int, text: str, with_text: bool) -> list[Any]:
+    return [logprob, token, text if with_text else None]
+
+
+class NativeRoutes(ApiBase):
+    def _generate_body(self, run: Run, top_logprobs: int, with_text: bool) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "id": run.rid, "prompt_tokens": run.prompt_tokens, "completion_tokens": len(run.token_ids),
+            "cached_tokens": run.cached_tokens, "finish_reason": run.finish_info(), "e2e_latency": run.e2e_latency,
+        }
+        if top_logprobs >= 0:
+            meta["input_token_logprobs"] = []
+            meta["output_token_logprobs"] = [_logprob_entry(lp.logprob, lp.token_id, lp.text, with_text)
+                                             for lp in run.logprobs]
+            meta["input_top_logprobs"] = []
+            meta["output_top_logprobs"] = [[_logprob_entry(p, t, s, with_text) for t, s, p in lp.top]
+                                           for lp in run.logprobs]
+        return {"text": run.text, "output_ids": run.token_ids, "meta_info": meta}
+
+    async def generate(self, request: Request) -> Response:
+        body: GenerateRequest = await read_body(request, GenerateRequest, GENERATE)
+        items = body.items()
+        runs = await self._start([
+            GenerateReq(it.rid, it.sampling, text=it.text, input_ids=it.input_ids, top_logprobs=it.top_logprobs)
+            for it in items
+        ])
+        with_text, batch = body.return_text_in_logprobs, len(items) > 1 or body.is_batch
+
+        def result(i: int) -> dict[str, Any]:
+            out = self._generate_body(runs[i], items[i].top_logprobs, with_text)
+            return {**out, "index": i} if batch else out
+
+        if not body.stream:
+            if not await self._collect(runs, request):
+                return Response(status_code=499)
+            return JSONResponse([result(i) for i in range(len(runs))] if batch else result(0))
+
+        async def events() -> AsyncIterator[bytes]:
+            async for i, upd in merge(runs):
+                if upd.token_ids or upd.finish_reason is not None:
+                    yield sse(result(i))
+            yield SSE_DONE
+
+        return self._stream(runs, events())
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def health_generate(self, request: Request) -> Response:
+        req = GenerateReq(f"health-{uuid.uuid4().hex}", SamplingParams(max_new_tokens=1, temperature=0.0),
+                          input_ids=[0])
+        try:
+            runs = await asyncio.wait_for(self._start([req]), 20)
+            await asyncio.wait_for(runs[0].wait(), 20)
+        except (asyncio.TimeoutError, EngineError) as e:
+            return error_response(503, f"the engine did not generate: {e or 'timed out'}")
+        return JSONResponse({"status": "ok"})
+
+    async def _stats(self) -> dict[str, Any]:
+        reply = await self.client.control("stats")
+        return dict(reply.data)
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": minisgl.__version__})
+
+    async def model_info(self, request: Request) -> Response:
+        return JSONResponse({
+            "model_path": self.info.model_path, "tokenizer_path": self.args.tokenizer or self.info.model_path,
+            "served_model_name": self.args.model_name, "is_generation": True,
+            "context_length": self.info.context_len, "vocab_size": self.info.vocab_size,
+        })
+
+    async def server_info(self, request: Request) -> Response:
+        server_args = {k: v for k, v in asdict(self.args).items() if k != "api_key"}
+        return JSONResponse({
+            "server_args": server_args, "engine": msgspec.to_builtins(self.info),
+            "scheduler": await self._stats(), "active_requests": len(self.client.active_rids),
+            "processes": self.pids,
+        })
+
+    async def metrics_route(self, request: Request) -> Response:
+        return Response(self.metrics.render(await self._stats()), media_type="text/plain; version=0.0.4")
+
+    async def flush_cache(self, request: Request) -> Response:
+        reply = await self.client.control("flush_cache")
+        if not reply.ok:
+            return error_response(409, str(reply.data.get("error", "flush refused")))
+        return JSONResponse({"success": True})
+
+    async def abort_request(self, request: Request) -> Response:
+        body: AbortRequest = await read_body(request, AbortRequest)
+        active = self.client.active_rids
+        if body.abort_all:
+            targets = active
+        elif body.rid is None:
+            raise BadRequest("give rid or abort_all: true", param="rid")
+        else:
+            # An OpenAI request runs as "<id>-<choice>"; its id aborts its own choices (only: a
+            # prefix such as "chatcmpl" names nobody).
+            targets = [r for r in active if r == body.rid or _choice_of(r, body.rid)]
+            if not targets:
+                raise BadRequest(f"no running request has id {body.rid!r}", status=404, param="rid")
+        for rid in targets:
+            self.client.abort(rid)
+        return JSONResponse({"aborted": targets})
+
+
+def _choice_of(rid: str, request_id: str) -> bool:
+    base, _, choice = rid.rpartition("-")
+    return base == request_id and choice.isdigit()
+
+

@@ -1,0 +1,148 @@
+"""The OpenAI-compatible routes: /v1/completions, /v1/chat/completions and /v1/models."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from minisgl.api.base import ApiBase, Run, merge, read_body
+from minisgl.api.fields import CHAT, COMPLETION
+from minisgl.api.protocol import ChatCompletionRequest, CompletionRequest
+from minisgl.api.streaming import SSE_DONE, sse
+from minisgl.messages import GenerateReq, TokenLogprob
+
+
+def _openai_logprob(lp: TokenLogprob) -> dict[str, Any]:
+    return {
+        "token": lp.text, "logprob": lp.logprob, "bytes": list(lp.text.encode()),
+        "top_logprobs": [{"token": t, "logprob": p, "bytes": list(t.encode())} for _, t, p in lp.top],
+    }
+
+
+def _completion_logprobs(lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
+    offsets, pos = [], offset
+    for lp in lps:
+        offsets.append(pos)
+        pos += len(lp.text)
+    return {
+        "tokens": [lp.text for lp in lps], "token_logprobs": [lp.logprob for lp in lps],
+        "top_logprobs": [{t: p for _, t, p in lp.top} for lp in lps], "text_offset": offsets,
+    }
+
+
+def _usage(runs: list[Run], n: int = 1) -> dict[str, Any]:
+    """Usage of ``runs``, n choices per prompt: each prompt counts once, as OpenAI counts it."""
+    prompt = sum(r.prompt_tokens for r in runs[::n])
+    completion = sum(len(r.token_ids) for r in runs)
+    return {
+        "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in runs)},
+    }
+
+
+class OpenAIRoutes(ApiBase):
+    async def completions(self, request: Request) -> Response:
+        body: CompletionRequest = await read_body(request, CompletionRequest, COMPLETION)
+        self._check_model(body.model)
+        body.check()
+        cid, prompts = f"cmpl-{uuid.uuid4().hex}", body.prompts()
+        reqs = [
+            GenerateReq(f"{cid}-{i * body.n + j}", body.sampling(body.max_tokens, j),
+                        text=p if isinstance(p, str) else None, input_ids=None if isinstance(p, str) else p,
+                        top_logprobs=body.top_logprobs, fill_context=body.max_tokens is None)
+            for i, p in enumerate(prompts) for j in range(body.n)
+        ]
+        runs = await self._start(reqs)
+        head = {"id": cid, "object": "text_completion", "created": int(time.time()), "model": body.model}
+        if not body.stream:
+            if not await self._collect(runs, request):
+                return Response(status_code=499)
+            choices = [
+                {"index": i, "text": r.text, "finish_reason": r.finish_reason,
+                 "logprobs": _completion_logprobs(r.logprobs, 0) if body.logprobs is not None else None}
+                for i, r in enumerate(runs)
+            ]
+            return JSONResponse({**head, "choices": choices, "usage": _usage(runs, body.n)})
+
+        async def events() -> AsyncIterator[bytes]:
+            offsets = [0] * len(runs)
+            async for i, upd in merge(runs):
+                if not (upd.token_ids or upd.text or upd.finish_reason):
+                    continue
+                logprobs = None
+                if body.logprobs is not None:  # one entry per token, also while its text is held back
+                    logprobs = _completion_logprobs(upd.logprobs, offsets[i])
+                offsets[i] += len(upd.text)
+                choice = {"index": i, "text": upd.text, "logprobs": logprobs, "finish_reason": upd.finish_reason}
+                chunk = {**head, "choices": [choice]}
+                if body.continuous_usage:
+                    chunk["usage"] = _usage(runs, body.n)
+                yield sse(chunk)
+            if body.include_usage:
+                yield sse({**head, "choices": [], "usage": _usage(runs, body.n)})
+            yield SSE_DONE
+
+        return self._stream(runs, events())
+
+    async def chat_completions(self, request: Request) -> Response:
+        body: ChatCompletionRequest = await read_body(request, ChatCompletionRequest, CHAT)
+        self._check_model(body.model)
+        body.check()
+        messages = [m.flat() for m in body.messages]
+        cid, max_new = f"chatcmpl-{uuid.uuid4().hex}", body.max_new_tokens
+        reqs = [
+            GenerateReq(f"{cid}-{j}", body.sampling(max_new, j), messages=messages,
+                        top_logprobs=body.num_top_logprobs, fill_context=max_new is None)
+            for j in range(body.n)
+        ]
+        runs = await self._start(reqs)
+        head = {"id": cid, "created": int(time.time()), "model": body.model}
+        if not body.stream:
+            if not await self._collect(runs, request):
+                return Response(status_code=499)
+            choices = [
+                {"index": i, "message": {"role": "assistant", "content": r.text},
+                 "logprobs": {"content": [_openai_logprob(lp) for lp in r.logprobs]} if body.logprobs else None,
+                 "finish_reason": r.finish_reason}
+                for i, r in enumerate(runs)
+            ]
+            return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": _usage(runs, body.n)})
+
+        head["object"] = "chat.completion.chunk"
+
+        async def events() -> AsyncIterator[bytes]:
+            started = [False] * len(runs)  # the role goes out with a choice's first token, not before
+            async for i, upd in merge(runs):
+                if not (upd.token_ids or upd.text or upd.finish_reason):
+                    continue
+                logprobs = {"content": [_openai_logprob(lp) for lp in upd.logprobs]} if body.logprobs else None
+                delta = {"content": upd.text} if upd.text or not started[i] else {}
+                if not started[i]:
+                    delta, started[i] = {"role": "assistant", **delta}, True
+                choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": upd.finish_reason}
+                chunk = {**head, "choices": [choice]}
+                if body.continuous_usage:
+                    chunk["usage"] = _usage(runs, body.n)
+                yield sse(chunk)
+            if body.include_usage:
+                yield sse({**head, "choices": [], "usage": _usage(runs, body.n)})
+            yield SSE_DONE
+
+        return self._stream(runs, events())
+
+    def _card(self) -> dict[str, Any]:
+        return {"id": self.args.model_name, "object": "model", "created": self.created, "owned_by": "minisgl",
+                "root": self.args.model, "max_model_len": self.info.context_len}
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self._card()]})
+
+    async def model(self, request: Request) -> Response:
+        self._check_model(request.path_params["model"])
+        return JSONResponse(self._card())
+

@@ -1,0 +1,174 @@
+"""SGLang and OpenAI drop-in: the field policy over every field of both APIs, batched and n-way
+/generate, logit_bias, finish reasons, usage and streaming fidelity, info routes."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from minisgl.api import fields
+from minisgl.llm import LLM
+from tests.server_utils import ServerProcess
+from tests.test_server import greedy, idle_and_clean, offline, server, sse_events  # noqa: F401 (fixtures)
+
+BASES = {
+    "/generate": {"text": "Hello", "sampling_params": {"max_new_tokens": 2, "temperature": 0}},
+    "/v1/completions": {"model": "tiny", "prompt": "Hello", "max_tokens": 2, "temperature": 0},
+    "/v1/chat/completions": {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2,
+                             "temperature": 0},
+}
+SCHEMAS = {"/generate": fields.GENERATE, "/v1/completions": fields.COMPLETION, "/v1/chat/completions": fields.CHAT}
+
+
+def _other(default):
+    """A value unlike ``default``, of a type the field plausibly takes."""
+    if isinstance(default, tuple):
+        return {"type": "json_object"} if isinstance(default[0], dict) else "required"
+    return {bool: lambda: not default, int: lambda: default + 1, str: lambda: default + "x"}.get(
+        type(default), lambda: "x")()
+
+
+def _cases() -> list[tuple[str, str, object, bool]]:
+    """(route, field path, value, accepted) for every inert and default-only field of each route
+    (top level and sampling_params / messages[0])."""
+    out = []
+    for route, schema in SCHEMAS.items():
+        for key in sorted(schema.inert):
+            out.append((route, key, "x" if key != "stream_options" else {}, True))
+        for key, default in sorted(schema.default_only.items()):
+            out.append((route, key, default if not isinstance(default, tuple) else default[0], True))
+            out.append((route, key, _other(default), False))
+        nested = {"/generate": ("sampling_params", fields.SAMPLING), "/v1/chat/completions": ("messages", fields.MESSAGE)}
+        if route in nested:
+            where, sub = nested[route]
+            for key in sorted(sub.inert):
+                out.append((route, f"{where}.{key}", "x", True))
+            for key, default in sorted(sub.default_only.items()):
+                out.append((route, f"{where}.{key}", default, True))
+                out.append((route, f"{where}.{key}", _other(default), False))
+    return out
+
+
+def _with(route: str, path: str, value) -> dict:
+    body = json.loads(json.dumps(BASES[route]))
+    if "." in path:
+        where, key = path.split(".")
+        (body[where][0] if isinstance(body[where], list) else body[where])[key] = value
+    else:
+        body[path] = value
+    return body
+
+
+def test_every_field_is_honoured_accepted_or_refused_by_name(server: ServerProcess):
+    """The table test: inert fields and default values answer 200; a result-changing value not
+    implemented yet answers 400 naming the field; no field changes results silently."""
+    failures = []
+    for route, path, value, accepted in _cases():
+        r = httpx.post(f"{server.url}{route}", json=_with(route, path, value), timeout=60)
+        key = path.split(".")[-1]
+        ok = r.status_code == 200 if accepted else (r.status_code == 400 and key in r.json()["error"]["message"])
+        if not ok:
+            failures.append((route, path, value, r.status_code, r.text[:200]))
+    assert not failures, failures
+    idle_and_clean(server)
+
+
+def test_unknown_fields_are_ignored_with_one_warning(server: ServerProcess):
+    for _ in range(2):
+        for route in BASES:
+            r = httpx.post(f"{server.url}{route}", json={**BASES[route], "frobnicate": 1}, timeout=60)
+            assert r.status_code == 200, r.text
+        body = _with("/generate", "sampling_params.tempurature", 0.5)
+        assert httpx.post(f"{server.url}/generate", json=body, timeout=60).status_code == 200
+    warned = [line for line in server.lines if "frobnicate" in line or "tempurature" in line]
+    assert len(warned) == 2, warned  # once per field name, not per request or route
+
+
+def test_smg_router_and_bench_serving_fields(server: ServerProcess, offline: LLM):
+    """What the smg router and SGLang's bench_serving add to every /generate."""
+    body = {"text": "Hello", "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
+            "model": "tiny", "return_text_in_logprobs": True, "log_metrics": True, "background": False,
+            "no_logs": False, "return_bytes": False, "return_entropy": False, "lora_path": None,
+            "stream": False, "return_logprob": False, "logprob_start_len": -1}
+    r = httpx.post(f"{server.url}/generate", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["output_ids"] == greedy(offline, "Hello", 6, ignore_eos=True)["output_ids"]
+
+
+def test_batched_generate_and_n(server: ServerProcess, offline: LLM):
+    prompts = ["Hello world", "The quick brown fox", "Lists and tuples"]
+    want = [greedy(offline, p, 8, ignore_eos=True)["output_ids"] for p in prompts]
+    params = [{"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}] * 3
+    r = httpx.post(f"{server.url}/generate", json={"text": prompts, "sampling_params": params}, timeout=60)
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert [g["output_ids"] for g in got] == want and [g["index"] for g in got] == [0, 1, 2]
+    ids = [offline.tokenizer.encode(p) for p in prompts]
+    body = {"input_ids": ids, "sampling_params": params[0], "stream": True}
+    with httpx.stream("POST", f"{server.url}/generate", json=body, timeout=60) as s:
+        events = sse_events(s.iter_lines())
+    assert events[-1] == "[DONE]"
+    last = {e["index"]: e for e in events[:-1]}
+    assert [last[i]["output_ids"] for i in range(3)] == want
+    # n samples of one prompt, seeded: different from each other, reproducible.
+    body = {"text": "Hello", "sampling_params": {"max_new_tokens": 8, "n": 3, "sampling_seed": 7, "ignore_eos": True}}
+    first = httpx.post(f"{server.url}/generate", json=body, timeout=60).json()
+    again = httpx.post(f"{server.url}/generate", json=body, timeout=60).json()
+    assert len(first) == 3 and [f["output_ids"] for f in first] == [a["output_ids"] for a in again]
+    assert len({tuple(f["output_ids"]) for f in first}) > 1
+    idle_and_clean(server)
+
+
+def test_logit_bias_and_logprob_text(server: ServerProcess, offline: LLM):
+    token = offline.tokenizer.encode(" the")[0]
+    sp = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True, "logit_bias": {str(token): 100}}
+    r = httpx.post(f"{server.url}/generate", json={"text": "Hello", "sampling_params": sp, "return_logprob": True,
+                                                   "top_logprobs_num": 2}, timeout=60).json()
+    assert r["output_ids"] == [token] * 5
+    assert all(entry[2] is None for entry in r["meta_info"]["output_token_logprobs"])
+    r = httpx.post(f"{server.url}/generate", json={"text": "Hello", "sampling_params": sp, "return_logprob": True,
+                                                   "return_text_in_logprobs": True}, timeout=60).json()
+    assert [e[2] for e in r["meta_info"]["output_token_logprobs"]] == [offline.tokenizer.decode([token])] * 5
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    out = client.completions.create(model="default", prompt="Hello", max_tokens=4, temperature=0,
+                                    logit_bias={str(token): 100})
+    assert out.choices[0].text == offline.tokenizer.decode([token] * 4)
+    bad = httpx.post(f"{server.url}/generate", json={"text": "a", "sampling_params": {"logit_bias": {"abc": 1}}})
+    assert bad.status_code == 400 and "logit_bias" in bad.text
+    idle_and_clean(server)
+
+
+def test_openai_usage_streaming_and_models(server: ServerProcess):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    one = client.completions.create(model="tiny", prompt="Hello world", max_tokens=3, temperature=0)
+    three = client.completions.create(model="tiny", prompt="Hello world", max_tokens=3, n=3)
+    assert three.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt counts once
+    # Streamed logprobs: one entry per completion token, also while text is held back.
+    chunks = list(client.completions.create(model="tiny", prompt="Hello", max_tokens=24, temperature=0, logprobs=1,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    entries = sum(len(c.choices[0].logprobs.tokens) for c in chunks if c.choices and c.choices[0].logprobs)
+    assert entries == chunks[-1].usage.completion_tokens == 24
+    # The chat stream's first event carries the role and the first token's text.
+    chat = list(client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=8, temperature=0, stream=True,
+        logprobs=True, extra_body={"ignore_eos": True, "stream_options": {"continuous_usage_stats": True}}))
+    first = chat[0].choices[0]
+    assert first.delta.role == "assistant" and first.logprobs is not None and len(first.logprobs.content) >= 1
+    assert sum(len(c.choices[0].logprobs.content) for c in chat if c.choices) == 8
+    assert chat[-1].usage is not None and chat[-1].usage.completion_tokens == 8
+    assert client.models.retrieve("tiny").id == "tiny"
+    assert httpx.get(f"{server.url}/v1/models/nope").status_code == 404
+    for route in ("/server_info", "/model_info", "/version", "/get_model_info", "/get_server_info"):
+        assert httpx.get(f"{server.url}{route}").status_code == 200, route
+    idle_and_clean(server)
+
+
+@pytest.mark.parametrize("route", list(BASES))
+def test_refusal_names_the_field(server: ServerProcess, route: str):
+    body = {**BASES[route], "json_schema": "{}"} if route != "/generate" else _with(route, "sampling_params.regex", "a+")
+    r = httpx.post(f"{server.url}{route}", json=body, timeout=60)
+    assert r.status_code == 400 and ("json_schema" in r.text or "regex" in r.text) and "xgrammar" in r.text
