@@ -27,6 +27,18 @@ class EngineArgs:
     disable_overlap_schedule: bool = False
     disable_cascade_attention: bool = False  # decode reads shared prefixes once per group (radix cache only)
     cuda_graph_max_bs: int | None = None  # None: min(max_running_requests, 256); 0 disables graphs
+    disable_cuda_graph: bool = False
+    max_prefill_tokens: int | None = None  # tokens of one prefill step (None: chunked_prefill_size)
+    revision: str | None = None  # of a hub model
+    chat_template: str | None = None  # a Jinja template file (or the template itself) to use instead
+
+    def prefill_chunk(self, context_len: int) -> int:
+        """Most prompt tokens of one request in one step (-1 or 0: the whole prompt at once)."""
+        return self.chunked_prefill_size if self.chunked_prefill_size > 0 else context_len
+
+    def prefill_budget(self, context_len: int) -> int:
+        """Most prompt tokens of one prefill step, over all its requests."""
+        return self.max_prefill_tokens or self.prefill_chunk(context_len)
 
     def validate(self) -> None:
         if self.page_size < 1:
@@ -35,9 +47,12 @@ class EngineArgs:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         if self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
-        if self.chunked_prefill_size < self.page_size:  # chunks end on page boundaries
-            raise ValueError(f"chunked_prefill_size must be >= page_size ({self.page_size}), "
+        if 0 < self.chunked_prefill_size < self.page_size or self.chunked_prefill_size < -1:
+            # chunks end on page boundaries
+            raise ValueError(f"chunked_prefill_size must be -1 (no chunking) or >= page_size ({self.page_size}), "
                              f"got {self.chunked_prefill_size}")
+        if self.max_prefill_tokens is not None and self.max_prefill_tokens < self.page_size:
+            raise ValueError(f"max_prefill_tokens must be >= page_size ({self.page_size}), got {self.max_prefill_tokens}")
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise ValueError(f"schedule_policy must be fcfs or lpm, got {self.schedule_policy!r}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
@@ -55,6 +70,7 @@ class ServerArgs(EngineArgs):
     served_model_name: str | None = None
     max_queued_requests: int | None = None  # beyond the running ones; more get a 503 (None: no limit)
     watchdog_timeout: float = 300.0  # seconds a step may take before the server gives up and exits
+    log_requests: bool = False  # one log line per finished request
 
     @property
     def model_name(self) -> str:
@@ -64,9 +80,16 @@ class ServerArgs(EngineArgs):
 def add_engine_args(ap: argparse.ArgumentParser) -> None:
     """The engine's flags (SGLang's names), shared by the server and ``minisgl.generate``."""
     d = EngineArgs(model="")
-    ap.add_argument("--model", required=True, help="local checkpoint folder, .gguf file, or Hugging Face hub id")
-    ap.add_argument("--tokenizer", default=None, help="tokenizer folder or hub id (default: the model's)")
-    ap.add_argument("--tp-size", type=int, default=d.tp_size, help="tensor-parallel ranks (GPUs)")
+    ap.add_argument("--model", "--model-path", dest="model", required=True,
+                    help="local checkpoint folder, .gguf file, or Hugging Face hub id")
+    ap.add_argument("--tokenizer", "--tokenizer-path", dest="tokenizer", default=None,
+                    help="tokenizer folder or hub id (default: the model's)")
+    ap.add_argument("--revision", default=None, help="branch, tag or commit of a hub model")
+    ap.add_argument("--chat-template", default=None, help="Jinja chat template file to use instead of the model's")
+    ap.add_argument("--trust-remote-code", action="store_true",
+                    help="accepted for SGLang's command lines; minisgl never runs code from a checkpoint")
+    ap.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=d.tp_size,
+                    help="tensor-parallel ranks (GPUs)")
     ap.add_argument("--dtype", default=d.dtype, help="auto, bfloat16, float16 or float32")
     ap.add_argument("--load-format", default=d.load_format, choices=["auto", "safetensors", "gguf", "dummy"],
                     help="auto: safetensors, or GGUF for a .gguf file; dummy: random weights in the real shapes")
@@ -77,13 +100,17 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
                     help="fraction of GPU memory for weights and KV cache")
     ap.add_argument("--max-total-tokens", type=int, default=None, help="KV cache size in tokens (overrides memory sizing)")
     ap.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
-    ap.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)
+    ap.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size,
+                    help="most prompt tokens of one request per step (-1: no chunking)")
+    ap.add_argument("--max-prefill-tokens", type=int, default=None,
+                    help="most prompt tokens of one prefill step (default: --chunked-prefill-size)")
     ap.add_argument("--context-length", type=int, default=None)
     ap.add_argument("--disable-radix-cache", action="store_true")
     ap.add_argument("--schedule-policy", default=d.schedule_policy, choices=["lpm", "fcfs"])
-    ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--seed", "--random-seed", dest="seed", type=int, default=d.seed)
     ap.add_argument("--cuda-graph-max-bs", type=int, default=None,
                     help="largest decode batch run from a CUDA graph (default min(max-running-requests, 256); 0: off)")
+    ap.add_argument("--disable-cuda-graph", action="store_true", help="run every step eagerly")
     ap.add_argument("--disable-overlap-schedule", action="store_true",
                     help="wait for each step's tokens before scheduling the next")
     ap.add_argument("--disable-cascade-attention", action="store_true",

@@ -32,6 +32,7 @@ from minisgl.args import ServerArgs, add_engine_args
 from minisgl.ipc import Addresses, Receiver
 from minisgl.messages import EngineInfo
 from minisgl.scheduler.process import run_scheduler
+from minisgl.tokenizer import read_chat_template
 from minisgl.tokenizer.process import run_tokenizer
 from minisgl.utils import init_logging
 from minisgl.worker.process import run_worker
@@ -52,8 +53,20 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
                     help="requests that may wait beyond the running ones; more get 503 (default: no limit)")
     ap.add_argument("--watchdog-timeout", type=float, default=d.watchdog_timeout,
                     help="seconds a model step may take before the server reports itself dead and exits")
-    ap.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
-    return ServerArgs(**vars(ap.parse_args(argv)))
+    ap.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error", "critical"])
+    ap.add_argument("--log-requests", action="store_true", help="log one line per finished request")
+    # SGLang flags whose behaviour is already minisgl's: metrics and cached-token counts are always on,
+    # and the server sends no warm-up request.
+    for flag in ("--enable-metrics", "--enable-cache-report", "--skip-server-warmup"):
+        ap.add_argument(flag, action="store_true", help="accepted for SGLang's command lines (always so here)")
+    ap.add_argument("--stream-interval", type=int, default=1,
+                    help="tokens between streamed events (only 1: every step's tokens go out at once)")
+    ns = ap.parse_args(argv)
+    if ns.stream_interval != 1:
+        ap.error(f"--stream-interval {ns.stream_interval} is not supported yet (only 1)")
+    for name in ("trust_remote_code", "enable_metrics", "enable_cache_report", "skip_server_warmup", "stream_interval"):
+        delattr(ns, name)
+    return ServerArgs(**vars(ns))
 
 
 class ChildDied(RuntimeError):
@@ -88,7 +101,8 @@ class Launcher:
         ctx = mp.get_context("spawn")
         level = args.log_level
         self.procs: list[BaseProcess] = [
-            ctx.Process(target=run_tokenizer, args=(self.addrs, args.tokenizer, level), name="tokenizer"),
+            ctx.Process(target=run_tokenizer, args=(self.addrs, args.tokenizer, level, args.chat_template),
+                        name="tokenizer"),
             ctx.Process(target=run_scheduler, args=(args, self.addrs, level, args.watchdog_timeout),
                         name="scheduler"),
         ] + [
@@ -177,7 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     init_logging(args.log_level)
     try:
         args.validate()
-    except ValueError as e:
+        if args.chat_template is not None:
+            read_chat_template(args.chat_template)
+    except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     # Until uvicorn installs its own handlers (and after it restores these), SIGTERM acts like Ctrl-C.

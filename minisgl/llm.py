@@ -23,7 +23,7 @@ class LLM:
     def __init__(self, model: str, **engine_args: Any):
         self.args = EngineArgs(model=model, **engine_args)
         self.runner = ModelRunner(self.args)
-        self.tokenizer = load_tokenizer(self.args.tokenizer or str(self.runner.model_dir))
+        self.tokenizer = load_tokenizer(self.args.tokenizer or str(self.runner.model_dir), self.args.chat_template)
         self.eos_ids = eos_ids(self.runner.model_dir, self.tokenizer)
         self.reset_scheduler()
 

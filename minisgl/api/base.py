@@ -4,6 +4,7 @@ collecting or streaming them, and the JSON error shape."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -19,6 +20,7 @@ from minisgl.api.streaming import EventStream
 from minisgl.args import ServerArgs
 from minisgl.messages import EngineInfo, GenerateReq, ReqUpdate
 
+logger = logging.getLogger("minisgl.api")
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
     kind = {401: "authentication_error", 404: "not_found_error", 503: "server_busy_error"}.get(
@@ -31,8 +33,9 @@ def error_response(status: int, message: str, param: str | None = None) -> JSONR
 class Run:
     """One request in flight: what it produced so far, and its latency bookkeeping."""
 
-    def __init__(self, stream: RequestStream, first: ReqUpdate, metrics: Metrics, timer: RequestTimer):
-        self.stream, self.metrics, self.timer = stream, metrics, timer
+    def __init__(self, stream: RequestStream, first: ReqUpdate, metrics: Metrics, timer: RequestTimer,
+                 log: bool = False):
+        self.stream, self.metrics, self.timer, self.log = stream, metrics, timer, log
         self.rid = stream.rid
         self.text, self.token_ids, self.logprobs = "", [], []
         self.finish_reason: str | None = None
@@ -52,6 +55,10 @@ class Run:
         if upd.finish_reason is not None:
             self.finish_reason = upd.finish_reason
             self.e2e_latency = self.timer.finished(upd.finish_reason, self.prompt_tokens, self.cached_tokens)
+            if self.log:  # --log-requests
+                logger.info("request %s: %s after %d prompt tokens (%d cached) and %d generated, %.3f s",
+                            self.rid, upd.finish_reason, self.prompt_tokens, self.cached_tokens, len(self.token_ids),
+                            self.e2e_latency)
 
     def finish_info(self) -> dict[str, Any] | None:
         """SGLang's meta_info finish_reason: what stopped it ("matched" stop string or token id)."""
@@ -158,7 +165,8 @@ class ApiBase:
                 if not isinstance(res, BaseException):
                     res[0].abort()
             raise errors[0]
-        return [Run(stream, first, self.metrics, RequestTimer(self.metrics)) for stream, first in results]
+        return [Run(stream, first, self.metrics, RequestTimer(self.metrics), self.args.log_requests)
+                for stream, first in results]
 
     async def _collect(self, runs: list[Run], request: Request) -> bool:
         """Wait for every run to finish; False (and all aborted) if the client left first."""

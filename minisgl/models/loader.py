@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
 
 
-def resolve_model_path(model: str, load_format: str = "auto") -> Path:
+def resolve_model_path(model: str, load_format: str = "auto", revision: str | None = None) -> Path:
     """A local folder is used as is; a .gguf file (or a folder holding one) is converted once
     into a cached folder; anything else that looks like ``org/name`` is fetched from the hub."""
     gguf = find_gguf(model) if load_format in ("auto", "gguf") else None
@@ -44,7 +44,7 @@ def resolve_model_path(model: str, load_format: str = "auto") -> Path:
 
     patterns = HUB_PATTERNS if load_format != "dummy" else [p for p in HUB_PATTERNS if "safetensors" not in p]
     try:
-        return Path(snapshot_download(model, allow_patterns=patterns))
+        return Path(snapshot_download(model, allow_patterns=patterns, revision=revision))
     except Exception as e:  # offline, unknown repo, gated repo: all end here with the hub's reason
         raise FileNotFoundError(f"could not get {model!r} from the Hugging Face hub: {e}") from e
 

@@ -224,11 +224,12 @@ class Scheduler:
         return req, end - start, end == target
 
     def _schedule_prefill(self) -> list[Entry]:
-        budget, entries = self.args.chunked_prefill_size, []
+        budget, entries = self.args.prefill_budget(self.context_len), []
+        chunk = self.args.prefill_chunk(self.context_len)
         for req in [r for r in self.running if r.prefilling]:
             if budget <= 0:
                 return entries
-            entry = self._schedule_chunk(req, budget)
+            entry = self._schedule_chunk(req, min(budget, chunk))
             if entry is None:
                 return entries
             entries.append(entry)
@@ -240,7 +241,7 @@ class Scheduler:
                 break
             self._admit(req)
             matched = req.kv_len
-            entry = self._schedule_chunk(req, budget)
+            entry = self._schedule_chunk(req, min(budget, chunk))
             if entry is None:
                 self._release(req)  # not enough pages now: try again after others finish
                 break

@@ -13,15 +13,29 @@ from minisgl.config import ModelConfig
 logger = logging.getLogger(__name__)
 
 
-def load_tokenizer(path: str | Path) -> Any:
-    """The checkpoint's Hugging Face tokenizer, or None when the folder has none (dummy configs)."""
+def read_chat_template(template: str) -> str:
+    """``--chat-template``: a Jinja file, or the template text itself."""
+    if "{%" in template or "{{" in template:
+        return template
+    path = Path(template).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"--chat-template {template!r} is neither a file nor a Jinja template")
+    return path.read_text()
+
+
+def load_tokenizer(path: str | Path, chat_template: str | None = None) -> Any:
+    """The checkpoint's Hugging Face tokenizer (with ``chat_template`` in place of its own), or
+    None when the folder has none (dummy configs)."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError, TypeError) as e:
         logger.warning("no usable tokenizer at %s (%s): only token-id prompts will work", path, type(e).__name__)
         return None
+    if chat_template is not None:
+        tokenizer.chat_template = read_chat_template(chat_template)
+    return tokenizer
 
 
 def encode_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:

@@ -64,13 +64,14 @@ class RequestState:
 
 
 class TokenizerProcess:
-    def __init__(self, addrs: Addresses, tokenizer_path: str | None):
+    def __init__(self, addrs: Addresses, tokenizer_path: str | None, chat_template: str | None = None):
         ctx = zmq.Context()
         self.inbox: Receiver[ToTokenizer] = Receiver(ctx, addrs.tokenizer, ToTokenizer)
         self.api = Sender(ctx, addrs.api)
         self.scheduler = Sender(ctx, addrs.scheduler)
         self.launcher = Sender(ctx, addrs.launcher)
         self.tokenizer_path = tokenizer_path
+        self.chat_template = chat_template
         self.tokenizer: Any = None
         self.info: EngineInfo | None = None
         self.reqs: dict[str, RequestState] = {}
@@ -90,7 +91,7 @@ class TokenizerProcess:
                 self.api.send(msg)
             elif isinstance(msg, EngineInfo):
                 self.info = msg
-                self.tokenizer = load_tokenizer(self.tokenizer_path or msg.model_path)
+                self.tokenizer = load_tokenizer(self.tokenizer_path or msg.model_path, self.chat_template)
                 self.launcher.send(msg)
 
     # ---- requests in ---------------------------------------------------------------------------
@@ -168,8 +169,8 @@ class TokenizerProcess:
             self.api.send(UpdateBatch(updates))
 
 
-def run_tokenizer(addrs: Addresses, tokenizer_path: str | None, log_level: str) -> None:
+def run_tokenizer(addrs: Addresses, tokenizer_path: str | None, log_level: str, chat_template: str | None = None) -> None:
     """Process entry point (spawned by the launcher)."""
     become_child()
     init_logging(log_level)
-    TokenizerProcess(addrs, tokenizer_path).run()
+    TokenizerProcess(addrs, tokenizer_path, chat_template).run()

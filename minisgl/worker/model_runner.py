@@ -58,7 +58,7 @@ class ModelRunner:
         args.validate()
         self.args = args
         self.device = resolve_device(args.device)
-        self.model_dir = model_dir or resolve_model_path(args.model, args.load_format)
+        self.model_dir = model_dir or resolve_model_path(args.model, args.load_format, args.revision)
         self.config = ModelConfig.from_path(self.model_dir)
         self.dtype = resolve_dtype(args.dtype, self.config.torch_dtype, self.device)
         self.context_len = self.config.context_limit(args.context_length)
@@ -87,7 +87,7 @@ class ModelRunner:
         self.attn = create_backend(
             args.attention_backend, self.kv_cache, self.num_qo_heads, self.num_kv_heads, self.config.head_dim
         )
-        if self.device.type == "cuda" and args.cuda_graph_max_bs != 0 and self.attn.supports_cuda_graph:
+        if self.device.type == "cuda" and args.cuda_graph_max_bs != 0 and not args.disable_cuda_graph and self.attn.supports_cuda_graph:
             from minisgl.worker.cuda_graph import CudaGraphRunner
 
             max_bs = args.cuda_graph_max_bs or min(self.max_slots, 256)
@@ -112,7 +112,7 @@ class ModelRunner:
         )
         # On CUDA the largest prefill measures peak activations; on CPU nothing is measured, and a
         # full 8192-token torch-attention prefill took minutes: a short one checks the path.
-        tokens = min(self.args.chunked_prefill_size, self.context_len)
+        tokens = min(self.args.prefill_budget(self.context_len), self.context_len)
         if self.device.type != "cuda":
             tokens = min(tokens, CPU_WARMUP_TOKENS)
         self.kv_cache = self._make_cache(cdiv(tokens, self.page_size))

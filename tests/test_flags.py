@@ -1,0 +1,63 @@
+"""Launch flags under SGLang's names, with SGLang's meaning."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from minisgl.launch import parse_args
+from minisgl.sampling import SamplingParams
+from minisgl.tokenizer import encode_chat
+from tests.test_scheduler import make_llm
+
+
+def test_sglang_flag_names():
+    args = parse_args([
+        "--model-path", "m", "--tokenizer-path", "t", "--tensor-parallel-size", "1", "--random-seed", "7",
+        "--trust-remote-code", "--revision", "main", "--enable-metrics", "--enable-cache-report",
+        "--chunked-prefill-size", "-1", "--max-prefill-tokens", "4096", "--disable-cuda-graph",
+        "--skip-server-warmup", "--log-requests", "--stream-interval", "1", "--log-level", "critical",
+        "--chat-template", "tpl.jinja",
+    ])
+    assert (args.model, args.tokenizer, args.tp_size, args.seed, args.revision) == ("m", "t", 1, 7, "main")
+    assert (args.chunked_prefill_size, args.max_prefill_tokens, args.disable_cuda_graph) == (-1, 4096, True)
+    assert args.log_requests and args.log_level == "critical" and args.chat_template == "tpl.jinja"
+    args.validate()
+
+
+def test_a_flag_not_implemented_is_refused_by_name(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--model", "m", "--stream-interval", "4"])
+    assert e.value.code == 2 and "--stream-interval 4 is not supported" in capsys.readouterr().err
+
+
+def test_chunking_flags(tiny_llama):
+    """-1 prefills a prompt in one step; --max-prefill-tokens caps a step's prompt tokens."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 1000) for _ in range(300)] for _ in range(3)]
+    params = SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)
+    outs = {}
+    for name, kw in {"whole": dict(chunked_prefill_size=-1), "capped": dict(max_prefill_tokens=64),
+                     "default": {}}.items():
+        llm = make_llm(tiny_llama, page_size=4, **kw)
+        steps, launch = [], llm.runner.launch
+        llm.runner.launch = lambda batch, launch=launch: (steps.append(list(batch.new_lens)), launch(batch))
+        outs[name] = [r["output_ids"] for r in llm.generate(prompts, params)]
+        prefill = [s for s in steps if max(s) > 1]
+        if name == "whole":
+            assert prefill[0][0] == 300, prefill
+        if name == "capped":
+            assert all(sum(s) <= 64 for s in prefill) and len(prefill) >= 300 * 3 // 64, prefill
+    assert outs["whole"] == outs["capped"] == outs["default"]
+
+
+def test_chat_template_flag(tiny_llama, tmp_path):
+    template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    for value in (template, str(tmp_path / "t.jinja")):
+        (tmp_path / "t.jinja").write_text(template)
+        llm = make_llm(tiny_llama, chat_template=value)
+        assert encode_chat(llm.tokenizer, [{"role": "user", "content": "hi"}]) == llm.tokenizer.encode(
+            "[hi]", add_special_tokens=False)
+    with pytest.raises(FileNotFoundError):
+        make_llm(tiny_llama, chat_template="no-such-template")
