@@ -445,13 +445,16 @@ def test_info_metrics_and_flush(server: ServerProcess):
     assert sinfo["server_args"]["page_size"] == PAGE_SIZE and "api_key" not in sinfo["server_args"]
     assert set(sinfo["processes"]) == {"api", "tokenizer", "scheduler", "worker-0"}
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    for name in ["minisgl_requests_total", "minisgl_prompt_tokens_total", "minisgl_generation_tokens_total",
-                 "minisgl_time_to_first_token_seconds_bucket", "minisgl_inter_token_latency_seconds_bucket",
-                 "minisgl_e2e_request_latency_seconds_bucket", "minisgl_running_requests",
-                 "minisgl_queued_requests", "minisgl_kv_usage", "minisgl_cache_hit_rate"]:
+    # SGLang's names and model_name label, as its Grafana dashboard and the smg router read them.
+    for name in ["sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage", "sglang:cache_hit_rate",
+                 "sglang:gen_throughput", "sglang:time_to_first_token_seconds_bucket",
+                 "sglang:inter_token_latency_seconds_bucket", "sglang:e2e_request_latency_seconds_bucket",
+                 "sglang:prompt_tokens_total", "sglang:generation_tokens_total", "sglang:cached_tokens_total",
+                 "sglang:num_retracted_requests_total", "minisgl_requests_total", "minisgl_free_pages"]:
         assert name in text, name
-    assert _metric(text, "minisgl_generation_tokens_total") > 0
-    assert 0 < _metric(text, "minisgl_cache_hit_rate") <= 1
+    assert 'sglang:num_running_reqs{model_name="tiny"}' in text
+    assert _metric(text, "sglang:generation_tokens_total") > 0
+    assert 0 < _metric(text, "sglang:cache_hit_rate") <= 1
     assert httpx.post(f"{server.url}/flush_cache", timeout=10).json() == {"success": True}
     s = idle_and_clean(server)
     assert s["evictable_pages"] == 0 and s["free_pages"] == s["total_pages"]

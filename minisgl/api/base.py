@@ -143,7 +143,7 @@ class ApiBase:
 
     def __init__(self, client: EngineClient, info: EngineInfo, args: ServerArgs, pids: dict[str, int]):
         self.client, self.info, self.args, self.pids = client, info, args, pids
-        self.metrics = Metrics()
+        self.metrics = Metrics(args.model_name)
         self.created = int(time.time())
 
     # ---- starting and finishing requests --------------------------------------------------------

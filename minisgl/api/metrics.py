@@ -10,38 +10,72 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 
 
 class Metrics:
-    def __init__(self) -> None:
+    """SGLang's metric names and ``model_name`` label (so its Grafana dashboard and the smg router
+    read them unchanged), plus minisgl's own for what SGLang has no name for (KV pages, HTTP
+    errors, requests by finish reason)."""
+
+    def __init__(self, model_name: str = "") -> None:
         r = self.registry = CollectorRegistry()
+        model = ["model_name"]
+
+        def counter(name: str, doc: str):
+            return Counter(name, doc, model, registry=r).labels(model_name)
+
+        def histogram(name: str, doc: str):
+            return Histogram(name, doc, model, buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
+
+        self.prompt_tokens = counter("sglang:prompt_tokens", "Prompt tokens of finished requests")
+        self.generation_tokens = counter("sglang:generation_tokens", "Generated tokens of finished requests")
+        self.cached_tokens = counter("sglang:cached_tokens", "Prompt tokens served from the prefix cache")
+        self.retracted = counter("sglang:num_retracted_requests", "Requests preempted for lack of KV pages")
+        self.ttft = histogram("sglang:time_to_first_token_seconds", "Time to first token")
+        self.itl = histogram("sglang:inter_token_latency_seconds", "Time between output tokens")
+        self.e2e = histogram("sglang:e2e_request_latency_seconds", "Request latency, arrival to last token")
+        self.gauges = {
+            name: Gauge(name, doc, model, registry=r).labels(model_name)
+            for name, doc in [
+                ("sglang:num_running_reqs", "Requests holding a batch slot"),
+                ("sglang:num_queue_reqs", "Requests waiting to be scheduled"),
+                ("sglang:token_usage", "Fraction of KV pages that cannot be reclaimed now"),
+                ("sglang:cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens looked up"),
+                ("sglang:gen_throughput", "Generated tokens per second since the previous scrape"),
+            ]
+        }
         self.requests = Counter("minisgl_requests", "Finished requests by finish reason", ["finish_reason"], registry=r)
         self.errors = Counter("minisgl_http_errors", "Requests answered with an error, by status", ["status"], registry=r)
-        self.prompt_tokens = Counter("minisgl_prompt_tokens", "Prompt tokens of finished requests", registry=r)
-        self.cached_tokens = Counter("minisgl_cached_tokens", "Prompt tokens served from the prefix cache", registry=r)
-        self.generation_tokens = Counter("minisgl_generation_tokens", "Generated tokens", registry=r)
-        self.ttft = Histogram("minisgl_time_to_first_token_seconds", "Time to first token",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("minisgl_inter_token_latency_seconds", "Time between output tokens",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("minisgl_e2e_request_latency_seconds", "Request latency, arrival to last token",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.engine = {
+        self.pages = {
             name: Gauge(f"minisgl_{name}", doc, registry=r)
             for name, doc in [
-                ("running_requests", "Requests holding a batch slot"),
-                ("queued_requests", "Requests waiting to be scheduled"),
                 ("total_pages", "KV cache pages in the pool"),
                 ("free_pages", "KV pages holding nothing"),
                 ("evictable_pages", "KV pages of cached prefixes no request uses"),
                 ("protected_pages", "KV pages of cached prefixes locked by running requests"),
-                ("kv_usage", "Fraction of KV pages that cannot be reclaimed now"),
-                ("cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens looked up"),
-                ("retractions", "Requests preempted for lack of KV pages, since start"),
             ]
         }
+        self.tokens_streamed = 0  # output tokens as they arrive (gen_throughput)
+        self._retracted_seen = 0
+        self._scrape = (time.perf_counter(), 0.0)
 
     def render(self, stats: dict[str, float]) -> bytes:
         """The exposition text, after refreshing the engine gauges from a fresh stats reply."""
-        for name, gauge in self.engine.items():
+        now, generated = time.perf_counter(), self.tokens_streamed
+        last_time, last_generated = self._scrape
+        self._scrape = (now, generated)
+        values = {
+            "sglang:num_running_reqs": stats.get("running_requests", 0),
+            "sglang:num_queue_reqs": stats.get("queued_requests", 0),
+            "sglang:token_usage": stats.get("kv_usage", 0),
+            "sglang:cache_hit_rate": stats.get("cache_hit_rate", 0),
+            "sglang:gen_throughput": (generated - last_generated) / max(now - last_time, 1e-9),
+        }
+        for name, gauge in self.gauges.items():
+            gauge.set(values[name])
+        for name, gauge in self.pages.items():
             gauge.set(stats.get(name, 0))
+        retracted = int(stats.get("retractions", 0))  # the scheduler's running total
+        if retracted > self._retracted_seen:
+            self.retracted.inc(retracted - self._retracted_seen)
+            self._retracted_seen = retracted
         return generate_latest(self.registry)
 
 
@@ -57,6 +91,7 @@ class RequestTimer:
         if n == 0:
             return
         now = time.perf_counter()
+        self.metrics.tokens_streamed += n
         if self.tokens == 0:
             self.metrics.ttft.observe(now - self.start)
         else:
