@@ -71,6 +71,12 @@ class ServerArgs(EngineArgs):
     max_queued_requests: int | None = None  # beyond the running ones; more get a 503 (None: no limit)
     watchdog_timeout: float = 300.0  # seconds a step may take before the server gives up and exits
     log_requests: bool = False  # one log line per finished request
+    # Limits that keep one request from stalling the others (the tokenizer process serves all).
+    max_request_bytes: int = 64 << 20
+    request_body_timeout: float = 30.0  # seconds to receive a body
+    max_sequences_per_request: int = 256  # prompts x n
+    max_stop_strings: int = 128
+    max_stop_length: int = 1024  # characters of one stop string
 
     @property
     def model_name(self) -> str:

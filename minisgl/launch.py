@@ -55,6 +55,13 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
                     help="seconds a model step may take before the server reports itself dead and exits")
     ap.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error", "critical"])
     ap.add_argument("--log-requests", action="store_true", help="log one line per finished request")
+    ap.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes, help="largest request body (413 above)")
+    ap.add_argument("--request-body-timeout", type=float, default=d.request_body_timeout,
+                    help="seconds a client may take to send its body (408 after)")
+    ap.add_argument("--max-sequences-per-request", type=int, default=d.max_sequences_per_request,
+                    help="prompts x n one request may ask for")
+    ap.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings, help="stop strings per request")
+    ap.add_argument("--max-stop-length", type=int, default=d.max_stop_length, help="characters per stop string")
     # SGLang flags whose behaviour is already minisgl's: metrics and cached-token counts are always on,
     # and the server sends no warm-up request.
     for flag in ("--enable-metrics", "--enable-cache-report", "--skip-server-warmup"):

@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from minisgl.llm import LLM
-from tests.server_utils import ServerProcess
+from tests.server_utils import ServerProcess, running_server
 
 PAGE_SIZE = 4
 SYSTEM = "You are a careful assistant. Answer briefly and cite the standard library where useful. " * 3
@@ -458,3 +458,28 @@ def test_info_metrics_and_flush(server: ServerProcess):
     assert httpx.post(f"{server.url}/flush_cache", timeout=10).json() == {"success": True}
     s = idle_and_clean(server)
     assert s["evictable_pages"] == 0 and s["free_pages"] == s["total_pages"]
+
+
+def test_limit_flags(tiny_llama: Path):
+    """--max-request-bytes, --request-body-timeout, --max-sequences-per-request and the stop
+    limits: lowered here, each refusal names its flag; a slow body gets a 408 in time."""
+    import socket
+
+    with running_server(tiny_llama, "--max-request-bytes", "2000", "--request-body-timeout", "1",
+                        "--max-sequences-per-request", "4", "--max-stop-strings", "2", "--max-stop-length", "8") as srv:
+        big = httpx.post(f"{srv.url}/generate", json={"text": "a" * 3000}, timeout=30)
+        assert big.status_code == 413 and "--max-request-bytes" in big.text
+        many = httpx.post(f"{srv.url}/generate", json={"text": ["a"] * 5}, timeout=30)
+        assert many.status_code == 400 and "--max-sequences-per-request" in many.text
+        for stop in (["a", "b", "c"], "x" * 9):
+            r = httpx.post(f"{srv.url}/generate", json={"text": "a", "sampling_params": {"stop": stop}}, timeout=30)
+            assert r.status_code == 400 and "--max-stop" in r.text
+        ok = httpx.post(f"{srv.url}/generate", json={"text": ["a"] * 4, "sampling_params": {
+            "stop": ["a", "b"], "max_new_tokens": 2}}, timeout=30)
+        assert ok.status_code == 200, ok.text
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
+            s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 100\r\n\r\n{\"text\": ")
+            start = time.monotonic()
+            reply = s.recv(4096).decode()
+            assert " 408 " in reply.splitlines()[0] and time.monotonic() - start < 5, reply

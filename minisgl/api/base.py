@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse
 from minisgl.api.client import EngineClient, RequestStream
 from minisgl.api.fields import Schema
 from minisgl.api.metrics import Metrics, RequestTimer
-from minisgl.api.protocol import MAX_SEQUENCES, BadRequest, decode
+from minisgl.api.protocol import BadRequest, decode
 from minisgl.api.streaming import EventStream
 from minisgl.args import ServerArgs
 from minisgl.messages import EngineInfo, GenerateReq, ReqUpdate
@@ -91,16 +91,24 @@ class Run:
             self._apply(ReqUpdate(self.rid, finish_reason="abort"))
 
 
-BODY_TIMEOUT_S = 30.0  # a client that sends its body slower than this holds a connection for nothing
+async def read_body(request: Request, kind: type, args: ServerArgs, schema: Schema | None = None) -> Any:
+    """The request body decoded as ``kind`` (fields sorted by ``schema``): 413 past
+    ``--max-request-bytes`` (read no further), 408 when it does not arrive in time."""
+    limit = args.max_request_bytes
 
+    async def receive() -> bytes:
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise BadRequest(f"the request body has more than {limit} bytes (--max-request-bytes)", status=413)
+            chunks.append(chunk)
+        return b"".join(chunks)
 
-async def read_body(request: Request, kind: type, schema: Schema | None = None) -> Any:
-    """The request body decoded as ``kind`` (fields sorted by ``schema``); 408 when it does
-    not arrive in time."""
     try:
-        body = await asyncio.wait_for(request.body(), BODY_TIMEOUT_S)
+        body = await asyncio.wait_for(receive(), args.request_body_timeout)
     except asyncio.TimeoutError:
-        raise BadRequest(f"the request body did not arrive within {BODY_TIMEOUT_S:.0f} s", status=408) from None
+        raise BadRequest(f"the request body did not arrive within {args.request_body_timeout:g} s", status=408) from None
     return decode(body, kind, schema)
 
 
@@ -151,9 +159,16 @@ class ApiBase:
     async def _start(self, reqs: list[GenerateReq]) -> list[Run]:
         """Submit all requests; if the engine refuses any, abort the rest and raise. Refused
         whole when they are more than one request may run, or the queue is full."""
-        if len(reqs) > MAX_SEQUENCES:
-            raise BadRequest(f"the request asks for {len(reqs)} sequences (prompts x n); at most {MAX_SEQUENCES}",
-                             param="n")
+        args = self.args
+        if len(reqs) > args.max_sequences_per_request:
+            raise BadRequest(f"the request asks for {len(reqs)} sequences (prompts x n); at most "
+                             f"{args.max_sequences_per_request} (--max-sequences-per-request)", param="n")
+        for req in reqs:
+            stops = req.sampling.stop_strings
+            if len(stops) > args.max_stop_strings or any(len(s) > args.max_stop_length for s in stops):
+                raise BadRequest(f"stop takes at most {args.max_stop_strings} strings of at most "
+                                 f"{args.max_stop_length} characters (--max-stop-strings, --max-stop-length)",
+                                 param="stop")
         limit = self.args.max_queued_requests
         if limit is not None and len(self.client.active_rids) + len(reqs) > limit + self.info.max_running_requests:
             raise BadRequest(f"the server is at capacity ({limit} queued requests); retry later", status=503)

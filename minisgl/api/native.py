@@ -43,7 +43,7 @@ class NativeRoutes(ApiBase):
         return {"text": run.text, "output_ids": run.token_ids, "meta_info": meta}
 
     async def generate(self, request: Request) -> Response:
-        body: GenerateRequest = await read_body(request, GenerateRequest, GENERATE)
+        body: GenerateRequest = await read_body(request, GenerateRequest, self.args, GENERATE)
         items = body.items()
         runs = await self._start([
             GenerateReq(it.rid, it.sampling, text=it.text, input_ids=it.input_ids, top_logprobs=it.top_logprobs)
@@ -113,7 +113,7 @@ class NativeRoutes(ApiBase):
         return JSONResponse({"success": True})
 
     async def abort_request(self, request: Request) -> Response:
-        body: AbortRequest = await read_body(request, AbortRequest)
+        body: AbortRequest = await read_body(request, AbortRequest, self.args)
         active = self.client.active_rids
         if body.abort_all:
             targets = active

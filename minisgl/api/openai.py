@@ -47,7 +47,7 @@ def _usage(runs: list[Run], n: int = 1) -> dict[str, Any]:
 
 class OpenAIRoutes(ApiBase):
     async def completions(self, request: Request) -> Response:
-        body: CompletionRequest = await read_body(request, CompletionRequest, COMPLETION)
+        body: CompletionRequest = await read_body(request, CompletionRequest, self.args, COMPLETION)
         self._check_model(body.model)
         body.check()
         cid, prompts = f"cmpl-{uuid.uuid4().hex}", body.prompts()
@@ -90,7 +90,7 @@ class OpenAIRoutes(ApiBase):
         return self._stream(runs, events())
 
     async def chat_completions(self, request: Request) -> Response:
-        body: ChatCompletionRequest = await read_body(request, ChatCompletionRequest, CHAT)
+        body: ChatCompletionRequest = await read_body(request, ChatCompletionRequest, self.args, CHAT)
         self._check_model(body.model)
         body.check()
         messages = [m.flat() for m in body.messages]

@@ -22,10 +22,8 @@ from minisgl.sampling.params import Int32, Int64
 
 MAX_N = 64
 MAX_TOP_LOGPROBS = 20
-MAX_BODY_BYTES = 64 << 20
 MAX_TOKEN_ID = 2**31 - 1
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
-MAX_SEQUENCES = 256  # prompts x n in one request: more would crowd out everyone else's requests
 _SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
@@ -39,8 +37,6 @@ class BadRequest(ValueError):
 
 def decode(body: bytes, kind: type, schema: Schema | None = None) -> Any:
     """``body`` as a ``kind``; with a ``schema``, only the fields it implements reach ``kind``."""
-    if len(body) > MAX_BODY_BYTES:
-        raise BadRequest(f"the request body has {len(body)} bytes; at most {MAX_BODY_BYTES} are accepted", status=413)
     if not body.strip():
         raise BadRequest("the request body is empty; send a JSON object")
     try:

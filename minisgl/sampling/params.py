@@ -9,8 +9,6 @@ import msgspec
 # Integer fields are bounded when decoded, so no value can overflow a tensor or a message.
 Int32 = Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)]
 Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
-MAX_STOP_STRINGS = 128
-MAX_STOP_CHARS = 1024  # per stop string
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024
 
@@ -67,9 +65,6 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         for ok, name, rule in checks:
             if not ok:
                 raise ValueError(f"{name} {rule}, got {getattr(self, name)!r}")
-        stops = self.stop_strings
-        if len(stops) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stops):
-            raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters")
         if self.logit_bias:
             if len(self.logit_bias) > MAX_LOGIT_BIAS:
                 raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens")
