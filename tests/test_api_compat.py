@@ -164,6 +164,10 @@ def test_openai_usage_streaming_and_models(server: ServerProcess):
     assert httpx.get(f"{server.url}/v1/models/nope").status_code == 404
     for route in ("/server_info", "/model_info", "/version", "/get_model_info", "/get_server_info"):
         assert httpx.get(f"{server.url}{route}").status_code == 200, route
+    # The shape the smg router polls (GET /v1/loads?include=core).
+    loads = httpx.get(f"{server.url}/v1/loads?include=core").json()["loads"]
+    assert len(loads) == 1 and loads[0]["worker_generation"] and loads[0]["num_waiting_reqs"] == 0
+    assert 0 <= loads[0]["token_usage"] <= 1 and loads[0]["max_total_num_tokens"] >= 16384
     idle_and_clean(server)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -153,6 +154,7 @@ class ApiBase:
         self.client, self.info, self.args, self.pids = client, info, args, pids
         self.metrics = Metrics(args.model_name)
         self.created = int(time.time())
+        self.generation = uuid.uuid4().hex  # tells a router this process from a restarted one
 
     # ---- starting and finishing requests --------------------------------------------------------
 

@@ -4,6 +4,7 @@ and model info, metrics, cache flush and abort."""
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import asdict
@@ -84,6 +85,23 @@ class NativeRoutes(ApiBase):
     async def _stats(self) -> dict[str, Any]:
         reply = await self.client.control("stats")
         return dict(reply.data)
+
+    async def loads(self, request: Request) -> Response:
+        """SGLang's /v1/loads, which the smg router polls for its load policies: one entry per
+        data-parallel rank (one here), stamped with this server's generation."""
+        stats = await self._stats()
+        page, total = self.info.page_size, int(stats.get("total_pages", 0))
+        used = total - int(stats.get("free_pages", 0)) - int(stats.get("evictable_pages", 0))
+        running, waiting = int(stats.get("running_requests", 0)), int(stats.get("queued_requests", 0))
+        load = {
+            "dp_rank": 0, "worker_generation": self.generation, "num_running_reqs": running,
+            "num_waiting_reqs": waiting, "num_total_reqs": running + waiting, "num_used_tokens": used * page,
+            "max_total_num_tokens": total * page, "token_usage": stats.get("kv_usage", 0.0),
+            "cache_hit_rate": stats.get("cache_hit_rate", 0.0), "max_running_requests": self.info.max_running_requests,
+            "utilization": running / max(self.info.max_running_requests, 1),
+        }
+        return JSONResponse({"timestamp": time.time(), "version": minisgl.__version__, "dp_rank_count": 1,
+                             "loads": [load]})
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": minisgl.__version__})

@@ -89,6 +89,8 @@ def create_app(client: EngineClient, info: EngineInfo, args: ServerArgs, pids: d
         ("/get_server_info", api.server_info, ["GET"]),
         ("/server_info", api.server_info, ["GET"]),
         ("/version", api.version, ["GET"]),
+        ("/v1/loads", api.loads, ["GET"]),
+        ("/get_loads", api.loads, ["GET"]),
         ("/metrics", api.metrics_route, ["GET"]),
         ("/flush_cache", api.flush_cache, ["POST"]),
         ("/abort_request", api.abort_request, ["POST"]),
