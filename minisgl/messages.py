@@ -16,6 +16,8 @@ class NewRequest(msgspec.Struct, array_like=True):
     top_logprobs: int = -1  # -1: no logprobs; 0: the chosen token's; n: plus the n most likely
     prompt_ids: list[int] = []  # only sent when penalties need the prompt's tokens
     output_ids: list[int] = []  # tokens generated before a retraction, for penalties
+    prompt_len: int = 0
+    ban_ids: list[int] = []  # masked until min_new_tokens are out (EOS and stop tokens)
 
 
 class ForwardBatch(msgspec.Struct, array_like=True):

@@ -61,3 +61,19 @@ def test_chat_template_flag(tiny_llama, tmp_path):
             "[hi]", add_special_tokens=False)
     with pytest.raises(FileNotFoundError):
         make_llm(tiny_llama, chat_template="no-such-template")
+
+
+def test_min_new_tokens_bans_what_would_end_the_request(tiny_llama):
+    """The stop token the model picks first cannot end it before min_new_tokens tokens; greedy
+    elsewhere unchanged (the ban only masks those tokens)."""
+    llm = make_llm(tiny_llama)
+    prompt = "Hello world"
+    free = llm.generate(prompt, SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True))[0]["output_ids"]
+    stop = free[0]
+    ended = llm.generate(prompt, SamplingParams(temperature=0.0, max_new_tokens=8, stop_token_ids=[stop]))[0]
+    assert ended["output_ids"] == [stop]
+    held = llm.generate(prompt, SamplingParams(temperature=0.0, max_new_tokens=8, stop_token_ids=[stop],
+                                               min_new_tokens=3))[0]["output_ids"]
+    assert stop not in held[:3] and len(held) >= 3
+    with pytest.raises(ValueError, match="min_new_tokens"):
+        SamplingParams(max_new_tokens=2, min_new_tokens=5).validate()

@@ -194,6 +194,7 @@ class _OpenAIBase(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     logit_bias: dict[str, float] | None = None
+    min_tokens: Int32 = 0
 
     def _check_common(self, max_tokens: int | None) -> None:
         if max_tokens is not None and max_tokens < 1:
@@ -212,6 +213,7 @@ class _OpenAIBase(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             seed=None if self.seed is None else self.seed + choice, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens, no_stop_trim=self.no_stop_trim, logit_bias=self.logit_bias,
+            min_new_tokens=min(self.min_tokens, max_tokens) if max_tokens else self.min_tokens,
         )
         _validate(params)
         return params

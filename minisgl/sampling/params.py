@@ -20,6 +20,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """
 
     max_new_tokens: Int32 = 128
+    min_new_tokens: Int32 = 0  # EOS and stop tokens cannot end it before this many tokens
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: Int32 = -1
@@ -53,6 +54,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         """Raise ValueError naming the first field that is out of range."""
         checks = [
             (self.max_new_tokens >= 0, "max_new_tokens", "must be >= 0"),
+            (0 <= self.min_new_tokens and (self.max_new_tokens == 0 or self.min_new_tokens <= self.max_new_tokens),
+             "min_new_tokens", "must be in [0, max_new_tokens]"),
             (self.temperature >= 0.0, "temperature", "must be >= 0"),
             (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
             (self.top_k == -1 or self.top_k >= 1, "top_k", "must be -1 (disabled) or >= 1"),

@@ -65,6 +65,8 @@ class Sampler:
         self.h_penalty = [False] * max_slots
         self.h_top_n = [-1] * max_slots  # -1: no logprobs, 0: chosen token only, n: plus top-n
         self.h_bias = [False] * max_slots
+        self.h_min_len = [0] * max_slots  # sequence length below which the slot's ban applies
+        self.ban: torch.Tensor | None = None  # [max_slots, vocab] bool, made on first use
         self.bias: torch.Tensor | None = None  # [max_slots, vocab] float32 logit_bias, made on first use
         self.out_counts: torch.Tensor | None = None  # [max_slots, vocab] int32, made on first use
         self.seen: torch.Tensor | None = None  # [max_slots, vocab] bool: prompt or output tokens
@@ -77,9 +79,11 @@ class Sampler:
 
     def set_request(
         self, slot: int, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
-        seed: int, top_logprobs: int = -1,
+        seed: int, top_logprobs: int = -1, prompt_len: int = 0, ban_ids: list[int] | None = None,
     ) -> None:
-        """Install a request's parameters in ``slot``; ``seed`` is used when params.seed is None."""
+        """Install a request's parameters in ``slot``; ``seed`` is used when params.seed is None.
+        ``ban_ids`` are never sampled before it has ``params.min_new_tokens`` tokens past its
+        ``prompt_len``-token prompt."""
         p = params
         self._host_f[slot] = torch.tensor([
             p.temperature if p.temperature > 0 else 1.0, p.top_p, p.min_p,
@@ -95,6 +99,13 @@ class Sampler:
         self.h_penalty[slot] = p.has_penalty
         if p.has_penalty:
             self._init_penalty(slot, prompt_ids, output_ids)
+        self.h_min_len[slot] = 0
+        if ban_ids and p.min_new_tokens:
+            if self.ban is None:
+                self.ban = torch.zeros(self._dev_f.shape[0], self.vocab_size, dtype=torch.bool, device=self.device)
+            self.ban[slot].zero_()
+            self.ban[slot, self._to_device(torch.tensor(ban_ids, dtype=torch.int64))] = True
+            self.h_min_len[slot] = prompt_len + p.min_new_tokens
         if self.h_bias[slot]:
             self.bias[slot].zero_()  # the slot's previous request had a bias
         self.h_bias[slot] = bool(p.logit_bias)
@@ -143,12 +154,16 @@ class Sampler:
         all_greedy = all(self.h_greedy[s] for s in slots_list)
         top_n = max(self.h_top_n[s] for s in slots_list)
         biased = any(self.h_bias[s] for s in slots_list)
-        if all_greedy and not penalized and top_n < 0 and not biased:
+        banning = [n < self.h_min_len[s] for s, n in zip(slots_list, seq_lens)]
+        if all_greedy and not penalized and top_n < 0 and not biased and not any(banning):
             return SampleOutput(tokens=logits.argmax(dim=-1))  # exact on 16-bit logits: no float copy
         slots = torch.tensor(slots_list, dtype=torch.int64).to(self.device, non_blocking=True)
         logits = logits.float()
         if biased:  # OpenAI's logit_bias: added to the logits before penalties and sampling
             logits = logits + self.bias[slots]
+        if any(banning):  # min_new_tokens: EOS and stop tokens cannot come yet
+            active = self._to_device(torch.tensor(banning))
+            logits = logits.masked_fill(self.ban[slots] & active[:, None], float("-inf"))
         if penalized:
             logits = self._apply_penalties(logits, slots)
         greedy_tokens = logits.argmax(dim=-1)

@@ -297,10 +297,14 @@ class Scheduler:
         return batch
 
     def _new_request_msg(self, req: Req) -> NewRequest:
-        penalties = req.params.has_penalty
+        p = req.params
+        penalties = p.has_penalty
+        # min_new_tokens: the tokens that would end it are banned until it has that many.
+        ban = sorted(set(p.stop_token_ids or []) | (set() if p.ignore_eos else self.eos_ids)) if p.min_new_tokens else []
         return NewRequest(
-            slot=req.slot, sampling=req.params, seed=req.seed, top_logprobs=req.top_logprobs,
+            slot=req.slot, sampling=p, seed=req.seed, top_logprobs=req.top_logprobs,
             prompt_ids=req.prompt_ids if penalties else [], output_ids=req.output_ids if penalties else [],
+            prompt_len=len(req.prompt_ids), ban_ids=ban,
         )
 
     def _process(self, entries: list[Entry], out: StepOutput) -> list[Req]:

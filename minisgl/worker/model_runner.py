@@ -171,7 +171,8 @@ class ModelRunner:
 
     def add_requests(self, reqs: list[NewRequest]) -> None:
         for r in reqs:
-            self.sampler.set_request(r.slot, r.sampling, r.prompt_ids, r.output_ids, r.seed, r.top_logprobs)
+            self.sampler.set_request(r.slot, r.sampling, r.prompt_ids, r.output_ids, r.seed, r.top_logprobs,
+                                     r.prompt_len, r.ban_ids)
 
     def _metadata(self, batch: ForwardBatch) -> tuple[AttentionMetadata, torch.Tensor]:
         """Apply page-table writes and build positions, inputs and KV slots for the new tokens."""
