@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from starlette.requests import Request
@@ -14,7 +14,7 @@ from minisgl.api.base import ApiBase, Run, merge, read_body
 from minisgl.api.fields import CHAT, COMPLETION
 from minisgl.api.protocol import ChatCompletionRequest, CompletionRequest
 from minisgl.api.streaming import SSE_DONE, sse
-from minisgl.messages import GenerateReq, TokenLogprob
+from minisgl.messages import GenerateReq, ReqUpdate, TokenLogprob
 
 
 def _openai_logprob(lp: TokenLogprob) -> dict[str, Any]:
@@ -45,6 +45,24 @@ def _usage(runs: list[Run], n: int = 1) -> dict[str, Any]:
     }
 
 
+async def _chunks(
+    runs: list[Run], head: dict[str, Any], body: Any, choice: Callable[[int, ReqUpdate], dict[str, Any]]
+) -> AsyncIterator[bytes]:
+    """The SSE chunks of a streamed completion: one per update that carries tokens, text or an
+    end (``choice`` makes its choice), usage in each (continuous_usage_stats) and at the end
+    (include_usage), then [DONE]."""
+    async for i, upd in merge(runs):
+        if not (upd.token_ids or upd.text or upd.finish_reason):
+            continue
+        chunk = {**head, "choices": [choice(i, upd)]}
+        if body.continuous_usage:
+            chunk["usage"] = _usage(runs, body.n)
+        yield sse(chunk)
+    if body.include_usage:
+        yield sse({**head, "choices": [], "usage": _usage(runs, body.n)})
+    yield SSE_DONE
+
+
 class OpenAIRoutes(ApiBase):
     async def completions(self, request: Request) -> Response:
         body: CompletionRequest = await read_body(request, CompletionRequest, self.args, COMPLETION)
@@ -69,25 +87,17 @@ class OpenAIRoutes(ApiBase):
             ]
             return JSONResponse({**head, "choices": choices, "usage": _usage(runs, body.n)})
 
-        async def events() -> AsyncIterator[bytes]:
-            offsets = [0] * len(runs)
-            async for i, upd in merge(runs):
-                if not (upd.token_ids or upd.text or upd.finish_reason):
-                    continue
-                logprobs = None
-                if body.logprobs is not None:  # one entry per token, also while its text is held back
-                    logprobs = _completion_logprobs(upd.logprobs, offsets[i])
-                offsets[i] += len(upd.text)
-                choice = {"index": i, "text": upd.text, "logprobs": logprobs, "finish_reason": upd.finish_reason}
-                chunk = {**head, "choices": [choice]}
-                if body.continuous_usage:
-                    chunk["usage"] = _usage(runs, body.n)
-                yield sse(chunk)
-            if body.include_usage:
-                yield sse({**head, "choices": [], "usage": _usage(runs, body.n)})
-            yield SSE_DONE
+        offsets = [0] * len(runs)
 
-        return self._stream(runs, events())
+        def choice(i: int, upd: ReqUpdate) -> dict[str, Any]:
+            logprobs = None
+            if body.logprobs is not None:  # one entry per token, also while its text is held back
+                logprobs = _completion_logprobs(upd.logprobs, offsets[i])
+            offsets[i] += len(upd.text)
+            return {"index": i, "text": upd.text, "logprobs": logprobs, "finish_reason": upd.finish_reason}
+
+        events = _chunks(runs, head, body, choice)
+        return self._stream(runs, events)
 
     async def chat_completions(self, request: Request) -> Response:
         body: ChatCompletionRequest = await read_body(request, ChatCompletionRequest, self.args, CHAT)
@@ -115,25 +125,17 @@ class OpenAIRoutes(ApiBase):
 
         head["object"] = "chat.completion.chunk"
 
-        async def events() -> AsyncIterator[bytes]:
-            started = [False] * len(runs)  # the role goes out with a choice's first token, not before
-            async for i, upd in merge(runs):
-                if not (upd.token_ids or upd.text or upd.finish_reason):
-                    continue
-                logprobs = {"content": [_openai_logprob(lp) for lp in upd.logprobs]} if body.logprobs else None
-                delta = {"content": upd.text} if upd.text or not started[i] else {}
-                if not started[i]:
-                    delta, started[i] = {"role": "assistant", **delta}, True
-                choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": upd.finish_reason}
-                chunk = {**head, "choices": [choice]}
-                if body.continuous_usage:
-                    chunk["usage"] = _usage(runs, body.n)
-                yield sse(chunk)
-            if body.include_usage:
-                yield sse({**head, "choices": [], "usage": _usage(runs, body.n)})
-            yield SSE_DONE
+        started = [False] * len(runs)  # the role goes out with a choice's first token, not before
 
-        return self._stream(runs, events())
+        def choice(i: int, upd: ReqUpdate) -> dict[str, Any]:
+            logprobs = {"content": [_openai_logprob(lp) for lp in upd.logprobs]} if body.logprobs else None
+            delta = {"content": upd.text} if upd.text or not started[i] else {}
+            if not started[i]:
+                delta, started[i] = {"role": "assistant", **delta}, True
+            return {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": upd.finish_reason}
+
+        events = _chunks(runs, head, body, choice)
+        return self._stream(runs, events)
 
     def _card(self) -> dict[str, Any]:
         return {"id": self.args.model_name, "object": "model", "created": self.created, "owned_by": "minisgl",
