@@ -10,6 +10,7 @@ import msgspec
 from minisgl.args import EngineArgs
 from minisgl.sampling import SamplingParams
 from minisgl.scheduler import Req, Scheduler
+from minisgl.scheduler.scheduler import prompt_scores
 from minisgl.tokenizer import encode_chat, eos_ids, load_tokenizer
 from minisgl.tokenizer.detokenizer import TextStream, decode_ids
 from minisgl.worker import ModelRunner
@@ -56,6 +57,9 @@ class LLM:
             meta["output_token_logprobs"] = req.output_logprobs
             if req.top_logprobs > 0:
                 meta["output_top_logprobs"] = req.output_top_logprobs
+        if req.logprob_start >= 0:  # position j's logprob given the tokens before it (None at 0)
+            first, scores = prompt_scores(req) if req.scores_prompt else (max(req.logprob_start, 1), [])
+            meta["input_token_logprobs"] = [None] * (first - req.logprob_start) + [lp for lp, _ in scores]
         return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
 
     def chat(
@@ -73,12 +77,13 @@ class LLM:
     def generate(
         self, prompts: Prompt | list[Prompt],
         sampling_params: SamplingParams | dict | list[SamplingParams | dict] | None = None,
-        top_logprobs: int = -1,
+        top_logprobs: int = -1, logprob_start: int = -1,
     ) -> list[dict[str, Any]]:
         """Generate for every prompt (text or token ids); results come back in prompt order.
 
         ``top_logprobs``: -1 for none, 0 for the chosen token's log-probability, n for the n
-        most likely tokens as well.
+        most likely tokens as well. ``logprob_start`` >= 0: also the prompt's logprobs from
+        that position on (``input_token_logprobs``).
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -89,7 +94,7 @@ class LLM:
         reqs: list[Req] = []
         try:
             for prompt, sp in zip(prompts, params):
-                reqs.append(self.scheduler.add_request(self._encode(prompt), sp, top_logprobs))
+                reqs.append(self.scheduler.add_request(self._encode(prompt), sp, top_logprobs, logprob_start))
         except ValueError:
             for req in reqs:  # all or nothing: a bad prompt leaves no queued work behind
                 self.scheduler.finish(req, "abort")

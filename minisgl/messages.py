@@ -46,6 +46,11 @@ class ForwardBatch(msgspec.Struct, array_like=True):
     new_requests: list[NewRequest] = []
     group_sizes: list[int] = []
     group_pages: list[int] = []
+    # Prompt logprobs: rows of the step's new tokens whose next-token distribution is scored,
+    # the token each is scored against, and how many top tokens to return with them.
+    score_rows: list[int] = []
+    score_ids: list[int] = []
+    score_top: int = 0
 
 
 class StepOutput(msgspec.Struct, array_like=True):
@@ -55,6 +60,10 @@ class StepOutput(msgspec.Struct, array_like=True):
     logprobs: list[float] | None = None
     top_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
+    # Prompt logprobs, one per ``ForwardBatch.score_rows`` entry (top ones cut to ``score_top``).
+    score_logprobs: list[float] | None = None
+    score_top_ids: list[list[int]] | None = None
+    score_top_logprobs: list[list[float]] | None = None
 
 
 # ---- serving: API <-> tokenizer <-> scheduler <-> worker ----------------------------------------
@@ -76,6 +85,7 @@ class GenerateReq(msgspec.Struct, tag=True):
     messages: list[ChatMessage] | None = None
     top_logprobs: int = -1
     fill_context: bool = False  # max_new_tokens becomes whatever context the prompt leaves
+    logprob_start: int = -1  # prompt logprobs from this position (-1: none)
 
 
 class TokenizedReq(msgspec.Struct, tag=True):
@@ -85,6 +95,7 @@ class TokenizedReq(msgspec.Struct, tag=True):
     input_ids: list[int]
     sampling: SamplingParams
     top_logprobs: int = -1
+    logprob_start: int = -1  # prompt logprobs from this position (-1: none)
 
 
 class AbortReq(msgspec.Struct, tag=True):
@@ -119,6 +130,12 @@ class TokenOut(msgspec.Struct, array_like=True):
     finish_reason: str | None = None
     cached_tokens: int = 0
     error: str | None = None
+    # With the first token of a request that asked for prompt logprobs: positions
+    # input_start.. of the prompt, each its logprob given the tokens before it.
+    input_start: int = 0
+    input_logprobs: list[float] = []
+    input_top_ids: list[list[int]] = []
+    input_top_logprobs: list[list[float]] = []
 
 
 class TokenBatch(msgspec.Struct, tag=True):
@@ -130,7 +147,7 @@ class TokenBatch(msgspec.Struct, tag=True):
 class TokenLogprob(msgspec.Struct, array_like=True):
     token_id: int
     text: str
-    logprob: float
+    logprob: float | None  # None: the prompt's first token, which nothing predicts
     top: list[tuple[int, str, float]] = []
 
 
@@ -146,6 +163,7 @@ class ReqUpdate(msgspec.Struct, array_like=True):
     cached_tokens: int = 0
     error: str | None = None
     matched: str | None = None  # the stop string that finished it (finish_reason "stop")
+    input_logprobs: list[TokenLogprob] = []  # the prompt's, from its logprob_start on (once)
 
 
 class UpdateBatch(msgspec.Struct, tag=True):

@@ -176,3 +176,45 @@ def test_refusal_names_the_field(server: ServerProcess, route: str):
     body = {**BASES[route], "json_schema": "{}"} if route != "/generate" else _with(route, "sampling_params.regex", "a+")
     r = httpx.post(f"{server.url}{route}", json=body, timeout=60)
     assert r.status_code == 400 and ("json_schema" in r.text or "regex" in r.text) and "xgrammar" in r.text
+
+
+def _reference_logprobs(path, ids: list[int]) -> list[float | None]:
+    """Each prompt token's log-probability given the tokens before it, from transformers (fp32)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    return [None] + [logprobs[j - 1, ids[j]].item() for j in range(1, len(ids))]
+
+
+def test_prompt_logprobs_and_echo_match_transformers(server: ServerProcess, offline: LLM, tiny_llama):
+    """/generate's input_token_logprobs and /v1/completions' echo give the prompt's logprobs as
+    transformers computes them (fp32, 1e-4), also when the prompt's prefix is cached; echo with
+    max_tokens 0 scores a prompt, as lm-eval's loglikelihood requests do."""
+    ids = offline.tokenizer.encode("The quick brown fox jumps over the lazy dog, then sleeps.")
+    ref = _reference_logprobs(tiny_llama, ids)
+
+    def close(got: list, want: list) -> bool:
+        return len(got) == len(want) and all(
+            (g is None) == (w is None) and (g is None or abs(g - w) < 1e-4) for g, w in zip(got, want))
+
+    for start in (0, 3, 0):  # the third finds the prompt cached
+        body = {"input_ids": ids, "return_logprob": True, "logprob_start_len": start, "top_logprobs_num": 2,
+                "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+        meta = httpx.post(f"{server.url}/generate", json=body, timeout=60).json()["meta_info"]
+        entries = meta["input_token_logprobs"]
+        assert close([e[0] for e in entries], ref[start:]) and [e[1] for e in entries] == ids[start:]
+        tops = meta["input_top_logprobs"]
+        assert (tops[0] is None) == (start == 0) and all(len(t) == 2 for t in tops[1:])
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    # lm-eval's local-completions loglikelihood request: token ids, echo, logprobs 1, max_tokens 1.
+    out = client.completions.create(model="tiny", prompt=ids, max_tokens=1, temperature=0, logprobs=1, echo=True)
+    lp = out.choices[0].logprobs
+    assert close(lp.token_logprobs[: len(ids)], ref) and len(lp.token_logprobs) == len(ids) + 1
+    assert lp.top_logprobs[0] is None and len(lp.text_offset) == len(ids) + 1
+    scored = client.completions.create(model="tiny", prompt="Hello world", max_tokens=0, logprobs=0, echo=True)
+    assert scored.choices[0].text == "Hello world" and scored.usage.completion_tokens == 0
+    assert len(scored.choices[0].logprobs.token_logprobs) == scored.usage.prompt_tokens
+    idle_and_clean(server)

@@ -232,3 +232,24 @@ def test_deleting_an_llm_frees_its_model_and_pool(tiny_llama):
     del llm
     gc.collect()
     assert model() is None and pool() is None
+
+
+def test_prompt_logprobs_survive_chunks_cache_and_retraction(tiny_llama):
+    """Prompt logprobs (logprob_start) equal transformers' with tiny prefill chunks, a shared
+    cached prefix (recomputed where scored) and a pool small enough to retract."""
+    from tests.test_api_compat import _reference_logprobs
+
+    rng = random.Random(3)
+    shared = [rng.randrange(3, 1000) for _ in range(30)]
+    prompts = [shared + [rng.randrange(3, 1000) for _ in range(20 + i)] for i in range(6)]
+    refs = [_reference_logprobs(tiny_llama, p) for p in prompts]
+    params = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    for pool in (16384, 200):
+        llm = make_llm(tiny_llama, page_size=4, chunked_prefill_size=8, max_total_tokens=pool)
+        llm.generate(prompts[0], params)  # caches the shared prefix
+        outs = llm.generate(prompts, params, logprob_start=0)
+        for out, ref in zip(outs, refs):
+            got = out["meta_info"]["input_token_logprobs"]
+            assert got[0] is None and max(abs(g - r) for g, r in zip(got[1:], ref[1:])) < 1e-4
+        if pool == 200:
+            assert llm.scheduler.stats()["retractions"] > 0

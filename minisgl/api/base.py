@@ -19,7 +19,7 @@ from minisgl.api.metrics import Metrics, RequestTimer
 from minisgl.api.protocol import BadRequest, decode
 from minisgl.api.streaming import EventStream
 from minisgl.args import ServerArgs
-from minisgl.messages import EngineInfo, GenerateReq, ReqUpdate
+from minisgl.messages import EngineInfo, GenerateReq, ReqUpdate, TokenLogprob
 
 logger = logging.getLogger("minisgl.api")
 
@@ -39,6 +39,7 @@ class Run:
         self.stream, self.metrics, self.timer, self.log = stream, metrics, timer, log
         self.rid = stream.rid
         self.text, self.token_ids, self.logprobs = "", [], []
+        self.input_logprobs: list[TokenLogprob] = []
         self.finish_reason: str | None = None
         self.matched: str | None = None  # the stop string that finished it
         self.prompt_tokens = self.cached_tokens = 0
@@ -49,6 +50,7 @@ class Run:
         self.text += upd.text
         self.token_ids += upd.token_ids
         self.logprobs += upd.logprobs
+        self.input_logprobs += upd.input_logprobs
         self.prompt_tokens, self.cached_tokens = upd.prompt_tokens or self.prompt_tokens, upd.cached_tokens
         self.timer.tokens_arrived(len(upd.token_ids))
         if upd.matched is not None:

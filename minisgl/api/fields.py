@@ -78,7 +78,6 @@ def _is_default(value: Any, default: Any) -> bool:
 
 GRAMMAR = "structured output (json_schema, regex, ebnf) comes with the xgrammar work"
 TOOLS = "tool calls come with the xgrammar work"
-INPUT_LOGPROBS = "prompt logprobs are not computed yet"
 MULTIMODAL = "this server serves text-only models"
 
 SAMPLING = Schema(
@@ -134,10 +133,10 @@ _OPENAI_COMMON = dict(
 
 COMPLETION = Schema(
     "OpenAI completions",
-    implemented=_OPENAI_COMMON["implemented"] | {"prompt", "best_of"},
+    implemented=_OPENAI_COMMON["implemented"] | {"prompt", "best_of", "echo"},
     inert=_OPENAI_COMMON["inert"],
-    default_only={**_OPENAI_COMMON["default_only"], "echo": False, "suffix": None},
-    why={**_OPENAI_COMMON["why"], "echo": INPUT_LOGPROBS, "suffix": "fill-in-the-middle is not supported"},
+    default_only={**_OPENAI_COMMON["default_only"], "suffix": None},
+    why={**_OPENAI_COMMON["why"], "suffix": "fill-in-the-middle is not supported"},
     nested={"stream_options": STREAM_OPTIONS},
 )
 

@@ -24,7 +24,7 @@ from minisgl.messages import GenerateReq
 from minisgl.sampling import SamplingParams
 
 
-def _logprob_entry(logprob: float, token: int, text: str, with_text: bool) -> list[Any]:
+def _logprob_entry(logprob: float | None, token: int, text: str, with_text: bool) -> list[Any]:
     return [logprob, token, text if with_text else None]
 
 
@@ -35,19 +35,20 @@ class NativeRoutes(ApiBase):
             "cached_tokens": run.cached_tokens, "finish_reason": run.finish_info(), "e2e_latency": run.e2e_latency,
         }
         if top_logprobs >= 0:
-            meta["input_token_logprobs"] = []
-            meta["output_token_logprobs"] = [_logprob_entry(lp.logprob, lp.token_id, lp.text, with_text)
-                                             for lp in run.logprobs]
-            meta["input_top_logprobs"] = []
-            meta["output_top_logprobs"] = [[_logprob_entry(p, t, s, with_text) for t, s, p in lp.top]
-                                           for lp in run.logprobs]
+            for kind, lps in (("input", run.input_logprobs), ("output", run.logprobs)):
+                meta[f"{kind}_token_logprobs"] = [_logprob_entry(lp.logprob, lp.token_id, lp.text, with_text)
+                                                  for lp in lps]
+                meta[f"{kind}_top_logprobs"] = [
+                    None if lp.logprob is None else [_logprob_entry(p, t, s, with_text) for t, s, p in lp.top]
+                    for lp in lps]
         return {"text": run.text, "output_ids": run.token_ids, "meta_info": meta}
 
     async def generate(self, request: Request) -> Response:
         body: GenerateRequest = await read_body(request, GenerateRequest, self.args, GENERATE)
         items = body.items()
         runs = await self._start([
-            GenerateReq(it.rid, it.sampling, text=it.text, input_ids=it.input_ids, top_logprobs=it.top_logprobs)
+            GenerateReq(it.rid, it.sampling, text=it.text, input_ids=it.input_ids, top_logprobs=it.top_logprobs,
+                        logprob_start=it.logprob_start)
             for it in items
         ])
         with_text, batch = body.return_text_in_logprobs, len(items) > 1 or body.is_batch

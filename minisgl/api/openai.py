@@ -31,7 +31,8 @@ def _completion_logprobs(lps: list[TokenLogprob], offset: int) -> dict[str, Any]
         pos += len(lp.text)
     return {
         "tokens": [lp.text for lp in lps], "token_logprobs": [lp.logprob for lp in lps],
-        "top_logprobs": [{t: p for _, t, p in lp.top} for lp in lps], "text_offset": offsets,
+        "top_logprobs": [None if lp.logprob is None else {t: p for _, t, p in lp.top} for lp in lps],
+        "text_offset": offsets,
     }
 
 
@@ -69,10 +70,13 @@ class OpenAIRoutes(ApiBase):
         self._check_model(body.model)
         body.check()
         cid, prompts = f"cmpl-{uuid.uuid4().hex}", body.prompts()
+        # echo with max_tokens 0 scores the prompt: one token is generated, and not shown.
+        score_only = body.echo and body.max_tokens == 0
         reqs = [
-            GenerateReq(f"{cid}-{i * body.n + j}", body.sampling(body.max_tokens, j),
+            GenerateReq(f"{cid}-{i * body.n + j}", body.sampling(1 if score_only else body.max_tokens, j),
                         text=p if isinstance(p, str) else None, input_ids=None if isinstance(p, str) else p,
-                        top_logprobs=body.top_logprobs, fill_context=body.max_tokens is None)
+                        top_logprobs=body.top_logprobs,
+                        fill_context=body.max_tokens is None, logprob_start=0 if body.echo else -1)
             for i, p in enumerate(prompts) for j in range(body.n)
         ]
         runs = await self._start(reqs)
@@ -80,11 +84,17 @@ class OpenAIRoutes(ApiBase):
         if not body.stream:
             if not await self._collect(runs, request):
                 return Response(status_code=499)
-            choices = [
-                {"index": i, "text": r.text, "finish_reason": r.finish_reason,
-                 "logprobs": _completion_logprobs(r.logprobs, 0) if body.logprobs is not None else None}
-                for i, r in enumerate(runs)
-            ]
+            if score_only:
+                for r in runs:
+                    r.text, r.token_ids, r.logprobs = "", [], []
+            choices = []
+            for i, r in enumerate(runs):
+                prompt = prompts[i // body.n]
+                echoed = (prompt if isinstance(prompt, str) else "".join(lp.text for lp in r.input_logprobs)) \
+                    if body.echo else ""
+                lps = (r.input_logprobs if body.echo else []) + r.logprobs
+                choices.append({"index": i, "text": echoed + r.text, "finish_reason": r.finish_reason,
+                                "logprobs": _completion_logprobs(lps, 0) if body.logprobs is not None else None})
             return JSONResponse({**head, "choices": choices, "usage": _usage(runs, body.n)})
 
         offsets = [0] * len(runs)

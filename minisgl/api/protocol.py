@@ -83,6 +83,7 @@ class GenerateItem(msgspec.Struct):
     input_ids: list[int] | None
     sampling: SamplingParams
     top_logprobs: int  # -1: no logprobs
+    logprob_start: int = -1  # prompt logprobs from this position (-1: none)
 
 
 class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -147,13 +148,15 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
         for i, prompt in enumerate(prompts):
             if not 0 <= tops[i] <= MAX_TOP_LOGPROBS:
                 raise BadRequest(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs_num")
-            if want[i] and starts[i] not in (-1, None):
-                raise BadRequest(f"logprob_start_len={starts[i]} is not supported yet: prompt logprobs are not "
-                                 "computed yet (use -1)", param="logprob_start_len")
+            start = -1 if starts[i] is None or not want[i] else starts[i]
+            if start < -1:
+                raise BadRequest(f"logprob_start_len must be -1 (outputs only) or >= 0, got {start}",
+                                 param="logprob_start_len")
             for j in range(n):
                 out.append(GenerateItem(
                     rids[i * n + j], prompt if isinstance(prompt, str) else None,
-                    None if isinstance(prompt, str) else prompt, sampling[i].params(j), tops[i] if want[i] else -1))
+                    None if isinstance(prompt, str) else prompt, sampling[i].params(j), tops[i] if want[i] else -1,
+                    start))
         return out
 
     def _rids(self, total: int, single: bool) -> list[str]:
@@ -232,6 +235,7 @@ class CompletionRequest(_OpenAIBase, kw_only=True):
     max_tokens: Int32 | None = 16
     logprobs: Int32 | None = None
     best_of: Int32 | None = None
+    echo: bool = False  # the prompt (and, with logprobs, its logprobs) before the completion
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -247,7 +251,9 @@ class CompletionRequest(_OpenAIBase, kw_only=True):
                          "or list of token-id lists", param="prompt")
 
     def check(self) -> None:
-        self._check_common(self.max_tokens)
+        self._check_common(self.max_tokens if not (self.echo and self.max_tokens == 0) else None)
+        if self.echo and self.stream:
+            raise BadRequest("echo with stream is not supported yet", param="echo")
         if self.best_of not in (None, self.n):
             raise BadRequest(f"best_of={self.best_of} is not supported yet: only best_of equal to n", param="best_of")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:

@@ -21,7 +21,7 @@ from minisgl.messages import (
     TokenOut, ToScheduler,
 )
 from minisgl.scheduler.request import Req
-from minisgl.scheduler.scheduler import Scheduler
+from minisgl.scheduler.scheduler import Scheduler, prompt_scores
 from minisgl.tokenizer import eos_ids, load_tokenizer
 from minisgl.utils import init_logging
 
@@ -65,7 +65,7 @@ class SchedulerProcess:
     def _handle(self, msg: ToScheduler) -> None:
         if isinstance(msg, TokenizedReq):
             try:
-                req = self.sched.add_request(msg.input_ids, msg.sampling, msg.top_logprobs)
+                req = self.sched.add_request(msg.input_ids, msg.sampling, msg.top_logprobs, msg.logprob_start)
             except ValueError as e:
                 self.outbox.append(TokenOut(msg.rid, error=str(e)))
                 return
@@ -100,6 +100,12 @@ class SchedulerProcess:
         if req.top_logprobs > 0:
             top = req.output_top_logprobs[-1]
             out.top_ids, out.top_logprobs = [[t for t, _ in top]], [[lp for _, lp in top]]
+        if req.scores_prompt:
+            out.input_start, scores = prompt_scores(req)
+            out.input_logprobs = [lp for lp, _ in scores]
+            if req.top_logprobs > 0:
+                out.input_top_ids = [[t for t, _ in top] for _, top in scores]
+                out.input_top_logprobs = [[lp for _, lp in top] for _, top in scores]
         return out
 
     # ---- main loop -----------------------------------------------------------------------------

@@ -24,6 +24,11 @@ class Req:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache instead of computed
     queued_step: int = 0  # the scheduler step at which it was queued (for aging)
     retracted: bool = False  # re-prefills its own tokens: no longer counts cache hits
+    # Prompt logprobs from this position (-1: none): position j's logprob given tokens < j, with
+    # its top tokens; filled as prefill chunks run, sent with the first output token.
+    logprob_start: int = -1
+    prompt_scores: dict[int, tuple[float, list[tuple[int, float]]]] = field(default_factory=dict)
+    prompt_scores_sent: bool = False
     # Cache state, valid while the request holds a page-table slot.
     slot: int | None = None
     handle: CacheHandle = CacheHandle(0)  # the locked cached prefix
@@ -45,6 +50,11 @@ class Req:
         if self._key[0] != n:
             self._key = (n, array("i", self.all_ids).tobytes())
         return self._key[1]
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Its prompt logprobs are still to compute: prefill must not skip their positions."""
+        return self.logprob_start >= 0 and not self.prompt_scores_sent
 
     @property
     def prefilling(self) -> bool:

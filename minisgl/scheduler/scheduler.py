@@ -55,6 +55,14 @@ class Counters:
     cascade_steps: int = 0  # decode steps that read shared prefixes once per group
 
 
+def prompt_scores(req: Req) -> tuple[int, list[tuple[float, list[tuple[int, float]]]]]:
+    """Hand over a request's prompt logprobs once (with its first output token): the first
+    position scored (position 0 has nothing before it) and each position's (logprob, top)."""
+    first = max(req.logprob_start, 1)
+    req.prompt_scores_sent = True
+    return first, [req.prompt_scores[j] for j in range(first, len(req.prompt_ids))]
+
+
 class Scheduler:
     def __init__(
         self, args: EngineArgs, num_pages: int, context_len: int, vocab_size: int,
@@ -67,7 +75,8 @@ class Scheduler:
         self.eos_ids = set(eos_ids)
         self.executor = executor
         self.overlap = not args.disable_overlap_schedule
-        self.inflight: deque[list[Entry]] = deque()  # launched batches whose tokens are not back yet
+        # Launched batches whose tokens are not back yet, with the prompt positions they score.
+        self.inflight: deque[tuple[list[Entry], list[tuple[Req, int]]]] = deque()
         self.cache = create_cache_manager(args.page_size, args.disable_radix_cache)
         self.allocator = PageAllocator(num_pages)
         self.free_slots = list(range(args.max_running_requests - 1, -1, -1))
@@ -81,7 +90,9 @@ class Scheduler:
 
     # ---- requests in and out -------------------------------------------------------------------
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, top_logprobs: int = -1) -> Req:
+    def add_request(
+        self, prompt_ids: list[int], params: SamplingParams, top_logprobs: int = -1, logprob_start: int = -1
+    ) -> Req:
         """Validate and queue a request. Raises ValueError naming what is wrong."""
         params.validate(self.vocab_size)
         if not prompt_ids:
@@ -98,7 +109,7 @@ class Scheduler:
                              f"{self.allocator.num_pages * self.page_size}")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = Req(self._next_rid, list(prompt_ids), params, seed, max_len, top_logprobs,
-                  queued_step=self.counters.steps)
+                  queued_step=self.counters.steps, logprob_start=min(logprob_start, len(prompt_ids)))
         self._next_rid += 1
         if params.max_new_tokens == 0:
             req.finish_reason = "length"
@@ -134,8 +145,9 @@ class Scheduler:
         (with overlap, the one before). Returns the requests that got a token."""
         entries, decode = self._schedule()
         if entries:
-            self.executor.launch(self._build_batch(entries, decode, self._groups if decode else None))
-            self.inflight.append(entries)
+            batch, scored = self._build_batch(entries, decode, self._groups if decode else None)
+            self.executor.launch(batch)
+            self.inflight.append((entries, scored))
             self._count_step(entries, decode)
             logger.debug(
                 "step %d: %s batch of %d requests, %d tokens; %d running, %d queued, %d free pages",
@@ -143,7 +155,7 @@ class Scheduler:
                 sum(n for _, n, _ in entries), len(self.running), len(self.waiting), self.allocator.num_free,
             )
         if len(self.inflight) > (1 if self.overlap and entries else 0):
-            return self._process(self.inflight.popleft(), self.executor.collect())
+            return self._process(*self.inflight.popleft(), self.executor.collect())
         return []
 
     def _count_step(self, entries: list[Entry], decode: bool) -> None:
@@ -175,10 +187,16 @@ class Scheduler:
             self.allocator.free(self.cache.evict(short))
         return self.allocator.alloc(n)
 
+    @staticmethod
+    def _reusable(req: Req, upto: int) -> int:
+        """How many of its first tokens a request may take from the cache: position j's prompt
+        logprob needs the hidden state at j - 1, so those positions are computed again."""
+        return min(upto, max(req.logprob_start - 1, 0)) if req.scores_prompt else upto
+
     def _admit(self, req: Req) -> None:
         """Give a waiting request a slot and lock the longest cached prefix of its tokens."""
         ids = req.all_ids
-        handle, pages = self.cache.match_prefix(ids[:-1])
+        handle, pages = self.cache.match_prefix(ids[: self._reusable(req, len(ids) - 1)])
         self.cache.lock_handle(handle)
         req.slot, req.handle, req.pages = self.free_slots.pop(), handle, pages
         req.kv_len, req.table_len, req.prefill_target = handle.cached_len, 0, len(ids)
@@ -193,7 +211,7 @@ class Scheduler:
 
     def _rematch(self, req: Req) -> None:
         """A prefilling request picks up pages another request cached since its last chunk."""
-        handle, pages = self.cache.match_prefix(req.all_ids[: req.prefill_target - 1])
+        handle, pages = self.cache.match_prefix(req.all_ids[: self._reusable(req, req.prefill_target - 1)])
         if handle.cached_len > req.kv_len:
             self.cache.lock_handle(handle)
             self.cache.lock_handle(req.handle, unlock=True)
@@ -215,9 +233,10 @@ class Scheduler:
             return None
         req.pages += pages
         start, req.kv_len = req.kv_len, end
-        if self.cache.reuses_prefixes:
+        if self.cache.reuses_prefixes and not req.scores_prompt:
             # Publish the whole pages at once; the request's final token stays out so that an
-            # identical prompt can never produce a duplicate page while both are running.
+            # identical prompt can never produce a duplicate page while both are running. (A
+            # request scoring its prompt may recompute cached pages: it publishes at release.)
             upto = min(end, target - 1)
             req.handle, _, duplicates = self.cache.commit(req.all_ids[:upto], req.pages, req.handle)
             assert not duplicates, "pages were cached between a match and its commit"
@@ -273,12 +292,26 @@ class Scheduler:
             self._groups = plan_cascade(decoding, self.cache, self.page_size, not self.args.disable_cascade_attention)
         return [(req, 1, True) for req in self._groups.reqs]
 
-    def _build_batch(self, entries: list[Entry], decode: bool, groups: DecodeOrder | None) -> ForwardBatch:
+    def _build_batch(
+        self, entries: list[Entry], decode: bool, groups: DecodeOrder | None
+    ) -> tuple[ForwardBatch, list[tuple[Req, int]]]:
+        """The step's batch, and the (request, prompt position) of each row it scores."""
         batch = ForwardBatch(slots=[], cached_lens=[], new_lens=[], input_ids=[], sample=[])
         if groups is not None:
             batch.group_sizes, batch.group_pages = groups.group_sizes, groups.group_pages
+        scored: list[tuple[Req, int]] = []
+        row = 0
         for req, new, sample in entries:
             start = req.kv_len - new
+            if req.scores_prompt and not decode:
+                # Row start + k holds the hidden state of position start + k, which predicts
+                # position start + k + 1: the chunk scores positions start + 1 .. kv_len.
+                for j in range(max(start + 1, req.logprob_start, 1), min(req.kv_len, len(req.prompt_ids) - 1) + 1):
+                    batch.score_rows.append(row + j - 1 - start)
+                    batch.score_ids.append(req.prompt_ids[j])
+                    scored.append((req, j))
+                batch.score_top = max(batch.score_top, req.top_logprobs)
+            row += new
             batch.slots.append(req.slot)
             batch.cached_lens.append(start)
             batch.new_lens.append(new)
@@ -294,7 +327,7 @@ class Scheduler:
                 batch.table_cols.append(col)
                 batch.table_pages.append(req.pages[col])
             req.table_len = len(req.pages)
-        return batch
+        return batch, scored
 
     def _new_request_msg(self, req: Req) -> NewRequest:
         p = req.params
@@ -307,7 +340,10 @@ class Scheduler:
             prompt_len=len(req.prompt_ids), ban_ids=ban,
         )
 
-    def _process(self, entries: list[Entry], out: StepOutput) -> list[Req]:
+    def _process(self, entries: list[Entry], scored: list[tuple[Req, int]], out: StepOutput) -> list[Req]:
+        for k, (req, j) in enumerate(scored):
+            top = list(zip(out.score_top_ids[k], out.score_top_logprobs[k])) if out.score_top_ids else []
+            req.prompt_scores[j] = (out.score_logprobs[k], top[: max(req.top_logprobs, 0)])
         sampled = [req for req, _, sample in entries if sample]
         got = []
         for i, req in enumerate(sampled):

@@ -32,9 +32,11 @@ MAX_CHARS_PER_TOKEN = 32
 class RequestState:
     """What the tokenizer process remembers about one running request."""
 
-    def __init__(self, req: GenerateReq, prompt_tokens: int, tokenizer: Any):
+    def __init__(self, req: GenerateReq, prompt_ids: list[int], tokenizer: Any):
         self.rid = req.rid
-        self.prompt_tokens = prompt_tokens
+        self.prompt_tokens = len(prompt_ids)
+        self.prompt_ids = prompt_ids if req.logprob_start >= 0 else []
+        self.logprob_start = req.logprob_start
         self.top_logprobs = req.top_logprobs
         self.tokenizer = tokenizer
         self.text = None
@@ -60,7 +62,21 @@ class RequestState:
                 if self.top_logprobs > 0:
                     top = [(t, self._token_text(t), p) for t, p in zip(out.top_ids[i], out.top_logprobs[i])]
                 upd.logprobs.append(TokenLogprob(token, self._token_text(token), lp, top))
+        if self.prompt_ids and (out.input_logprobs or out.input_start):
+            upd.input_logprobs = self._prompt_logprobs(out)
         return upd
+
+    def _prompt_logprobs(self, out: TokenOut) -> list[TokenLogprob]:
+        """The prompt's tokens from logprob_start on (position 0 has no logprob: None)."""
+        ids, first = self.prompt_ids, out.input_start
+        entries = [TokenLogprob(ids[0], self._token_text(ids[0]), None)] if self.logprob_start == 0 else []
+        for k, lp in enumerate(out.input_logprobs):
+            top = []
+            if out.input_top_ids:
+                top = [(t, self._token_text(t), p) for t, p in zip(out.input_top_ids[k], out.input_top_logprobs[k])]
+            entries.append(TokenLogprob(ids[first + k], self._token_text(ids[first + k]), lp, top))
+        self.prompt_ids = []  # sent once
+        return entries
 
 
 class TokenizerProcess:
@@ -139,8 +155,8 @@ class TokenizerProcess:
             logger.exception("could not tokenize request %s", req.rid)
             self.api.send(UpdateBatch([ReqUpdate(req.rid, error=f"tokenization failed: {e}")]))
             return
-        self.reqs[req.rid] = RequestState(req, len(ids), self.tokenizer)
-        self.scheduler.send(TokenizedReq(req.rid, ids, req.sampling, req.top_logprobs))
+        self.reqs[req.rid] = RequestState(req, ids, self.tokenizer)
+        self.scheduler.send(TokenizedReq(req.rid, ids, req.sampling, req.top_logprobs, req.logprob_start))
 
     def _on_abort(self, msg: AbortReq) -> None:
         self.scheduler.send(msg)

@@ -43,6 +43,7 @@ class _Pending:
     top_n: list[int]  # logprobs wanted per row, fixed at launch (a slot may change hands before collect)
     host: dict[str, torch.Tensor]
     event: torch.cuda.Event | None
+    score_top: int = 0
 
 
 def _available_host_bytes() -> int:
@@ -208,9 +209,27 @@ class ModelRunner:
         self.attn.prepare(meta)
         set_attention_backend(self.attn)
         hidden = self.model(input_ids, meta.positions)
+        self._scores = self._score(hidden, batch) if batch.score_rows else {}
         last = np.cumsum(batch.new_lens) - 1
         rows = torch.from_numpy(last[np.asarray(batch.sample, dtype=bool)]).to(self.device, non_blocking=True)
         return self.model.compute_logits(hidden[rows])
+
+    SCORE_BLOCK = 512  # prompt rows scored at once: logits of a block are [rows, vocab] float32
+
+    def _score(self, hidden: torch.Tensor, batch: ForwardBatch) -> dict[str, torch.Tensor]:
+        """Prompt logprobs: each score row's log-probability of its score id, and the top ones."""
+        rows = torch.tensor(batch.score_rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        ids = torch.tensor(batch.score_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        parts: dict[str, list[torch.Tensor]] = {"score_logprobs": [], "score_top_logprobs": [], "score_top_ids": []}
+        for at in range(0, len(rows), self.SCORE_BLOCK):
+            block = slice(at, at + self.SCORE_BLOCK)
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows[block]]).float(), dim=-1)
+            parts["score_logprobs"].append(logprobs.gather(1, ids[block, None]).squeeze(1))
+            if batch.score_top > 0:
+                top, top_ids = logprobs.topk(batch.score_top, dim=-1)
+                parts["score_top_logprobs"].append(top)
+                parts["score_top_ids"].append(top_ids)
+        return {k: torch.cat(v) for k, v in parts.items() if v}
 
     @torch.inference_mode()
     def launch(self, batch: ForwardBatch) -> None:
@@ -218,22 +237,22 @@ class ModelRunner:
         self.add_requests(batch.new_requests)
         logits = self.forward(batch)
         chosen = [i for i, s in enumerate(batch.sample) if s]
-        if not chosen:
-            self.pending.append(_Pending([], {}, None))
-            return
-        slots = [batch.slots[i] for i in chosen]
-        seq_lens = [batch.cached_lens[i] + batch.new_lens[i] for i in chosen]
-        out = self.sampler.sample(logits, slots, seq_lens)
-        slots_t = torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
-        self.last_token[slots_t] = out.tokens
-        self.pending.append(self._to_host(out, slots))
+        out, slots = SampleOutput(tokens=None), []
+        if chosen:
+            slots = [batch.slots[i] for i in chosen]
+            seq_lens = [batch.cached_lens[i] + batch.new_lens[i] for i in chosen]
+            out = self.sampler.sample(logits, slots, seq_lens)
+            slots_t = torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
+            self.last_token[slots_t] = out.tokens
+        self.pending.append(self._to_host(out, slots, self._scores if batch.score_rows else {}, batch.score_top))
 
-    def _to_host(self, out: SampleOutput, slots: list[int]) -> _Pending:
-        """Start copying the sampled values to (pinned) host memory; an event marks the end."""
+    def _to_host(self, out: SampleOutput, slots: list[int], scores: dict[str, torch.Tensor], score_top: int) -> _Pending:
+        """Start copying the sampled values (and prompt scores) to (pinned) host memory; an
+        event marks the end."""
         on_gpu = self.device.type == "cuda"
         host = {}
-        for name in ("tokens", "logprobs", "top_ids", "top_logprobs"):
-            value = getattr(out, name)
+        values = {name: getattr(out, name) for name in ("tokens", "logprobs", "top_ids", "top_logprobs")}
+        for name, value in {**values, **scores}.items():
             if value is not None:
                 host[name] = torch.empty(value.shape, dtype=value.dtype, pin_memory=on_gpu)
                 host[name].copy_(value, non_blocking=on_gpu)
@@ -241,7 +260,7 @@ class ModelRunner:
         if on_gpu:
             event = torch.cuda.Event()
             event.record()
-        return _Pending([self.sampler.h_top_n[s] for s in slots], host, event)
+        return _Pending([self.sampler.h_top_n[s] for s in slots], host, event, score_top)
 
     def oldest_done(self) -> bool:
         """Whether ``collect`` would return without waiting."""
@@ -253,10 +272,15 @@ class ModelRunner:
         p = self.pending.popleft()
         if p.event is not None:
             p.event.synchronize()
-        if not p.top_n:
-            return StepOutput(tokens=[])
         h = p.host
-        msg = StepOutput(tokens=h["tokens"].tolist())
+        msg = StepOutput(tokens=h["tokens"].tolist() if "tokens" in h else [])
+        if "score_logprobs" in h:
+            msg.score_logprobs = h["score_logprobs"].tolist()
+            if p.score_top:
+                msg.score_top_ids = h["score_top_ids"].tolist()
+                msg.score_top_logprobs = h["score_top_logprobs"].tolist()
+        if not p.top_n:
+            return msg
         if "logprobs" in h:
             msg.logprobs = h["logprobs"].tolist()
         if "top_ids" in h:
