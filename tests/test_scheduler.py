@@ -178,7 +178,7 @@ def test_overlap_schedule_matches_synchronous(tiny_llama):
 
 def test_chunk_smaller_than_a_page_is_refused(tiny_llama):
     """Chunks end on page boundaries: a chunk budget under one page never advanced (a hang)."""
-    with pytest.raises(ValueError, match="chunked_prefill_size must be >= page_size"):
+    with pytest.raises(ValueError, match=r"chunked_prefill_size must be -1 \(no chunking\) or >= page_size"):
         make_llm(tiny_llama, page_size=16, chunked_prefill_size=8)
     llm = make_llm(tiny_llama, page_size=16, chunked_prefill_size=16)
     assert len(llm.generate([list(range(5, 60))], GREEDY)[0]["output_ids"]) == 12
