@@ -230,3 +230,21 @@ def test_launch_does_not_sync_the_host(tmp_path):
         torch.cuda.set_sync_debug_mode("default")
     outs = [runner.collect() for _ in range(5)]
     assert all(len(o.tokens) == 3 for o in outs) and outs[0].top_ids is not None
+
+
+def test_prompt_logprobs_on_cuda(tmp_path):
+    """Prompt logprobs on the GPU: fp32 (torch attention) equal the CPU's; bf16 on FlashInfer
+    with CUDA graphs within bf16 rounding, across prefill chunks."""
+    from minisgl.llm import LLM
+
+    path = make_tiny_model("llama", tmp_path / "llama-hd128", overrides={"head_dim": 128})
+    prompt = list(range(3, 90))
+    got = {}
+    for name, kw in {"cpu": dict(device="cpu"), "fp32": dict(device="cuda", dtype="float32"),
+                     "bf16": dict(device="cuda", dtype="bfloat16", chunked_prefill_size=32)}.items():
+        llm = LLM(str(path), max_total_tokens=4096, **kw)
+        out = llm.generate(prompt, {"max_new_tokens": 4, "temperature": 0}, logprob_start=0)[0]
+        got[name] = torch.tensor(out["meta_info"]["input_token_logprobs"][1:])
+        del llm
+    torch.testing.assert_close(got["fp32"], got["cpu"], atol=1e-4, rtol=0)
+    torch.testing.assert_close(got["bf16"], got["cpu"], atol=0.1, rtol=0.02)
