@@ -71,6 +71,7 @@ class ServerArgs(EngineArgs):
     max_queued_requests: int | None = None  # beyond the running ones; more get a 503 (None: no limit)
     watchdog_timeout: float = 300.0  # seconds a step may take before the server gives up and exits
     log_requests: bool = False  # one log line per finished request
+    stream_interval: int = 1  # tokens per streamed update (a request's sampling_params may set its own)
     # Limits that keep one request from stalling the others (the tokenizer process serves all).
     max_request_bytes: int = 64 << 20
     request_body_timeout: float = 30.0  # seconds to receive a body

@@ -66,12 +66,12 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     # and the server sends no warm-up request.
     for flag in ("--enable-metrics", "--enable-cache-report", "--skip-server-warmup"):
         ap.add_argument(flag, action="store_true", help="accepted for SGLang's command lines (always so here)")
-    ap.add_argument("--stream-interval", type=int, default=1,
-                    help="tokens between streamed events (only 1: every step's tokens go out at once)")
+    ap.add_argument("--stream-interval", type=int, default=d.stream_interval,
+                    help="tokens per streamed update (larger: fewer events, higher throughput)")
     ns = ap.parse_args(argv)
-    if ns.stream_interval != 1:
-        ap.error(f"--stream-interval {ns.stream_interval} is not supported yet (only 1)")
-    for name in ("trust_remote_code", "enable_metrics", "enable_cache_report", "skip_server_warmup", "stream_interval"):
+    if ns.stream_interval < 1:
+        ap.error(f"--stream-interval must be >= 1, got {ns.stream_interval}")
+    for name in ("trust_remote_code", "enable_metrics", "enable_cache_report", "skip_server_warmup"):
         delattr(ns, name)
     return ServerArgs(**vars(ns))
 
@@ -108,7 +108,7 @@ class Launcher:
         ctx = mp.get_context("spawn")
         level = args.log_level
         self.procs: list[BaseProcess] = [
-            ctx.Process(target=run_tokenizer, args=(self.addrs, args.tokenizer, level, args.chat_template),
+            ctx.Process(target=run_tokenizer, args=(self.addrs, args.tokenizer, level, args.chat_template, args.stream_interval),
                         name="tokenizer"),
             ctx.Process(target=run_scheduler, args=(args, self.addrs, level, args.watchdog_timeout),
                         name="scheduler"),

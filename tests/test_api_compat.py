@@ -122,6 +122,17 @@ def test_batched_generate_and_n(server: ServerProcess, offline: LLM):
     idle_and_clean(server)
 
 
+def test_stream_interval(server: ServerProcess, offline: LLM):
+    """sampling_params.stream_interval: updates carry that many tokens (the last may carry
+    fewer); the tokens are the same."""
+    want = greedy(offline, "Hello", 14, ignore_eos=True)["output_ids"]
+    body = {"text": "Hello", "stream": True, "sampling_params": {"max_new_tokens": 14, "temperature": 0,
+                                                                 "ignore_eos": True, "stream_interval": 4}}
+    with httpx.stream("POST", f"{server.url}/generate", json=body, timeout=60) as r:
+        events = sse_events(r.iter_lines())[:-1]
+    assert [len(e["output_ids"]) for e in events] == [4, 8, 12, 14] and events[-1]["output_ids"] == want
+
+
 def test_logit_bias_and_logprob_text(server: ServerProcess, offline: LLM):
     token = offline.tokenizer.encode(" the")[0]
     sp = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True, "logit_bias": {str(token): 100}}

@@ -26,10 +26,11 @@ def test_sglang_flag_names():
     args.validate()
 
 
-def test_a_flag_not_implemented_is_refused_by_name(capsys):
+def test_bad_flag_values_are_refused_by_name(capsys):
     with pytest.raises(SystemExit) as e:
-        parse_args(["--model", "m", "--stream-interval", "4"])
-    assert e.value.code == 2 and "--stream-interval 4 is not supported" in capsys.readouterr().err
+        parse_args(["--model", "m", "--stream-interval", "0"])
+    assert e.value.code == 2 and "--stream-interval must be >= 1" in capsys.readouterr().err
+    assert parse_args(["--model", "m", "--stream-interval", "4"]).stream_interval == 4
 
 
 def test_chunking_flags(tiny_llama):

@@ -35,6 +35,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     skip_special_tokens: bool = True
     no_stop_trim: bool = False  # keep the matched stop string at the end of the text
     logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> added logit
+    stream_interval: Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)] | None = None  # tokens per streamed update
 
     @property
     def is_greedy(self) -> bool:

@@ -32,8 +32,10 @@ MAX_CHARS_PER_TOKEN = 32
 class RequestState:
     """What the tokenizer process remembers about one running request."""
 
-    def __init__(self, req: GenerateReq, prompt_ids: list[int], tokenizer: Any):
+    def __init__(self, req: GenerateReq, prompt_ids: list[int], tokenizer: Any, stream_interval: int = 1):
         self.rid = req.rid
+        self.interval = req.sampling.stream_interval or stream_interval  # tokens per update sent
+        self.held: ReqUpdate | None = None
         self.prompt_tokens = len(prompt_ids)
         self.prompt_ids = prompt_ids if req.logprob_start >= 0 else []
         self.logprob_start = req.logprob_start
@@ -66,6 +68,21 @@ class RequestState:
             upd.input_logprobs = self._prompt_logprobs(out)
         return upd
 
+    def coalesce(self, upd: ReqUpdate) -> ReqUpdate | None:
+        """Hold updates back until ``interval`` tokens are out (SGLang's stream interval); the
+        first (the request was accepted) and the last go at once."""
+        if self.held is not None:
+            h = self.held
+            upd = ReqUpdate(self.rid, text=h.text + upd.text, token_ids=h.token_ids + upd.token_ids,
+                            logprobs=h.logprobs + upd.logprobs, finish_reason=upd.finish_reason,
+                            prompt_tokens=upd.prompt_tokens, cached_tokens=upd.cached_tokens, error=upd.error,
+                            matched=upd.matched, input_logprobs=h.input_logprobs + upd.input_logprobs)
+        if upd.finish_reason is None and 0 < len(upd.token_ids) < self.interval:
+            self.held = upd
+            return None
+        self.held = None
+        return upd
+
     def _prompt_logprobs(self, out: TokenOut) -> list[TokenLogprob]:
         """The prompt's tokens from logprob_start on (position 0 has no logprob: None)."""
         ids, first = self.prompt_ids, out.input_start
@@ -80,7 +97,8 @@ class RequestState:
 
 
 class TokenizerProcess:
-    def __init__(self, addrs: Addresses, tokenizer_path: str | None, chat_template: str | None = None):
+    def __init__(self, addrs: Addresses, tokenizer_path: str | None, chat_template: str | None = None,
+                 stream_interval: int = 1):
         ctx = zmq.Context()
         self.inbox: Receiver[ToTokenizer] = Receiver(ctx, addrs.tokenizer, ToTokenizer)
         self.api = Sender(ctx, addrs.api)
@@ -88,6 +106,7 @@ class TokenizerProcess:
         self.launcher = Sender(ctx, addrs.launcher)
         self.tokenizer_path = tokenizer_path
         self.chat_template = chat_template
+        self.stream_interval = stream_interval
         self.tokenizer: Any = None
         self.info: EngineInfo | None = None
         self.reqs: dict[str, RequestState] = {}
@@ -155,7 +174,7 @@ class TokenizerProcess:
             logger.exception("could not tokenize request %s", req.rid)
             self.api.send(UpdateBatch([ReqUpdate(req.rid, error=f"tokenization failed: {e}")]))
             return
-        self.reqs[req.rid] = RequestState(req, ids, self.tokenizer)
+        self.reqs[req.rid] = RequestState(req, ids, self.tokenizer, self.stream_interval)
         self.scheduler.send(TokenizedReq(req.rid, ids, req.sampling, req.top_logprobs, req.logprob_start))
 
     def _on_abort(self, msg: AbortReq) -> None:
@@ -180,13 +199,18 @@ class TokenizerProcess:
                 del self.reqs[out.rid]
                 if out.finish_reason is None:  # a stop string: the scheduler still runs it
                     self.scheduler.send(AbortReq(out.rid, "stop"))
-            updates.append(upd)
+            upd = state.coalesce(upd)
+            if upd is not None:
+                updates.append(upd)
         if updates:
             self.api.send(UpdateBatch(updates))
 
 
-def run_tokenizer(addrs: Addresses, tokenizer_path: str | None, log_level: str, chat_template: str | None = None) -> None:
+def run_tokenizer(
+    addrs: Addresses, tokenizer_path: str | None, log_level: str, chat_template: str | None = None,
+    stream_interval: int = 1,
+) -> None:
     """Process entry point (spawned by the launcher)."""
     become_child()
     init_logging(log_level)
-    TokenizerProcess(addrs, tokenizer_path, chat_template).run()
+    TokenizerProcess(addrs, tokenizer_path, chat_template, stream_interval).run()
