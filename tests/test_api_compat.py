@@ -229,3 +229,22 @@ def test_prompt_logprobs_and_echo_match_transformers(server: ServerProcess, offl
     assert scored.choices[0].text == "Hello world" and scored.usage.completion_tokens == 0
     assert len(scored.choices[0].logprobs.token_logprobs) == scored.usage.prompt_tokens
     idle_and_clean(server)
+
+
+def test_scoring_with_max_new_tokens_zero(server: ServerProcess, offline: LLM, tiny_llama):
+    """SGLang's frontend select: a batch of choices with max_new_tokens 0 and prompt logprobs
+    runs the prefill, returns the logprobs and generates nothing."""
+    texts = ["Is that right? yes", "Is that right? no"]
+    body = {"text": texts, "sampling_params": {"max_new_tokens": 0, "temperature": 0}, "return_logprob": True,
+            "return_text_in_logprobs": True, "logprob_start_len": 2}
+    got = httpx.post(f"{server.url}/generate", json=body, timeout=60).json()
+    for text, r in zip(texts, got):
+        ids = offline.tokenizer.encode(text)
+        ref = _reference_logprobs(tiny_llama, ids)
+        entries = r["meta_info"]["input_token_logprobs"]
+        assert r["output_ids"] == [] and r["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+        assert [e[1] for e in entries] == ids[2:] and all(e[2] is not None for e in entries)
+        assert max(abs(e[0] - w) for e, w in zip(entries, ref[2:])) < 1e-4
+    plain = httpx.post(f"{server.url}/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 0}}).json()
+    assert plain["output_ids"] == [] and plain["meta_info"]["prompt_tokens"] > 0
+    idle_and_clean(server)

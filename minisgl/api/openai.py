@@ -70,10 +70,8 @@ class OpenAIRoutes(ApiBase):
         self._check_model(body.model)
         body.check()
         cid, prompts = f"cmpl-{uuid.uuid4().hex}", body.prompts()
-        # echo with max_tokens 0 scores the prompt: one token is generated, and not shown.
-        score_only = body.echo and body.max_tokens == 0
-        reqs = [
-            GenerateReq(f"{cid}-{i * body.n + j}", body.sampling(1 if score_only else body.max_tokens, j),
+        reqs = [  # echo with max_tokens 0 scores the prompt and generates nothing
+            GenerateReq(f"{cid}-{i * body.n + j}", body.sampling(body.max_tokens, j),
                         text=p if isinstance(p, str) else None, input_ids=None if isinstance(p, str) else p,
                         top_logprobs=body.top_logprobs,
                         fill_context=body.max_tokens is None, logprob_start=0 if body.echo else -1)
@@ -84,9 +82,6 @@ class OpenAIRoutes(ApiBase):
         if not body.stream:
             if not await self._collect(runs, request):
                 return Response(status_code=499)
-            if score_only:
-                for r in runs:
-                    r.text, r.token_ids, r.logprobs = "", [], []
             choices = []
             for i, r in enumerate(runs):
                 prompt = prompts[i // body.n]

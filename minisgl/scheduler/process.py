@@ -93,11 +93,11 @@ class SchedulerProcess:
         self.by_rid.pop(self.rid_of.pop(req.rid), None)
 
     def _token_out(self, req: Req) -> TokenOut:
-        out = TokenOut(self.rid_of[req.rid], [req.output_ids[-1]], finish_reason=req.finish_reason,
+        out = TokenOut(self.rid_of[req.rid], req.output_ids[-1:], finish_reason=req.finish_reason,
                        cached_tokens=req.cached_tokens)
         if req.top_logprobs >= 0:
-            out.logprobs = [req.output_logprobs[-1]]
-        if req.top_logprobs > 0:
+            out.logprobs = req.output_logprobs[-1:]
+        if req.top_logprobs > 0 and req.output_ids:
             top = req.output_top_logprobs[-1]
             out.top_ids, out.top_logprobs = [[t for t, _ in top]], [[lp for _, lp in top]]
         if req.scores_prompt:

@@ -111,9 +111,9 @@ class Scheduler:
         req = Req(self._next_rid, list(prompt_ids), params, seed, max_len, top_logprobs,
                   queued_step=self.counters.steps, logprob_start=min(logprob_start, len(prompt_ids)))
         self._next_rid += 1
-        if params.max_new_tokens == 0:
+        if params.max_new_tokens == 0 and not req.scores_prompt:
             req.finish_reason = "length"
-        else:
+        else:  # max_new_tokens 0 with prompt logprobs: a prefill that scores the prompt, no token
             self.waiting.append(req)
         return req
 
@@ -348,6 +348,10 @@ class Scheduler:
         got = []
         for i, req in enumerate(sampled):
             if req.finished:  # finished while this batch was in flight: drop the extra token
+                continue
+            if req.params.max_new_tokens == 0:  # it only scored its prompt
+                self.finish(req, "length")
+                got.append(req)
                 continue
             token = out.tokens[i]
             req.output_ids.append(token)
