@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
+from local_server import serving
 
 QUESTIONS = [
     ("The capital of France is", [" Paris", " Rome", " Berlin", " Madrid"], 0),
@@ -46,12 +43,6 @@ metric_list:
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def evaluate(model: str, model_args: str, include: Path) -> tuple[float, list[list[float]]]:
     import lm_eval
     from lm_eval.tasks import TaskManager
@@ -71,26 +62,9 @@ def main() -> int:
     data = work / "mc.jsonl"
     data.write_text("".join(json.dumps({"question": q, "choices": c, "answer": a}) + "\n" for q, c, a in QUESTIONS))
     (work / "minisgl_mc.yaml").write_text(TASK.format(data=data))
-    port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "minisgl.launch", "--model", args.model, "--port", str(port),
-                               "--device", "cpu", "--dtype", "float32", "--served-model-name", "m",
-                               "--log-level", "warning"])
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the server did not start")
-            time.sleep(1)
-        served = evaluate("local-completions", f"base_url=http://127.0.0.1:{port}/v1/completions,model=m,"
+    with serving(args.model, "--dtype", "float32", "--served-model-name", "m") as url:
+        served = evaluate("local-completions", f"base_url={url}/v1/completions,model=m,"
                           f"tokenizer={args.model},tokenized_requests=True,num_concurrent=4", work)
-    finally:
-        server.terminate()
-        server.wait(30)
     reference = evaluate("hf", f"pretrained={args.model},dtype=float32,device=cpu", work)
     diff = max(abs(a - b) for x, y in zip(served[1], reference[1]) for a, b in zip(x, y))
     print(json.dumps({"accuracy_server": served[0], "accuracy_transformers": reference[0],

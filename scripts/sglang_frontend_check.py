@@ -11,18 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
-import subprocess
 import sys
-import time
 
-import httpx
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from local_server import serving
 
 
 def main() -> int:
@@ -37,29 +28,13 @@ def main() -> int:
         s += sgl.gen("answer", max_tokens=8, temperature=0)
         s += "\nIs that right?" + sgl.select("verdict", choices=[" yes", " no", " maybe"])
 
-    port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "minisgl.launch", "--model", args.model, "--port", str(port),
-                               "--device", "cpu", "--log-level", "warning"])
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the server did not start")
-            time.sleep(1)
-        sgl.set_default_backend(sgl.RuntimeEndpoint(f"http://127.0.0.1:{port}"))
+    with serving(args.model) as url:
+        sgl.set_default_backend(sgl.RuntimeEndpoint(url))
         whole = program.run(question="What is two plus two?")
         streamed = program.run(question="What is two plus two?", stream=True)
         pieces = list(streamed.text_iter())
         report = {"answer": whole["answer"], "verdict": whole["verdict"], "streamed_pieces": len(pieces),
                   "same_text": whole.text() == streamed.text()}
-    finally:
-        server.terminate()
-        server.wait(30)
     print(json.dumps(report))
     return 0 if report["verdict"] in (" yes", " no", " maybe") and report["same_text"] else 1
 

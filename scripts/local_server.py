@@ -1,0 +1,38 @@
+"""A minisgl server on a free local port for the client checks in this folder."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+
+
+@contextmanager
+def serving(model: str, *extra: str, timeout: float = 180) -> Iterator[str]:
+    """Start ``python -m minisgl.launch`` on CPU, wait for /health, yield its URL, stop it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "minisgl.launch", "--model", model, "--port", str(port),
+                               "--device", "cpu", "--log-level", "warning", *extra])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(1)
+        yield url
+    finally:
+        server.terminate()
+        server.wait(30)
