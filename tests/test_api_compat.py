@@ -225,6 +225,10 @@ def test_prompt_logprobs_and_echo_match_transformers(server: ServerProcess, offl
     lp = out.choices[0].logprobs
     assert close(lp.token_logprobs[: len(ids)], ref) and len(lp.token_logprobs) == len(ids) + 1
     assert lp.top_logprobs[0] is None and len(lp.text_offset) == len(ids) + 1
+    chunks = list(client.completions.create(model="tiny", prompt=ids, max_tokens=1, temperature=0, logprobs=1,
+                                            echo=True, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == out.choices[0].text
+    assert [x for c in chunks for x in c.choices[0].logprobs.token_logprobs] == lp.token_logprobs
     scored = client.completions.create(model="tiny", prompt="Hello world", max_tokens=0, logprobs=0, echo=True)
     assert scored.choices[0].text == "Hello world" and scored.usage.completion_tokens == 0
     assert len(scored.choices[0].logprobs.token_logprobs) == scored.usage.prompt_tokens

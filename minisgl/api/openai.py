@@ -36,6 +36,11 @@ def _completion_logprobs(lps: list[TokenLogprob], offset: int) -> dict[str, Any]
     }
 
 
+def _echo(prompt: str | list[int], prompt_logprobs: list[TokenLogprob]) -> str:
+    """The prompt as echo shows it: its text, or a token-id prompt's tokens' texts."""
+    return prompt if isinstance(prompt, str) else "".join(lp.text for lp in prompt_logprobs)
+
+
 def _usage(runs: list[Run], n: int = 1) -> dict[str, Any]:
     """Usage of ``runs``, n choices per prompt: each prompt counts once, as OpenAI counts it."""
     prompt = sum(r.prompt_tokens for r in runs[::n])
@@ -84,22 +89,24 @@ class OpenAIRoutes(ApiBase):
                 return Response(status_code=499)
             choices = []
             for i, r in enumerate(runs):
-                prompt = prompts[i // body.n]
-                echoed = (prompt if isinstance(prompt, str) else "".join(lp.text for lp in r.input_logprobs)) \
-                    if body.echo else ""
+                echoed = _echo(prompts[i // body.n], r.input_logprobs) if body.echo else ""
                 lps = (r.input_logprobs if body.echo else []) + r.logprobs
                 choices.append({"index": i, "text": echoed + r.text, "finish_reason": r.finish_reason,
                                 "logprobs": _completion_logprobs(lps, 0) if body.logprobs is not None else None})
             return JSONResponse({**head, "choices": choices, "usage": _usage(runs, body.n)})
 
-        offsets = [0] * len(runs)
+        offsets, echoed = [0] * len(runs), [not body.echo] * len(runs)
 
         def choice(i: int, upd: ReqUpdate) -> dict[str, Any]:
+            text, lps = upd.text, upd.logprobs
+            if not echoed[i]:  # the prompt goes out with the first update (its logprobs come with it)
+                text, lps = _echo(prompts[i // body.n], upd.input_logprobs) + text, upd.input_logprobs + lps
+                echoed[i] = True
             logprobs = None
             if body.logprobs is not None:  # one entry per token, also while its text is held back
-                logprobs = _completion_logprobs(upd.logprobs, offsets[i])
-            offsets[i] += len(upd.text)
-            return {"index": i, "text": upd.text, "logprobs": logprobs, "finish_reason": upd.finish_reason}
+                logprobs = _completion_logprobs(lps, offsets[i])
+            offsets[i] += len(text)
+            return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": upd.finish_reason}
 
         events = _chunks(runs, head, body, choice)
         return self._stream(runs, events)

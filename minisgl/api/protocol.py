@@ -252,8 +252,6 @@ class CompletionRequest(_OpenAIBase, kw_only=True):
 
     def check(self) -> None:
         self._check_common(self.max_tokens if not (self.echo and self.max_tokens == 0) else None)
-        if self.echo and self.stream:
-            raise BadRequest("echo with stream is not supported yet", param="echo")
         if self.best_of not in (None, self.n):
             raise BadRequest(f"best_of={self.best_of} is not supported yet: only best_of equal to n", param="best_of")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
