@@ -125,7 +125,9 @@ class TritonCascade:
         programs = max(1, programs_per_sm * sms // num_kv_heads)
         self.shared = _Level(device, dict(block_m=block_m, block_n=block_n, num_warps=num_warps,
                                           num_stages=num_stages), programs)
-        own_m = max(16, triton_pow2(gqa))
+        from triton import next_power_of_2
+
+        own_m = max(16, next_power_of_2(gqa))
         self.own = _Level(device, dict(block_m=own_m, block_n=own_block_n, num_warps=4, num_stages=own_stages),
                           programs) if own_level else None
 
@@ -184,7 +186,3 @@ class TritonCascade:
 
         rows = len(self.splits)
         combine(out[:rows], None if lse is None else lse[:rows], self.part_o, self.part_lse, self.splits)
-
-
-def triton_pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()

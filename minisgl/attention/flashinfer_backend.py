@@ -52,7 +52,6 @@ class FlashInferBackend(AttentionBackend):
                                      **(cascade_options or {}))
         self.wrapper = self.prefill
         self.cascade_step = False
-        self.graph_size: int | None = None
 
     def init_cuda_graph(self, max_bs: int, max_pages_per_req: int) -> None:
         device = self.workspace.device
@@ -97,7 +96,6 @@ class FlashInferBackend(AttentionBackend):
         indices = self._page_indices(meta.page_table, meta.slots_t, skip, num_pages, int(kv_indptr[-1]))
         common = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale)
         heads = (self.num_qo_heads, self.num_kv_heads, self.head_dim, page_size)
-        self.graph_size = graph_batch_size
         self.cascade_step = meta.cascade
         if meta.is_decode:
             self.wrapper = self.decode if graph_batch_size is None else self._graph_wrapper(graph_batch_size)

@@ -49,6 +49,11 @@ class RequestState:
     def _token_text(self, token: int) -> str:
         return decode_ids(self.tokenizer, [token], skip_special_tokens=False) if self.tokenizer is not None else ""
 
+    def _logprob(self, token: int, logprob: float | None, top_ids: list[int], top_logprobs: list[float]) -> TokenLogprob:
+        """One position's logprob entry, its token and top tokens with their texts."""
+        top = [(t, self._token_text(t), p) for t, p in zip(top_ids, top_logprobs)]
+        return TokenLogprob(token, self._token_text(token), logprob, top)
+
     def update(self, out: TokenOut) -> ReqUpdate:
         """Turn the scheduler's new tokens into an update; a matched stop string finishes it."""
         final = out.finish_reason is not None
@@ -60,10 +65,8 @@ class RequestState:
                 upd.finish_reason, upd.matched = "stop", self.text.stops.matched
         if self.top_logprobs >= 0:
             for i, (token, lp) in enumerate(zip(out.tokens, out.logprobs)):
-                top = []
-                if self.top_logprobs > 0:
-                    top = [(t, self._token_text(t), p) for t, p in zip(out.top_ids[i], out.top_logprobs[i])]
-                upd.logprobs.append(TokenLogprob(token, self._token_text(token), lp, top))
+                tops = (out.top_ids[i], out.top_logprobs[i]) if self.top_logprobs > 0 else ([], [])
+                upd.logprobs.append(self._logprob(token, lp, *tops))
         if self.prompt_ids and (out.input_logprobs or out.input_start):
             upd.input_logprobs = self._prompt_logprobs(out)
         return upd
@@ -86,12 +89,10 @@ class RequestState:
     def _prompt_logprobs(self, out: TokenOut) -> list[TokenLogprob]:
         """The prompt's tokens from logprob_start on (position 0 has no logprob: None)."""
         ids, first = self.prompt_ids, out.input_start
-        entries = [TokenLogprob(ids[0], self._token_text(ids[0]), None)] if self.logprob_start == 0 else []
+        entries = [self._logprob(ids[0], None, [], [])] if self.logprob_start == 0 else []
         for k, lp in enumerate(out.input_logprobs):
-            top = []
-            if out.input_top_ids:
-                top = [(t, self._token_text(t), p) for t, p in zip(out.input_top_ids[k], out.input_top_logprobs[k])]
-            entries.append(TokenLogprob(ids[first + k], self._token_text(ids[first + k]), lp, top))
+            tops = (out.input_top_ids[k], out.input_top_logprobs[k]) if out.input_top_ids else ([], [])
+            entries.append(self._logprob(ids[first + k], lp, *tops))
         self.prompt_ids = []  # sent once
         return entries
 
