@@ -35,7 +35,6 @@ from minisgl.scheduler.process import run_scheduler
 from minisgl.tokenizer import read_chat_template
 from minisgl.tokenizer.process import run_tokenizer
 from minisgl.utils import init_logging
-from minisgl.worker.process import run_worker
 
 logger = logging.getLogger("minisgl.launch")
 
@@ -101,6 +100,14 @@ class _Server(uvicorn.Server):
             )
 
 
+def _run_worker(args: ServerArgs, rank: int, addrs: Addresses, level: str) -> None:
+    """A worker's entry point; torch is imported in the worker process only, so the launcher
+    (which serves HTTP) stays small."""
+    from minisgl.worker.process import run_worker
+
+    run_worker(args, rank, addrs, level)
+
+
 class Launcher:
     def __init__(self, args: ServerArgs):
         self.args = args
@@ -113,7 +120,7 @@ class Launcher:
             ctx.Process(target=run_scheduler, args=(args, self.addrs, level, args.watchdog_timeout),
                         name="scheduler"),
         ] + [
-            ctx.Process(target=run_worker, args=(args, rank, self.addrs, level), name=f"worker-{rank}")
+            ctx.Process(target=_run_worker, args=(args, rank, self.addrs, level), name=f"worker-{rank}")
             for rank in range(args.tp_size)
         ]
         self.stopping = False

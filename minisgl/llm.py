@@ -10,6 +10,7 @@ import msgspec
 from minisgl.args import EngineArgs
 from minisgl.sampling import SamplingParams
 from minisgl.scheduler import Req, Scheduler
+from minisgl.scheduler.grammar import GrammarBackend
 from minisgl.scheduler.scheduler import prompt_scores
 from minisgl.tokenizer import encode_chat, eos_ids, load_tokenizer
 from minisgl.tokenizer.detokenizer import TextStream, decode_ids
@@ -26,6 +27,9 @@ class LLM:
         self.runner = ModelRunner(self.args)
         self.tokenizer = load_tokenizer(self.args.tokenizer or str(self.runner.model_dir), self.args.chat_template)
         self.eos_ids = eos_ids(self.runner.model_dir, self.tokenizer)
+        self.grammar = None
+        if self.tokenizer is not None:
+            self.grammar = GrammarBackend(self.tokenizer, self.runner.vocab_size, self.eos_ids)
         self.reset_scheduler()
 
     def reset_scheduler(self, disable_radix_cache: bool | None = None) -> None:
@@ -35,7 +39,7 @@ class LLM:
             self.args.disable_radix_cache = disable_radix_cache
         self.scheduler = Scheduler(
             self.args, self.runner.num_pages, self.runner.context_len, self.runner.vocab_size,
-            self.eos_ids, self.runner,
+            self.eos_ids, self.runner, self.grammar,
         )
 
     def _encode(self, prompt: Prompt) -> list[int]:
@@ -59,7 +63,7 @@ class LLM:
                 meta["output_top_logprobs"] = req.output_top_logprobs
         if req.logprob_start >= 0:  # position j's logprob given the tokens before it (None at 0)
             first, scores = prompt_scores(req) if req.scores_prompt else (max(req.logprob_start, 1), [])
-            meta["input_token_logprobs"] = [None] * (first - req.logprob_start) + [lp for lp, _ in scores]
+            meta["input_token_logprobs"] = [None] * (first - req.logprob_start) + [lp for lp, _, _ in scores]
         return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
 
     def chat(
@@ -107,7 +111,15 @@ class LLM:
                        for r in reqs if r.params.stop_strings}
         texts: dict[int, list[str]] = {rid: [] for rid in streams}
         while self.scheduler.has_work:
-            for req in self.scheduler.step():
+            got = self.scheduler.step()
+            failed = [r for r in self.scheduler.take_compiled() if r.error]
+            if failed:
+                for req in reqs:
+                    self.scheduler.finish(req, "abort")
+                while self.scheduler.has_work:  # let in-flight steps land before raising
+                    self.scheduler.step()
+                raise ValueError(failed[0].error)
+            for req in got:
                 if req.rid in streams:
                     texts[req.rid].append(streams[req.rid].add(req.output_ids[-1:], req.finished))
                     if streams[req.rid].stopped:

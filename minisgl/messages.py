@@ -7,6 +7,11 @@ import msgspec
 from minisgl.sampling.params import SamplingParams
 
 
+# Most groups one cascade decode step may have: CUDA graphs plan the shared level for a fixed
+# number of groups per captured batch size (min(size // 2, this)).
+MAX_CASCADE_GROUPS = 64
+
+
 class NewRequest(msgspec.Struct, array_like=True):
     """A request taking a page-table slot: its sampling settings go to the worker once."""
 
@@ -18,9 +23,10 @@ class NewRequest(msgspec.Struct, array_like=True):
     output_ids: list[int] = []  # tokens generated before a retraction, for penalties
     prompt_len: int = 0
     ban_ids: list[int] = []  # masked until min_new_tokens are out (EOS and stop tokens)
+    logprob_ids: list[int] = []  # token ids whose logprobs come with every output token
 
 
-class ForwardBatch(msgspec.Struct, array_like=True):
+class ForwardBatch(msgspec.Struct, array_like=True, tag=True):
     """One model step, scheduler -> worker.
 
     Request i lives in page-table row ``slots[i]``, has ``cached_lens[i]`` tokens in the KV cache
@@ -51,6 +57,20 @@ class ForwardBatch(msgspec.Struct, array_like=True):
     score_rows: list[int] = []
     score_ids: list[int] = []
     score_top: int = 0
+    score_logprob_ids: list[int] = []  # ids scored at every score row (the union of its requests')
+    # Structured output: indices (among the rows with sample=True) of rows whose tokens must
+    # follow a grammar. The worker runs the forward pass, then samples once a SampleMasks comes.
+    mask_rows: list[int] = []
+
+
+class SampleMasks(msgspec.Struct, array_like=True, tag=True):
+    """Scheduler -> worker, right after a batch with mask_rows: each such row's allowed tokens,
+    int32 words [len(mask_rows), ceil(vocab / 32)] (bit t % 32 of word t // 32 allows token t)."""
+
+    bitmask: bytes
+
+
+ToWorker = ForwardBatch | SampleMasks
 
 
 class StepOutput(msgspec.Struct, array_like=True):
@@ -64,6 +84,10 @@ class StepOutput(msgspec.Struct, array_like=True):
     score_logprobs: list[float] | None = None
     score_top_ids: list[list[int]] | None = None
     score_top_logprobs: list[list[float]] | None = None
+    # Logprobs of requested token ids: per sampled row, that request's ids in its order; per
+    # score row, every id of ``ForwardBatch.score_logprob_ids``.
+    id_logprobs: list[list[float]] | None = None
+    score_id_logprobs: list[list[float]] | None = None
 
 
 # ---- serving: API <-> tokenizer <-> scheduler <-> worker ----------------------------------------
@@ -86,6 +110,7 @@ class GenerateReq(msgspec.Struct, tag=True):
     top_logprobs: int = -1
     fill_context: bool = False  # max_new_tokens becomes whatever context the prompt leaves
     logprob_start: int = -1  # prompt logprobs from this position (-1: none)
+    logprob_ids: list[int] = []  # SGLang's token_ids_logprob: these ids' logprobs at every position
 
 
 class TokenizedReq(msgspec.Struct, tag=True):
@@ -96,6 +121,7 @@ class TokenizedReq(msgspec.Struct, tag=True):
     sampling: SamplingParams
     top_logprobs: int = -1
     logprob_start: int = -1  # prompt logprobs from this position (-1: none)
+    logprob_ids: list[int] = []
 
 
 class AbortReq(msgspec.Struct, tag=True):
@@ -136,6 +162,8 @@ class TokenOut(msgspec.Struct, array_like=True):
     input_logprobs: list[float] = []
     input_top_ids: list[list[int]] = []
     input_top_logprobs: list[list[float]] = []
+    id_logprobs: list[list[float]] = []  # per token, the logprobs of the request's logprob_ids
+    input_id_logprobs: list[list[float]] = []
 
 
 class TokenBatch(msgspec.Struct, tag=True):
@@ -149,6 +177,7 @@ class TokenLogprob(msgspec.Struct, array_like=True):
     text: str
     logprob: float | None  # None: the prompt's first token, which nothing predicts
     top: list[tuple[int, str, float]] = []
+    ids: list[tuple[int, str, float]] = []  # the request's token_ids_logprob, in its order
 
 
 class ReqUpdate(msgspec.Struct, array_like=True):

@@ -1,22 +1,23 @@
-"""Small helpers shared by every layer of the stack: device, dtype and logging choices."""
+"""Small helpers shared by every layer of the stack: device, dtype and logging choices.
+
+torch is imported only inside the device and dtype helpers: the tokenizer, scheduler and API
+processes use this module too and never load torch (hundreds of MB of memory each)."""
 
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-_DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
-}
+_DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16", "half": "float16"}
 
 
 def resolve_device(device: str = "auto") -> torch.device:
     """'auto' picks CUDA when present, else CPU; anything else is taken literally."""
+    import torch
+
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
@@ -30,13 +31,15 @@ def resolve_device(device: str = "auto") -> torch.device:
 
 def resolve_dtype(dtype: str, config_dtype: str | None, device: torch.device) -> torch.dtype:
     """'auto' follows the checkpoint on GPU and uses float32 on CPU (bf16 matmuls are slow there)."""
+    import torch
+
     if dtype != "auto":
         if dtype not in _DTYPES:
             raise ValueError(f"unsupported dtype {dtype!r}; choose auto, float32, bfloat16 or float16")
-        return _DTYPES[dtype]
+        return getattr(torch, _DTYPES[dtype])
     if device.type == "cpu":
         return torch.float32
-    return _DTYPES.get(str(config_dtype).replace("torch.", ""), torch.bfloat16)
+    return getattr(torch, _DTYPES.get(str(config_dtype).replace("torch.", ""), "bfloat16"))
 
 
 def cdiv(a: int, b: int) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import sys
@@ -36,3 +37,16 @@ def serving(model: str, *extra: str, timeout: float = 180) -> Iterator[str]:
     finally:
         server.terminate()
         server.wait(30)
+
+
+TOKEN_COUNTERS = ("sglang:prompt_tokens_total", "sglang:generation_tokens_total")
+
+
+def token_counters(url: str) -> dict[str, float]:
+    """The server's prompt and generation token counters, read from /metrics."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    out = {}
+    for name in TOKEN_COUNTERS:
+        m = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.M)
+        out[name] = float(m.group(1)) if m else 0.0
+    return out

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import httpx
 import openai
@@ -184,20 +185,58 @@ def test_openai_usage_streaming_and_models(server: ServerProcess):
 
 @pytest.mark.parametrize("route", list(BASES))
 def test_refusal_names_the_field(server: ServerProcess, route: str):
-    body = {**BASES[route], "json_schema": "{}"} if route != "/generate" else _with(route, "sampling_params.regex", "a+")
+    body = {**BASES[route], "stop_regex": "a+"} if route != "/generate" else _with(route, "sampling_params.stop_regex", "a+")
     r = httpx.post(f"{server.url}{route}", json=body, timeout=60)
-    assert r.status_code == 400 and ("json_schema" in r.text or "regex" in r.text) and "xgrammar" in r.text
+    assert r.status_code == 400 and "stop_regex" in r.text
 
 
-def _reference_logprobs(path, ids: list[int]) -> list[float | None]:
-    """Each prompt token's log-probability given the tokens before it, from transformers (fp32)."""
+def _reference_matrix(path, ids: list[int]):
+    """Log-probabilities [len(ids), vocab] of the token after each prompt position, from
+    transformers (fp32)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     with torch.no_grad():
-        logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def _reference_logprobs(path, ids: list[int]) -> list[float | None]:
+    """Each prompt token's log-probability given the tokens before it, from transformers (fp32)."""
+    logprobs = _reference_matrix(path, ids)
     return [None] + [logprobs[j - 1, ids[j]].item() for j in range(1, len(ids))]
+
+
+def test_token_ids_logprob(server: ServerProcess, offline: LLM, tiny_llama):
+    """SGLang's token_ids_logprob: the named ids' logprobs at every prompt position (as
+    transformers computes them) and every output position; each prompt of a batch keeps its own
+    ids in its own order; over the whole vocabulary they sum to 1 and agree with the chosen
+    token's logprob."""
+    ids = offline.tokenizer.encode("The quick brown fox jumps over the lazy dog.")
+    full = _reference_matrix(tiny_llama, ids)
+    wanted = [[5, 17, ids[1]], [900, 3]]
+    body = {"input_ids": [ids, ids], "return_logprob": True, "logprob_start_len": 0, "token_ids_logprob": wanted,
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
+    out = httpx.post(f"{server.url}/generate", json=body, timeout=60).json()
+    for r, w in zip(out, wanted):
+        prompt_rows, output_rows = r["meta_info"]["input_token_ids_logprobs"], r["meta_info"]["output_token_ids_logprobs"]
+        assert prompt_rows[0] is None and len(prompt_rows) == len(ids) and len(output_rows) == 4
+        for j, row in list(enumerate(prompt_rows))[1:] + [(len(ids), output_rows[0])]:
+            assert [e[1] for e in row] == w
+            assert all(abs(e[0] - full[j - 1, t].item()) < 1e-4 for e, t in zip(row, w)), j
+        assert all([e[1] for e in row] == w for row in output_rows)
+    vocab = json.loads((tiny_llama / "config.json").read_text())["vocab_size"]
+    body = {"text": "Hello", "return_logprob": True, "token_ids_logprob": list(range(vocab)),
+            "sampling_params": {"max_new_tokens": 3, "temperature": 0.8, "sampling_seed": 1, "ignore_eos": True}}
+    meta = httpx.post(f"{server.url}/generate", json=body, timeout=60).json()["meta_info"]
+    for row, (chosen_lp, chosen, _) in zip(meta["output_token_ids_logprobs"], meta["output_token_logprobs"]):
+        assert abs(math.log(sum(math.exp(e[0]) for e in row))) < 1e-4
+        assert abs(row[chosen][0] - chosen_lp) < 1e-5
+    too_many = httpx.post(f"{server.url}/generate", json={**body, "token_ids_logprob": [0] * 5000}, timeout=60)
+    assert too_many.status_code == 400 and "token_ids_logprob" in too_many.text
+    out_of_vocab = httpx.post(f"{server.url}/generate", json={**body, "token_ids_logprob": [vocab]}, timeout=60)
+    assert out_of_vocab.status_code == 400 and "token_ids_logprob" in out_of_vocab.text
+    idle_and_clean(server)
 
 
 def test_prompt_logprobs_and_echo_match_transformers(server: ServerProcess, offline: LLM, tiny_llama):

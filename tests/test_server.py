@@ -456,6 +456,7 @@ def test_info_metrics_and_flush(server: ServerProcess):
     assert _metric(text, "sglang:generation_tokens_total") > 0
     assert 0 < _metric(text, "sglang:cache_hit_rate") <= 1
     assert httpx.post(f"{server.url}/flush_cache", timeout=10).json() == {"success": True}
+    assert httpx.post(f"{server.url}/reset_prefix_cache", timeout=10).json() == {"success": True}  # vLLM's name
     s = idle_and_clean(server)
     assert s["evictable_pages"] == 0 and s["free_pages"] == s["total_pages"]
 

@@ -76,7 +76,7 @@ def _is_default(value: Any, default: Any) -> bool:
     return isinstance(default, tuple) and value in default
 
 
-GRAMMAR = "structured output (json_schema, regex, ebnf) comes with the xgrammar work"
+STRUCTURAL_TAG = "structural tags are not supported yet (json_schema, regex and ebnf are)"
 TOOLS = "tool calls come with the xgrammar work"
 MULTIMODAL = "this server serves text-only models"
 
@@ -84,16 +84,17 @@ SAMPLING = Schema(
     "SGLang sampling_params",
     implemented={"max_new_tokens", "stop", "stop_token_ids", "temperature", "top_p", "top_k", "min_p",
                  "frequency_penalty", "presence_penalty", "repetition_penalty", "ignore_eos", "skip_special_tokens",
-                 "no_stop_trim", "logit_bias", "seed", "sampling_seed", "n", "min_new_tokens", "stream_interval"},
+                 "no_stop_trim", "logit_bias", "seed", "sampling_seed", "n", "min_new_tokens", "stream_interval",
+                 "json_schema", "regex", "ebnf"},
     inert={"custom_params"},
-    default_only={"stop_regex": None, "json_schema": None, "regex": None, "ebnf": None,
-                  "structural_tag": None, "spaces_between_special_tokens": True},
-    why={"json_schema": GRAMMAR, "regex": GRAMMAR, "ebnf": GRAMMAR, "structural_tag": GRAMMAR},
+    default_only={"stop_regex": None, "structural_tag": None, "spaces_between_special_tokens": True},
+    why={"structural_tag": STRUCTURAL_TAG},
 )
 
 GENERATE = Schema(
     "SGLang /generate",
     implemented={"text", "input_ids", "sampling_params", "stream", "return_logprob", "top_logprobs_num", "rid",
+                 "token_ids_logprob",
                  "return_text_in_logprobs", "logprob_start_len"},
     inert={"model", "log_metrics", "background", "no_logs", "return_bytes", "custom_labels", "external_trace_header",
            "received_time", "conversation_id", "priority", "routing_key", "extra_key", "routed_dp_rank",
@@ -104,11 +105,11 @@ GENERATE = Schema(
                   "session_params": None, "lora_path": None, "lora_id": None, "custom_logit_processor": None,
                   "positional_embed_overrides": None, "bootstrap_host": None, "bootstrap_port": None,
                   "bootstrap_room": None, "bootstrap_pair_key": None, "decode_tp_size": None,
-                  "require_reasoning": False, "token_ids_logprob": None, "return_entropy": False,
+                  "require_reasoning": False, "return_entropy": False,
                   "need_wait_for_mm_inputs": None, "num_items_assigned": None, "max_dynamic_patch": None,
                   "min_dynamic_patch": None, "image_max_dynamic_patch": None, "video_max_dynamic_patch": None,
                   "multi_item_delimiter_indices": None},
-    why={"token_ids_logprob": "logprobs of chosen ids are not computed yet", "input_embeds": MULTIMODAL,
+    why={"input_embeds": MULTIMODAL,
          "image_data": MULTIMODAL, "video_data": MULTIMODAL, "audio_data": MULTIMODAL,
          "lora_path": "LoRA adapters are not supported"},
     nested={"sampling_params": SAMPLING},
@@ -120,15 +121,13 @@ _OPENAI_COMMON = dict(
     implemented={"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
                  "presence_penalty", "frequency_penalty", "seed", "user", "top_k", "min_p", "repetition_penalty",
                  "stop_token_ids", "ignore_eos", "skip_special_tokens", "logit_bias", "logprobs", "no_stop_trim",
-                 "min_tokens"},
+                 "min_tokens", "response_format", "json_schema", "regex", "ebnf"},
     inert={"store", "metadata", "service_tier", "priority", "extra_key", "cache_salt", "data_parallel_rank",
            "routed_dp_rank", "rid", "bootstrap_host", "bootstrap_port", "bootstrap_room", "stream_reasoning",
            "separate_reasoning", "return_text_in_logprobs"},
-    default_only={"regex": None, "json_schema": None, "ebnf": None, "response_format": ({"type": "text"},),
-                  "lora_path": None, "session_params": None, "return_hidden_states": False, "stop_regex": None,
+    default_only={"lora_path": None, "session_params": None, "return_hidden_states": False, "stop_regex": None,
                   "spaces_between_special_tokens": True},
-    why={"regex": GRAMMAR, "json_schema": GRAMMAR, "ebnf": GRAMMAR, "response_format": GRAMMAR,
-         "lora_path": "LoRA adapters are not supported"},
+    why={"lora_path": "LoRA adapters are not supported"},
 )
 
 COMPLETION = Schema(

@@ -29,7 +29,7 @@ def _logprob_entry(logprob: float | None, token: int, text: str, with_text: bool
 
 
 class NativeRoutes(ApiBase):
-    def _generate_body(self, run: Run, top_logprobs: int, with_text: bool) -> dict[str, Any]:
+    def _generate_body(self, run: Run, top_logprobs: int, with_text: bool, logprob_ids: bool) -> dict[str, Any]:
         meta: dict[str, Any] = {
             "id": run.rid, "prompt_tokens": run.prompt_tokens, "completion_tokens": len(run.token_ids),
             "cached_tokens": run.cached_tokens, "finish_reason": run.finish_info(), "e2e_latency": run.e2e_latency,
@@ -41,6 +41,10 @@ class NativeRoutes(ApiBase):
                 meta[f"{kind}_top_logprobs"] = [
                     None if lp.logprob is None else [_logprob_entry(p, t, s, with_text) for t, s, p in lp.top]
                     for lp in lps]
+                if logprob_ids:
+                    meta[f"{kind}_token_ids_logprobs"] = [
+                        None if lp.logprob is None else [_logprob_entry(p, t, s, with_text) for t, s, p in lp.ids]
+                        for lp in lps]
         return {"text": run.text, "output_ids": run.token_ids, "meta_info": meta}
 
     async def generate(self, request: Request) -> Response:
@@ -48,13 +52,13 @@ class NativeRoutes(ApiBase):
         items = body.items()
         runs = await self._start([
             GenerateReq(it.rid, it.sampling, text=it.text, input_ids=it.input_ids, top_logprobs=it.top_logprobs,
-                        logprob_start=it.logprob_start)
+                        logprob_start=it.logprob_start, logprob_ids=it.logprob_ids)
             for it in items
         ])
         with_text, batch = body.return_text_in_logprobs, len(items) > 1 or body.is_batch
 
         def result(i: int) -> dict[str, Any]:
-            out = self._generate_body(runs[i], items[i].top_logprobs, with_text)
+            out = self._generate_body(runs[i], items[i].top_logprobs, with_text, bool(items[i].logprob_ids))
             return {**out, "index": i} if batch else out
 
         if not body.stream:

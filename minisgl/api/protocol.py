@@ -9,6 +9,7 @@ SamplingParams.validate.
 
 from __future__ import annotations
 
+import json
 import re
 import uuid
 from typing import Annotated, Any, Literal
@@ -22,6 +23,7 @@ from minisgl.sampling.params import Int32, Int64
 
 MAX_N = 64
 MAX_TOP_LOGPROBS = 20
+MAX_LOGPROB_IDS = 4096  # token_ids_logprob entries per prompt
 MAX_TOKEN_ID = 2**31 - 1
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
 _SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
@@ -84,6 +86,7 @@ class GenerateItem(msgspec.Struct):
     sampling: SamplingParams
     top_logprobs: int  # -1: no logprobs
     logprob_start: int = -1  # prompt logprobs from this position (-1: none)
+    logprob_ids: list[int] = []  # token_ids_logprob
 
 
 class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -97,6 +100,7 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
     return_logprob: bool | list[bool] | None = None
     top_logprobs_num: Int32 | list[Int32] | None = None
     logprob_start_len: Int32 | list[Int32] | None = None
+    token_ids_logprob: list[Any] | None = None  # ids, or a list of ids per prompt
     return_text_in_logprobs: bool = False
     rid: str | list[str] | None = None
 
@@ -137,6 +141,7 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
         want = self._per_prompt(self.return_logprob, "return_logprob", count, False)
         tops = self._per_prompt(self.top_logprobs_num, "top_logprobs_num", count, 0)
         starts = self._per_prompt(self.logprob_start_len, "logprob_start_len", count, -1)
+        ids = self._logprob_ids(count)
         if len({s.n for s in sampling}) > 1:
             raise BadRequest("every sampling_params of a batch must have the same n", param="sampling_params.n")
         n = sampling[0].n
@@ -156,8 +161,24 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
                 out.append(GenerateItem(
                     rids[i * n + j], prompt if isinstance(prompt, str) else None,
                     None if isinstance(prompt, str) else prompt, sampling[i].params(j), tops[i] if want[i] else -1,
-                    start))
+                    start, ids[i] if want[i] else []))
         return out
+
+    def _logprob_ids(self, count: int) -> list[list[int]]:
+        """token_ids_logprob per prompt: one list for every prompt, or one list per prompt."""
+        value = self.token_ids_logprob
+        if not value:
+            return [[]] * count
+        per_prompt = value if isinstance(value[0], list) else [value] * count
+        if not all(isinstance(ids, list) and all(map(_is_token, ids)) for ids in per_prompt):
+            raise BadRequest(f"token_ids_logprob must be token ids in [0, {MAX_TOKEN_ID}] or a list of such lists",
+                             param="token_ids_logprob")
+        if len(per_prompt) != count:
+            raise BadRequest(f"token_ids_logprob has {len(per_prompt)} lists for {count} prompts",
+                             param="token_ids_logprob")
+        if any(len(ids) > MAX_LOGPROB_IDS for ids in per_prompt):
+            raise BadRequest(f"token_ids_logprob may name at most {MAX_LOGPROB_IDS} ids", param="token_ids_logprob")
+        return [list(ids) for ids in per_prompt]
 
     def _rids(self, total: int, single: bool) -> list[str]:
         if self.rid is None:
@@ -172,6 +193,30 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # every chunk carries the usage so far
+
+
+class JsonSchemaFormat(msgspec.Struct, forbid_unknown_fields=True):
+    name: str | None = None
+    schema: dict[str, Any] | bool | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True):
+    """OpenAI's response_format: text, a JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def schema_text(self) -> str | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return '{"type": "object"}'
+        if self.json_schema is None:
+            raise BadRequest("response_format of type json_schema needs a json_schema", param="response_format")
+        schema = self.json_schema.schema
+        return json.dumps(schema if schema is not None else {})
 
 
 class _OpenAIBase(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -198,6 +243,10 @@ class _OpenAIBase(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     no_stop_trim: bool = False
     logit_bias: dict[str, float] | None = None
     min_tokens: Int32 = 0
+    response_format: ResponseFormat | None = None
+    json_schema: str | None = None  # SGLang's extensions: constrain the output directly
+    regex: str | None = None
+    ebnf: str | None = None
 
     def _check_common(self, max_tokens: int | None) -> None:
         if max_tokens is not None and max_tokens < 1:
@@ -217,7 +266,12 @@ class _OpenAIBase(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens, no_stop_trim=self.no_stop_trim, logit_bias=self.logit_bias,
             min_new_tokens=min(self.min_tokens, max_tokens) if max_tokens else self.min_tokens,
+            json_schema=self.json_schema, regex=self.regex, ebnf=self.ebnf,
         )
+        if self.response_format is not None and self.response_format.type != "text":
+            if params.grammar is not None:
+                raise BadRequest(f"response_format and {params.grammar[0]} cannot be combined", param="response_format")
+            params.json_schema = self.response_format.schema_text()
         _validate(params)
         return params
 

@@ -93,6 +93,7 @@ def create_app(client: EngineClient, info: EngineInfo, args: ServerArgs, pids: d
         ("/get_loads", api.loads, ["GET"]),
         ("/metrics", api.metrics_route, ["GET"]),
         ("/flush_cache", api.flush_cache, ["POST"]),
+        ("/reset_prefix_cache", api.flush_cache, ["POST"]),
         ("/abort_request", api.abort_request, ["POST"]),
     ]
 

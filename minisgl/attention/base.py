@@ -10,9 +10,7 @@ import torch
 from minisgl.kernels.rope_store import rope_store
 from minisgl.kvcache import BaseKVCache
 
-# Most groups one cascade decode step may have: CUDA graphs plan the shared level for a fixed
-# number of groups per captured batch size (min(size // 2, this)).
-MAX_CASCADE_GROUPS = 64
+from minisgl.messages import MAX_CASCADE_GROUPS
 
 
 def graph_groups(batch_size: int) -> int:

@@ -1,7 +1,10 @@
+"""Paged KV cache: the page allocator and prefix-cache managers (plain Python, used by the
+scheduler) and the device KV pools (torch, worker only, imported on first use)."""
+
+from typing import Any
+
 from minisgl.kvcache.allocator import PageAllocator
-from minisgl.kvcache.base import BaseKVCache
 from minisgl.kvcache.base_manager import BaseCacheManager, CacheHandle, SizeInfo
-from minisgl.kvcache.mha_pool import MHAKVCache
 from minisgl.kvcache.naive_manager import NaiveCacheManager
 from minisgl.kvcache.radix_manager import RadixCacheManager
 
@@ -14,3 +17,15 @@ __all__ = [
     "BaseCacheManager", "BaseKVCache", "CacheHandle", "MHAKVCache", "NaiveCacheManager",
     "PageAllocator", "RadixCacheManager", "SizeInfo", "create_cache_manager",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "BaseKVCache":
+        from minisgl.kvcache.base import BaseKVCache
+
+        return BaseKVCache
+    if name == "MHAKVCache":
+        from minisgl.kvcache.mha_pool import MHAKVCache
+
+        return MHAKVCache
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

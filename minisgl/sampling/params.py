@@ -36,6 +36,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     no_stop_trim: bool = False  # keep the matched stop string at the end of the text
     logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> added logit
     stream_interval: Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)] | None = None  # tokens per streamed update
+    # Structured output (at most one): the tokens must follow a JSON schema, a regex or an EBNF grammar.
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -46,6 +50,15 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """(kind, text) of the output's constraint: json_schema, regex or ebnf (validate checks
+        that at most one is given)."""
+        for kind in ("json_schema", "regex", "ebnf"):
+            if getattr(self, kind) is not None:
+                return kind, getattr(self, kind)
+        return None
 
     @property
     def has_penalty(self) -> bool:
@@ -69,6 +82,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         for ok, name, rule in checks:
             if not ok:
                 raise ValueError(f"{name} {rule}, got {getattr(self, name)!r}")
+        given = [k for k in ("json_schema", "regex", "ebnf") if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ValueError(f"{given[0]} and {given[1]} cannot be combined: give at most one constraint")
         if self.logit_bias:
             if len(self.logit_bias) > MAX_LOGIT_BIAS:
                 raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens")

@@ -42,6 +42,8 @@ class SampleOutput:
     logprobs: torch.Tensor | None = None  # [B] log-probability of each chosen token
     top_ids: torch.Tensor | None = None  # [B, n] most likely tokens
     top_logprobs: torch.Tensor | None = None  # [B, n]
+    id_logprobs: torch.Tensor | None = None  # [B, len(id_union)]: logprobs of requested token ids
+    id_union: list[int] | None = None  # every id some request of the batch asked for, sorted
 
 
 class Sampler:
@@ -64,6 +66,7 @@ class Sampler:
         self.h_min_p = [False] * max_slots
         self.h_penalty = [False] * max_slots
         self.h_top_n = [-1] * max_slots  # -1: no logprobs, 0: chosen token only, n: plus top-n
+        self.h_ids: list[list[int]] = [[] for _ in range(max_slots)]  # token ids whose logprobs it wants
         self.h_bias = [False] * max_slots
         self.h_min_len = [0] * max_slots  # sequence length below which the slot's ban applies
         self.ban: torch.Tensor | None = None  # [max_slots, vocab] bool, made on first use
@@ -80,10 +83,11 @@ class Sampler:
     def set_request(
         self, slot: int, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
         seed: int, top_logprobs: int = -1, prompt_len: int = 0, ban_ids: list[int] | None = None,
+        logprob_ids: list[int] | None = None,
     ) -> None:
         """Install a request's parameters in ``slot``; ``seed`` is used when params.seed is None.
         ``ban_ids`` are never sampled before it has ``params.min_new_tokens`` tokens past its
-        ``prompt_len``-token prompt."""
+        ``prompt_len``-token prompt; ``logprob_ids``' logprobs come with each sampled token."""
         p = params
         self._host_f[slot] = torch.tensor([
             p.temperature if p.temperature > 0 else 1.0, p.top_p, p.min_p,
@@ -96,6 +100,7 @@ class Sampler:
         self.h_truncate[slot] = p.top_p < 1.0 or 0 < p.top_k < self.vocab_size
         self.h_min_p[slot] = p.min_p > 0.0
         self.h_top_n[slot] = top_logprobs
+        self.h_ids[slot] = list(logprob_ids or [])
         self.h_penalty[slot] = p.has_penalty
         if p.has_penalty:
             self._init_penalty(slot, prompt_ids, output_ids)
@@ -147,15 +152,23 @@ class Sampler:
         logits = logits - self.freq_penalty[slots, None] * counts
         return logits - self.pres_penalty[slots, None] * (counts > 0).float()
 
-    def sample(self, logits: torch.Tensor, slots_list: list[int], seq_lens: list[int]) -> SampleOutput:
-        """logits [B, V] for requests in ``slots_list``; ``seq_lens`` give each one's position."""
+    def sample(
+        self, logits: torch.Tensor, slots_list: list[int], seq_lens: list[int],
+        masks: tuple[list[int], torch.Tensor] | None = None,
+    ) -> SampleOutput:
+        """logits [B, V] for requests in ``slots_list``; ``seq_lens`` give each one's position.
+        ``masks`` (rows, int32 bit words [rows, ceil(V / 32)] on the host): those rows may only
+        take the tokens whose bit is set (structured output)."""
         self._upload()
+        if masks is not None:
+            logits = self._apply_masks(logits, *masks)
         penalized = any(self.h_penalty[s] for s in slots_list)
         all_greedy = all(self.h_greedy[s] for s in slots_list)
         top_n = max(self.h_top_n[s] for s in slots_list)
         biased = any(self.h_bias[s] for s in slots_list)
         banning = [n < self.h_min_len[s] for s, n in zip(slots_list, seq_lens)]
-        if all_greedy and not penalized and top_n < 0 and not biased and not any(banning):
+        id_union = sorted({t for s in slots_list for t in self.h_ids[s]})
+        if all_greedy and not penalized and top_n < 0 and not id_union and not biased and not any(banning):
             return SampleOutput(tokens=logits.argmax(dim=-1))  # exact on 16-bit logits: no float copy
         slots = torch.tensor(slots_list, dtype=torch.int64).to(self.device, non_blocking=True)
         logits = logits.float()
@@ -173,14 +186,27 @@ class Sampler:
             sampled = self._sample_random(logits, slots, slots_list, seq_lens)
             tokens = torch.where(self.greedy[slots].bool(), greedy_tokens, sampled)
         out = SampleOutput(tokens=tokens)
-        if top_n >= 0:
+        if top_n >= 0 or id_union:
             logprobs = torch.log_softmax(logits, dim=-1)
             out.logprobs = logprobs.gather(1, tokens[:, None]).squeeze(1)
             if top_n > 0:
                 out.top_logprobs, out.top_ids = logprobs.topk(top_n, dim=-1)
+            if id_union:
+                out.id_union = id_union
+                out.id_logprobs = logprobs[:, self._to_device(torch.tensor(id_union, dtype=torch.int64))]
         if penalized:
             self._record_outputs(slots, tokens, slots_list)
         return out
+
+    def _apply_masks(self, logits: torch.Tensor, rows: list[int], words: torch.Tensor) -> torch.Tensor:
+        vocab = logits.shape[-1]
+        words = self._to_device(words)
+        shifts = torch.arange(32, device=self.device, dtype=torch.int32)
+        allowed = ((words[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab]
+        rows_t = self._to_device(torch.tensor(rows, dtype=torch.int64))
+        logits = logits.clone()
+        logits[rows_t] = logits[rows_t].masked_fill(~allowed, float("-inf"))
+        return logits
 
     def _sample_random(
         self, logits: torch.Tensor, slots: torch.Tensor, slots_list: list[int], seq_lens: list[int]

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from minisgl.attention.base import MAX_CASCADE_GROUPS
 from minisgl.kvcache import BaseCacheManager
+from minisgl.messages import MAX_CASCADE_GROUPS
 from minisgl.scheduler.request import Req
 
 MIN_GROUP_SIZE = 4

@@ -17,9 +17,10 @@ import zmq
 from minisgl.args import EngineArgs
 from minisgl.ipc import Addresses, Receiver, Sender, become_child
 from minisgl.messages import (
-    AbortReq, ControlReply, ControlReq, EngineInfo, ForwardBatch, StepOutput, TokenBatch, TokenizedReq,
+    AbortReq, ControlReply, ControlReq, EngineInfo, ForwardBatch, SampleMasks, StepOutput, TokenBatch, TokenizedReq,
     TokenOut, ToScheduler,
 )
+from minisgl.scheduler.grammar import GrammarBackend
 from minisgl.scheduler.request import Req
 from minisgl.scheduler.scheduler import Scheduler, prompt_scores
 from minisgl.tokenizer import eos_ids, load_tokenizer
@@ -39,9 +40,11 @@ class SchedulerProcess:
         self.tokenizer = Sender(ctx, addrs.tokenizer)
         self.workers = [Sender(ctx, addrs.worker(r)) for r in range(args.tp_size)]
         info = self.results.recv_as(EngineInfo)  # the worker's first message: what it loaded
-        info.eos_ids = eos_ids(info.model_path, load_tokenizer(args.tokenizer or info.model_path))
+        tokenizer = load_tokenizer(args.tokenizer or info.model_path)
+        info.eos_ids = eos_ids(info.model_path, tokenizer)
         self.info = info
-        self.sched = Scheduler(args, info.num_pages, info.context_len, info.vocab_size, info.eos_ids, self)
+        grammar = GrammarBackend(tokenizer, info.vocab_size, info.eos_ids) if tokenizer is not None else None
+        self.sched = Scheduler(args, info.num_pages, info.context_len, info.vocab_size, info.eos_ids, self, grammar)
         self.by_rid: dict[str, Req] = {}
         self.rid_of: dict[int, str] = {}
         self.outbox: list[TokenOut] = []
@@ -55,6 +58,10 @@ class SchedulerProcess:
         for worker in self.workers:
             worker.send(batch)
 
+    def sample_masked(self, bitmask: bytes) -> None:
+        for worker in self.workers:
+            worker.send(SampleMasks(bitmask))
+
     def collect(self) -> StepOutput:
         out = self.results.recv()
         assert out is not None
@@ -65,14 +72,14 @@ class SchedulerProcess:
     def _handle(self, msg: ToScheduler) -> None:
         if isinstance(msg, TokenizedReq):
             try:
-                req = self.sched.add_request(msg.input_ids, msg.sampling, msg.top_logprobs, msg.logprob_start)
+                req = self.sched.add_request(msg.input_ids, msg.sampling, msg.top_logprobs, msg.logprob_start,
+                                             msg.logprob_ids)
             except ValueError as e:
                 self.outbox.append(TokenOut(msg.rid, error=str(e)))
                 return
             self.by_rid[msg.rid], self.rid_of[req.rid] = req, msg.rid
-            self.outbox.append(TokenOut(msg.rid, finish_reason=req.finish_reason))
-            if req.finished:  # max_new_tokens == 0
-                self._forget(req)
+            if req.grammar_future is None:  # else accepted (or refused) once its grammar compiles
+                self._accepted(req)
         elif isinstance(msg, AbortReq):
             req = self.by_rid.get(msg.rid)
             if req is not None:
@@ -89,6 +96,12 @@ class SchedulerProcess:
             return ControlReply(msg.cid, ok, {} if ok else {"error": "requests are running; flush when idle"})
         return ControlReply(msg.cid, False, {"error": f"unknown control op {msg.op!r}"})
 
+    def _accepted(self, req: Req) -> None:
+        """The request's first message: accepted (no tokens), or refused with its error."""
+        self.outbox.append(TokenOut(self.rid_of[req.rid], finish_reason=req.finish_reason, error=req.error))
+        if req.finished:  # max_new_tokens == 0, or its grammar did not compile
+            self._forget(req)
+
     def _forget(self, req: Req) -> None:
         self.by_rid.pop(self.rid_of.pop(req.rid), None)
 
@@ -100,12 +113,16 @@ class SchedulerProcess:
         if req.top_logprobs > 0 and req.output_ids:
             top = req.output_top_logprobs[-1]
             out.top_ids, out.top_logprobs = [[t for t, _ in top]], [[lp for _, lp in top]]
+        if req.logprob_ids and req.output_ids:
+            out.id_logprobs = req.output_id_logprobs[-1:]
         if req.scores_prompt:
             out.input_start, scores = prompt_scores(req)
-            out.input_logprobs = [lp for lp, _ in scores]
+            out.input_logprobs = [lp for lp, _, _ in scores]
             if req.top_logprobs > 0:
-                out.input_top_ids = [[t for t, _ in top] for _, top in scores]
-                out.input_top_logprobs = [[lp for _, lp in top] for _, top in scores]
+                out.input_top_ids = [[t for t, _ in top] for _, top, _ in scores]
+                out.input_top_logprobs = [[lp for _, lp in top] for _, top, _ in scores]
+            if req.logprob_ids:
+                out.input_id_logprobs = [ids for _, _, ids in scores]
         return out
 
     # ---- main loop -----------------------------------------------------------------------------
@@ -131,7 +148,10 @@ class SchedulerProcess:
             for msg in msgs:
                 self._handle(msg)
             if self.sched.has_work:
-                for req in self.sched.step():
+                got = self.sched.step()
+                for req in self.sched.take_compiled():
+                    self._accepted(req)
+                for req in got:
                     self.outbox.append(self._token_out(req))
                     self._tokens_since_log += 1
                     if req.finished:

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass, field
+from typing import Any
 
 from minisgl.kvcache import CacheHandle
 from minisgl.sampling import SamplingParams
+
+
+PromptScore = tuple[float, list[tuple[int, float]], list[float]]  # (logprob, top (id, logprob), ids' logprobs)
 
 
 @dataclass(eq=False)
@@ -20,15 +24,23 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    logprob_ids: list[int] = field(default_factory=list)  # SGLang's token_ids_logprob
+    output_id_logprobs: list[list[float]] = field(default_factory=list)  # per output token, per logprob_ids
     finish_reason: str | None = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache instead of computed
     queued_step: int = 0  # the scheduler step at which it was queued (for aging)
     retracted: bool = False  # re-prefills its own tokens: no longer counts cache hits
     # Prompt logprobs from this position (-1: none): position j's logprob given tokens < j, with
-    # its top tokens; filled as prefill chunks run, sent with the first output token.
+    # its top tokens and the logprobs of logprob_ids; filled as prefill chunks run, sent with the
+    # first output token.
     logprob_start: int = -1
-    prompt_scores: dict[int, tuple[float, list[tuple[int, float]]]] = field(default_factory=dict)
+    prompt_scores: dict[int, PromptScore] = field(default_factory=dict)
     prompt_scores_sent: bool = False
+    # Structured output: the grammar being compiled, then the matcher that has seen every output
+    # token processed so far; ``error`` is set when the grammar does not compile.
+    grammar_future: Any = None
+    matcher: Any = None
+    error: str | None = None
     # Cache state, valid while the request holds a page-table slot.
     slot: int | None = None
     handle: CacheHandle = CacheHandle(0)  # the locked cached prefix

@@ -27,7 +27,8 @@ from minisgl.messages import ForwardBatch, NewRequest, StepOutput
 from minisgl.sampling import SamplingParams
 from minisgl.scheduler.cascade import DecodeOrder, plan_cascade
 from minisgl.scheduler.policy import order_waiting
-from minisgl.scheduler.request import Req
+from minisgl.scheduler.grammar import GrammarBackend
+from minisgl.scheduler.request import PromptScore, Req
 from minisgl.utils import cdiv
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,9 @@ class Executor(Protocol):
     def launch(self, batch: ForwardBatch) -> None: ...
 
     def collect(self) -> StepOutput: ...
+
+    def sample_masked(self, bitmask: bytes) -> None:
+        """Allowed tokens for the last launched batch's ``mask_rows``; it samples once they come."""
 
 
 Entry = tuple[Req, int, bool]  # request, new tokens this step, whether it samples a token
@@ -55,9 +59,9 @@ class Counters:
     cascade_steps: int = 0  # decode steps that read shared prefixes once per group
 
 
-def prompt_scores(req: Req) -> tuple[int, list[tuple[float, list[tuple[int, float]]]]]:
+def prompt_scores(req: Req) -> tuple[int, list[PromptScore]]:
     """Hand over a request's prompt logprobs once (with its first output token): the first
-    position scored (position 0 has nothing before it) and each position's (logprob, top)."""
+    position scored (position 0 has nothing before it) and each position's score."""
     first = max(req.logprob_start, 1)
     req.prompt_scores_sent = True
     return first, [req.prompt_scores[j] for j in range(first, len(req.prompt_ids))]
@@ -66,7 +70,7 @@ def prompt_scores(req: Req) -> tuple[int, list[tuple[float, list[tuple[int, floa
 class Scheduler:
     def __init__(
         self, args: EngineArgs, num_pages: int, context_len: int, vocab_size: int,
-        eos_ids: list[int], executor: Executor,
+        eos_ids: list[int], executor: Executor, grammar: GrammarBackend | None = None,
     ):
         self.args = args
         self.page_size = args.page_size
@@ -76,11 +80,16 @@ class Scheduler:
         self.executor = executor
         self.overlap = not args.disable_overlap_schedule
         # Launched batches whose tokens are not back yet, with the prompt positions they score.
-        self.inflight: deque[tuple[list[Entry], list[tuple[Req, int]]]] = deque()
+        # Launched steps: entries, the (request, position) of each scored prompt row, and the
+        # token ids scored at each of those rows.
+        self.inflight: deque[tuple[list[Entry], list[tuple[Req, int]], list[int]]] = deque()
         self.cache = create_cache_manager(args.page_size, args.disable_radix_cache)
         self.allocator = PageAllocator(num_pages)
         self.free_slots = list(range(args.max_running_requests - 1, -1, -1))
         self.waiting: deque[Req] = deque()
+        self.grammar = grammar
+        self.compiling: list[Req] = []  # waiting for their grammar; others are scheduled meanwhile
+        self.compiled: list[Req] = []  # grammar done (or failed: req.error) since take_compiled
         self.running: list[Req] = []  # requests holding a slot, oldest first
         self.counters = Counters()
         self._rng = random.Random(args.seed)
@@ -91,10 +100,13 @@ class Scheduler:
     # ---- requests in and out -------------------------------------------------------------------
 
     def add_request(
-        self, prompt_ids: list[int], params: SamplingParams, top_logprobs: int = -1, logprob_start: int = -1
+        self, prompt_ids: list[int], params: SamplingParams, top_logprobs: int = -1, logprob_start: int = -1,
+        logprob_ids: list[int] | None = None,
     ) -> Req:
         """Validate and queue a request. Raises ValueError naming what is wrong."""
         params.validate(self.vocab_size)
+        if logprob_ids and any(not 0 <= t < self.vocab_size for t in logprob_ids):
+            raise ValueError(f"token_ids_logprob must be in [0, {self.vocab_size})")
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         if any(not 0 <= t < self.vocab_size for t in prompt_ids):
@@ -107,12 +119,19 @@ class Scheduler:
         if cdiv(max_len, self.page_size) > self.allocator.num_pages:
             raise ValueError(f"the request needs {max_len} tokens of KV cache; the pool holds "
                              f"{self.allocator.num_pages * self.page_size}")
+        grammar = params.grammar
+        if grammar is not None and self.grammar is None:
+            raise ValueError("structured output needs xgrammar and a tokenizer")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = Req(self._next_rid, list(prompt_ids), params, seed, max_len, top_logprobs,
-                  queued_step=self.counters.steps, logprob_start=min(logprob_start, len(prompt_ids)))
+                  queued_step=self.counters.steps, logprob_start=min(logprob_start, len(prompt_ids)),
+                  logprob_ids=list(logprob_ids or []) if top_logprobs >= 0 else [])
         self._next_rid += 1
         if params.max_new_tokens == 0 and not req.scores_prompt:
             req.finish_reason = "length"
+        elif grammar is not None:
+            req.grammar_future = self.grammar.compile(*grammar)
+            self.compiling.append(req)
         else:  # max_new_tokens 0 with prompt logprobs: a prefill that scores the prompt, no token
             self.waiting.append(req)
         return req
@@ -122,6 +141,9 @@ class Scheduler:
         if req.finished:
             return
         req.finish_reason = reason
+        req.matcher = None
+        if req in self.compiling:
+            self.compiling.remove(req)
         if req in self.waiting:
             self.waiting.remove(req)
         if req.slot is not None:
@@ -136,18 +158,48 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.inflight)
+        return bool(self.waiting or self.running or self.inflight or self.compiling)
+
+    def take_compiled(self) -> list[Req]:
+        """Requests whose grammar compiled (now queued) or failed (``error`` set, finished)
+        since the last call."""
+        done, self.compiled = self.compiled, []
+        return done
+
+    def _admit_compiled(self) -> None:
+        for req in [r for r in self.compiling if r.grammar_future.done()]:
+            self.compiling.remove(req)
+            try:
+                req.matcher = self.grammar.matcher(req.grammar_future.result())
+            except ValueError as e:
+                req.error, req.finish_reason = str(e), "abort"
+            else:
+                self.waiting.append(req)
+            req.grammar_future = None
+            self.compiled.append(req)
 
     # ---- one step ------------------------------------------------------------------------------
 
     def step(self) -> list[Req]:
         """Schedule and launch one batch, then process the oldest batch whose turn has come
         (with overlap, the one before). Returns the requests that got a token."""
+        if self.compiling:
+            self._admit_compiled()
         entries, decode = self._schedule()
+        got: list[Req] = []
         if entries:
             batch, scored = self._build_batch(entries, decode, self._groups if decode else None)
             self.executor.launch(batch)
-            self.inflight.append((entries, scored))
+            self.inflight.append((entries, scored, batch.score_logprob_ids))
+            if batch.mask_rows:
+                # The batch samples once its constrained rows' masks come, and a matcher must
+                # first see every token sampled before: process the batch before this one (its
+                # device work is done or nearly; this batch's forward runs meanwhile).
+                while len(self.inflight) > 1:
+                    got += self._process(*self.inflight.popleft(), self.executor.collect())
+                sampled = [req for req, _, sample in entries if sample]
+                self.executor.sample_masked(self.grammar.bitmask(
+                    [(sampled[i].matcher, sampled[i].params.json_schema is not None) for i in batch.mask_rows]))
             self._count_step(entries, decode)
             logger.debug(
                 "step %d: %s batch of %d requests, %d tokens; %d running, %d queued, %d free pages",
@@ -155,8 +207,8 @@ class Scheduler:
                 sum(n for _, n, _ in entries), len(self.running), len(self.waiting), self.allocator.num_free,
             )
         if len(self.inflight) > (1 if self.overlap and entries else 0):
-            return self._process(*self.inflight.popleft(), self.executor.collect())
-        return []
+            got += self._process(*self.inflight.popleft(), self.executor.collect())
+        return got
 
     def _count_step(self, entries: list[Entry], decode: bool) -> None:
         c = self.counters
@@ -311,10 +363,14 @@ class Scheduler:
                     batch.score_ids.append(req.prompt_ids[j])
                     scored.append((req, j))
                 batch.score_top = max(batch.score_top, req.top_logprobs)
+                if req.logprob_ids:
+                    batch.score_logprob_ids = sorted(set(batch.score_logprob_ids) | set(req.logprob_ids))
             row += new
             batch.slots.append(req.slot)
             batch.cached_lens.append(start)
             batch.new_lens.append(new)
+            if sample and req.matcher is not None:
+                batch.mask_rows.append(sum(batch.sample))
             batch.sample.append(sample)
             if decode:
                 batch.input_ids.append(-1)  # the worker feeds back the token it sampled last step
@@ -337,13 +393,17 @@ class Scheduler:
         return NewRequest(
             slot=req.slot, sampling=p, seed=req.seed, top_logprobs=req.top_logprobs,
             prompt_ids=req.prompt_ids if penalties else [], output_ids=req.output_ids if penalties else [],
-            prompt_len=len(req.prompt_ids), ban_ids=ban,
+            prompt_len=len(req.prompt_ids), ban_ids=ban, logprob_ids=req.logprob_ids,
         )
 
-    def _process(self, entries: list[Entry], scored: list[tuple[Req, int]], out: StepOutput) -> list[Req]:
+    def _process(
+        self, entries: list[Entry], scored: list[tuple[Req, int]], score_ids: list[int], out: StepOutput
+    ) -> list[Req]:
+        column = {t: c for c, t in enumerate(score_ids)}
         for k, (req, j) in enumerate(scored):
             top = list(zip(out.score_top_ids[k], out.score_top_logprobs[k])) if out.score_top_ids else []
-            req.prompt_scores[j] = (out.score_logprobs[k], top[: max(req.top_logprobs, 0)])
+            ids = [out.score_id_logprobs[k][column[t]] for t in req.logprob_ids] if req.logprob_ids else []
+            req.prompt_scores[j] = (out.score_logprobs[k], top[: max(req.top_logprobs, 0)], ids)
         sampled = [req for req, _, sample in entries if sample]
         got = []
         for i, req in enumerate(sampled):
@@ -359,7 +419,13 @@ class Scheduler:
                 req.output_logprobs.append(out.logprobs[i])
             if out.top_ids is not None:
                 req.output_top_logprobs.append(list(zip(out.top_ids[i], out.top_logprobs[i])))
+            if req.logprob_ids:
+                req.output_id_logprobs.append(out.id_logprobs[i])
             reason = self._finish_reason(req, token)
+            if req.matcher is not None:
+                req.matcher.accept_token(token)
+                if reason is None and req.matcher.is_terminated():
+                    reason = "stop"  # the grammar is complete (its last token was a stop token)
             if reason is not None:
                 self.finish(req, reason)
             got.append(req)

@@ -40,6 +40,7 @@ class RequestState:
         self.prompt_ids = prompt_ids if req.logprob_start >= 0 else []
         self.logprob_start = req.logprob_start
         self.top_logprobs = req.top_logprobs
+        self.logprob_ids = req.logprob_ids if req.top_logprobs >= 0 else []
         self.tokenizer = tokenizer
         self.text = None
         if tokenizer is not None:
@@ -49,10 +50,14 @@ class RequestState:
     def _token_text(self, token: int) -> str:
         return decode_ids(self.tokenizer, [token], skip_special_tokens=False) if self.tokenizer is not None else ""
 
-    def _logprob(self, token: int, logprob: float | None, top_ids: list[int], top_logprobs: list[float]) -> TokenLogprob:
-        """One position's logprob entry, its token and top tokens with their texts."""
+    def _logprob(
+        self, token: int, logprob: float | None, top_ids: list[int], top_logprobs: list[float],
+        id_logprobs: list[float] | None = None,
+    ) -> TokenLogprob:
+        """One position's logprob entry: its token, top tokens and requested ids with their texts."""
         top = [(t, self._token_text(t), p) for t, p in zip(top_ids, top_logprobs)]
-        return TokenLogprob(token, self._token_text(token), logprob, top)
+        ids = [(t, self._token_text(t), p) for t, p in zip(self.logprob_ids, id_logprobs or [])]
+        return TokenLogprob(token, self._token_text(token), logprob, top, ids)
 
     def update(self, out: TokenOut) -> ReqUpdate:
         """Turn the scheduler's new tokens into an update; a matched stop string finishes it."""
@@ -66,7 +71,7 @@ class RequestState:
         if self.top_logprobs >= 0:
             for i, (token, lp) in enumerate(zip(out.tokens, out.logprobs)):
                 tops = (out.top_ids[i], out.top_logprobs[i]) if self.top_logprobs > 0 else ([], [])
-                upd.logprobs.append(self._logprob(token, lp, *tops))
+                upd.logprobs.append(self._logprob(token, lp, *tops, out.id_logprobs[i] if out.id_logprobs else None))
         if self.prompt_ids and (out.input_logprobs or out.input_start):
             upd.input_logprobs = self._prompt_logprobs(out)
         return upd
@@ -92,7 +97,8 @@ class RequestState:
         entries = [self._logprob(ids[0], None, [], [])] if self.logprob_start == 0 else []
         for k, lp in enumerate(out.input_logprobs):
             tops = (out.input_top_ids[k], out.input_top_logprobs[k]) if out.input_top_ids else ([], [])
-            entries.append(self._logprob(ids[first + k], lp, *tops))
+            entries.append(self._logprob(ids[first + k], lp, *tops,
+                                         out.input_id_logprobs[k] if out.input_id_logprobs else None))
         self.prompt_ids = []  # sent once
         return entries
 
@@ -176,7 +182,8 @@ class TokenizerProcess:
             self.api.send(UpdateBatch([ReqUpdate(req.rid, error=f"tokenization failed: {e}")]))
             return
         self.reqs[req.rid] = RequestState(req, ids, self.tokenizer, self.stream_interval)
-        self.scheduler.send(TokenizedReq(req.rid, ids, req.sampling, req.top_logprobs, req.logprob_start))
+        self.scheduler.send(TokenizedReq(req.rid, ids, req.sampling, req.top_logprobs, req.logprob_start,
+                                         req.logprob_ids))
 
     def _on_abort(self, msg: AbortReq) -> None:
         self.scheduler.send(msg)

@@ -44,6 +44,8 @@ class _Pending:
     host: dict[str, torch.Tensor]
     event: torch.cuda.Event | None
     score_top: int = 0
+    ids: list[list[int]] | None = None  # per row, the token ids whose logprobs it wants
+    id_union: list[int] | None = None  # the columns of host["id_logprobs"]
 
 
 def _available_host_bytes() -> int:
@@ -80,6 +82,7 @@ class ModelRunner:
         )
         self.last_token = torch.zeros(self.max_slots + 1, dtype=torch.int64, device=self.device)
         self.pending: deque[_Pending] = deque()
+        self._parked: tuple[ForwardBatch, torch.Tensor] | None = None  # forward done, waiting for masks
         self.graphs = None
         self.sampler = Sampler(self.max_slots, self.vocab_size, self.device)
         self.num_pages = self._profile_num_pages()
@@ -173,7 +176,7 @@ class ModelRunner:
     def add_requests(self, reqs: list[NewRequest]) -> None:
         for r in reqs:
             self.sampler.set_request(r.slot, r.sampling, r.prompt_ids, r.output_ids, r.seed, r.top_logprobs,
-                                     r.prompt_len, r.ban_ids)
+                                     r.prompt_len, r.ban_ids, r.logprob_ids)
 
     def _metadata(self, batch: ForwardBatch) -> tuple[AttentionMetadata, torch.Tensor]:
         """Apply page-table writes and build positions, inputs and KV slots for the new tokens."""
@@ -220,7 +223,11 @@ class ModelRunner:
         """Prompt logprobs: each score row's log-probability of its score id, and the top ones."""
         rows = torch.tensor(batch.score_rows, dtype=torch.int64).to(self.device, non_blocking=True)
         ids = torch.tensor(batch.score_ids, dtype=torch.int64).to(self.device, non_blocking=True)
-        parts: dict[str, list[torch.Tensor]] = {"score_logprobs": [], "score_top_logprobs": [], "score_top_ids": []}
+        parts: dict[str, list[torch.Tensor]] = {"score_logprobs": [], "score_top_logprobs": [], "score_top_ids": [],
+                                                "score_id_logprobs": []}
+        wanted = None
+        if batch.score_logprob_ids:
+            wanted = torch.tensor(batch.score_logprob_ids, dtype=torch.int64).to(self.device, non_blocking=True)
         for at in range(0, len(rows), self.SCORE_BLOCK):
             block = slice(at, at + self.SCORE_BLOCK)
             logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows[block]]).float(), dim=-1)
@@ -229,6 +236,8 @@ class ModelRunner:
                 top, top_ids = logprobs.topk(batch.score_top, dim=-1)
                 parts["score_top_logprobs"].append(top)
                 parts["score_top_ids"].append(top_ids)
+            if wanted is not None:
+                parts["score_id_logprobs"].append(logprobs[:, wanted])
         return {k: torch.cat(v) for k, v in parts.items() if v}
 
     @torch.inference_mode()
@@ -236,12 +245,26 @@ class ModelRunner:
         """Queue one step on the device; its tokens come back through ``collect``."""
         self.add_requests(batch.new_requests)
         logits = self.forward(batch)
+        if batch.mask_rows:  # constrained rows: sample when their masks come (sample_masked)
+            self._parked = (batch, logits)
+            return
+        self._sample(batch, logits)
+
+    def sample_masked(self, bitmask: bytes) -> None:
+        """Sample the parked batch, its ``mask_rows`` limited to the tokens ``bitmask`` allows."""
+        batch, logits = self._parked
+        self._parked = None
+        words = torch.frombuffer(bytearray(bitmask), dtype=torch.int32).view(len(batch.mask_rows), -1)
+        self._sample(batch, logits, (batch.mask_rows, words))
+
+    def _sample(self, batch: ForwardBatch, logits: torch.Tensor,
+                masks: tuple[list[int], torch.Tensor] | None = None) -> None:
         chosen = [i for i, s in enumerate(batch.sample) if s]
         out, slots = SampleOutput(tokens=None), []
         if chosen:
             slots = [batch.slots[i] for i in chosen]
             seq_lens = [batch.cached_lens[i] + batch.new_lens[i] for i in chosen]
-            out = self.sampler.sample(logits, slots, seq_lens)
+            out = self.sampler.sample(logits, slots, seq_lens, masks)
             slots_t = torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
             self.last_token[slots_t] = out.tokens
         self.pending.append(self._to_host(out, slots, self._scores if batch.score_rows else {}, batch.score_top))
@@ -251,7 +274,7 @@ class ModelRunner:
         event marks the end."""
         on_gpu = self.device.type == "cuda"
         host = {}
-        values = {name: getattr(out, name) for name in ("tokens", "logprobs", "top_ids", "top_logprobs")}
+        values = {name: getattr(out, name) for name in ("tokens", "logprobs", "top_ids", "top_logprobs", "id_logprobs")}
         for name, value in {**values, **scores}.items():
             if value is not None:
                 host[name] = torch.empty(value.shape, dtype=value.dtype, pin_memory=on_gpu)
@@ -260,7 +283,8 @@ class ModelRunner:
         if on_gpu:
             event = torch.cuda.Event()
             event.record()
-        return _Pending([self.sampler.h_top_n[s] for s in slots], host, event, score_top)
+        ids = [self.sampler.h_ids[s] for s in slots] if out.id_union else None
+        return _Pending([self.sampler.h_top_n[s] for s in slots], host, event, score_top, ids, out.id_union)
 
     def oldest_done(self) -> bool:
         """Whether ``collect`` would return without waiting."""
@@ -279,6 +303,8 @@ class ModelRunner:
             if p.score_top:
                 msg.score_top_ids = h["score_top_ids"].tolist()
                 msg.score_top_logprobs = h["score_top_logprobs"].tolist()
+            if "score_id_logprobs" in h:
+                msg.score_id_logprobs = h["score_id_logprobs"].tolist()
         if not p.top_n:
             return msg
         if "logprobs" in h:
@@ -286,6 +312,9 @@ class ModelRunner:
         if "top_ids" in h:
             msg.top_ids = [row[:n] for row, n in zip(h["top_ids"].tolist(), p.top_n)]
             msg.top_logprobs = [row[:n] for row, n in zip(h["top_logprobs"].tolist(), p.top_n)]
+        if p.id_union:
+            column = {t: c for c, t in enumerate(p.id_union)}
+            msg.id_logprobs = [[row[column[t]] for t in ids] for row, ids in zip(h["id_logprobs"].tolist(), p.ids)]
         return msg
 
     def step(self, batch: ForwardBatch) -> StepOutput:

@@ -18,7 +18,7 @@ import zmq
 from minisgl.args import EngineArgs
 from minisgl.distributed import set_tp_info
 from minisgl.ipc import Addresses, Receiver, Sender, become_child, cpu_worker_threads
-from minisgl.messages import EngineInfo, ForwardBatch
+from minisgl.messages import EngineInfo, ForwardBatch, SampleMasks, ToWorker
 from minisgl.utils import init_logging
 from minisgl.worker.model_runner import ModelRunner
 
@@ -44,7 +44,7 @@ def run_worker(args: EngineArgs, rank: int, addrs: Addresses, log_level: str) ->
     _init_distributed(args, rank, addrs)
     runner = ModelRunner(args)
     ctx = zmq.Context()
-    inbox: Receiver[ForwardBatch] = Receiver(ctx, addrs.worker(rank), ForwardBatch)
+    inbox: Receiver[ToWorker] = Receiver(ctx, addrs.worker(rank), ToWorker)
     outbox = Sender(ctx, addrs.worker_out) if rank == 0 else None
     if outbox is not None:
         outbox.send(EngineInfo(
@@ -55,9 +55,11 @@ def run_worker(args: EngineArgs, rank: int, addrs: Addresses, log_level: str) ->
     while True:
         # Launch every batch as soon as it arrives (the scheduler sends step N+1 while step N
         # runs), and hand back each step's tokens once its device work is done.
-        batch = inbox.recv(timeout_ms=None if not runner.pending else 0)
-        if batch is not None:
-            runner.launch(batch)
+        msg = inbox.recv(timeout_ms=None if not runner.pending else 0)
+        if isinstance(msg, ForwardBatch):
+            runner.launch(msg)
+        elif isinstance(msg, SampleMasks):
+            runner.sample_masked(msg.bitmask)
         elif runner.oldest_done():
             result = runner.collect()
             if outbox is not None:

@@ -1,0 +1,102 @@
+"""Structured output through xgrammar: grammars compile on a small thread pool (xgrammar releases
+the GIL), cached by their text, so the scheduling loop never waits for one; each constrained
+request then carries a matcher that the scheduler advances with every sampled token and asks
+for the next step's allowed-token bitmask.
+
+xgrammar (and with it torch) is imported on the first grammar, so a server that never sees one
+keeps its scheduler process small.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+CACHE_SIZE = 256  # compiled grammars kept (by kind and text)
+
+
+class GrammarBackend:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: list[int], threads: int = 2):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_ids = list(eos_ids)
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar")
+        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._lock = threading.Lock()
+        self._compiler: Any = None
+        self._json_ok: Any = None  # bit words: tokens with no control byte (for JSON rows)
+
+    def _get_compiler(self) -> Any:
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar
+
+                info = xgrammar.TokenizerInfo.from_huggingface(
+                    self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos_ids)
+                self._compiler = xgrammar.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+                self._json_ok = self._without_control_bytes(info.decoded_vocab)
+            return self._compiler
+
+    def _without_control_bytes(self, vocab: list[bytes]) -> Any:
+        """xgrammar's JSON strings admit raw control characters (all but CR and LF), which JSON
+        forbids; with compact separators no valid JSON needs a byte below 0x20, so JSON rows
+        also ban every token holding one."""
+        import torch
+
+        ok = torch.tensor([not any(b < 0x20 for b in t) for t in vocab]
+                          + [False] * (self.vocab_size - len(vocab)), dtype=torch.bool)
+        ok = torch.nn.functional.pad(ok, (0, -self.vocab_size % 32)).view(-1, 32).to(torch.int64)
+        words = (ok << torch.arange(32)).sum(dim=1)
+        return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+    def _compile(self, kind: str, text: str) -> Any:
+        compiler = self._get_compiler()
+        try:
+            if kind == "json_schema":
+                json.loads(text)  # a clear error for text that is not JSON at all
+                return compiler.compile_json_schema(text, any_whitespace=False, strict_mode=True)
+            if kind == "regex":
+                return compiler.compile_regex(text)
+            return compiler.compile_grammar(text)
+        except Exception as e:  # xgrammar raises RuntimeError / ValueError with its parser's message
+            raise ValueError(f"invalid {kind}: {str(e).strip().splitlines()[-1] if str(e).strip() else e}") from e
+
+    def compile(self, kind: str, text: str) -> Future:
+        """A future of the compiled grammar (shared by every request with the same text)."""
+        key = (kind, text)
+        with self._lock:
+            fut = self._cache.get(key)
+            if fut is not None and not (fut.done() and fut.exception() is not None):
+                self._cache.move_to_end(key)
+                return fut
+            fut = self._pool.submit(self._compile, kind, text)
+            self._cache[key] = fut
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+            return fut
+
+    @staticmethod
+    def matcher(compiled: Any) -> Any:
+        import xgrammar
+
+        return xgrammar.GrammarMatcher(compiled)
+
+    def bitmask(self, rows: list[tuple[Any, bool]]) -> bytes:
+        """Allowed tokens of each (matcher, is_json) row, as int32 words (bit t % 32 of word
+        t // 32); a row whose matcher is None or finished allows everything (its token is
+        dropped anyway)."""
+        import xgrammar
+
+        mask = xgrammar.allocate_token_bitmask(len(rows), self.vocab_size)  # all allowed
+        for i, (m, is_json) in enumerate(rows):
+            if m is not None and not m.is_terminated():
+                m.fill_next_token_bitmask(mask, i)
+                if is_json:
+                    mask[i] &= self._json_ok
+        return mask.numpy().tobytes()
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

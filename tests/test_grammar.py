@@ -1,0 +1,156 @@
+"""Structured output (xgrammar): JSON schemas, regexes and EBNF grammars constrain the tokens;
+constrained and free requests share batches (also retracted ones) without changing each
+other's tokens; bad grammars are refused by name."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from minisgl.sampling import SamplingParams
+from tests.test_api_compat import BASES
+from tests.test_scheduler import make_llm, shared_prefix_prompts, tokens
+from tests.test_server import idle_and_clean, server  # noqa: F401 (fixture)
+
+MAX_NEW = 400
+
+
+def schemas(count: int, seed: int = 0) -> list[dict]:
+    """Varied JSON schemas whose every value is bounded (a random-weight model must still end)."""
+    rng = random.Random(seed)
+    leaves = [
+        lambda: {"type": "integer", "minimum": -50, "maximum": 999},
+        lambda: {"type": "boolean"},
+        lambda: {"type": "string", "maxLength": rng.randint(1, 8)},
+        lambda: {"enum": rng.sample(["red", "green", "blue", "cyan", "black"], rng.randint(2, 4))},
+        lambda: {"type": "null"},
+        lambda: {"type": "string", "enum": ["yes", "no"]},
+        lambda: {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 3},
+        lambda: {"type": "string", "pattern": "^[a-z]{1,5}$"},
+        lambda: {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 9}, {"type": "boolean"}]},
+    ]
+
+    def obj(depth: int) -> dict:
+        names = rng.sample(["id", "name", "ok", "tags", "color", "size", "meta", "n", "flag", "kind"],
+                           rng.randint(1, 4))
+        props = {k: (obj(depth + 1) if depth < 2 and rng.random() < 0.25 else rng.choice(leaves)()) for k in names}
+        required = [k for k in names if rng.random() < 0.8]
+        return {"type": "object", "properties": props, "required": required, "additionalProperties": False}
+
+    out = []
+    for i in range(count):
+        if i % 7 == 6:
+            out.append({"type": "array", "items": obj(1), "minItems": 1, "maxItems": 2})
+        else:
+            out.append(obj(0))
+    return out
+
+
+REGEXES = [r"\d{3}-\d{4}", r"(yes|no|maybe)", r"[a-z]{2,8}@[a-z]{3,6}\.(com|org)", r"#[0-9a-f]{6}",
+           r"(\+|-)?[1-9][0-9]{0,3}\.[0-9]{2}", r"[A-Z][a-z]{1,6}( [A-Z][a-z]{1,6}){0,2}"]
+EBNF = ('root ::= greeting " " name "!"\n'
+        'greeting ::= "hello" | "hi" | "hey"\n'
+        'name ::= [a-z] [a-z]? [a-z]? [a-z]?\n')
+EBNF_REGEX = r"(hello|hi|hey) [a-z]{1,4}!"
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return make_llm(tiny_llama)
+
+
+def test_json_schemas_regexes_and_ebnf_hold(llm):
+    """50 schemas (greedy and sampled), every regex and the grammar, in one mixed batch."""
+    prompts, params, checks = [], [], []
+    for i, schema in enumerate(schemas(50)):
+        prompts.append(f"Record {i}:")
+        params.append(SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0 if i % 2 else 0.9, seed=i,
+                                     json_schema=json.dumps(schema)))
+        checks.append(lambda text, s=schema: jsonschema.validate(json.loads(text), s))
+    for i, pattern in enumerate(REGEXES):
+        prompts.append(f"Answer {i}:")
+        params.append(SamplingParams(max_new_tokens=MAX_NEW, temperature=0.8, seed=i, regex=pattern))
+        checks.append(lambda text, p=pattern: re.fullmatch(p, text) or pytest.fail(f"{text!r} !~ {p}"))
+    prompts.append("Say hello:")
+    params.append(SamplingParams(max_new_tokens=MAX_NEW, temperature=0.8, seed=1, ebnf=EBNF))
+    checks.append(lambda text: re.fullmatch(EBNF_REGEX, text) or pytest.fail(f"{text!r} !~ grammar"))
+    results = llm.generate(prompts, params)
+    for r, check in zip(results, checks):
+        assert r["meta_info"]["finish_reason"] == "stop", r
+        check(r["text"])
+    assert not llm.scheduler.has_work
+
+
+def test_mixed_batches_with_retraction_match_each_request_alone(tiny_llama):
+    """Constrained and free requests together, in a pool small enough to retract some, give each
+    request the tokens it gets alone; free requests are unchanged by the feature; overlap off
+    gives the same tokens."""
+    prompts = shared_prefix_prompts(groups=4, per_group=6, prefix_len=40)
+    shapes = schemas(len(prompts), seed=3)
+    params = [SamplingParams(max_new_tokens=48, temperature=0.0, ignore_eos=True) if i % 3 == 0 else
+              SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, json_schema=json.dumps(shapes[i]))
+              if i % 3 == 1 else SamplingParams(max_new_tokens=MAX_NEW, temperature=0.7, seed=i, regex=REGEXES[i % 6])
+              for i in range(len(prompts))]
+    alone = make_llm(tiny_llama)
+    ref = [alone.generate([p], [sp])[0]["output_ids"] for p, sp in zip(prompts, params)]
+    small = make_llm(tiny_llama, max_total_tokens=480, page_size=4, chunked_prefill_size=96)
+    assert tokens(small.generate(prompts, params)) == ref
+    assert small.scheduler.stats()["retractions"] > 0, "the pool was meant to force retraction"
+    plain = make_llm(tiny_llama, disable_overlap_schedule=True)
+    assert tokens(plain.generate(prompts, params)) == ref
+    free = [i for i in range(len(prompts)) if i % 3 == 0]
+    unconstrained = make_llm(tiny_llama).generate([prompts[i] for i in free], [params[i] for i in free])
+    assert tokens(unconstrained) == [ref[i] for i in free]
+
+
+def test_bad_grammars_are_refused_offline(llm):
+    for field, text in (("json_schema", "{not json"), ("regex", "(unclosed"), ("ebnf", "root ::= missing_rule")):
+        with pytest.raises(ValueError, match=field):
+            llm.generate("Hi", SamplingParams(max_new_tokens=4, **{field: text}))
+    with pytest.raises(ValueError, match="cannot be combined"):
+        llm.generate("Hi", SamplingParams(max_new_tokens=4, regex="a", ebnf='root ::= "a"'))
+    assert not llm.scheduler.has_work
+    llm.scheduler.check_integrity()
+
+
+def test_structured_output_over_http(server):  # noqa: F811
+    """SGLang's fields on /generate, OpenAI's response_format (json_object, json_schema) through
+    the openai client, streamed and not; bad grammars answer 400 naming the field; the server
+    stays clean."""
+    schema = schemas(1, seed=5)[0]
+    r = httpx.post(f"{server.url}/generate", json={"text": "Data:", "sampling_params": {
+        "max_new_tokens": MAX_NEW, "temperature": 0, "json_schema": json.dumps(schema)}}, timeout=60).json()
+    jsonschema.validate(json.loads(r["text"]), schema)
+    assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": r["meta_info"]["finish_reason"]["matched"]}
+    r = httpx.post(f"{server.url}/generate", json={"text": ["a", "b"], "sampling_params": {
+        "max_new_tokens": 32, "temperature": 1.0, "regex": REGEXES[0]}}, timeout=60).json()
+    assert all(re.fullmatch(REGEXES[0], x["text"]) for x in r)
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "JSON please"}],
+                                         max_tokens=MAX_NEW, temperature=0, response_format={"type": "json_object"})
+    assert isinstance(json.loads(out.choices[0].message.content), dict)
+    fmt = {"type": "json_schema", "json_schema": {"name": "rec", "schema": schema, "strict": True}}
+    streamed = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "JSON"}],
+                                              max_tokens=MAX_NEW, temperature=0, response_format=fmt, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    jsonschema.validate(json.loads(text), schema)
+    done = client.completions.create(model="tiny", prompt="x", max_tokens=32, temperature=0,
+                                     extra_body={"regex": REGEXES[1]})
+    assert re.fullmatch(REGEXES[1], done.choices[0].text)
+    bad = [("/generate", {"text": "x", "sampling_params": {"regex": "(unclosed"}}, "regex"),
+           ("/generate", {"text": "x", "sampling_params": {"json_schema": "{oops"}}, "json_schema"),
+           ("/v1/chat/completions", {**BASES["/v1/chat/completions"], "ebnf": "root ::= nothing_here"}, "ebnf"),
+           ("/v1/completions", {**BASES["/v1/completions"], "regex": "a", "json_schema": "{}"}, "regex"),
+           ("/v1/chat/completions", {**BASES["/v1/chat/completions"], "response_format": {"type": "json_schema"}},
+            "response_format")]
+    for route, body, field in bad:
+        for stream in (False, True):
+            resp = httpx.post(f"{server.url}{route}", json={**body, "stream": stream}, timeout=60)
+            assert resp.status_code == 400 and field in resp.json()["error"]["message"], (route, resp.text)
+    idle_and_clean(server)
