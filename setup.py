@@ -21,12 +21,14 @@ setup(
         "uvicorn",
         "prometheus-client",
         "gguf",
+        # structured output; ships CPU wheels (it brings triton on Linux x86-64)
+        "xgrammar>=0.1.25",
     ],
     extras_require={
         # triton: the cascade's kernels (torch's CUDA wheels bring it too).
         "cuda": ["flashinfer-python>=0.6", "apache-tvm-ffi>=0.1.15", "ninja", "triton>=3.4"],
         # accelerate: transformers reading GGUF; triton: its interpreter runs the cascade kernels on CPU.
-        "test": ["pytest", "hypothesis", "httpx", "openai", "accelerate",
+        "test": ["pytest", "hypothesis", "httpx", "openai", "accelerate", "jsonschema",
                  "triton>=3.4; platform_system == 'Linux' and platform_machine == 'x86_64'"],
         "bench": ["httpx", "matplotlib"],
     },

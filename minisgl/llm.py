@@ -27,9 +27,7 @@ class LLM:
         self.runner = ModelRunner(self.args)
         self.tokenizer = load_tokenizer(self.args.tokenizer or str(self.runner.model_dir), self.args.chat_template)
         self.eos_ids = eos_ids(self.runner.model_dir, self.tokenizer)
-        self.grammar = None
-        if self.tokenizer is not None:
-            self.grammar = GrammarBackend(self.tokenizer, self.runner.vocab_size, self.eos_ids)
+        self.grammar = GrammarBackend(lambda: self.tokenizer, self.runner.vocab_size, self.eos_ids)
         self.reset_scheduler()
 
     def reset_scheduler(self, disable_radix_cache: bool | None = None) -> None:

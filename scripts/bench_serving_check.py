@@ -25,7 +25,6 @@ import sys
 import tempfile
 import types
 
-import httpx
 
 from local_server import TOKEN_COUNTERS, serving, token_counters
 

@@ -5,6 +5,8 @@ Marked ``cuda``: skipped on machines without a GPU, run on the GPU machine befor
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import pytest
@@ -15,10 +17,13 @@ from minisgl.attention import AttentionMetadata, create_backend
 from minisgl.kernels import rope_store, rope_store_torch, store_kv_torch
 from minisgl.kvcache import MHAKVCache
 from minisgl.messages import ForwardBatch
+from minisgl.sampling import SamplingParams
 from minisgl.utils import cdiv
 from minisgl.worker import ModelRunner
 from scripts.make_tiny_model import make_tiny_model
+from tests.grammar_cases import MAX_NEW, REGEXES, schemas
 from tests.helpers import generate, page_table_writes, prefill_batch
+from tests.test_scheduler import make_llm, shared_prefix_prompts, tokens
 
 pytestmark = pytest.mark.cuda
 CONFIGS = Path(__file__).resolve().parents[1] / "benchmarks" / "configs"
@@ -248,3 +253,35 @@ def test_prompt_logprobs_on_cuda(tmp_path):
         del llm
     torch.testing.assert_close(got["fp32"], got["cpu"], atol=1e-4, rtol=0)
     torch.testing.assert_close(got["bf16"], got["cpu"], atol=0.1, rtol=0.02)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_constrained_decoding_on_cuda(tmp_path, dtype):
+    """On the GPU (CUDA graphs in bf16, overlap), a mixed batch of free and constrained requests:
+    every constrained output parses or matches and ends by its grammar; a constrained request
+    gets the same tokens with CUDA graphs as without (the mask is applied outside the graph)."""
+    prompts = shared_prefix_prompts(groups=2, per_group=8, prefix_len=24)
+    shapes = schemas(len(prompts), seed=7)
+    params = [SamplingParams(max_new_tokens=64, temperature=0.0, ignore_eos=True) if i % 4 == 0 else
+              SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0 if i % 2 else 0.8, seed=i,
+                             json_schema=json.dumps(shapes[i])) if i % 4 in (1, 3)
+              else SamplingParams(max_new_tokens=MAX_NEW, temperature=0.8, seed=i, regex=REGEXES[i % 6])
+              for i in range(len(prompts))]
+    path = make_tiny_model("llama", tmp_path / "llama-hd128", overrides={"head_dim": 128})
+    llm = make_llm(path, device="cuda", dtype=dtype)
+    assert (llm.runner.graphs is not None) == (dtype == "bfloat16")  # fp32 runs the torch attention, eager
+    results = llm.generate(prompts, params)
+    for r, sp in zip(results, params):
+        if sp.grammar is None:
+            assert len(r["output_ids"]) == 64
+            continue
+        assert r["meta_info"]["finish_reason"] == "stop", (sp.grammar, r["text"])
+        if sp.json_schema is not None:
+            json.loads(r["text"])
+        else:
+            assert re.fullmatch(sp.regex, r["text"]), (sp.regex, r["text"])
+    if llm.runner.graphs is None:
+        return
+    eager = make_llm(path, device="cuda", dtype=dtype, disable_cuda_graph=True)
+    for i in (1, 2):
+        assert tokens(eager.generate([prompts[i]], [params[i]])) == tokens(llm.generate([prompts[i]], [params[i]]))

@@ -5,55 +5,17 @@ other's tokens; bad grammars are refused by name."""
 from __future__ import annotations
 
 import json
-import random
 import re
 
 import httpx
-import jsonschema
-import openai
 import pytest
 
 from minisgl.sampling import SamplingParams
+from tests.grammar_cases import MAX_NEW, REGEXES, schemas
 from tests.test_api_compat import BASES
 from tests.test_scheduler import make_llm, shared_prefix_prompts, tokens
 from tests.test_server import idle_and_clean, server  # noqa: F401 (fixture)
 
-MAX_NEW = 400
-
-
-def schemas(count: int, seed: int = 0) -> list[dict]:
-    """Varied JSON schemas whose every value is bounded (a random-weight model must still end)."""
-    rng = random.Random(seed)
-    leaves = [
-        lambda: {"type": "integer", "minimum": -50, "maximum": 999},
-        lambda: {"type": "boolean"},
-        lambda: {"type": "string", "maxLength": rng.randint(1, 8)},
-        lambda: {"enum": rng.sample(["red", "green", "blue", "cyan", "black"], rng.randint(2, 4))},
-        lambda: {"type": "null"},
-        lambda: {"type": "string", "enum": ["yes", "no"]},
-        lambda: {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 3},
-        lambda: {"type": "string", "pattern": "^[a-z]{1,5}$"},
-        lambda: {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 9}, {"type": "boolean"}]},
-    ]
-
-    def obj(depth: int) -> dict:
-        names = rng.sample(["id", "name", "ok", "tags", "color", "size", "meta", "n", "flag", "kind"],
-                           rng.randint(1, 4))
-        props = {k: (obj(depth + 1) if depth < 2 and rng.random() < 0.25 else rng.choice(leaves)()) for k in names}
-        required = [k for k in names if rng.random() < 0.8]
-        return {"type": "object", "properties": props, "required": required, "additionalProperties": False}
-
-    out = []
-    for i in range(count):
-        if i % 7 == 6:
-            out.append({"type": "array", "items": obj(1), "minItems": 1, "maxItems": 2})
-        else:
-            out.append(obj(0))
-    return out
-
-
-REGEXES = [r"\d{3}-\d{4}", r"(yes|no|maybe)", r"[a-z]{2,8}@[a-z]{3,6}\.(com|org)", r"#[0-9a-f]{6}",
-           r"(\+|-)?[1-9][0-9]{0,3}\.[0-9]{2}", r"[A-Z][a-z]{1,6}( [A-Z][a-z]{1,6}){0,2}"]
 EBNF = ('root ::= greeting " " name "!"\n'
         'greeting ::= "hello" | "hi" | "hey"\n'
         'name ::= [a-z] [a-z]? [a-z]? [a-z]?\n')
@@ -67,6 +29,8 @@ def llm(tiny_llama):
 
 def test_json_schemas_regexes_and_ebnf_hold(llm):
     """50 schemas (greedy and sampled), every regex and the grammar, in one mixed batch."""
+    import jsonschema
+
     prompts, params, checks = [], [], []
     for i, schema in enumerate(schemas(50)):
         prompts.append(f"Record {i}:")
@@ -123,6 +87,9 @@ def test_structured_output_over_http(server):  # noqa: F811
     """SGLang's fields on /generate, OpenAI's response_format (json_object, json_schema) through
     the openai client, streamed and not; bad grammars answer 400 naming the field; the server
     stays clean."""
+    import jsonschema
+    import openai
+
     schema = schemas(1, seed=5)[0]
     r = httpx.post(f"{server.url}/generate", json={"text": "Data:", "sampling_params": {
         "max_new_tokens": MAX_NEW, "temperature": 0, "json_schema": json.dumps(schema)}}, timeout=60).json()
@@ -154,3 +121,4 @@ def test_structured_output_over_http(server):  # noqa: F811
             resp = httpx.post(f"{server.url}{route}", json={**body, "stream": stream}, timeout=60)
             assert resp.status_code == 400 and field in resp.json()["error"]["message"], (route, resp.text)
     idle_and_clean(server)
+

@@ -89,3 +89,12 @@ def test_conversion_is_cached(smollm2_gguf: Path, llm: LLM):
     folder = converted_checkpoint(smollm2_gguf)
     assert folder == llm.runner.model_dir and (folder / "tokenizer.json").is_file()
     assert (folder / "chat_template.jinja").is_file() or "chat_template" in (folder / "tokenizer_config.json").read_text()
+
+
+def test_eos_ids_read_from_files_equal_the_loaded_tokenizers(smollm2_gguf: Path, llm: LLM, tiny_models):
+    """The scheduler process reads EOS ids from the tokenizer's files (loading it would cost the
+    process torch); they equal what the loaded tokenizer gives, here and on every tiny model."""
+    from minisgl.tokenizer import eos_ids, load_tokenizer
+
+    for folder in [llm.runner.model_dir, *tiny_models.values()]:
+        assert eos_ids(folder, tokenizer_dir=folder) == eos_ids(folder, load_tokenizer(folder))

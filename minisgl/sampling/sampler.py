@@ -176,7 +176,9 @@ class Sampler:
             logits = logits + self.bias[slots]
         if any(banning):  # min_new_tokens: EOS and stop tokens cannot come yet
             active = self._to_device(torch.tensor(banning))
-            logits = logits.masked_fill(self.ban[slots] & active[:, None], float("-inf"))
+            banned = logits.masked_fill(self.ban[slots] & active[:, None], float("-inf"))
+            # ...unless a grammar allows nothing else (its output is complete): the grammar wins.
+            logits = torch.where(banned.isfinite().any(dim=-1, keepdim=True), banned, logits) if masks else banned
         if penalized:
             logits = self._apply_penalties(logits, slots)
         greedy_tokens = logits.argmax(dim=-1)

@@ -13,14 +13,14 @@ import json
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable
 
 CACHE_SIZE = 256  # compiled grammars kept (by kind and text)
 
 
 class GrammarBackend:
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: list[int], threads: int = 2):
-        self.tokenizer = tokenizer
+    def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int, eos_ids: list[int], threads: int = 2):
+        self._load_tokenizer = load_tokenizer  # called with the first grammar
         self.vocab_size = vocab_size
         self.eos_ids = list(eos_ids)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar")
@@ -28,16 +28,21 @@ class GrammarBackend:
         self._lock = threading.Lock()
         self._compiler: Any = None
         self._json_ok: Any = None  # bit words: tokens with no control byte (for JSON rows)
+        self._batch: Any = None  # xgrammar's BatchGrammarMatcher: fills many rows' masks on C++ threads
 
     def _get_compiler(self) -> Any:
         with self._lock:
             if self._compiler is None:
                 import xgrammar
 
+                tokenizer = self._load_tokenizer()
+                if tokenizer is None:
+                    raise ValueError("structured output needs the checkpoint's tokenizer, and it has none")
                 info = xgrammar.TokenizerInfo.from_huggingface(
-                    self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos_ids)
+                    tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos_ids)
                 self._compiler = xgrammar.GrammarCompiler(info, max_threads=2, cache_enabled=False)
                 self._json_ok = self._without_control_bytes(info.decoded_vocab)
+                self._batch = xgrammar.BatchGrammarMatcher(max_threads="auto")
             return self._compiler
 
     def _without_control_bytes(self, vocab: list[bytes]) -> Any:
@@ -88,14 +93,17 @@ class GrammarBackend:
         """Allowed tokens of each (matcher, is_json) row, as int32 words (bit t % 32 of word
         t // 32); a row whose matcher is None or finished allows everything (its token is
         dropped anyway)."""
+        import torch
         import xgrammar
 
         mask = xgrammar.allocate_token_bitmask(len(rows), self.vocab_size)  # all allowed
-        for i, (m, is_json) in enumerate(rows):
-            if m is not None and not m.is_terminated():
-                m.fill_next_token_bitmask(mask, i)
-                if is_json:
-                    mask[i] &= self._json_ok
+        live = [i for i, (m, _) in enumerate(rows) if m is not None and not m.is_terminated()]
+        if live:
+            self._batch.batch_fill_next_token_bitmask([rows[i][0] for i in live], mask, live)
+        json_rows = [i for i in live if rows[i][1]]
+        if json_rows:
+            index = torch.tensor(json_rows)
+            mask[index] &= self._json_ok
         return mask.numpy().tobytes()
 
     def shutdown(self) -> None:

@@ -40,10 +40,11 @@ class SchedulerProcess:
         self.tokenizer = Sender(ctx, addrs.tokenizer)
         self.workers = [Sender(ctx, addrs.worker(r)) for r in range(args.tp_size)]
         info = self.results.recv_as(EngineInfo)  # the worker's first message: what it loaded
-        tokenizer = load_tokenizer(args.tokenizer or info.model_path)
-        info.eos_ids = eos_ids(info.model_path, tokenizer)
+        tokenizer_path = args.tokenizer or info.model_path
+        info.eos_ids = eos_ids(info.model_path, tokenizer_dir=tokenizer_path)
         self.info = info
-        grammar = GrammarBackend(tokenizer, info.vocab_size, info.eos_ids) if tokenizer is not None else None
+        # The tokenizer itself is loaded with the first grammar: this process stays torch-free.
+        grammar = GrammarBackend(lambda: load_tokenizer(tokenizer_path), info.vocab_size, info.eos_ids)
         self.sched = Scheduler(args, info.num_pages, info.context_len, info.vocab_size, info.eos_ids, self, grammar)
         self.by_rid: dict[str, Req] = {}
         self.rid_of: dict[int, str] = {}

@@ -121,7 +121,7 @@ class Scheduler:
                              f"{self.allocator.num_pages * self.page_size}")
         grammar = params.grammar
         if grammar is not None and self.grammar is None:
-            raise ValueError("structured output needs xgrammar and a tokenizer")
+            raise ValueError("structured output is not available in this scheduler")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = Req(self._next_rid, list(prompt_ids), params, seed, max_len, top_logprobs,
                   queued_step=self.counters.steps, logprob_start=min(logprob_start, len(prompt_ids)),

@@ -38,6 +38,26 @@ def load_tokenizer(path: str | Path, chat_template: str | None = None) -> Any:
     return tokenizer
 
 
+def _file_eos_id(folder: Path) -> int | None:
+    """The tokenizer's EOS id from tokenizer_config.json and tokenizer.json, read as files: the
+    scheduler process needs only this, and loading a tokenizer through transformers costs a
+    process some 350 MB (it imports torch)."""
+    try:
+        eos = json.loads((folder / "tokenizer_config.json").read_text()).get("eos_token")
+        vocab = json.loads((folder / "tokenizer.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    if not isinstance(eos, str):
+        return None
+    for added in vocab.get("added_tokens", []):
+        if added.get("content") == eos:
+            return added["id"]
+    model_vocab = (vocab.get("model") or {}).get("vocab")
+    return model_vocab.get(eos) if isinstance(model_vocab, dict) else None
+
+
 def encode_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     """Token ids of a conversation rendered by the checkpoint's chat template, ready for the
     assistant's turn (the template adds any special tokens itself). The server and the offline
@@ -46,14 +66,20 @@ def encode_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def eos_ids(model_dir: str | Path, tokenizer: Any) -> list[int]:
-    """EOS ids from config.json, generation_config.json and the tokenizer, merged."""
+def eos_ids(model_dir: str | Path, tokenizer: Any = None, tokenizer_dir: str | Path | None = None) -> list[int]:
+    """EOS ids from config.json, generation_config.json and the tokenizer (a loaded one, or
+    ``tokenizer_dir``'s files read without loading it), merged."""
     model_dir = Path(model_dir)
     ids = set(ModelConfig.from_path(model_dir).eos_token_ids)
     gen = model_dir / "generation_config.json"
     if gen.is_file():
         eos = json.loads(gen.read_text()).get("eos_token_id")
         ids.update([eos] if isinstance(eos, int) else eos or [])
+    if tokenizer is None and tokenizer_dir is not None:
+        eos = _file_eos_id(Path(tokenizer_dir))
+        if eos is not None:
+            return sorted(ids | {eos})
+        tokenizer = load_tokenizer(tokenizer_dir)  # a hub id, or files this reader does not know
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return sorted(ids)
