@@ -23,6 +23,9 @@ from pathlib import Path
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from local_server import wait_ready  # noqa: E402
+
 PROMPTS = [
     "The history of the printing press", "Explain how a bicycle stays upright", "Write a haiku about rain",
     "List three uses of copper", "Why is the sky blue?", "Describe a busy market in the morning",
@@ -100,15 +103,7 @@ def main() -> None:
                                "--log-level", "warning"])
     result: dict = {"model": args.model, "tokens": args.tokens, "cpus": os.cpu_count()}
     try:
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if server.poll() is not None:
-                raise SystemExit("the server exited")
-            time.sleep(0.2)
+        wait_ready(url, server, timeout=600)
         result["ready_s"] = round(time.perf_counter() - start, 1)
         result["memory_idle"] = _memory(server.pid)
         result["server_tok_s"] = {b: round(_server_throughput(url, b, args.tokens, args.repeats), 1) for b in args.batches}

@@ -26,7 +26,7 @@ import tempfile
 import types
 
 
-from local_server import TOKEN_COUNTERS, serving, token_counters
+from local_server import compare_counts, serving, token_counters
 
 class _Placeholder(types.ModuleType):
     """A module whose every attribute is another placeholder (and which can be called)."""
@@ -107,23 +107,15 @@ def main() -> int:
                            "--seed", "1", "--warmup-requests", "0", "--flush-cache", *dataset_args[dataset]]
                     run = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
                     lines = open(out.name).read().splitlines()
-                after = token_counters(url)
-                served = {k: after[k] - before[k] for k in TOKEN_COUNTERS}
                 row = {"backend": backend, "dataset": dataset, "rc": run.returncode}
                 if run.returncode != 0 or not lines:
                     row["error"] = run.stderr[-2000:]
                     failed = True
                 else:
                     res = json.loads(lines[-1])
-                    row |= {"completed": res["completed"], "client_input_tokens": res["total_input_tokens"],
-                            "client_output_tokens": res["total_output_tokens"],
-                            "server_prompt_tokens": served["sglang:prompt_tokens_total"],
-                            "server_generation_tokens": served["sglang:generation_tokens_total"],
-                            "output_throughput": round(res["output_throughput"], 1)}
-                    row["counts_equal"] = (res["completed"] == args.num_prompts
-                                           and row["client_input_tokens"] == row["server_prompt_tokens"]
-                                           and row["client_output_tokens"] == row["server_generation_tokens"])
-                    failed |= not row["counts_equal"]
+                    row |= {"completed": res["completed"], "output_throughput": round(res["output_throughput"], 1),
+                            **compare_counts(url, before, res["total_input_tokens"], res["total_output_tokens"])}
+                    failed |= not (row["counts_equal"] and res["completed"] == args.num_prompts)
                 print(json.dumps(row), flush=True)
     return 1 if failed else 0
 

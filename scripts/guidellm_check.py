@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 
-from local_server import TOKEN_COUNTERS, serving, token_counters
+from local_server import compare_counts, serving, token_counters
 
 
 def main() -> int:
@@ -42,7 +42,6 @@ def main() -> int:
                        "--output", f"kind=json,path={report}", "--disable-console"]
                 run = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
                                      env={**os.environ, "HF_HUB_OFFLINE": "1"})
-                served = {k: token_counters(url)[k] - before[k] for k in TOKEN_COUNTERS}
                 row = {"request_format": request_format, "rc": run.returncode}
                 if run.returncode != 0 or not os.path.exists(report):
                     row["error"] = (run.stdout + run.stderr)[-2000:]
@@ -50,14 +49,9 @@ def main() -> int:
                 else:
                     metrics = json.load(open(report))["benchmarks"][0]["metrics"]
                     row |= {"requests": metrics["request_totals"],
-                            "client_prompt_tokens": metrics["prompt_token_count"]["successful"]["total_sum"],
-                            "client_output_tokens": metrics["output_token_count"]["successful"]["total_sum"],
-                            "server_prompt_tokens": served["sglang:prompt_tokens_total"],
-                            "server_generation_tokens": served["sglang:generation_tokens_total"]}
-                    row["counts_equal"] = (row["requests"]["successful"] == args.requests
-                                           and row["client_prompt_tokens"] == row["server_prompt_tokens"]
-                                           and row["client_output_tokens"] == row["server_generation_tokens"])
-                    failed |= not row["counts_equal"]
+                            **compare_counts(url, before, metrics["prompt_token_count"]["successful"]["total_sum"],
+                                             metrics["output_token_count"]["successful"]["total_sum"])}
+                    failed |= not (row["counts_equal"] and row["requests"]["successful"] == args.requests)
             print(json.dumps(row), flush=True)
     return 1 if failed else 0
 

@@ -23,20 +23,36 @@ def serving(model: str, *extra: str, timeout: float = 180) -> Iterator[str]:
                                "--device", "cpu", "--log-level", "warning", *extra])
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the server did not start")
-            time.sleep(1)
+        wait_ready(url, server, timeout)
         yield url
     finally:
         server.terminate()
         server.wait(30)
+
+
+def wait_ready(url: str, server: subprocess.Popen, timeout: float = 180) -> None:
+    """Return once the server at ``url`` answers /health; raise if it exits or takes too long."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if server.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError("the server did not start")
+        time.sleep(0.2)
+
+
+def compare_counts(url: str, before: dict[str, float], prompt_tokens: float, output_tokens: float) -> dict:
+    """A client's token totals next to the server's counters' growth since ``before``."""
+    after = token_counters(url)
+    row = {"client_prompt_tokens": prompt_tokens, "client_output_tokens": output_tokens,
+           "server_prompt_tokens": after[TOKEN_COUNTERS[0]] - before[TOKEN_COUNTERS[0]],
+           "server_generation_tokens": after[TOKEN_COUNTERS[1]] - before[TOKEN_COUNTERS[1]]}
+    row["counts_equal"] = (prompt_tokens == row["server_prompt_tokens"]
+                           and output_tokens == row["server_generation_tokens"])
+    return row
 
 
 TOKEN_COUNTERS = ("sglang:prompt_tokens_total", "sglang:generation_tokens_total")
