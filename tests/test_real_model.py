@@ -4,6 +4,8 @@ answers that stop at the end-of-turn token."""
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ import torch
 from minisgl.llm import LLM
 from minisgl.models.gguf_file import converted_checkpoint
 from minisgl.sampling import SamplingParams
+from tests.grammar_cases import MAX_NEW, REGEXES, schemas
 from tests.helpers import prefill_batch
 
 PROMPTS = [
@@ -98,3 +101,23 @@ def test_eos_ids_read_from_files_equal_the_loaded_tokenizers(smollm2_gguf: Path,
 
     for folder in [llm.runner.model_dir, *tiny_models.values()]:
         assert eos_ids(folder, tokenizer_dir=folder) == eos_ids(folder, load_tokenizer(folder))
+
+
+def test_structured_output_on_the_real_model(llm: LLM):
+    """50 JSON schemas of varied shape and every regex, asked of the instruct model through its
+    chat template: each answer ends by its grammar, parses and validates."""
+    import jsonschema
+
+    shapes = schemas(50, seed=11)
+    chats = [[{"role": "user", "content": f"Give record {i} as JSON matching this schema: {json.dumps(s)}"}]
+             for i, s in enumerate(shapes)]
+    chats += [[{"role": "user", "content": f"Give one example string matching {p}"}] for p in REGEXES]
+    params = [SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, json_schema=json.dumps(s)) for s in shapes]
+    params += [SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, regex=p) for p in REGEXES]
+    results = llm.chat(chats, params)
+    for res, sp in zip(results, params):
+        assert res["meta_info"]["finish_reason"] == "stop", res
+        if sp.json_schema is not None:
+            jsonschema.validate(json.loads(res["text"]), json.loads(sp.json_schema))
+        else:
+            assert re.fullmatch(sp.regex, res["text"]), (sp.regex, res["text"])
