@@ -285,3 +285,20 @@ def test_constrained_decoding_on_cuda(tmp_path, dtype):
     eager = make_llm(path, device="cuda", dtype=dtype, disable_cuda_graph=True)
     for i in (1, 2):
         assert tokens(eager.generate([prompts[i]], [params[i]])) == tokens(llm.generate([prompts[i]], [params[i]]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_lm_head_returns_float32_logits_from_half_weights(dtype):
+    """The LM head keeps its GEMM's float32 accumulator: the logits equal a float32 product of
+    the same half inputs far closer than a half rounding would, and are never tied by rounding."""
+    from minisgl.layers.embedding import ParallelLMHead
+
+    torch.manual_seed(0)
+    head = ParallelLMHead(1000, 256).to("cuda", dtype)
+    head.weight.data.normal_(0, 0.5)
+    hidden = torch.randn(3, 7, 256, device="cuda", dtype=dtype)
+    logits = head(hidden)
+    assert logits.dtype == torch.float32 and logits.shape == (3, 7, 1000)
+    exact = hidden.float() @ head.weight.float().t()
+    assert (logits - exact).abs().max() < 1e-3 * exact.abs().max()
+    assert (logits - exact).abs().max() < (exact.to(dtype).float() - exact).abs().max() / 10

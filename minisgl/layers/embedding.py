@@ -35,8 +35,16 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Projects hidden states to logits over the full vocabulary (gathered across ranks)."""
+    """Projects hidden states to logits over the full vocabulary (gathered across ranks).
+
+    On CUDA in bf16/fp16 the GEMM writes float32 logits straight from its accumulator: rounded
+    to bf16, logits near 20 are spaced 0.125 apart, so close candidates tie exactly and greedy
+    picks between them by index, flipping with any change of summation order upstream."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = all_gather_last_dim(F.linear(hidden, self.weight))
-        return logits[..., : self.vocab_size]
+        if hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16):
+            logits = torch.mm(hidden.reshape(-1, hidden.shape[-1]), self.weight.t(), out_dtype=torch.float32)
+            logits = logits.view(*hidden.shape[:-1], -1)
+        else:
+            logits = F.linear(hidden, self.weight)
+        return all_gather_last_dim(logits)[..., : self.vocab_size]
