@@ -78,6 +78,8 @@ class ServerArgs(EngineArgs):
     max_sequences_per_request: int = 256  # prompts x n
     max_stop_strings: int = 128
     max_stop_length: int = 1024  # characters of one stop string
+    tool_call_parser: str | None = None  # llama3, qwen25 (None: read from the chat template)
+    reasoning_parser: str | None = None  # qwen3, qwen3-thinking, deepseek-r1
 
     @property
     def model_name(self) -> str:

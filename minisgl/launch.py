@@ -30,6 +30,8 @@ from minisgl.api.connections import HeaderTimeoutProtocol
 from minisgl.api.server import create_app
 from minisgl.args import ServerArgs, add_engine_args
 from minisgl.ipc import Addresses, Receiver
+from minisgl.api.reasoning import PARSERS as REASONING_PARSERS
+from minisgl.api.tool_calls import PARSERS as TOOL_PARSERS
 from minisgl.messages import EngineInfo
 from minisgl.scheduler.process import run_scheduler
 from minisgl.tokenizer import read_chat_template
@@ -67,6 +69,10 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         ap.add_argument(flag, action="store_true", help="accepted for SGLang's command lines (always so here)")
     ap.add_argument("--stream-interval", type=int, default=d.stream_interval,
                     help="tokens per streamed update (larger: fewer events, higher throughput)")
+    ap.add_argument("--tool-call-parser", default=None, choices=TOOL_PARSERS,
+                    help="format of tool calls in answers (default: read from the chat template)")
+    ap.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                    help="separate <think>...</think> into reasoning_content")
     ns = ap.parse_args(argv)
     if ns.stream_interval < 1:
         ap.error(f"--stream-interval must be >= 1, got {ns.stream_interval}")
@@ -115,8 +121,9 @@ class Launcher:
         ctx = mp.get_context("spawn")
         level = args.log_level
         self.procs: list[BaseProcess] = [
-            ctx.Process(target=run_tokenizer, args=(self.addrs, args.tokenizer, level, args.chat_template, args.stream_interval),
-                        name="tokenizer"),
+            ctx.Process(target=run_tokenizer, name="tokenizer",
+                        args=(self.addrs, args.tokenizer, level, args.chat_template, args.stream_interval,
+                              args.tool_call_parser)),
             ctx.Process(target=run_scheduler, args=(args, self.addrs, level, args.watchdog_timeout),
                         name="scheduler"),
         ] + [

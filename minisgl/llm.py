@@ -12,7 +12,8 @@ from minisgl.sampling import SamplingParams
 from minisgl.scheduler import Req, Scheduler
 from minisgl.scheduler.grammar import GrammarBackend
 from minisgl.scheduler.scheduler import prompt_scores
-from minisgl.tokenizer import encode_chat, eos_ids, load_tokenizer
+from minisgl.tokenizer import eos_ids, load_tokenizer
+from minisgl.tokenizer.chat import encode_chat
 from minisgl.tokenizer.detokenizer import TextStream, decode_ids
 from minisgl.worker import ModelRunner
 
@@ -67,14 +68,17 @@ class LLM:
     def chat(
         self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
         sampling_params: SamplingParams | dict | list[SamplingParams | dict] | None = None,
-        top_logprobs: int = -1,
+        top_logprobs: int = -1, tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[dict[str, Any]]:
         """``generate`` for conversations (one, or a list of them) through the checkpoint's chat
-        template, as the server's /v1/chat/completions renders them."""
+        template, as the server's /v1/chat/completions renders them (``tools``: OpenAI tool
+        definitions shown to the model; its calls come back as text)."""
         if self.tokenizer is None or not self.tokenizer.chat_template:
             raise ValueError("this model has no chat template; use generate()")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        return self.generate([encode_chat(self.tokenizer, c) for c in conversations], sampling_params, top_logprobs)
+        prompts = [encode_chat(self.tokenizer, c, tools, chat_template_kwargs) for c in conversations]
+        return self.generate(prompts, sampling_params, top_logprobs)
 
     def generate(
         self, prompts: Prompt | list[Prompt],

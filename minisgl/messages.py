@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from minisgl.sampling.params import SamplingParams
@@ -97,6 +99,9 @@ class StepOutput(msgspec.Struct, array_like=True):
 class ChatMessage(msgspec.Struct):
     role: str
     content: str
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls: {"type", "function": {name, arguments}}
+    tool_call_id: str | None = None  # a tool message answers this call
+    name: str | None = None
 
 
 class GenerateReq(msgspec.Struct, tag=True):
@@ -111,6 +116,8 @@ class GenerateReq(msgspec.Struct, tag=True):
     fill_context: bool = False  # max_new_tokens becomes whatever context the prompt leaves
     logprob_start: int = -1  # prompt logprobs from this position (-1: none)
     logprob_ids: list[int] = []  # SGLang's token_ids_logprob: these ids' logprobs at every position
+    tools: list[dict[str, Any]] | None = None  # OpenAI tool definitions, rendered by the chat template
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (enable_thinking, ...)
 
 
 class TokenizedReq(msgspec.Struct, tag=True):
@@ -209,6 +216,7 @@ class EngineInfo(msgspec.Struct, tag=True):
     vocab_size: int
     max_running_requests: int = 0
     eos_ids: list[int] = []
+    tool_call_parser: str | None = None  # the format of tool calls in answers (flag, or read from the template)
 
 
 ToTokenizer = GenerateReq | AbortReq | ControlReq | ControlReply | TokenBatch | EngineInfo

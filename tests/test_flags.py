@@ -8,7 +8,7 @@ import pytest
 
 from minisgl.launch import parse_args
 from minisgl.sampling import SamplingParams
-from minisgl.tokenizer import encode_chat
+from minisgl.tokenizer.chat import encode_chat
 from tests.test_scheduler import make_llm
 
 

@@ -77,7 +77,7 @@ def _is_default(value: Any, default: Any) -> bool:
 
 
 STRUCTURAL_TAG = "structural tags are not supported yet (json_schema, regex and ebnf are)"
-TOOLS = "tool calls come with the xgrammar work"
+LEGACY_FUNCTIONS = "the legacy functions API is not supported; use tools and tool_choice"
 MULTIMODAL = "this server serves text-only models"
 
 SAMPLING = Schema(
@@ -141,19 +141,21 @@ COMPLETION = Schema(
 
 MESSAGE = Schema(
     "OpenAI chat message",
-    implemented={"role", "content", "name"},
+    implemented={"role", "content", "name", "tool_calls", "tool_call_id"},
     inert={"reasoning_content", "refusal"},
-    default_only={"tool_calls": None, "tool_call_id": None, "function_call": None, "audio": None},
-    why={"tool_calls": TOOLS, "tool_call_id": TOOLS, "function_call": TOOLS},
+    default_only={"function_call": None, "audio": None},
+    why={"function_call": LEGACY_FUNCTIONS},
 )
 
 CHAT = Schema(
     "OpenAI chat completions",
-    implemented=_OPENAI_COMMON["implemented"] | {"messages", "max_completion_tokens", "top_logprobs"},
-    inert=_OPENAI_COMMON["inert"] | {"parallel_tool_calls", "modalities"},
-    default_only={**_OPENAI_COMMON["default_only"], "tools": None, "tool_choice": ("none", "auto"), "functions": None,
-                  "function_call": None, "continue_final_message": False, "chat_template_kwargs": None,
-                  "reasoning_effort": None, "prediction": None, "audio": None, "web_search_options": None},
-    why={**_OPENAI_COMMON["why"], "tools": TOOLS, "tool_choice": TOOLS, "functions": TOOLS, "function_call": TOOLS},
+    implemented=_OPENAI_COMMON["implemented"] | {"messages", "max_completion_tokens", "top_logprobs", "tools",
+                                                 "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
+                                                 "separate_reasoning", "stream_reasoning"},
+    inert=(_OPENAI_COMMON["inert"] - {"separate_reasoning", "stream_reasoning"}) | {"modalities"},
+    default_only={**_OPENAI_COMMON["default_only"], "functions": None, "function_call": None,
+                  "continue_final_message": False, "reasoning_effort": None, "prediction": None, "audio": None,
+                  "web_search_options": None},
+    why={**_OPENAI_COMMON["why"], "functions": LEGACY_FUNCTIONS, "function_call": LEGACY_FUNCTIONS},
     nested={"stream_options": STREAM_OPTIONS, "messages": MESSAGE},
 )

@@ -11,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from minisgl.api.base import ApiBase, Run, merge, read_body
+from minisgl.api.chat_output import ChatOutput
 from minisgl.api.fields import CHAT, COMPLETION
 from minisgl.api.protocol import ChatCompletionRequest, CompletionRequest
 from minisgl.api.streaming import SSE_DONE, sse
@@ -115,24 +116,29 @@ class OpenAIRoutes(ApiBase):
         body: ChatCompletionRequest = await read_body(request, ChatCompletionRequest, self.args, CHAT)
         self._check_model(body.model)
         body.check()
+        plan = body.tool_plan(self.info.tool_call_parser)
         messages = [m.flat() for m in body.messages]
         cid, max_new = f"chatcmpl-{uuid.uuid4().hex}", body.max_new_tokens
-        reqs = [
-            GenerateReq(f"{cid}-{j}", body.sampling(max_new, j), messages=messages,
-                        top_logprobs=body.num_top_logprobs, fill_context=max_new is None)
-            for j in range(body.n)
-        ]
+        reqs = []
+        for j in range(body.n):
+            sampling = body.sampling(max_new, j)
+            sampling.json_schema = plan.schema or sampling.json_schema  # a forced call's grammar
+            reqs.append(GenerateReq(f"{cid}-{j}", sampling, messages=messages, top_logprobs=body.num_top_logprobs,
+                                    fill_context=max_new is None, tools=plan.tools,
+                                    chat_template_kwargs=body.chat_template_kwargs))
         runs = await self._start(reqs)
+        reasoning = self.args.reasoning_parser if body.separate_reasoning else None
+        outputs = [ChatOutput(plan, reasoning, body.stream_reasoning) for _ in runs]
         head = {"id": cid, "created": int(time.time()), "model": body.model}
         if not body.stream:
             if not await self._collect(runs, request):
                 return Response(status_code=499)
-            choices = [
-                {"index": i, "message": {"role": "assistant", "content": r.text},
-                 "logprobs": {"content": [_openai_logprob(lp) for lp in r.logprobs]} if body.logprobs else None,
-                 "finish_reason": r.finish_reason}
-                for i, r in enumerate(runs)
-            ]
+            choices = []
+            for i, (r, out) in enumerate(zip(runs, outputs)):
+                choices.append({
+                    "index": i, "message": out.message(r.text),
+                    "logprobs": {"content": [_openai_logprob(lp) for lp in r.logprobs]} if body.logprobs else None,
+                    "finish_reason": out.finish_reason(r.finish_reason)})
             return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": _usage(runs, body.n)})
 
         head["object"] = "chat.completion.chunk"
@@ -141,10 +147,11 @@ class OpenAIRoutes(ApiBase):
 
         def choice(i: int, upd: ReqUpdate) -> dict[str, Any]:
             logprobs = {"content": [_openai_logprob(lp) for lp in upd.logprobs]} if body.logprobs else None
-            delta = {"content": upd.text} if upd.text or not started[i] else {}
+            delta = outputs[i].delta(upd.text, upd.finish_reason is not None)
             if not started[i]:
-                delta, started[i] = {"role": "assistant", **delta}, True
-            return {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": upd.finish_reason}
+                delta, started[i] = {"role": "assistant", "content": "", **delta}, True
+            return {"index": i, "delta": delta, "logprobs": logprobs,
+                    "finish_reason": outputs[i].finish_reason(upd.finish_reason)}
 
         events = _chunks(runs, head, body, choice)
         return self._stream(runs, events)

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from minisgl.api.fields import Schema, UnsupportedField
+from minisgl.api.tool_calls import required_schema
 from minisgl.messages import ChatMessage
 from minisgl.sampling import SamplingParams
 from minisgl.sampling.params import Int32, Int64
@@ -321,21 +322,78 @@ class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
     text: str | None = None
 
 
+class FunctionCallIn(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    arguments: str | dict[str, Any] | None = None  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(msgspec.Struct, forbid_unknown_fields=True):
+    """A call in an assistant message of the history."""
+
+    function: FunctionCallIn
+    id: str | None = None
+    type: Literal["function"] = "function"
+    index: int | None = None  # sent back by clients that echo streamed calls
+
+
 class ChatMessageIn(msgspec.Struct, forbid_unknown_fields=True):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
 
     def flat(self) -> ChatMessage:
+        calls = None
+        if self.tool_calls:
+            calls = [{"id": c.id, "type": "function",
+                      "function": {"name": c.function.name, "arguments": c.function.arguments or "{}"}}
+                     for c in self.tool_calls]
+        return ChatMessage(self.role, self._text(), calls, self.tool_call_id, self.name)
+
+    def _text(self) -> str:
         if self.content is None or isinstance(self.content, str):
-            return ChatMessage(self.role, self.content or "")
+            return self.content or ""
         texts = []
         for part in self.content:
             if part.type != "text" or part.text is None:
                 raise BadRequest(f"message content of type {part.type!r} is not supported; only text",
                                  param="messages")
             texts.append(part.text)
-        return ChatMessage(self.role, "".join(texts))
+        return "".join(texts)
+
+
+class FunctionDef(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, forbid_unknown_fields=True):
+    function: FunctionDef
+    type: Literal["function"] = "function"
+
+
+class NamedFunction(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, forbid_unknown_fields=True):
+    """tool_choice naming the function to call."""
+
+    function: NamedFunction
+    type: Literal["function"] = "function"
+
+
+class ToolPlan(msgspec.Struct):
+    """What a chat request's tools mean for its run: the definitions the template shows, the
+    format its answer is read in, and the grammar forcing a call (required or named)."""
+
+    tools: list[dict[str, Any]] | None = None
+    fmt: str | None = None  # a ToolCallParser format; None: the answer is plain content
+    name: str | None = None  # the named function
+    schema: str | None = None  # JSON schema text the answer is constrained to
 
 
 class ChatCompletionRequest(_OpenAIBase, kw_only=True):
@@ -343,6 +401,39 @@ class ChatCompletionRequest(_OpenAIBase, kw_only=True):
     max_completion_tokens: Int32 | None = None
     logprobs: bool = False
     top_logprobs: Int32 | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    separate_reasoning: bool = True  # SGLang: reasoning_content apart from content (with --reasoning-parser)
+    stream_reasoning: bool = True  # SGLang: false sends the reasoning whole once it ends
+
+    def tool_plan(self, parser: str | None) -> ToolPlan:
+        """How this request's tools run, given the server's tool-call format (None: unknown)."""
+        choice = self.tool_choice if self.tool_choice is not None else ("auto" if self.tools else "none")
+        if choice == "none" or not self.tools:
+            if choice not in ("none", "auto"):
+                raise BadRequest("tool_choice needs tools", param="tool_choice")
+            return ToolPlan()
+        tools = [msgspec.to_builtins(t) for t in self.tools]
+        constrained = (self.response_format is not None and self.response_format.type != "text") or any(
+            (self.json_schema, self.regex, self.ebnf))
+        if choice != "auto" and constrained:
+            raise BadRequest("a forced tool_choice cannot be combined with another output constraint",
+                             param="tool_choice")
+        if choice == "auto":
+            if parser is None:
+                raise BadRequest("tools with tool_choice 'auto' need the server started with --tool-call-parser "
+                                 "(this chat template's format is not known)", param="tools")
+            return ToolPlan(tools, parser)
+        if choice == "required":
+            return ToolPlan(tools, "array", schema=json.dumps(required_schema(tools, self.parallel_tool_calls)))
+        wanted = next((t for t in tools if t["function"]["name"] == choice.function.name), None)
+        if wanted is None:
+            raise BadRequest(f"tool_choice names {choice.function.name!r}, which is not among the tools",
+                             param="tool_choice")
+        params = wanted["function"].get("parameters") or {"type": "object"}
+        return ToolPlan(tools, "named", choice.function.name, json.dumps(params))
 
     def check(self) -> None:
         self._check_common(self.max_new_tokens)

@@ -58,14 +58,6 @@ def _file_eos_id(folder: Path) -> int | None:
     return model_vocab.get(eos) if isinstance(model_vocab, dict) else None
 
 
-def encode_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of a conversation rendered by the checkpoint's chat template, ready for the
-    assistant's turn (the template adds any special tokens itself). The server and the offline
-    API both render chats here, so they send the model the same tokens."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
 def eos_ids(model_dir: str | Path, tokenizer: Any = None, tokenizer_dir: str | Path | None = None) -> list[int]:
     """EOS ids from config.json, generation_config.json and the tokenizer (a loaded one, or
     ``tokenizer_dir``'s files read without loading it), merged."""

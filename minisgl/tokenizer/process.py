@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import msgspec
 import zmq
 
 from minisgl.ipc import Addresses, Receiver, Sender, become_child
@@ -18,7 +19,8 @@ from minisgl.messages import (
     AbortReq, ControlReply, ControlReq, EngineInfo, GenerateReq, ReqUpdate, TokenBatch, TokenizedReq,
     TokenLogprob, TokenOut, ToTokenizer, UpdateBatch,
 )
-from minisgl.tokenizer import encode_chat, load_tokenizer
+from minisgl.tokenizer import load_tokenizer
+from minisgl.tokenizer.chat import detect_tool_parser, encode_chat
 from minisgl.tokenizer.detokenizer import TextStream, decode_ids
 from minisgl.utils import init_logging
 
@@ -105,7 +107,7 @@ class RequestState:
 
 class TokenizerProcess:
     def __init__(self, addrs: Addresses, tokenizer_path: str | None, chat_template: str | None = None,
-                 stream_interval: int = 1):
+                 stream_interval: int = 1, tool_call_parser: str | None = None):
         ctx = zmq.Context()
         self.inbox: Receiver[ToTokenizer] = Receiver(ctx, addrs.tokenizer, ToTokenizer)
         self.api = Sender(ctx, addrs.api)
@@ -114,6 +116,7 @@ class TokenizerProcess:
         self.tokenizer_path = tokenizer_path
         self.chat_template = chat_template
         self.stream_interval = stream_interval
+        self.tool_call_parser = tool_call_parser
         self.tokenizer: Any = None
         self.info: EngineInfo | None = None
         self.reqs: dict[str, RequestState] = {}
@@ -132,9 +135,13 @@ class TokenizerProcess:
             elif isinstance(msg, ControlReply):
                 self.api.send(msg)
             elif isinstance(msg, EngineInfo):
-                self.info = msg
                 self.tokenizer = load_tokenizer(self.tokenizer_path or msg.model_path, self.chat_template)
-                self.launcher.send(msg)
+                parser = self.tool_call_parser or detect_tool_parser(self.tokenizer)
+                if parser is not None and self.tokenizer is not None:
+                    logger.info("tool calls are read in the %s format%s", parser,
+                                "" if self.tool_call_parser else " (from the chat template; --tool-call-parser sets it)")
+                self.info = msgspec.structs.replace(msg, tool_call_parser=parser)
+                self.launcher.send(self.info)
 
     # ---- requests in ---------------------------------------------------------------------------
 
@@ -143,6 +150,7 @@ class TokenizerProcess:
             return req.input_ids
         assert self.info is not None
         chars = len(req.text or "") + sum(len(m.content) for m in req.messages or [])
+        chars += len(msgspec.json.encode(req.tools)) if req.tools else 0
         if chars > MAX_CHARS_PER_TOKEN * self.info.context_len:
             raise ValueError(f"the prompt has {chars} characters, more than the context length of "
                              f"{self.info.context_len} tokens can hold")
@@ -151,7 +159,8 @@ class TokenizerProcess:
         if req.messages is not None:
             if not self.tokenizer.chat_template:
                 raise ValueError("this model has no chat template; use /v1/completions or /generate")
-            return encode_chat(self.tokenizer, [{"role": m.role, "content": m.content} for m in req.messages])
+            messages = [msgspec.structs.asdict(m) for m in req.messages]
+            return encode_chat(self.tokenizer, messages, req.tools, req.chat_template_kwargs)
         return self.tokenizer.encode(req.text, add_special_tokens=True)
 
     def _check_length(self, req: GenerateReq, n: int) -> None:
@@ -216,9 +225,9 @@ class TokenizerProcess:
 
 def run_tokenizer(
     addrs: Addresses, tokenizer_path: str | None, log_level: str, chat_template: str | None = None,
-    stream_interval: int = 1,
+    stream_interval: int = 1, tool_call_parser: str | None = None,
 ) -> None:
     """Process entry point (spawned by the launcher)."""
     become_child()
     init_logging(log_level)
-    TokenizerProcess(addrs, tokenizer_path, chat_template, stream_interval).run()
+    TokenizerProcess(addrs, tokenizer_path, chat_template, stream_interval, tool_call_parser).run()

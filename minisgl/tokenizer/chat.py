@@ -1,0 +1,112 @@
+"""Conversations rendered by the checkpoint's chat template, tools included.
+
+The server and the offline API both render chats here, so they send the model the same tokens.
+Templates that know tools (Qwen2.5/3, Llama 3.1+) get the OpenAI tool definitions and the
+history's calls as they expect them. A template that ignores tools (SmolLM2's, for one) would
+leave the model blind to them, so the tools are described in the system message instead, with
+the ``<tool_call>`` format the ``qwen25`` parser reads back.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from minisgl.api.tool_calls import QWEN_OPEN, QWEN_CLOSE
+
+_PROBE_TOOL = {"type": "function", "function": {"name": "probe_tool_7f3a", "description": "d",
+                                                "parameters": {"type": "object", "properties": {}}}}
+
+
+def _template_text(tokenizer: Any) -> str:
+    template = tokenizer.chat_template or ""
+    return template if isinstance(template, str) else json.dumps(template)
+
+
+def renders_tools(tokenizer: Any) -> bool:
+    """Whether the chat template shows tool definitions to the model (read once per tokenizer)."""
+    known = getattr(tokenizer, "_minisgl_renders_tools", None)
+    if known is None:
+        try:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=[_PROBE_TOOL],
+                                                 tokenize=False, add_generation_prompt=True)
+            known = "probe_tool_7f3a" in text
+        except Exception:  # a template that chokes on tools does not render them
+            known = False
+        tokenizer._minisgl_renders_tools = known
+    return known
+
+
+def detect_tool_parser(tokenizer: Any) -> str | None:
+    """The tool-call format of the template's model: ``qwen25`` for ``<tool_call>`` (and for
+    templates that ignore tools: this module's own prompt asks for it), ``llama3`` for Llama's
+    JSON calls, None when the template renders tools in a format not known here."""
+    if tokenizer is None or not tokenizer.chat_template:
+        return None
+    if not renders_tools(tokenizer):
+        return "qwen25"
+    text = _template_text(tokenizer)
+    if QWEN_OPEN in text:
+        return "qwen25"
+    if "<|python_tag|>" in text or '"parameters"' in text:
+        return "llama3"
+    return None
+
+
+def _tools_prompt(tools: list[dict[str, Any]]) -> str:
+    lines = "\n".join(json.dumps(t.get("function", t)) for t in tools)
+    return ("You can call functions to answer. They are described by these JSON schemas:\n<tools>\n"
+            f"{lines}\n</tools>\nTo call one or more, answer only with one block per call, each like this:\n"
+            f'{QWEN_OPEN}\n{{"name": "<function name>", "arguments": {{<arguments as JSON>}}}}\n{QWEN_CLOSE}')
+
+
+def _spelled_out(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """The conversation for a template that ignores tools: the tools described in the system
+    message, past calls written into the assistant's text as the model would have written them."""
+    out = []
+    for m in messages:
+        m = dict(m)
+        calls = m.pop("tool_calls", None)
+        if calls:
+            blocks = [f"{QWEN_OPEN}\n{json.dumps({'name': c['function']['name'], 'arguments': c['function']['arguments']})}"
+                      f"\n{QWEN_CLOSE}" for c in calls]
+            m["content"] = "\n".join(([m["content"]] if m.get("content") else []) + blocks)
+        out.append(m)
+    if tools:
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{_tools_prompt(tools)}"}
+        else:
+            out.insert(0, {"role": "system", "content": _tools_prompt(tools)})
+    return out
+
+
+def encode_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """Token ids of a conversation ready for the assistant's turn (the template adds any special
+    tokens itself). A call's arguments are given to the template as an object, as templates
+    expect; a tool message's content stays text."""
+    messages = [_with_parsed_arguments(m) for m in messages]
+    has_calls = any(m.get("tool_calls") for m in messages)
+    kwargs = dict(template_kwargs or {})
+    if (tools or has_calls) and not renders_tools(tokenizer):
+        messages, tools = _spelled_out(messages, tools), None
+    if tools:
+        kwargs["tools"] = tools
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _with_parsed_arguments(message: dict[str, Any]) -> dict[str, Any]:
+    calls = message.get("tool_calls")
+    if not calls:
+        return {k: v for k, v in message.items() if v is not None}
+    parsed = []
+    for c in calls:
+        args = c["function"].get("arguments")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                pass  # not JSON: the template gets the text as the model wrote it
+        parsed.append({**c, "function": {**c["function"], "arguments": args}})
+    return {**{k: v for k, v in message.items() if v is not None}, "tool_calls": parsed}

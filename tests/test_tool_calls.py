@@ -1,0 +1,231 @@
+"""Tool calls and reasoning output: the parsers (whole and split at every point), the chat
+template rendering tools, and the OpenAI route with tools, forced choices and --reasoning-parser."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from minisgl.api.reasoning import ReasoningParser
+from minisgl.api.tool_calls import ToolCallAnswer, ToolCallParser
+from minisgl.tokenizer import load_tokenizer
+from minisgl.tokenizer.chat import detect_tool_parser, encode_chat, renders_tools
+from tests.server_utils import ServerProcess
+from tests.test_server import idle_and_clean
+
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "Today's weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
+                                                        "unit": {"enum": ["C", "F"]}},
+                       "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {
+        "name": "add", "parameters": {"type": "object", "properties": {"a": {"enum": [1, 2, 3]}, "b": {"enum": [4, 5]}},
+                                      "required": ["a", "b"], "additionalProperties": False}}},
+]
+PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+ANSWERS = [  # (format, text, content, [(name, arguments)])
+    ("qwen25", 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "n": [1, {"a": "}"}]}}'
+     '\n</tool_call>\n<tool_call>\n{"name": "add", "arguments": {}}\n</tool_call>',
+     "Let me look.", [("get_weather", '{"city": "Paris", "n": [1, {"a": "}"}]}'), ("add", "{}")]),
+    ("qwen25", "A plain answer that mentions <tool and <tool_ca but calls nothing.  ",
+     "A plain answer that mentions <tool and <tool_ca but calls nothing.  ", []),
+    ("qwen25", "<tool_call>\nnot a call</tool_call> after", "<tool_call>\nnot a call</tool_call> after", []),
+    ("qwen25", '<tool_call>\n{"name": "add", "arguments": {"a": 1', "", [("add", '{"a": 1')]),  # cut by max_tokens
+    ("hermes", '<tool_call>{"name": "add", "arguments": {"a": "x\\"}"}}</tool_call>\n\nDone.',
+     "Done.", [("add", '{"a": "x\\"}"}')]),
+    ("llama3", '<|python_tag|>{"name": "f", "parameters": {"x": "a\\"b"}}; {"name": "g", "parameters": {"y": 2}}',
+     "", [("f", '{"x": "a\\"b"}'), ("g", '{"y": 2}')]),
+    ("llama3", '{"name": "f", "arguments": {}}', "", [("f", "{}")]),
+    ("llama3", 'Hello {"name": 1}', 'Hello {"name": 1}', []),
+    ("llama3", '{"answer": 42}', '{"answer": 42}', []),
+    ("array", '[{"name":"f","parameters":{"a":1}},{"name":"g","parameters":{}}]', "", [("f", '{"a":1}'), ("g", "{}")]),
+    ("named", '{"a": 1}', "", [("fn", '{"a": 1}')]),
+]
+
+
+def _parse(fmt: str, text: str, cuts: list[int]) -> tuple[str, list[tuple[str, str]]]:
+    parser, answer, at = ToolCallParser(fmt, "fn"), ToolCallAnswer(), 0
+    for cut in cuts + [len(text)]:
+        answer.add(parser.feed(text[at:cut]))
+        at = cut
+    answer.add(parser.finish())
+    return answer.content, [(c["function"]["name"], c["function"]["arguments"]) for c in answer.calls]
+
+
+@pytest.mark.parametrize("fmt,text,content,calls", ANSWERS)
+def test_tool_call_parsers_read_the_same_calls_however_the_text_is_split(fmt, text, content, calls):
+    assert _parse(fmt, text, []) == (content, calls)
+    for cut in range(len(text) + 1):
+        assert _parse(fmt, text, [cut]) == (content, calls), cut
+    assert _parse(fmt, text, list(range(1, len(text)))) == (content, calls)
+
+
+@pytest.mark.parametrize("name,text,reasoning,content", [
+    ("qwen3", "<think>\nhmm, 2+2 </thin is 4\n</think>\n\nThe answer is 4.", "\nhmm, 2+2 </thin is 4\n", "The answer is 4."),
+    ("qwen3", "No thinking here.", "", "No thinking here."),
+    ("qwen3", "<think>cut short", "cut short", ""),
+    ("deepseek-r1", "reasoning</think>\nanswer", "reasoning", "answer"),
+    ("qwen3-thinking", "<think>x</think>y", "x", "y"),
+])
+def test_reasoning_parser_splits_the_same_however_the_text_is_split(name, text, reasoning, content):
+    for stream_reasoning in (True, False):
+        for cuts in [[], *([k] for k in range(len(text) + 1)), list(range(1, len(text)))]:
+            parser, got, at = ReasoningParser(name, stream_reasoning), ["", ""], 0
+            for cut in cuts + [len(text)]:
+                r, c = parser.feed(text[at:cut])
+                got, at = [got[0] + r, got[1] + c], cut
+            r, c = parser.finish()
+            assert [got[0] + r, got[1] + c] == [reasoning, content], (cuts, stream_reasoning)
+
+
+QWEN_LIKE = (
+    "{%- if tools %}<|im_start|>system\nTools:\n{%- for t in tools %}\n{{ t | tojson }}{%- endfor %}\n"
+    "Call them as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content %}{{ m.content }}{% endif %}"
+    "{% if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>\n"
+    "{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}\n</tool_call>{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+LLAMA_LIKE = (
+    "{% if tools %}Respond with {\"name\": function name, \"parameters\": arguments} or <|python_tag|>.\n"
+    "{% for t in tools %}{{ t | tojson }}\n{% endfor %}{% endif %}"
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
+)
+HISTORY = [
+    {"role": "user", "content": "Weather in Oslo?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "-3 C, snow"},
+]
+
+
+def test_chat_templates_render_tools_natively_or_in_the_system_message(tiny_llama):
+    plain = load_tokenizer(tiny_llama)  # its template ignores tools
+    qwen = load_tokenizer(tiny_llama, QWEN_LIKE)
+    llama = load_tokenizer(tiny_llama, LLAMA_LIKE)
+    assert (renders_tools(plain), renders_tools(qwen), renders_tools(llama)) == (False, True, True)
+    assert [detect_tool_parser(t) for t in (plain, qwen, llama)] == ["qwen25", "qwen25", "llama3"]
+    for tok in (plain, qwen):
+        text = tok.decode(encode_chat(tok, HISTORY, TOOLS))
+        assert '"name": "get_weather"' in text and "Today's weather in a city" in text  # the tools, once
+        assert text.count("Today's weather") == 1
+        # The past call is shown with its arguments as an object, not as a quoted JSON string.
+        assert '{"name": "get_weather", "arguments": {"city": "Oslo"}}' in text
+        assert "-3 C, snow" in text
+    assert "Today's weather" not in plain.decode(encode_chat(plain, HISTORY))  # no tools: nothing added
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    srv = ServerProcess(tiny_llama, "--max-total-tokens", "16384", "--reasoning-parser", "qwen3")
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+def _streamed(client, **kw) -> tuple[dict, str | None]:
+    """A streamed chat's message, put together as the openai client's users do."""
+    content, reasoning, calls, finish = "", "", {}, None
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        if not chunk.choices:
+            continue
+        delta, finish = chunk.choices[0].delta, chunk.choices[0].finish_reason or finish
+        content += delta.content or ""
+        reasoning += getattr(delta, "reasoning_content", None) or ""
+        for c in delta.tool_calls or []:
+            entry = calls.setdefault(c.index, {"id": c.id, "name": "", "arguments": ""})
+            entry["name"] += c.function.name or ""
+            entry["arguments"] += c.function.arguments or ""
+    return {"content": content, "reasoning": reasoning, "calls": [calls[k] for k in sorted(calls)]}, finish
+
+
+def _whole(message) -> dict:
+    return {"content": message.content or "", "reasoning": getattr(message, "reasoning_content", None) or "",
+            "calls": [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+                      for c in message.tool_calls or []]}
+
+
+def test_forced_tool_calls_over_the_openai_client(server):
+    """tool_choice "required" and a named function: calls that validate against the tools'
+    schemas, streamed deltas that add up to the whole answer, OpenAI's finish reasons."""
+    import jsonschema
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    messages = [{"role": "user", "content": "What is the weather in Lima, in C?"}]
+    for choice, finish in [("required", "tool_calls"), ({"type": "function", "function": {"name": "add"}}, "stop")]:
+        for parallel in (True, False):
+            kw = dict(model="default", messages=messages, tools=TOOLS, tool_choice=choice, max_tokens=120,
+                      temperature=0, parallel_tool_calls=parallel)
+            r = client.chat.completions.create(**kw)
+            whole = _whole(r.choices[0].message)
+            assert r.choices[0].finish_reason == finish, r
+            assert whole["content"] == "" and whole["calls"], whole
+            assert len(whole["calls"]) == 1 or parallel
+            for call in whole["calls"]:
+                assert call["id"].startswith("call_")
+                jsonschema.validate(json.loads(call["arguments"]), PARAMS[call["name"]])
+            if isinstance(choice, dict):
+                assert [c["name"] for c in whole["calls"]] == ["add"]
+            streamed, streamed_finish = _streamed(client, **kw)
+            assert streamed_finish == finish
+            strip = lambda m: {**m, "calls": [{**c, "id": None} for c in m["calls"]]}  # noqa: E731 (ids are fresh)
+            assert strip(streamed) == strip(whole)
+    idle_and_clean(server)
+
+
+def test_tools_in_the_history_and_auto_choice(server):
+    """A conversation with a past call and its result is accepted; with tool_choice auto a
+    model that answers in words gets content, no calls; "none" sends the tools nowhere."""
+    base = {"model": "default", "messages": HISTORY, "max_tokens": 8, "temperature": 0}
+    usage = {}
+    for choice in ("auto", "none"):
+        r = httpx.post(f"{server.url}/v1/chat/completions", json={**base, "tools": TOOLS, "tool_choice": choice},
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        msg = r.json()["choices"][0]["message"]
+        assert msg.get("tool_calls") is None and isinstance(msg["content"], str)
+        usage[choice] = r.json()["usage"]["prompt_tokens"]
+    assert usage["auto"] > usage["none"]  # the tools were described to the model only with auto
+    idle_and_clean(server)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "name"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+])
+def test_bad_tool_requests_are_refused_by_name(server, body, param):
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=30, json={
+        "model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **body})
+    assert r.status_code == 400 and param in r.text, r.text
+
+
+def test_reasoning_parser_separates_thinking(server):
+    """--reasoning-parser qwen3: <think>...</think> goes to reasoning_content, streamed or not
+    (the regex makes the tiny model think); separate_reasoning false keeps it in the content."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    kw = dict(model="default", messages=[{"role": "user", "content": "Think first."}], max_tokens=40, temperature=0,
+              extra_body={"regex": "<think>[a-z]{2,8}</think>[a-z]{2,8}"})
+    whole = _whole(client.chat.completions.create(**kw).choices[0].message)
+    assert whole["reasoning"] and whole["content"] and "<think>" not in whole["content"] + whole["reasoning"]
+    assert _streamed(client, **kw)[0] == whole
+    for stream_reasoning in (True, False):
+        body = {**kw["extra_body"], "stream_reasoning": stream_reasoning}
+        assert _streamed(client, **{**kw, "extra_body": body})[0] == whole
+    joined = client.chat.completions.create(**{**kw, "extra_body": {**kw["extra_body"], "separate_reasoning": False}})
+    assert joined.choices[0].message.content == f"<think>{whole['reasoning']}</think>{whole['content']}"
+    free = client.chat.completions.create(**{**kw, "extra_body": {"regex": "[a-z ]{4,12}"}}).choices[0].message
+    assert free.content and not getattr(free, "reasoning_content", None)
+    idle_and_clean(server)
