@@ -20,6 +20,7 @@ setup(
         "starlette",
         "uvicorn",
         "prometheus-client",
+        "regex",  # partial matching: tool calls read as they stream
         "gguf",
         # structured output; ships CPU wheels (it brings triton on Linux x86-64)
         "xgrammar>=0.1.25",

@@ -40,3 +40,9 @@ def schemas(count: int, seed: int = 0) -> list[dict]:
 
 REGEXES = [r"\d{3}-\d{4}", r"(yes|no|maybe)", r"[a-z]{2,8}@[a-z]{3,6}\.(com|org)", r"#[0-9a-f]{6}",
            r"(\+|-)?[1-9][0-9]{0,3}\.[0-9]{2}", r"[A-Z][a-z]{1,6}( [A-Z][a-z]{1,6}){0,2}"]
+
+# An EBNF grammar and a regex for the same language, to check its outputs.
+EBNF = ('root ::= greeting " " name "!"\n'
+        'greeting ::= "hello" | "hi" | "hey"\n'
+        'name ::= [a-z] [a-z]? [a-z]? [a-z]?\n')
+EBNF_REGEX = r"(hello|hi|hey) [a-z]{1,4}!"

@@ -11,15 +11,11 @@ import httpx
 import pytest
 
 from minisgl.sampling import SamplingParams
-from tests.grammar_cases import MAX_NEW, REGEXES, schemas
+from tests.grammar_cases import EBNF, EBNF_REGEX, MAX_NEW, REGEXES, schemas
 from tests.test_api_compat import BASES
 from tests.test_scheduler import make_llm, shared_prefix_prompts, tokens
 from tests.test_server import idle_and_clean, server  # noqa: F401 (fixture)
 
-EBNF = ('root ::= greeting " " name "!"\n'
-        'greeting ::= "hello" | "hi" | "hey"\n'
-        'name ::= [a-z] [a-z]? [a-z]? [a-z]?\n')
-EBNF_REGEX = r"(hello|hi|hey) [a-z]{1,4}!"
 
 
 @pytest.fixture(scope="module")

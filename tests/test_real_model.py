@@ -14,7 +14,7 @@ import torch
 from minisgl.llm import LLM
 from minisgl.models.gguf_file import converted_checkpoint
 from minisgl.sampling import SamplingParams
-from tests.grammar_cases import MAX_NEW, REGEXES, schemas
+from tests.grammar_cases import EBNF, EBNF_REGEX, MAX_NEW, REGEXES, schemas
 from tests.helpers import prefill_batch
 
 PROMPTS = [
@@ -104,20 +104,43 @@ def test_eos_ids_read_from_files_equal_the_loaded_tokenizers(smollm2_gguf: Path,
 
 
 def test_structured_output_on_the_real_model(llm: LLM):
-    """50 JSON schemas of varied shape and every regex, asked of the instruct model through its
-    chat template: each answer ends by its grammar, parses and validates."""
+    """50 JSON schemas of varied shape, every regex and an EBNF grammar, asked of the instruct
+    model through its chat template: each answer ends by its grammar, parses and validates."""
     import jsonschema
 
     shapes = schemas(50, seed=11)
     chats = [[{"role": "user", "content": f"Give record {i} as JSON matching this schema: {json.dumps(s)}"}]
              for i, s in enumerate(shapes)]
     chats += [[{"role": "user", "content": f"Give one example string matching {p}"}] for p in REGEXES]
+    chats.append([{"role": "user", "content": "Greet someone in a few words."}])
     params = [SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, json_schema=json.dumps(s)) for s in shapes]
     params += [SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, regex=p) for p in REGEXES]
+    params.append(SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ebnf=EBNF))
     results = llm.chat(chats, params)
     for res, sp in zip(results, params):
         assert res["meta_info"]["finish_reason"] == "stop", res
         if sp.json_schema is not None:
             jsonschema.validate(json.loads(res["text"]), json.loads(sp.json_schema))
         else:
-            assert re.fullmatch(sp.regex, res["text"]), (sp.regex, res["text"])
+            pattern = sp.regex if sp.regex is not None else EBNF_REGEX
+            assert re.fullmatch(pattern, res["text"]), (pattern, res["text"])
+
+
+def test_forced_tool_calls_on_the_real_model(llm: LLM):
+    """tool_choice "required" as the server runs it: the tools described to the model (its
+    template ignores them), the answer constrained to calls, read back by the parser."""
+    import jsonschema
+
+    from minisgl.api.tool_calls import ToolCallAnswer, ToolCallParser, required_schema
+    from tests.test_tool_calls import PARAMS, TOOLS
+
+    asks = ["What is the weather in Oslo, in C?", "Add 2 and 5.", "Is it raining in Lima?"]
+    schema = json.dumps(required_schema(TOOLS, parallel=False))
+    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, json_schema=schema)
+    results = llm.chat([[{"role": "user", "content": a}] for a in asks], params, tools=TOOLS)
+    for res in results:
+        parser, answer = ToolCallParser("array"), ToolCallAnswer()
+        answer.add(parser.feed(res["text"]) + parser.finish())
+        assert res["meta_info"]["finish_reason"] == "stop" and answer.content == "" and len(answer.calls) == 1, res
+        call = answer.calls[0]["function"]
+        jsonschema.validate(json.loads(call["arguments"]), PARAMS[call["name"]])
