@@ -1,0 +1,94 @@
+"""Tensor parallelism on GPUs: greedy tokens at tp=2 against tp=1, and decode throughput.
+
+    NCCL_NVLS_ENABLE=0 python benchmarks/tp_check.py agreement --out results.json
+    NCCL_NVLS_ENABLE=0 python benchmarks/tp_check.py throughput --model benchmarks/configs/llama3.1-8b
+
+``agreement`` serves a tiny head-dim-128 Llama at tp=1 and tp=2, in fp32 (tokens must be equal)
+and bf16 (a different summation order of the all-reduce flips near-ties: the share that match
+and each first divergence are reported), 64 prompts x 48 greedy tokens through /generate.
+``throughput`` serves dummy weights in the model's shapes and times decode at batch 64 with
+1024-token prompts: the prompts are prefilled once (max_new_tokens 1), then run again from the
+cache for 256 tokens, so the time is decode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
+
+from local_server import serving  # noqa: E402
+
+
+def generate(url: str, prompts: list[list[int]], max_new: int) -> tuple[list[list[int]], float]:
+    body = {"input_ids": prompts, "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}}
+    start = time.perf_counter()
+    r = httpx.post(f"{url}/generate", json=body, timeout=600)
+    r.raise_for_status()
+    return [o["output_ids"] for o in r.json()], time.perf_counter() - start
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
+    first = [(i, next((j for j, (x, y) in enumerate(zip(u, v)) if x != y), min(len(u), len(v))))
+             for i, (u, v) in enumerate(zip(a, b)) if u != v]
+    return {"identical": len(a) - len(first), "of": len(a), "first_divergences": first}
+
+
+def run_agreement() -> dict:
+    from scripts.make_tiny_model import make_tiny_model
+
+    model = make_tiny_model("llama", Path(tempfile.mkdtemp()) / "tiny-hd128", overrides={"head_dim": 128})
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 1000) for _ in range(rng.randrange(8, 200))] for _ in range(64)]
+    report = {}
+    for dtype in ("float32", "bfloat16"):
+        outs = {}
+        for tp in (1, 2):
+            with serving(str(model), "--device", "cuda", "--dtype", dtype, "--tp-size", str(tp), timeout=600) as url:
+                outs[tp] = generate(url, prompts, 48)[0]
+        report[dtype] = agreement(outs[2], outs[1])
+    return report
+
+
+def run_throughput(model: str, batch: int, prompt_len: int, new_tokens: int) -> dict:
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1000, 100000) for _ in range(prompt_len)] for _ in range(batch)]
+    report = {}
+    for tp in (1, 2):
+        with serving(model, "--device", "cuda", "--load-format", "dummy", "--tp-size", str(tp),
+                     "--context-length", "4096", timeout=900) as url:
+            generate(url, prompts, 1)  # prefill once; the timed run reads the prompts from the cache
+            generate(url, prompts, 8)  # warm
+            _, seconds = generate(url, prompts, new_tokens)
+        report[f"tp{tp}"] = {"seconds": seconds, "decode_tok_per_s": batch * new_tokens / seconds}
+    report["speedup"] = report["tp2"]["decode_tok_per_s"] / report["tp1"]["decode_tok_per_s"]
+    return report
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("mode", choices=["agreement", "throughput"])
+    ap.add_argument("--model", default=str(ROOT / "benchmarks" / "configs" / "llama3.1-8b"))
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    report = run_agreement() if args.mode == "agreement" else run_throughput(
+        args.model, args.batch, args.prompt_len, args.new_tokens)
+    print(json.dumps(report))
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
