@@ -34,5 +34,7 @@ setup(
                  "smg; platform_system == 'Linux' and platform_machine == 'x86_64'",
                  "triton>=3.4; platform_system == 'Linux' and platform_machine == 'x86_64'"],
         "bench": ["httpx", "matplotlib"],
+        # --dp-size: SGLang's cache-aware router in front of the replicas.
+        "router": ["smg; platform_system == 'Linux' and platform_machine == 'x86_64'"],
     },
 )

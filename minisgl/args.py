@@ -80,6 +80,8 @@ class ServerArgs(EngineArgs):
     max_stop_length: int = 1024  # characters of one stop string
     tool_call_parser: str | None = None  # llama3, qwen25 (None: read from the chat template)
     reasoning_parser: str | None = None  # qwen3, qwen3-thinking, deepseek-r1
+    dp_size: int = 1  # replicas behind the smg router
+    router_policy: str = "cache_aware"
 
     @property
     def model_name(self) -> str:

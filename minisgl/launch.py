@@ -32,6 +32,7 @@ from minisgl.args import ServerArgs, add_engine_args
 from minisgl.ipc import Addresses, Receiver
 from minisgl.api.reasoning import PARSERS as REASONING_PARSERS
 from minisgl.api.tool_calls import PARSERS as TOOL_PARSERS
+from minisgl.data_parallel import ROUTER_POLICIES, DataParallelLauncher
 from minisgl.messages import EngineInfo
 from minisgl.scheduler.process import run_scheduler
 from minisgl.tokenizer import read_chat_template
@@ -73,9 +74,15 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
                     help="format of tool calls in answers (default: read from the chat template)")
     ap.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                     help="separate <think>...</think> into reasoning_content")
+    ap.add_argument("--dp-size", "--data-parallel-size", dest="dp_size", type=int, default=d.dp_size,
+                    help="replicas (each with --tp-size GPUs) behind the smg router on --host/--port")
+    ap.add_argument("--router-policy", default=d.router_policy, choices=ROUTER_POLICIES,
+                    help="how the smg router picks a replica with --dp-size (default %(default)s)")
     ns = ap.parse_args(argv)
     if ns.stream_interval < 1:
         ap.error(f"--stream-interval must be >= 1, got {ns.stream_interval}")
+    if ns.dp_size < 1:
+        ap.error(f"--dp-size must be >= 1, got {ns.dp_size}")
     for name in ("trust_remote_code", "enable_metrics", "enable_cache_report", "skip_server_warmup"):
         delattr(ns, name)
     return ServerArgs(**vars(ns))
@@ -217,6 +224,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.dp_size > 1:
+        try:
+            _check_port(args.host, args.port)
+        except OSError as e:
+            logger.error("cannot serve at %s:%d: %s", args.host, args.port, e)
+            return 1
+        return DataParallelLauncher(args, sys.argv[1:] if argv is None else argv).run()
     # Until uvicorn installs its own handlers (and after it restores these), SIGTERM acts like Ctrl-C.
     signal.signal(signal.SIGTERM, _interrupt)
     return Launcher(args).run()

@@ -13,24 +13,17 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import shutil
 import socket
 import re
 import subprocess
 import sys
 import time
 from contextlib import ExitStack
-from pathlib import Path
 
 import httpx
 
 from local_server import serving
-
-
-def find_smg() -> str | None:
-    """The smg binary: beside this Python (pip's scripts folder, on PATH or not), else on PATH."""
-    beside = Path(sys.executable).parent / "smg"
-    return str(beside) if beside.is_file() else shutil.which("smg")
+from minisgl.data_parallel import find_smg
 
 
 def main() -> int:

@@ -1,23 +1,21 @@
-"""The smg router (SGLang's cache-aware gateway) in front of two servers, unchanged: /generate and
-the OpenAI routes pass through it, it registers the workers without complaint, and 4 groups x 8
-requests sharing long prefixes mostly hit each replica's cache (round robin would not)."""
+"""The smg router (SGLang's cache-aware gateway) in front of two servers, unchanged, and as
+``--dp-size 2`` starts it: /generate and the OpenAI routes pass through it, it registers the
+workers without complaint, and 4 groups x 8 requests sharing long prefixes hit each replica's
+cache (round robin would not)."""
 
 from __future__ import annotations
 
 import json
-import shutil
+import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from minisgl.data_parallel import find_smg
 from tests.server_utils import ROOT
 
-# scripts/smg_check.py looks for the binary the same way: beside this Python, else on PATH.
-SMG = Path(sys.executable).parent / "smg"
-pytestmark = pytest.mark.skipif(not SMG.is_file() and shutil.which("smg") is None,
-                                reason="the smg router is not installed (test extra)")
+pytestmark = pytest.mark.skipif(find_smg() is None, reason="the smg router is not installed (test extra)")
 
 
 def test_smg_cache_aware_router_over_two_servers(tiny_llama):
@@ -30,3 +28,78 @@ def test_smg_cache_aware_router_over_two_servers(tiny_llama):
     # Each group's ~550-token prefix is computed once, on the replica the router keeps it on.
     assert report["hit_rate"] > 0.85, report
     assert {"num_running_reqs", "num_waiting_reqs"} <= set(report["loads_keys"]), report["loads_keys"]
+
+
+def test_dp_size_two_behind_the_router(tiny_llama):
+    """--dp-size 2: both APIs through the router; 4 groups x 8 requests sharing long prefixes
+    compute each group's prefix once (the replicas' own counters, against the token trie of the
+    prompts); a replica whose worker is killed is reported while the other keeps serving; SIGTERM
+    leaves no process and the exit code says a replica died."""
+    import random
+    import re
+    import signal
+    import time
+
+    import httpx
+    from transformers import AutoTokenizer
+
+    from tests.server_utils import ServerProcess, alive, descendants
+
+    srv = ServerProcess(tiny_llama, "--dp-size", "2", "--page-size", "1", "--max-total-tokens", "8192")
+    try:
+        srv.wait_ready(timeout=240)
+        replicas = re.search(r"smg cache_aware: (.*)\)", srv.output).group(1).split(", ")
+        assert len(replicas) == 2
+        r = httpx.post(f"{srv.url}/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 4}}, timeout=60)
+        assert r.status_code == 200 and len(r.json()["output_ids"]) == 4, r.text
+        for route, body in [("/v1/completions", {"prompt": "Hello", "max_tokens": 4}),
+                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})]:
+            r = httpx.post(f"{srv.url}{route}", json={"model": str(tiny_llama), **body}, timeout=60)
+            assert r.status_code == 200, r.text
+
+        before = [httpx.get(f"{u}/server_info").json()["scheduler"] for u in replicas]
+        rng = random.Random(0)
+        words = "alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega".split()
+        prefixes = [" ".join(rng.choice(words) for _ in range(150)) for _ in range(4)]
+        prompts = [f"{p} question {g}.{m}:" for m in range(8) for g, p in enumerate(prefixes)]
+        for text in prompts:
+            r = httpx.post(f"{srv.url}/generate", json={"text": text, "sampling_params": {"max_new_tokens": 1}},
+                           timeout=60)
+            assert r.status_code == 200, r.text
+        after = [httpx.get(f"{u}/server_info").json()["scheduler"] for u in replicas]
+        computed = sum(a["prefill_tokens"] - b["prefill_tokens"] for a, b in zip(after, before))
+        tok = AutoTokenizer.from_pretrained(tiny_llama)
+
+        def distinct(texts: list[str]) -> int:  # tokens in the prefix trie of texts: what one cache computes
+            trie = set()
+            for text in texts:
+                ids = tuple(tok.encode(text))
+                trie.update(ids[:k] for k in range(1, len(ids) + 1))
+            return len(trie)
+
+        # Each group's prefix computed once: at most the groups' own tries; at least one cache's.
+        per_group = sum(distinct(prompts[g::4]) for g in range(4))
+        assert distinct(prompts) <= computed <= per_group, (computed, distinct(prompts), per_group)
+
+        victim = httpx.get(f"{replicas[0]}/get_server_info").json()["processes"]["worker-0"]
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while "still serving" not in srv.output and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "1 of 2 replicas still serving" in srv.output, srv.output[-3000:]
+        served = 0
+        for k in range(8):  # the router marks the dead replica unhealthy; the other answers
+            for _ in range(20):
+                r = httpx.post(f"{srv.url}/generate", json={"text": f"after {k}", "sampling_params": {"max_new_tokens": 2}},
+                               timeout=60)
+                if r.status_code == 200:
+                    served += 1
+                    break
+                time.sleep(0.5)
+        assert served == 8
+        tree = descendants(srv.proc.pid)
+        assert srv.stop(signal.SIGTERM, timeout=60) == 1  # a replica died during the run
+        time.sleep(1)
+        assert not [p for p in tree if alive(p)]
+    finally:
+        srv.stop(signal.SIGKILL)
