@@ -44,7 +44,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16):
             logits = torch.mm(hidden.reshape(-1, hidden.shape[-1]), self.weight.t(), out_dtype=torch.float32)
-            logits = logits.view(*hidden.shape[:-1], -1)
+            logits = logits.view(*hidden.shape[:-1], self.weight.shape[0])  # explicit: zero rows happen
         else:
             logits = F.linear(hidden, self.weight)
         return all_gather_last_dim(logits)[..., : self.vocab_size]
