@@ -29,7 +29,7 @@ logger = logging.getLogger("minisgl.launch")
 ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two", "least_load", "consistent_hashing",
                    "prefix_hash")
 # Flags the data-parallel launcher handles itself; the rest go to every replica unchanged.
-OWN_FLAGS = {"--dp-size": True, "--data-parallel-size": True, "--router-policy": True, "--host": True, "--port": True}
+OWN_FLAGS = {"--dp-size", "--data-parallel-size", "--router-policy", "--host", "--port"}
 
 
 def find_smg() -> str | None:
@@ -64,20 +64,22 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def _devices(args: ServerArgs, replica: int) -> dict[str, str]:
-    """CUDA_VISIBLE_DEVICES for one replica's tp_size GPUs; on CPU, its share of the cores
-    (each replica's worker would otherwise take them all)."""
-    if not (args.device.startswith("cuda") or (args.device == "auto" and _cuda_count() > 0)):
+def replica_envs(args: ServerArgs) -> list[dict[str, str]]:
+    """Each replica's environment additions: CUDA_VISIBLE_DEVICES naming its own tp_size GPUs;
+    on CPU, its share of the cores (each replica's worker would otherwise take them all)."""
+    gpus = _cuda_count() if args.device == "auto" or args.device.startswith("cuda") else 0
+    if not (args.device.startswith("cuda") or gpus > 0):
         if "OMP_NUM_THREADS" in os.environ:
-            return {}
-        return {"OMP_NUM_THREADS": str(max(1, (len(os.sched_getaffinity(0)) - 1) // args.dp_size))}
+            return [{} for _ in range(args.dp_size)]
+        share = max(1, (len(os.sched_getaffinity(0)) - 1) // args.dp_size)
+        return [{"OMP_NUM_THREADS": str(share)} for _ in range(args.dp_size)]
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = visible.split(",") if visible else [str(i) for i in range(_cuda_count())]
-    mine = ids[replica * args.tp_size:(replica + 1) * args.tp_size]
-    if len(mine) < args.tp_size:
-        raise SystemExit(f"--dp-size {args.dp_size} x --tp-size {args.tp_size} needs "
+    ids = visible.split(",") if visible else [str(i) for i in range(gpus)]
+    if len(ids) < args.dp_size * args.tp_size:
+        raise ValueError(f"--dp-size {args.dp_size} x --tp-size {args.tp_size} needs "
                          f"{args.dp_size * args.tp_size} GPUs; {len(ids)} are visible")
-    return {"CUDA_VISIBLE_DEVICES": ",".join(mine)}
+    tp = args.tp_size
+    return [{"CUDA_VISIBLE_DEVICES": ",".join(ids[i * tp:(i + 1) * tp])} for i in range(args.dp_size)]
 
 
 def _cuda_count() -> int:
@@ -119,10 +121,15 @@ class DataParallelLauncher:
         if smg is None:
             logger.error("--dp-size needs the smg router: pip install 'minisgl[router]'")
             return 1
+        try:
+            envs = replica_envs(self.args)
+        except ValueError as e:
+            logger.error("%s", e)
+            return 1
         signal.signal(signal.SIGTERM, lambda *_: self.stop.set())
         signal.signal(signal.SIGINT, lambda *_: self.stop.set())
         try:
-            self._start_replicas()
+            self._start_replicas(envs)
             if not self._wait(self.urls, self.replicas, "replica"):
                 return 1
             self._start_router(smg)
@@ -136,11 +143,11 @@ class DataParallelLauncher:
         finally:
             self._stop_all()
 
-    def _start_replicas(self) -> None:
-        for i in range(self.args.dp_size):
+    def _start_replicas(self, envs: list[dict[str, str]]) -> None:
+        for i, extra in enumerate(envs):
             port = _free_port()
             cmd = [sys.executable, "-m", "minisgl.launch", *self.argv, "--host", "127.0.0.1", "--port", str(port)]
-            env = {**os.environ, **_devices(self.args, i)}
+            env = {**os.environ, **extra}
             proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True)
             threading.Thread(target=_relay, args=(proc, f"[replica {i}] "), daemon=True).start()

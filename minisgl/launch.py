@@ -27,12 +27,12 @@ import zmq
 
 from minisgl.api.client import EngineClient
 from minisgl.api.connections import HeaderTimeoutProtocol
-from minisgl.api.server import create_app
-from minisgl.args import ServerArgs, add_engine_args
-from minisgl.ipc import Addresses, Receiver
 from minisgl.api.reasoning import PARSERS as REASONING_PARSERS
+from minisgl.api.server import create_app
 from minisgl.api.tool_calls import PARSERS as TOOL_PARSERS
+from minisgl.args import ServerArgs, add_engine_args
 from minisgl.data_parallel import ROUTER_POLICIES, DataParallelLauncher
+from minisgl.ipc import Addresses, Receiver
 from minisgl.messages import EngineInfo
 from minisgl.scheduler.process import run_scheduler
 from minisgl.tokenizer import read_chat_template

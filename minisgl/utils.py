@@ -6,6 +6,7 @@ processes use this module too and never load torch (hundreds of MB of memory eac
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -40,6 +41,17 @@ def resolve_dtype(dtype: str, config_dtype: str | None, device: torch.device) ->
     if device.type == "cpu":
         return torch.float32
     return getattr(torch, _DTYPES.get(str(config_dtype).replace("torch.", ""), "bfloat16"))
+
+
+def partial_suffix(text: str, markers: Iterable[str]) -> int:
+    """Length of the longest end of ``text`` that is a proper start of one of ``markers``: text
+    a stream must hold back, as the next piece may complete the marker."""
+    markers = list(markers)
+    for n in range(min(len(text), max((len(m) for m in markers), default=1) - 1), 0, -1):
+        tail = text[-n:]
+        if any(m.startswith(tail) for m in markers):
+            return n
+    return 0
 
 
 def cdiv(a: int, b: int) -> int:

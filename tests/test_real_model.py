@@ -131,7 +131,7 @@ def test_forced_tool_calls_on_the_real_model(llm: LLM):
     template ignores them), the answer constrained to calls, read back by the parser."""
     import jsonschema
 
-    from minisgl.api.tool_calls import ToolCallAnswer, ToolCallParser, required_schema
+    from minisgl.api.tool_calls import ToolCallParser, deltas, required_schema
     from tests.test_tool_calls import PARAMS, TOOLS
 
     asks = ["What is the weather in Oslo, in C?", "Add 2 and 5.", "Is it raining in Lima?"]
@@ -139,8 +139,8 @@ def test_forced_tool_calls_on_the_real_model(llm: LLM):
     params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, json_schema=schema)
     results = llm.chat([[{"role": "user", "content": a}] for a in asks], params, tools=TOOLS)
     for res in results:
-        parser, answer = ToolCallParser("array"), ToolCallAnswer()
-        answer.add(parser.feed(res["text"]) + parser.finish())
-        assert res["meta_info"]["finish_reason"] == "stop" and answer.content == "" and len(answer.calls) == 1, res
-        call = answer.calls[0]["function"]
+        parser = ToolCallParser("array")
+        content, calls = deltas(parser.feed(res["text"]) + parser.finish())
+        assert res["meta_info"]["finish_reason"] == "stop" and content == "" and len(calls) == 1, res
+        call = calls[0]["function"]
         jsonschema.validate(json.loads(call["arguments"]), PARAMS[call["name"]])

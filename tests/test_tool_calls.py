@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from minisgl.api.reasoning import ReasoningParser
-from minisgl.api.tool_calls import ToolCallAnswer, ToolCallParser
+from minisgl.api.tool_calls import ToolCallParser, deltas
 from minisgl.tokenizer import load_tokenizer
 from minisgl.tokenizer.chat import detect_tool_parser, encode_chat, renders_tools
 from tests.server_utils import ServerProcess
@@ -48,12 +48,12 @@ ANSWERS = [  # (format, text, content, [(name, arguments)])
 
 
 def _parse(fmt: str, text: str, cuts: list[int]) -> tuple[str, list[tuple[str, str]]]:
-    parser, answer, at = ToolCallParser(fmt, "fn"), ToolCallAnswer(), 0
+    parser, events, at = ToolCallParser(fmt, "fn"), [], 0
     for cut in cuts + [len(text)]:
-        answer.add(parser.feed(text[at:cut]))
+        events += parser.feed(text[at:cut])
         at = cut
-    answer.add(parser.finish())
-    return answer.content, [(c["function"]["name"], c["function"]["arguments"]) for c in answer.calls]
+    content, calls = deltas(events + parser.finish())
+    return content, [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
 
 
 @pytest.mark.parametrize("fmt,text,content,calls", ANSWERS)

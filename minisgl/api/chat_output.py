@@ -19,7 +19,6 @@ class ChatOutput:
         self.plan = plan
         self.reasoning = ReasoningParser(reasoning_parser, stream_reasoning) if reasoning_parser else None
         self.tools = ToolCallParser(plan.fmt, plan.name) if plan.fmt else None
-        self.ids: dict[int, str] = {}
         self.called = False
 
     def delta(self, text: str, final: bool) -> dict[str, Any]:
@@ -31,7 +30,7 @@ class ChatOutput:
         calls: list[dict[str, Any]] = []
         if self.tools:
             events = self.tools.feed(content) + (self.tools.finish() if final else [])
-            content, calls = deltas(events, self.ids)
+            content, calls = deltas(events)
         self.called |= bool(calls)
         out: dict[str, Any] = {}
         if reasoning:

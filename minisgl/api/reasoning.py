@@ -9,6 +9,8 @@ tag in the prompt. Streamed and whole answers go through the same steps, so they
 
 from __future__ import annotations
 
+from minisgl.utils import partial_suffix
+
 PARSERS = ("qwen3", "qwen3-thinking", "deepseek-r1")
 OPEN, CLOSE = "<think>", "</think>"
 
@@ -39,8 +41,7 @@ class ReasoningParser:
         if self.state == "reasoning":
             at = self.pending.find(CLOSE)
             if at < 0:
-                keep = next((k for k in range(min(len(CLOSE) - 1, len(self.pending)), 0, -1)
-                             if CLOSE.startswith(self.pending[-k:])), 0)
+                keep = partial_suffix(self.pending, [CLOSE])
                 reasoning, self.pending = self.pending[: len(self.pending) - keep], self.pending[len(self.pending) - keep:]
                 return self._reasoning(reasoning, False), ""
             reasoning, self.pending = self.pending[:at], self.pending[at + len(CLOSE):].lstrip()

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import regex
+
+from minisgl.utils import partial_suffix
 
 PARSERS = ("llama3", "qwen25", "qwen", "hermes")  # --tool-call-parser: SGLang's names for these formats
 QWEN_OPEN, QWEN_CLOSE = "<tool_call>", "</tool_call>"
@@ -216,7 +218,7 @@ class ToolCallParser:
                 events.append(Event("content", before))
             return self._open(QWEN_OPEN, self.pending[at + len(QWEN_OPEN):])
         # Hold back trailing whitespace (it may come before a call) and a partial <tool_call>.
-        keep = _partial_suffix(self.pending, QWEN_OPEN)
+        keep = partial_suffix(self.pending, [QWEN_OPEN])
         out = self.pending[: len(self.pending) - keep].rstrip()
         if out:
             events.append(Event("content", out))
@@ -260,45 +262,16 @@ class ToolCallParser:
 _QWEN_END = regex.compile(r"\s*</tool_call>")
 
 
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest end of ``text`` that is a proper start of ``marker``."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-k:]):
-            return k
-    return 0
-
-
-@dataclass
-class ToolCallAnswer:
-    """An answer's content and tool calls gathered from events, as OpenAI's message has them."""
-
-    content: str = ""
-    calls: list[dict[str, Any]] = field(default_factory=list)
-
-    def add(self, events: list[Event]) -> None:
-        for e in events:
-            if e.kind == "content":
-                self.content += e.text
-            elif e.kind == "call":
-                self.calls.append(new_call(e.text))
-            else:
-                self.calls[e.index]["function"]["arguments"] += e.text
-
-
-def new_call(name: str) -> dict[str, Any]:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": ""}}
-
-
-def deltas(events: list[Event], ids: dict[int, str]) -> tuple[str, list[dict[str, Any]]]:
-    """One streamed update's events as OpenAI delta parts: its content and its tool_calls
-    entries (a call's first entry has its id, type and name; later ones add arguments)."""
+def deltas(events: list[Event]) -> tuple[str, list[dict[str, Any]]]:
+    """Events as OpenAI message parts: the content and the tool_calls entries (a call's first
+    entry has its id, type and name; later ones add arguments). For a whole answer's events that
+    is one complete entry per call; for a streamed update's, its delta."""
     content, calls = "", []
     for e in events:
         if e.kind == "content":
             content += e.text
         elif e.kind == "call":
-            ids[e.index] = new_call(e.text)["id"]
-            calls.append({"index": e.index, "id": ids[e.index], "type": "function",
+            calls.append({"index": e.index, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                           "function": {"name": e.text, "arguments": ""}})
         elif calls and calls[-1]["index"] == e.index:
             calls[-1]["function"]["arguments"] += e.text

@@ -13,6 +13,9 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024
 
 
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")  # the output constraints, at most one per request
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """temperature 0 means greedy. top_k <= 0 (SGLang uses -1) disables top-k.
 
@@ -55,7 +58,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def grammar(self) -> tuple[str, str] | None:
         """(kind, text) of the output's constraint: json_schema, regex or ebnf (validate checks
         that at most one is given)."""
-        for kind in ("json_schema", "regex", "ebnf"):
+        for kind in GRAMMAR_KINDS:
             if getattr(self, kind) is not None:
                 return kind, getattr(self, kind)
         return None
@@ -82,7 +85,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         for ok, name, rule in checks:
             if not ok:
                 raise ValueError(f"{name} {rule}, got {getattr(self, name)!r}")
-        given = [k for k in ("json_schema", "regex", "ebnf") if getattr(self, k) is not None]
+        given = [k for k in GRAMMAR_KINDS if getattr(self, k) is not None]
         if len(given) > 1:
             raise ValueError(f"{given[0]} and {given[1]} cannot be combined: give at most one constraint")
         if self.logit_bias:

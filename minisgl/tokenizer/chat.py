@@ -97,11 +97,10 @@ def encode_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict
 
 
 def _with_parsed_arguments(message: dict[str, Any]) -> dict[str, Any]:
-    calls = message.get("tool_calls")
-    if not calls:
-        return {k: v for k, v in message.items() if v is not None}
+    """The message without unset fields, its calls' arguments as objects."""
+    message = {k: v for k, v in message.items() if v is not None}
     parsed = []
-    for c in calls:
+    for c in message.get("tool_calls") or []:
         args = c["function"].get("arguments")
         if isinstance(args, str):
             try:
@@ -109,4 +108,4 @@ def _with_parsed_arguments(message: dict[str, Any]) -> dict[str, Any]:
             except ValueError:
                 pass  # not JSON: the template gets the text as the model wrote it
         parsed.append({**c, "function": {**c["function"], "arguments": args}})
-    return {**{k: v for k, v in message.items() if v is not None}, "tool_calls": parsed}
+    return {**message, "tool_calls": parsed} if parsed else message

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from minisgl.utils import partial_suffix
+
 REPLACEMENT = "\ufffd"
 
 
@@ -67,17 +69,9 @@ class StopStringFilter:
             at, stop = min(hits, key=lambda h: (h[0], -len(h[1])))
             self.matched, self._held = stop, ""
             return buf[: at + (len(stop) if self.keep else 0)]
-        keep = 0 if final else self._partial_suffix(buf)
+        keep = 0 if final else partial_suffix(buf, self.stops)
         self._held = buf[len(buf) - keep :] if keep else ""
         return buf[: len(buf) - keep]
-
-    def _partial_suffix(self, buf: str) -> int:
-        """Length of the longest tail of ``buf`` that is a proper prefix of some stop string."""
-        for n in range(min(len(buf), max((len(s) for s in self.stops), default=1) - 1), 0, -1):
-            tail = buf[-n:]
-            if any(s.startswith(tail) for s in self.stops):
-                return n
-        return 0
 
 
 class TextStream:
