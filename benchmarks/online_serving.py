@@ -6,7 +6,11 @@
 Starts ``python -m minisgl.launch`` with dummy weights (unless ``--url`` points at a running
 server), sends every request as token ids with ``ignore_eos``, either at a Poisson request rate
 or keeping at most ``--max-concurrency`` in flight, and reports request and token throughput,
-TTFT, inter-token latency and end-to-end latency (mean, p50, p99) and the cache hit rate.
+TTFT, inter-token latency and end-to-end latency (mean, p50, p99) and the cache hit rate (the
+server's, and the client's: cached prompt tokens over prompt tokens, which holds behind the
+``--dp-size`` router too, where the server's figure is one replica's).
+
+    python benchmarks/online_serving.py --model benchmarks/configs/llama3.1-8b --server-args --dp-size 2
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -107,6 +112,8 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     for line in proc.stdout:
         print(line, end="")
         if line.startswith("minisgl ready"):
+            # keep draining the pipe: a server blocked on a full pipe would stall the benchmark
+            threading.Thread(target=lambda: [print(x, end="") for x in proc.stdout], daemon=True).start()
             return proc, f"http://127.0.0.1:{args.port}"
     raise RuntimeError("the server exited before it was ready")
 
@@ -154,11 +161,14 @@ def main() -> None:
         "itl_s": summary([x for r in results for x in r["itl"]]),
         "e2e_s": summary([r["e2e"] for r in results]),
         "cache_hit_rate": sched["cache_hit_rate"],
+        "client_cache_hit_rate": sum(r["cached"] for r in results) / sum(r["prompt"] for r in results),
         "cached_tokens_reported": sum(r["cached"] for r in results),
+        "server_args": args.server_args,
         "cpu_busy": cpu,
     }
     print(f"{args.workload}: {len(results)} requests in {elapsed:.2f} s, {report['request_throughput']:.2f} req/s, "
-          f"{report['output_tok_per_s']:.0f} out tok/s, cache hit rate {report['cache_hit_rate']:.2f}")
+          f"{report['output_tok_per_s']:.0f} out tok/s, cache hit rate {report['cache_hit_rate']:.3f} "
+          f"(client {report['client_cache_hit_rate']:.3f})")
     for key in ("ttft_s", "itl_s", "e2e_s"):
         s = report[key]
         print(f"  {key[:-2]:5s} mean {s['mean'] * 1e3:9.1f} ms  p50 {s['p50'] * 1e3:9.1f} ms  p99 {s['p99'] * 1e3:9.1f} ms")

@@ -9,6 +9,10 @@ and each first divergence are reported), 64 prompts x 48 greedy tokens through /
 ``throughput`` serves dummy weights in the model's shapes and times decode at batch 64 with
 1024-token prompts: the prompts are prefilled once (max_new_tokens 1), then run again from the
 cache for 256 tokens, so the time is decode.
+
+Each tp=2 variant is one way to all-reduce: ``nccl`` (--disable-custom-all-reduce), ``one-shot``
+(the symmetric-memory kernel for decode-sized tensors) and ``fp32`` (partial sums all-reduced in
+float32 before rounding to the model's dtype, --enable-fp32-all-reduce).
 """
 
 from __future__ import annotations
@@ -43,7 +47,14 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
     return {"identical": len(a) - len(first), "of": len(a), "first_divergences": first}
 
 
-def run_agreement() -> dict:
+VARIANTS = {  # tp=2 all-reduce variants: extra server flags
+    "nccl": ["--disable-custom-all-reduce"],
+    "one-shot": [],
+    "fp32": ["--enable-fp32-all-reduce"],
+}
+
+
+def run_agreement(variants: list[str]) -> dict:
     from scripts.make_tiny_model import make_tiny_model
 
     model = make_tiny_model("llama", Path(tempfile.mkdtemp()) / "tiny-hd128", overrides={"head_dim": 128})
@@ -51,26 +62,29 @@ def run_agreement() -> dict:
     prompts = [[rng.randrange(3, 1000) for _ in range(rng.randrange(8, 200))] for _ in range(64)]
     report = {}
     for dtype in ("float32", "bfloat16"):
-        outs = {}
-        for tp in (1, 2):
-            with serving(str(model), "--device", "cuda", "--dtype", dtype, "--tp-size", str(tp), timeout=600) as url:
-                outs[tp] = generate(url, prompts, 48)[0]
-        report[dtype] = agreement(outs[2], outs[1])
+        with serving(str(model), "--device", "cuda", "--dtype", dtype, timeout=600) as url:
+            reference = generate(url, prompts, 48)[0]
+        for name in variants:
+            with serving(str(model), "--device", "cuda", "--dtype", dtype, "--tp-size", "2", *VARIANTS[name],
+                         timeout=600) as url:
+                report[f"{dtype} {name}"] = agreement(generate(url, prompts, 48)[0], reference)
     return report
 
 
-def run_throughput(model: str, batch: int, prompt_len: int, new_tokens: int) -> dict:
+def run_throughput(model: str, batch: int, prompt_len: int, new_tokens: int, variants: list[str]) -> dict:
     rng = random.Random(0)
     prompts = [[rng.randrange(1000, 100000) for _ in range(prompt_len)] for _ in range(batch)]
     report = {}
-    for tp in (1, 2):
-        with serving(model, "--device", "cuda", "--load-format", "dummy", "--tp-size", str(tp),
-                     "--context-length", "4096", timeout=900) as url:
+    for name in ["tp1", *variants]:
+        tp = "1" if name == "tp1" else "2"
+        with serving(model, "--device", "cuda", "--load-format", "dummy", "--tp-size", tp,
+                     "--context-length", "4096", *VARIANTS.get(name, []), timeout=900) as url:
             generate(url, prompts, 1)  # prefill once; the timed run reads the prompts from the cache
             generate(url, prompts, 8)  # warm
             _, seconds = generate(url, prompts, new_tokens)
-        report[f"tp{tp}"] = {"seconds": seconds, "decode_tok_per_s": batch * new_tokens / seconds}
-    report["speedup"] = report["tp2"]["decode_tok_per_s"] / report["tp1"]["decode_tok_per_s"]
+        report[name] = {"seconds": seconds, "decode_tok_per_s": batch * new_tokens / seconds}
+        if name != "tp1":
+            report[name]["speedup"] = report[name]["decode_tok_per_s"] / report["tp1"]["decode_tok_per_s"]
     return report
 
 
@@ -81,10 +95,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    report = run_agreement() if args.mode == "agreement" else run_throughput(
-        args.model, args.batch, args.prompt_len, args.new_tokens)
+    report = run_agreement(args.variants) if args.mode == "agreement" else run_throughput(
+        args.model, args.batch, args.prompt_len, args.new_tokens, args.variants)
     print(json.dumps(report))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))

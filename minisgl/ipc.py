@@ -2,7 +2,10 @@
 
 Each process binds one PULL socket for what it receives and connects PUSH sockets to its peers,
 so start-up order does not matter (ZeroMQ queues until the peer binds). Addresses are ``ipc://``
-files in a private (0700) runtime folder made by the launcher.
+files in a private (0700) runtime folder made by the launcher. A worker on another host
+(``--nnodes``) is the one exception: the scheduler binds a TCP port for it on node 0's address
+(the port after ``--dist-init-addr``'s, plus the rank) and the worker connects there, so only
+node 0's address needs to be known.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -19,6 +23,7 @@ from typing import Any, Generic, TypeVar
 import msgspec
 import zmq
 import zmq.asyncio
+import zmq.utils.monitor
 
 T = TypeVar("T")
 
@@ -28,10 +33,13 @@ class Addresses:
     """Where each process listens."""
 
     root: str
+    dist_init_addr: str | None = None  # host:port of node 0 when the TP group spans hosts
+    ranks_per_node: int = 0  # ranks below this run on node 0 (0: every rank does)
 
     @classmethod
-    def make(cls) -> Addresses:
-        return cls(tempfile.mkdtemp(prefix="minisgl-"))  # mkdtemp creates the folder with mode 0700
+    def make(cls, dist_init_addr: str | None = None, ranks_per_node: int = 0) -> Addresses:
+        # mkdtemp creates the folder with mode 0700
+        return cls(tempfile.mkdtemp(prefix="minisgl-"), dist_init_addr, ranks_per_node)
 
     def _ipc(self, name: str) -> str:
         return f"ipc://{os.path.join(self.root, name)}"
@@ -57,18 +65,31 @@ class Addresses:
         return self._ipc("worker-out")
 
     def worker(self, rank: int) -> str:
-        return self._ipc(f"worker-{rank}")
+        if not self.is_remote(rank):
+            return self._ipc(f"worker-{rank}")
+        assert self.dist_init_addr is not None
+        host, port = self.dist_init_addr.rsplit(":", 1)
+        return f"tcp://{socket.gethostbyname(host)}:{int(port) + 1 + rank}"  # ZeroMQ binds numeric addresses
+
+    def is_remote(self, rank: int) -> bool:
+        """Whether the rank runs on another host than the scheduler (its link goes over TCP)."""
+        return 0 < self.ranks_per_node <= rank
 
     @property
     def dist_init(self) -> str:
+        if self.dist_init_addr is not None:
+            return f"tcp://{self.dist_init_addr}"
         return f"file://{os.path.join(self.root, 'dist-init')}"
 
 
-def _socket(ctx: zmq.Context, kind: int, addr: str, bind: bool) -> zmq.Socket:
+def _socket(ctx: zmq.Context, kind: int, addr: str, bind: bool, before: Any = None) -> zmq.Socket:
+    """A socket bound or connected to ``addr``; ``before(sock)`` runs first (e.g. attach a monitor)."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
+    if before is not None:
+        before(sock)
     sock.bind(addr) if bind else sock.connect(addr)
     return sock
 
@@ -83,8 +104,8 @@ def cpu_worker_threads() -> int:
 class Sender:
     """PUSH socket that encodes msgspec Structs as MessagePack."""
 
-    def __init__(self, ctx: zmq.Context, addr: str):
-        self.sock = _socket(ctx, zmq.PUSH, addr, bind=False)
+    def __init__(self, ctx: zmq.Context, addr: str, bind: bool = False):
+        self.sock = _socket(ctx, zmq.PUSH, addr, bind=bind)
         self._enc = msgspec.msgpack.Encoder()
 
     def send(self, msg: Any) -> None:
@@ -99,11 +120,25 @@ class Sender:
 
 
 class Receiver(Generic[T]):
-    """Bound PULL socket that decodes one message type (usually a tagged union)."""
+    """PULL socket (bound, or connected with ``bind=False``) that decodes one message type
+    (usually a tagged union)."""
 
-    def __init__(self, ctx: zmq.Context, addr: str, kind: Any):
-        self.sock = _socket(ctx, zmq.PULL, addr, bind=True)
+    def __init__(self, ctx: zmq.Context, addr: str, kind: Any, bind: bool = True):
+        self._monitor: zmq.Socket | None = None
+        self.sock = _socket(ctx, zmq.PULL, addr, bind=bind, before=None if bind else self._watch)
         self._dec = msgspec.msgpack.Decoder(kind)
+
+    def _watch(self, sock: zmq.Socket) -> None:
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)  # before connecting: no event missed
+
+    def peer_gone(self) -> bool:
+        """For a connected socket: whether the peer it reached has since closed (a remote
+        worker's scheduler stopped). ZeroMQ would otherwise wait for it forever."""
+        assert self._monitor is not None, "only a connecting Receiver watches its peer"
+        gone = False
+        while self._monitor.poll(0):
+            gone |= zmq.utils.monitor.recv_monitor_message(self._monitor)["event"] == zmq.EVENT_DISCONNECTED
+        return gone
 
     def recv(self, timeout_ms: int | None = None) -> T | None:
         """The next message; None when ``timeout_ms`` passes first (0 polls)."""

@@ -2,6 +2,8 @@
 
 The launcher spawns the tokenizer, scheduler and one worker per tensor-parallel rank, waits
 until the model is loaded, then serves HTTP itself (uvicorn). It prints one line when ready.
+With ``--nnodes N``, node 0 does all that for its share of the ranks and every other node
+(``--node-rank``) runs only its workers, which stop when node 0's scheduler goes away.
 
 Exit codes: 0 after SIGINT/SIGTERM (a clean shutdown), 1 when a server process died or failed
 to start (also: the port is taken, or a step outlived ``--watchdog-timeout``), 2 for bad arguments. In every case the children are stopped before it exits, and a
@@ -74,6 +76,12 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
                     help="format of tool calls in answers (default: read from the chat template)")
     ap.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                     help="separate <think>...</think> into reasoning_content")
+    ap.add_argument("--nnodes", type=int, default=d.nnodes, help="hosts one tensor-parallel group spans")
+    ap.add_argument("--node-rank", type=int, default=d.node_rank,
+                    help="this host's place among --nnodes (0 serves HTTP; the others run workers only)")
+    ap.add_argument("--dist-init-addr", "--nccl-init-addr", dest="dist_init_addr", default=None,
+                    help="host:port of node 0 where the nodes meet (torch.distributed; ZeroMQ links to the "
+                         "other nodes' workers take the ports after it)")
     ap.add_argument("--dp-size", "--data-parallel-size", dest="dp_size", type=int, default=d.dp_size,
                     help="replicas (each with --tp-size GPUs) behind the smg router on --host/--port")
     ap.add_argument("--router-policy", default=d.router_policy, choices=ROUTER_POLICIES,
@@ -83,6 +91,9 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         ap.error(f"--stream-interval must be >= 1, got {ns.stream_interval}")
     if ns.dp_size < 1:
         ap.error(f"--dp-size must be >= 1, got {ns.dp_size}")
+    if ns.dp_size > 1 and ns.nnodes > 1:
+        ap.error("--dp-size starts replicas on this host only; for replicas on several hosts, start one server "
+                 "per host and one smg router over them (README: scale-out)")
     for name in ("trust_remote_code", "enable_metrics", "enable_cache_report", "skip_server_warmup"):
         delattr(ns, name)
     return ServerArgs(**vars(ns))
@@ -124,7 +135,7 @@ def _run_worker(args: ServerArgs, rank: int, addrs: Addresses, level: str) -> No
 class Launcher:
     def __init__(self, args: ServerArgs):
         self.args = args
-        self.addrs = Addresses.make()
+        self.addrs = node_addresses(args)
         ctx = mp.get_context("spawn")
         level = args.log_level
         self.procs: list[BaseProcess] = [
@@ -135,7 +146,7 @@ class Launcher:
                         name="scheduler"),
         ] + [
             ctx.Process(target=_run_worker, args=(args, rank, self.addrs, level), name=f"worker-{rank}")
-            for rank in range(args.tp_size)
+            for rank in range(args.ranks_per_node)
         ]
         self.stopping = False
         self.dead: BaseProcess | None = None
@@ -193,14 +204,56 @@ class Launcher:
             shutil.rmtree(self.addrs.root, ignore_errors=True)
 
     def _stop_children(self) -> None:
-        for p in self.procs:
-            if p.is_alive():
-                p.terminate()
-        for p in self.procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        stop_processes(self.procs)
+
+
+def node_addresses(args: ServerArgs) -> Addresses:
+    """This node's runtime folder; a TP group over several hosts also meets at --dist-init-addr."""
+    if args.nnodes == 1:
+        return Addresses.make()
+    return Addresses.make(args.dist_init_addr, args.ranks_per_node)
+
+
+def stop_processes(procs: list[BaseProcess]) -> None:
+    """SIGTERM each child, then SIGKILL what has not exited after 5 s."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def run_worker_node(args: ServerArgs) -> int:
+    """A node past the first (--node-rank > 0): this host's workers only. They join node 0's
+    tensor-parallel group and take batches from its scheduler; when it stops they stop, and so
+    does this launcher (exit 0; 1 if a worker failed)."""
+    addrs = node_addresses(args)
+    first = args.node_rank * args.ranks_per_node
+    ctx = mp.get_context("spawn")
+    procs: list[BaseProcess] = [
+        ctx.Process(target=_run_worker, args=(args, rank, addrs, args.log_level), name=f"worker-{rank}")
+        for rank in range(first, first + args.ranks_per_node)
+    ]
+    try:
+        for p in procs:
+            p.start()
+        print(f"minisgl node {args.node_rank}: ranks {first}-{first + args.ranks_per_node - 1} of {args.tp_size} "
+              f"joining node 0 at {args.dist_init_addr}", flush=True)
+        while alive := [p for p in procs if p.is_alive()]:
+            wait([p.sentinel for p in alive])  # a sentinel stays readable once its process has exited
+            failed = [p for p in procs if p.exitcode not in (None, 0)]
+            if failed:
+                logger.error("the %s process exited with code %s; stopping this node", failed[0].name, failed[0].exitcode)
+                return 1
+        return 0
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        stop_processes(procs)
+        shutil.rmtree(addrs.root, ignore_errors=True)
 
 
 def _check_port(host: str, port: int) -> None:
@@ -224,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.node_rank > 0:
+        signal.signal(signal.SIGTERM, _interrupt)
+        return run_worker_node(args)
     if args.dp_size > 1:
         try:
             _check_port(args.host, args.port)

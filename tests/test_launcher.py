@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.server_utils import ROOT, ServerProcess, alive, descendants, running_server
+from tests.server_utils import ROOT, ServerProcess, alive, descendants, free_port, running_server
 
 
 def _all_gone(pids: set[int], timeout: float = 10.0) -> bool:
@@ -91,6 +91,48 @@ def test_tensor_parallel_on_cpu_matches_one_rank(tiny_llama: Path):
         assert srv.stop() == 0
     finally:
         srv.stop(signal.SIGKILL)
+
+
+def test_tensor_parallel_over_two_nodes_on_one_host(tiny_llama: Path):
+    """--nnodes 2: node 1 runs worker-1 only, joins node 0's gloo group at --dist-init-addr and
+    takes its batches over TCP; tokens equal one rank's; SIGTERM to node 0 stops node 1 too."""
+    from minisgl.llm import LLM
+
+    prompt = {"text": "Hello world", "sampling_params": {"max_new_tokens": 16, "temperature": 0}}
+    want = LLM(str(tiny_llama), device="cpu").generate(prompt["text"], prompt["sampling_params"])
+    base = ["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{free_port()}"]
+    node1 = subprocess.Popen([sys.executable, "-m", "minisgl.launch", "--model", str(tiny_llama), "--device", "cpu",
+                              *base, "--node-rank", "1"], cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    node0 = ServerProcess(tiny_llama, *base, "--node-rank", "0")
+    try:
+        node0.wait_ready()
+        assert set(node0.server_info()["processes"]) == {"api", "tokenizer", "scheduler", "worker-0"}
+        r = httpx.post(f"{node0.url}/generate", json=prompt, timeout=60)
+        assert r.json()["output_ids"] == want[0]["output_ids"]
+        children = descendants(node0.proc.pid) | descendants(node1.pid)
+        assert len(children) >= 4  # tokenizer, scheduler, worker-0; worker-1
+        assert node0.stop() == 0, node0.output
+        assert node1.wait(20) == 0
+        output = node1.stdout.read()
+        assert "minisgl node 1: ranks 1-1 of 2" in output and "has gone; stopping" in output
+        assert "ERROR" not in output and "Traceback" not in output, output
+        assert _all_gone(children), [p for p in children if alive(p)]
+    finally:
+        node0.stop(signal.SIGKILL)
+        node1.kill()
+        node1.wait()
+
+
+def test_multi_node_arguments_are_checked(tmp_path: Path):
+    run = [sys.executable, "-m", "minisgl.launch", "--device", "cpu", "--model", str(tmp_path)]
+    for extra, message in [(["--tp-size", "2", "--nnodes", "2"], "needs dist_init_addr as host:port"),
+                           (["--tp-size", "3", "--nnodes", "2", "--dist-init-addr", "h:1"], "multiple of nnodes"),
+                           (["--nnodes", "2", "--node-rank", "2", "--tp-size", "2", "--dist-init-addr", "h:1"],
+                            "node_rank must be in [0, nnodes)"),
+                           (["--dp-size", "2", "--nnodes", "2"], "one smg router over them")]:
+        bad = subprocess.run(run + extra, cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and message in bad.stderr, (extra, bad.stderr)
 
 
 def test_hung_worker_trips_the_watchdog(tiny_llama: Path):

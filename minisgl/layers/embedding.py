@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.distributed import all_gather_last_dim, all_reduce, get_tp_info
+from minisgl.layers.linear import linear_fp32
 from minisgl.utils import cdiv
 
 
@@ -43,8 +44,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16):
-            logits = torch.mm(hidden.reshape(-1, hidden.shape[-1]), self.weight.t(), out_dtype=torch.float32)
-            logits = logits.view(*hidden.shape[:-1], self.weight.shape[0])  # explicit: zero rows happen
+            logits = linear_fp32(hidden, self.weight)
         else:
             logits = F.linear(hidden, self.weight)
         return all_gather_last_dim(logits)[..., : self.vocab_size]

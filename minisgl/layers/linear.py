@@ -15,6 +15,12 @@ from minisgl.distributed import all_reduce, get_tp_info
 from minisgl.utils import divide
 
 
+def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x W^T kept in the GEMM's float32 accumulator (CUDA half dtypes), not rounded to x's dtype."""
+    out = torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=torch.float32)
+    return out.view(*x.shape[:-1], weight.shape[0])  # explicit sizes: zero-row batches happen
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W's rows split across ranks; several checkpoint matrices may be fused.
 
@@ -103,5 +109,9 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(1, start, self.local_input))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(F.linear(x, self.weight))
+        tp = get_tp_info()
+        if tp.reduce_fp32 and tp.size > 1 and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
+            y = all_reduce(linear_fp32(x, self.weight)).to(x.dtype)
+        else:
+            y = all_reduce(F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias

@@ -38,7 +38,7 @@ class SchedulerProcess:
         self.inbox: Receiver[ToScheduler] = Receiver(ctx, addrs.scheduler, ToScheduler)
         self.results: Receiver[StepOutput] = Receiver(ctx, addrs.worker_out, StepOutput)
         self.tokenizer = Sender(ctx, addrs.tokenizer)
-        self.workers = [Sender(ctx, addrs.worker(r)) for r in range(args.tp_size)]
+        self.workers = [Sender(ctx, addrs.worker(r), bind=addrs.is_remote(r)) for r in range(args.tp_size)]
         info = self.results.recv_as(EngineInfo)  # the worker's first message: what it loaded
         tokenizer_path = args.tokenizer or info.model_path
         info.eos_ids = eos_ids(info.model_path, tokenizer_dir=tokenizer_path)

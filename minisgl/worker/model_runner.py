@@ -23,7 +23,7 @@ from minisgl.args import EngineArgs
 from minisgl.attention import AttentionMetadata, create_backend
 from minisgl.attention.context import set_attention_backend
 from minisgl.config import ModelConfig
-from minisgl.distributed import get_tp_info
+from minisgl.distributed import get_tp_info, init_one_shot_all_reduce
 from minisgl.kvcache import MHAKVCache
 from minisgl.messages import ForwardBatch, NewRequest, StepOutput
 from minisgl.models.loader import load_model, resolve_model_path
@@ -67,9 +67,11 @@ class ModelRunner:
         self.context_len = self.config.context_limit(args.context_length)
         self.page_size = args.page_size
         self.max_slots = args.max_running_requests
+        tp = get_tp_info()
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        tp = get_tp_info()
+            if tp.size > 1 and not args.disable_custom_all_reduce:
+                init_one_shot_all_reduce(self.device)
         self.num_kv_heads = max(1, self.config.num_kv_heads // tp.size)
         self.num_qo_heads = self.config.num_heads // tp.size
         self.model = load_model(

@@ -30,21 +30,22 @@ def _init_distributed(args: EngineArgs, rank: int, addrs: Addresses) -> None:
         return
     on_gpu = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
     if on_gpu:
-        args.device = f"cuda:{rank}"
+        args.device = f"cuda:{rank % args.ranks_per_node}"  # this host's GPUs
     dist.init_process_group(
         "nccl" if on_gpu else "gloo", init_method=addrs.dist_init, rank=rank, world_size=args.tp_size
     )
-    set_tp_info(rank, args.tp_size)
+    set_tp_info(rank, args.tp_size, args.enable_fp32_all_reduce)
 
 
 def run_worker(args: EngineArgs, rank: int, addrs: Addresses, log_level: str) -> None:
     """Process entry point (spawned by the launcher)."""
-    become_child(threads=cpu_worker_threads() // args.tp_size or 1)
+    become_child(threads=cpu_worker_threads() // args.ranks_per_node or 1)
     init_logging(log_level)
     _init_distributed(args, rank, addrs)
     runner = ModelRunner(args)
     ctx = zmq.Context()
-    inbox: Receiver[ToWorker] = Receiver(ctx, addrs.worker(rank), ToWorker)
+    remote = addrs.is_remote(rank)  # on another host: connects to the scheduler over TCP
+    inbox: Receiver[ToWorker] = Receiver(ctx, addrs.worker(rank), ToWorker, bind=not remote)
     outbox = Sender(ctx, addrs.worker_out) if rank == 0 else None
     if outbox is not None:
         outbox.send(EngineInfo(
@@ -55,7 +56,13 @@ def run_worker(args: EngineArgs, rank: int, addrs: Addresses, log_level: str) ->
     while True:
         # Launch every batch as soon as it arrives (the scheduler sends step N+1 while step N
         # runs), and hand back each step's tokens once its device work is done.
-        msg = inbox.recv(timeout_ms=None if not runner.pending else 0)
+        idle = not runner.pending
+        msg = inbox.recv(timeout_ms=0 if not idle else 1000 if remote else None)
+        if msg is None and idle:  # a remote rank's poll: is node 0 still there?
+            if inbox.peer_gone():
+                logger.info("rank %d: the scheduler at %s has gone; stopping", rank, addrs.worker(rank))
+                return
+            continue
         if isinstance(msg, ForwardBatch):
             runner.launch(msg)
         elif isinstance(msg, SampleMasks):
