@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
 import os
 import random
 import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -99,6 +101,33 @@ async def run(url: str, prompts: list[list[int]], output_lens: list[int], rate: 
     return results, time.perf_counter() - start
 
 
+def _client_slice(url: str, prompts: list[list[int]], output_lens: list[int], rate: float | None,
+                  concurrency: int | None, seed: int, start_at: float) -> tuple[list[dict], float, float]:
+    """One client process's share: from the common start time; returns its results, end time
+    (epoch seconds) and CPU seconds."""
+    time.sleep(max(0.0, start_at - time.time()))
+    results, _ = asyncio.run(run(url, prompts, output_lens, rate, concurrency, seed))
+    return results, time.time(), time.process_time()
+
+
+def run_clients(url: str, prompts: list[list[int]], output_lens: list[int], rate: float | None,
+                concurrency: int | None, procs: int) -> tuple[list[dict], float, float]:
+    """The requests dealt round-robin over ``procs`` client processes (one Python process
+    streaming hundreds of requests saturates its core before a fast server does), each with
+    its share of the rate and concurrency. Returns results, elapsed seconds, client CPU seconds."""
+    if procs == 1:
+        before = time.process_time()
+        results, elapsed = asyncio.run(run(url, prompts, output_lens, rate, concurrency, seed=0))
+        return results, elapsed, time.process_time() - before
+    start_at = time.time() + 2.0  # every process ready before the first request
+    with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(_client_slice, url, prompts[i::procs], output_lens[i::procs],
+                               rate / procs if rate else None, -(-concurrency // procs) if concurrency else None,
+                               i, start_at) for i in range(procs)]
+        parts = [f.result() for f in futures]
+    return [r for part in parts for r in part[0]], max(p[1] for p in parts) - start_at, sum(p[2] for p in parts)
+
+
 def summary(values: list[float]) -> dict[str, float]:
     v = sorted(values)
     pick = lambda q: v[min(len(v) - 1, int(q * len(v)))]  # noqa: E731
@@ -128,6 +157,8 @@ def main() -> None:
     ap.add_argument("--request-rate", type=float, default=None, help="requests/s (Poisson); default all at once")
     ap.add_argument("--max-concurrency", type=int, default=None)
     ap.add_argument("--num-prompts", type=int, default=None, help="only the first N requests of the workload")
+    ap.add_argument("--client-procs", type=int, default=1,
+                    help="client processes sharing the requests (when one client core saturates)")
     ap.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="passed to minisgl.launch")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -141,11 +172,11 @@ def main() -> None:
         wl = WORKLOADS[args.workload](vocab)
         n = args.num_prompts or len(wl.prompts)
         pids = httpx.get(f"{url}/get_server_info", timeout=30).json()["processes"]
-        cpu_before, client_before = cpu_seconds(pids), time.process_time()
-        results, elapsed = asyncio.run(run(url, wl.prompts[:n], wl.output_lens[:n], args.request_rate,
-                                           args.max_concurrency, seed=0))
+        cpu_before = cpu_seconds(pids)
+        results, elapsed, client_cpu = run_clients(url, wl.prompts[:n], wl.output_lens[:n], args.request_rate,
+                                                   args.max_concurrency, args.client_procs)
         cpu = {k: (v - cpu_before[k]) / elapsed for k, v in cpu_seconds(pids).items() if k in cpu_before}
-        cpu["benchmark client"] = (time.process_time() - client_before) / elapsed
+        cpu["benchmark client"] = client_cpu / elapsed
         sched = httpx.get(f"{url}/get_server_info", timeout=30).json()["scheduler"]
     finally:
         if proc is not None:
@@ -154,7 +185,7 @@ def main() -> None:
     out_tokens = sum(r["tokens"] for r in results)
     report = {
         "workload": args.workload, "requests": len(results), "seconds": elapsed,
-        "request_rate": args.request_rate, "max_concurrency": args.max_concurrency,
+        "request_rate": args.request_rate, "max_concurrency": args.max_concurrency, "client_procs": args.client_procs,
         "request_throughput": len(results) / elapsed, "output_tok_per_s": out_tokens / elapsed,
         "total_tok_per_s": (out_tokens + sum(r["prompt"] for r in results)) / elapsed,
         "ttft_s": summary([r["ttft"] for r in results]),

@@ -12,7 +12,8 @@ cache for 256 tokens, so the time is decode.
 
 Each tp=2 variant is one way to all-reduce: ``nccl`` (--disable-custom-all-reduce), ``one-shot``
 (the symmetric-memory kernel for decode-sized tensors) and ``fp32`` (partial sums all-reduced in
-float32 before rounding to the model's dtype, --enable-fp32-all-reduce).
+float32 before rounding to the model's dtype, --enable-fp32-all-reduce). ``profile`` traces 40
+decode steps of each (tp=1 first) through /start_profile and prints rank 0's kernel table.
 """
 
 from __future__ import annotations
@@ -88,9 +89,32 @@ def run_throughput(model: str, batch: int, prompt_len: int, new_tokens: int, var
     return report
 
 
+def run_profile(model: str, batch: int, prompt_len: int, variants: list[str], out_dir: Path) -> dict:
+    """Kernel tables of 40 decode steps per variant (through /start_profile), and how busy the
+    GPU was: a step that leaves the GPU idle is bound by the host, not by the kernels."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1000, 100000) for _ in range(prompt_len)] for _ in range(batch)]
+    report = {}
+    for name in ["tp1", *variants]:
+        tp = "1" if name == "tp1" else "2"
+        with serving(model, "--device", "cuda", "--load-format", "dummy", "--tp-size", tp,
+                     "--context-length", "4096", *VARIANTS.get(name, []), timeout=900) as url:
+            generate(url, prompts, 1)
+            generate(url, prompts, 8)
+            where = out_dir / name
+            httpx.post(f"{url}/start_profile", json={"output_dir": str(where), "num_steps": 40, "activities": ["GPU"]}, timeout=30)
+            generate(url, prompts, 48)
+            deadline = time.monotonic() + 60
+            while not (tables := sorted(where.glob("*/rank*.txt"))) and time.monotonic() < deadline:
+                time.sleep(0.5)
+        report[name] = {t.stem: t.read_text().splitlines()[0] for t in tables}
+        print(f"== {name}\n" + "\n".join(tables[0].read_text().splitlines()[:22]) if tables else f"== {name}: no table")
+    return report
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=["agreement", "throughput"])
+    ap.add_argument("mode", choices=["agreement", "throughput", "profile"])
     ap.add_argument("--model", default=str(ROOT / "benchmarks" / "configs" / "llama3.1-8b"))
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=1024)
@@ -98,8 +122,13 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    report = run_agreement(args.variants) if args.mode == "agreement" else run_throughput(
-        args.model, args.batch, args.prompt_len, args.new_tokens, args.variants)
+    if args.mode == "agreement":
+        report = run_agreement(args.variants)
+    elif args.mode == "throughput":
+        report = run_throughput(args.model, args.batch, args.prompt_len, args.new_tokens, args.variants)
+    else:
+        out_dir = Path(args.out).parent if args.out else Path(tempfile.mkdtemp())
+        report = run_profile(args.model, args.batch, args.prompt_len, args.variants, out_dir / "profiles")
     print(json.dumps(report))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))

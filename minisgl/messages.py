@@ -72,7 +72,16 @@ class SampleMasks(msgspec.Struct, array_like=True, tag=True):
     bitmask: bytes
 
 
-ToWorker = ForwardBatch | SampleMasks
+class ProfileReq(msgspec.Struct, array_like=True, tag=True):
+    """Scheduler -> every worker: start a torch profiler trace (or stop it and write it)."""
+
+    start: bool
+    output_dir: str = ""
+    num_steps: int = 0  # stop by itself after this many steps (0: at stop_profile)
+    activities: list[str] = []  # "CPU", "GPU"
+
+
+ToWorker = ForwardBatch | SampleMasks | ProfileReq
 
 
 class StepOutput(msgspec.Struct, array_like=True):
@@ -139,10 +148,12 @@ class AbortReq(msgspec.Struct, tag=True):
 
 
 class ControlReq(msgspec.Struct, tag=True):
-    """A question for the scheduler (op: "stats" or "flush_cache"); answered by ControlReply."""
+    """A question for the scheduler (op: "stats", "flush_cache", "start_profile" or
+    "stop_profile"); answered by ControlReply."""
 
     cid: int
     op: str
+    profile: ProfileReq | None = None
 
 
 class ControlReply(msgspec.Struct, tag=True):

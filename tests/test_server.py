@@ -461,6 +461,27 @@ def test_info_metrics_and_flush(server: ServerProcess):
     assert s["evictable_pages"] == 0 and s["free_pages"] == s["total_pages"]
 
 
+def test_start_and_stop_profile(server: ServerProcess, tmp_path: Path):
+    """SGLang's profiling routes: a trace and a table per rank, after num_steps or at stop."""
+    r = httpx.post(f"{server.url}/start_profile", json={"output_dir": str(tmp_path / "a"), "num_steps": 3}, timeout=10)
+    assert r.status_code == 200, r.text
+    httpx.post(f"{server.url}/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 6}}, timeout=30)
+    assert httpx.post(f"{server.url}/start_profile", json={"output_dir": str(tmp_path / "b")}, timeout=10).status_code == 200
+    httpx.post(f"{server.url}/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}}, timeout=30)
+    assert httpx.post(f"{server.url}/stop_profile", timeout=10).status_code == 200
+    deadline = time.monotonic() + 20
+    tables = []
+    while time.monotonic() < deadline and len(tables) < 2:
+        tables = sorted(tmp_path.glob("*/minisgl-*/rank0.txt"))
+        time.sleep(0.2)
+    assert [t.parent.parent.name for t in tables] == ["a", "b"]
+    assert tables[0].read_text().startswith("3 steps in ") and "aten::mm" in tables[0].read_text()
+    assert (tables[0].parent / "rank0.trace.json.gz").stat().st_size > 0
+    r = httpx.post(f"{server.url}/start_profile", json={"activities": ["TPU"]}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "activities"
+    idle_and_clean(server)
+
+
 def test_limit_flags(tiny_llama: Path):
     """--max-request-bytes, --request-body-timeout, --max-sequences-per-request and the stop
     limits: lowered here, each refusal names its flag; a slow body gets a 408 in time."""

@@ -17,7 +17,9 @@ import zmq
 import zmq.asyncio
 
 from minisgl.ipc import Addresses, AsyncReceiver, Sender
-from minisgl.messages import AbortReq, ControlReply, ControlReq, GenerateReq, ReqUpdate, ToApi, UpdateBatch
+from minisgl.messages import (
+    AbortReq, ControlReply, ControlReq, GenerateReq, ProfileReq, ReqUpdate, ToApi, UpdateBatch,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -149,11 +151,11 @@ class EngineClient:
     def abort_uid(self, uid: str) -> None:
         self._sender.send(AbortReq(uid))
 
-    async def control(self, op: str, timeout: float = 30.0) -> ControlReply:
+    async def control(self, op: str, timeout: float = 30.0, profile: ProfileReq | None = None) -> ControlReply:
         cid = next(self._cids)
         fut: asyncio.Future[ControlReply] = asyncio.get_running_loop().create_future()
         self._replies[cid] = fut
-        self._sender.send(ControlReq(cid, op))
+        self._sender.send(ControlReq(cid, op, profile))
         try:
             return await asyncio.wait_for(fut, timeout)
         finally:

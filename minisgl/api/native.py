@@ -4,6 +4,7 @@ and model info, metrics, cache flush and abort."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -18,9 +19,9 @@ import minisgl
 from minisgl.api.base import ApiBase, Run, error_response, merge, read_body
 from minisgl.api.client import EngineError
 from minisgl.api.fields import GENERATE
-from minisgl.api.protocol import AbortRequest, BadRequest, GenerateRequest
+from minisgl.api.protocol import AbortRequest, BadRequest, GenerateRequest, ProfileRequest
 from minisgl.api.streaming import SSE_DONE, sse
-from minisgl.messages import GenerateReq
+from minisgl.messages import GenerateReq, ProfileReq
 from minisgl.sampling import SamplingParams
 
 
@@ -134,6 +135,29 @@ class NativeRoutes(ApiBase):
         if not reply.ok:
             return error_response(409, str(reply.data.get("error", "flush refused")))
         return JSONResponse({"success": True})
+
+    async def start_profile(self, request: Request) -> Response:
+        """SGLang's /start_profile: every worker records a torch profiler trace (Chrome format,
+        one per rank, plus a table of the kernels by time) until /stop_profile or num_steps."""
+        body = ProfileRequest()
+        if request.headers.get("content-length", "0") != "0":
+            body = await read_body(request, ProfileRequest, self.args)
+        activities = [a.upper().replace("CUDA", "GPU") for a in body.activities or ["CPU", "GPU"]]
+        unknown = sorted(set(activities) - {"CPU", "GPU"})
+        if unknown:
+            return error_response(400, f"activities: unknown {unknown} (CPU, GPU)", param="activities")
+        if body.num_steps is not None and body.num_steps < 1:
+            return error_response(400, f"num_steps must be >= 1, got {body.num_steps}", param="num_steps")
+        output_dir = body.output_dir or os.environ.get("SGLANG_TORCH_PROFILER_DIR", "/tmp")
+        prefix = f"{body.profile_prefix}-" if body.profile_prefix else ""
+        profile = ProfileReq(True, os.path.join(output_dir, f"{prefix}minisgl-{int(time.time())}"),
+                             body.num_steps or 0, activities)
+        await self.client.control("start_profile", profile=profile)
+        return Response(f"Start profiling (traces go to {profile.output_dir}).\n")
+
+    async def stop_profile(self, request: Request) -> Response:
+        await self.client.control("stop_profile", profile=ProfileReq(False))
+        return Response("Stop profiling. This will take some time.\n")
 
     async def abort_request(self, request: Request) -> Response:
         body: AbortRequest = await read_body(request, AbortRequest, self.args)

@@ -454,6 +454,21 @@ class ChatCompletionRequest(_OpenAIBase, kw_only=True):
         return (self.top_logprobs or 0) if self.logprobs else -1
 
 
+class ProfileRequest(msgspec.Struct):
+    """/start_profile's body (SGLang's fields; an empty body takes the defaults). Only the
+    trace's shape depends on them, never a result."""
+
+    output_dir: str | None = None  # default: $SGLANG_TORCH_PROFILER_DIR, else /tmp
+    num_steps: Int32 | None = None  # stop after this many model steps (default: at /stop_profile)
+    activities: list[str] | None = None  # CPU, GPU (default both)
+    profile_prefix: str | None = None
+    start_step: Int32 | None = None  # accepted; tracing starts with the next step
+    profile_by_stage: bool = False  # accepted; prefill and decode share one trace
+    merge_profiles: bool = False  # accepted; one trace per rank
+    with_stack: bool | None = None
+    record_shapes: bool | None = None
+
+
 class AbortRequest(msgspec.Struct, forbid_unknown_fields=True):
     rid: str | None = None
     abort_all: bool = False

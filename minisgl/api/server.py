@@ -95,6 +95,8 @@ def create_app(client: EngineClient, info: EngineInfo, args: ServerArgs, pids: d
         ("/flush_cache", api.flush_cache, ["POST"]),
         ("/reset_prefix_cache", api.flush_cache, ["POST"]),
         ("/abort_request", api.abort_request, ["POST"]),
+        ("/start_profile", api.start_profile, ["POST"]),
+        ("/stop_profile", api.stop_profile, ["POST"]),
     ]
 
     @asynccontextmanager

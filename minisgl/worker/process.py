@@ -18,9 +18,10 @@ import zmq
 from minisgl.args import EngineArgs
 from minisgl.distributed import set_tp_info
 from minisgl.ipc import Addresses, Receiver, Sender, become_child, cpu_worker_threads
-from minisgl.messages import EngineInfo, ForwardBatch, SampleMasks, ToWorker
+from minisgl.messages import EngineInfo, ForwardBatch, ProfileReq, SampleMasks, ToWorker
 from minisgl.utils import init_logging
 from minisgl.worker.model_runner import ModelRunner
+from minisgl.worker.profiler import StepProfiler
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ def run_worker(args: EngineArgs, rank: int, addrs: Addresses, log_level: str) ->
             context_len=runner.context_len, vocab_size=runner.vocab_size,
             max_running_requests=args.max_running_requests,
         ))
+    profiler = StepProfiler(rank, runner.device)
     while True:
         # Launch every batch as soon as it arrives (the scheduler sends step N+1 while step N
         # runs), and hand back each step's tokens once its device work is done.
@@ -65,8 +67,11 @@ def run_worker(args: EngineArgs, rank: int, addrs: Addresses, log_level: str) ->
             continue
         if isinstance(msg, ForwardBatch):
             runner.launch(msg)
+            profiler.step()
         elif isinstance(msg, SampleMasks):
             runner.sample_masked(msg.bitmask)
+        elif isinstance(msg, ProfileReq):
+            profiler.handle(msg)
         elif runner.oldest_done():
             result = runner.collect()
             if outbox is not None:
