@@ -115,7 +115,11 @@ def _config(reader: Any, path: Path) -> dict[str, Any]:
         "num_key_value_heads": meta("attention.head_count_kv", heads),
         "head_dim": meta("attention.key_length", hidden // heads),
         "rms_norm_eps": meta("attention.layer_norm_rms_epsilon"), "rope_theta": meta("rope.freq_base", 10000.0),
-        "max_position_embeddings": meta("context_length"), "hidden_act": "silu", "torch_dtype": "float32",
+        # GPU default (--dtype auto; CPU runs fp32): quantized blocks carry f16 scales, and their
+        # dequantized values survive fp16 almost whole but not bf16's 8-bit mantissa. SmolLM2 Q4_1 in
+        # fp32 arithmetic with its weights rounded: 31/32 greedy answers kept in fp16, 16/32 in bf16
+        # (benchmarks/bf16_sources.py).
+        "max_position_embeddings": meta("context_length"), "hidden_act": "silu", "torch_dtype": "float16",
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"), "eos_token_id": eos,
         "tie_word_embeddings": False,
     }
