@@ -24,6 +24,7 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -72,17 +73,24 @@ def run_agreement(variants: list[str]) -> dict:
     return report
 
 
-def run_throughput(model: str, batch: int, prompt_len: int, new_tokens: int, variants: list[str]) -> dict:
+def warmed_servers(model: str, batch: int, prompt_len: int, variants: list[str]) -> Iterator[tuple[str, str, list]]:
+    """For tp=1 and then each tp=2 variant: a dummy-weight server whose ``batch`` random prompts
+    are already cached and whose decode shapes are warm; yields (variant, url, prompts)."""
     rng = random.Random(0)
     prompts = [[rng.randrange(1000, 100000) for _ in range(prompt_len)] for _ in range(batch)]
-    report = {}
     for name in ["tp1", *variants]:
         tp = "1" if name == "tp1" else "2"
         with serving(model, "--device", "cuda", "--load-format", "dummy", "--tp-size", tp,
                      "--context-length", "4096", *VARIANTS.get(name, []), timeout=900) as url:
-            generate(url, prompts, 1)  # prefill once; the timed run reads the prompts from the cache
+            generate(url, prompts, 1)  # prefill once; later runs read the prompts from the cache
             generate(url, prompts, 8)  # warm
-            _, seconds = generate(url, prompts, new_tokens)
+            yield name, url, prompts
+
+
+def run_throughput(model: str, batch: int, prompt_len: int, new_tokens: int, variants: list[str]) -> dict:
+    report = {}
+    for name, url, prompts in warmed_servers(model, batch, prompt_len, variants):
+        _, seconds = generate(url, prompts, new_tokens)
         report[name] = {"seconds": seconds, "decode_tok_per_s": batch * new_tokens / seconds}
         if name != "tp1":
             report[name]["speedup"] = report[name]["decode_tok_per_s"] / report["tp1"]["decode_tok_per_s"]
@@ -92,21 +100,15 @@ def run_throughput(model: str, batch: int, prompt_len: int, new_tokens: int, var
 def run_profile(model: str, batch: int, prompt_len: int, variants: list[str], out_dir: Path) -> dict:
     """Kernel tables of 40 decode steps per variant (through /start_profile), and how busy the
     GPU was: a step that leaves the GPU idle is bound by the host, not by the kernels."""
-    rng = random.Random(0)
-    prompts = [[rng.randrange(1000, 100000) for _ in range(prompt_len)] for _ in range(batch)]
     report = {}
-    for name in ["tp1", *variants]:
-        tp = "1" if name == "tp1" else "2"
-        with serving(model, "--device", "cuda", "--load-format", "dummy", "--tp-size", tp,
-                     "--context-length", "4096", *VARIANTS.get(name, []), timeout=900) as url:
-            generate(url, prompts, 1)
-            generate(url, prompts, 8)
-            where = out_dir / name
-            httpx.post(f"{url}/start_profile", json={"output_dir": str(where), "num_steps": 40, "activities": ["GPU"]}, timeout=30)
-            generate(url, prompts, 48)
-            deadline = time.monotonic() + 60
-            while not (tables := sorted(where.glob("*/rank*.txt"))) and time.monotonic() < deadline:
-                time.sleep(0.5)
+    for name, url, prompts in warmed_servers(model, batch, prompt_len, variants):
+        where = out_dir / name
+        httpx.post(f"{url}/start_profile", json={"output_dir": str(where), "num_steps": 40, "activities": ["GPU"]},
+                   timeout=30)
+        generate(url, prompts, 48)
+        deadline = time.monotonic() + 60
+        while not (tables := sorted(where.glob("*/rank*.txt"))) and time.monotonic() < deadline:
+            time.sleep(0.5)
         report[name] = {t.stem: t.read_text().splitlines()[0] for t in tables}
         print(f"== {name}\n" + "\n".join(tables[0].read_text().splitlines()[:22]) if tables else f"== {name}: no table")
     return report
