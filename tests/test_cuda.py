@@ -303,3 +303,42 @@ def test_lm_head_returns_float32_logits_from_half_weights(dtype):
     assert (logits - exact).abs().max() < 1e-3 * exact.abs().max()
     assert (logits - exact).abs().max() < (exact.to(dtype).float() - exact).abs().max() / 10
     assert head(hidden[:0, 0]).shape == (0, 1000)  # a step whose rows sample nothing
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_trimmed_decode_plan_equals_flashinfers(page_size):
+    """plan_decode's host-trimmed path (a graph wrapper's later steps) plans exactly what
+    FlashInfer's own plan does: the same plan info and bit-equal attention outputs."""
+    import flashinfer
+
+    from minisgl.attention.flashinfer_backend import WORKSPACE_BYTES, plan_decode
+
+    torch.manual_seed(0)
+    hq, hk, dim, batch, max_pages = 32, 8, 128, 12, 64
+    cache = torch.randn(batch * max_pages + 8, 2, page_size, hk, dim, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(batch, hq, dim, device="cuda", dtype=torch.bfloat16)
+
+    def graph_wrapper():
+        return flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda"), "NHD", use_cuda_graph=True,
+            use_tensor_cores=True, paged_kv_indptr_buffer=torch.zeros(batch + 1, dtype=torch.int32, device="cuda"),
+            paged_kv_indices_buffer=torch.zeros(batch * max_pages, dtype=torch.int32, device="cuda"),
+            paged_kv_last_page_len_buffer=torch.zeros(batch, dtype=torch.int32, device="cuda"))
+
+    def inputs(lens):
+        pages = [cdiv(n, page_size) for n in lens]
+        indptr = torch.tensor([0, *torch.tensor(pages).cumsum(0).tolist()], dtype=torch.int32)
+        indices = torch.randperm(cache.shape[0], device="cuda")[: sum(pages)].int()
+        last = torch.tensor([n - (p - 1) * page_size for n, p in zip(lens, pages)], dtype=torch.int32)
+        return indptr, indices, last
+
+    common = dict(q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, sm_scale=dim ** -0.5)
+    heads = (hq, hk, dim, page_size)
+    trimmed, full = graph_wrapper(), graph_wrapper()
+    for step, lens in enumerate([[40] * batch, [page_size * 3 + 1 + 5 * i for i in range(batch)], [1] * batch]):
+        indptr, indices, last = inputs(lens)
+        plan_decode(trimmed, indptr, indices, last, lens, heads, **common)  # full first, trimmed after
+        full.plan(indptr, indices, last, *heads, **common)
+        assert list(trimmed._plan_info) == list(full._plan_info), step
+        assert trimmed._max_kv_len == full._max_kv_len
+        assert torch.equal(trimmed.run(q, cache), full.run(q, cache)), step

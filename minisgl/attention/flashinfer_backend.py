@@ -15,6 +15,8 @@ wrapper (``"flashinfer"``); benchmarks/decode_bench.py part 3 compares them on t
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -25,6 +27,42 @@ from minisgl.utils import cdiv
 # Split-KV scratch of the prefill and decode wrappers.
 WORKSPACE_BYTES = 256 * 1024 * 1024
 OWN_LEVEL_BACKEND = "triton"  # the cascade's own level: "triton" or "flashinfer"
+
+
+def plan_decode(wrapper, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor,
+                kv_lens: list[int], heads: tuple[int, int, int, int], **common) -> None:
+    """``wrapper.plan`` for a tensor-core decode step, trimmed on the host for CUDA-graph wrappers.
+
+    FlashInfer's plan re-derives each request's KV length from the page counts and takes their
+    maximum by iterating a tensor in Python: at tp=2, batch 64, that was ~0.6 ms of a 5.8 ms step
+    in which the host was busy ~85% of the time (py-spy, benchmarks/results/gpu_2026-11-22.md).
+    We hold the lengths already. After a graph wrapper's first full plan (which picks and loads
+    the kernel module), later steps fill its buffers and call the module's planner directly with
+    the arguments FlashInfer 0.6's fa2 path passes; anything else takes the full plan."""
+    hq, hk, head_dim, page_size = heads
+    lens = torch.tensor(kv_lens, dtype=torch.int32)
+    if not (wrapper.is_cuda_graph_enabled and getattr(wrapper, "_backend", None) == "fa2"
+            and getattr(wrapper, "_cached_module", None) is not None and _fast_plan_supported()):
+        wrapper.plan(indptr, indices, last_page_len, *heads, seq_lens=lens, **common)
+        return
+    batch = len(kv_lens)
+    wrapper._paged_kv_indptr_buf.copy_(indptr, non_blocking=True)
+    wrapper._paged_kv_last_page_len_buf.copy_(last_page_len, non_blocking=True)
+    wrapper._paged_kv_indices_buf[: len(indices)].copy_(indices, non_blocking=True)
+    wrapper._max_kv_len = max(kv_lens)
+    wrapper._plan_info = wrapper._cached_module.plan(
+        wrapper._float_workspace_buffer, wrapper._int_workspace_buffer, wrapper._pin_memory_int_workspace_buffer,
+        torch.arange(batch + 1, dtype=torch.int32), indptr, lens, batch, batch, hq, hk, page_size,
+        True, head_dim, head_dim, False, -1,  # graph mode, qk/vo head dims, not causal, no sliding window
+        -1, False, 0,  # fa2: no fixed split size, split-kv allowed, no colocated CTAs
+    )
+
+
+@functools.cache
+def _fast_plan_supported() -> bool:
+    import flashinfer
+
+    return flashinfer.__version__.startswith("0.6.")
 
 
 class FlashInferBackend(AttentionBackend):
@@ -107,7 +145,8 @@ class FlashInferBackend(AttentionBackend):
                 shared = self._page_indices(meta.page_table, rows, [0] * len(pages), pages, sum(pages))
                 self.cascade.plan(sizes, pages, page_size, shared, own, graph_batch_size)
             if not meta.cascade or self.own_flashinfer:
-                self.wrapper.plan(kv_indptr, indices, last_page_len, *heads, **common)
+                kv_lens = [s - k * page_size for s, k in zip(seq_lens, skip)]
+                plan_decode(self.wrapper, kv_indptr, indices, last_page_len, kv_lens, heads, **common)
         else:
             self.wrapper = self.prefill
             qo_indptr = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
