@@ -19,13 +19,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.gguf_bf16_vs_fp32 import ASKS, TOPICS  # noqa: E402
+from benchmarks.agreement import agreement  # noqa: E402
 from minisgl.llm import LLM  # noqa: E402
 from minisgl.sampling import SamplingParams  # noqa: E402
-
-
-def agreement(got: list[list[int]], ref: list[list[int]]) -> dict:
-    first = [(i, next(j for j, (a, b) in enumerate(zip(g, r)) if a != b)) for i, (g, r) in enumerate(zip(got, ref)) if g != r]
-    return {"identical": len(ref) - len(first), "of": len(ref), "first_divergences": first}
 
 
 def main() -> None:

@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.agreement import agreement  # noqa: E402
 from minisgl.llm import LLM  # noqa: E402
 from minisgl.sampling import SamplingParams  # noqa: E402
 
@@ -43,12 +44,6 @@ def chats() -> list[list[dict]]:
         system = f"You are {role}. " + " ".join(f"Rule {i + 1}: {r}" for i, r in enumerate(RULES * 6))
         out += [[{"role": "system", "content": system}, {"role": "user", "content": q}] for q in QUESTIONS]
     return out
-
-
-def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
-    first = [(i, next((j for j, (x, y) in enumerate(zip(u, v)) if x != y), min(len(u), len(v))))
-             for i, (u, v) in enumerate(zip(a, b)) if u != v]
-    return {"identical": len(a) - len(first), "of": len(a), "first_divergences": first}
 
 
 def main() -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.agreement import agreement  # noqa: E402
 from minisgl.llm import LLM  # noqa: E402
 from minisgl.sampling import SamplingParams  # noqa: E402
 
@@ -41,10 +42,10 @@ def main() -> None:
     ref = json.loads(Path(args.reference).read_text())
     llm = LLM(args.model, device="cuda", dtype=args.dtype, attention_backend=args.attention_backend)
     got = [r["output_ids"] for r in llm.chat(chats, params)]
-    same = sum(g == r for g, r in zip(got, ref))
-    first = [(i, next(j for j, (a, b) in enumerate(zip(g, r)) if a != b)) for i, (g, r) in enumerate(zip(got, ref)) if g != r]
-    print(json.dumps({"dtype": args.dtype, "attention": type(llm.runner.attn).__name__, "prompts": len(ref), "identical": same, "share": same / len(ref),
-                      "first_divergences": first, "graphs": llm.runner.graphs is not None}))
+    match = agreement(got, ref)
+    print(json.dumps({"dtype": args.dtype, "attention": type(llm.runner.attn).__name__, "prompts": len(ref),
+                      "identical": match["identical"], "share": match["identical"] / len(ref),
+                      "first_divergences": match["first_divergences"], "graphs": llm.runner.graphs is not None}))
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
+from benchmarks.agreement import agreement  # noqa: E402
 from local_server import serving  # noqa: E402
 
 
@@ -41,12 +42,6 @@ def generate(url: str, prompts: list[list[int]], max_new: int) -> tuple[list[lis
     r = httpx.post(f"{url}/generate", json=body, timeout=600)
     r.raise_for_status()
     return [o["output_ids"] for o in r.json()], time.perf_counter() - start
-
-
-def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
-    first = [(i, next((j for j, (x, y) in enumerate(zip(u, v)) if x != y), min(len(u), len(v))))
-             for i, (u, v) in enumerate(zip(a, b)) if u != v]
-    return {"identical": len(a) - len(first), "of": len(a), "first_divergences": first}
 
 
 VARIANTS = {  # tp=2 all-reduce variants: extra server flags

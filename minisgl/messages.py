@@ -148,8 +148,8 @@ class AbortReq(msgspec.Struct, tag=True):
 
 
 class ControlReq(msgspec.Struct, tag=True):
-    """A question for the scheduler (op: "stats", "flush_cache", "start_profile" or
-    "stop_profile"); answered by ControlReply."""
+    """A question for the scheduler (op: "stats", "flush_cache", or "profile", which hands
+    ``profile`` to every worker); answered by ControlReply."""
 
     cid: int
     op: str

@@ -152,11 +152,11 @@ class NativeRoutes(ApiBase):
         prefix = f"{body.profile_prefix}-" if body.profile_prefix else ""
         profile = ProfileReq(True, os.path.join(output_dir, f"{prefix}minisgl-{int(time.time())}"),
                              body.num_steps or 0, activities)
-        await self.client.control("start_profile", profile=profile)
+        await self.client.control("profile", profile=profile)
         return Response(f"Start profiling (traces go to {profile.output_dir}).\n")
 
     async def stop_profile(self, request: Request) -> Response:
-        await self.client.control("stop_profile", profile=ProfileReq(False))
+        await self.client.control("profile", profile=ProfileReq(False))
         return Response("Stop profiling. This will take some time.\n")
 
     async def abort_request(self, request: Request) -> Response:

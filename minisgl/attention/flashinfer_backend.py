@@ -128,6 +128,7 @@ class FlashInferBackend(AttentionBackend):
         seq_lens = meta.seq_lens
         skip = meta.skip_pages() if meta.cascade else [0] * meta.num_reqs
         num_pages = [cdiv(s, page_size) - k for s, k in zip(seq_lens, skip)]
+        kv_lens = [s - k * page_size for s, k in zip(seq_lens, skip)]  # past the skipped shared pages
         kv_indptr = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
         kv_indptr[1:] = torch.tensor(num_pages, dtype=torch.int32).cumsum(0)
         last_page_len = torch.tensor([s - (cdiv(s, page_size) - 1) * page_size for s in seq_lens], dtype=torch.int32)
@@ -138,14 +139,13 @@ class FlashInferBackend(AttentionBackend):
         if meta.is_decode:
             self.wrapper = self.decode if graph_batch_size is None else self._graph_wrapper(graph_batch_size)
             if meta.cascade:
-                own = None if self.own_flashinfer else ([s - k * page_size for s, k in zip(seq_lens, skip)], num_pages, indices)
+                own = None if self.own_flashinfer else (kv_lens, num_pages, indices)
                 sizes, pages = list(meta.group_sizes), list(meta.group_pages)
                 leaders = torch.tensor(np.cumsum([0] + sizes[:-1]), dtype=torch.int64)
                 rows = meta.slots_t[leaders.to(meta.slots_t.device, non_blocking=True)]
                 shared = self._page_indices(meta.page_table, rows, [0] * len(pages), pages, sum(pages))
                 self.cascade.plan(sizes, pages, page_size, shared, own, graph_batch_size)
             if not meta.cascade or self.own_flashinfer:
-                kv_lens = [s - k * page_size for s, k in zip(seq_lens, skip)]
                 plan_decode(self.wrapper, kv_indptr, indices, last_page_len, kv_lens, heads, **common)
         else:
             self.wrapper = self.prefill

@@ -6,9 +6,8 @@ multi-GPU run share the same model code; the collectives are no-ops at tp=1.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist

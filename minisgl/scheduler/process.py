@@ -95,7 +95,7 @@ class SchedulerProcess:
         if msg.op == "flush_cache":
             ok = self.sched.flush_cache()
             return ControlReply(msg.cid, ok, {} if ok else {"error": "requests are running; flush when idle"})
-        if msg.op in ("start_profile", "stop_profile") and msg.profile is not None:
+        if msg.op == "profile" and msg.profile is not None:
             for worker in self.workers:
                 worker.send(msg.profile)
             return ControlReply(msg.cid, True, {})
