@@ -184,6 +184,8 @@ CASCADE_CASES = [  # (batch, groups, shared tokens); every request also has 256 
 
 CASCADE_VARIANTS = [  # (name, two levels, FlashInferBackend options); "cascade" is the engine's default
     ("plain", False, {}),
+    ("plain_triton", False, {"decode_backend": "triton"}),  # plain steps on our kernel, chunked
+    ("cascade_triton", True, {"decode_backend": "triton"}),  # cascade chunked alike: equal to plain_triton bit for bit
     ("cascade", True, {}),
     ("cascade_own_flashinfer", True, {"own_backend": "flashinfer"}),  # own level on FlashInfer's decode
     ("cascade_serial", True, {"overlap_levels": False}),  # levels one after the other on one stream
@@ -213,7 +215,8 @@ def cascade_kernels(
     own_len, rows = 256, []
     for batch, groups, shared, *rest in cases:
         shared_pages = shared // page_size
-        loose = [2304 + 1] * (rest[0] if rest else 0 if groups else batch)
+        loose_len = rest[1] if len(rest) > 1 else 2304
+        loose = [loose_len + 1] * (rest[0] if rest else 0 if groups else batch)
         grouped = batch - len(loose)
         per = [grouped // groups + (g < grouped % groups) for g in range(groups)]
         layout = [(shared_pages, [shared + own_len + 1] * n) for n in per]
@@ -222,7 +225,7 @@ def cascade_kernels(
                            torch.device("cuda"))
         cache.buffer.normal_()
         q = torch.randn(batch, qo_heads, head_dim, dtype=torch.bfloat16, device="cuda")
-        row = {"batch": batch, "groups": groups, "shared_tokens": shared, "own_tokens": own_len if groups else 2304,
+        row = {"batch": batch, "groups": groups, "shared_tokens": shared, "own_tokens": own_len if groups else loose_len,
                "loose_requests": len(loose),
                "distinct_kv_floor_ms": total_pages * page_size * 2 * kv_heads * head_dim * 2 / bandwidth * 1e3}
         for name, cascade, kw in CASCADE_VARIANTS:
@@ -264,8 +267,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3], help="which parts to run")
     ap.add_argument("--cascade-cases", nargs="+", default=None, metavar="BxGxS",
-                    help="part 3 cases as batch x groups x shared tokens [x loose requests of 2304 tokens "
-                         "among the batch], e.g. 256x16x2048 or 64x8x2048x32 (default: all)")
+                    help="part 3 cases as batch x groups x shared tokens [x loose requests among the batch "
+                         "[x their tokens, 2304]], e.g. 256x16x2048, 64x8x2048x32 or 64x0x0x64x1024 (default: all)")
     ap.add_argument("--cascade-variants", nargs="+", default=None,
                     help=f"part 3 variants (default: all of {', '.join(v[0] for v in CASCADE_VARIANTS)})")
     args = ap.parse_args()

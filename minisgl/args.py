@@ -14,6 +14,10 @@ class EngineArgs:
     device: str = "auto"
     load_format: str = "auto"
     attention_backend: str = "auto"
+    # Decode steps on CUDA: FlashInfer's decode with cascade steps split freely (fastest), or
+    # "triton": plain and cascade steps both on our kernel in fixed chunks, bit-identical to each
+    # other (minisgl/kernels/partial_attention.py).
+    decode_attention_backend: str = "flashinfer"
     page_size: int = 16  # tokens per KV page; 16 decodes ~3% faster than 1 on FlashInfer (benchmarks/results)
     mem_fraction_static: float = 0.88
     max_total_tokens: int | None = None
@@ -72,6 +76,8 @@ class EngineArgs:
             host, _, port = (self.dist_init_addr or "").rpartition(":")
             if not host or not port.isdigit():
                 raise ValueError(f"nnodes > 1 needs dist_init_addr as host:port, got {self.dist_init_addr!r}")
+        if self.decode_attention_backend not in ("flashinfer", "triton"):
+            raise ValueError(f"decode_attention_backend must be flashinfer or triton, got {self.decode_attention_backend!r}")
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise ValueError(f"schedule_policy must be fcfs or lpm, got {self.schedule_policy!r}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
@@ -125,6 +131,10 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
                     help="auto: safetensors, or GGUF for a .gguf file; dummy: random weights in the real shapes")
     ap.add_argument("--device", default=d.device, help="auto (cuda if present, else cpu), cuda or cpu")
     ap.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "torch", "flashinfer"])
+    ap.add_argument("--decode-attention-backend", default=d.decode_attention_backend, choices=["flashinfer", "triton"],
+                    help="decode attention with the flashinfer backend: FlashInfer's decode kernel (fastest), or "
+                         "the cascade's Triton kernel in fixed 256-token chunks for plain and cascade steps alike, so "
+                         "a request's tokens do not depend on cascade grouping (bit-identical with cascade on or off)")
     ap.add_argument("--page-size", type=int, default=d.page_size)
     ap.add_argument("--mem-fraction-static", type=float, default=d.mem_fraction_static,
                     help="fraction of GPU memory for weights and KV cache")

@@ -25,32 +25,39 @@ LAYOUTS = {  # (shared pages at page size 16, member sequence lengths) per group
 }
 
 
-def own_level(backend, q: torch.Tensor, meta: AttentionMetadata, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each request over its pages past its group's shared ones: (out, base-2 lse)."""
-    skip = meta.skip_pages()
+CHUNK = 32  # small chunks, so the layouts' short prefixes span several
+
+
+def own_level(backend, q: torch.Tensor, meta: AttentionMetadata, layer: int, skip: list[int]
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each request over its pages past its first ``skip`` ones: (out, base-2 lse)."""
     parts = [backend._attend(q[i : i + 1], *backend._gather(layer, slot, skip[i], total), None)
              for i, (slot, total) in enumerate(zip(meta.slots, meta.seq_lens))]
     return torch.cat([o for o, _ in parts]).to(q.dtype), torch.cat([s for _, s in parts]) * LOG2E
 
 
-def plan_args(meta: AttentionMetadata, page_size: int, pad: int = 0) -> tuple:
-    """TritonCascade.plan's arguments for ``meta`` (plus ``pad`` rows of one token on page 0)."""
-    skip = meta.skip_pages() + [0] * pad
+def plan_args(meta: AttentionMetadata, page_size: int, group_pages: list[int], pad: int = 0) -> tuple:
+    """TritonCascade.plan's arguments for ``meta`` with groups reading ``group_pages`` shared pages
+    (plus ``pad`` rows of one token on page 0)."""
+    skip = meta.skip_pages(group_pages) + [0] * pad
     lens = meta.seq_lens + [1] * pad
     slots = meta.slots + [0] * pad
     pages = [cdiv(n, page_size) - k for n, k in zip(lens, skip)]
     own = torch.cat([meta.page_table[s, k : k + p] if i < meta.num_reqs else meta.page_table[0, :1] * 0
                      for i, (s, k, p) in enumerate(zip(slots, skip, pages))])
-    leaders = [sum(meta.group_sizes[:g]) for g in range(len(meta.group_pages))]
-    shared = torch.cat([meta.page_table[meta.slots[r], :p] for r, p in zip(leaders, meta.group_pages)])
+    leaders = [sum(meta.group_sizes[:g]) for g in range(len(group_pages))]
+    shared = torch.cat([meta.page_table[meta.slots[r], :p] for r, p in zip(leaders, group_pages)]
+                       + [meta.page_table[0, :0]])
     tokens = [n - k * page_size for n, k in zip(lens, skip)]
-    return list(meta.group_sizes), list(meta.group_pages), page_size, shared, (tokens, pages, own)
+    return list(meta.group_sizes), list(group_pages), page_size, shared, (tokens, pages, own)
 
 
 def check(device: str, dtype: torch.dtype, graph: bool) -> None:
-    """Every layout at page sizes 1 and 16, groups in up to 8 splits or none, the own level here or
-    given: the two levels equal the single-level torch reference. In graph mode, as CUDA graphs
-    run it: captured on another plan with padding rows, replayed on this one."""
+    """Every layout at page sizes 1 and 16, groups' pages in up to 8 items or one, free or chunked
+    splits, the own level here or given: the two levels equal the single-level torch reference,
+    and chunked with the own level here they equal a plain step on the kernel bit for bit. In
+    graph mode, as CUDA graphs run it:
+    captured on another plan with padding rows, replayed on this one."""
     from minisgl.attention import create_backend
     from minisgl.attention.cascade_triton import TritonCascade
 
@@ -65,18 +72,25 @@ def check(device: str, dtype: torch.dtype, graph: bool) -> None:
             ref_backend = create_backend("torch", cache, hq, hk, dim)
             n = sum(len(lens) for _, lens in groups) + len(loose)
             q = torch.randn(n, hq, dim, dtype=dtype, device=device)
-            ref_backend.prepare(decode_metadata(page_size, groups, loose, device, cascade=False))
+            plain_meta = decode_metadata(page_size, groups, loose, device, cascade=False)
+            ref_backend.prepare(plain_meta)
             ref = ref_backend.forward(q, 1).float()
             meta = decode_metadata(page_size, groups, loose, device)
-            ref_backend.prepare(meta)
-            own_out, own_lse = own_level(ref_backend, q, meta, 1)
-            for items, min_split in ((1000, 16), (16, 64), (1, 4096)):  # many splits to none
+            for items, chunk in ((1000, CHUNK), (16, None), (1, CHUNK)):  # many items over a group's pages to one
+                plain_out = None
                 for own_here in (True, False):
                     level = TritonCascade(hq, hk, dim, torch.device(device), items_per_sm=items, block_n=16,
-                                          min_split_tokens=min_split, own_block_n=16, own_level=own_here)
+                                          own_block_n=16, own_level=own_here, chunk_tokens=chunk)
+                    group_pages = [level.shared_pages(p, page_size) for p in meta.group_pages]
+                    own_out, own_lse = own_level(ref_backend, q, meta, 1, meta.skip_pages(group_pages))
                     k, v = cache.k_cache(1), cache.v_cache(1)
                     if not graph:
-                        sizes, pages, ps, shared, own = plan_args(meta, page_size)
+                        if own_here:  # the same batch as a plain step: no groups, every chunk at the own level
+                            level.plan(*plan_args(plain_meta, page_size, []), None)
+                            level.run_own(q, k, v, ref_backend.scale)
+                            plain_out = torch.empty_like(q)
+                            level.combine(plain_out)
+                        sizes, pages, ps, shared, own = plan_args(meta, page_size, group_pages)
                         level.plan(sizes, pages, ps, shared, own if own_here else None, None)
                         level.run_shared(q, k, v, ref_backend.scale)
                         out, lse = (torch.empty_like(q), None) if own_here else (own_out.clone(), own_lse)
@@ -84,6 +98,8 @@ def check(device: str, dtype: torch.dtype, graph: bool) -> None:
                             level.run_own(q, k, v, ref_backend.scale)
                         level.combine(out, lse)
                         torch.testing.assert_close(out.float(), ref, **tol)
+                        if own_here and chunk:
+                            assert torch.equal(out, plain_out), "a cascade step returns what a plain one does"
                         continue
                     size = n + 3
                     level.init_cuda_graph(size, meta.page_table.shape[1])
@@ -91,9 +107,9 @@ def check(device: str, dtype: torch.dtype, graph: bool) -> None:
                     q_buf = torch.cat([q, q[:3]])
                     out_buf = torch.zeros(size, hq, dim, dtype=dtype, device=device)
                     lse_buf = torch.zeros(size, hq, device=device)
-                    pair = decode_metadata(page_size, [(1, [page_size + 1] * 2)], [], device)
-                    sizes, pages, ps, shared, own = plan_args(pair, page_size, pad=size - 2)
-                    level.plan(sizes, pages, ps, shared, own if own_here else None, size)
+                    pair = decode_metadata(page_size, [(CHUNK // page_size, [CHUNK + 1] * 2)], [], device)
+                    capture = plan_args(pair, page_size, pair.group_pages, pad=size - 2)
+                    level.plan(*capture[:4], capture[4] if own_here else None, size)
 
                     def step():
                         level.run_shared(q_buf, k, v, ref_backend.scale)
@@ -107,7 +123,7 @@ def check(device: str, dtype: torch.dtype, graph: bool) -> None:
                         graph_obj = torch.cuda.CUDAGraph()
                         with torch.cuda.graph(graph_obj):
                             step()
-                    sizes, pages, ps, shared, own = plan_args(meta, page_size, pad=3)
+                    sizes, pages, ps, shared, own = plan_args(meta, page_size, group_pages, pad=3)
                     level.plan(sizes, pages, ps, shared.clone(), own if own_here else None, size)
                     padding = torch.randn(3, hq, dim, dtype=dtype, device=device)
                     out_buf.copy_(torch.cat([own_out, padding]))
@@ -140,28 +156,40 @@ def patch_interpreter_ranges() -> None:
 def test_work_lists():
     from minisgl.attention.cascade_triton import MAX_SPLITS, own_work, shared_work
 
+    free = dict(unit_pages=1, unit_tokens=16, chunked=False)  # page size 16, split anywhere
     # 3 tiles, about 9 items wanted: 3 splits a group, but none under 4 pages.
-    work, splits = shared_work([3, 1], [10, 100], page_size=16, members_per_tile=2, target_items=9, min_split_pages=4)
+    work, states = shared_work([3, 1], [10, 100], members_per_tile=2, target_items=9, min_split_units=4, **free)
     rows = [tuple(r) for r in work.tolist()]
-    # Group 0: tiles of 2 and 1 member, pages 0-9 in runs of 4, 4, 2 (tokens, 16 per page).
+    # Group 0: tiles of 2 and 1 member, pages 0-9 in runs of 4, 4, 2 (tokens, 16 per page), one slot each.
     assert rows[:6] == [(0, 2, 0, 64, 0), (0, 2, 4, 64, 1), (0, 2, 8, 32, 2),
                         (2, 1, 0, 64, 0), (2, 1, 4, 64, 1), (2, 1, 8, 32, 2)]
     # Group 1: 100 pages in runs of 34, 34, 32.
     assert rows[6:] == [(3, 1, 10, 34 * 16, 0), (3, 1, 44, 34 * 16, 1), (3, 1, 78, 32 * 16, 2)]
-    assert splits.tolist() == [3, 3, 3, 3]
-    # Many tiles: no splits; a huge target: at most MAX_SPLITS.
-    assert shared_work([1] * 40, [8] * 40, 16, 2, 9, 1)[1].tolist() == [1] * 40
-    assert shared_work([1], [100], 16, 2, 1000, 1)[1].tolist() == [MAX_SPLITS]
-    import numpy as np
-
-    own, counts = own_work([5, 17, 1], [1, 2, 1], np.array([3, 8, 0]), 16, target_items=1, min_split_pages=4)
+    assert states.tolist() == [3, 3, 3, 3]
+    # Many tiles: no splits; a huge target: at most MAX_SPLITS; no pages: no items.
+    assert shared_work([1] * 40, [8] * 40, members_per_tile=2, target_items=9, min_split_units=1, **free)[1].tolist() == [1] * 40
+    assert shared_work([1], [100], members_per_tile=2, target_items=1000, min_split_units=1, **free)[1].tolist() == [MAX_SPLITS]
+    assert len(shared_work([3], [0], members_per_tile=2, target_items=9, min_split_units=1, **free)[0]) == 0
+    own, counts = own_work([5, 17, 1], [1, 2, 1], [3, 8, 0], target_items=1, min_split_units=4, **free)
     assert own.tolist() == [[0, 1, 0, 5, 3], [1, 1, 1, 17, 8], [2, 1, 3, 1, 0]] and counts.tolist() == [1, 1, 1]
     # A long request among short ones splits into runs of whole pages (the last one partial).
-    own, counts = own_work([20, 100, 3], [2, 7, 1], np.array([0, 0, 2]), 16, target_items=5, min_split_pages=2)
+    own, counts = own_work([20, 100, 3], [2, 7, 1], [0, 0, 2], target_items=5, min_split_units=2, **free)
     assert own.tolist() == [[0, 1, 0, 20, 0], [1, 1, 2, 48, 0], [1, 1, 5, 48, 1], [1, 1, 8, 4, 2],
                             [2, 1, 9, 3, 2]] and counts.tolist() == [1, 3, 1]
     # A run just past the target length stays whole rather than leaving a one-page tail.
-    assert own_work([17 * 16], [17], np.array([0]), 16, target_items=1, min_split_pages=16)[1].tolist() == [1]
+    assert own_work([17 * 16], [17], [0], target_items=1, min_split_units=16, **free)[1].tolist() == [1]
+
+    # Chunked (chunks of 2 pages, 32 tokens): runs of whole chunks, a state per chunk, slots numbered by chunk.
+    chunked = dict(unit_pages=2, unit_tokens=32, chunked=True)
+    work, states = shared_work([3, 1], [5, 50], members_per_tile=2, target_items=9, min_split_units=1, **chunked)
+    assert [tuple(r) for r in work.tolist()] == [
+        (0, 2, 0, 64, 0), (0, 2, 4, 64, 2), (0, 2, 8, 32, 4), (2, 1, 0, 64, 0), (2, 1, 4, 64, 2), (2, 1, 8, 32, 4),
+        (3, 1, 10, 17 * 32, 0), (3, 1, 44, 17 * 32, 17), (3, 1, 78, 16 * 32, 34)]
+    assert states.tolist() == [5, 5, 5, 50]
+    # Own parts start at the chunk after the group's: 300 tokens from chunk 0 in runs of 4 chunks.
+    own, counts = own_work([20, 300, 3], [2, 19, 1], [0, 0, 2], target_items=4, min_split_units=1, **chunked)
+    assert own.tolist() == [[0, 1, 0, 20, 0], [1, 1, 2, 128, 0], [1, 1, 10, 128, 4], [1, 1, 18, 44, 8],
+                            [2, 1, 21, 3, 2]] and counts.tolist() == [1, 10, 1]
 
 
 @pytest.mark.parametrize("graph", [False, True])

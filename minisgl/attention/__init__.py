@@ -10,9 +10,11 @@ from minisgl.kvcache import BaseKVCache
 
 
 def create_backend(
-    name: str, kv_cache: BaseKVCache, num_qo_heads: int, num_kv_heads: int, head_dim: int
+    name: str, kv_cache: BaseKVCache, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+    decode_backend: str = "flashinfer",
 ) -> AttentionBackend:
-    """'auto' means FlashInfer for 16-bit caches on CUDA and the torch reference otherwise."""
+    """'auto' means FlashInfer for 16-bit caches on CUDA and the torch reference otherwise.
+    ``decode_backend`` picks the FlashInfer backend's plain decode kernel (the torch backend has one)."""
     view = kv_cache.k_cache(0)
     if name == "auto":
         half = view.dtype in (torch.float16, torch.bfloat16)
@@ -22,7 +24,7 @@ def create_backend(
     if name == "flashinfer":
         from minisgl.attention.flashinfer_backend import FlashInferBackend
 
-        return FlashInferBackend(kv_cache, num_qo_heads, num_kv_heads, head_dim)
+        return FlashInferBackend(kv_cache, num_qo_heads, num_kv_heads, head_dim, decode_backend=decode_backend)
     raise ValueError(f"unknown attention backend {name!r} (auto, torch, flashinfer)")
 
 

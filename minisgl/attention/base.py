@@ -54,9 +54,11 @@ class AttentionMetadata:
     def cascade(self) -> bool:
         return bool(self.group_sizes)
 
-    def skip_pages(self) -> list[int]:
-        """Per request, the leading pages its group reads at the shared level (0 outside groups)."""
-        skip = [p for n, p in zip(self.group_sizes, self.group_pages) for _ in range(n)]
+    def skip_pages(self, group_pages: list[int] | None = None) -> list[int]:
+        """Per request, the leading pages its group reads at the shared level (0 outside groups):
+        ``group_pages`` of each group, or all its shared ones."""
+        pages = self.group_pages if group_pages is None else group_pages
+        skip = [p for n, p in zip(self.group_sizes, pages) for _ in range(n)]
         return skip + [0] * (self.num_reqs - len(skip))
 
 
@@ -81,6 +83,10 @@ class AttentionBackend(ABC):
     def init_cuda_graph(self, max_bs: int, max_pages_per_req: int) -> None:
         """Allocate the fixed buffers that captured decode graphs read their plans from."""
         raise NotImplementedError(f"{type(self).__name__} cannot run inside CUDA graphs")
+
+    def graph_fits(self, seq_lens: list[int], cascade: bool) -> bool:
+        """Whether a decode step of these (padded) sequence lengths fits the captured graphs' buffers."""
+        return True
 
     def rope_store(
         self, qkv: torch.Tensor, positions: torch.Tensor, layer_id: int, cos_sin: torch.Tensor,

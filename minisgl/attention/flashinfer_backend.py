@@ -11,11 +11,14 @@ shared pages once for all its members' queries, the own level each request's pag
 group's, and a combine merges them. The shared level runs on a high-priority side stream, the
 own level on the main one, on our kernel (``own_backend="triton"``) or FlashInfer's decode
 wrapper (``"flashinfer"``); benchmarks/decode_bench.py part 3 compares them on the H100.
+With ``decode_backend="triton"`` plain decode steps run on that kernel too, and both kinds split
+by fixed chunks, so a cascade step returns exactly what the plain step would.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import numpy as np
 import torch
@@ -71,10 +74,11 @@ class FlashInferBackend(AttentionBackend):
     def __init__(
         self, kv_cache: BaseKVCache, num_qo_heads: int, num_kv_heads: int, head_dim: int,
         own_backend: str = OWN_LEVEL_BACKEND, overlap_levels: bool = True, cascade_options: dict | None = None,
+        decode_backend: str = "flashinfer",
     ):
         import flashinfer
 
-        from minisgl.attention.cascade_triton import TritonCascade
+        from minisgl.attention.cascade_triton import CHUNK_TOKENS, TritonCascade
 
         super().__init__(kv_cache, num_qo_heads, num_kv_heads, head_dim)
         self._graph_wrappers: dict[int, flashinfer.BatchDecodeWithPagedKVCacheWrapper] = {}
@@ -85,11 +89,18 @@ class FlashInferBackend(AttentionBackend):
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True)
         # The shared level runs on this stream (None: the main one).
         self.level_stream = torch.cuda.Stream(device, priority=-1) if overlap_levels else None
+        if decode_backend not in ("flashinfer", "triton"):
+            raise ValueError(f"unknown decode attention backend {decode_backend!r} (flashinfer, triton)")
+        # Plain decode steps on our kernel: the own level over every page, no shared level.
+        self.triton_decode = decode_backend == "triton"
         self.own_flashinfer = own_backend == "flashinfer"
-        self.cascade = TritonCascade(num_qo_heads, num_kv_heads, head_dim, device, own_level=not self.own_flashinfer,
-                                     **(cascade_options or {}))
+        # Plain steps on our kernel split by fixed chunks, and so do cascade steps, to match them bit for bit.
+        chunk = math.lcm(CHUNK_TOKENS, kv_cache.page_size) if self.triton_decode else None
+        options = {"chunk_tokens": chunk, **(cascade_options or {})}
+        self.cascade = TritonCascade(num_qo_heads, num_kv_heads, head_dim, device,
+                                     own_level=self.triton_decode or not self.own_flashinfer, **options)
         self.wrapper = self.prefill
-        self.cascade_step = False
+        self.step = "flashinfer"  # this step's attention: "flashinfer", "cascade" or "triton" (own level only)
 
     def init_cuda_graph(self, max_bs: int, max_pages_per_req: int) -> None:
         device = self.workspace.device
@@ -97,6 +108,9 @@ class FlashInferBackend(AttentionBackend):
         self._g_indices = torch.zeros(max_bs * max_pages_per_req, dtype=torch.int32, device=device)
         self._g_last_page_len = torch.zeros(max_bs, dtype=torch.int32, device=device)
         self.cascade.init_cuda_graph(max_bs, max_pages_per_req)
+
+    def graph_fits(self, seq_lens: list[int], cascade: bool) -> bool:
+        return not (cascade or self.triton_decode) or self.cascade.graph_fits(seq_lens)
 
     def _graph_wrapper(self, size: int):
         import flashinfer
@@ -126,7 +140,9 @@ class FlashInferBackend(AttentionBackend):
         super().prepare(meta)
         page_size = self.kv_cache.page_size
         seq_lens = meta.seq_lens
-        skip = meta.skip_pages() if meta.cascade else [0] * meta.num_reqs
+        # A group's shared level reads the whole chunks of its prefix; each member reads the rest.
+        group_pages = [self.cascade.shared_pages(p, page_size) for p in meta.group_pages]
+        skip = meta.skip_pages(group_pages)
         num_pages = [cdiv(s, page_size) - k for s, k in zip(seq_lens, skip)]
         kv_lens = [s - k * page_size for s, k in zip(seq_lens, skip)]  # past the skipped shared pages
         kv_indptr = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
@@ -135,19 +151,23 @@ class FlashInferBackend(AttentionBackend):
         indices = self._page_indices(meta.page_table, meta.slots_t, skip, num_pages, int(kv_indptr[-1]))
         common = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale)
         heads = (self.num_qo_heads, self.num_kv_heads, self.head_dim, page_size)
-        self.cascade_step = meta.cascade
         if meta.is_decode:
             self.wrapper = self.decode if graph_batch_size is None else self._graph_wrapper(graph_batch_size)
-            if meta.cascade:
-                own = None if self.own_flashinfer else (kv_lens, num_pages, indices)
-                sizes, pages = list(meta.group_sizes), list(meta.group_pages)
-                leaders = torch.tensor(np.cumsum([0] + sizes[:-1]), dtype=torch.int64)
-                rows = meta.slots_t[leaders.to(meta.slots_t.device, non_blocking=True)]
-                shared = self._page_indices(meta.page_table, rows, [0] * len(pages), pages, sum(pages))
+            self.step = "cascade" if meta.cascade else "triton" if self.triton_decode else "flashinfer"
+            if self.step != "flashinfer":
+                own_here = self.step == "triton" or not self.own_flashinfer
+                own = (kv_lens, num_pages, indices) if own_here else None
+                sizes, pages = list(meta.group_sizes), group_pages
+                shared = indices[:0]
+                if sum(pages):
+                    leaders = torch.tensor(np.cumsum([0] + sizes[:-1]), dtype=torch.int64)
+                    rows = meta.slots_t[leaders.to(meta.slots_t.device, non_blocking=True)]
+                    shared = self._page_indices(meta.page_table, rows, [0] * len(pages), pages, sum(pages))
                 self.cascade.plan(sizes, pages, page_size, shared, own, graph_batch_size)
-            if not meta.cascade or self.own_flashinfer:
+            if self.step == "flashinfer" or (self.step == "cascade" and self.own_flashinfer):
                 plan_decode(self.wrapper, kv_indptr, indices, last_page_len, kv_lens, heads, **common)
         else:
+            self.step = "flashinfer"
             self.wrapper = self.prefill
             qo_indptr = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
             qo_indptr[1:] = torch.tensor(meta.new_lens, dtype=torch.int32).cumsum(0)
@@ -155,8 +175,13 @@ class FlashInferBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, layer_id: int) -> torch.Tensor:
         cache = (self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id))
-        if not self.cascade_step:
+        if self.step == "flashinfer":
             return self.wrapper.run(q, cache)
+        if self.step == "triton":
+            self.cascade.run_own(q, *cache, self.scale)
+            out = torch.empty_like(q)
+            self.cascade.combine(out)
+            return out
         main = torch.cuda.current_stream()
         side = self.level_stream or main
         side.wait_stream(main)

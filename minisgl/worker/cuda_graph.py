@@ -118,7 +118,11 @@ class CudaGraphRunner:
     def can_run(self, batch: ForwardBatch) -> bool:
         if len(batch.slots) > self.max_bs or any(n != 1 for n in batch.new_lens):
             return False
-        return not batch.group_sizes or self._fits(self._size(batch), len(batch.group_sizes))
+        size = self._size(batch)
+        if batch.group_sizes and not self._fits(size, len(batch.group_sizes)):
+            return False
+        seq_lens = [n + 1 for n in batch.cached_lens] + [1] * (size - len(batch.slots))
+        return self.runner.attn.graph_fits(seq_lens, bool(batch.group_sizes))
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits of the batch's sampling requests, from the graph of the next size up."""

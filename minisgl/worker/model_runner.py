@@ -91,7 +91,8 @@ class ModelRunner:
         self.kv_cache = self._make_cache(self.num_pages + 1)
         self.page_table[self.pad_slot] = self.num_pages
         self.attn = create_backend(
-            args.attention_backend, self.kv_cache, self.num_qo_heads, self.num_kv_heads, self.config.head_dim
+            args.attention_backend, self.kv_cache, self.num_qo_heads, self.num_kv_heads, self.config.head_dim,
+            args.decode_attention_backend,
         )
         if self.device.type == "cuda" and args.cuda_graph_max_bs != 0 and not args.disable_cuda_graph and self.attn.supports_cuda_graph:
             from minisgl.worker.cuda_graph import CudaGraphRunner
