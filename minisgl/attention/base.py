@@ -84,8 +84,9 @@ class AttentionBackend(ABC):
         """Allocate the fixed buffers that captured decode graphs read their plans from."""
         raise NotImplementedError(f"{type(self).__name__} cannot run inside CUDA graphs")
 
-    def graph_fits(self, seq_lens: list[int], cascade: bool) -> bool:
-        """Whether a decode step of these (padded) sequence lengths fits the captured graphs' buffers."""
+    def graph_fits(self, cached_lens: list[int], size: int, cascade: bool) -> bool:
+        """Whether a decode step of requests with ``cached_lens``, padded to ``size`` rows of one
+        token, fits the captured graphs' buffers."""
         return True
 
     def rope_store(

@@ -154,9 +154,12 @@ class TritonCascade:
         or whole chunks only (the chunk a prefix ends in then stays with each member's own level)."""
         return pages * page_size // self.chunk * self.chunk // page_size if self.chunk else pages
 
-    def graph_fits(self, seq_lens: list[int]) -> bool:
-        """Whether a step's states fit the CUDA-graph buffers (free splits always do)."""
-        return not self.chunk or sum(cdiv(n, self.chunk) for n in seq_lens) <= self.max_states
+    def graph_fits(self, cached_lens: list[int], size: int) -> bool:
+        """Whether a decode step's states (``cached_lens`` + 1 tokens a request, padding rows of one)
+        fit the CUDA-graph buffers; free splits always do."""
+        if not self.chunk:
+            return True
+        return sum(cdiv(n + 1, self.chunk) for n in cached_lens) + size - len(cached_lens) <= self.max_states
 
     def init_cuda_graph(self, max_bs: int, max_pages_per_req: int) -> None:
         hq, _, dim = self.heads

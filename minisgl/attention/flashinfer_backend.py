@@ -93,12 +93,13 @@ class FlashInferBackend(AttentionBackend):
             raise ValueError(f"unknown decode attention backend {decode_backend!r} (flashinfer, triton)")
         # Plain decode steps on our kernel: the own level over every page, no shared level.
         self.triton_decode = decode_backend == "triton"
-        self.own_flashinfer = own_backend == "flashinfer"
+        # FlashInfer's decode as the cascade's own level (a benchmark variant) cannot split by chunks.
+        self.own_flashinfer = own_backend == "flashinfer" and not self.triton_decode
         # Plain steps on our kernel split by fixed chunks, and so do cascade steps, to match them bit for bit.
         chunk = math.lcm(CHUNK_TOKENS, kv_cache.page_size) if self.triton_decode else None
         options = {"chunk_tokens": chunk, **(cascade_options or {})}
-        self.cascade = TritonCascade(num_qo_heads, num_kv_heads, head_dim, device,
-                                     own_level=self.triton_decode or not self.own_flashinfer, **options)
+        self.cascade = TritonCascade(num_qo_heads, num_kv_heads, head_dim, device, own_level=not self.own_flashinfer,
+                                     **options)
         self.wrapper = self.prefill
         self.step = "flashinfer"  # this step's attention: "flashinfer", "cascade" or "triton" (own level only)
 
@@ -109,8 +110,8 @@ class FlashInferBackend(AttentionBackend):
         self._g_last_page_len = torch.zeros(max_bs, dtype=torch.int32, device=device)
         self.cascade.init_cuda_graph(max_bs, max_pages_per_req)
 
-    def graph_fits(self, seq_lens: list[int], cascade: bool) -> bool:
-        return not (cascade or self.triton_decode) or self.cascade.graph_fits(seq_lens)
+    def graph_fits(self, cached_lens: list[int], size: int, cascade: bool) -> bool:
+        return not (cascade or self.triton_decode) or self.cascade.graph_fits(cached_lens, size)
 
     def _graph_wrapper(self, size: int):
         import flashinfer
@@ -155,8 +156,7 @@ class FlashInferBackend(AttentionBackend):
             self.wrapper = self.decode if graph_batch_size is None else self._graph_wrapper(graph_batch_size)
             self.step = "cascade" if meta.cascade else "triton" if self.triton_decode else "flashinfer"
             if self.step != "flashinfer":
-                own_here = self.step == "triton" or not self.own_flashinfer
-                own = (kv_lens, num_pages, indices) if own_here else None
+                own = None if self.own_flashinfer else (kv_lens, num_pages, indices)
                 sizes, pages = list(meta.group_sizes), group_pages
                 shared = indices[:0]
                 if sum(pages):

@@ -121,8 +121,7 @@ class CudaGraphRunner:
         size = self._size(batch)
         if batch.group_sizes and not self._fits(size, len(batch.group_sizes)):
             return False
-        seq_lens = [n + 1 for n in batch.cached_lens] + [1] * (size - len(batch.slots))
-        return self.runner.attn.graph_fits(seq_lens, bool(batch.group_sizes))
+        return self.runner.attn.graph_fits(batch.cached_lens, size, bool(batch.group_sizes))
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits of the batch's sampling requests, from the graph of the next size up."""
