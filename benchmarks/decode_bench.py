@@ -11,12 +11,11 @@ Part 2: one layer's decode attention, tensor-core vs CUDA-core path, on 256 requ
 16 groups sharing a 2048-token prefix (plus 256 private tokens each) or with 2304 private tokens,
 with the layer's K/V in dense tensors or spread page-first as the engine stores them.
 
-Part 3: one layer's decode attention, plain (tensor-core decode over every page) against
-cascade (shared level once per group + own level + merge), at batch 64 and 256 with 1 to 128
-groups sharing 256 or 2048 tokens plus 256 of their own, each timed as CUDA-graph replays as
-the engine runs it, against the floor of reading every distinct page once. It also times the
-two levels alone, the own level on FlashInfer's decode instead of our kernel, the levels one
-after the other instead of on two streams, and the kernel's tuning knobs.
+Part 3: one layer's decode attention, plain (FlashInfer's tensor-core decode, and our kernel)
+against cascade (shared level once per group, own level resuming it, combine of split
+requests), at batch 64 and 256 with 1 to 64 groups sharing 256 to 2048 tokens plus 256 of their
+own, or none, each timed as CUDA-graph replays as the engine runs it, against the floor of
+reading every distinct page once. It also times the parts alone and the kernel's tuning knobs.
 """
 
 from __future__ import annotations
@@ -182,26 +181,22 @@ CASCADE_CASES = [  # (batch, groups, shared tokens); every request also has 256 
 ]
 
 
-CASCADE_VARIANTS = [  # (name, two levels, FlashInferBackend options); "cascade" is the engine's default
-    ("plain", False, {}),
-    ("plain_triton", False, {"decode_backend": "triton"}),  # plain steps on our kernel, chunked
-    ("cascade_triton", True, {"decode_backend": "triton"}),  # cascade chunked alike: equal to plain_triton bit for bit
-    ("cascade", True, {}),
-    ("cascade_own_flashinfer", True, {"own_backend": "flashinfer"}),  # own level on FlashInfer's decode
-    ("cascade_serial", True, {"overlap_levels": False}),  # levels one after the other on one stream
-    ("items1", True, {"cascade_options": {"items_per_sm": 1}}),  # shared-level items per SM (splits)
-    ("items4", True, {"cascade_options": {"items_per_sm": 4}}),
-    ("shared_bn32", True, {"cascade_options": {"block_n": 32}}),
-    ("shared_stages3", True, {"cascade_options": {"num_stages": 3}}),
-    ("own_bn32", True, {"cascade_options": {"own_block_n": 32}}),
-    ("own_bn128", True, {"cascade_options": {"own_block_n": 128}}),
-    ("own_stages3", True, {"cascade_options": {"own_stages": 3}}),
-    ("own_bn128_stages3", True, {"cascade_options": {"own_block_n": 128, "own_stages": 3}}),
-    ("own_items8", True, {"cascade_options": {"own_items_per_sm": 8}}),
-    ("own_items8_programs8", True, {"cascade_options": {"own_items_per_sm": 8, "programs_per_sm": 8}}),
-    ("programs2", True, {"cascade_options": {"programs_per_sm": 2}}),
-    ("programs8", True, {"cascade_options": {"programs_per_sm": 8}}),
-]
+CASCADE_VARIANTS = [  # (name, step kind, FlashInferBackend options); knob variants run as cascade
+    # steps where the case has groups, else as plain steps on our kernel
+    ("plain", "plain", {"decode_backend": "flashinfer"}),  # FlashInfer's tensor-core decode
+    ("plain_triton", "plain", {}),  # our kernel, the default
+    ("cascade", "cascade", {}),  # the engine's cascade step: equal to plain_triton bit for bit
+] + [(name, "auto", {"cascade_options": options}) for name, options in {  # the kernel's knobs
+    "bn64": dict(block_n=64),  # keys per tile
+    "stages2": dict(num_stages=2),  # pipelined key tiles
+    "stages4": dict(num_stages=4),
+    "rows16": dict(shared_rows=16),  # query rows a shared item packs
+    "rows64": dict(shared_rows=64),
+    "items4": dict(items_per_sm=4),  # items per SM that segment lengths aim at
+    "items16": dict(items_per_sm=16),
+    "programs4": dict(programs_per_sm=4),  # CTAs per SM under graphs
+    "programs16": dict(programs_per_sm=16),
+}.items()]
 
 
 def cascade_kernels(
@@ -228,24 +223,19 @@ def cascade_kernels(
         row = {"batch": batch, "groups": groups, "shared_tokens": shared, "own_tokens": own_len if groups else loose_len,
                "loose_requests": len(loose),
                "distinct_kv_floor_ms": total_pages * page_size * 2 * kv_heads * head_dim * 2 / bandwidth * 1e3}
-        for name, cascade, kw in CASCADE_VARIANTS:
+        for name, kind, kw in CASCADE_VARIANTS:
+            cascade = kind == "cascade" or (kind == "auto" and groups > 0)
             if (cascade and not groups) or (variants and name not in variants):
                 continue
             backend = FlashInferBackend(cache, qo_heads, kv_heads, head_dim, **kw)
             meta = decode_metadata(page_size, layout, loose, "cuda", cascade=cascade)
             backend.init_cuda_graph(batch, meta.page_table.shape[1])
-            try:
-                backend.prepare(meta, graph_batch_size=batch)
-                row[f"{name}_ms"] = replay_ms(lambda: backend.forward(q, 0))
-            except RuntimeError as e:  # a variant FlashInfer cannot plan: say so, measure the rest
-                print(f"  {name} failed: {str(e)[:160]}")
-                continue
+            backend.prepare(meta, graph_batch_size=batch)
+            row[f"{name}_ms"] = replay_ms(lambda: backend.forward(q, 0))
             kv = (cache.k_cache(0), cache.v_cache(0))
-            if name == "cascade":
-                row["shared_level_ms"] = replay_ms(lambda: backend.cascade.run_shared(q, *kv, backend.scale))
-                row["own_level_ms"] = replay_ms(lambda: backend.cascade.run_own(q, *kv, backend.scale))
-            if name == "cascade_own_flashinfer":
-                row["flashinfer_own_level_ms"] = replay_ms(lambda: backend.wrapper.run(q, kv, return_lse=True))
+            if name != "plain":
+                for part in ("shared", "own", "combine") if cascade else ("own", "combine"):
+                    row[f"{name}_{part}_ms"] = replay_ms(lambda: backend.cascade.forward(q, *kv, backend.scale, (part,)))
             del backend
         rows.append(row)
         del cache

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -25,17 +26,6 @@ LAYOUTS = {  # (shared pages at page size 16, member sequence lengths) per group
 }
 
 
-CHUNK = 32  # small chunks, so the layouts' short prefixes span several
-
-
-def own_level(backend, q: torch.Tensor, meta: AttentionMetadata, layer: int, skip: list[int]
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each request over its pages past its first ``skip`` ones: (out, base-2 lse)."""
-    parts = [backend._attend(q[i : i + 1], *backend._gather(layer, slot, skip[i], total), None)
-             for i, (slot, total) in enumerate(zip(meta.slots, meta.seq_lens))]
-    return torch.cat([o for o, _ in parts]).to(q.dtype), torch.cat([s for _, s in parts]) * LOG2E
-
-
 def plan_args(meta: AttentionMetadata, page_size: int, group_pages: list[int], pad: int = 0) -> tuple:
     """TritonCascade.plan's arguments for ``meta`` with groups reading ``group_pages`` shared pages
     (plus ``pad`` rows of one token on page 0)."""
@@ -49,15 +39,21 @@ def plan_args(meta: AttentionMetadata, page_size: int, group_pages: list[int], p
     shared = torch.cat([meta.page_table[meta.slots[r], :p] for r, p in zip(leaders, group_pages)]
                        + [meta.page_table[0, :0]])
     tokens = [n - k * page_size for n, k in zip(lens, skip)]
-    return list(meta.group_sizes), list(group_pages), page_size, shared, (tokens, pages, own)
+    return list(meta.group_sizes), list(group_pages), page_size, shared, tokens, own
+
+
+SPLITS = {  # TritonCascade options: segments of one tile (many resumed mid-segment), or long ones;
+    # shared items of 32 or 64 query rows
+    "short segments": dict(items_per_sm=1000, min_segment_tokens=16, shared_rows=32),
+    "long segments": dict(items_per_sm=1, min_segment_tokens=256, shared_rows=64),
+}
 
 
 def check(device: str, dtype: torch.dtype, graph: bool) -> None:
-    """Every layout at page sizes 1 and 16, groups' pages in up to 8 items or one, free or chunked
-    splits, the own level here or given: the two levels equal the single-level torch reference,
-    and chunked with the own level here they equal a plain step on the kernel bit for bit. In
-    graph mode, as CUDA graphs run it:
-    captured on another plan with padding rows, replayed on this one."""
+    """Every layout at page sizes 1 and 16, with short and long segments: a plain step on the
+    kernel and a cascade step both equal the single-level torch reference, and equal each other
+    bit for bit. In graph mode, as CUDA graphs run it: captured on another plan with padding
+    rows, replayed on this one, over stale states, giving the eager step's bits."""
     from minisgl.attention import create_backend
     from minisgl.attention.cascade_triton import TritonCascade
 
@@ -76,62 +72,40 @@ def check(device: str, dtype: torch.dtype, graph: bool) -> None:
             ref_backend.prepare(plain_meta)
             ref = ref_backend.forward(q, 1).float()
             meta = decode_metadata(page_size, groups, loose, device)
-            for items, chunk in ((1000, CHUNK), (16, None), (1, CHUNK)):  # many items over a group's pages to one
-                plain_out = None
-                for own_here in (True, False):
-                    level = TritonCascade(hq, hk, dim, torch.device(device), items_per_sm=items, block_n=16,
-                                          own_block_n=16, own_level=own_here, chunk_tokens=chunk)
-                    group_pages = [level.shared_pages(p, page_size) for p in meta.group_pages]
-                    own_out, own_lse = own_level(ref_backend, q, meta, 1, meta.skip_pages(group_pages))
-                    k, v = cache.k_cache(1), cache.v_cache(1)
-                    if not graph:
-                        if own_here:  # the same batch as a plain step: no groups, every chunk at the own level
-                            level.plan(*plan_args(plain_meta, page_size, []), None)
-                            level.run_own(q, k, v, ref_backend.scale)
-                            plain_out = torch.empty_like(q)
-                            level.combine(plain_out)
-                        sizes, pages, ps, shared, own = plan_args(meta, page_size, group_pages)
-                        level.plan(sizes, pages, ps, shared, own if own_here else None, None)
-                        level.run_shared(q, k, v, ref_backend.scale)
-                        out, lse = (torch.empty_like(q), None) if own_here else (own_out.clone(), own_lse)
-                        if own_here:
-                            level.run_own(q, k, v, ref_backend.scale)
-                        level.combine(out, lse)
-                        torch.testing.assert_close(out.float(), ref, **tol)
-                        if own_here and chunk:
-                            assert torch.equal(out, plain_out), "a cascade step returns what a plain one does"
-                        continue
-                    size = n + 3
-                    level.init_cuda_graph(size, meta.page_table.shape[1])
-                    level._part_o.fill_(float("nan"))  # stale partial states must not leak into rows
-                    q_buf = torch.cat([q, q[:3]])
-                    out_buf = torch.zeros(size, hq, dim, dtype=dtype, device=device)
-                    lse_buf = torch.zeros(size, hq, device=device)
-                    pair = decode_metadata(page_size, [(CHUNK // page_size, [CHUNK + 1] * 2)], [], device)
-                    capture = plan_args(pair, page_size, pair.group_pages, pad=size - 2)
-                    level.plan(*capture[:4], capture[4] if own_here else None, size)
+            k, v, scale = cache.k_cache(1), cache.v_cache(1), ref_backend.scale
+            for options in SPLITS.values():
+                level = TritonCascade(hq, hk, dim, torch.device(device), block_n=16, **options)
+                group_pages = [level.shared_pages(p, page_size) for p in meta.group_pages]
+                level.plan(*plan_args(plain_meta, page_size, []), None)  # the same batch as a plain step
+                plain = level.forward(q, k, v, scale, ("own", "combine"))
+                torch.testing.assert_close(plain.float(), ref, **tol)
+                if not graph:
+                    level.plan(*plan_args(meta, page_size, group_pages), None)
+                    out = level.forward(q, k, v, scale)
+                    torch.testing.assert_close(out.float(), ref, **tol)
+                    assert torch.equal(out, plain), "a cascade step returns what a plain one does"
+                    continue
+                size = n + 3
+                level.init_cuda_graph(size, meta.page_table.shape[1])
+                for stale in (level._acc, level._m, level._l):
+                    stale.fill_(float("nan"))  # stale partial states must not leak into rows
+                q_buf = torch.cat([q, q[:3]])
+                out_buf = torch.zeros(size, hq, dim, dtype=dtype, device=device)
+                pair = decode_metadata(page_size, [(64 // page_size, [65] * 2)], [], device)
+                level.plan(*plan_args(pair, page_size, pair.group_pages, pad=size - 2), size)
 
-                    def step():
-                        level.run_shared(q_buf, k, v, ref_backend.scale)
-                        if own_here:
-                            level.run_own(q_buf, k, v, ref_backend.scale)
-                        level.combine(out_buf, None if own_here else lse_buf)
+                def step():
+                    out_buf.copy_(level.forward(q_buf, k, v, scale))
 
-                    graph_obj = None
-                    if device == "cuda":
-                        step()  # compile outside the capture
-                        graph_obj = torch.cuda.CUDAGraph()
-                        with torch.cuda.graph(graph_obj):
-                            step()
-                    sizes, pages, ps, shared, own = plan_args(meta, page_size, group_pages, pad=3)
-                    level.plan(sizes, pages, ps, shared.clone(), own if own_here else None, size)
-                    padding = torch.randn(3, hq, dim, dtype=dtype, device=device)
-                    out_buf.copy_(torch.cat([own_out, padding]))
-                    lse_buf.copy_(torch.cat([own_lse, torch.randn(3, hq, device=device)]))
-                    graph_obj.replay() if graph_obj is not None else step()
-                    torch.testing.assert_close(out_buf[:n].float(), ref, **tol)
-                    if not own_here:
-                        assert torch.equal(out_buf[n:], padding), "rows outside groups keep the own level's state"
+                graph_obj = None
+                if device == "cuda":
+                    step()  # compile outside the capture
+                    graph_obj = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph_obj):
+                        step()
+                level.plan(*plan_args(meta, page_size, group_pages, pad=3), size)
+                graph_obj.replay() if graph_obj is not None else step()
+                assert torch.equal(out_buf[:n], plain), "a graph replay returns the eager plain step's bits"
 
 
 def patch_interpreter_ranges() -> None:
@@ -154,42 +128,34 @@ def patch_interpreter_ranges() -> None:
 
 
 def test_work_lists():
-    from minisgl.attention.cascade_triton import MAX_SPLITS, own_work, shared_work
+    from minisgl.attention.cascade_triton import own_work, segment_tokens, shared_work
+    from minisgl.kernels.partial_attention import FINAL, RESUME
 
-    free = dict(unit_pages=1, unit_tokens=16, chunked=False)  # page size 16, split anywhere
-    # 3 tiles, about 9 items wanted: 3 splits a group, but none under 4 pages.
-    work, states = shared_work([3, 1], [10, 100], members_per_tile=2, target_items=9, min_split_units=4, **free)
-    rows = [tuple(r) for r in work.tolist()]
-    # Group 0: tiles of 2 and 1 member, pages 0-9 in runs of 4, 4, 2 (tokens, 16 per page), one slot each.
-    assert rows[:6] == [(0, 2, 0, 64, 0), (0, 2, 4, 64, 1), (0, 2, 8, 32, 2),
-                        (2, 1, 0, 64, 0), (2, 1, 4, 64, 1), (2, 1, 8, 32, 2)]
-    # Group 1: 100 pages in runs of 34, 34, 32.
-    assert rows[6:] == [(3, 1, 10, 34 * 16, 0), (3, 1, 44, 34 * 16, 1), (3, 1, 78, 32 * 16, 2)]
-    assert states.tolist() == [3, 3, 3, 3]
-    # Many tiles: no splits; a huge target: at most MAX_SPLITS; no pages: no items.
-    assert shared_work([1] * 40, [8] * 40, members_per_tile=2, target_items=9, min_split_units=1, **free)[1].tolist() == [1] * 40
-    assert shared_work([1], [100], members_per_tile=2, target_items=1000, min_split_units=1, **free)[1].tolist() == [MAX_SPLITS]
-    assert len(shared_work([3], [0], members_per_tile=2, target_items=9, min_split_units=1, **free)[0]) == 0
-    own, counts = own_work([5, 17, 1], [1, 2, 1], [3, 8, 0], target_items=1, min_split_units=4, **free)
-    assert own.tolist() == [[0, 1, 0, 5, 3], [1, 1, 1, 17, 8], [2, 1, 3, 1, 0]] and counts.tolist() == [1, 1, 1]
-    # A long request among short ones splits into runs of whole pages (the last one partial).
-    own, counts = own_work([20, 100, 3], [2, 7, 1], [0, 0, 2], target_items=5, min_split_units=2, **free)
-    assert own.tolist() == [[0, 1, 0, 20, 0], [1, 1, 2, 48, 0], [1, 1, 5, 48, 1], [1, 1, 8, 4, 2],
-                            [2, 1, 9, 3, 2]] and counts.tolist() == [1, 3, 1]
-    # A run just past the target length stays whole rather than leaving a one-page tail.
-    assert own_work([17 * 16], [17], [0], target_items=1, min_split_units=16, **free)[1].tolist() == [1]
-
-    # Chunked (chunks of 2 pages, 32 tokens): runs of whole chunks, a state per chunk, slots numbered by chunk.
-    chunked = dict(unit_pages=2, unit_tokens=32, chunked=True)
-    work, states = shared_work([3, 1], [5, 50], members_per_tile=2, target_items=9, min_split_units=1, **chunked)
-    assert [tuple(r) for r in work.tolist()] == [
-        (0, 2, 0, 64, 0), (0, 2, 4, 64, 2), (0, 2, 8, 32, 4), (2, 1, 0, 64, 0), (2, 1, 4, 64, 2), (2, 1, 8, 32, 4),
-        (3, 1, 10, 17 * 32, 0), (3, 1, 44, 17 * 32, 17), (3, 1, 78, 16 * 32, 34)]
-    assert states.tolist() == [5, 5, 5, 50]
-    # Own parts start at the chunk after the group's: 300 tokens from chunk 0 in runs of 4 chunks.
-    own, counts = own_work([20, 300, 3], [2, 19, 1], [0, 0, 2], target_items=4, min_split_units=1, **chunked)
-    assert own.tolist() == [[0, 1, 0, 20, 0], [1, 1, 2, 128, 0], [1, 1, 10, 128, 4], [1, 1, 18, 44, 8],
-                            [2, 1, 21, 3, 2]] and counts.tolist() == [1, 10, 1]
+    # Segments: the longest request splits into about its share of the items, in whole units.
+    assert segment_tokens(np.array([1000] * 64), 64, target_items=66, min_tokens=256) == 1024
+    assert segment_tokens(np.array([1025]), 64, target_items=66, min_tokens=128) == 128  # 9 parts
+    assert segment_tokens(np.array([1025]), 64, target_items=4, min_tokens=16) == 320  # 4 segments, the last 65 tokens
+    assert segment_tokens(np.array([5000, 10, 10]), 16, target_items=4, min_tokens=16) == 1264
+    # Groups of 3 and 1 rows sharing 64 and 160 tokens (page 16), tiles of 2 members, segments of 128.
+    work = shared_work([3, 1], [64, 160], page_size=16, segment=128, members_per_item=2)
+    assert work.tolist() == [[0, 2, 0, 64, 0, 0], [2, 1, 0, 64, 0, 0],  # group 0: one segment, two tiles
+                             [3, 1, 4, 128, 0, 0], [3, 1, 12, 32, 1, 0]]  # group 1: pages 4-13, two segments
+    assert len(shared_work([3], [0], 16, 128, 2)) == 0
+    # Own items: rows 0-2 past 64 shared tokens, row 3 past 160, row 4 loose; segments of 128.
+    lens = np.array([100, 128, 300, 200, 129])
+    shared = np.array([64, 64, 64, 160, 0])
+    work, counts = own_work(lens, shared, page_size=16, segment=128)
+    assert work.tolist() == [
+        [0, 1, 0, 36, 0, RESUME | FINAL],  # one segment: resumes the shared state, writes the output
+        [1, 1, 3, 64, 0, RESUME | FINAL],
+        [2, 1, 7, 64, 0, RESUME], [2, 1, 11, 128, 1, 0], [2, 1, 19, 44, 2, 0],  # three segments
+        [3, 1, 22, 40, 1, RESUME],  # segment 1 started by the shared level (tokens 128-159)
+        [4, 1, 25, 128, 0, 0], [4, 1, 33, 1, 1, 0],
+    ]
+    assert counts.tolist() == [1, 1, 3, 2, 2]
+    # A shared part ending on a segment boundary: the own part starts the next segment afresh.
+    work, counts = own_work(np.array([300]), np.array([256]), page_size=16, segment=128)
+    assert work.tolist() == [[0, 1, 0, 44, 2, 0]] and counts.tolist() == [3]
 
 
 @pytest.mark.parametrize("graph", [False, True])

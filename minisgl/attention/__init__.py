@@ -11,7 +11,7 @@ from minisgl.kvcache import BaseKVCache
 
 def create_backend(
     name: str, kv_cache: BaseKVCache, num_qo_heads: int, num_kv_heads: int, head_dim: int,
-    decode_backend: str = "flashinfer",
+    decode_backend: str = "triton",
 ) -> AttentionBackend:
     """'auto' means FlashInfer for 16-bit caches on CUDA and the torch reference otherwise.
     ``decode_backend`` picks the FlashInfer backend's plain decode kernel (the torch backend has one)."""

@@ -84,11 +84,6 @@ class AttentionBackend(ABC):
         """Allocate the fixed buffers that captured decode graphs read their plans from."""
         raise NotImplementedError(f"{type(self).__name__} cannot run inside CUDA graphs")
 
-    def graph_fits(self, cached_lens: list[int], size: int, cascade: bool) -> bool:
-        """Whether a decode step of requests with ``cached_lens``, padded to ``size`` rows of one
-        token, fits the captured graphs' buffers."""
-        return True
-
     def rope_store(
         self, qkv: torch.Tensor, positions: torch.Tensor, layer_id: int, cos_sin: torch.Tensor,
         norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,

@@ -5,20 +5,16 @@ request's cached prefix plus its new tokens with a causal mask aligned to the se
 decode batches (one new token each) use the decode wrapper on its tensor-core path. CUDA-graph
 decode steps use one wrapper per captured batch size, all planning into shared fixed buffers.
 
-Cascade decode steps (groups of requests sharing a cached prefix, see ``ForwardBatch``) run two
-levels as partial states (``attention.cascade_triton``): the shared level reads each group's
-shared pages once for all its members' queries, the own level each request's pages past its
-group's, and a combine merges them. The shared level runs on a high-priority side stream, the
-own level on the main one, on our kernel (``own_backend="triton"``) or FlashInfer's decode
-wrapper (``"flashinfer"``); benchmarks/decode_bench.py part 3 compares them on the H100.
-With ``decode_backend="triton"`` plain decode steps run on that kernel too, and both kinds split
-by fixed chunks, so a cascade step returns exactly what the plain step would.
+Other decode steps run on our Triton kernel (``attention.cascade_triton``): cascade steps
+(groups of requests sharing a cached prefix, see ``ForwardBatch``), whose shared level reads each
+group's shared pages once for all its members and whose own level continues each member's pass
+past them, and, with ``decode_backend="triton"`` (the default), plain ones, so that a cascade
+step returns exactly what the plain step would.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import numpy as np
 import torch
@@ -29,7 +25,6 @@ from minisgl.utils import cdiv
 
 # Split-KV scratch of the prefill and decode wrappers.
 WORKSPACE_BYTES = 256 * 1024 * 1024
-OWN_LEVEL_BACKEND = "triton"  # the cascade's own level: "triton" or "flashinfer"
 
 
 def plan_decode(wrapper, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor,
@@ -73,12 +68,11 @@ class FlashInferBackend(AttentionBackend):
 
     def __init__(
         self, kv_cache: BaseKVCache, num_qo_heads: int, num_kv_heads: int, head_dim: int,
-        own_backend: str = OWN_LEVEL_BACKEND, overlap_levels: bool = True, cascade_options: dict | None = None,
-        decode_backend: str = "flashinfer",
+        decode_backend: str = "triton", cascade_options: dict | None = None,
     ):
         import flashinfer
 
-        from minisgl.attention.cascade_triton import CHUNK_TOKENS, TritonCascade
+        from minisgl.attention.cascade_triton import TritonCascade
 
         super().__init__(kv_cache, num_qo_heads, num_kv_heads, head_dim)
         self._graph_wrappers: dict[int, flashinfer.BatchDecodeWithPagedKVCacheWrapper] = {}
@@ -87,21 +81,12 @@ class FlashInferBackend(AttentionBackend):
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True)
-        # The shared level runs on this stream (None: the main one).
-        self.level_stream = torch.cuda.Stream(device, priority=-1) if overlap_levels else None
         if decode_backend not in ("flashinfer", "triton"):
             raise ValueError(f"unknown decode attention backend {decode_backend!r} (flashinfer, triton)")
-        # Plain decode steps on our kernel: the own level over every page, no shared level.
-        self.triton_decode = decode_backend == "triton"
-        # FlashInfer's decode as the cascade's own level (a benchmark variant) cannot split by chunks.
-        self.own_flashinfer = own_backend == "flashinfer" and not self.triton_decode
-        # Plain steps on our kernel split by fixed chunks, and so do cascade steps, to match them bit for bit.
-        chunk = math.lcm(CHUNK_TOKENS, kv_cache.page_size) if self.triton_decode else None
-        options = {"chunk_tokens": chunk, **(cascade_options or {})}
-        self.cascade = TritonCascade(num_qo_heads, num_kv_heads, head_dim, device, own_level=not self.own_flashinfer,
-                                     **options)
+        self.triton_decode = decode_backend == "triton"  # plain decode steps on our kernel too
+        self.cascade = TritonCascade(num_qo_heads, num_kv_heads, head_dim, device, **(cascade_options or {}))
         self.wrapper = self.prefill
-        self.step = "flashinfer"  # this step's attention: "flashinfer", "cascade" or "triton" (own level only)
+        self.step = "flashinfer"  # this step's attention: "flashinfer", "cascade" or "triton" (own items only)
 
     def init_cuda_graph(self, max_bs: int, max_pages_per_req: int) -> None:
         device = self.workspace.device
@@ -109,9 +94,6 @@ class FlashInferBackend(AttentionBackend):
         self._g_indices = torch.zeros(max_bs * max_pages_per_req, dtype=torch.int32, device=device)
         self._g_last_page_len = torch.zeros(max_bs, dtype=torch.int32, device=device)
         self.cascade.init_cuda_graph(max_bs, max_pages_per_req)
-
-    def graph_fits(self, cached_lens: list[int], size: int, cascade: bool) -> bool:
-        return not (cascade or self.triton_decode) or self.cascade.graph_fits(cached_lens, size)
 
     def _graph_wrapper(self, size: int):
         import flashinfer
@@ -141,7 +123,7 @@ class FlashInferBackend(AttentionBackend):
         super().prepare(meta)
         page_size = self.kv_cache.page_size
         seq_lens = meta.seq_lens
-        # A group's shared level reads the whole chunks of its prefix; each member reads the rest.
+        # A group's shared level reads whole tiles of its prefix; each member reads the rest.
         group_pages = [self.cascade.shared_pages(p, page_size) for p in meta.group_pages]
         skip = meta.skip_pages(group_pages)
         num_pages = [cdiv(s, page_size) - k for s, k in zip(seq_lens, skip)]
@@ -153,19 +135,18 @@ class FlashInferBackend(AttentionBackend):
         common = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale)
         heads = (self.num_qo_heads, self.num_kv_heads, self.head_dim, page_size)
         if meta.is_decode:
-            self.wrapper = self.decode if graph_batch_size is None else self._graph_wrapper(graph_batch_size)
             self.step = "cascade" if meta.cascade else "triton" if self.triton_decode else "flashinfer"
-            if self.step != "flashinfer":
-                own = None if self.own_flashinfer else (kv_lens, num_pages, indices)
+            if self.step == "flashinfer":
+                self.wrapper = self.decode if graph_batch_size is None else self._graph_wrapper(graph_batch_size)
+                plan_decode(self.wrapper, kv_indptr, indices, last_page_len, kv_lens, heads, **common)
+            else:
                 sizes, pages = list(meta.group_sizes), group_pages
                 shared = indices[:0]
                 if sum(pages):
                     leaders = torch.tensor(np.cumsum([0] + sizes[:-1]), dtype=torch.int64)
                     rows = meta.slots_t[leaders.to(meta.slots_t.device, non_blocking=True)]
                     shared = self._page_indices(meta.page_table, rows, [0] * len(pages), pages, sum(pages))
-                self.cascade.plan(sizes, pages, page_size, shared, own, graph_batch_size)
-            if self.step == "flashinfer" or (self.step == "cascade" and self.own_flashinfer):
-                plan_decode(self.wrapper, kv_indptr, indices, last_page_len, kv_lens, heads, **common)
+                self.cascade.plan(sizes, pages, page_size, shared, kv_lens, indices, graph_batch_size)
         else:
             self.step = "flashinfer"
             self.wrapper = self.prefill
@@ -177,21 +158,5 @@ class FlashInferBackend(AttentionBackend):
         cache = (self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id))
         if self.step == "flashinfer":
             return self.wrapper.run(q, cache)
-        if self.step == "triton":
-            self.cascade.run_own(q, *cache, self.scale)
-            out = torch.empty_like(q)
-            self.cascade.combine(out)
-            return out
-        main = torch.cuda.current_stream()
-        side = self.level_stream or main
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            self.cascade.run_shared(q, *cache, self.scale)
-        if self.own_flashinfer:
-            out, lse = self.wrapper.run(q, cache, return_lse=True)
-        else:
-            self.cascade.run_own(q, *cache, self.scale)
-            out, lse = torch.empty_like(q), None
-        main.wait_stream(side)
-        self.cascade.combine(out, lse)
-        return out
+        levels = ("shared", "own", "combine") if self.step == "cascade" else ("own", "combine")
+        return self.cascade.forward(q, *cache, self.scale, levels)

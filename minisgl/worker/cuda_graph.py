@@ -119,9 +119,7 @@ class CudaGraphRunner:
         if len(batch.slots) > self.max_bs or any(n != 1 for n in batch.new_lens):
             return False
         size = self._size(batch)
-        if batch.group_sizes and not self._fits(size, len(batch.group_sizes)):
-            return False
-        return self.runner.attn.graph_fits(batch.cached_lens, size, bool(batch.group_sizes))
+        return not batch.group_sizes or self._fits(size, len(batch.group_sizes))
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits of the batch's sampling requests, from the graph of the next size up."""
