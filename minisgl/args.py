@@ -131,9 +131,9 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--device", default=d.device, help="auto (cuda if present, else cpu), cuda or cpu")
     ap.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "torch", "flashinfer"])
     ap.add_argument("--decode-attention-backend", default=d.decode_attention_backend, choices=["flashinfer", "triton"],
-                    help="decode attention with the flashinfer backend: FlashInfer's decode kernel (fastest), or "
-                         "the cascade's Triton kernel in fixed 256-token chunks for plain and cascade steps alike, so "
-                         "a request's tokens do not depend on cascade grouping (bit-identical with cascade on or off)")
+                    help="plain decode steps with the flashinfer backend: triton (default), the kernel cascade steps "
+                         "run on, so a request's tokens are bit-identical with cascade attention on or off; or "
+                         "flashinfer, FlashInfer's decode kernel (faster on grouped batches with cascade off)")
     ap.add_argument("--page-size", type=int, default=d.page_size)
     ap.add_argument("--mem-fraction-static", type=float, default=d.mem_fraction_static,
                     help="fraction of GPU memory for weights and KV cache")
