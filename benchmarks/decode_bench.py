@@ -188,8 +188,9 @@ CASCADE_VARIANTS = [  # (name, step kind, FlashInferBackend options); knob varia
     ("cascade", "cascade", {}),  # the engine's cascade step: equal to plain_triton bit for bit
 ] + [(name, "auto", {"cascade_options": options}) for name, options in {  # the kernel's knobs
     "bn64": dict(block_n=64),  # keys per tile
-    "stages2": dict(num_stages=2),  # pipelined key tiles
+    "stages2": dict(num_stages=2),  # key tiles in flight
     "stages4": dict(num_stages=4),
+    "warps8": dict(num_warps=8),
     "rows16": dict(shared_rows=16),  # query rows a shared item packs
     "rows64": dict(shared_rows=64),
     "items4": dict(items_per_sm=4),  # items per SM that segment lengths aim at

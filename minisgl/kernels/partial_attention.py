@@ -47,7 +47,11 @@ def _partial_attention_kernel(
     scale_log2,
     PAGE: tl.constexpr, GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    kv_head = tl.program_id(1)
+    # The grid is (KV heads, programs): the CTAs of one item's heads launch together and read the
+    # same tokens' rows (2.5% faster than programs first on 256 plain rows of 2304 tokens).
+    kv_head = tl.program_id(0)
+    program = tl.program_id(1)
+    n_programs = tl.num_programs(1)
     rows = tl.arange(0, BLOCK_M)
     member = rows // GQA
     head = kv_head * GQA + rows % GQA
@@ -57,7 +61,7 @@ def _partial_attention_kernel(
     # layout, which differs between the levels' tile shapes.
     ones = tl.full([BLOCK_N, 16], 1.0, k_ptr.dtype.element_ty)
     n_work = tl.load(n_work_ptr)
-    for item in tl.range(tl.program_id(0), n_work, tl.num_programs(0)):
+    for item in tl.range(program, n_work, n_programs):
         at = work_ptr + item * 6
         first_row = tl.load(at)
         members = tl.load(at + 1)
@@ -171,7 +175,7 @@ def partial_attention(
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1 and q.stride(2) == 1
     assert out.stride(2) == 1 and acc.stride(2) == 1 and m.stride() == l.stride()
     with _mma_sync():
-        _partial_attention_kernel[(programs, kv_heads)](
+        _partial_attention_kernel[(kv_heads, programs)](
             q, k_cache, v_cache, out, indices, work, n_work, row_base, acc, m, l,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
             k_cache.stride(2), acc.stride(0), acc.stride(1), m.stride(0),
