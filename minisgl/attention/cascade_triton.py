@@ -7,8 +7,9 @@ A request with one segment gets its output straight from the item that finishes 
 several leaves a state per segment, which ``combine`` folds in order.
 
 A cascade step moves the start of each grouped request's pass into its group's shared level:
-for each tile of members, items over the group's shared tokens (whole ``BLOCK_N`` tiles), one
-per segment they touch, read those pages once for all the tile's members and leave their states;
+for each run of members (up to ``shared_rows`` query rows), items over the group's shared tokens
+(whole ``BLOCK_N`` tiles), one per segment they touch, read those pages once for all the run's
+members and leave their states;
 each member's own items resume them where a segment goes on past the shared part. A request's
 every segment thus ends with the bits a plain step's item would give it (the kernel's docstring
 says why that matters and how it holds).
@@ -49,6 +50,7 @@ def segment_tokens(lens: np.ndarray, unit: int, target_items: int, min_tokens: i
 
 
 def _work(rows, members, entries, tokens, slots, flags) -> np.ndarray:
+    """A work list in the kernel's layout (``partial_attention``'s ``work``)."""
     return np.stack([rows, members, entries, tokens, slots, flags], axis=1).astype(np.int32).reshape(-1, 6)
 
 

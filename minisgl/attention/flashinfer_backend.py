@@ -1,15 +1,15 @@
-"""FlashInfer paged attention on CUDA, with cascade decode steps on our Triton kernel.
+"""FlashInfer paged attention on CUDA for prefill, our Triton kernel for decode.
 
-One plan per step (prefill or decode wrapper), reused by every layer. Prefill attends to the
-request's cached prefix plus its new tokens with a causal mask aligned to the sequence end;
-decode batches (one new token each) use the decode wrapper on its tensor-core path. CUDA-graph
-decode steps use one wrapper per captured batch size, all planning into shared fixed buffers.
+One plan per step, reused by every layer. Prefill attends to the request's cached prefix plus
+its new tokens with FlashInfer's paged prefill, a causal mask aligned to the sequence end.
 
-Other decode steps run on our Triton kernel (``attention.cascade_triton``): cascade steps
-(groups of requests sharing a cached prefix, see ``ForwardBatch``), whose shared level reads each
-group's shared pages once for all its members and whose own level continues each member's pass
-past them, and, with ``decode_backend="triton"`` (the default), plain ones, so that a cascade
-step returns exactly what the plain step would.
+Decode steps (one new token each) run on our kernel (``attention.cascade_triton``): cascade
+steps (groups of requests sharing a cached prefix, see ``ForwardBatch``), whose shared level
+reads each group's shared pages once for all its members and whose own level continues each
+member's pass past them; and plain steps, the own level alone, so that a cascade step returns
+exactly what the plain step would. With ``decode_backend="flashinfer"`` plain steps use
+FlashInfer's decode wrapper on its tensor-core path instead (one wrapper per captured batch
+size under CUDA graphs, all planning into shared fixed buffers).
 """
 
 from __future__ import annotations
