@@ -17,7 +17,6 @@ from minisgl.attention.synthetic import decode_metadata
 from minisgl.kvcache import MHAKVCache
 from minisgl.utils import cdiv
 
-LOG2E = 1.4426950408889634
 LAYOUTS = {  # (shared pages at page size 16, member sequence lengths) per group; loose requests
     "even": ([(4, [70, 90, 65]), (3, [50, 49])], [33, 7]),
     "long loose and long own parts": ([(2, [300, 40, 41])], [700, 5]),

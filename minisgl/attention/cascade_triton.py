@@ -54,7 +54,7 @@ def _work(rows, members, entries, tokens, slots, flags) -> np.ndarray:
     return np.stack([rows, members, entries, tokens, slots, flags], axis=1).astype(np.int32).reshape(-1, 6)
 
 
-def shared_work(sizes: list[int], shared_tokens: list[int], page_size: int, segment: int,
+def shared_work(sizes: list[int], shared_tokens: list[int] | np.ndarray, page_size: int, segment: int,
                 members_per_item: int) -> np.ndarray:
     """Items for groups of ``sizes`` rows (consecutive, from row 0) sharing ``shared_tokens``
     tokens each (whole pages), their pages concatenated in group order: per run of up to
@@ -184,15 +184,15 @@ class TritonCascade:
         tokens past the shared part, on its pages ``own_indices`` (concatenated, on the device)."""
         hq, _, dim = self.heads
         graph = graph_batch_size is not None
+        group_tokens = np.asarray(pages, dtype=np.int64) * page_size
         shared = np.zeros(len(own_tokens), dtype=np.int64)
-        shared[: sum(sizes)] = np.repeat(np.asarray(pages, dtype=np.int64) * page_size, sizes)
+        shared[: sum(sizes)] = np.repeat(group_tokens, sizes)
         lens = np.asarray(own_tokens, dtype=np.int64) + shared
         # Segments from the batch's real requests: graph padding rows hold one token, a decoding
         # request at least two; so a step splits alike padded or not.
         real = lens[lens > 1] if (lens > 1).any() else lens
         segment = segment_tokens(real, self.unit(page_size), self.target_items, self.min_segment_tokens)
-        self.shared.plan(shared_work(sizes, [p * page_size for p in pages], page_size, segment, self.members_per_item),
-                         shared_indices, graph)
+        self.shared.plan(shared_work(sizes, group_tokens, page_size, segment, self.members_per_item), shared_indices, graph)
         work, counts = own_work(lens, shared, page_size, segment)
         self.own.plan(work, own_indices, graph)
         base = np.cumsum(counts) - counts

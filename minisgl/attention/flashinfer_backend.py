@@ -128,27 +128,27 @@ class FlashInferBackend(AttentionBackend):
         skip = meta.skip_pages(group_pages)
         num_pages = [cdiv(s, page_size) - k for s, k in zip(seq_lens, skip)]
         kv_lens = [s - k * page_size for s, k in zip(seq_lens, skip)]  # past the skipped shared pages
+        indices = self._page_indices(meta.page_table, meta.slots_t, skip, num_pages, sum(num_pages))
+        if meta.is_decode and (meta.cascade or self.triton_decode):  # our kernel, none of FlashInfer's inputs
+            self.step = "cascade" if meta.cascade else "triton"
+            sizes, pages = list(meta.group_sizes), group_pages
+            shared = indices[:0]
+            if sum(pages):
+                leaders = torch.tensor(np.cumsum([0] + sizes[:-1]), dtype=torch.int64)
+                rows = meta.slots_t[leaders.to(meta.slots_t.device, non_blocking=True)]
+                shared = self._page_indices(meta.page_table, rows, [0] * len(pages), pages, sum(pages))
+            self.cascade.plan(sizes, pages, page_size, shared, kv_lens, indices, graph_batch_size)
+            return
+        self.step = "flashinfer"
         kv_indptr = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
         kv_indptr[1:] = torch.tensor(num_pages, dtype=torch.int32).cumsum(0)
         last_page_len = torch.tensor([s - (cdiv(s, page_size) - 1) * page_size for s in seq_lens], dtype=torch.int32)
-        indices = self._page_indices(meta.page_table, meta.slots_t, skip, num_pages, int(kv_indptr[-1]))
         common = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale)
         heads = (self.num_qo_heads, self.num_kv_heads, self.head_dim, page_size)
         if meta.is_decode:
-            self.step = "cascade" if meta.cascade else "triton" if self.triton_decode else "flashinfer"
-            if self.step == "flashinfer":
-                self.wrapper = self.decode if graph_batch_size is None else self._graph_wrapper(graph_batch_size)
-                plan_decode(self.wrapper, kv_indptr, indices, last_page_len, kv_lens, heads, **common)
-            else:
-                sizes, pages = list(meta.group_sizes), group_pages
-                shared = indices[:0]
-                if sum(pages):
-                    leaders = torch.tensor(np.cumsum([0] + sizes[:-1]), dtype=torch.int64)
-                    rows = meta.slots_t[leaders.to(meta.slots_t.device, non_blocking=True)]
-                    shared = self._page_indices(meta.page_table, rows, [0] * len(pages), pages, sum(pages))
-                self.cascade.plan(sizes, pages, page_size, shared, kv_lens, indices, graph_batch_size)
+            self.wrapper = self.decode if graph_batch_size is None else self._graph_wrapper(graph_batch_size)
+            plan_decode(self.wrapper, kv_indptr, indices, last_page_len, kv_lens, heads, **common)
         else:
-            self.step = "flashinfer"
             self.wrapper = self.prefill
             qo_indptr = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
             qo_indptr[1:] = torch.tensor(meta.new_lens, dtype=torch.int32).cumsum(0)

@@ -118,8 +118,7 @@ class CudaGraphRunner:
     def can_run(self, batch: ForwardBatch) -> bool:
         if len(batch.slots) > self.max_bs or any(n != 1 for n in batch.new_lens):
             return False
-        size = self._size(batch)
-        return not batch.group_sizes or self._fits(size, len(batch.group_sizes))
+        return not batch.group_sizes or self._fits(self._size(batch), len(batch.group_sizes))
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits of the batch's sampling requests, from the graph of the next size up."""
