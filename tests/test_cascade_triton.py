@@ -43,9 +43,10 @@ def plan_args(meta: AttentionMetadata, page_size: int, group_pages: list[int], p
 
 SPLITS = {  # TritonCascade options: segments of one tile (many resumed mid-segment), or long ones;
     # shared items of 32 or 64 query rows
-    "short segments": dict(items_per_sm=1000, min_segment_tokens=16, shared_rows=32),
-    "long segments": dict(items_per_sm=1, min_segment_tokens=256, shared_rows=64),
+    "short segments": dict(block_n=16, items_per_sm=1000, min_segment_tokens=16, shared_rows=32),
+    "long segments": dict(block_n=16, items_per_sm=1, min_segment_tokens=256, shared_rows=64),
 }
+CUDA_SPLITS = {"defaults": {}}  # the engine's configuration: 128-key tiles (numpy's sums, in the interpreter, vary with the rows)
 
 
 def check(device: str, dtype: torch.dtype, graph: bool) -> None:
@@ -72,8 +73,8 @@ def check(device: str, dtype: torch.dtype, graph: bool) -> None:
             ref = ref_backend.forward(q, 1).float()
             meta = decode_metadata(page_size, groups, loose, device)
             k, v, scale = cache.k_cache(1), cache.v_cache(1), ref_backend.scale
-            for options in SPLITS.values():
-                level = TritonCascade(hq, hk, dim, torch.device(device), block_n=16, **options)
+            for options in {**SPLITS, **(CUDA_SPLITS if device == "cuda" else {})}.values():
+                level = TritonCascade(hq, hk, dim, torch.device(device), **options)
                 group_pages = [level.shared_pages(p, page_size) for p in meta.group_pages]
                 level.plan(*plan_args(plain_meta, page_size, []), None)  # the same batch as a plain step
                 plain = level.forward(q, k, v, scale, ("own", "combine"))

@@ -46,6 +46,7 @@ def _partial_attention_kernel(
     stride_qb, stride_qh, stride_ob, stride_oh, stride_kp, stride_kt, stride_kh, stride_as, stride_ah, stride_ms,
     scale_log2,
     PAGE: tl.constexpr, GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    WIDE: tl.constexpr,
 ):
     # The grid is (KV heads, programs): the CTAs of one item's heads launch together and read the
     # same tokens' rows (2.5% faster than programs first on 256 plain rows of 2304 tokens).
@@ -87,7 +88,9 @@ def _partial_attention_kernel(
         for start in tl.range(0, n_tokens, BLOCK_N):
             tok = start + tl.arange(0, BLOCK_N)
             ok = tok < n_tokens
-            page = tl.load(indices_ptr + first_index + tok // PAGE, mask=ok, other=0).to(tl.int64)
+            page = tl.load(indices_ptr + first_index + tok // PAGE, mask=ok, other=0)
+            if WIDE:  # a cache of 2**31 elements or more; 32-bit offsets save registers (242 -> 210)
+                page = page.to(tl.int64)
             offset = page * stride_kp + (tok % PAGE) * stride_kt + kv_head * stride_kh
             k = tl.load(k_ptr + offset[:, None] + dim[None, :], mask=ok[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k)) * scale_log2
@@ -167,27 +170,29 @@ def partial_attention(
     (first query row, members, first entry of ``indices``, tokens from the first page on, slot,
     flags); ``n_work`` int32 [1] how many rows of ``work`` are live; ``row_base`` int32 [B] where
     each row's slots start in the states acc [states, Hq, D], m and l [states, Hq] (fp32, base 2).
-    ``programs`` programs per KV head, each item up to ``block_m // GQA`` requests. An item's first token must be the start of a page, and,
-    when its rows' results must not depend on which items computed them, of a ``block_n`` tile of
-    the row's keys."""
+    ``programs`` programs per KV head, each item up to ``block_m // GQA`` requests. An item's first
+    token must be the start of a page, and, when its rows' results must not depend on which items
+    computed them, of a ``block_n`` tile of the row's keys."""
     page_size, kv_heads, head_dim = k_cache.shape[1:]
     gqa = q.shape[1] // kv_heads
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1 and q.stride(2) == 1
     assert out.stride(2) == 1 and acc.stride(2) == 1 and m.stride() == l.stride()
+    wide = sum((n - 1) * st for n, st in zip(k_cache.shape, k_cache.stride())) >= 2**31
     with _mma_sync():
         _partial_attention_kernel[(kv_heads, programs)](
             q, k_cache, v_cache, out, indices, work, n_work, row_base, acc, m, l,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
             k_cache.stride(2), acc.stride(0), acc.stride(1), m.stride(0),
             scale * LOG2E, PAGE=page_size, GQA=gqa, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
-            num_warps=num_warps, num_stages=num_stages,
+            WIDE=wide, num_warps=num_warps, num_stages=num_stages,
         )
 
 
 def combine(out: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, l: torch.Tensor, row_base: torch.Tensor,
-            counts: torch.Tensor, block_h: int = 8) -> None:
+            counts: torch.Tensor, block_h: int = 32) -> None:
     """Row r of ``out`` becomes the fold of its ``counts[r]`` states from ``row_base[r]`` on, in
-    slot order; rows with none are left as they are."""
+    slot order; rows with none are left as they are. A program takes ``block_h`` heads of a row (all
+    of them for most models), so a row with nothing to fold costs one program that returns at once."""
     rows, heads, head_dim = out.shape
     block_h = min(block_h, triton.next_power_of_2(heads))
     _combine_kernel[(rows, triton.cdiv(heads, block_h))](
