@@ -9,7 +9,7 @@ sees); "pipelined" launches steps back to back (what overlap scheduling achieves
 
 Part 2: one layer's decode attention, tensor-core vs CUDA-core path, on 256 requests either in
 16 groups sharing a 2048-token prefix (plus 256 private tokens each) or with 2304 private tokens,
-with the layer's K/V in dense tensors or spread page-first as the engine stores them.
+with the layer's K/V in dense tensors (the engine's layer-first cache) or spread page-first.
 
 Part 3: one layer's decode attention, plain (FlashInfer's tensor-core decode, and our kernel)
 against cascade (shared level once per group, own level resuming it, combine of split
@@ -96,7 +96,7 @@ def profile(runner: ModelRunner, bs: int, context: int) -> None:
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
 
 
-PAGE_FIRST_LAYERS = 8  # enough to spread one layer's tokens as the engine does, small enough to fit
+PAGE_FIRST_LAYERS = 8  # part 2's page-first cache: a layer's pages spread among 8 layers' (all 32 would not fit)
 
 
 def attention_kernels(
@@ -123,8 +123,8 @@ def attention_kernels(
         indptr = torch.tensor([0] + [len(x) for x in indices]).cumsum(0).int()
         flat = torch.tensor([p for x in indices for p in x], dtype=torch.int32, device="cuda")
         last = torch.full((n,), page_size, dtype=torch.int32)
-        # Cache layouts: K and V of a layer in two dense tensors (layer-first), or the engine's
-        # page-first layout, where a token's K for one layer sits among those of the others.
+        # Cache layouts: K and V of a layer in two dense tensors (layer-first, the engine's), or
+        # page-first, where a token's K for one layer sits among those of the others.
         layer_first = torch.randn(2, total_pages, page_size, kv_heads, head_dim, dtype=torch.bfloat16, device="cuda")
         caches = {"layer-first": (layer_first[0], layer_first[1])}
         page_first = torch.randn(2, total_pages, PAGE_FIRST_LAYERS, page_size, kv_heads, head_dim,
@@ -217,7 +217,7 @@ def cascade_kernels(
         per = [grouped // groups + (g < grouped % groups) for g in range(groups)]
         layout = [(shared_pages, [shared + own_len + 1] * n) for n in per]
         total_pages = int(decode_metadata(page_size, layout, loose, "cpu").page_table.max()) + 1
-        cache = MHAKVCache(total_pages, page_size, PAGE_FIRST_LAYERS // 2, kv_heads, head_dim, torch.bfloat16,
+        cache = MHAKVCache(total_pages, page_size, 1, kv_heads, head_dim, torch.bfloat16,
                            torch.device("cuda"))
         cache.buffer.normal_()
         q = torch.randn(batch, qo_heads, head_dim, dtype=torch.bfloat16, device="cuda")

@@ -13,13 +13,13 @@ def make_cache(page_size: int, pages: int = 12, layers: int = 3, heads: int = 2,
     return MHAKVCache(pages, page_size, layers, heads, dim, torch.float32, torch.device("cpu"))
 
 
-def test_page_first_layout():
+def test_layer_first_layout():
     cache = make_cache(page_size=4)
-    assert cache.buffer.shape == (2, 12, 3, 4, 2, 8)
+    assert cache.buffer.shape == (2, 3, 12, 4, 2, 8)
     k = cache.k_cache(1)
     assert k.shape == (12, 4, 2, 8)
-    assert k.stride(0) == 3 * 4 * 2 * 8  # one page spans every layer
-    assert k.data_ptr() == cache.buffer[0, 0, 1].data_ptr()
+    assert k.is_contiguous()  # a layer's pages are dense
+    assert k.data_ptr() == cache.buffer[0, 1, 0].data_ptr()
     assert MHAKVCache.bytes_per_page(4, 3, 2, 8, torch.float32) == 2 * 4 * 3 * 2 * 8 * 4
 
 
@@ -35,12 +35,12 @@ def test_store_kv_writes_each_slot(page_size, index_dtype):
     store_kv_torch(cache.k_cache(2), cache.v_cache(2), k, v, slots)
     for i, slot in enumerate(slots.tolist()):
         page, off = divmod(slot, page_size)
-        assert torch.equal(cache.buffer[0, page, 2, off], k[i])
-        assert torch.equal(cache.buffer[1, page, 2, off], v[i])
+        assert torch.equal(cache.buffer[0, 2, page, off], k[i])
+        assert torch.equal(cache.buffer[1, 2, page, off], v[i])
     written = torch.zeros(cache.num_pages, page_size, dtype=torch.bool)
     written.view(-1)[slots.long()] = True
-    assert (cache.buffer[:, :, 2][:, ~written] == 0).all()  # no other slot of the layer touched
-    assert (cache.buffer[:, :, [0, 1]] == 0).all()  # nor any other layer
+    assert (cache.buffer[:, 2][:, ~written] == 0).all()  # no other slot of the layer touched
+    assert (cache.buffer[:, [0, 1]] == 0).all()  # nor any other layer
 
 
 def test_store_kv_torch_matches_manual_index():

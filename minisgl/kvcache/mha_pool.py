@@ -1,8 +1,11 @@
-"""MHAKVCache: one tensor for the whole run in page-first layout.
+"""MHAKVCache: one tensor for the whole run, layer-first.
 
-Layout ``[2, num_pages, num_layers, page_size, kv_heads, head_dim]``: a page holds the K and V
-of its tokens for every layer in two contiguous blocks, so moving a page (offload, transfer)
-is two memcpys, while attention sees an ordinary paged layer view with a larger page stride.
+Layout ``[2, num_layers, num_pages, page_size, kv_heads, head_dim]``: each layer's K and V are
+dense paged tensors. The page-first layout of the design (``[2, num_pages, num_layers, ...]``,
+one page holding every layer's K and V, for moving whole pages) spreads a layer's pages a
+megabyte apart on the 8B's 32 layers, and decode attention paid for it: 0.187 against 0.175 ms
+per layer at 256 requests in 16 groups on the H100 (benchmarks/results/gpu_2026-11-22.md,
+session 12). Nothing moves pages yet; when something does, it copies one block per layer.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ class MHAKVCache(BaseKVCache):
         self.page_size = page_size
         self.num_layers = num_layers
         self.buffer = torch.zeros(
-            (2, num_pages, num_layers, page_size, num_kv_heads, head_dim), dtype=dtype, device=device
+            (2, num_layers, num_pages, page_size, num_kv_heads, head_dim), dtype=dtype, device=device
         )
 
     @staticmethod
@@ -37,7 +40,7 @@ class MHAKVCache(BaseKVCache):
         return 2 * page_size * num_layers * num_kv_heads * head_dim * dtype.itemsize
 
     def k_cache(self, layer_id: int) -> torch.Tensor:
-        return self.buffer[0, :, layer_id]
+        return self.buffer[0, layer_id]
 
     def v_cache(self, layer_id: int) -> torch.Tensor:
-        return self.buffer[1, :, layer_id]
+        return self.buffer[1, layer_id]
