@@ -187,9 +187,11 @@ CASCADE_VARIANTS = [  # (name, step kind, FlashInferBackend options); knob varia
     ("plain_triton", "plain", {}),  # our kernel, the default
     ("cascade", "cascade", {}),  # the engine's cascade step: equal to plain_triton bit for bit
 ] + [(name, "auto", {"cascade_options": options}) for name, options in {  # the kernel's knobs
-    "bn64": dict(block_n=64),  # keys per tile
-    "stages2": dict(num_stages=2),  # key tiles in flight
-    "stages4": dict(num_stages=4),
+    "bn128_stages3": dict(block_n=128, num_stages=3),  # session 11's default: single-buffered tiles
+    "bn32": dict(block_n=32),  # keys per tile
+    "bn128": dict(block_n=128),  # (two 128-key buffers leave room for one program per SM)
+    "stages4": dict(num_stages=4),  # pipeline depth (4 and fewer: one K/V buffer)
+    "stages6": dict(num_stages=6),
     "warps8": dict(num_warps=8),
     "rows16": dict(shared_rows=16),  # query rows a shared item packs
     "rows64": dict(shared_rows=64),

@@ -126,11 +126,14 @@ class TritonCascade:
     reading each page once for all; an own item is one request's query heads."""
 
     def __init__(
-        self, num_qo_heads: int, num_kv_heads: int, head_dim: int, device: torch.device, block_n: int = 128,
-        num_warps: int = 4, num_stages: int = 3, items_per_sm: int = 8, programs_per_sm: int = 8,
+        self, num_qo_heads: int, num_kv_heads: int, head_dim: int, device: torch.device, block_n: int = 64,
+        num_warps: int = 4, num_stages: int = 5, items_per_sm: int = 8, programs_per_sm: int = 8,
         min_segment_tokens: int = MIN_SEGMENT_TOKENS, shared_rows: int = 32,
     ):
-        # Defaults from benchmarks/decode_bench.py part 3 on the H100 (gpu_2026-11-22.md, session 11).
+        # Defaults from benchmarks/decode_bench.py part 3 on the H100 (gpu_2026-11-22.md, session 12).
+        # Stages: the page-index load is a pipeline stage of its own, so Triton double-buffers the
+        # K/V tiles (and overlaps their loads with the previous tile's math) only from 5 stages on;
+        # with 3 or 4 every tile waited for its own loads. 64-key tiles keep two buffers in 72 KB.
         self.heads = (num_qo_heads, num_kv_heads, head_dim)
         self.device = device
         gqa = num_qo_heads // num_kv_heads
