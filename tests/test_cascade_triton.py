@@ -46,7 +46,7 @@ SPLITS = {  # TritonCascade options: segments of one tile (many resumed mid-segm
     "short segments": dict(block_n=16, items_per_sm=1000, min_segment_tokens=16, shared_rows=32),
     "long segments": dict(block_n=16, items_per_sm=1, min_segment_tokens=256, shared_rows=64),
 }
-CUDA_SPLITS = {"defaults": {}}  # the engine's configuration: 128-key tiles (numpy's sums, in the interpreter, vary with the rows)
+CUDA_SPLITS = {"defaults": {}}  # the engine's configuration: wider tiles (numpy's sums, in the interpreter, vary with the rows)
 
 
 def check(device: str, dtype: torch.dtype, graph: bool) -> None:

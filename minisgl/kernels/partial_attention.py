@@ -164,7 +164,7 @@ def partial_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, indices: torch.Tensor,
     work: torch.Tensor, n_work: torch.Tensor, row_base: torch.Tensor, acc: torch.Tensor, m: torch.Tensor,
     l: torch.Tensor, programs: int, scale: float, block_m: int, block_n: int = 64, num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int = 5,
 ) -> None:
     """q, out [B, Hq, D]; caches [pages, page_size, Hk, D]; ``work`` int32 [items, 6] rows of
     (first query row, members, first entry of ``indices``, tokens from the first page on, slot,
