@@ -49,7 +49,8 @@ def _matmul(a_ptr, b_ptr, c_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK
         acc = tl.dot(x, tl.trans(w), acc)
         a += BK
         b += BK
-    tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+    tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc.to(c_ptr.dtype.element_ty),
+             mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
 def triton_linear(x: torch.Tensor, w: torch.Tensor, BM: int, BN: int, BK: int, warps: int, stages: int,

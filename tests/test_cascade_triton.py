@@ -46,7 +46,9 @@ SPLITS = {  # TritonCascade options: segments of one tile (many resumed mid-segm
     "short segments": dict(block_n=16, items_per_sm=1000, min_segment_tokens=16, shared_rows=32),
     "long segments": dict(block_n=16, items_per_sm=1, min_segment_tokens=256, shared_rows=64),
 }
-CUDA_SPLITS = {"defaults": {}}  # the engine's configuration: wider tiles (numpy's sums, in the interpreter, vary with the rows)
+# On CUDA also the engine's configuration, with its wider tiles; the interpreter runs only the
+# splits above (its numpy sums vary with a tile's rows, which wider tiles expose).
+CUDA_SPLITS = {"defaults": {}}
 
 
 def check(device: str, dtype: torch.dtype, graph: bool) -> None:

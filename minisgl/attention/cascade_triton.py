@@ -195,7 +195,8 @@ class TritonCascade:
         # request at least two; so a step splits alike padded or not.
         real = lens[lens > 1] if (lens > 1).any() else lens
         segment = segment_tokens(real, self.unit(page_size), self.target_items, self.min_segment_tokens)
-        self.shared.plan(shared_work(sizes, group_tokens, page_size, segment, self.members_per_item), shared_indices, graph)
+        work = shared_work(sizes, group_tokens, page_size, segment, self.members_per_item)
+        self.shared.plan(work, shared_indices, graph)
         work, counts = own_work(lens, shared, page_size, segment)
         self.own.plan(work, own_indices, graph)
         base = np.cumsum(counts) - counts
