@@ -8,18 +8,23 @@ and bf16 (a different summation order of the all-reduce flips near-ties: the sha
 and each first divergence are reported), 64 prompts x 48 greedy tokens through /generate.
 ``throughput`` serves dummy weights in the model's shapes and times decode at batch 64 with
 1024-token prompts: the prompts are prefilled once (max_new_tokens 1), then run again from the
-cache for 256 tokens, so the time is decode.
+cache for 256 tokens, end to end, and for 32 and 288 tokens: the difference is decode alone.
 
 Each tp=2 variant is one way to all-reduce: ``nccl`` (--disable-custom-all-reduce), ``one-shot``
 (the symmetric-memory kernel for decode-sized tensors) and ``fp32`` (partial sums all-reduced in
 float32 before rounding to the model's dtype, --enable-fp32-all-reduce). ``profile`` traces 40
 decode steps of each (tp=1 first) through /start_profile and prints rank 0's kernel table.
+``step`` leaves the server out: each rank builds a ModelRunner and times the same decode batch
+three ways, to split a step between the GPU and the host: the captured graph replayed back to
+back (the GPU alone), ``launch`` + ``collect`` one step ahead as the worker runs them (the
+worker's host path too), and the host time of ``launch`` alone.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import tempfile
@@ -83,12 +88,20 @@ def warmed_servers(model: str, batch: int, prompt_len: int, variants: list[str])
 
 
 def run_throughput(model: str, batch: int, prompt_len: int, new_tokens: int, variants: list[str]) -> dict:
+    """Per variant: one request batch of ``new_tokens`` tokens end to end (its one-token prefill
+    and the HTTP round trip included), and the decode rate alone: the extra tokens of a batch
+    ``new_tokens`` longer than a 32-token one over its extra time."""
+    short = 32
     report = {}
     for name, url, prompts in warmed_servers(model, batch, prompt_len, variants):
         _, seconds = generate(url, prompts, new_tokens)
-        report[name] = {"seconds": seconds, "decode_tok_per_s": batch * new_tokens / seconds}
+        _, base = generate(url, prompts, short)
+        _, longer = generate(url, prompts, short + new_tokens)
+        report[name] = {"seconds": seconds, "decode_tok_per_s": batch * new_tokens / seconds,
+                        "decode_only_tok_per_s": batch * new_tokens / (longer - base)}
         if name != "tp1":
-            report[name]["speedup"] = report[name]["decode_tok_per_s"] / report["tp1"]["decode_tok_per_s"]
+            for key in ("decode_tok_per_s", "decode_only_tok_per_s"):
+                report[name][key.replace("tok_per_s", "speedup")] = report[name][key] / report["tp1"][key]
     return report
 
 
@@ -109,18 +122,132 @@ def run_profile(model: str, batch: int, prompt_len: int, variants: list[str], ou
     return report
 
 
+def _step_rank(rank: int, world: int, model: str, batch: int, prompt_len: int, steps: int, flags: list[str],
+               init: str, out: Path, profile_steps: int, items_per_sm: int) -> None:
+    """One rank of ``step``: rank 0 writes the timings to ``out``."""
+    from minisgl.args import EngineArgs
+    from minisgl.distributed import set_tp_info
+    from minisgl.messages import ForwardBatch
+    from minisgl.worker.model_runner import ModelRunner
+
+    import torch
+    import torch.distributed as dist
+
+    if world > 1:
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world)
+        set_tp_info(rank, world, "--enable-fp32-all-reduce" in flags)
+    args = EngineArgs(model=model, load_format="dummy", device=f"cuda:{rank}", tp_size=world, context_length=4096,
+                      disable_custom_all_reduce="--disable-custom-all-reduce" in flags, cuda_graph_max_bs=batch)
+    runner = ModelRunner(args)
+    runner.kv_cache.buffer.zero_()  # the prompts' K/V are never written: keep NaNs out of attention
+    if items_per_sm:  # fewer (longer) decode attention items than the default; planned per step
+        sms = torch.cuda.get_device_properties(rank).multi_processor_count
+        runner.attn.cascade.target_items = min(runner.attn.cascade.target_items,
+                                               items_per_sm * sms // runner.num_kv_heads)
+    page = runner.page_size
+    per_req = -(-(prompt_len + 3 * steps + 8) // page)
+    pages = {slot: list(range(slot * per_req, (slot + 1) * per_req)) for slot in range(batch)}
+
+    def decode_batch(k: int) -> ForwardBatch:
+        """Step k of every request: its cached length grows by one per step; a page-table write
+        for each request that starts a new page (all of them at k = 0)."""
+        length = prompt_len + k
+        b = ForwardBatch(slots=list(range(batch)), cached_lens=[length] * batch, new_lens=[1] * batch,
+                         input_ids=[-1] * batch, sample=[True] * batch)
+        cols = range(per_req) if k == 0 else [length // page] if length % page == 0 else []
+        for slot in range(batch):
+            for col in cols:
+                b.table_slots.append(slot)
+                b.table_cols.append(col)
+                b.table_pages.append(pages[slot][col])
+        return b
+
+    runner.step(decode_batch(0))
+    k, host = 1, []
+    for phase in ("warm", "timed"):
+        if world > 1:
+            dist.barrier()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            t = time.perf_counter()
+            runner.launch(decode_batch(k))
+            host.append(time.perf_counter() - t)
+            k += 1
+            if len(runner.pending) > 1:
+                runner.collect()
+        while runner.pending:
+            runner.collect()
+        loop = (time.perf_counter() - start) / steps
+    graph = runner.graphs.graphs[runner.graphs._size(decode_batch(k)), False]
+    if world > 1:
+        dist.barrier()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        graph.replay()
+    torch.cuda.synchronize()
+    replay = (time.perf_counter() - start) / steps
+    if profile_steps:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(profile_steps):
+                graph.replay()
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70)
+        (out.parent / f"kernels_rank{rank}.txt").write_text(f"{profile_steps} graph replays\n{table}")
+    x = torch.zeros(16, device=runner.device)
+    start = time.perf_counter()
+    for _ in range(1000):
+        x.add_(1)
+    op = (time.perf_counter() - start) / 1000
+    if rank == 0:
+        out.write_text(json.dumps({"gpu_ms": replay * 1e3, "worker_loop_ms": loop * 1e3,
+                                   "launch_host_ms": 1e3 * sum(host[steps:]) / steps, "small_op_us": op * 1e6}))
+    if world > 1:
+        dist.barrier()
+    torch.cuda.synchronize()
+    os._exit(0)  # a symmetric-memory group's teardown can hang at exit; the timings are written
+
+
+def run_step(model: str, batch: int, prompt_len: int, steps: int, variants: list[str], profile_steps: int,
+             items_per_sm: int) -> dict:
+    import torch.multiprocessing as mp
+
+    report = {}
+    for name in ["tp1", *variants]:
+        world = 1 if name == "tp1" else 2
+        out = Path(tempfile.mkdtemp()) / "step.json"
+        init = f"file://{out.parent / 'init'}"
+        mp.start_processes(_step_rank, args=(world, model, batch, prompt_len, steps, VARIANTS.get(name, []), init,
+                                             out, profile_steps, items_per_sm), nprocs=world, start_method="spawn")
+        report[name] = json.loads(out.read_text())
+        print(name, report[name], flush=True)
+        for table in sorted(out.parent.glob("kernels_rank*.txt")):
+            print(f"== {name} {table.stem}\n{table.read_text()}", flush=True)
+    return report
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=["agreement", "throughput", "profile"])
+    ap.add_argument("mode", choices=["agreement", "throughput", "profile", "step"])
     ap.add_argument("--model", default=str(ROOT / "benchmarks" / "configs" / "llama3.1-8b"))
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=100, help="decode steps per timing (step mode)")
+    ap.add_argument("--profile-steps", type=int, default=0, help="step mode: kernel tables of this many replays")
+    ap.add_argument("--items-per-sm", type=int, default=0, help="step mode: decode attention items per SM")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.mode == "agreement":
         report = run_agreement(args.variants)
+    elif args.mode == "step":
+        report = run_step(args.model, args.batch, args.prompt_len, args.steps, args.variants, args.profile_steps,
+                          args.items_per_sm)
     elif args.mode == "throughput":
         report = run_throughput(args.model, args.batch, args.prompt_len, args.new_tokens, args.variants)
     else:

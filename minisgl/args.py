@@ -36,7 +36,7 @@ class EngineArgs:
     disable_cascade_attention: bool = False  # decode reads shared prefixes once per group (radix cache only)
     cuda_graph_max_bs: int | None = None  # None: min(max_running_requests, 256); 0 disables graphs
     disable_cuda_graph: bool = False
-    disable_custom_all_reduce: bool = False  # tp on GPUs: NCCL for every all-reduce, not the one-shot kernel
+    disable_custom_all_reduce: bool = False  # tp on GPUs: NCCL for every all-reduce, not the one-shot kernels
     enable_fp32_all_reduce: bool = False  # tp: partial sums all-reduced in fp32 (tp=2 tokens closer to tp=1's)
     max_prefill_tokens: int | None = None  # tokens of one prefill step (None: chunked_prefill_size)
     revision: str | None = None  # of a hub model
@@ -152,7 +152,8 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--disable-cuda-graph", action="store_true", help="run every step eagerly")
     ap.add_argument("--disable-custom-all-reduce", action="store_true",
                     help="tensor parallelism on GPUs: NCCL for every all-reduce instead of the one-shot "
-                         "symmetric-memory kernel for small (decode) tensors")
+                         "symmetric-memory kernels for small (decode) tensors, the one fused with the "
+                         "residual add and RMSNorm included")
     ap.add_argument("--enable-fp32-all-reduce", action="store_true",
                     help="tensor parallelism in bf16/fp16: all-reduce the row-parallel partial sums in float32 and "
                          "round once, as tp=1 does (greedy tokens at tp=2 matched tp=1 on 56/64 instead of 27/64 "

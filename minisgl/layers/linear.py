@@ -108,7 +108,12 @@ class RowParallelLinear(nn.Module):
         start = get_tp_info().rank * self.local_input
         param.data.copy_(loaded.narrow(1, start, self.local_input))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """With ``reduce=False`` (no bias) this rank's partial sums, for a following
+        ``RMSNorm(..., reduce=True)`` to all-reduce together with its residual add."""
+        if not reduce:
+            assert self.bias is None, "a bias is added after the all-reduce"
+            return F.linear(x, self.weight)
         tp = get_tp_info()
         if tp.reduce_fp32 and tp.size > 1 and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
             y = all_reduce(linear_fp32(x, self.weight)).to(x.dtype)

@@ -2,7 +2,9 @@
 
 They differ only in small switches read from ModelConfig: q/k/v biases (Qwen2), per-head
 q/k RMSNorm (Qwen3), tied embeddings. Tokens of all requests in a step are packed into one
-[T] sequence; attention goes through the installed backend.
+[T] sequence; attention goes through the installed backend. Under tensor parallelism the
+row-parallel projections (o_proj, down_proj) hand their partial sums to the norm after them,
+which all-reduces them together with its residual add (``RMSNorm(..., reduce=True)``).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from torch import nn
 
 from minisgl.attention.context import get_attention_backend
 from minisgl.config import ModelConfig
+from minisgl.distributed import get_tp_info
 from minisgl.kernels.fused import silu_and_mul
 from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -32,11 +35,11 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         backend = get_attention_backend()
         norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if hasattr(self, "q_norm") else None
         q = backend.rope_store(self.qkv_proj(x), positions, self.layer_id, self.rotary.cos_sin, norm)
-        return self.o_proj(backend.forward(q, self.layer_id).flatten(1))
+        return self.o_proj(backend.forward(q, self.layer_id).flatten(1), reduce)
 
 
 class MLP(nn.Module):
@@ -46,8 +49,8 @@ class MLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [size, size], config.mlp_bias)
         self.down_proj = RowParallelLinear(size, config.hidden_size, config.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)), reduce)
 
 
 class DecoderLayer(nn.Module):
@@ -57,22 +60,34 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.defer = defers_reduce(config)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the embeddings (``residual`` None) or the last layer's MLP output, as partial sums
+        when ``defer``; returns this layer's MLP output the same way, and the residual stream."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, positions)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+            x, residual = self.input_layernorm(x, residual, self.defer)
+        x = self.self_attn(x, positions, not self.defer)
+        x, residual = self.post_attention_layernorm(x, residual, self.defer)
+        return self.mlp(x, not self.defer), residual
+
+
+def defers_reduce(config: ModelConfig) -> bool:
+    """Whether the row-parallel projections leave their all-reduce to the next norm: under
+    tensor parallelism, unless a bias must be added after the sum or the partial sums are
+    all-reduced in float32 (--enable-fp32-all-reduce)."""
+    tp = get_tp_info()
+    return tp.size > 1 and not tp.reduce_fp32 and not (config.attention_bias or config.mlp_bias)
 
 
 class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int):
         super().__init__()
+        self.defer = defers_reduce(config)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
         self.layers = nn.ModuleList(DecoderLayer(config, i, rotary) for i in range(config.num_layers))
@@ -82,7 +97,7 @@ class DecoderModel(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             x, residual = layer(x, residual, positions)
-        x, _ = self.norm(x, residual)
+        x, _ = self.norm(x, residual, self.defer)
         return x
 
 

@@ -23,7 +23,7 @@ from minisgl.args import EngineArgs
 from minisgl.attention import AttentionMetadata, create_backend
 from minisgl.attention.context import set_attention_backend
 from minisgl.config import ModelConfig
-from minisgl.distributed import get_tp_info, init_one_shot_all_reduce
+from minisgl.distributed import get_tp_info, init_fused_all_reduce_norm, init_one_shot_all_reduce
 from minisgl.kvcache import MHAKVCache
 from minisgl.messages import ForwardBatch, NewRequest, StepOutput
 from minisgl.models.loader import load_model, resolve_model_path
@@ -72,6 +72,9 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
             if tp.size > 1 and not args.disable_custom_all_reduce:
                 init_one_shot_all_reduce(self.device)
+                # Decode batches (CUDA graphs and eager ones alike) up to the graph sizes.
+                init_fused_all_reduce_norm(args.cuda_graph_max_bs or min(args.max_running_requests, 256),
+                                           self.config.hidden_size)
         self.num_kv_heads = max(1, self.config.num_kv_heads // tp.size)
         self.num_qo_heads = self.config.num_heads // tp.size
         self.model = load_model(
