@@ -5,20 +5,24 @@ against transformers' ``generate`` on the same weights.
 
 Starts ``python -m minisgl.launch`` (default flags), reports seconds until /health answers and
 the memory of its whole process tree (RSS, and PSS, which counts shared pages once), then
-greedy decode throughput at batch 1 and 8 (``--tokens`` new tokens each, EOS ignored), then the
-same through transformers on the dequantized checkpoint the server converted (fp32); each the
-best of ``--repeats`` runs. Writes one JSON object to stdout (and ``--out``).
+greedy decode throughput at batch 1 and 8 (``--tokens`` new tokens each, EOS ignored) of the
+server and of transformers on the dequantized checkpoint the server converted (fp32), in turns
+(server, transformers, server, ...: this shared VM's speed drifts by 20% within minutes, so
+only runs side by side compare); each the best of ``--repeats`` turns. Writes one JSON object
+to stdout (and ``--out``).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -51,21 +55,15 @@ def _memory(pid: int) -> dict[str, float]:
             "processes": per}
 
 
-def _server_throughput(url: str, batch: int, tokens: int, repeats: int) -> float:
-    """Best of ``repeats`` runs (this machine's neighbours make single runs noisy)."""
+def _server_run(url: str, batch: int, tokens: int) -> float:
     body = {"text": PROMPTS[:batch], "sampling_params": {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}}
-    httpx.post(f"{url}/generate", json={**body, "sampling_params": {**body["sampling_params"], "max_new_tokens": 4}},
-               timeout=600)  # warm the shapes
-    best = 0.0
-    for _ in range(repeats):
-        start = time.perf_counter()
-        out = httpx.post(f"{url}/generate", json=body, timeout=600).json()
-        elapsed = time.perf_counter() - start
-        best = max(best, sum(r["meta_info"]["completion_tokens"] for r in out) / elapsed)
-    return best
+    start = time.perf_counter()
+    out = httpx.post(f"{url}/generate", json=body, timeout=600).json()
+    return sum(r["meta_info"]["completion_tokens"] for r in out) / (time.perf_counter() - start)
 
 
-def _transformers_throughput(model_dir: str, batch: int, tokens: int, repeats: int) -> float:
+def _transformers_runner(model_dir: str) -> Callable[[int, int], float]:
+    """A function running transformers' greedy ``generate`` on a batch; returns tokens/s."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -74,16 +72,16 @@ def _transformers_throughput(model_dir: str, batch: int, tokens: int, repeats: i
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    enc = tok(PROMPTS[:batch], return_tensors="pt", padding=True)
-    kwargs = dict(do_sample=False, pad_token_id=tok.pad_token_id)
-    with torch.inference_mode():
-        model.generate(**enc, max_new_tokens=4, min_new_tokens=4, **kwargs)
-        best = 0.0
-        for _ in range(repeats):
-            start = time.perf_counter()
-            model.generate(**enc, max_new_tokens=tokens, min_new_tokens=tokens, **kwargs)
-            best = max(best, batch * tokens / (time.perf_counter() - start))
-    return best
+
+    def run(batch: int, tokens: int) -> float:
+        enc = tok(PROMPTS[:batch], return_tensors="pt", padding=True)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(**enc, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                           pad_token_id=tok.pad_token_id)
+        return batch * tokens / (time.perf_counter() - start)
+
+    return run
 
 
 def main() -> None:
@@ -106,15 +104,22 @@ def main() -> None:
         wait_ready(url, server, timeout=600)
         result["ready_s"] = round(time.perf_counter() - start, 1)
         result["memory_idle"] = _memory(server.pid)
-        result["server_tok_s"] = {b: round(_server_throughput(url, b, args.tokens, args.repeats), 1) for b in args.batches}
+        from minisgl.models.loader import resolve_model_path
+
+        transformers = _transformers_runner(str(resolve_model_path(args.model)))  # the converted checkpoint
+        runs = {"server_tok_s": functools.partial(_server_run, url), "transformers_tok_s": transformers}
+        best = {name: {} for name in runs}
+        for batch in args.batches:
+            for name, run in runs.items():
+                run(batch, 4)  # warm the shapes
+            for _ in range(args.repeats):
+                for name, run in runs.items():
+                    best[name][batch] = max(best[name].get(batch, 0.0), round(run(batch, args.tokens), 1))
+        result.update(best)
         result["memory_after"] = _memory(server.pid)
     finally:
         server.terminate()
         server.wait(60)
-    from minisgl.models.loader import resolve_model_path
-
-    model_dir = str(resolve_model_path(args.model))  # the converted checkpoint, for a GGUF file
-    result["transformers_tok_s"] = {b: round(_transformers_throughput(model_dir, b, args.tokens, args.repeats), 1) for b in args.batches}
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

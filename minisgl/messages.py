@@ -113,8 +113,9 @@ class ChatMessage(msgspec.Struct):
     name: str | None = None
 
 
-class GenerateReq(msgspec.Struct, tag=True):
-    """API -> tokenizer: exactly one of text, input_ids or messages (rendered by the chat template)."""
+class GenerateReq(msgspec.Struct):
+    """One sequence to generate: exactly one of text, input_ids or messages (rendered by the chat
+    template)."""
 
     rid: str
     sampling: SamplingParams
@@ -129,8 +130,16 @@ class GenerateReq(msgspec.Struct, tag=True):
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (enable_thinking, ...)
 
 
-class TokenizedReq(msgspec.Struct, tag=True):
-    """Tokenizer -> scheduler."""
+class GenerateBatch(msgspec.Struct, tag=True):
+    """API -> tokenizer: the sequences of one HTTP request (prompts x n), sent as one message and
+    passed on as one ``TokenizedBatch``, so the scheduler sees them all at once and prefills them
+    in one step rather than one per step as they trickle in."""
+
+    reqs: list[GenerateReq]
+
+
+class TokenizedReq(msgspec.Struct):
+    """One sequence, tokenized."""
 
     rid: str
     input_ids: list[int]
@@ -138,6 +147,12 @@ class TokenizedReq(msgspec.Struct, tag=True):
     top_logprobs: int = -1
     logprob_start: int = -1  # prompt logprobs from this position (-1: none)
     logprob_ids: list[int] = []
+
+
+class TokenizedBatch(msgspec.Struct, tag=True):
+    """Tokenizer -> scheduler: the accepted sequences of one ``GenerateBatch``."""
+
+    reqs: list[TokenizedReq]
 
 
 class AbortReq(msgspec.Struct, tag=True):
@@ -230,6 +245,6 @@ class EngineInfo(msgspec.Struct, tag=True):
     tool_call_parser: str | None = None  # the format of tool calls in answers (flag, or read from the template)
 
 
-ToTokenizer = GenerateReq | AbortReq | ControlReq | ControlReply | TokenBatch | EngineInfo
-ToScheduler = TokenizedReq | AbortReq | ControlReq
+ToTokenizer = GenerateBatch | AbortReq | ControlReq | ControlReply | TokenBatch | EngineInfo
+ToScheduler = TokenizedBatch | AbortReq | ControlReq
 ToApi = UpdateBatch | ControlReply

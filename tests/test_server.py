@@ -162,6 +162,21 @@ def test_n_choices_logprobs_and_batch_prompts(server: ServerProcess, offline: LL
     idle_and_clean(server)
 
 
+def test_batch_prompts_start_in_one_step(server: ServerProcess, offline: LLM):
+    """The sequences of one request reach the scheduler as one message, so short prompts are
+    prefilled in a single step (arriving one by one, each took a step of its own); a name used
+    twice within it is refused."""
+    prompts = [f"Batch prompt number {i} about rivers" for i in range(6)]
+    before = idle_and_clean(server)["prefill_steps"]
+    body = {"text": prompts, "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
+    out = httpx.post(f"{server.url}/generate", json=body, timeout=60).json()
+    assert [o["text"] for o in out] == [greedy(offline, p, 4, ignore_eos=True)["text"] for p in prompts]
+    assert idle_and_clean(server)["prefill_steps"] == before + 1
+    r = httpx.post(f"{server.url}/generate", json={**body, "text": prompts[:2], "rid": ["x", "x"]}, timeout=60)
+    assert r.status_code == 400 and "already in use" in r.text
+    idle_and_clean(server)
+
+
 # ---- concurrency and the prefix cache -------------------------------------------------------------
 
 

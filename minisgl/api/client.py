@@ -1,8 +1,8 @@
 """EngineClient: the API process's side of the pipeline (asyncio).
 
 It sends requests to the tokenizer process and routes the updates coming back to one queue per
-request. ``open`` waits for the first update, so a request the engine refuses becomes an
-exception (and a 4xx) before any response bytes are sent.
+request. ``open`` waits for each request's first update, so a request the engine refuses becomes
+an exception (and a 4xx) before any response bytes are sent.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import zmq.asyncio
 
 from minisgl.ipc import Addresses, AsyncReceiver, Sender
 from minisgl.messages import (
-    AbortReq, ControlReply, ControlReq, GenerateReq, ProfileReq, ReqUpdate, ToApi, UpdateBatch,
+    AbortReq, ControlReply, ControlReq, GenerateBatch, GenerateReq, ProfileReq, ReqUpdate, ToApi, UpdateBatch,
 )
 
 logger = logging.getLogger(__name__)
@@ -118,29 +118,43 @@ class EngineClient:
     def active_rids(self) -> list[str]:
         return list(self._uids)
 
-    async def open(self, req: GenerateReq) -> tuple[RequestStream, ReqUpdate]:
-        """Submit a request and wait until the engine accepts it; returns the stream and the
-        acceptance update. Raises EngineError with the engine's reason if it is refused."""
-        if req.rid in self._uids:
-            raise EngineError(f"request id {req.rid!r} is already in use")
-        uid = str(next(self._next_uid))
+    async def open(self, reqs: list[GenerateReq]) -> list[tuple[RequestStream, ReqUpdate] | EngineError]:
+        """Submit the sequences of one request in one message (so they start in one step) and
+        wait until the engine accepts or refuses each: per sequence, its stream and acceptance
+        update, or the EngineError naming why it was refused."""
+        names = [r.rid for r in reqs]
+        taken = next((n for n in names if n in self._uids), None)
+        if taken is None and len(set(names)) < len(names):
+            taken = next(n for n in names if names.count(n) > 1)
+        if taken is not None:
+            raise EngineError(f"request id {taken!r} is already in use")
+        uids = [str(next(self._next_uid)) for _ in reqs]
         try:
-            payload = self._sender.encode(msgspec.structs.replace(req, rid=uid))
+            payload = self._sender.encode(GenerateBatch(
+                [msgspec.structs.replace(r, rid=uid) for r, uid in zip(reqs, uids)]))
         except (OverflowError, TypeError, ValueError) as e:  # e.g. an integer msgpack cannot carry
             raise EngineError(f"the request cannot be encoded: {e}") from None
-        queue: asyncio.Queue[ReqUpdate] = asyncio.Queue()
-        self._queues[uid], self._uids[req.rid], self._names[uid] = queue, uid, req.rid
-        stream = RequestStream(self, req.rid, uid, queue)
+        streams = []
+        for req, uid in zip(reqs, uids):
+            queue: asyncio.Queue[ReqUpdate] = asyncio.Queue()
+            self._queues[uid], self._uids[req.rid], self._names[uid] = queue, uid, req.rid
+            streams.append(RequestStream(self, req.rid, uid, queue))
         try:
             self._sender.send_encoded(payload)
-            first = await anext(aiter(stream))
+            firsts = await asyncio.gather(*(anext(aiter(s)) for s in streams), return_exceptions=True)
         except asyncio.CancelledError:
-            stream.abort()
+            for stream in streams:
+                stream.abort()
             raise
-        except BaseException:
-            self._forget(uid)
-            raise
-        return stream, first
+        for stream, first in zip(streams, firsts):
+            if isinstance(first, BaseException):
+                self._forget(stream.uid)
+        failure = next((f for f in firsts if isinstance(f, BaseException) and not isinstance(f, EngineError)), None)
+        if failure is not None:
+            for stream in streams:
+                stream.abort()
+            raise failure
+        return [f if isinstance(f, EngineError) else (s, f) for s, f in zip(streams, firsts)]
 
     def abort(self, rid: str) -> None:
         """Abort the running request the client named ``rid`` (no-op if there is none)."""

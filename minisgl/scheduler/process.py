@@ -17,8 +17,8 @@ import zmq
 from minisgl.args import EngineArgs
 from minisgl.ipc import Addresses, Receiver, Sender, become_child
 from minisgl.messages import (
-    AbortReq, ControlReply, ControlReq, EngineInfo, ForwardBatch, SampleMasks, StepOutput, TokenBatch, TokenizedReq,
-    TokenOut, ToScheduler,
+    AbortReq, ControlReply, ControlReq, EngineInfo, ForwardBatch, SampleMasks, StepOutput, TokenBatch, TokenizedBatch,
+    TokenizedReq, TokenOut, ToScheduler,
 )
 from minisgl.scheduler.grammar import GrammarBackend
 from minisgl.scheduler.request import Req
@@ -71,16 +71,9 @@ class SchedulerProcess:
     # ---- messages ------------------------------------------------------------------------------
 
     def _handle(self, msg: ToScheduler) -> None:
-        if isinstance(msg, TokenizedReq):
-            try:
-                req = self.sched.add_request(msg.input_ids, msg.sampling, msg.top_logprobs, msg.logprob_start,
-                                             msg.logprob_ids)
-            except ValueError as e:
-                self.outbox.append(TokenOut(msg.rid, error=str(e)))
-                return
-            self.by_rid[msg.rid], self.rid_of[req.rid] = req, msg.rid
-            if req.grammar_future is None:  # else accepted (or refused) once its grammar compiles
-                self._accepted(req)
+        if isinstance(msg, TokenizedBatch):
+            for item in msg.reqs:
+                self._add(item)
         elif isinstance(msg, AbortReq):
             req = self.by_rid.get(msg.rid)
             if req is not None:
@@ -88,6 +81,17 @@ class SchedulerProcess:
                 self._forget(req)
         elif isinstance(msg, ControlReq):
             self.tokenizer.send(self._control(msg))
+
+    def _add(self, msg: TokenizedReq) -> None:
+        try:
+            req = self.sched.add_request(msg.input_ids, msg.sampling, msg.top_logprobs, msg.logprob_start,
+                                         msg.logprob_ids)
+        except ValueError as e:
+            self.outbox.append(TokenOut(msg.rid, error=str(e)))
+            return
+        self.by_rid[msg.rid], self.rid_of[req.rid] = req, msg.rid
+        if req.grammar_future is None:  # else accepted (or refused) once its grammar compiles
+            self._accepted(req)
 
     def _control(self, msg: ControlReq) -> ControlReply:
         if msg.op == "stats":

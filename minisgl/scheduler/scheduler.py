@@ -480,6 +480,7 @@ class Scheduler:
             "cache_hit_rate": c.prefix_hit_tokens / c.prefix_queried_tokens if c.prefix_queried_tokens else 0.0,
             "retractions": c.retractions,
             "prefill_tokens": c.prefill_tokens,
+            "prefill_steps": c.steps - c.decode_steps,
             "decode_steps": c.decode_steps,
             "cascade_steps": c.cascade_steps,
         }

@@ -16,8 +16,8 @@ import zmq
 
 from minisgl.ipc import Addresses, Receiver, Sender, become_child
 from minisgl.messages import (
-    AbortReq, ControlReply, ControlReq, EngineInfo, GenerateReq, ReqUpdate, TokenBatch, TokenizedReq,
-    TokenLogprob, TokenOut, ToTokenizer, UpdateBatch,
+    AbortReq, ControlReply, ControlReq, EngineInfo, GenerateBatch, GenerateReq, ReqUpdate, TokenBatch, TokenizedBatch,
+    TokenizedReq, TokenLogprob, TokenOut, ToTokenizer, UpdateBatch,
 )
 from minisgl.tokenizer import load_tokenizer
 from minisgl.tokenizer.chat import detect_tool_parser, encode_chat
@@ -124,8 +124,8 @@ class TokenizerProcess:
     def run(self) -> None:
         while True:
             msg = self.inbox.recv()
-            if isinstance(msg, GenerateReq):
-                self._on_generate(msg)
+            if isinstance(msg, GenerateBatch):
+                self._on_generate(msg.reqs)
             elif isinstance(msg, TokenBatch):
                 self._on_tokens(msg)
             elif isinstance(msg, AbortReq):
@@ -179,20 +179,27 @@ class TokenizerProcess:
                 f"together over this model's context length of {limit} tokens"
             )
 
-    def _on_generate(self, req: GenerateReq) -> None:
-        try:
-            ids = self._encode(req)
-            self._check_length(req, len(ids))
-        except ValueError as e:
-            self.api.send(UpdateBatch([ReqUpdate(req.rid, error=str(e))]))
-            return
-        except Exception as e:  # a tokenizer or template failure must not take the process down
-            logger.exception("could not tokenize request %s", req.rid)
-            self.api.send(UpdateBatch([ReqUpdate(req.rid, error=f"tokenization failed: {e}")]))
-            return
-        self.reqs[req.rid] = RequestState(req, ids, self.tokenizer, self.stream_interval)
-        self.scheduler.send(TokenizedReq(req.rid, ids, req.sampling, req.top_logprobs, req.logprob_start,
+    def _on_generate(self, reqs: list[GenerateReq]) -> None:
+        """Tokenize one HTTP request's sequences; the accepted ones go on to the scheduler together."""
+        accepted, refused = [], []
+        for req in reqs:
+            try:
+                ids = self._encode(req)
+                self._check_length(req, len(ids))
+            except ValueError as e:
+                refused.append(ReqUpdate(req.rid, error=str(e)))
+                continue
+            except Exception as e:  # a tokenizer or template failure must not take the process down
+                logger.exception("could not tokenize request %s", req.rid)
+                refused.append(ReqUpdate(req.rid, error=f"tokenization failed: {e}"))
+                continue
+            self.reqs[req.rid] = RequestState(req, ids, self.tokenizer, self.stream_interval)
+            accepted.append(TokenizedReq(req.rid, ids, req.sampling, req.top_logprobs, req.logprob_start,
                                          req.logprob_ids))
+        if refused:
+            self.api.send(UpdateBatch(refused))
+        if accepted:
+            self.scheduler.send(TokenizedBatch(accepted))
 
     def _on_abort(self, msg: AbortReq) -> None:
         self.scheduler.send(msg)
