@@ -123,9 +123,7 @@ class EngineClient:
         wait until the engine accepts or refuses each: per sequence, its stream and acceptance
         update, or the EngineError naming why it was refused."""
         names = [r.rid for r in reqs]
-        taken = next((n for n in names if n in self._uids), None)
-        if taken is None and len(set(names)) < len(names):
-            taken = next(n for n in names if names.count(n) > 1)
+        taken = next((n for i, n in enumerate(names) if n in self._uids or n in names[:i]), None)
         if taken is not None:
             raise EngineError(f"request id {taken!r} is already in use")
         uids = [str(next(self._next_uid)) for _ in reqs]
