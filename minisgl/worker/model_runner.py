@@ -70,7 +70,8 @@ class ModelRunner:
         tp = get_tp_info()
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-            if tp.size > 1 and not args.disable_custom_all_reduce:
+            # The custom all-reduces read peers' memory over NVLink: every rank on this host.
+            if tp.size > 1 and not args.disable_custom_all_reduce and args.nnodes == 1:
                 init_one_shot_all_reduce(self.device)
                 # Decode batches (CUDA graphs and eager ones alike) up to the graph sizes.
                 init_fused_all_reduce_norm(args.cuda_graph_max_bs or min(args.max_running_requests, 256),
