@@ -46,6 +46,12 @@ class EngineArgs:
     def ranks_per_node(self) -> int:
         return self.tp_size // self.nnodes
 
+    @property
+    def graph_batch_size(self) -> int:
+        """Largest decode batch captured in CUDA graphs (when they are on), and so the size the
+        decode-sized collectives are set up for."""
+        return min(self.cuda_graph_max_bs or 256, self.max_running_requests)
+
     def prefill_chunk(self, context_len: int) -> int:
         """Most prompt tokens of one request in one step (-1 or 0: the whole prompt at once)."""
         return self.chunked_prefill_size if self.chunked_prefill_size > 0 else context_len

@@ -74,8 +74,7 @@ class ModelRunner:
             if tp.size > 1 and not args.disable_custom_all_reduce and args.nnodes == 1:
                 init_one_shot_all_reduce(self.device)
                 # Decode batches (CUDA graphs and eager ones alike) up to the graph sizes.
-                init_fused_all_reduce_norm(args.cuda_graph_max_bs or min(args.max_running_requests, 256),
-                                           self.config.hidden_size)
+                init_fused_all_reduce_norm(args.graph_batch_size, self.config.hidden_size)
         self.num_kv_heads = max(1, self.config.num_kv_heads // tp.size)
         self.num_qo_heads = self.config.num_heads // tp.size
         self.model = load_model(
@@ -101,8 +100,7 @@ class ModelRunner:
         if self.device.type == "cuda" and args.cuda_graph_max_bs != 0 and not args.disable_cuda_graph and self.attn.supports_cuda_graph:
             from minisgl.worker.cuda_graph import CudaGraphRunner
 
-            max_bs = args.cuda_graph_max_bs or min(self.max_slots, 256)
-            self.graphs = CudaGraphRunner(self, min(max_bs, self.max_slots))
+            self.graphs = CudaGraphRunner(self, args.graph_batch_size)
         logger.info(
             "KV cache: %d pages x %d tokens (%.2f GiB, %s) on %s",
             self.num_pages, self.page_size, self.kv_cache.buffer.nbytes / 2**30, self.dtype, self.device,
