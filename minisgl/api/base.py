@@ -13,7 +13,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from minisgl.api.client import EngineClient, EngineError, RequestStream
+from minisgl.api.client import EngineClient, RequestStream
 from minisgl.api.fields import Schema
 from minisgl.api.metrics import Metrics, RequestTimer
 from minisgl.api.protocol import BadRequest, decode
@@ -177,12 +177,6 @@ class ApiBase:
         if limit is not None and len(self.client.active_rids) + len(reqs) > limit + self.info.max_running_requests:
             raise BadRequest(f"the server is at capacity ({limit} queued requests); retry later", status=503)
         results = await self.client.open(reqs)
-        errors = [e for e in results if isinstance(e, EngineError)]
-        if errors:
-            for res in results:
-                if not isinstance(res, EngineError):
-                    res[0].abort()
-            raise errors[0]
         return [Run(stream, first, self.metrics, RequestTimer(self.metrics), self.args.log_requests)
                 for stream, first in results]
 

@@ -118,10 +118,11 @@ class EngineClient:
     def active_rids(self) -> list[str]:
         return list(self._uids)
 
-    async def open(self, reqs: list[GenerateReq]) -> list[tuple[RequestStream, ReqUpdate] | EngineError]:
+    async def open(self, reqs: list[GenerateReq]) -> list[tuple[RequestStream, ReqUpdate]]:
         """Submit the sequences of one request in one message (so they start in one step) and
-        wait until the engine accepts or refuses each: per sequence, its stream and acceptance
-        update, or the EngineError naming why it was refused."""
+        wait until the engine accepts each: per sequence, its stream and acceptance update. If
+        any is refused, the others are aborted and the first refusal (an EngineError naming the
+        problem) is raised."""
         names = [r.rid for r in reqs]
         taken = next((n for i, n in enumerate(names) if n in self._uids or n in names[:i]), None)
         if taken is not None:
@@ -144,15 +145,14 @@ class EngineClient:
             for stream in streams:
                 stream.abort()
             raise
-        for stream, first in zip(streams, firsts):
-            if isinstance(first, BaseException):
-                self._forget(stream.uid)
-        failure = next((f for f in firsts if isinstance(f, BaseException) and not isinstance(f, EngineError)), None)
+        failure = next((f for f in firsts if isinstance(f, BaseException)), None)
         if failure is not None:
-            for stream in streams:
-                stream.abort()
+            for stream, first in zip(streams, firsts):
+                stream.abort()  # an accepted one stops; a refused one is already finished
+                if isinstance(first, BaseException):
+                    self._forget(stream.uid)
             raise failure
-        return [f if isinstance(f, EngineError) else (s, f) for s, f in zip(streams, firsts)]
+        return list(zip(streams, firsts))
 
     def abort(self, rid: str) -> None:
         """Abort the running request the client named ``rid`` (no-op if there is none)."""
