@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from minisgl.attention.base import graph_groups
+from minisgl.distributed import get_tp_info
 from minisgl.utils import cdiv
 
 MIN_SEGMENT_TOKENS = 256  # shortest segment worth its own item and state
@@ -143,8 +144,13 @@ class TritonCascade:
         self.block_n = block_n
         launch = dict(block_n=block_n, num_warps=num_warps, num_stages=num_stages)
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-        # About ``items_per_sm`` items per SM, counting each item once per KV head.
-        self.target_items = max(1, items_per_sm * sms // num_kv_heads)
+        # About ``items_per_sm`` items per SM, counting each item once per KV head of the whole
+        # model: under tensor parallelism every rank cuts keys where one GPU would, so each
+        # head's output keeps its bits at any tp size, and a rank's half of the heads runs
+        # items as long as one GPU's (at tp=2 twice the items over half the heads read KV at
+        # 2.6 TB/s against 3.1; benchmarks/tp_check.py step).
+        model_kv_heads = num_kv_heads * get_tp_info().size
+        self.target_items = max(1, items_per_sm * sms // model_kv_heads)
         self.min_segment_tokens = min_segment_tokens
         programs = max(1, programs_per_sm * sms // num_kv_heads)
         self.shared = _Level(device, dict(launch, block_m=shared_m), programs)

@@ -164,6 +164,29 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def argmax_over_ranks(local: torch.Tensor, start: int, valid: int) -> torch.Tensor:
+    """Greedy token ids [N] of vocab-parallel logits (this rank's ``local`` [N, shard] holds ids
+    ``start`` onward, its first ``valid`` columns real) without gathering them: each rank's
+    best (value, id) travels instead of its [N, shard] float32 slice, ~16 MB per rank for a
+    batch of 64 on a 128K vocabulary (0.1 ms of a 5 ms step at tp=2). Ties go to the lowest id,
+    as ``argmax`` over the whole row breaks them."""
+    if valid > 0:
+        values, ids = local[:, :valid].float().max(dim=-1)
+    else:  # a tiny vocabulary leaves this rank only padding
+        values = local.new_full((local.shape[0],), float("-inf"), dtype=torch.float32)
+        ids = torch.zeros_like(values, dtype=torch.int64)
+    if _TP.size == 1:
+        return ids + start
+    # Every rank writes its row of a zeroed table and the table is summed: exact in float32
+    # (ids stay below 2**24), and the one-shot all-reduce serves it.
+    table = values.new_zeros(_TP.size, 2, len(values))
+    table[_TP.rank, 0] = values
+    table[_TP.rank, 1] = (ids + start).float()
+    table = all_reduce(table)
+    best = table[:, 0].argmax(dim=0, keepdim=True)  # the first (lowest) rank on a tie
+    return table[:, 1].gather(0, best).squeeze(0).long()
+
+
 def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     """Concatenate each rank's shard along the last dimension (vocab-parallel logits)."""
     if _TP.size == 1:

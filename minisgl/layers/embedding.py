@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minisgl.distributed import all_gather_last_dim, all_reduce, get_tp_info
+from minisgl.distributed import all_gather_last_dim, all_reduce, argmax_over_ranks, get_tp_info
 from minisgl.layers.linear import linear_fp32
 from minisgl.utils import cdiv
 
@@ -42,9 +42,19 @@ class ParallelLMHead(VocabParallelEmbedding):
     to bf16, logits near 20 are spaced 0.125 apart, so close candidates tie exactly and greedy
     picks between them by index, flipping with any change of summation order upstream."""
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, gather: bool = True) -> torch.Tensor:
+        """Logits [N, vocab]; with ``gather=False`` this rank's slice [N, shard], for ``gather``
+        or ``greedy`` later (a greedy step at tp>1 then never moves the whole rows)."""
         if hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16):
             logits = linear_fp32(hidden, self.weight)
         else:
             logits = F.linear(hidden, self.weight)
-        return all_gather_last_dim(logits)[..., : self.vocab_size]
+        return self.gather(logits) if gather else logits
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """Every rank's slice of ``forward(gather=False)`` joined into [N, vocab]."""
+        return all_gather_last_dim(local)[..., : self.vocab_size]
+
+    def greedy(self, local: torch.Tensor) -> torch.Tensor:
+        """argmax over the whole vocabulary of ``forward(gather=False)``'s slices: token ids [N]."""
+        return argmax_over_ranks(local, self.start, min(self.shard, self.vocab_size - self.start))

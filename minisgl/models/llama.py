@@ -123,5 +123,6 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [T, hidden] for the packed new tokens of every request in the step."""
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor, gather: bool = True) -> torch.Tensor:
+        """Logits [N, vocab], or with ``gather=False`` this rank's vocabulary slice (``ParallelLMHead``)."""
+        return self.lm_head(hidden, gather)

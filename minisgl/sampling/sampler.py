@@ -152,6 +152,12 @@ class Sampler:
         logits = logits - self.freq_penalty[slots, None] * counts
         return logits - self.pres_penalty[slots, None] * (counts > 0).float()
 
+    def plain_greedy(self, slots_list: list[int], seq_lens: list[int]) -> bool:
+        """Whether the step's tokens are just the argmax of the raw logits (every request greedy,
+        nothing asked of the logits but their argmax), so the caller may find it cheaper."""
+        return (all(self.h_greedy[s] and not self.h_penalty[s] and not self.h_bias[s] and not self.h_ids[s]
+                    and self.h_top_n[s] < 0 and n >= self.h_min_len[s] for s, n in zip(slots_list, seq_lens)))
+
     def sample(
         self, logits: torch.Tensor, slots_list: list[int], seq_lens: list[int],
         masks: tuple[list[int], torch.Tensor] | None = None,
@@ -160,6 +166,8 @@ class Sampler:
         ``masks`` (rows, int32 bit words [rows, ceil(V / 32)] on the host): those rows may only
         take the tokens whose bit is set (structured output)."""
         self._upload()
+        if masks is None and self.plain_greedy(slots_list, seq_lens):
+            return SampleOutput(tokens=logits.argmax(dim=-1))  # exact on 16-bit logits: no float copy
         if masks is not None:
             logits = self._apply_masks(logits, *masks)
         penalized = any(self.h_penalty[s] for s in slots_list)
@@ -168,8 +176,6 @@ class Sampler:
         biased = any(self.h_bias[s] for s in slots_list)
         banning = [n < self.h_min_len[s] for s, n in zip(slots_list, seq_lens)]
         id_union = sorted({t for s in slots_list for t in self.h_ids[s]})
-        if all_greedy and not penalized and top_n < 0 and not id_union and not biased and not any(banning):
-            return SampleOutput(tokens=logits.argmax(dim=-1))  # exact on 16-bit logits: no float copy
         slots = torch.tensor(slots_list, dtype=torch.int64).to(self.device, non_blocking=True)
         logits = logits.float()
         if biased:  # OpenAI's logit_bias: added to the logits before penalties and sampling

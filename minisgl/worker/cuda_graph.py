@@ -74,7 +74,7 @@ class CudaGraphRunner:
 
     def _run_model(self, size: int) -> torch.Tensor:
         model = self.runner.model
-        return model.compute_logits(model(self.input_ids[:size], self.positions[:size]))
+        return model.compute_logits(model(self.input_ids[:size], self.positions[:size]), gather=False)
 
     def _capture_batch(self, size: int, cascade: bool) -> ForwardBatch:
         """A padding batch that plans what the graph must hold: for cascade, as many groups as
@@ -121,7 +121,8 @@ class CudaGraphRunner:
         return not batch.group_sizes or self._fits(self._size(batch), len(batch.group_sizes))
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits of the batch's sampling requests, from the graph of the next size up."""
+        """Logits of the batch's sampling requests (this rank's vocabulary slice), from the graph
+        of the next size up."""
         size = self._size(batch)
         key = (size, bool(batch.group_sizes))
         self._load(self._pad(batch, size))

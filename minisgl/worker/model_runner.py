@@ -209,10 +209,12 @@ class ModelRunner:
         return meta, input_ids
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [N, vocab] of the last new token of each request with sample=True."""
+    def forward(self, batch: ForwardBatch, gather: bool = True) -> torch.Tensor:
+        """Logits [N, vocab] of the last new token of each request with sample=True; with
+        ``gather=False`` this rank's vocabulary slice of them (``_sample`` joins them if needed)."""
         if self.graphs is not None and self.graphs.can_run(batch):
-            return self.graphs.forward(batch)
+            logits = self.graphs.forward(batch)
+            return self.model.lm_head.gather(logits) if gather else logits
         meta, input_ids = self._metadata(batch)
         self.attn.prepare(meta)
         set_attention_backend(self.attn)
@@ -220,7 +222,7 @@ class ModelRunner:
         self._scores = self._score(hidden, batch) if batch.score_rows else {}
         last = np.cumsum(batch.new_lens) - 1
         rows = torch.from_numpy(last[np.asarray(batch.sample, dtype=bool)]).to(self.device, non_blocking=True)
-        return self.model.compute_logits(hidden[rows])
+        return self.model.compute_logits(hidden[rows], gather)
 
     SCORE_BLOCK = 512  # prompt rows scored at once: logits of a block are [rows, vocab] float32
 
@@ -249,7 +251,7 @@ class ModelRunner:
     def launch(self, batch: ForwardBatch) -> None:
         """Queue one step on the device; its tokens come back through ``collect``."""
         self.add_requests(batch.new_requests)
-        logits = self.forward(batch)
+        logits = self.forward(batch, gather=False)
         if batch.mask_rows:  # constrained rows: sample when their masks come (sample_masked)
             self._parked = (batch, logits)
             return
@@ -269,7 +271,11 @@ class ModelRunner:
         if chosen:
             slots = [batch.slots[i] for i in chosen]
             seq_lens = [batch.cached_lens[i] + batch.new_lens[i] for i in chosen]
-            out = self.sampler.sample(logits, slots, seq_lens, masks)
+            head = self.model.lm_head
+            if masks is None and self.sampler.plain_greedy(slots, seq_lens):
+                out = SampleOutput(tokens=head.greedy(logits))
+            else:
+                out = self.sampler.sample(head.gather(logits), slots, seq_lens, masks)
             slots_t = torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
             self.last_token[slots_t] = out.tokens
         self.pending.append(self._to_host(out, slots, self._scores if batch.score_rows else {}, batch.score_top))

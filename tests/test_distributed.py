@@ -1,0 +1,62 @@
+"""Tensor-parallel collectives in two processes (gloo on CPU; NCCL and the one-shot all-reduce
+on two GPUs): the greedy token of vocab-parallel logits found without gathering them equals
+``argmax`` over the gathered rows, ties and the last rank's padding columns included."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+VOCAB = 1001  # odd: the last rank's slice ends in a padding column
+
+
+def _greedy_rank(rank: int, init: str, out: str, device: str) -> None:
+    import torch.distributed as dist
+
+    from minisgl import distributed
+    from minisgl.layers.embedding import ParallelLMHead
+
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=init, rank=rank, world_size=2)
+    distributed.set_tp_info(rank, 2)
+    if device == "cuda":
+        distributed.init_one_shot_all_reduce(torch.device("cuda", rank))
+        assert distributed._ONE_SHOT is not None
+    head = ParallelLMHead(VOCAB, 16)
+    gen = torch.Generator().manual_seed(0)  # the same rows on both ranks
+    full = torch.randn(6, VOCAB, generator=gen)
+    full[1] = -5.0  # every id ties: the lowest wins
+    full[2, 300] = full[2, 800] = 9.0  # a tie across the two slices: rank 0's id wins
+    full[3] = -torch.rand(VOCAB, generator=gen) - 1.0  # all negative: the padding column's 0 must not win
+    full[4, VOCAB - 1] = 50.0  # the very last real id
+    full[5, 600] = full[5, 700] = 9.0  # a tie within rank 1's slice
+    full = full.to(device)
+    local = torch.zeros(6, head.shard, device=device)
+    local[:, : min(head.shard, VOCAB - head.start)] = full[:, head.start : head.start + head.shard]
+    got = head.greedy(local)
+    assert torch.equal(head.gather(local), full)
+    torch.save({"got": got.cpu(), "want": full.argmax(dim=-1).cpu()}, Path(out) / f"rank{rank}.pt")
+    os._exit(0)  # the results are saved; a symmetric-memory group can hang in teardown
+
+
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(torch.cuda.device_count() < 2,
+                                                                     reason="needs two GPUs")]),
+])
+def test_greedy_over_vocab_slices_equals_argmax_of_gathered_rows(device: str) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        init = f"file://{os.path.join(tmp, 'rendezvous')}"
+        mp.spawn(_greedy_rank, args=(init, tmp, device), nprocs=2, join=True)
+        results = [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(2)]
+    for r in results:
+        assert r["got"].dtype == torch.int64
+        assert torch.equal(r["got"], r["want"]), (r["got"], r["want"])
+    want = results[0]["want"].tolist()
+    assert [want[i] for i in (1, 2, 4, 5)] == [0, 300, VOCAB - 1, 600]
