@@ -25,7 +25,8 @@ from minisgl.sampling import SamplingParams  # noqa: E402
 
 def run(llm: LLM, prompts: list[list[int]], output_lens: list[int]) -> dict[str, float]:
     params = [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for n in output_lens]
-    if llm.runner.device.type == "cuda":
+    device = getattr(llm.runner, "device", None)  # none at tp > 1: the ranks are other processes, idle here
+    if device is not None and device.type == "cuda":
         import torch
 
         torch.cuda.synchronize()
@@ -94,15 +95,19 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/offline_<model>.json)")
     ap.add_argument("--profile", action="store_true",
                     help="profile the first workload (radix on): GPU kernels and idle time, then the host by function")
+    ap.add_argument("--tp-size", type=int, default=1,
+                    help="tensor-parallel ranks (worker processes; the in-process ablations and --profile need 1)")
     args = ap.parse_args()
+    if args.tp_size > 1 and (args.ablations or args.profile):
+        ap.error("--ablations and --profile reach into the in-process model runner: use --tp-size 1")
 
     llm = LLM(args.model, load_format=args.load_format, page_size=args.page_size,
               max_running_requests=args.max_running_requests, chunked_prefill_size=args.chunked_prefill_size,
-              context_length=args.context_length)
+              context_length=args.context_length, tp_size=args.tp_size)
     if args.profile:
         profile(llm, WORKLOADS[args.workloads[0]](llm.runner.vocab_size))
         return
-    graphs = llm.runner.graphs
+    graphs = getattr(llm.runner, "graphs", None)
     variants = args.variants + (["no-cuda-graph", "no-overlap"] if args.ablations else [])
     rows = []
     for name in args.workloads:
@@ -110,7 +115,8 @@ def main() -> None:
         distinct = distinct_tokens(wl.prompts)
         for variant in variants:
             radix_off, cascade_off, use_graphs, overlap = VARIANTS[variant]
-            llm.runner.graphs = graphs if use_graphs else None
+            if args.tp_size == 1:
+                llm.runner.graphs = graphs if use_graphs else None
             llm.args.disable_overlap_schedule = not overlap
             llm.args.disable_cascade_attention = cascade_off
             llm.reset_scheduler(disable_radix_cache=radix_off)  # empty cache per run
@@ -120,16 +126,17 @@ def main() -> None:
             print(f"{name:14s} {variant:14s} {result['seconds']:8.2f} s  {result['output_tok_per_s']:9.0f} out tok/s"
                   f"  hit rate {result['cache_hit_rate']:.2f}  prefill {result['prefill_tokens'] / distinct:.3f}x "
                   f"distinct  cascade steps {result['cascade_steps']}/{result['decode_steps']}", flush=True)
-        llm.runner.graphs = graphs
+        if args.tp_size == 1:
+            llm.runner.graphs = graphs
         base = next(r["seconds"] for r in rows if r["workload"] == name and r["variant"] == variants[0])
         for r in rows:
             if r["workload"] == name and r["variant"] != variants[0]:
                 print(f"{name}: {r['variant']} / {variants[0]} = {r['seconds'] / base:.2f}x")
-    device = llm.runner.device
+    import torch
+
+    device = getattr(llm.runner, "device", torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     info = {"model": args.model, "device": str(device), "args": vars(args), "rows": rows}
     if device.type == "cuda":
-        import torch
-
         info["gpu"] = torch.cuda.get_device_name(device)
     save_result(info, args.out, f"offline_{Path(args.model).name}")
 

@@ -18,6 +18,7 @@ import sys
 import tempfile
 import threading
 from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
 from typing import Any, Generic, TypeVar
 
 import msgspec
@@ -147,8 +148,11 @@ class Receiver(Generic[T]):
             return None
         return self._dec.decode(self.sock.recv(copy=False).buffer)
 
-    def recv_as(self, kind: type[T]) -> T:
-        """The next message decoded as ``kind`` (a one-off message, such as start-up info)."""
+    def recv_as(self, kind: type[T], timeout_ms: int | None = None) -> T | None:
+        """The next message decoded as ``kind`` (a one-off message, such as start-up info);
+        None when ``timeout_ms`` passes first."""
+        if timeout_ms is not None and not self.sock.poll(timeout_ms):
+            return None
         return msgspec.msgpack.decode(self.sock.recv(copy=False).buffer, type=kind)
 
     def recv_all(self) -> list[T]:
@@ -166,6 +170,18 @@ class AsyncReceiver(Generic[T]):
 
     async def recv(self) -> T:
         return self._dec.decode(await self.sock.recv())
+
+
+def stop_processes(procs: list[BaseProcess]) -> None:
+    """SIGTERM each child, then SIGKILL what has not exited after 5 s."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join()
 
 
 def become_child(threads: int = 1) -> None:

@@ -34,7 +34,7 @@ from minisgl.api.server import create_app
 from minisgl.api.tool_calls import PARSERS as TOOL_PARSERS
 from minisgl.args import ServerArgs, add_engine_args
 from minisgl.data_parallel import ROUTER_POLICIES, DataParallelLauncher
-from minisgl.ipc import Addresses, Receiver
+from minisgl.ipc import Addresses, Receiver, stop_processes
 from minisgl.messages import EngineInfo
 from minisgl.scheduler.process import run_scheduler
 from minisgl.tokenizer import read_chat_template
@@ -212,18 +212,6 @@ def node_addresses(args: ServerArgs) -> Addresses:
     if args.nnodes == 1:
         return Addresses.make()
     return Addresses.make(args.dist_init_addr, args.ranks_per_node)
-
-
-def stop_processes(procs: list[BaseProcess]) -> None:
-    """SIGTERM each child, then SIGKILL what has not exited after 5 s."""
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    for p in procs:
-        p.join(timeout=5)
-        if p.is_alive():
-            p.kill()
-            p.join()
 
 
 def run_worker_node(args: ServerArgs) -> int:

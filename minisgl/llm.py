@@ -11,6 +11,7 @@ from minisgl.args import EngineArgs
 from minisgl.sampling import SamplingParams
 from minisgl.scheduler import Req, Scheduler
 from minisgl.scheduler.grammar import GrammarBackend
+from minisgl.scheduler.workers import WorkerGroup
 from minisgl.scheduler.scheduler import prompt_scores
 from minisgl.tokenizer import eos_ids, load_tokenizer
 from minisgl.tokenizer.chat import encode_chat
@@ -25,7 +26,13 @@ Prompt = str | list[int]
 class LLM:
     def __init__(self, model: str, **engine_args: Any):
         self.args = EngineArgs(model=model, **engine_args)
-        self.runner = ModelRunner(self.args)
+        if self.args.nnodes != 1:
+            raise ValueError("the offline API runs on one host; serve with minisgl.launch to span hosts")
+        # One process holds one tensor-parallel rank: with more, they run in worker processes
+        # of this one's, driven as the server's scheduler drives its workers.
+        self.runner: ModelRunner | WorkerGroup = (
+            ModelRunner(self.args) if self.args.tp_size == 1 else WorkerGroup(self.args)
+        )
         self.tokenizer = load_tokenizer(self.args.tokenizer or str(self.runner.model_dir), self.args.chat_template)
         self.eos_ids = eos_ids(self.runner.model_dir, self.tokenizer)
         self.grammar = GrammarBackend(lambda: self.tokenizer, self.runner.vocab_size, self.eos_ids)

@@ -4,6 +4,7 @@ on two GPUs): the greedy token of vocab-parallel logits found without gathering 
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
 from pathlib import Path
@@ -60,3 +61,32 @@ def test_greedy_over_vocab_slices_equals_argmax_of_gathered_rows(device: str) ->
         assert torch.equal(r["got"], r["want"]), (r["got"], r["want"])
     want = results[0]["want"].tolist()
     assert [want[i] for i in (1, 2, 4, 5)] == [0, 300, VOCAB - 1, 600]
+
+
+def test_offline_api_at_tp2_equals_tp1(tiny_llama: Path) -> None:
+    """LLM(tp_size=2) runs its ranks as worker processes: greedy tokens (the sharded argmax),
+    seeded sampling and logprobs (the gathered logits) equal one process's, and they stop when
+    the LLM is deleted."""
+    from minisgl.llm import LLM
+
+    prompts = [[1, 5, 9, 200, 31], [7] * 40, list(range(3, 90))]
+    params = [{"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True},
+              {"max_new_tokens": 12, "temperature": 0.8, "top_p": 0.9, "seed": 4, "ignore_eos": True},
+              {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}]
+    kw = dict(device="cpu", dtype="float32", max_running_requests=8)
+    want = LLM(str(tiny_llama), **kw).generate(prompts, params, top_logprobs=2)
+    llm = LLM(str(tiny_llama), tp_size=2, **kw)
+    got = llm.generate(prompts, params, top_logprobs=2)
+    alone = llm.generate(prompts[0], params[0])  # an all-greedy step without logprobs
+    procs = llm.runner.procs
+    del llm  # a notebook's way to let go of the engine: the ranks stop with it
+    gc.collect()
+    assert not any(p.is_alive() for p in procs)
+    assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
+    assert alone[0]["output_ids"] == want[0]["output_ids"]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g["meta_info"]["output_token_logprobs"], w["meta_info"]["output_token_logprobs"],
+                                   atol=1e-4, rtol=0)
+        assert g["meta_info"]["output_top_logprobs"] == w["meta_info"]["output_top_logprobs"] or all(
+            torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-4)
+            for a, b in zip(g["meta_info"]["output_top_logprobs"], w["meta_info"]["output_top_logprobs"]))

@@ -46,7 +46,8 @@ class Run:
         self.e2e_latency = 0.0
         self._first: ReqUpdate | None = first
 
-    def _apply(self, upd: ReqUpdate) -> None:
+    def apply(self, upd: ReqUpdate) -> None:
+        """Add an update to the totals (text, tokens, logprobs, finish)."""
         self.text += upd.text
         self.token_ids += upd.token_ids
         self.logprobs += upd.logprobs
@@ -74,14 +75,18 @@ class Run:
             return {"type": "length", "length": len(self.token_ids)}
         return {"type": self.finish_reason}
 
-    async def updates(self) -> AsyncIterator[ReqUpdate]:
-        """Each update, applied to the totals before it is yielded (the acceptance one first)."""
+    async def arrivals(self) -> AsyncIterator[ReqUpdate]:
+        """Each update as it arrives (the acceptance one first), not yet applied to the totals."""
         if self._first is not None:
             first, self._first = self._first, None
-            self._apply(first)
             yield first
         async for upd in self.stream:
-            self._apply(upd)
+            yield upd
+
+    async def updates(self) -> AsyncIterator[ReqUpdate]:
+        """Each update, applied to the totals before it is yielded."""
+        async for upd in self.arrivals():
+            self.apply(upd)
             yield upd
 
     async def wait(self) -> None:
@@ -91,7 +96,7 @@ class Run:
     def abort(self) -> None:
         if not self.stream.finished:
             self.stream.abort()
-            self._apply(ReqUpdate(self.rid, finish_reason="abort"))
+            self.apply(ReqUpdate(self.rid, finish_reason="abort"))
 
 
 async def read_body(request: Request, kind: type, args: ServerArgs, schema: Schema | None = None) -> Any:
@@ -122,12 +127,13 @@ def _retrieve(fut: asyncio.Future) -> None:
 
 async def merge(runs: list[Run]) -> AsyncIterator[tuple[int, ReqUpdate]]:
     """Updates of several runs as they arrive, tagged with the run's index; a run's failure
-    is raised here."""
+    is raised here. Each is applied to its run's totals as it is yielded, not as it arrives,
+    so a reader of the totals sees them as of that update even when later ones are queued."""
     queue: asyncio.Queue[tuple[int, ReqUpdate | Exception | None]] = asyncio.Queue()
 
     async def pump(i: int, run: Run) -> None:
         try:
-            async for upd in run.updates():
+            async for upd in run.arrivals():
                 queue.put_nowait((i, upd))
             queue.put_nowait((i, None))
         except Exception as e:
@@ -143,6 +149,7 @@ async def merge(runs: list[Run]) -> AsyncIterator[tuple[int, ReqUpdate]]:
             if upd is None:
                 left -= 1
             else:
+                runs[i].apply(upd)
                 yield i, upd
     finally:
         for t in tasks:

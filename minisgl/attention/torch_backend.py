@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from minisgl.attention.base import AttentionBackend
+from minisgl.attention.base import AttentionBackend, AttentionMetadata
+from minisgl.kernels.rope_store import rope_rows, rope_store_torch
 from minisgl.utils import cdiv
 
 
@@ -25,6 +26,37 @@ def merge_partials(
 
 
 class TorchBackend(AttentionBackend):
+    def prepare(self, meta: AttentionMetadata, graph_batch_size: int | None = None) -> None:
+        """Also work out once what every layer of the step shares: a decode step's pages and
+        padding mask, and the rotary rows of its positions (per layer, they were a tenth of a
+        CPU decode step of SmolLM2)."""
+        super().prepare(meta, graph_batch_size)
+        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._decode = self._plan_decode(meta) if meta.is_decode and not meta.cascade else None
+
+    def _plan_decode(self, meta: AttentionMetadata) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+        """Each request's pages [B, P], the longest length, and the mask [B, 1, 1, L] that hides
+        the shorter ones' padding (None when there is none)."""
+        lens = meta.seq_lens
+        longest = max(lens)
+        pages = meta.page_table[meta.slots_t, : cdiv(longest, self.kv_cache.page_size)].long()
+        if min(lens) == longest:
+            return pages, longest, None
+        device = meta.page_table.device
+        seen = torch.arange(longest, device=device)[None, :] < torch.tensor(lens, device=device)[:, None]
+        return pages, longest, seen[:, None, None, :]
+
+    def rope_store(
+        self, qkv: torch.Tensor, positions: torch.Tensor, layer_id: int, cos_sin: torch.Tensor,
+        norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    ) -> torch.Tensor:
+        if qkv.is_cuda:  # the CUDA kernel, as on the other backends
+            return super().rope_store(qkv, positions, layer_id, cos_sin, norm)
+        if self._rows is None:
+            self._rows = rope_rows(cos_sin, positions, qkv.dtype)
+        return rope_store_torch(qkv, self.num_qo_heads, positions, cos_sin, self.kv_cache.k_cache(layer_id),
+                                self.kv_cache.v_cache(layer_id), self.meta.out_loc, norm, self._rows)
+
     def _gather(self, layer_id: int, slot: int, first_page: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of tokens [first_page * page_size, end) of the request in ``slot``, GQA-expanded."""
         meta, page_size = self.meta, self.kv_cache.page_size
@@ -48,10 +80,10 @@ class TorchBackend(AttentionBackend):
         return out, lse.transpose(0, 1)
 
     def forward(self, q: torch.Tensor, layer_id: int) -> torch.Tensor:
+        if self._decode is not None:
+            return self._forward_decode(q, layer_id)
         if self.meta.cascade:
             return self._forward_cascade(q, layer_id)
-        if self.meta.is_decode:
-            return self._forward_decode(q, layer_id)
         return self._forward_each(q, layer_id)
 
     def _forward_each(self, q: torch.Tensor, layer_id: int) -> torch.Tensor:
@@ -75,20 +107,16 @@ class TorchBackend(AttentionBackend):
         batch-8 CPU step): keys padded to the longest request, the padding masked. Batch 1 too:
         there the einsum path's softmax cost SmolLM2 8% of its CPU decode speed (14.2 vs 15.4
         tok/s, interleaved runs in one process)."""
-        meta, page_size = self.meta, self.kv_cache.page_size
-        lens = torch.tensor(meta.seq_lens, device=q.device)
-        longest = int(max(meta.seq_lens))
-        pages = meta.page_table[meta.slots_t, : cdiv(longest, page_size)].long()  # [B, P]
+        pages, longest, mask = self._decode
         keys = self.kv_cache.k_cache(layer_id)[pages].flatten(1, 2)[:, :longest].float()  # [B, L, kv, d]
         values = self.kv_cache.v_cache(layer_id)[pages].flatten(1, 2)[:, :longest].float()
         batch, heads, dim = q.shape
-        seen = torch.arange(longest, device=q.device)[None, :] < lens[:, None]  # [B, L]
         # SDPA's fused CPU kernel (query head h reads kv head h // group, as GQA packs them): 2.3x
         # faster than two einsums and a softmax in SmolLM2's shape at batch 8, 200 keys (0.19 vs
         # 0.44 ms a layer), equal within 5e-7.
         out = F.scaled_dot_product_attention(
             q.float().view(batch, heads, 1, dim), keys.transpose(1, 2), values.transpose(1, 2),
-            attn_mask=seen[:, None, None, :], scale=self.scale, enable_gqa=True)
+            attn_mask=mask, scale=self.scale, enable_gqa=True)
         return out.view(batch, heads, dim).to(q.dtype)
 
     def _forward_cascade(self, q: torch.Tensor, layer_id: int) -> torch.Tensor:

@@ -19,12 +19,11 @@ KERNEL_HEAD_DIMS = (32, 64, 128, 256)
 def store_kv_torch(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor
 ) -> None:
-    """Caches are [pages, page_size, H, D] layer views; ``out_loc`` holds slot ids (page * page_size + offset)."""
-    page_size = k_cache.shape[1]
+    """Caches are [pages, page_size, H, D] layer views (contiguous); ``out_loc`` holds slot ids
+    (page * page_size + offset), which are row numbers of the cache seen as [slots, H, D]."""
     loc = out_loc.long()
-    pages, offsets = loc // page_size, loc % page_size
-    k_cache[pages, offsets] = k
-    v_cache[pages, offsets] = v
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, loc, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, loc, v)
 
 
 def rotate_half_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -32,20 +31,33 @@ def rotate_half_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def rope_rows(cos_sin: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [T, 1, D/2] of ``positions`` from the [max_pos, D] cos | sin table."""
+    cos, sin = cos_sin[positions].unsqueeze(1).to(dtype).chunk(2, dim=-1)
+    return cos, sin
+
+
 def rope_store_torch(
     qkv: torch.Tensor, num_q_heads: int, positions: torch.Tensor, cos_sin: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, out_loc: torch.Tensor,
     norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    rows: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
+    """``rope_store`` in torch ops; ``rows``: (cos, sin) [T, 1, D/2] of ``positions`` if the
+    caller already has them (the same for every layer of a step)."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    q, k, v = qkv.view(qkv.shape[0], -1, head_dim).split([num_q_heads, num_kv_heads, num_kv_heads], dim=1)
+    heads = qkv.view(qkv.shape[0], -1, head_dim)
+    qk, v = heads[:, : num_q_heads + num_kv_heads], heads[:, num_q_heads + num_kv_heads :]
     if norm is not None:
         q_weight, k_weight, eps = norm
-        q, k = rmsnorm_torch(q, q_weight, eps), rmsnorm_torch(k, k_weight, eps)
-    cos, sin = cos_sin[positions].unsqueeze(1).to(q.dtype).chunk(2, dim=-1)
-    q, k = rotate_half_torch(q, cos, sin), rotate_half_torch(k, cos, sin)
+        q, k = qk.split([num_q_heads, num_kv_heads], dim=1)
+        qk = torch.cat([rmsnorm_torch(q, q_weight, eps), rmsnorm_torch(k, k_weight, eps)], dim=1)
+    cos, sin = rows if rows is not None else rope_rows(cos_sin, positions, qkv.dtype)
+    # q and k side by side in one rotation: half the ops of rotating each (they are a CPU step's
+    # per-layer overhead on a small model).
+    q, k = rotate_half_torch(qk, cos, sin).split([num_q_heads, num_kv_heads], dim=1)
     store_kv_torch(k_cache, v_cache, k, v, out_loc)
-    return q
+    return q.contiguous()
 
 
 def rope_store(

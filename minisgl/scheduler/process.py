@@ -17,7 +17,7 @@ import zmq
 from minisgl.args import EngineArgs
 from minisgl.ipc import Addresses, Receiver, Sender, become_child
 from minisgl.messages import (
-    AbortReq, ControlReply, ControlReq, EngineInfo, ForwardBatch, SampleMasks, StepOutput, TokenBatch, TokenizedBatch,
+    AbortReq, ControlReply, ControlReq, EngineInfo, TokenBatch, TokenizedBatch,
     TokenizedReq, TokenOut, ToScheduler,
 )
 from minisgl.scheduler.grammar import GrammarBackend
@@ -25,6 +25,7 @@ from minisgl.scheduler.request import Req
 from minisgl.scheduler.scheduler import Scheduler, prompt_scores
 from minisgl.tokenizer import eos_ids, load_tokenizer
 from minisgl.utils import init_logging
+from minisgl.scheduler.workers import WorkerLink
 
 logger = logging.getLogger(__name__)
 
@@ -36,37 +37,22 @@ class SchedulerProcess:
         self.args = args
         ctx = zmq.Context()
         self.inbox: Receiver[ToScheduler] = Receiver(ctx, addrs.scheduler, ToScheduler)
-        self.results: Receiver[StepOutput] = Receiver(ctx, addrs.worker_out, StepOutput)
         self.tokenizer = Sender(ctx, addrs.tokenizer)
-        self.workers = [Sender(ctx, addrs.worker(r), bind=addrs.is_remote(r)) for r in range(args.tp_size)]
-        info = self.results.recv_as(EngineInfo)  # the worker's first message: what it loaded
+        self.workers = WorkerLink(addrs, args.tp_size)
+        info = self.workers.results.recv_as(EngineInfo)  # the worker's first message: what it loaded
         tokenizer_path = args.tokenizer or info.model_path
         info.eos_ids = eos_ids(info.model_path, tokenizer_dir=tokenizer_path)
         self.info = info
         # The tokenizer itself is loaded with the first grammar: this process stays torch-free.
         grammar = GrammarBackend(lambda: load_tokenizer(tokenizer_path), info.vocab_size, info.eos_ids)
-        self.sched = Scheduler(args, info.num_pages, info.context_len, info.vocab_size, info.eos_ids, self, grammar)
+        self.sched = Scheduler(args, info.num_pages, info.context_len, info.vocab_size, info.eos_ids, self.workers,
+                               grammar)
         self.by_rid: dict[str, Req] = {}
         self.rid_of: dict[int, str] = {}
         self.outbox: list[TokenOut] = []
         self._last_log, self._tokens_since_log = time.monotonic(), 0
         self._turned = time.monotonic()  # when the main loop last came round
         self.tokenizer.send(info)
-
-    # The Scheduler's executor: batches go to every rank, tokens come back from rank 0.
-
-    def launch(self, batch: ForwardBatch) -> None:
-        for worker in self.workers:
-            worker.send(batch)
-
-    def sample_masked(self, bitmask: bytes) -> None:
-        for worker in self.workers:
-            worker.send(SampleMasks(bitmask))
-
-    def collect(self) -> StepOutput:
-        out = self.results.recv()
-        assert out is not None
-        return out
 
     # ---- messages ------------------------------------------------------------------------------
 
@@ -100,8 +86,7 @@ class SchedulerProcess:
             ok = self.sched.flush_cache()
             return ControlReply(msg.cid, ok, {} if ok else {"error": "requests are running; flush when idle"})
         if msg.op == "profile" and msg.profile is not None:
-            for worker in self.workers:
-                worker.send(msg.profile)
+            self.workers.broadcast(msg.profile)
             return ControlReply(msg.cid, True, {})
         return ControlReply(msg.cid, False, {"error": f"unknown control op {msg.op!r}"})
 

@@ -3,8 +3,9 @@ scheduler, runs them on its ModelRunner, and (rank 0 only) sends back the sample
 
 While a step runs the worker spins between its socket and the step's CUDA event, so a batch
 that arrives meanwhile is launched behind it with no gap. Sampled tokens stay on the device as each slot's ``last_token``, so the scheduler never has to
-send decode inputs back; all ranks sample identically (same logits after the all-gather, same
-counter-based noise), so only rank 0 reports.
+send decode inputs back; all ranks sample identically (the same all-reduced argmax in greedy
+steps, else the same logits after the all-gather and the same counter-based noise), so only
+rank 0 reports.
 """
 
 from __future__ import annotations

@@ -1,0 +1,79 @@
+"""Worker processes as a Scheduler's executor: each batch goes to every tensor-parallel rank,
+each step's tokens come back from rank 0.
+
+The scheduler process drives the launcher's workers this way (``WorkerLink``); the offline API
+at ``tp_size`` > 1 starts its own ranks (``WorkerGroup``), since one process holds one rank.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+import weakref
+from pathlib import Path
+
+import zmq
+
+from minisgl.args import EngineArgs
+from minisgl.ipc import Addresses, Receiver, Sender, stop_processes
+from minisgl.messages import EngineInfo, ForwardBatch, SampleMasks, StepOutput, ToWorker
+
+
+class WorkerLink:
+    """Sockets to the workers at ``addrs``: ``launch``, ``sample_masked`` and ``collect``, as a
+    ModelRunner has them."""
+
+    def __init__(self, addrs: Addresses, tp_size: int):
+        ctx = zmq.Context.instance()
+        self.results: Receiver[StepOutput] = Receiver(ctx, addrs.worker_out, StepOutput)
+        self.ranks = [Sender(ctx, addrs.worker(r), bind=addrs.is_remote(r)) for r in range(tp_size)]
+
+    def broadcast(self, msg: ToWorker) -> None:
+        for rank in self.ranks:
+            rank.send(msg)
+
+    def launch(self, batch: ForwardBatch) -> None:
+        self.broadcast(batch)
+
+    def sample_masked(self, bitmask: bytes) -> None:
+        self.broadcast(SampleMasks(bitmask))
+
+    def collect(self) -> StepOutput:
+        out = self.results.recv()
+        assert out is not None
+        return out
+
+
+def _run_worker(args: EngineArgs, rank: int, addrs: Addresses, level: str) -> None:
+    from minisgl.worker.process import run_worker
+
+    run_worker(args, rank, addrs, level)
+
+
+class WorkerGroup(WorkerLink):
+    """``args.tp_size`` worker processes of this process's own, with what rank 0 loaded
+    (``model_dir``, ``vocab_size``, ``num_pages``, ``context_len``) for the caller's scheduler.
+    They stop with ``close``, when the group is collected, or with this process."""
+
+    def __init__(self, args: EngineArgs, log_level: str = "warning", start_timeout_s: float = 1800.0):
+        addrs = Addresses.make()
+        super().__init__(addrs, args.tp_size)
+        ctx = mp.get_context("spawn")
+        self.procs = [ctx.Process(target=_run_worker, args=(args, rank, addrs, log_level), name=f"worker-{rank}")
+                      for rank in range(args.tp_size)]
+        for p in self.procs:
+            p.start()
+        self._stop = weakref.finalize(self, stop_processes, self.procs)  # on close, collection or exit
+        deadline = time.monotonic() + start_timeout_s
+        while (info := self.results.recv_as(EngineInfo, timeout_ms=200)) is None:
+            dead = [p for p in self.procs if not p.is_alive()]
+            if dead or time.monotonic() > deadline:
+                self.close()
+                why = f"exited with code {dead[0].exitcode}" if dead else f"was not ready in {start_timeout_s:g} s"
+                raise RuntimeError(f"the {(dead or self.procs)[0].name} process {why} during start-up")
+        self.model_dir = Path(info.model_path)
+        self.vocab_size, self.num_pages, self.context_len = info.vocab_size, info.num_pages, info.context_len
+
+    def close(self) -> None:
+        """Stop the workers (SIGTERM, then SIGKILL after 5 s)."""
+        self._stop()
