@@ -176,7 +176,7 @@ def argmax_over_ranks(local: torch.Tensor, start: int, valid: int) -> torch.Tens
         values = local.new_full((local.shape[0],), float("-inf"), dtype=torch.float32)
         ids = torch.zeros_like(values, dtype=torch.int64)
     if _TP.size == 1:
-        return ids + start
+        return ids + start if start else ids
     # Every rank writes its row of a zeroed table and the table is summed: exact in float32
     # (ids stay below 2**24), and the one-shot all-reduce serves it.
     table = values.new_zeros(_TP.size, 2, len(values))
