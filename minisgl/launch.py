@@ -37,6 +37,7 @@ from minisgl.data_parallel import ROUTER_POLICIES, DataParallelLauncher
 from minisgl.ipc import Addresses, Receiver, stop_processes
 from minisgl.messages import EngineInfo
 from minisgl.scheduler.process import run_scheduler
+from minisgl.scheduler.workers import run_worker_process
 from minisgl.tokenizer import read_chat_template
 from minisgl.tokenizer.process import run_tokenizer
 from minisgl.utils import init_logging
@@ -124,14 +125,6 @@ class _Server(uvicorn.Server):
             )
 
 
-def _run_worker(args: ServerArgs, rank: int, addrs: Addresses, level: str) -> None:
-    """A worker's entry point; torch is imported in the worker process only, so the launcher
-    (which serves HTTP) stays small."""
-    from minisgl.worker.process import run_worker
-
-    run_worker(args, rank, addrs, level)
-
-
 class Launcher:
     def __init__(self, args: ServerArgs):
         self.args = args
@@ -145,7 +138,7 @@ class Launcher:
             ctx.Process(target=run_scheduler, args=(args, self.addrs, level, args.watchdog_timeout),
                         name="scheduler"),
         ] + [
-            ctx.Process(target=_run_worker, args=(args, rank, self.addrs, level), name=f"worker-{rank}")
+            ctx.Process(target=run_worker_process, args=(args, rank, self.addrs, level), name=f"worker-{rank}")
             for rank in range(args.ranks_per_node)
         ]
         self.stopping = False
@@ -222,7 +215,7 @@ def run_worker_node(args: ServerArgs) -> int:
     first = args.node_rank * args.ranks_per_node
     ctx = mp.get_context("spawn")
     procs: list[BaseProcess] = [
-        ctx.Process(target=_run_worker, args=(args, rank, addrs, args.log_level), name=f"worker-{rank}")
+        ctx.Process(target=run_worker_process, args=(args, rank, addrs, args.log_level), name=f"worker-{rank}")
         for rank in range(first, first + args.ranks_per_node)
     ]
     try:

@@ -11,8 +11,8 @@ from minisgl.args import EngineArgs
 from minisgl.sampling import SamplingParams
 from minisgl.scheduler import Req, Scheduler
 from minisgl.scheduler.grammar import GrammarBackend
-from minisgl.scheduler.workers import WorkerGroup
 from minisgl.scheduler.scheduler import prompt_scores
+from minisgl.scheduler.workers import WorkerGroup
 from minisgl.tokenizer import eos_ids, load_tokenizer
 from minisgl.tokenizer.chat import encode_chat
 from minisgl.tokenizer.detokenizer import TextStream, decode_ids

@@ -44,7 +44,9 @@ class WorkerLink:
         return out
 
 
-def _run_worker(args: EngineArgs, rank: int, addrs: Addresses, level: str) -> None:
+def run_worker_process(args: EngineArgs, rank: int, addrs: Addresses, level: str) -> None:
+    """A worker process's entry point; torch is imported there only, so the processes that
+    spawn workers (the launcher, which serves HTTP; an offline caller) stay small."""
     from minisgl.worker.process import run_worker
 
     run_worker(args, rank, addrs, level)
@@ -59,7 +61,7 @@ class WorkerGroup(WorkerLink):
         addrs = Addresses.make()
         super().__init__(addrs, args.tp_size)
         ctx = mp.get_context("spawn")
-        self.procs = [ctx.Process(target=_run_worker, args=(args, rank, addrs, log_level), name=f"worker-{rank}")
+        self.procs = [ctx.Process(target=run_worker_process, args=(args, rank, addrs, log_level), name=f"worker-{rank}")
                       for rank in range(args.tp_size)]
         for p in self.procs:
             p.start()
