@@ -19,6 +19,8 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
+import time
+from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 import msgspec
@@ -170,6 +172,23 @@ class AsyncReceiver(Generic[T]):
 
     async def recv(self) -> T:
         return self._dec.decode(await self.sock.recv())
+
+
+class ChildDied(RuntimeError):
+    """A child process exited before its parent stopped it."""
+
+
+def wait_ready(receive: Callable[[int], T | None], procs: list[BaseProcess], timeout_s: float | None = None) -> T:
+    """The first message ``receive(timeout_ms)`` brings, waiting as long as every one of
+    ``procs`` lives (ChildDied otherwise) and at most ``timeout_s`` (TimeoutError)."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while (msg := receive(200)) is None:
+        for p in procs:
+            if not p.is_alive():
+                raise ChildDied(f"the {p.name} process exited with code {p.exitcode} during start-up")
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"the {procs[0].name} process was not ready in {timeout_s:g} s")
+    return msg
 
 
 def stop_processes(procs: list[BaseProcess]) -> None:

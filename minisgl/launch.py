@@ -34,7 +34,7 @@ from minisgl.api.server import create_app
 from minisgl.api.tool_calls import PARSERS as TOOL_PARSERS
 from minisgl.args import ServerArgs, add_engine_args
 from minisgl.data_parallel import ROUTER_POLICIES, DataParallelLauncher
-from minisgl.ipc import Addresses, Receiver, stop_processes
+from minisgl.ipc import Addresses, ChildDied, Receiver, stop_processes, wait_ready
 from minisgl.messages import EngineInfo
 from minisgl.scheduler.process import run_scheduler
 from minisgl.scheduler.workers import run_worker_process
@@ -100,10 +100,6 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     return ServerArgs(**vars(ns))
 
 
-class ChildDied(RuntimeError):
-    pass
-
-
 class _Server(uvicorn.Server):
     """uvicorn, plus the one "ready" line once the socket is listening."""
 
@@ -144,15 +140,6 @@ class Launcher:
         self.stopping = False
         self.dead: BaseProcess | None = None
 
-    def _wait_ready(self, inbox: Receiver[EngineInfo]) -> EngineInfo:
-        while True:
-            info = inbox.recv(timeout_ms=200)
-            if info is not None:
-                return info
-            for p in self.procs:
-                if not p.is_alive():
-                    raise ChildDied(f"the {p.name} process exited with code {p.exitcode} during start-up")
-
     def _watch(self, server: uvicorn.Server) -> None:
         """Stop serving as soon as any child dies."""
         ready = wait([p.sentinel for p in self.procs])
@@ -168,7 +155,7 @@ class Launcher:
             logger.info("starting %s (runtime folder %s)", ", ".join(p.name for p in self.procs), self.addrs.root)
             for p in self.procs:
                 p.start()
-            info = self._wait_ready(inbox)
+            info = wait_ready(inbox.recv, self.procs)
             pids = {"api": os.getpid(), **{p.name: p.pid for p in self.procs if p.pid is not None}}
             client = EngineClient(self.addrs)
             app = create_app(client, info, self.args, pids)

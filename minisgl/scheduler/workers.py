@@ -8,14 +8,13 @@ at ``tp_size`` > 1 starts its own ranks (``WorkerGroup``), since one process hol
 from __future__ import annotations
 
 import multiprocessing as mp
-import time
 import weakref
 from pathlib import Path
 
 import zmq
 
 from minisgl.args import EngineArgs
-from minisgl.ipc import Addresses, Receiver, Sender, stop_processes
+from minisgl.ipc import Addresses, ChildDied, Receiver, Sender, stop_processes, wait_ready
 from minisgl.messages import EngineInfo, ForwardBatch, SampleMasks, StepOutput, ToWorker
 
 
@@ -66,13 +65,11 @@ class WorkerGroup(WorkerLink):
         for p in self.procs:
             p.start()
         self._stop = weakref.finalize(self, stop_processes, self.procs)  # on close, collection or exit
-        deadline = time.monotonic() + start_timeout_s
-        while (info := self.results.recv_as(EngineInfo, timeout_ms=200)) is None:
-            dead = [p for p in self.procs if not p.is_alive()]
-            if dead or time.monotonic() > deadline:
-                self.close()
-                why = f"exited with code {dead[0].exitcode}" if dead else f"was not ready in {start_timeout_s:g} s"
-                raise RuntimeError(f"the {(dead or self.procs)[0].name} process {why} during start-up")
+        try:
+            info = wait_ready(lambda ms: self.results.recv_as(EngineInfo, ms), self.procs, start_timeout_s)
+        except (ChildDied, TimeoutError):
+            self.close()
+            raise
         self.model_dir = Path(info.model_path)
         self.vocab_size, self.num_pages, self.context_len = info.vocab_size, info.num_pages, info.context_len
 
