@@ -62,6 +62,14 @@ def check(device: str, dtype: torch.dtype, graph: bool) -> None:
     torch.manual_seed(0)
     hq, hk, dim = (32, 8, 128) if device == "cuda" else (8, 2, 32)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+
+    def same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+        """Bit for bit on the GPU. The interpreter's tile sums are numpy's, whose rounding
+        varies with a tile's rows and the numpy build, so there it is a tight tolerance."""
+        if device == "cuda":
+            assert torch.equal(a, b), what
+        else:
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6, msg=what)
     for page_size in (1, 16):
         for groups, loose in LAYOUTS.values():
             groups = [(pages * (16 // page_size), lens) for pages, lens in groups]
@@ -85,7 +93,7 @@ def check(device: str, dtype: torch.dtype, graph: bool) -> None:
                     level.plan(*plan_args(meta, page_size, group_pages), None)
                     out = level.forward(q, k, v, scale)
                     torch.testing.assert_close(out.float(), ref, **tol)
-                    assert torch.equal(out, plain), "a cascade step returns what a plain one does"
+                    same(out, plain, "a cascade step returns what a plain one does")
                     continue
                 size = n + 3
                 level.init_cuda_graph(size, meta.page_table.shape[1])
@@ -107,7 +115,7 @@ def check(device: str, dtype: torch.dtype, graph: bool) -> None:
                         step()
                 level.plan(*plan_args(meta, page_size, group_pages, pad=3), size)
                 graph_obj.replay() if graph_obj is not None else step()
-                assert torch.equal(out_buf[:n], plain), "a graph replay returns the eager plain step's bits"
+                same(out_buf[:n], plain, "a graph replay returns the eager plain step's bits")
 
 
 def patch_interpreter_ranges() -> None:
