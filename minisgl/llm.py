@@ -11,7 +11,7 @@ from minisgl.args import EngineArgs
 from minisgl.sampling import SamplingParams
 from minisgl.scheduler import Req, Scheduler
 from minisgl.scheduler.grammar import GrammarBackend
-from minisgl.scheduler.scheduler import prompt_scores
+from minisgl.scheduler.output import prompt_scores
 from minisgl.scheduler.workers import WorkerGroup
 from minisgl.tokenizer import eos_ids, load_tokenizer
 from minisgl.tokenizer.chat import encode_chat
@@ -120,6 +120,8 @@ class LLM:
                        for r in reqs if r.params.stop_strings}
         texts: dict[int, list[str]] = {rid: [] for rid in streams}
         while self.scheduler.has_work:
+            if self.scheduler.only_compiling:
+                self.scheduler.wait_compiled(timeout=1.0)
             got = self.scheduler.step()
             failed = [r for r in self.scheduler.take_compiled() if r.error]
             if failed:

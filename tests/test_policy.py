@@ -3,7 +3,7 @@ computed once however it is chunked or queued."""
 
 from __future__ import annotations
 
-import os
+import itertools
 import random
 
 import pytest
@@ -12,7 +12,7 @@ from benchmarks.workloads import distinct_tokens
 from minisgl.kvcache import BaseCacheManager
 from minisgl.kvcache.radix_manager import RadixCacheManager
 from minisgl.sampling import SamplingParams
-from minisgl.scheduler.policy import AGING_STEPS, order_waiting
+from minisgl.scheduler.queue import AGING_STEPS, WaitingQueue
 from minisgl.scheduler.request import Req
 from tests.test_scheduler import make_llm
 
@@ -33,20 +33,111 @@ def tree_shape(cache: RadixCacheManager) -> list:
     return sorted((n.depth, n.last_access, n.ref) for n in cache._nodes())
 
 
+def order_waiting(reqs: list[Req], cache: BaseCacheManager, policy: str, step: int) -> list[Req]:
+    """``reqs`` (in arrival order) queued afresh, in admission order at ``step``."""
+    queue = WaitingQueue(policy, cache.page_size)
+    for r in reqs:
+        queue.push(r, r.queued_step)
+    return list(queue.order(step, cache))
+
+
+def reference_order(queued: list[tuple[int, Req]], cache: RadixCacheManager, step: int) -> list[Req]:
+    """lpm by brute force over (sequence number, request) pairs: the aged tier first (queued
+    AGING_STEPS ago, or retracted: a negative number), then the rest; within a tier by cached
+    whole pages (the last token excluded), longest first; ties in the depth-first order of the
+    trie of every queued prompt's whole pages, each node's requests and subtrees by their most
+    senior request."""
+    page = cache.page_size
+
+    def key(r: Req) -> list[int]:
+        n = len(r.all_ids) - 1
+        return r.all_ids[: n - n % page]
+
+    def hit(r: Req) -> int:
+        return cache.advance(cache.start(), key(r))[1]
+
+    def trie_order(group: list[tuple[int, Req]], depth: int) -> list[tuple[int, Req]]:
+        own = [(s, r) for s, r in group if len(key(r)) == depth]
+        subtrees: dict[tuple, list] = {}
+        for s, r in group:
+            if len(key(r)) > depth:
+                subtrees.setdefault(tuple(key(r)[depth : depth + page]), []).append((s, r))
+        items = [(s, [(s, r)]) for s, r in own]
+        items += [(min(s for s, _ in members), trie_order(members, depth + page)) for members in subtrees.values()]
+        return [x for _, part in sorted(items, key=lambda i: i[0]) for x in part]
+
+    ranked = trie_order(queued, 0)
+    out = []
+    for aged in (True, False):
+        tier = [r for s, r in ranked if (s < 0 or step - r.queued_step >= AGING_STEPS) == aged]
+        out += sorted(tier, key=lambda r: -hit(r))  # stable: ties keep trie order
+    return out
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_lpm_queue_matches_brute_force_as_requests_come_and_go(seed):
+    """The incremental queue against the brute-force order, through arrivals, admissions,
+    aborts, retractions (pushed in front) and a cache that grows and evicts between rounds."""
+    rng = random.Random(seed)
+    page = rng.choice([1, 2, 4])
+    cache = RadixCacheManager(page)
+    stems = [[rng.randrange(5) for _ in range(rng.randint(0, 24))] for _ in range(4)]
+
+    def prompt() -> list[int]:
+        return rng.choice(stems)[: rng.randint(0, 24)] + [rng.randrange(5) for _ in range(rng.randint(1, 10))]
+
+    queue, queued, next_page = WaitingQueue("lpm", page), {}, 0
+    front, arrivals = itertools.count(-1, -1), itertools.count(0)
+    for step in range(0, 40 * 30, 30):
+        for _ in range(rng.randint(0, 6)):
+            seq = next(arrivals)
+            r = make_req(seq, prompt())
+            queue.push(r, step)
+            queued[id(r)] = (seq, r)
+        if queued and rng.random() < 0.3:  # a retraction: back in front of everyone
+            s, r = queued.pop(rng.choice(list(queued)))
+            queue.remove(r)
+            r.output_ids = [rng.randrange(5) for _ in range(rng.randint(0, 3))]
+            queue.push(r, step, front=True)
+            queued[id(r)] = (next(front), r)
+        if rng.random() < 0.5:
+            ids = prompt()
+            n = len(ids) // page
+            cache.insert_prefix(ids, list(range(next_page, next_page + n)))
+            next_page += n
+        if rng.random() < 0.2 and cache.size_info().evictable:
+            cache.evict(rng.randint(1, cache.size_info().evictable))
+        seqs = sorted(queued.values(), key=lambda sr: sr[0])
+        got = list(queue.order(step, cache))
+        assert got == reference_order(seqs, cache, step)
+        for r in got[: rng.randint(0, 3)]:  # admitted
+            queue.remove(r)
+            del queued[id(r)]
+        for _ in range(rng.randint(0, 2)):  # aborted
+            if queued:
+                queue.remove(queued.pop(rng.choice(list(queued)))[1])
+        assert len(queue) == len(queued)
+    cache.check_integrity()
+
+
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_cached_lengths_equal_match_prefix_and_touch_nothing(page_size):
+def test_cache_walk_equals_match_prefix_and_touches_nothing(page_size):
     rng = random.Random(page_size)
     stems = [[rng.randrange(50) for _ in range(rng.randint(0, 40))] for _ in range(6)]
+
     def seq() -> list[int]:
         return rng.choice(stems)[: rng.randint(0, 40)] + [rng.randrange(50) for _ in range(rng.randint(0, 30))]
+
     cache = RadixCacheManager(page_size)
     fill_cache(cache, [seq() for _ in range(40)])
-    queries = sorted(seq() for _ in range(200))
-    common = [0] + [len(os.path.commonprefix([a, b])) for a, b in zip(queries, queries[1:])]
+    queries = [seq() for _ in range(200)]
     before = tree_shape(cache)
-    fast = cache.cached_lengths(queries, common)
+    walked = []
+    for ids in queries:
+        ids = ids[: len(ids) - len(ids) % page_size]
+        walked.append(cache.advance(cache.start(), ids)[1])
     assert tree_shape(cache) == before, "ordering a queue must not split nodes or touch eviction order"
-    assert fast == BaseCacheManager.cached_lengths(cache, queries, common)
+    assert walked == [cache.match_prefix(ids)[0].cached_len for ids in queries]
     cache.check_integrity()
 
 

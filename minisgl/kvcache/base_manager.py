@@ -11,6 +11,22 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 
+def common_pages(key: list[int], ids: list[int], start: int, page_size: int) -> int:
+    """How many whole pages of ``key`` equal ``ids[start:]``. List compares run in C: it bisects
+    on pages rather than looping over tokens."""
+    whole = min(len(key), len(ids) - start) // page_size
+    if key[: whole * page_size] == ids[start : start + whole * page_size]:
+        return whole
+    lo, hi = 0, whole - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if key[: mid * page_size] == ids[start : start + mid * page_size]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 @dataclass(frozen=True)
 class CacheHandle:
     """A matched prefix. Lock it before using its pages; unlock it when done."""
@@ -40,13 +56,6 @@ class BaseCacheManager(ABC):
     @abstractmethod
     def match_prefix(self, ids: list[int]) -> tuple[CacheHandle, list[int]]:
         """Longest cached whole-page prefix of ``ids`` and its pages. Does not lock."""
-
-    def cached_lengths(self, seqs: list[list[int]], common: list[int]) -> list[int]:
-        """How many leading tokens of each request's tokens the cache would serve at admission
-        (whole pages; the last token is always computed), for ordering a queue: unlike
-        ``match_prefix`` it leaves eviction order alone. ``common[i]`` is how many leading tokens
-        ``seqs[i]`` shares with ``seqs[i - 1]``; a cache may use it to resume the previous walk."""
-        return [self.match_prefix(ids[:-1])[0].cached_len for ids in seqs]
 
     @abstractmethod
     def lock_handle(self, handle: CacheHandle, unlock: bool = False) -> None:

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Collection
 from dataclasses import dataclass
 
-from minisgl.kvcache.base_manager import BaseCacheManager, CacheHandle, SizeInfo
+from minisgl.kvcache.base_manager import BaseCacheManager, CacheHandle, SizeInfo, common_pages
 
 
 class _Node:
-    __slots__ = ("key", "pages", "children", "parent", "ref", "last_access", "depth")
+    __slots__ = ("key", "pages", "children", "parent", "ref", "last_access", "depth", "_handle")
 
     def __init__(self, key: list[int], pages: list[int], parent: _Node | None, tick: int):
         self.key = key
@@ -26,14 +27,26 @@ class _Node:
         self.ref = 0  # locks held on this node or any descendant
         self.last_access = tick
         self.depth = (parent.depth if parent is not None else 0) + len(key)  # tokens from the root to its end
+        self._handle: RadixHandle | None = None
+
+    @property
+    def handle(self) -> RadixHandle:
+        """One handle per node: requests locking the same prefix hold the same object, so
+        they group by identity."""
+        if self._handle is None:  # (a split keeps the lower part's depth: its handle stays right)
+            self._handle = RadixHandle(self.depth, self)
+        return self._handle
 
     def __lt__(self, other: _Node) -> bool:  # heap order for LRU eviction
         return self.last_access < other.last_access
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class RadixHandle(CacheHandle):
     node: _Node
+
+    __eq__ = object.__eq__  # one handle per node: identity is equality, and hashing is cheap
+    __hash__ = object.__hash__
 
 
 class RadixCacheManager(BaseCacheManager):
@@ -44,6 +57,10 @@ class RadixCacheManager(BaseCacheManager):
         self.root.ref = 1  # the root is never evicted
         self.evictable_pages = 0
         self.protected_pages = 0
+        # Unlocked leaves by last use, kept as they appear (lazily: stale entries are skipped),
+        # so eviction costs the pages it frees, not a walk of the tree.
+        self._leaves: list[tuple[int, _Node]] = []
+        self._num_nodes = 0
 
     # ---- walking ------------------------------------------------------------------------------
 
@@ -51,12 +68,7 @@ class RadixCacheManager(BaseCacheManager):
         return tuple(ids[start : start + self.page_size])
 
     def _common_pages(self, key: list[int], ids: list[int], start: int) -> int:
-        """How many whole pages of ``key`` equal ``ids[start:]``."""
-        p, n = self.page_size, min(len(key), len(ids) - start)
-        if key[:n] == ids[start : start + n]:
-            return n // p
-        i = next(i for i in range(n) if key[i] != ids[start + i])
-        return i // p
+        return common_pages(key, ids, start, self.page_size)
 
     def _split(self, node: _Node, num_pages: int) -> _Node:
         """Cut ``node`` after ``num_pages`` pages; returns the new upper half (same locks)."""
@@ -67,6 +79,7 @@ class RadixCacheManager(BaseCacheManager):
         node.parent.children[self._edge(upper.key, 0)] = upper
         node.key, node.pages, node.parent = node.key[cut:], node.pages[num_pages:], upper
         upper.children[self._edge(node.key, 0)] = node
+        self._num_nodes += 1
         return upper
 
     def _walk(self, ids: list[int]) -> tuple[_Node, int]:
@@ -105,31 +118,38 @@ class RadixCacheManager(BaseCacheManager):
             node = node.parent
         return None if node is self.root else (node, node.depth)
 
-    def cached_lengths(self, seqs: list[list[int]], common: list[int]) -> list[int]:
-        """Walks read only (no split, no LRU touch); each starts from the deepest node of the
-        previous walk that lies within the part its sequence shares with the previous one, so
-        sorted sequences cost about their distinct cached tokens, not their total."""
-        out, node = [], self.root
-        for ids, shared in zip(seqs, common):
-            limit = self.aligned(max(len(ids) - 1, 0))
-            while node.depth > min(shared, limit):
-                node = node.parent
-            matched = node.depth
-            while matched < limit:
+    def start(self) -> tuple[_Node, int]:
+        """A read-only walk's starting position: (node, tokens of its key matched so far)."""
+        return self.root, 0
+
+    def next_pages(self, pos: tuple[_Node, int]) -> Collection[tuple[int, ...]]:
+        """The first pages of tokens the cache continues with after ``pos``."""
+        node, off = pos
+        if off < len(node.key):
+            return (self._edge(node.key, off),)
+        return node.children.keys()
+
+    def advance(self, pos: tuple[_Node, int], ids: list[int]) -> tuple[tuple[_Node, int], int]:
+        """Follow ``ids`` (whole pages) from ``pos`` as far as the cache holds them, without
+        splitting or touching eviction order; returns the new position and the tokens matched."""
+        node, off = pos
+        matched = 0
+        while matched < len(ids):
+            if off == len(node.key):
                 child = node.children.get(self._edge(ids, matched))
                 if child is None:
                     break
-                pages = min(self._common_pages(child.key, ids, matched), (limit - matched) // self.page_size)
-                if pages < len(child.pages):
-                    matched += pages * self.page_size
-                    break
-                node, matched = child, child.depth
-            out.append(matched)
-        return out
+                node, off = child, 0
+            pages = self._common_pages(node.key[off:], ids, matched)
+            off, matched = off + pages * self.page_size, matched + pages * self.page_size
+            if off < len(node.key):
+                break
+        return (node, off), matched
 
     def match_prefix(self, ids: list[int]) -> tuple[RadixHandle, list[int]]:
         node, matched = self._walk(ids)
-        return RadixHandle(matched, node), self._path_pages(node)
+        assert matched == node.depth
+        return node.handle, self._path_pages(node)
 
     def lock_handle(self, handle: CacheHandle, unlock: bool = False) -> None:
         self.epoch += 1
@@ -142,6 +162,7 @@ class RadixCacheManager(BaseCacheManager):
                 if node.ref == 0:
                     self.protected_pages -= len(node.pages)
                     self.evictable_pages += len(node.pages)
+                    self._maybe_evictable(node)
             else:
                 if node.ref == 0:
                     self.evictable_pages -= len(node.pages)
@@ -158,6 +179,8 @@ class RadixCacheManager(BaseCacheManager):
             leaf = _Node(ids[matched:n], pages[matched // self.page_size : n // self.page_size], node, next(self._clock))
             node.children[self._edge(leaf.key, 0)] = leaf
             self.evictable_pages += len(leaf.pages)
+            self._num_nodes += 1
+            self._maybe_evictable(leaf)
         return matched
 
     def evict(self, num_pages: int) -> list[int]:
@@ -165,18 +188,31 @@ class RadixCacheManager(BaseCacheManager):
             return []
         if num_pages > self.evictable_pages:
             raise RuntimeError(f"cannot evict {num_pages} pages: only {self.evictable_pages} are evictable")
-        heap = [n for n in self._nodes() if not n.children and n.ref == 0]
-        heapq.heapify(heap)
         freed: list[int] = []
         while len(freed) < num_pages:
-            node = heapq.heappop(heap)
+            tick, node = heapq.heappop(self._leaves)
+            if node.parent is None or node.children or node.ref:
+                continue  # evicted already, no longer a leaf, or locked again: a stale entry
+            if node.last_access != tick:  # used since it was queued: back in at its new age
+                heapq.heappush(self._leaves, (node.last_access, node))
+                continue
             freed += node.pages
             self.evictable_pages -= len(node.pages)
             parent = node.parent
             del parent.children[self._edge(node.key, 0)]
-            if parent is not self.root and not parent.children and parent.ref == 0:
-                heapq.heappush(heap, parent)
+            node.parent = None
+            self._num_nodes -= 1
+            self._maybe_evictable(parent)
         return freed
+
+    def _maybe_evictable(self, node: _Node) -> None:
+        """Queue an unlocked leaf for eviction (entries that stop being one are skipped later)."""
+        if node is not self.root and not node.children and node.ref == 0:
+            heapq.heappush(self._leaves, (node.last_access, node))
+            if len(self._leaves) > 2 * self._num_nodes + 64:  # mostly stale: keep one entry per leaf
+                live = {id(n): n for _, n in self._leaves if n.parent is not None and not n.children and not n.ref}
+                self._leaves = [(n.last_access, n) for n in live.values()]
+                heapq.heapify(self._leaves)
 
     def size_info(self) -> SizeInfo:
         return SizeInfo(self.evictable_pages, self.protected_pages)
@@ -186,6 +222,7 @@ class RadixCacheManager(BaseCacheManager):
             raise RuntimeError(f"cannot reset: {self.protected_pages} pages are locked by running requests")
         freed = self.evict(self.evictable_pages)
         self.root.children.clear()
+        self._leaves, self._num_nodes = [], 0
         return freed
 
     def _nodes(self) -> list[_Node]:
@@ -218,3 +255,7 @@ class RadixCacheManager(BaseCacheManager):
         assert (evictable, protected) == (self.evictable_pages, self.protected_pages), (
             f"size counters {(self.evictable_pages, self.protected_pages)} != tree {(evictable, protected)}"
         )
+        nodes = self._nodes()
+        assert self._num_nodes == len(nodes), f"node count {self._num_nodes} != tree {len(nodes)}"
+        queued = {id(n) for _, n in self._leaves}
+        assert all(id(n) in queued for n in nodes if not n.children and not n.ref), "an evictable leaf is not queued"

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from minisgl.kvcache import BaseCacheManager
+from minisgl.kvcache import BaseCacheManager, CacheHandle
 from minisgl.messages import MAX_CASCADE_GROUPS
 from minisgl.scheduler.request import Req
 
@@ -42,15 +42,24 @@ class DecodeOrder:
 
 
 def plan_cascade(reqs: list[Req], cache: BaseCacheManager, page_size: int, enabled: bool = True) -> DecodeOrder:
+    if not enabled or not cache.reuses_prefixes:
+        return DecodeOrder(sorted(reqs, key=_first_page))
     min_size = max(MIN_GROUP_SIZE, 2)
+    by_handle: dict[CacheHandle, list[Req]] = {}  # requests locking one prefix hold one handle
+    for req in reqs:
+        members = by_handle.get(req.handle)
+        if members is None:
+            by_handle[req.handle] = [req]
+        else:
+            members.append(req)
     buckets: dict[int, tuple[int, list[Req]]] = {}
     loose: list[Req] = []
-    for req in reqs:
-        shared = cache.shared_prefix(req.handle, min_size) if enabled else None
+    for handle, members in by_handle.items():
+        shared = cache.shared_prefix(handle, min_size)
         if shared is None or shared[1] < MIN_SHARED_TOKENS:
-            loose.append(req)
+            loose += members
         else:
-            buckets.setdefault(id(shared[0]), (shared[1], []))[1].append(req)
+            buckets.setdefault(id(shared[0]), (shared[1], []))[1].extend(members)
     groups = []
     for tokens, members in buckets.values():
         if len(members) >= min_size:
@@ -67,6 +76,10 @@ def plan_cascade(reqs: list[Req], cache: BaseCacheManager, page_size: int, enabl
     # Neighbouring thread blocks attend at the same time: requests that still share pages
     # (ungrouped ones with a common first page) sit together so their re-reads hit L2.
     return DecodeOrder(
-        [r for _, m in groups for r in m] + sorted(loose, key=lambda r: r.pages[0]),
+        [r for _, m in groups for r in m] + sorted(loose, key=_first_page),
         group_sizes=[len(m) for _, m in groups], group_pages=[t // page_size for t, _ in groups],
     )
+
+
+def _first_page(req: Req) -> int:
+    return req.pages[0]

@@ -22,7 +22,8 @@ from minisgl.messages import (
 )
 from minisgl.scheduler.grammar import GrammarBackend
 from minisgl.scheduler.request import Req
-from minisgl.scheduler.scheduler import Scheduler, prompt_scores
+from minisgl.scheduler.output import prompt_scores
+from minisgl.scheduler.scheduler import Scheduler
 from minisgl.tokenizer import eos_ids, load_tokenizer
 from minisgl.utils import init_logging
 from minisgl.scheduler.workers import WorkerLink
@@ -134,7 +135,10 @@ class SchedulerProcess:
     def run(self) -> None:
         while True:
             self._turned = time.monotonic()
-            if self.sched.has_work:
+            if self.sched.only_compiling:  # block briefly (zmq lets go of the GIL), then step
+                first = self.inbox.recv(timeout_ms=5)
+                msgs = ([first] if first is not None else []) + self.inbox.recv_all()
+            elif self.sched.has_work:
                 msgs = self.inbox.recv_all()
             else:
                 first = self.inbox.recv(timeout_ms=int(STATS_INTERVAL_S * 1000))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +27,7 @@ class Req:
     output_id_logprobs: list[list[float]] = field(default_factory=list)  # per output token, per logprob_ids
     finish_reason: str | None = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache instead of computed
-    queued_step: int = 0  # the scheduler step at which it was queued (for aging)
+    queued_step: int = 0  # the scheduler step at which it last came to the queue (for aging)
     retracted: bool = False  # re-prefills its own tokens: no longer counts cache hits
     # Prompt logprobs from this position (-1: none): position j's logprob given tokens < j, with
     # its top tokens and the logprobs of logprob_ids; filled as prefill chunks run, sent with the
@@ -48,20 +47,19 @@ class Req:
     kv_len: int = 0  # tokens whose KV is computed or being computed by a sent step
     table_len: int = 0  # entries of `pages` already written to the worker's page table
     prefill_target: int = 0  # at admission: every token so far needs KV before decoding resumes
-    _key: tuple[int, bytes] = field(default=(-1, b""), repr=False)  # (length, queue_key)
+    # The short path of output processing (no logprobs, no grammar): its stop tokens and how
+    # many tokens it may generate, set when it is queued.
+    plain: bool = False
+    stop_ids: frozenset[int] = frozenset()
+    max_outputs: int = 0
+    # Place in the waiting queue (None while not waiting): its sequence number and trie node.
+    queue_seq: int | None = None
+    queue_node: Any = None
 
     @property
     def all_ids(self) -> list[int]:
         """Prompt and outputs (the prompt list itself while there are no outputs: do not mutate)."""
         return self.prompt_ids + self.output_ids if self.output_ids else self.prompt_ids
-
-    def queue_key(self) -> bytes:
-        """``all_ids`` packed as int32: sorting these groups shared prefixes (memcmp order).
-        Built once per queueing; a waiting request's tokens do not change."""
-        n = len(self.prompt_ids) + len(self.output_ids)
-        if self._key[0] != n:
-            self._key = (n, array("i", self.all_ids).tobytes())
-        return self._key[1]
 
     @property
     def scores_prompt(self) -> bool:

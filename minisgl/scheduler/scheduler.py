@@ -1,11 +1,10 @@
 """Scheduler: continuous batching over a paged KV cache shared through the prefix cache.
 
-Each ``step`` builds one batch: prefill chunks first (requests already prefilling, then new
-ones in policy order, up to the chunk budget), otherwise one decode token for every running
-request. Prefilled whole pages are inserted into the prefix cache as soon as their chunk is
-scheduled (locked by the request), so later requests in the same round reuse them: within a
-step every layer stores all new K/V before attending. When pages run out it evicts unlocked
-cache, then retracts the newest running requests back to the queue.
+Each ``step`` builds one batch: prefill chunks first (``prefill.py``: requests already
+prefilling, then new ones in queue order, ``queue.py``), otherwise one decode token for every
+running request (``decode.py``). When pages run out it evicts unlocked cache, then retracts the
+newest running requests back to the front of the queue. Outputs come back through
+``output.py``; pages and slots are ``memory.py``'s.
 
 With overlap scheduling (the default) the next batch is built and launched before the previous
 one's tokens are known: decode inputs come from the worker's own last sampled token, and a
@@ -15,23 +14,35 @@ to have finished (EOS, stop string) simply has its extra in-flight token dropped
 
 from __future__ import annotations
 
+import gc
 import logging
+from concurrent import futures
 import random
 from collections import deque
-from typing import Protocol
 from dataclasses import dataclass
+from typing import Protocol
 
 from minisgl.args import EngineArgs
-from minisgl.kvcache import CacheHandle, PageAllocator, create_cache_manager
-from minisgl.messages import ForwardBatch, NewRequest, StepOutput
+from minisgl.messages import ForwardBatch, StepOutput
 from minisgl.sampling import SamplingParams
-from minisgl.scheduler.cascade import DecodeOrder, plan_cascade
-from minisgl.scheduler.policy import order_waiting
+from minisgl.scheduler.batch import prefill_batch
+from minisgl.scheduler.decode import DecodePlanner
 from minisgl.scheduler.grammar import GrammarBackend
-from minisgl.scheduler.request import PromptScore, Req
+from minisgl.scheduler.memory import Memory
+from minisgl.scheduler.output import apply_output
+from minisgl.scheduler.prefill import Entry, PrefillPlanner
+from minisgl.scheduler.queue import WaitingQueue
+from minisgl.scheduler.request import Req
 from minisgl.utils import cdiv
 
 logger = logging.getLogger(__name__)
+
+# Requests queued between gc.freeze() calls. Python's full collections traverse every tracked
+# object, and a queue of 100k requests holds over a million: one took 0.78 s, in one step
+# (benchmarks/host_cost.py). Frozen objects are never traversed again; requests are freed by
+# reference counting (they form no cycles once they leave the queue), and the process thaws
+# when it runs out of work.
+GC_FREEZE_EVERY = 4096
 
 
 class Executor(Protocol):
@@ -45,9 +56,6 @@ class Executor(Protocol):
         """Allowed tokens for the last launched batch's ``mask_rows``; it samples once they come."""
 
 
-Entry = tuple[Req, int, bool]  # request, new tokens this step, whether it samples a token
-
-
 @dataclass
 class Counters:
     prefix_queried_tokens: int = 0  # tokens looked up in the prefix cache
@@ -59,12 +67,9 @@ class Counters:
     cascade_steps: int = 0  # decode steps that read shared prefixes once per group
 
 
-def prompt_scores(req: Req) -> tuple[int, list[PromptScore]]:
-    """Hand over a request's prompt logprobs once (with its first output token): the first
-    position scored (position 0 has nothing before it) and each position's score."""
-    first = max(req.logprob_start, 1)
-    req.prompt_scores_sent = True
-    return first, [req.prompt_scores[j] for j in range(first, len(req.prompt_ids))]
+# A launched step: the requests it samples a token for (in row order), the (request, position)
+# of each scored prompt row, and the token ids scored at each of those rows.
+Inflight = tuple[list[Req], list[tuple[Req, int]], list[int]]
 
 
 class Scheduler:
@@ -79,23 +84,24 @@ class Scheduler:
         self.eos_ids = set(eos_ids)
         self.executor = executor
         self.overlap = not args.disable_overlap_schedule
-        # Launched batches whose tokens are not back yet, with the prompt positions they score.
-        # Launched steps: entries, the (request, position) of each scored prompt row, and the
-        # token ids scored at each of those rows.
-        self.inflight: deque[tuple[list[Entry], list[tuple[Req, int]], list[int]]] = deque()
-        self.cache = create_cache_manager(args.page_size, args.disable_radix_cache)
-        self.allocator = PageAllocator(num_pages)
-        self.free_slots = list(range(args.max_running_requests - 1, -1, -1))
-        self.waiting: deque[Req] = deque()
+        self.inflight: deque[Inflight] = deque()  # launched steps whose tokens are not back yet
+        self.memory = Memory(args.page_size, num_pages, args.max_running_requests, args.disable_radix_cache)
+        self.cache, self.allocator = self.memory.cache, self.memory.allocator
+        # Without prefix reuse there is nothing for lpm to order by: arrival order.
+        self.waiting = WaitingQueue(args.schedule_policy if self.cache.reuses_prefixes else "fcfs", args.page_size)
+        self.counters = Counters()
+        self.prefill = PrefillPlanner(args, context_len, self.memory, self.counters)
+        self.decode = DecodePlanner(self.memory, not args.disable_cascade_attention)
         self.grammar = grammar
         self.compiling: list[Req] = []  # waiting for their grammar; others are scheduled meanwhile
         self.compiled: list[Req] = []  # grammar done (or failed: req.error) since take_compiled
         self.running: list[Req] = []  # requests holding a slot, oldest first
-        self.counters = Counters()
+        self.prefilling: list[Req] = []  # of those, the ones still prefilling, in admission order
+        self.decoding: list[Req] = []  # and the ones past their prefill
         self._rng = random.Random(args.seed)
         self._next_rid = 0
-        self._groups = DecodeOrder([])  # the last decode step's order and cascade groups
-        self._groups_key: tuple = ()  # what they were computed from (tree lock epoch, requests)
+        self._unfrozen = 0  # requests queued since the last gc.freeze()
+        self._frozen = False
 
     # ---- requests in and out -------------------------------------------------------------------
 
@@ -124,16 +130,23 @@ class Scheduler:
             raise ValueError("structured output is not available in this scheduler")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = Req(self._next_rid, list(prompt_ids), params, seed, max_len, top_logprobs,
-                  queued_step=self.counters.steps, logprob_start=min(logprob_start, len(prompt_ids)),
+                  logprob_start=min(logprob_start, len(prompt_ids)),
                   logprob_ids=list(logprob_ids or []) if top_logprobs >= 0 else [])
         self._next_rid += 1
+        self._unfrozen += 1
+        if self._unfrozen >= GC_FREEZE_EVERY:
+            gc.freeze()
+            self._unfrozen, self._frozen = 0, True
+        req.stop_ids = frozenset((params.stop_token_ids or []) + ([] if params.ignore_eos else list(self.eos_ids)))
+        req.max_outputs = max_len - len(prompt_ids)
+        req.plain = top_logprobs < 0 and grammar is None and params.max_new_tokens > 0
         if params.max_new_tokens == 0 and not req.scores_prompt:
             req.finish_reason = "length"
         elif grammar is not None:
             req.grammar_future = self.grammar.compile(*grammar)
             self.compiling.append(req)
         else:  # max_new_tokens 0 with prompt logprobs: a prefill that scores the prompt, no token
-            self.waiting.append(req)
+            self.waiting.push(req, self.counters.steps)
         return req
 
     def finish(self, req: Req, reason: str) -> None:
@@ -144,8 +157,7 @@ class Scheduler:
         req.matcher = None
         if req in self.compiling:
             self.compiling.remove(req)
-        if req in self.waiting:
-            self.waiting.remove(req)
+        self.waiting.remove(req)
         if req.slot is not None:
             self._release(req)
 
@@ -159,6 +171,16 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.inflight or self.compiling)
+
+    @property
+    def only_compiling(self) -> bool:
+        """Nothing to run until a grammar compiles: callers block instead of stepping (a loop
+        spinning on the GIL starves the compile threads, whose first job imports torch)."""
+        return bool(self.compiling) and not (self.waiting or self.running or self.inflight)
+
+    def wait_compiled(self, timeout: float) -> None:
+        """Block until a grammar being compiled is done, or ``timeout`` seconds pass."""
+        futures.wait([r.grammar_future for r in self.compiling], timeout, futures.FIRST_COMPLETED)
 
     def take_compiled(self) -> list[Req]:
         """Requests whose grammar compiled (now queued) or failed (``error`` set, finished)
@@ -174,7 +196,7 @@ class Scheduler:
             except ValueError as e:
                 req.error, req.finish_reason = str(e), "abort"
             else:
-                self.waiting.append(req)
+                self.waiting.push(req, self.counters.steps)
             req.grammar_future = None
             self.compiled.append(req)
 
@@ -185,296 +207,87 @@ class Scheduler:
         (with overlap, the one before). Returns the requests that got a token."""
         if self.compiling:
             self._admit_compiled()
-        entries, decode = self._schedule()
+        batch, sampled, scored, decode = self._schedule()
         got: list[Req] = []
-        if entries:
-            batch, scored = self._build_batch(entries, decode, self._groups if decode else None)
+        if batch is not None:
             self.executor.launch(batch)
-            self.inflight.append((entries, scored, batch.score_logprob_ids))
+            self.inflight.append((sampled, scored, batch.score_logprob_ids))
             if batch.mask_rows:
                 # The batch samples once its constrained rows' masks come, and a matcher must
                 # first see every token sampled before: process the batch before this one (its
                 # device work is done or nearly; this batch's forward runs meanwhile).
                 while len(self.inflight) > 1:
-                    got += self._process(*self.inflight.popleft(), self.executor.collect())
-                sampled = [req for req, _, sample in entries if sample]
+                    got += self._process(self.inflight.popleft())
                 self.executor.sample_masked(self.grammar.bitmask(
                     [(sampled[i].matcher, sampled[i].params.json_schema is not None) for i in batch.mask_rows]))
-            self._count_step(entries, decode)
             logger.debug(
                 "step %d: %s batch of %d requests, %d tokens; %d running, %d queued, %d free pages",
-                self.counters.steps, "decode" if decode else "prefill", len(entries),
-                sum(n for _, n, _ in entries), len(self.running), len(self.waiting), self.allocator.num_free,
+                self.counters.steps, "decode" if decode else "prefill", len(batch.slots),
+                len(batch.input_ids), len(self.running), len(self.waiting), self.allocator.num_free,
             )
-        if len(self.inflight) > (1 if self.overlap and entries else 0):
-            got += self._process(*self.inflight.popleft(), self.executor.collect())
+            self.counters.steps += 1
+        if len(self.inflight) > (1 if self.overlap and batch is not None else 0):
+            got += self._process(self.inflight.popleft())
+        if self._frozen and not self.has_work:
+            gc.unfreeze()  # idle: collections may take their time again
+            self._frozen = False
         return got
 
-    def _count_step(self, entries: list[Entry], decode: bool) -> None:
+    def _schedule(self) -> tuple[ForwardBatch | None, list[Req], list[tuple[Req, int]], bool]:
+        """The next batch (prefill chunks if any can run, else a decode step), the requests it
+        samples for, the prompt positions it scores, and whether it decodes."""
         c = self.counters
-        c.steps += 1
-        if decode:
-            c.decode_steps += 1
-            c.cascade_steps += bool(self._groups.group_sizes)
-        else:
-            c.prefill_tokens += sum(n for _, n, _ in entries)
-
-    def _schedule(self) -> tuple[list[Entry], bool]:
         while True:
-            entries = self._schedule_prefill()
+            entries, admitted = self.prefill.schedule(self.prefilling, self.waiting, c.steps)
+            for req in admitted:
+                self.waiting.remove(req)
+                self.running.append(req)
+                self.prefilling.append(req)
             if entries:
-                return entries, False
-            entries = self._schedule_decode()
-            if entries or not self.running or self.inflight:
-                return entries, True
+                for req, _, done in entries:
+                    if done:  # its last chunk: it decodes from the next step on
+                        self.prefilling.remove(req)
+                        self.decoding.append(req)
+                batch, scored = prefill_batch(entries, self.eos_ids)
+                c.prefill_tokens += len(batch.input_ids)
+                return batch, [req for req, _, sample in entries if sample], scored, False
+            batch = self.decode.schedule(self.decoding, lambda: self._retract(self.running[-1]))
+            if batch is not None:
+                c.decode_steps += 1
+                c.cascade_steps += bool(batch.group_sizes)
+                return batch, self.decode.order.reqs, [], True
+            if not self.running or self.inflight:
+                return None, [], [], False
             # Every running request is mid-prefill and none could get pages: make room.
             self._retract(self.running[-1])
 
-    def _alloc(self, n: int) -> list[int] | None:
-        """n free pages, evicting unlocked cache if needed; None if even that is not enough."""
-        short = n - self.allocator.num_free
-        if short > 0:
-            if short > self.cache.size_info().evictable:
-                return None
-            self.allocator.free(self.cache.evict(short))
-        return self.allocator.alloc(n)
-
-    @staticmethod
-    def _reusable(req: Req, upto: int) -> int:
-        """How many of its first tokens a request may take from the cache: position j's prompt
-        logprob needs the hidden state at j - 1, so those positions are computed again."""
-        return min(upto, max(req.logprob_start - 1, 0)) if req.scores_prompt else upto
-
-    def _admit(self, req: Req) -> None:
-        """Give a waiting request a slot and lock the longest cached prefix of its tokens."""
-        ids = req.all_ids
-        handle, pages = self.cache.match_prefix(ids[: self._reusable(req, len(ids) - 1)])
-        self.cache.lock_handle(handle)
-        req.slot, req.handle, req.pages = self.free_slots.pop(), handle, pages
-        req.kv_len, req.table_len, req.prefill_target = handle.cached_len, 0, len(ids)
-        self.running.append(req)
-
-    def _count_hit(self, req: Req, tokens: int) -> None:
-        """Hits count once per request, on its prompt: a retracted request re-admitted finds
-        its own earlier pages, which is no hit."""
-        if not req.retracted:
-            req.cached_tokens += tokens
-            self.counters.prefix_hit_tokens += tokens
-
-    def _rematch(self, req: Req) -> None:
-        """A prefilling request picks up pages another request cached since its last chunk."""
-        handle, pages = self.cache.match_prefix(req.all_ids[: self._reusable(req, req.prefill_target - 1)])
-        if handle.cached_len > req.kv_len:
-            self.cache.lock_handle(handle)
-            self.cache.lock_handle(req.handle, unlock=True)
-            self._count_hit(req, handle.cached_len - req.kv_len)
-            req.handle, req.pages, req.kv_len = handle, pages, handle.cached_len
-
-    def _schedule_chunk(self, req: Req, budget: int) -> Entry | None:
-        """Reserve pages for the request's next prefill chunk (at most ``budget`` tokens)."""
-        if self.cache.reuses_prefixes:
-            self._rematch(req)
-        target = req.prefill_target
-        end = min(target, req.kv_len + budget)
-        if end < target:
-            end -= end % self.page_size  # chunks end on page boundaries
-        if end <= req.kv_len:
-            return None
-        pages = self._alloc(cdiv(end, self.page_size) - len(req.pages))
-        if pages is None:
-            return None
-        req.pages += pages
-        start, req.kv_len = req.kv_len, end
-        if self.cache.reuses_prefixes and not req.scores_prompt:
-            # Publish the whole pages at once; the request's final token stays out so that an
-            # identical prompt can never produce a duplicate page while both are running. (A
-            # request scoring its prompt may recompute cached pages: it publishes at release.)
-            upto = min(end, target - 1)
-            req.handle, _, duplicates = self.cache.commit(req.all_ids[:upto], req.pages, req.handle)
-            assert not duplicates, "pages were cached between a match and its commit"
-        return req, end - start, end == target
-
-    def _schedule_prefill(self) -> list[Entry]:
-        budget, entries = self.args.prefill_budget(self.context_len), []
-        chunk = self.args.prefill_chunk(self.context_len)
-        for req in [r for r in self.running if r.prefilling]:
-            if budget <= 0:
-                return entries
-            entry = self._schedule_chunk(req, min(budget, chunk))
-            if entry is None:
-                return entries
-            entries.append(entry)
-            budget -= entry[1]
-        if budget <= 0 or not self.free_slots or not self.waiting:
-            return entries
-        for req in order_waiting(self.waiting, self.cache, self.args.schedule_policy, self.counters.steps):
-            if budget <= 0 or not self.free_slots:
-                break
-            self._admit(req)
-            matched = req.kv_len
-            entry = self._schedule_chunk(req, min(budget, chunk))
-            if entry is None:
-                self._release(req)  # not enough pages now: try again after others finish
-                break
-            self.waiting.remove(req)
-            if not req.retracted:
-                self.counters.prefix_queried_tokens += req.prefill_target
-            self._count_hit(req, matched)
-            entries.append(entry)
-            budget -= entry[1]
-        return entries
-
-    def _schedule_decode(self) -> list[Entry]:
-        """One token for every request past its prefill; retracts the newest when pages run out."""
-        while True:
-            # kv_len + 1 tokens exist once the in-flight step (if any) samples; stop at max_len.
-            decoding = [r for r in self.running if not r.prefilling and r.kv_len + 1 < r.max_len]
-            needy = [r for r in decoding if r.kv_len % self.page_size == 0]
-            pages = self._alloc(len(needy))
-            if pages is not None:
-                break
-            self._retract(self.running[-1])
-        for req, page in zip(needy, pages):
-            req.pages.append(page)
-        for req in decoding:
-            req.kv_len += 1
-        key = (self.cache.epoch, *map(id, decoding))
-        if key != self._groups_key:  # locks and requests unchanged: last step's groups still hold
-            self._groups_key = key
-            self._groups = plan_cascade(decoding, self.cache, self.page_size, not self.args.disable_cascade_attention)
-        return [(req, 1, True) for req in self._groups.reqs]
-
-    def _build_batch(
-        self, entries: list[Entry], decode: bool, groups: DecodeOrder | None
-    ) -> tuple[ForwardBatch, list[tuple[Req, int]]]:
-        """The step's batch, and the (request, prompt position) of each row it scores."""
-        batch = ForwardBatch(slots=[], cached_lens=[], new_lens=[], input_ids=[], sample=[])
-        if groups is not None:
-            batch.group_sizes, batch.group_pages = groups.group_sizes, groups.group_pages
-        scored: list[tuple[Req, int]] = []
-        row = 0
-        for req, new, sample in entries:
-            start = req.kv_len - new
-            if req.scores_prompt and not decode:
-                # Row start + k holds the hidden state of position start + k, which predicts
-                # position start + k + 1: the chunk scores positions start + 1 .. kv_len.
-                for j in range(max(start + 1, req.logprob_start, 1), min(req.kv_len, len(req.prompt_ids) - 1) + 1):
-                    batch.score_rows.append(row + j - 1 - start)
-                    batch.score_ids.append(req.prompt_ids[j])
-                    scored.append((req, j))
-                batch.score_top = max(batch.score_top, req.top_logprobs)
-                if req.logprob_ids:
-                    batch.score_logprob_ids = sorted(set(batch.score_logprob_ids) | set(req.logprob_ids))
-            row += new
-            batch.slots.append(req.slot)
-            batch.cached_lens.append(start)
-            batch.new_lens.append(new)
-            if sample and req.matcher is not None:
-                batch.mask_rows.append(sum(batch.sample))
-            batch.sample.append(sample)
-            if decode:
-                batch.input_ids.append(-1)  # the worker feeds back the token it sampled last step
-            else:
-                batch.input_ids += req.all_ids[start : req.kv_len]
-            if req.table_len == 0:
-                batch.new_requests.append(self._new_request_msg(req))
-            for col in range(req.table_len, len(req.pages)):
-                batch.table_slots.append(req.slot)
-                batch.table_cols.append(col)
-                batch.table_pages.append(req.pages[col])
-            req.table_len = len(req.pages)
-        return batch, scored
-
-    def _new_request_msg(self, req: Req) -> NewRequest:
-        p = req.params
-        penalties = p.has_penalty
-        # min_new_tokens: the tokens that would end it are banned until it has that many.
-        ban = sorted(set(p.stop_token_ids or []) | (set() if p.ignore_eos else self.eos_ids)) if p.min_new_tokens else []
-        return NewRequest(
-            slot=req.slot, sampling=p, seed=req.seed, top_logprobs=req.top_logprobs,
-            prompt_ids=req.prompt_ids if penalties else [], output_ids=req.output_ids if penalties else [],
-            prompt_len=len(req.prompt_ids), ban_ids=ban, logprob_ids=req.logprob_ids,
-        )
-
-    def _process(
-        self, entries: list[Entry], scored: list[tuple[Req, int]], score_ids: list[int], out: StepOutput
-    ) -> list[Req]:
-        column = {t: c for c, t in enumerate(score_ids)}
-        for k, (req, j) in enumerate(scored):
-            top = list(zip(out.score_top_ids[k], out.score_top_logprobs[k])) if out.score_top_ids else []
-            ids = [out.score_id_logprobs[k][column[t]] for t in req.logprob_ids] if req.logprob_ids else []
-            req.prompt_scores[j] = (out.score_logprobs[k], top[: max(req.top_logprobs, 0)], ids)
-        sampled = [req for req, _, sample in entries if sample]
-        got = []
-        for i, req in enumerate(sampled):
-            if req.finished:  # finished while this batch was in flight: drop the extra token
-                continue
-            if req.params.max_new_tokens == 0:  # it only scored its prompt
-                self.finish(req, "length")
-                got.append(req)
-                continue
-            token = out.tokens[i]
-            req.output_ids.append(token)
-            if out.logprobs is not None:
-                req.output_logprobs.append(out.logprobs[i])
-            if out.top_ids is not None:
-                req.output_top_logprobs.append(list(zip(out.top_ids[i], out.top_logprobs[i])))
-            if req.logprob_ids:
-                req.output_id_logprobs.append(out.id_logprobs[i])
-            reason = self._finish_reason(req, token)
-            if req.matcher is not None:
-                req.matcher.accept_token(token)
-                if reason is None and req.matcher.is_terminated():
-                    reason = "stop"  # the grammar is complete (its last token was a stop token)
-            if reason is not None:
-                self.finish(req, reason)
-            got.append(req)
-        return got
-
-    def _finish_reason(self, req: Req, token: int) -> str | None:
-        p = req.params
-        if (p.stop_token_ids and token in p.stop_token_ids) or (not p.ignore_eos and token in self.eos_ids):
-            return "stop"
-        if len(req.prompt_ids) + len(req.output_ids) >= req.max_len:
-            return "length"
-        return None
+    def _process(self, inflight: Inflight) -> list[Req]:
+        sampled, scored, score_ids = inflight
+        return apply_output(sampled, scored, score_ids, self.executor.collect(), self.finish)
 
     # ---- giving pages back ---------------------------------------------------------------------
 
     def _release(self, req: Req) -> None:
-        """Cache the request's computed whole pages, free the rest and its slot."""
-        computed = req.all_ids[: req.kv_len]
-        handle, _, duplicates = self.cache.commit(computed, req.pages, req.handle)
-        self.cache.lock_handle(handle, unlock=True)
-        tail = req.pages[self.cache.aligned(len(computed)) // self.page_size :]
-        self.allocator.free(duplicates + tail)
-        self.free_slots.append(req.slot)
+        self.memory.release(req)
         self.running.remove(req)
-        req.slot, req.handle, req.pages, req.kv_len, req.table_len = None, CacheHandle(0), [], 0, 0
+        (self.prefilling if req in self.prefilling else self.decoding).remove(req)
 
     def _retract(self, req: Req) -> None:
         """Send a running request back to the front of the queue; its outputs so far are kept."""
         logger.info("out of KV pages: retracting request %d (%d tokens)", req.rid, req.kv_len)
         self._release(req)
         req.retracted = True
-        self.waiting.appendleft(req)
+        self.waiting.push(req, self.counters.steps, front=True)
         self.counters.retractions += 1
 
     # ---- introspection -------------------------------------------------------------------------
 
     def stats(self) -> dict[str, float]:
-        info = self.cache.size_info()
         c = self.counters
         return {
             "running_requests": len(self.running),
             "queued_requests": len(self.waiting),
-            "total_pages": self.allocator.num_pages,
-            "free_pages": self.allocator.num_free,
-            "evictable_pages": info.evictable,
-            "protected_pages": info.protected,
-            "used_pages": self.allocator.num_pages - self.allocator.num_free,
-            # Pages that eviction cannot reclaim now: private to requests or locked by them.
-            "kv_usage": (self.allocator.num_pages - self.allocator.num_free - info.evictable) / self.allocator.num_pages,
+            **self.memory.stats(),
             "prefix_queried_tokens": c.prefix_queried_tokens,
             "prefix_hit_tokens": c.prefix_hit_tokens,
             "cache_hit_rate": c.prefix_hit_tokens / c.prefix_queried_tokens if c.prefix_queried_tokens else 0.0,
@@ -486,18 +299,8 @@ class Scheduler:
         }
 
     def check_integrity(self) -> None:
-        """Every page is exactly one of: free, cached, or private to one running request."""
-        self.cache.check_integrity()
-        free = self.allocator.free_pages()
-        cached = set(self.cache.all_pages())
-        private: list[int] = []
-        for req in self.running:
-            assert cdiv(req.kv_len, self.page_size) <= len(req.pages), f"request {req.rid} lacks pages"
-            private += [p for p in req.pages if p not in cached]
-        assert len(set(free)) == len(free), "a page is free twice"
-        assert len(set(private)) == len(private), "a page is private to two requests"
-        assert not set(free) & cached and not set(free) & set(private), "a used page is also free"
-        info = self.cache.size_info()
-        assert len(free) + info.total + len(private) == self.allocator.num_pages, (
-            f"free {len(free)} + cached {info.total} + private {len(private)} != {self.allocator.num_pages}"
-        )
+        """Pages (free, cached or private to one running request), slots and request lists agree."""
+        self.memory.check_integrity(self.running)
+        assert sorted(map(id, self.running)) == sorted(map(id, self.prefilling + self.decoding)), "request lists"
+        assert all(r.prefilling for r in self.prefilling) and not any(r.prefilling for r in self.decoding)
+        assert not any(r in self.waiting for r in self.running), "a running request is also queued"

@@ -1,0 +1,56 @@
+"""The ForwardBatch message of a prefill step: new tokens, page-table writes, first-time
+sampling settings, and the prompt positions whose logprobs the step scores."""
+
+from __future__ import annotations
+
+from minisgl.messages import ForwardBatch, NewRequest
+from minisgl.scheduler.prefill import Entry
+from minisgl.scheduler.request import Req
+
+
+def prefill_batch(entries: list[Entry], eos_ids: set[int]) -> tuple[ForwardBatch, list[tuple[Req, int]]]:
+    """The step's batch, and the (request, prompt position) of each row it scores."""
+    batch = ForwardBatch(slots=[], cached_lens=[], new_lens=[], input_ids=[], sample=[])
+    scored: list[tuple[Req, int]] = []
+    row = 0
+    for req, new, sample in entries:
+        start = req.kv_len - new
+        if req.scores_prompt:
+            # Row start + k holds the hidden state of position start + k, which predicts
+            # position start + k + 1: the chunk scores positions start + 1 .. kv_len.
+            for j in range(max(start + 1, req.logprob_start, 1), min(req.kv_len, len(req.prompt_ids) - 1) + 1):
+                batch.score_rows.append(row + j - 1 - start)
+                batch.score_ids.append(req.prompt_ids[j])
+                scored.append((req, j))
+            batch.score_top = max(batch.score_top, req.top_logprobs)
+            if req.logprob_ids:
+                batch.score_logprob_ids = sorted(set(batch.score_logprob_ids) | set(req.logprob_ids))
+        row += new
+        batch.slots.append(req.slot)
+        batch.cached_lens.append(start)
+        batch.new_lens.append(new)
+        if sample and req.matcher is not None:
+            batch.mask_rows.append(sum(batch.sample))
+        batch.sample.append(sample)
+        batch.input_ids += req.all_ids[start : req.kv_len]
+        if req.table_len == 0:
+            batch.new_requests.append(new_request(req, eos_ids))
+        for col in range(req.table_len, len(req.pages)):
+            batch.table_slots.append(req.slot)
+            batch.table_cols.append(col)
+            batch.table_pages.append(req.pages[col])
+        req.table_len = len(req.pages)
+    return batch, scored
+
+
+def new_request(req: Req, eos_ids: set[int]) -> NewRequest:
+    """A request's sampling settings for the worker, sent with its first chunk."""
+    p = req.params
+    penalties = p.has_penalty
+    # min_new_tokens: the tokens that would end it are banned until it has that many.
+    ban = sorted(set(p.stop_token_ids or []) | (set() if p.ignore_eos else eos_ids)) if p.min_new_tokens else []
+    return NewRequest(
+        slot=req.slot, sampling=p, seed=req.seed, top_logprobs=req.top_logprobs,
+        prompt_ids=req.prompt_ids if penalties else [], output_ids=req.output_ids if penalties else [],
+        prompt_len=len(req.prompt_ids), ban_ids=ban, logprob_ids=req.logprob_ids,
+    )

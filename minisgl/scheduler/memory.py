@@ -1,0 +1,91 @@
+"""Pages and page-table slots of running requests: the prefix cache, the free pages and the
+free slots, and the moves between them (admit, publish, release)."""
+
+from __future__ import annotations
+
+from minisgl.kvcache import CacheHandle, PageAllocator, create_cache_manager
+from minisgl.scheduler.request import Req
+from minisgl.utils import cdiv
+
+
+class Memory:
+    def __init__(self, page_size: int, num_pages: int, num_slots: int, disable_radix_cache: bool):
+        self.page_size = page_size
+        self.cache = create_cache_manager(page_size, disable_radix_cache)
+        self.allocator = PageAllocator(num_pages)
+        self.free_slots = list(range(num_slots - 1, -1, -1))
+
+    def alloc(self, n: int) -> list[int] | None:
+        """n free pages, evicting unlocked cache if needed; None if even that is not enough."""
+        short = n - self.allocator.num_free
+        if short > 0:
+            if short > self.cache.size_info().evictable:
+                return None
+            self.allocator.free(self.cache.evict(short))
+        return self.allocator.alloc(n)
+
+    def admit(self, req: Req, reusable: int) -> None:
+        """Give a request a slot and lock the longest cached prefix of its first ``reusable``
+        tokens."""
+        handle, pages = self.cache.match_prefix(req.all_ids[:reusable])
+        self.cache.lock_handle(handle)
+        req.slot, req.handle, req.pages = self.free_slots.pop(), handle, pages
+        req.kv_len, req.table_len, req.prefill_target = handle.cached_len, 0, len(req.all_ids)
+
+    def rematch(self, req: Req, reusable: int) -> int:
+        """Take up pages another request cached since this one's last chunk; returns how many
+        tokens it gained."""
+        handle, pages = self.cache.match_prefix(req.all_ids[:reusable])
+        gained = handle.cached_len - req.kv_len
+        if gained > 0:
+            self.cache.lock_handle(handle)
+            self.cache.lock_handle(req.handle, unlock=True)
+            req.handle, req.pages, req.kv_len = handle, pages, handle.cached_len
+        return max(gained, 0)
+
+    def publish(self, req: Req, upto: int) -> None:
+        """Put the request's whole pages of its first ``upto`` tokens in the cache now, so that
+        requests scheduled after it reuse them."""
+        req.handle, _, duplicates = self.cache.commit(req.all_ids[:upto], req.pages, req.handle)
+        assert not duplicates, "pages were cached between a match and its commit"
+
+    def release(self, req: Req) -> None:
+        """Cache the request's computed whole pages, free the rest and its slot."""
+        computed = req.all_ids[: req.kv_len]
+        handle, _, duplicates = self.cache.commit(computed, req.pages, req.handle)
+        self.cache.lock_handle(handle, unlock=True)
+        tail = req.pages[self.cache.aligned(len(computed)) // self.page_size :]
+        self.allocator.free(duplicates + tail)
+        self.free_slots.append(req.slot)
+        req.slot, req.handle, req.pages, req.kv_len, req.table_len = None, CacheHandle(0), [], 0, 0
+
+    def stats(self) -> dict[str, float]:
+        info, total, free = self.cache.size_info(), self.allocator.num_pages, self.allocator.num_free
+        return {
+            "total_pages": total,
+            "free_pages": free,
+            "evictable_pages": info.evictable,
+            "protected_pages": info.protected,
+            "used_pages": total - free,
+            # Pages that eviction cannot reclaim now: private to requests or locked by them.
+            "kv_usage": (total - free - info.evictable) / total,
+        }
+
+    def check_integrity(self, running: list[Req]) -> None:
+        """Every page is exactly one of: free, cached, or private to one running request."""
+        self.cache.check_integrity()
+        free = self.allocator.free_pages()
+        cached = set(self.cache.all_pages())
+        private: list[int] = []
+        for req in running:
+            assert cdiv(req.kv_len, self.page_size) <= len(req.pages), f"request {req.rid} lacks pages"
+            private += [p for p in req.pages if p not in cached]
+        assert len(set(free)) == len(free), "a page is free twice"
+        assert len(set(private)) == len(private), "a page is private to two requests"
+        assert not set(free) & cached and not set(free) & set(private), "a used page is also free"
+        info = self.cache.size_info()
+        assert len(free) + info.total + len(private) == self.allocator.num_pages, (
+            f"free {len(free)} + cached {info.total} + private {len(private)} != {self.allocator.num_pages}"
+        )
+        slots = [r.slot for r in running]
+        assert len(set(slots)) == len(slots) and not set(slots) & set(self.free_slots), "a slot is used twice"

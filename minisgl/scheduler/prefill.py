@@ -1,0 +1,100 @@
+"""Prefill: which prompt tokens the next step computes.
+
+Requests already prefilling get their next chunk first (oldest first), then waiting requests
+are admitted in queue order, while the step's token budget and the free slots last. Whole pages
+of a scheduled chunk enter the prefix cache at once (locked by the request), so requests
+admitted after it in the same round or the next reuse them: within a step every layer stores
+all new K/V before attending.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from minisgl.args import EngineArgs
+from minisgl.scheduler.memory import Memory
+from minisgl.scheduler.queue import WaitingQueue
+from minisgl.scheduler.request import Req
+from minisgl.utils import cdiv
+
+if TYPE_CHECKING:
+    from minisgl.scheduler.scheduler import Counters
+
+Entry = tuple[Req, int, bool]  # request, new tokens this step, whether it samples a token
+
+
+def reusable(req: Req, upto: int) -> int:
+    """How many of its first tokens a request may take from the cache: position j's prompt
+    logprob needs the hidden state at j - 1, so those positions are computed again."""
+    return min(upto, max(req.logprob_start - 1, 0)) if req.scores_prompt else upto
+
+
+class PrefillPlanner:
+    def __init__(self, args: EngineArgs, context_len: int, memory: Memory, counters: Counters):
+        self.memory = memory
+        self.page_size = args.page_size
+        self.budget = args.prefill_budget(context_len)
+        self.chunk = args.prefill_chunk(context_len)
+        self.counters = counters
+
+    def count_hit(self, req: Req, tokens: int) -> None:
+        """Hits count once per request, on its prompt: a retracted request re-admitted finds
+        its own earlier pages, which is no hit."""
+        if not req.retracted:
+            req.cached_tokens += tokens
+            self.counters.prefix_hit_tokens += tokens
+
+    def chunk_of(self, req: Req, budget: int) -> Entry | None:
+        """Reserve pages for the request's next prefill chunk (at most ``budget`` tokens)."""
+        memory = self.memory
+        if memory.cache.reuses_prefixes:
+            self.count_hit(req, memory.rematch(req, reusable(req, req.prefill_target - 1)))
+        target = req.prefill_target
+        end = min(target, req.kv_len + budget)
+        if end < target:
+            end -= end % self.page_size  # chunks end on page boundaries
+        if end <= req.kv_len:
+            return None
+        pages = memory.alloc(cdiv(end, self.page_size) - len(req.pages))
+        if pages is None:
+            return None
+        req.pages += pages
+        start, req.kv_len = req.kv_len, end
+        if memory.cache.reuses_prefixes and not req.scores_prompt:
+            # The request's final token stays out, so that an identical prompt can never produce
+            # a duplicate page while both run. (One scoring its prompt may recompute cached
+            # pages: it publishes at release.)
+            memory.publish(req, min(end, target - 1))
+        return req, end - start, end == target
+
+    def schedule(self, prefilling: list[Req], queue: WaitingQueue, step: int) -> tuple[list[Entry], list[Req]]:
+        """This step's prefill chunks, and the requests it admitted from the queue (now holding
+        a slot; the caller takes them off the queue)."""
+        budget, entries, admitted = self.budget, [], []
+        for req in prefilling:
+            if budget <= 0:
+                return entries, admitted
+            entry = self.chunk_of(req, min(budget, self.chunk))
+            if entry is None:
+                return entries, admitted
+            entries.append(entry)
+            budget -= entry[1]
+        memory = self.memory
+        if budget <= 0 or not memory.free_slots or not queue:
+            return entries, admitted
+        for req in queue.order(step, memory.cache):
+            if budget <= 0 or not memory.free_slots:
+                break
+            memory.admit(req, reusable(req, len(req.all_ids) - 1))
+            matched = req.kv_len
+            entry = self.chunk_of(req, min(budget, self.chunk))
+            if entry is None:
+                memory.release(req)  # not enough pages now: try again after others finish
+                break
+            admitted.append(req)
+            if not req.retracted:
+                self.counters.prefix_queried_tokens += req.prefill_target
+            self.count_hit(req, matched)
+            entries.append(entry)
+            budget -= entry[1]
+        return entries, admitted
