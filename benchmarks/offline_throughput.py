@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -21,10 +22,11 @@ from benchmarks.workloads import WORKLOADS, Workload, distinct_tokens, save_resu
 from minisgl.args import EngineArgs  # noqa: E402
 from minisgl.llm import LLM  # noqa: E402
 from minisgl.sampling import SamplingParams  # noqa: E402
+from minisgl.utils import init_logging  # noqa: E402
 
 
-def run(llm: LLM, prompts: list[list[int]], output_lens: list[int]) -> dict[str, float]:
-    params = [SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True) for n in output_lens]
+def run(llm: LLM, prompts: list[list[int]], output_lens: list[int], temperature: float = 0.0) -> dict[str, float]:
+    params = [SamplingParams(temperature=temperature, max_new_tokens=n, ignore_eos=True) for n in output_lens]
     device = getattr(llm.runner, "device", None)  # none at tp > 1: the ranks are other processes, idle here
     if device is not None and device.type == "cuda":
         import torch
@@ -86,6 +88,11 @@ def main() -> None:
     ap.add_argument("--workloads", nargs="+", default=["shared-prefix", "random"], choices=list(WORKLOADS))
     ap.add_argument("--page-size", type=int, default=EngineArgs.page_size)
     ap.add_argument("--max-running-requests", type=int, default=256)
+    ap.add_argument("--cuda-graph-max-bs", type=int, default=None, help="default: max-running-requests")
+    ap.add_argument("--temperature", type=float, nargs="+", default=[0.0],
+                    help="run each workload at each of these temperatures (0: greedy)")
+    ap.add_argument("--problems", type=int, default=8, help="repeated workload: prompts")
+    ap.add_argument("--samples", type=int, default=1024, help="repeated workload: samples per prompt")
     ap.add_argument("--chunked-prefill-size", type=int, default=8192)
     ap.add_argument("--context-length", type=int, default=4096)
     ap.add_argument("--variants", nargs="+", default=["radix-on", "cascade-off", "radix-off"],
@@ -98,12 +105,14 @@ def main() -> None:
     ap.add_argument("--tp-size", type=int, default=1,
                     help="tensor-parallel ranks (worker processes; the in-process ablations and --profile need 1)")
     args = ap.parse_args()
+    init_logging("info")  # pool size, derived limits, CUDA-graph capture time
     if args.tp_size > 1 and (args.ablations or args.profile):
         ap.error("--ablations and --profile reach into the in-process model runner: use --tp-size 1")
 
     llm = LLM(args.model, load_format=args.load_format, page_size=args.page_size,
               max_running_requests=args.max_running_requests, chunked_prefill_size=args.chunked_prefill_size,
-              context_length=args.context_length, tp_size=args.tp_size)
+              context_length=args.context_length, tp_size=args.tp_size, cuda_graph_max_bs=args.cuda_graph_max_bs)
+    WORKLOADS["repeated"] = partial(WORKLOADS["repeated"], problems=args.problems, samples=args.samples)
     if args.profile:
         profile(llm, WORKLOADS[args.workloads[0]](llm.runner.vocab_size))
         return
@@ -113,25 +122,27 @@ def main() -> None:
     for name in args.workloads:
         wl = WORKLOADS[name](llm.runner.vocab_size)
         distinct = distinct_tokens(wl.prompts)
-        for variant in variants:
+        for temperature, variant in [(t, v) for t in args.temperature for v in variants]:
             radix_off, cascade_off, use_graphs, overlap = VARIANTS[variant]
             if args.tp_size == 1:
                 llm.runner.graphs = graphs if use_graphs else None
             llm.args.disable_overlap_schedule = not overlap
             llm.args.disable_cascade_attention = cascade_off
             llm.reset_scheduler(disable_radix_cache=radix_off)  # empty cache per run
-            result = run(llm, wl.prompts, wl.output_lens)
+            result = run(llm, wl.prompts, wl.output_lens, temperature)
             result["distinct_prompt_tokens"] = distinct
-            rows.append({"workload": name, "variant": variant, **result})
-            print(f"{name:14s} {variant:14s} {result['seconds']:8.2f} s  {result['output_tok_per_s']:9.0f} out tok/s"
-                  f"  hit rate {result['cache_hit_rate']:.2f}  prefill {result['prefill_tokens'] / distinct:.3f}x "
-                  f"distinct  cascade steps {result['cascade_steps']}/{result['decode_steps']}", flush=True)
+            rows.append({"workload": wl.name, "variant": variant, "temperature": temperature, **result})
+            print(f"{wl.name:14s} {variant:14s} T={temperature:<4} {result['seconds']:8.2f} s  "
+                  f"{result['output_tok_per_s']:9.0f} out tok/s  hit rate {result['cache_hit_rate']:.2f}  "
+                  f"prefill {result['prefill_tokens'] / distinct:.3f}x distinct  "
+                  f"cascade steps {result['cascade_steps']}/{result['decode_steps']}", flush=True)
         if args.tp_size == 1:
             llm.runner.graphs = graphs
-        base = next(r["seconds"] for r in rows if r["workload"] == name and r["variant"] == variants[0])
-        for r in rows:
-            if r["workload"] == name and r["variant"] != variants[0]:
-                print(f"{name}: {r['variant']} / {variants[0]} = {r['seconds'] / base:.2f}x")
+        for temperature in args.temperature:
+            same = [r for r in rows if r["workload"] == wl.name and r["temperature"] == temperature]
+            for r in same[1:]:
+                print(f"{wl.name} T={temperature}: {r['variant']} / {same[0]['variant']} = "
+                      f"{r['seconds'] / same[0]['seconds']:.2f}x")
     import torch
 
     device = getattr(llm.runner, "device", torch.device("cuda" if torch.cuda.is_available() else "cpu"))

@@ -62,6 +62,21 @@ def multi_turn_workload(
     return Workload("multi-turn", [prompts[i] for i in order], [outputs[i] for i in order])
 
 
+def repeated_sampling(
+    vocab: int, problems: int = 8, samples: int = 1024, prompt_len: int = 900, seed: int = 4
+) -> Workload:
+    """Repeated sampling (best-of-n, self-consistency, RL rollouts; the "Large Language Monkeys"
+    shape): each problem's prompt sent ``samples`` times, outputs uniform in [64, 448], all at
+    once, problem by problem."""
+    rng = random.Random(seed)
+    prompts, outputs = [], []
+    for _ in range(problems):
+        prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
+        prompts += [prompt] * samples
+        outputs += [rng.randint(64, 448) for _ in range(samples)]
+    return Workload(f"repeated-{problems}x{samples}", prompts, outputs)
+
+
 def distinct_tokens(prompts: list[list[int]]) -> int:
     """Prompt tokens a perfect prefix cache computes once: the nodes of the prompts' token trie."""
     total, previous = 0, []
@@ -81,6 +96,7 @@ WORKLOADS = {
     "gsp": lambda vocab: generated_shared_prefix(vocab, shuffle=False),
     "gsp-shuffled": lambda vocab: generated_shared_prefix(vocab, shuffle=True),
     "multi-turn": multi_turn_workload,
+    "repeated": repeated_sampling,
 }
 
 

@@ -6,6 +6,10 @@ import argparse
 from dataclasses import dataclass, fields
 
 
+MAX_RUNNING_CAP = 4096  # most running requests a derived default allows
+KV_TOKENS_PER_REQUEST = 512
+
+
 @dataclass
 class EngineArgs:
     model: str
@@ -20,7 +24,8 @@ class EngineArgs:
     page_size: int = 16  # tokens per KV page; 16 decodes ~3% faster than 1 on FlashInfer (benchmarks/results)
     mem_fraction_static: float = 0.88
     max_total_tokens: int | None = None
-    max_running_requests: int = 256
+    # None: derived from the KV pool once it is sized (``derive_max_running_requests``).
+    max_running_requests: int | None = None
     chunked_prefill_size: int = 8192
     context_length: int | None = None
     tp_size: int = 1
@@ -34,7 +39,7 @@ class EngineArgs:
     schedule_policy: str = "lpm"
     disable_overlap_schedule: bool = False
     disable_cascade_attention: bool = False  # decode reads shared prefixes once per group (radix cache only)
-    cuda_graph_max_bs: int | None = None  # None: min(max_running_requests, 256); 0 disables graphs
+    cuda_graph_max_bs: int | None = None  # None: max_running_requests; 0 disables graphs
     disable_cuda_graph: bool = False
     disable_custom_all_reduce: bool = False  # tp on GPUs: NCCL for every all-reduce, not the one-shot kernels
     enable_fp32_all_reduce: bool = False  # tp: partial sums all-reduced in fp32 (tp=2 tokens closer to tp=1's)
@@ -47,10 +52,25 @@ class EngineArgs:
         return self.tp_size // self.nnodes
 
     @property
+    def running_limit(self) -> int:
+        """max_running_requests, or its largest derived value while the pool is not sized yet."""
+        return self.max_running_requests or MAX_RUNNING_CAP
+
+    @property
     def graph_batch_size(self) -> int:
         """Largest decode batch captured in CUDA graphs (when they are on), and so the size the
         decode-sized collectives are set up for."""
-        return min(self.cuda_graph_max_bs or 256, self.max_running_requests)
+        return min(self.cuda_graph_max_bs or self.running_limit, self.running_limit)
+
+    def derive_max_running_requests(self, kv_tokens: int, on_gpu: bool) -> int:
+        """Set max_running_requests from the KV pool unless given: one request per
+        ``KV_TOKENS_PER_REQUEST`` tokens of cache (repeated samples and shared prompts hold far
+        fewer private tokens than a full context), at least 256 and at most ``MAX_RUNNING_CAP``
+        on a GPU; 256 on a CPU, where a step over thousands of requests is slow anyway."""
+        if self.max_running_requests is None:
+            derived = min(MAX_RUNNING_CAP, max(256, kv_tokens // KV_TOKENS_PER_REQUEST))
+            self.max_running_requests = derived if on_gpu else 256
+        return self.max_running_requests
 
     def prefill_chunk(self, context_len: int) -> int:
         """Most prompt tokens of one request in one step (-1 or 0: the whole prompt at once)."""
@@ -65,7 +85,7 @@ class EngineArgs:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
-        if self.max_running_requests < 1:
+        if self.max_running_requests is not None and self.max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if 0 < self.chunked_prefill_size < self.page_size or self.chunked_prefill_size < -1:
             # chunks end on page boundaries
@@ -144,7 +164,9 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--mem-fraction-static", type=float, default=d.mem_fraction_static,
                     help="fraction of GPU memory for weights and KV cache")
     ap.add_argument("--max-total-tokens", type=int, default=None, help="KV cache size in tokens (overrides memory sizing)")
-    ap.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
+    ap.add_argument("--max-running-requests", type=int, default=None,
+                    help="most requests decoding at once (default: on a GPU one per 512 tokens of KV pool, "
+                         "256 to 4096; on a CPU 256)")
     ap.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size,
                     help="most prompt tokens of one request per step (-1: no chunking)")
     ap.add_argument("--max-prefill-tokens", type=int, default=None,
@@ -154,7 +176,7 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--schedule-policy", default=d.schedule_policy, choices=["lpm", "fcfs"])
     ap.add_argument("--seed", "--random-seed", dest="seed", type=int, default=d.seed)
     ap.add_argument("--cuda-graph-max-bs", type=int, default=None,
-                    help="largest decode batch run from a CUDA graph (default min(max-running-requests, 256); 0: off)")
+                    help="largest decode batch run from a CUDA graph (default: max-running-requests; 0: off)")
     ap.add_argument("--disable-cuda-graph", action="store_true", help="run every step eagerly")
     ap.add_argument("--disable-custom-all-reduce", action="store_true",
                     help="tensor parallelism on GPUs: NCCL for every all-reduce instead of the one-shot "

@@ -121,6 +121,7 @@ class NativeRoutes(ApiBase):
 
     async def server_info(self, request: Request) -> Response:
         server_args = {k: v for k, v in asdict(self.args).items() if k != "api_key"}
+        server_args["max_running_requests"] = self.info.max_running_requests  # as derived, if not given
         return JSONResponse({
             "server_args": server_args, "engine": msgspec.to_builtins(self.info),
             "scheduler": await self._stats(), "active_requests": len(self.client.active_rids),

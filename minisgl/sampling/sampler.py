@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from minisgl.sampling.params import SamplingParams
 
 _M32 = 0xFFFFFFFF
+SAMPLE_BLOCK = 512  # rows sampled at once (see Sampler.sample)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -60,15 +62,17 @@ class Sampler:
         self.temperature, self.top_p, self.min_p = self._dev_f[:, 0], self._dev_f[:, 1], self._dev_f[:, 2]
         self.rep_penalty, self.freq_penalty, self.pres_penalty = self._dev_f[:, 3], self._dev_f[:, 4], self._dev_f[:, 5]
         self.top_k, self.seed, self.greedy = self._dev_i[:, 0], self._dev_i[:, 1], self._dev_i[:, 2]
-        # Host mirrors so each step can pick the cheapest path without reading the device.
-        self.h_greedy = [True] * max_slots
-        self.h_truncate = [False] * max_slots
-        self.h_min_p = [False] * max_slots
-        self.h_penalty = [False] * max_slots
-        self.h_top_n = [-1] * max_slots  # -1: no logprobs, 0: chosen token only, n: plus top-n
+        # Host mirrors so each step can pick the cheapest path without reading the device
+        # (numpy, so a step over thousands of slots checks them without a Python loop).
+        self.h_greedy = np.ones(max_slots, dtype=bool)
+        self.h_truncate = np.zeros(max_slots, dtype=bool)
+        self.h_min_p = np.zeros(max_slots, dtype=bool)
+        self.h_penalty = np.zeros(max_slots, dtype=bool)
+        self.h_top_n = np.full(max_slots, -1, dtype=np.int64)  # -1: no logprobs, 0: chosen token only, n: plus top-n
         self.h_ids: list[list[int]] = [[] for _ in range(max_slots)]  # token ids whose logprobs it wants
-        self.h_bias = [False] * max_slots
-        self.h_min_len = [0] * max_slots  # sequence length below which the slot's ban applies
+        self.h_bias = np.zeros(max_slots, dtype=bool)
+        self.h_min_len = np.zeros(max_slots, dtype=np.int64)  # sequence length below which the slot's ban applies
+        self.h_plain = np.ones(max_slots, dtype=bool)  # greedy, and nothing asked of the logits but the argmax
         self.ban: torch.Tensor | None = None  # [max_slots, vocab] bool, made on first use
         self.bias: torch.Tensor | None = None  # [max_slots, vocab] float32 logit_bias, made on first use
         self.out_counts: torch.Tensor | None = None  # [max_slots, vocab] int32, made on first use
@@ -114,6 +118,8 @@ class Sampler:
         if self.h_bias[slot]:
             self.bias[slot].zero_()  # the slot's previous request had a bias
         self.h_bias[slot] = bool(p.logit_bias)
+        self.h_plain[slot] = (p.is_greedy and not p.has_penalty and not p.logit_bias and not logprob_ids
+                              and top_logprobs < 0)
         if p.logit_bias:
             if self.bias is None:
                 self.bias = torch.zeros(self._dev_f.shape[0], self.vocab_size, dtype=torch.float32, device=self.device)
@@ -152,36 +158,58 @@ class Sampler:
         logits = logits - self.freq_penalty[slots, None] * counts
         return logits - self.pres_penalty[slots, None] * (counts > 0).float()
 
-    def plain_greedy(self, slots_list: list[int], seq_lens: list[int]) -> bool:
+    def plain_greedy(self, slots: np.ndarray, seq_lens: np.ndarray) -> bool:
         """Whether the step's tokens are just the argmax of the raw logits (every request greedy,
         nothing asked of the logits but their argmax), so the caller may find it cheaper."""
-        return (all(self.h_greedy[s] and not self.h_penalty[s] and not self.h_bias[s] and not self.h_ids[s]
-                    and self.h_top_n[s] < 0 and n >= self.h_min_len[s] for s, n in zip(slots_list, seq_lens)))
+        return bool(self.h_plain[slots].all() and (seq_lens >= self.h_min_len[slots]).all())
 
     def sample(
-        self, logits: torch.Tensor, slots_list: list[int], seq_lens: list[int],
+        self, logits: torch.Tensor, slots: np.ndarray, seq_lens: np.ndarray,
         masks: tuple[list[int], torch.Tensor] | None = None,
     ) -> SampleOutput:
         """logits [B, V] for requests in ``slots_list``; ``seq_lens`` give each one's position.
         ``masks`` (rows, int32 bit words [rows, ceil(V / 32)] on the host): those rows may only
-        take the tokens whose bit is set (structured output)."""
+        take the tokens whose bit is set (structured output). Batches larger than SAMPLE_BLOCK
+        rows go in blocks: the float32 copies of [B, V] logits are what sampling's memory
+        costs, and the pool is sized with one block's."""
         self._upload()
-        if masks is None and self.plain_greedy(slots_list, seq_lens):
+        slots, seq_lens = np.asarray(slots, dtype=np.int64), np.asarray(seq_lens, dtype=np.int64)
+        if masks is None and self.plain_greedy(slots, seq_lens):
             return SampleOutput(tokens=logits.argmax(dim=-1))  # exact on 16-bit logits: no float copy
+        top_n = int(self.h_top_n[slots].max())
+        id_union = sorted({t for s in slots.tolist() for t in self.h_ids[s]})
+        if len(slots) <= SAMPLE_BLOCK:
+            return self._sample(logits, slots, seq_lens, masks, top_n, id_union)
+        parts = []
+        for at in range(0, len(slots), SAMPLE_BLOCK):
+            end = at + SAMPLE_BLOCK
+            block_masks = None
+            if masks is not None:
+                keep = [i for i, r in enumerate(masks[0]) if at <= r < end]
+                block_masks = ([masks[0][i] - at for i in keep], masks[1][keep]) if keep else None
+            parts.append(self._sample(logits[at:end], slots[at:end], seq_lens[at:end], block_masks, top_n, id_union))
+        joined = SampleOutput(tokens=torch.cat([p.tokens for p in parts]), id_union=parts[0].id_union)
+        for name in ("logprobs", "top_ids", "top_logprobs", "id_logprobs"):
+            if getattr(parts[0], name) is not None:
+                setattr(joined, name, torch.cat([getattr(p, name) for p in parts]))
+        return joined
+
+    def _sample(
+        self, logits: torch.Tensor, slots_np: np.ndarray, seq_lens: np.ndarray,
+        masks: tuple[list[int], torch.Tensor] | None, top_n: int, id_union: list[int],
+    ) -> SampleOutput:
         if masks is not None:
             logits = self._apply_masks(logits, *masks)
-        penalized = any(self.h_penalty[s] for s in slots_list)
-        all_greedy = all(self.h_greedy[s] for s in slots_list)
-        top_n = max(self.h_top_n[s] for s in slots_list)
-        biased = any(self.h_bias[s] for s in slots_list)
-        banning = [n < self.h_min_len[s] for s, n in zip(slots_list, seq_lens)]
-        id_union = sorted({t for s in slots_list for t in self.h_ids[s]})
-        slots = torch.tensor(slots_list, dtype=torch.int64).to(self.device, non_blocking=True)
+        penalized = bool(self.h_penalty[slots_np].any())
+        all_greedy = bool(self.h_greedy[slots_np].all())
+        biased = bool(self.h_bias[slots_np].any())
+        banning = seq_lens < self.h_min_len[slots_np]
+        slots = self._to_device(torch.from_numpy(slots_np))
         logits = logits.float()
         if biased:  # OpenAI's logit_bias: added to the logits before penalties and sampling
             logits = logits + self.bias[slots]
-        if any(banning):  # min_new_tokens: EOS and stop tokens cannot come yet
-            active = self._to_device(torch.tensor(banning))
+        if banning.any():  # min_new_tokens: EOS and stop tokens cannot come yet
+            active = self._to_device(torch.from_numpy(banning))
             banned = logits.masked_fill(self.ban[slots] & active[:, None], float("-inf"))
             # ...unless a grammar allows nothing else (its output is complete): the grammar wins.
             logits = torch.where(banned.isfinite().any(dim=-1, keepdim=True), banned, logits) if masks else banned
@@ -191,7 +219,7 @@ class Sampler:
         if all_greedy:
             tokens = greedy_tokens
         else:
-            sampled = self._sample_random(logits, slots, slots_list, seq_lens)
+            sampled = self._sample_random(logits, slots, slots_np, seq_lens)
             tokens = torch.where(self.greedy[slots].bool(), greedy_tokens, sampled)
         out = SampleOutput(tokens=tokens)
         if top_n >= 0 or id_union:
@@ -203,7 +231,7 @@ class Sampler:
                 out.id_union = id_union
                 out.id_logprobs = logprobs[:, self._to_device(torch.tensor(id_union, dtype=torch.int64))]
         if penalized:
-            self._record_outputs(slots, tokens, slots_list)
+            self._record_outputs(slots, tokens, slots_np)
         return out
 
     def _apply_masks(self, logits: torch.Tensor, rows: list[int], words: torch.Tensor) -> torch.Tensor:
@@ -217,15 +245,15 @@ class Sampler:
         return logits
 
     def _sample_random(
-        self, logits: torch.Tensor, slots: torch.Tensor, slots_list: list[int], seq_lens: list[int]
+        self, logits: torch.Tensor, slots: torch.Tensor, slots_np: np.ndarray, seq_lens: np.ndarray
     ) -> torch.Tensor:
         probs = torch.softmax(logits / self.temperature[slots, None], dim=-1)
-        if any(self.h_truncate[s] for s in slots_list):
+        if self.h_truncate[slots_np].any():
             probs = self._top_k_top_p(probs, self.top_k[slots], self.top_p[slots])
-        if any(self.h_min_p[s] for s in slots_list):
+        if self.h_min_p[slots_np].any():
             floor = self.min_p[slots, None] * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < floor, 0.0)
-        positions = torch.tensor(seq_lens, dtype=torch.int64).to(self.device, non_blocking=True)
+        positions = self._to_device(torch.from_numpy(seq_lens))
         noise = exponential_noise(self.seed[slots], positions, probs.shape[-1])
         return (probs / noise).argmax(dim=-1)
 
@@ -241,9 +269,8 @@ class Sampler:
         drop[:, 0] = False  # the most likely token always survives
         return torch.zeros_like(probs).scatter_(1, order, sorted_p.masked_fill(drop, 0.0))
 
-    def _record_outputs(self, slots: torch.Tensor, tokens: torch.Tensor, slots_list: list[int]) -> None:
-        keep = [i for i, s in enumerate(slots_list) if self.h_penalty[s]]
-        keep_t = torch.tensor(keep, dtype=torch.int64).to(self.device, non_blocking=True)
+    def _record_outputs(self, slots: torch.Tensor, tokens: torch.Tensor, slots_np: np.ndarray) -> None:
+        keep_t = self._to_device(torch.from_numpy(np.flatnonzero(self.h_penalty[slots_np])))
         rows, toks = slots[keep_t], tokens[keep_t]
         self.out_counts[rows, toks] += 1
         self.seen.index_put_((rows, toks), torch.ones_like(toks, dtype=torch.bool))

@@ -43,6 +43,7 @@ class SchedulerProcess:
         info = self.workers.results.recv_as(EngineInfo)  # the worker's first message: what it loaded
         tokenizer_path = args.tokenizer or info.model_path
         info.eos_ids = eos_ids(info.model_path, tokenizer_dir=tokenizer_path)
+        args.max_running_requests = info.max_running_requests  # derived from the pool unless given
         self.info = info
         # The tokenizer itself is loaded with the first grammar: this process stays torch-free.
         grammar = GrammarBackend(lambda: load_tokenizer(tokenizer_path), info.vocab_size, info.eos_ids)

@@ -111,11 +111,11 @@ class Scheduler:
     ) -> Req:
         """Validate and queue a request. Raises ValueError naming what is wrong."""
         params.validate(self.vocab_size)
-        if logprob_ids and any(not 0 <= t < self.vocab_size for t in logprob_ids):
+        if logprob_ids and not 0 <= min(logprob_ids) <= max(logprob_ids) < self.vocab_size:
             raise ValueError(f"token_ids_logprob must be in [0, {self.vocab_size})")
         if not prompt_ids:
             raise ValueError("the prompt is empty")
-        if any(not 0 <= t < self.vocab_size for t in prompt_ids):
+        if not 0 <= min(prompt_ids) <= max(prompt_ids) < self.vocab_size:
             raise ValueError(f"input_ids must be in [0, {self.vocab_size})")
         if len(prompt_ids) >= self.context_len:
             raise ValueError(

@@ -72,6 +72,7 @@ class WorkerGroup(WorkerLink):
             raise
         self.model_dir = Path(info.model_path)
         self.vocab_size, self.num_pages, self.context_len = info.vocab_size, info.num_pages, info.context_len
+        args.max_running_requests = info.max_running_requests  # derived from the pool unless given
 
     def close(self) -> None:
         """Stop the workers (SIGTERM, then SIGKILL after 5 s)."""

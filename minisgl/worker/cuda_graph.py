@@ -31,8 +31,14 @@ logger = logging.getLogger(__name__)
 
 
 def batch_sizes(max_bs: int) -> list[int]:
-    sizes = [s for s in (1, 2, 4, 8, *range(16, max_bs + 1, 16)) if s <= max_bs]
-    return sizes if sizes[-1] == max_bs else [*sizes, max_bs]
+    """The capture ladder: 1, 2, 4, 8, then steps of 16 up to 512 and of about 1/16 of the size
+    beyond (a power of two), so padding adds at most 1/16 of a large batch's rows while a ladder
+    to 4096 stays under 90 sizes."""
+    sizes, size = [1, 2, 4, 8], 16
+    while size < max_bs:
+        sizes.append(size)
+        size += max(16, 1 << (size.bit_length() - 5))
+    return [s for s in sizes if s < max_bs] + [max_bs]
 
 
 class CudaGraphRunner:
@@ -47,7 +53,10 @@ class CudaGraphRunner:
         # Groups come from the radix tree: without it no step carries any.
         self.cascade = not (runner.args.disable_cascade_attention or runner.args.disable_radix_cache)
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # by (size, cascade)
-        self.logits: dict[tuple[int, bool], torch.Tensor] = {}
+        # Every graph writes its logits here: one buffer for all sizes. (Each graph keeping its
+        # own output held size x vocab float32 per graph: 27 GB for a ladder to 1024 at a
+        # 128k vocabulary. The copy costs ~0.35 ms at batch 1024 on the H100.)
+        self.logits: torch.Tensor | None = None
         runner.attn.init_cuda_graph(max_bs, runner.page_table.shape[1])
         self._capture()
 
@@ -97,11 +106,14 @@ class CudaGraphRunner:
             self._load(self._capture_batch(size, cascade))
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                self._run_model(size)  # warm-up outside the graph (lazy inits, autotuning)
+                warm = self._run_model(size)  # warm-up outside the graph (lazy inits, autotuning)
             torch.cuda.current_stream().wait_stream(stream)
+            if self.logits is None:  # the largest size comes first
+                self.logits = torch.empty_like(warm)
+            del warm
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self.logits[size, cascade] = self._run_model(size)
+                self.logits[:size].copy_(self._run_model(size))
             pool = graph.pool()
             self.graphs[size, cascade] = graph
         torch.cuda.synchronize()
@@ -116,7 +128,7 @@ class CudaGraphRunner:
         return self.sizes[bisect.bisect_left(self.sizes, len(batch.slots))]
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        if len(batch.slots) > self.max_bs or any(n != 1 for n in batch.new_lens):
+        if len(batch.slots) > self.max_bs or max(batch.new_lens, default=1) != 1:
             return False
         return not batch.group_sizes or self._fits(self._size(batch), len(batch.group_sizes))
 
@@ -127,7 +139,7 @@ class CudaGraphRunner:
         key = (size, bool(batch.group_sizes))
         self._load(self._pad(batch, size))
         self.graphs[key].replay()
-        logits = self.logits[key][: len(batch.slots)]
+        logits = self.logits[: len(batch.slots)]
         if all(batch.sample):
             return logits
         # int64 even when empty: a one-token prefill chunk that samples nothing has no rows.

@@ -28,19 +28,21 @@ from minisgl.kvcache import MHAKVCache
 from minisgl.messages import ForwardBatch, NewRequest, StepOutput
 from minisgl.models.loader import load_model, resolve_model_path
 from minisgl.sampling import SampleOutput, Sampler, SamplingParams
+from minisgl.sampling.sampler import SAMPLE_BLOCK
 from minisgl.utils import cdiv, resolve_device, resolve_dtype
 
 logger = logging.getLogger(__name__)
 
 CPU_KV_BYTES = 256 << 20  # default KV pool on CPU (or one full context, if larger)
 CPU_WARMUP_TOKENS = 64
+WARMUP_ROWS = SAMPLE_BLOCK  # sampling rows of the warm-up step: the sampler's largest block
 
 
 @dataclass
 class _Pending:
     """A launched step: its sampled values on their way to host memory."""
 
-    top_n: list[int]  # logprobs wanted per row, fixed at launch (a slot may change hands before collect)
+    top_n: list[int]  # logprobs wanted per row, fixed at launch (a slot may change hands before collect); [] if none
     host: dict[str, torch.Tensor]
     event: torch.cuda.Event | None
     score_top: int = 0
@@ -66,7 +68,6 @@ class ModelRunner:
         self.dtype = resolve_dtype(args.dtype, self.config.torch_dtype, self.device)
         self.context_len = self.config.context_limit(args.context_length)
         self.page_size = args.page_size
-        self.max_slots = args.max_running_requests
         tp = get_tp_info()
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -74,23 +75,21 @@ class ModelRunner:
             if tp.size > 1 and not args.disable_custom_all_reduce and args.nnodes == 1:
                 init_one_shot_all_reduce(self.device)
                 # Decode batches (CUDA graphs and eager ones alike) up to the graph sizes.
-                init_fused_all_reduce_norm(args.graph_batch_size, self.config.hidden_size)
+                init_fused_all_reduce_norm(args.graph_batch_size, self.config.hidden_size)  # bound: derived later
         self.num_kv_heads = max(1, self.config.num_kv_heads // tp.size)
         self.num_qo_heads = self.config.num_heads // tp.size
         self.model = load_model(
             self.model_dir, self.config, self.dtype, self.device, self.context_len, args.load_format, args.seed
         )
         self.vocab_size = self.config.vocab_size
-        self.pad_slot = self.max_slots  # page-table row of padding requests; points at the scratch page
-        self.page_table = torch.zeros(
-            (self.max_slots + 1, cdiv(self.context_len, self.page_size)), dtype=torch.int32, device=self.device
-        )
-        self.last_token = torch.zeros(self.max_slots + 1, dtype=torch.int64, device=self.device)
         self.pending: deque[_Pending] = deque()
         self._parked: tuple[ForwardBatch, torch.Tensor] | None = None  # forward done, waiting for masks
         self.graphs = None
-        self.sampler = Sampler(self.max_slots, self.vocab_size, self.device)
+        self._slots(WARMUP_ROWS)
         self.num_pages = self._profile_num_pages()
+        # Slots (page-table rows, sampling state) once the pool size says how many may run.
+        self.max_slots = args.derive_max_running_requests(self.num_pages * self.page_size, self.device.type == "cuda")
+        self._slots(self.max_slots)
         self.kv_cache = self._make_cache(self.num_pages + 1)
         self.page_table[self.pad_slot] = self.num_pages
         self.attn = create_backend(
@@ -107,6 +106,16 @@ class ModelRunner:
         )
 
     # ---- set-up -------------------------------------------------------------------------------
+
+    def _slots(self, n: int) -> None:
+        """Page-table rows, last sampled tokens and sampling state for ``n`` requests, plus the
+        padding row of CUDA-graph batches (it points at the scratch page)."""
+        self.max_slots = self.pad_slot = n
+        self.page_table = torch.zeros(
+            (n + 1, cdiv(self.context_len, self.page_size)), dtype=torch.int32, device=self.device
+        )
+        self.last_token = torch.zeros(n + 1, dtype=torch.int64, device=self.device)
+        self.sampler = Sampler(n, self.vocab_size, self.device)
 
     def _make_cache(self, num_pages: int) -> MHAKVCache:
         return MHAKVCache(
@@ -147,7 +156,8 @@ class ModelRunner:
             # not give gigabytes to it by default (--max-total-tokens asks for more).
             context = cdiv(self.context_len, self.page_size) * bytes_per_page
             laptop = max(CPU_KV_BYTES, context)  # at least one full-context request fits
-            budget = min(_available_host_bytes() * self.args.mem_fraction_static * 0.5, self.max_slots * context, laptop)
+            budget = min(_available_host_bytes() * self.args.mem_fraction_static * 0.5, self.args.running_limit * context,
+                         laptop)
         num_pages = int(budget // bytes_per_page)
         if get_tp_info().size > 1:  # every rank must hold the same pages: take the smallest budget
             n = torch.tensor([num_pages], device=self.device)
@@ -161,7 +171,7 @@ class ModelRunner:
 
     def _warmup(self, tokens: int) -> None:
         pages = cdiv(tokens, self.page_size)
-        rows = min(self.max_slots, 256)
+        rows = self.max_slots  # the sampler works in blocks of at most this many rows
         batch = ForwardBatch(
             slots=[0], cached_lens=[0], new_lens=[tokens], input_ids=[0] * tokens, sample=[True],
             table_slots=[0] * pages, table_cols=list(range(pages)), table_pages=list(range(pages)),
@@ -266,21 +276,20 @@ class ModelRunner:
 
     def _sample(self, batch: ForwardBatch, logits: torch.Tensor,
                 masks: tuple[list[int], torch.Tensor] | None = None) -> None:
-        chosen = [i for i, s in enumerate(batch.sample) if s]
-        out, slots = SampleOutput(tokens=None), []
-        if chosen:
-            slots = [batch.slots[i] for i in chosen]
-            seq_lens = [batch.cached_lens[i] + batch.new_lens[i] for i in chosen]
+        chosen = np.asarray(batch.sample, dtype=bool)
+        slots = np.asarray(batch.slots, dtype=np.int64)[chosen]
+        out = SampleOutput(tokens=None)
+        if len(slots):
+            seq_lens = (np.asarray(batch.cached_lens, dtype=np.int64) + np.asarray(batch.new_lens, dtype=np.int64))[chosen]
             head = self.model.lm_head
             if masks is None and self.sampler.plain_greedy(slots, seq_lens):
                 out = SampleOutput(tokens=head.greedy(logits))
             else:
                 out = self.sampler.sample(head.gather(logits), slots, seq_lens, masks)
-            slots_t = torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
-            self.last_token[slots_t] = out.tokens
+            self.last_token[torch.from_numpy(slots).to(self.device, non_blocking=True)] = out.tokens
         self.pending.append(self._to_host(out, slots, self._scores if batch.score_rows else {}, batch.score_top))
 
-    def _to_host(self, out: SampleOutput, slots: list[int], scores: dict[str, torch.Tensor], score_top: int) -> _Pending:
+    def _to_host(self, out: SampleOutput, slots: np.ndarray, scores: dict[str, torch.Tensor], score_top: int) -> _Pending:
         """Start copying the sampled values (and prompt scores) to (pinned) host memory; an
         event marks the end."""
         on_gpu = self.device.type == "cuda"
@@ -294,8 +303,9 @@ class ModelRunner:
         if on_gpu:
             event = torch.cuda.Event()
             event.record()
-        ids = [self.sampler.h_ids[s] for s in slots] if out.id_union else None
-        return _Pending([self.sampler.h_top_n[s] for s in slots], host, event, score_top, ids, out.id_union)
+        ids = [self.sampler.h_ids[s] for s in slots.tolist()] if out.id_union else None
+        top_n = self.sampler.h_top_n[slots]
+        return _Pending(top_n.tolist() if (top_n >= 0).any() else [], host, event, score_top, ids, out.id_union)
 
     def oldest_done(self) -> bool:
         """Whether ``collect`` would return without waiting."""
