@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -189,3 +194,37 @@ def test_seeded_top_p_one_is_the_same_alone_and_in_a_mixed_batch():
         alone = s_alone.sample(logits[1:2], [0], [pos]).tokens[0]
         mixed = s_mixed.sample(logits, [0, 1, 2], [pos, pos, pos]).tokens[1]
         assert alone == mixed, pos
+
+
+def race_check(device: str) -> None:
+    """The fused temperature-sampling kernel picks what the torch path picks: argmax of
+    softmax(logits / T) / noise, on the same noise."""
+    from minisgl.kernels.sample import race_sample
+    from minisgl.sampling.sampler import row_hash
+
+    gen = torch.Generator().manual_seed(0)
+    rows, vocab = (96, 50_000) if device == "cuda" else (6, 3000)  # the interpreter is slow
+    logits = (3 * torch.randn(rows, vocab, generator=gen)).to(device)
+    logits[1, 17] = float("-inf")  # banned or masked tokens never win
+    temps = torch.linspace(0.3, 1.7, rows).to(device)
+    seeds = torch.randint(0, 2**62, (rows,), generator=gen).to(device)
+    positions = torch.arange(rows).to(device) * 7 + 3
+    ref = (torch.softmax(logits / temps[:, None], dim=-1) / exponential_noise(seeds, positions, vocab)).argmax(-1)
+    got = race_sample(logits, temps, row_hash(seeds, positions))
+    assert torch.equal(got, ref)
+
+
+@pytest.mark.cuda
+def test_race_sampling_kernel_matches_torch_on_cuda():
+    race_check("cuda")
+
+
+def test_race_sampling_kernel_under_the_interpreter():
+    """The kernel's logic (the hash, the race, ties) on CPU: Triton's interpreter must be on
+    before triton loads, so it runs in a child process."""
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
+    done = subprocess.run([sys.executable, "-c", "from tests.test_sampling import race_check; race_check('cpu')"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]

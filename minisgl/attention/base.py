@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from minisgl.kernels.rope_store import rope_store
@@ -44,22 +47,24 @@ class AttentionMetadata:
 
     @property
     def is_decode(self) -> bool:
-        return all(n == 1 for n in self.new_lens)
+        return max(self.new_lens, default=1) == 1
 
-    @property
-    def seq_lens(self) -> list[int]:
-        return [c + n for c, n in zip(self.cached_lens, self.new_lens)]
+    @functools.cached_property
+    def seq_lens(self) -> np.ndarray:
+        """Each request's length after the step (numpy: steps carry thousands of requests)."""
+        return np.asarray(self.cached_lens, dtype=np.int64) + np.asarray(self.new_lens, dtype=np.int64)
 
     @property
     def cascade(self) -> bool:
         return bool(self.group_sizes)
 
-    def skip_pages(self, group_pages: list[int] | None = None) -> list[int]:
+    def skip_pages(self, group_pages: list[int] | None = None) -> np.ndarray:
         """Per request, the leading pages its group reads at the shared level (0 outside groups):
         ``group_pages`` of each group, or all its shared ones."""
         pages = self.group_pages if group_pages is None else group_pages
-        skip = [p for n, p in zip(self.group_sizes, pages) for _ in range(n)]
-        return skip + [0] * (self.num_reqs - len(skip))
+        skip = np.zeros(self.num_reqs, dtype=np.int64)
+        skip[: sum(self.group_sizes)] = np.repeat(np.asarray(pages, dtype=np.int64), self.group_sizes)
+        return skip
 
 
 class AttentionBackend(ABC):

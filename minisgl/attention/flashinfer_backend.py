@@ -14,6 +14,8 @@ size under CUDA graphs, all planning into shared fixed buffers).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import functools
 
 import numpy as np
@@ -21,14 +23,13 @@ import torch
 
 from minisgl.attention.base import AttentionBackend, AttentionMetadata
 from minisgl.kvcache import BaseKVCache
-from minisgl.utils import cdiv
 
 # Split-KV scratch of the prefill and decode wrappers.
 WORKSPACE_BYTES = 256 * 1024 * 1024
 
 
 def plan_decode(wrapper, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor,
-                kv_lens: list[int], heads: tuple[int, int, int, int], **common) -> None:
+                kv_lens: np.ndarray, heads: tuple[int, int, int, int], **common) -> None:
     """``wrapper.plan`` for a tensor-core decode step, trimmed on the host for CUDA-graph wrappers.
 
     FlashInfer's plan re-derives each request's KV length from the page counts and takes their
@@ -38,7 +39,7 @@ def plan_decode(wrapper, indptr: torch.Tensor, indices: torch.Tensor, last_page_
     the kernel module), later steps fill its buffers and call the module's planner directly with
     the arguments FlashInfer 0.6's fa2 path passes; anything else takes the full plan."""
     hq, hk, head_dim, page_size = heads
-    lens = torch.tensor(kv_lens, dtype=torch.int32)
+    lens = torch.from_numpy(np.asarray(kv_lens, dtype=np.int32))
     if not (wrapper.is_cuda_graph_enabled and getattr(wrapper, "_backend", None) == "fa2"
             and getattr(wrapper, "_cached_module", None) is not None and _fast_plan_supported()):
         wrapper.plan(indptr, indices, last_page_len, *heads, seq_lens=lens, **common)
@@ -47,7 +48,7 @@ def plan_decode(wrapper, indptr: torch.Tensor, indices: torch.Tensor, last_page_
     wrapper._paged_kv_indptr_buf.copy_(indptr, non_blocking=True)
     wrapper._paged_kv_last_page_len_buf.copy_(last_page_len, non_blocking=True)
     wrapper._paged_kv_indices_buf[: len(indices)].copy_(indices, non_blocking=True)
-    wrapper._max_kv_len = max(kv_lens)
+    wrapper._max_kv_len = int(np.max(kv_lens))
     wrapper._plan_info = wrapper._cached_module.plan(
         wrapper._float_workspace_buffer, wrapper._int_workspace_buffer, wrapper._pin_memory_int_workspace_buffer,
         torch.arange(batch + 1, dtype=torch.int32), indptr, lens, batch, batch, hq, hk, page_size,
@@ -108,12 +109,13 @@ class FlashInferBackend(AttentionBackend):
 
     @staticmethod
     def _page_indices(
-        page_table: torch.Tensor, rows: torch.Tensor, first: list[int], counts: list[int], total: int
+        page_table: torch.Tensor, rows: torch.Tensor, first: Sequence[int], counts: Sequence[int], total: int
     ) -> torch.Tensor:
         """Concatenate ``page_table[rows[i], first[i] : first[i] + counts[i]]`` over i, without a
         host sync."""
         device = page_table.device
-        counts_t, first_t = torch.tensor([counts, first], dtype=torch.int64).to(device, non_blocking=True)
+        host = torch.from_numpy(np.stack([np.asarray(counts, dtype=np.int64), np.asarray(first, dtype=np.int64)]))
+        counts_t, first_t = host.to(device, non_blocking=True)
         req = torch.repeat_interleave(torch.arange(len(counts), device=device), counts_t, output_size=total)
         starts = torch.cumsum(counts_t, 0) - counts_t
         cols = torch.arange(total, device=device) - starts[req] + first_t[req]
@@ -126,9 +128,9 @@ class FlashInferBackend(AttentionBackend):
         # A group's shared level reads whole tiles of its prefix; each member reads the rest.
         group_pages = [self.cascade.shared_pages(p, page_size) for p in meta.group_pages]
         skip = meta.skip_pages(group_pages)
-        num_pages = [cdiv(s, page_size) - k for s, k in zip(seq_lens, skip)]
-        kv_lens = [s - k * page_size for s, k in zip(seq_lens, skip)]  # past the skipped shared pages
-        indices = self._page_indices(meta.page_table, meta.slots_t, skip, num_pages, sum(num_pages))
+        num_pages = -(-seq_lens // page_size) - skip
+        kv_lens = seq_lens - skip * page_size  # past the skipped shared pages
+        indices = self._page_indices(meta.page_table, meta.slots_t, skip, num_pages, int(num_pages.sum()))
         if meta.is_decode and (meta.cascade or self.triton_decode):  # our kernel, none of FlashInfer's inputs
             self.step = "cascade" if meta.cascade else "triton"
             sizes, pages = list(meta.group_sizes), group_pages
@@ -140,9 +142,8 @@ class FlashInferBackend(AttentionBackend):
             self.cascade.plan(sizes, pages, page_size, shared, kv_lens, indices, graph_batch_size)
             return
         self.step = "flashinfer"
-        kv_indptr = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
-        kv_indptr[1:] = torch.tensor(num_pages, dtype=torch.int32).cumsum(0)
-        last_page_len = torch.tensor([s - (cdiv(s, page_size) - 1) * page_size for s in seq_lens], dtype=torch.int32)
+        kv_indptr = torch.from_numpy(np.concatenate([[0], np.cumsum(num_pages)]).astype(np.int32))
+        last_page_len = torch.from_numpy((seq_lens - (-(-seq_lens // page_size) - 1) * page_size).astype(np.int32))
         common = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale)
         heads = (self.num_qo_heads, self.num_kv_heads, self.head_dim, page_size)
         if meta.is_decode:

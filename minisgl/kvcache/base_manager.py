@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 
-def common_pages(key: list[int], ids: list[int], start: int, page_size: int) -> int:
-    """How many whole pages of ``key`` equal ``ids[start:]``. List compares run in C: it bisects
-    on pages rather than looping over tokens."""
-    whole = min(len(key), len(ids) - start) // page_size
+def common_pages(key: list[int], ids: list[int], start: int, page_size: int, end: int | None = None) -> int:
+    """How many whole pages of ``key`` equal ``ids[start:end]``. List compares run in C: it
+    bisects on pages rather than looping over tokens."""
+    whole = min(len(key), (len(ids) if end is None else end) - start) // page_size
     if key[: whole * page_size] == ids[start : start + whole * page_size]:
         return whole
     lo, hi = 0, whole - 1

@@ -67,9 +67,6 @@ class RadixCacheManager(BaseCacheManager):
     def _edge(self, ids: list[int], start: int) -> tuple[int, ...]:
         return tuple(ids[start : start + self.page_size])
 
-    def _common_pages(self, key: list[int], ids: list[int], start: int) -> int:
-        return common_pages(key, ids, start, self.page_size)
-
     def _split(self, node: _Node, num_pages: int) -> _Node:
         """Cut ``node`` after ``num_pages`` pages; returns the new upper half (same locks)."""
         self.epoch += 1
@@ -90,7 +87,7 @@ class RadixCacheManager(BaseCacheManager):
             child = node.children.get(self._edge(ids, matched))
             if child is None:
                 break
-            pages = self._common_pages(child.key, ids[:limit], matched)
+            pages = common_pages(child.key, ids, matched, self.page_size, limit)
             if pages < len(child.pages):
                 upper = self._split(child, pages)  # only the matched half counts as used
                 upper.last_access = tick
@@ -140,7 +137,7 @@ class RadixCacheManager(BaseCacheManager):
                 if child is None:
                     break
                 node, off = child, 0
-            pages = self._common_pages(node.key[off:], ids, matched)
+            pages = common_pages(node.key[off:], ids, matched, self.page_size)
             off, matched = off + pages * self.page_size, matched + pages * self.page_size
             if off < len(node.key):
                 break

@@ -27,9 +27,14 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def row_hash(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Each row's 32-bit hash of (seed, position), which the noise of its tokens starts from."""
+    return _mix32((seeds & _M32) ^ _mix32(((seeds >> 32) + positions * 0x9E3779B1) & _M32))
+
+
 def exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
     """Exp(1) noise [B, vocab]: argmax(p / noise) draws from p (the exponential-race trick)."""
-    row = _mix32((seeds & _M32) ^ _mix32(((seeds >> 32) + positions * 0x9E3779B1) & _M32))
+    row = row_hash(seeds, positions)
     cols = torch.arange(vocab, device=seeds.device, dtype=torch.int64) * 0x632BE5AB
     bits = _mix32((row[:, None] + cols[None, :]) & _M32) >> 9  # 23 random bits
     # (bits + 0.5) / 2**23 is exact in float32 and lies in (0, 1): the noise is never 0, so a
@@ -247,13 +252,18 @@ class Sampler:
     def _sample_random(
         self, logits: torch.Tensor, slots: torch.Tensor, slots_np: np.ndarray, seq_lens: np.ndarray
     ) -> torch.Tensor:
+        positions = self._to_device(torch.from_numpy(seq_lens))
+        truncating = self.h_truncate[slots_np].any() or self.h_min_p[slots_np].any()
+        if logits.is_cuda and not truncating:  # one fused pass (minisgl.kernels.sample)
+            from minisgl.kernels.sample import race_sample
+
+            return race_sample(logits, self.temperature[slots], row_hash(self.seed[slots], positions))
         probs = torch.softmax(logits / self.temperature[slots, None], dim=-1)
         if self.h_truncate[slots_np].any():
             probs = self._top_k_top_p(probs, self.top_k[slots], self.top_p[slots])
         if self.h_min_p[slots_np].any():
             floor = self.min_p[slots, None] * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < floor, 0.0)
-        positions = self._to_device(torch.from_numpy(seq_lens))
         noise = exponential_noise(self.seed[slots], positions, probs.shape[-1])
         return (probs / noise).argmax(dim=-1)
 

@@ -100,6 +100,7 @@ class Scheduler:
         self.decoding: list[Req] = []  # and the ones past their prefill
         self._rng = random.Random(args.seed)
         self._next_rid = 0
+        self._retracted_tokens: list[int] = []  # this step's retractions (logged together)
         self._unfrozen = 0  # requests queued since the last gc.freeze()
         self._frozen = False
 
@@ -208,6 +209,10 @@ class Scheduler:
         if self.compiling:
             self._admit_compiled()
         batch, sampled, scored, decode = self._schedule()
+        if self._retracted_tokens:  # one line per step, however many went back
+            logger.info("out of KV pages: retracted %d requests (%d tokens) to the queue",
+                        len(self._retracted_tokens), sum(self._retracted_tokens))
+            self._retracted_tokens = []
         got: list[Req] = []
         if batch is not None:
             self.executor.launch(batch)
@@ -274,7 +279,7 @@ class Scheduler:
 
     def _retract(self, req: Req) -> None:
         """Send a running request back to the front of the queue; its outputs so far are kept."""
-        logger.info("out of KV pages: retracting request %d (%d tokens)", req.rid, req.kv_len)
+        self._retracted_tokens.append(req.kv_len)
         self._release(req)
         req.retracted = True
         self.waiting.push(req, self.counters.steps, front=True)
