@@ -28,8 +28,8 @@ LAYOUTS = {  # (shared pages at page size 16, member sequence lengths) per group
 def plan_args(meta: AttentionMetadata, page_size: int, group_pages: list[int], pad: int = 0) -> tuple:
     """TritonCascade.plan's arguments for ``meta`` with groups reading ``group_pages`` shared pages
     (plus ``pad`` rows of one token on page 0)."""
-    skip = meta.skip_pages(group_pages) + [0] * pad
-    lens = meta.seq_lens + [1] * pad
+    skip = meta.skip_pages(group_pages).tolist() + [0] * pad
+    lens = meta.seq_lens.tolist() + [1] * pad
     slots = meta.slots + [0] * pad
     pages = [cdiv(n, page_size) - k for n, k in zip(lens, skip)]
     own = torch.cat([meta.page_table[s, k : k + p] if i < meta.num_reqs else meta.page_table[0, :1] * 0

@@ -12,7 +12,7 @@ from minisgl.sampling import SamplingParams
 PromptScore = tuple[float, list[tuple[int, float]], list[float]]  # (logprob, top (id, logprob), ids' logprobs)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # slots: smaller objects, faster attribute reads in per-step loops
 class Req:
     rid: int
     prompt_ids: list[int]
