@@ -69,6 +69,21 @@ def test_mixed_batches_with_retraction_match_each_request_alone(tiny_llama):
     assert tokens(unconstrained) == [ref[i] for i in free]
 
 
+def test_grammar_with_penalties(llm):
+    """A constrained request with repetition, frequency or presence penalties (the sampler
+    updates its counts when the masked batch samples), next to a free one with a penalty."""
+    params = [SamplingParams(max_new_tokens=8, temperature=0.0, regex="[a-z]+", repetition_penalty=1.2),
+              SamplingParams(max_new_tokens=8, temperature=0.7, seed=1, regex="[a-z]+", frequency_penalty=0.5,
+                             presence_penalty=0.3),
+              SamplingParams(max_new_tokens=8, temperature=0.0, repetition_penalty=1.3, ignore_eos=True)]
+    results = llm.generate([[5, 6, 7]] * 3, params)
+    for r in results[:2]:
+        assert re.fullmatch("[a-z]+", r["text"]), r
+    assert len(results[2]["output_ids"]) == 8
+    assert not llm.scheduler.has_work
+    llm.scheduler.check_integrity()
+
+
 def test_bad_grammars_are_refused_offline(llm):
     for field, text in (("json_schema", "{not json"), ("regex", "(unclosed"), ("ebnf", "root ::= missing_rule")):
         with pytest.raises(ValueError, match=field):
@@ -118,3 +133,17 @@ def test_structured_output_over_http(server):  # noqa: F811
             assert resp.status_code == 400 and field in resp.json()["error"]["message"], (route, resp.text)
     idle_and_clean(server)
 
+
+
+def test_constrained_request_done_in_its_first_step_without_overlap(tiny_llama):
+    """Without overlap a constrained request can be admitted, run and finished in the step that
+    accepts it (its grammar compiled just before): acceptance, then its token and finish."""
+    from tests.server_utils import running_server
+
+    with running_server(tiny_llama, "--disable-overlap-schedule") as srv:
+        for _ in range(3):
+            r = httpx.post(f"{srv.url}/generate", json={"input_ids": [5, 6, 7], "sampling_params": {
+                "max_new_tokens": 1, "temperature": 0, "regex": "(yes|no)"}}, timeout=60)
+            assert r.status_code == 200, r.text
+            assert r.json()["meta_info"]["completion_tokens"] == 1
+        assert httpx.get(f"{srv.url}/health", timeout=10).status_code == 200

@@ -92,10 +92,14 @@ class SchedulerProcess:
             return ControlReply(msg.cid, True, {})
         return ControlReply(msg.cid, False, {"error": f"unknown control op {msg.op!r}"})
 
-    def _accepted(self, req: Req) -> None:
-        """The request's first message: accepted (no tokens), or refused with its error."""
-        self.outbox.append(TokenOut(self.rid_of[req.rid], finish_reason=req.finish_reason, error=req.error))
-        if req.finished:  # max_new_tokens == 0, or its grammar did not compile
+    def _accepted(self, req: Req, ran: bool = False) -> None:
+        """The request's first message: accepted (no tokens), or refused with its error. One
+        that ``ran`` in this very step (its grammar compiled, then it was admitted and, without
+        overlap, finished) ends with its token message instead."""
+        ended = req.finished and not ran  # max_new_tokens == 0, or its grammar did not compile
+        self.outbox.append(TokenOut(self.rid_of[req.rid], finish_reason=req.finish_reason if ended else None,
+                                    error=req.error))
+        if ended:
             self._forget(req)
 
     def _forget(self, req: Req) -> None:
@@ -148,8 +152,9 @@ class SchedulerProcess:
                 self._handle(msg)
             if self.sched.has_work:
                 got = self.sched.step()
+                stepped = {id(r) for r in got}
                 for req in self.sched.take_compiled():
-                    self._accepted(req)
+                    self._accepted(req, ran=id(req) in stepped)
                 for req in got:
                     self.outbox.append(self._token_out(req))
                     self._tokens_since_log += 1

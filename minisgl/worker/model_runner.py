@@ -267,6 +267,7 @@ class ModelRunner:
             return
         self._sample(batch, logits)
 
+    @torch.inference_mode()  # as launch: the sampler updates inference tensors (penalty counts)
     def sample_masked(self, bitmask: bytes) -> None:
         """Sample the parked batch, its ``mask_rows`` limited to the tokens ``bitmask`` allows."""
         batch, logits = self._parked
