@@ -1,13 +1,15 @@
-"""The scheduler under random load, with a fake executor (no model): arrivals in bursts of
-identical prompts (as n > 1 and repeated sampling send them), aborts at any point, a pool small
-enough to evict and retract, both policies, overlap on and off, radix cache on and off. The
-cache, pages, slots and request lists agree after every step, and once drained nothing is left
-behind."""
+"""The scheduler under random load, with a fake executor and fake grammars (no model):
+arrivals in bursts of identical prompts (as n > 1 and repeated sampling send them), constrained
+requests whose grammars compile late or fail, aborts at any point, a pool small enough to evict
+and retract, both policies, overlap on and off, radix cache on and off. The cache, pages, slots
+and request lists agree after every step, a constrained batch's masks come before the next
+launch, and once drained nothing is left behind."""
 
 from __future__ import annotations
 
 import random
 from collections import deque
+from concurrent.futures import Future
 
 import pytest
 
@@ -20,22 +22,74 @@ EOS, VOCAB = 1, 100
 
 
 class FakeExecutor:
-    """Random tokens (EOS now and then) for every sampled row, in launch order."""
+    """Random tokens (EOS now and then) for every sampled row, in launch order; a batch with
+    constrained rows must get its masks before anything else is launched or it is collected."""
 
     def __init__(self, rng: random.Random):
         self.rng = rng
-        self.rows: deque[int] = deque()
+        self.launched: deque[list[int]] = deque()  # per batch: [rows sampled, constrained rows awaiting masks]
 
     def launch(self, batch: ForwardBatch) -> None:
         assert len(set(batch.slots)) == len(batch.slots), "a slot twice in one batch"
-        self.rows.append(sum(batch.sample))
+        assert not (self.launched and self.launched[-1][1]), "a batch launched before the last one's masks came"
+        self.launched.append([sum(batch.sample), len(batch.mask_rows)])
 
     def collect(self) -> StepOutput:
-        n = self.rows.popleft()
+        n, awaiting = self.launched.popleft()
+        assert not awaiting, "a batch collected before its masks came"
         return StepOutput(tokens=[EOS if self.rng.random() < 0.03 else self.rng.randrange(2, VOCAB) for _ in range(n)])
 
     def sample_masked(self, bitmask: bytes) -> None:
-        raise AssertionError("no grammars here")
+        last = self.launched[-1]
+        assert last[1] and len(bitmask) == last[1] * 4 * ((VOCAB + 31) // 32)
+        last[1] = 0
+
+
+class FakeMatcher:
+    """A grammar that is complete after ``length`` tokens."""
+
+    def __init__(self, length: int):
+        self.length, self.seen = length, 0
+
+    def accept_token(self, token: int) -> bool:
+        assert self.seen < self.length, "a token after the grammar ended"
+        self.seen += 1
+        return True
+
+    def is_terminated(self) -> bool:
+        return self.seen >= self.length
+
+
+class FakeGrammars:
+    """Compiles ``regex`` texts into matchers of their length: at once or a few steps later
+    (``tick``), and fails texts starting with "bad"."""
+
+    def __init__(self, rng: random.Random):
+        self.rng = rng
+        self.pending: list[tuple[Future, str]] = []
+
+    def compile(self, kind: str, text: str) -> Future:
+        fut: Future = Future()
+        self.pending.append((fut, text))
+        if self.rng.random() < 0.5:
+            self.tick(1.0)
+        return fut
+
+    def tick(self, chance: float = 0.3) -> None:
+        for fut, text in [p for p in self.pending if self.rng.random() < chance]:
+            self.pending.remove((fut, text))
+            if text.startswith("bad"):
+                fut.set_exception(ValueError(f"invalid regex: {text}"))
+            else:
+                fut.set_result(len(text))
+
+    @staticmethod
+    def matcher(compiled: int) -> FakeMatcher:
+        return FakeMatcher(compiled)
+
+    @staticmethod
+    def bitmask(rows: list) -> bytes:
+        return bytes(4 * len(rows) * ((VOCAB + 31) // 32))
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -48,15 +102,19 @@ def test_fuzzed_scheduler_stays_consistent_and_leaks_nothing(seed):
         disable_overlap_schedule=seed % 2 == 1, disable_radix_cache=seed % 4 == 3,
     )
     num_pages = 600 // page  # room for a few requests of up to ~280 tokens: eviction and retraction
-    sched = Scheduler(args, num_pages, 512, VOCAB, [EOS], FakeExecutor(rng))
+    grammars = FakeGrammars(rng)
+    sched = Scheduler(args, num_pages, 512, VOCAB, [EOS], FakeExecutor(rng), grammars)
     stems = [[rng.randrange(2, VOCAB) for _ in range(rng.randint(8, 120))] for _ in range(5)]
     reqs = []
     for step in range(300):
         for _ in range(rng.choice([0, 0, 1, 2])):
             prompt = rng.choice(stems)[: rng.randint(1, 120)] + [rng.randrange(2, VOCAB) for _ in range(rng.randint(0, 40))]
-            params = SamplingParams(max_new_tokens=rng.randint(0, 100), temperature=0.0, ignore_eos=rng.random() < 0.5)
+            regex = rng.choice([None, None, None, "a" * rng.randint(1, 30), "bad("])
+            params = SamplingParams(max_new_tokens=rng.randint(0, 100), temperature=0.0, ignore_eos=rng.random() < 0.5,
+                                    regex=regex)
             for _ in range(rng.choice([1, 1, 4, 8])):  # identical prompts together, as n > 1 sends them
                 reqs.append(sched.add_request(prompt, params))
+        grammars.tick()
         for _ in range(rng.choice([0, 0, 0, 1])):  # a client goes away: queued, running or in flight
             live = [r for r in reqs if not r.finished]
             if live:
@@ -65,6 +123,7 @@ def test_fuzzed_scheduler_stays_consistent_and_leaks_nothing(seed):
             sched.step()
         sched.check_integrity()
     while sched.has_work:
+        grammars.tick(1.0)
         sched.step()
         sched.check_integrity()
     assert not sched.running and not sched.waiting and not sched.inflight and not sched.prefilling
@@ -77,7 +136,12 @@ def test_fuzzed_scheduler_stays_consistent_and_leaks_nothing(seed):
         assert len(r.output_ids) <= r.params.max_new_tokens
         if r.finish_reason == "length":
             assert len(r.output_ids) == r.max_outputs
-        if r.finish_reason == "stop" and not r.params.ignore_eos:
+        if r.params.regex is not None and r.params.regex.startswith("bad"):
+            assert not r.output_ids  # refused (or aborted, or asked for nothing, before it compiled)
+            assert r.error or r.finish_reason == "abort" or r.params.max_new_tokens == 0
+        elif r.params.regex is not None and r.finish_reason == "stop":  # its grammar completed
+            assert len(r.output_ids) == len(r.params.regex) or r.output_ids[-1] == EOS
+        elif r.finish_reason == "stop" and not r.params.ignore_eos:
             assert r.output_ids[-1] == EOS
 
 
@@ -85,7 +149,7 @@ def test_fuzzing_reaches_retraction():
     """The pool above is small enough that some seeds retract (else the fuzz misses that path)."""
     rng = random.Random(0)
     args = EngineArgs(model="", page_size=4, max_running_requests=64, chunked_prefill_size=64)
-    sched = Scheduler(args, 150, 512, VOCAB, [EOS], FakeExecutor(rng))
+    sched = Scheduler(args, 150, 512, VOCAB, [EOS], FakeExecutor(rng), FakeGrammars(rng))
     for _ in range(40):
         sched.add_request([rng.randrange(2, VOCAB) for _ in range(40)], SamplingParams(max_new_tokens=100, ignore_eos=True))
     while sched.has_work:
