@@ -85,7 +85,9 @@ def test_grammar_with_penalties(llm):
 
 
 def test_bad_grammars_are_refused_offline(llm):
-    for field, text in (("json_schema", "{not json"), ("regex", "(unclosed"), ("ebnf", "root ::= missing_rule")):
+    for field, text in (("json_schema", "{not json"), ("regex", "(unclosed"), ("ebnf", "root ::= missing_rule"),
+                        ("json_schema", '{"$ref": "#"}'),  # no value satisfies it: not an empty "success"
+                        ("json_schema", '{"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}')):
         with pytest.raises(ValueError, match=field):
             llm.generate("Hi", SamplingParams(max_new_tokens=4, **{field: text}))
     with pytest.raises(ValueError, match="cannot be combined"):

@@ -62,12 +62,23 @@ class GrammarBackend:
         try:
             if kind == "json_schema":
                 json.loads(text)  # a clear error for text that is not JSON at all
-                return compiler.compile_json_schema(text, any_whitespace=False, strict_mode=True)
-            if kind == "regex":
-                return compiler.compile_regex(text)
-            return compiler.compile_grammar(text)
+                compiled = compiler.compile_json_schema(text, any_whitespace=False, strict_mode=True)
+            elif kind == "regex":
+                compiled = compiler.compile_regex(text)
+            else:
+                compiled = compiler.compile_grammar(text)
         except Exception as e:  # xgrammar raises RuntimeError / ValueError with its parser's message
             raise ValueError(f"invalid {kind}: {str(e).strip().splitlines()[-1] if str(e).strip() else e}") from e
+        if not self._allows_a_start(compiled):  # e.g. {"$ref": "#"}: an empty output would "succeed"
+            raise ValueError(f"invalid {kind}: no output satisfies it (it allows no first token)")
+        return compiled
+
+    def _allows_a_start(self, compiled: Any) -> bool:
+        import xgrammar
+
+        mask = xgrammar.allocate_token_bitmask(1, self.vocab_size)
+        xgrammar.GrammarMatcher(compiled).fill_next_token_bitmask(mask)
+        return bool(mask.any())
 
     def compile(self, kind: str, text: str) -> Future:
         """A future of the compiled grammar (shared by every request with the same text)."""
