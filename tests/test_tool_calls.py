@@ -119,6 +119,16 @@ def test_chat_templates_render_tools_natively_or_in_the_system_message(tiny_llam
     assert "Today's weather" not in plain.decode(encode_chat(plain, HISTORY))  # no tools: nothing added
 
 
+def test_chat_template_kwargs_are_template_variables_only(tiny_llama):
+    """A client may set template variables, never the template itself or how it is applied."""
+    tok = load_tokenizer(tiny_llama)
+    assert encode_chat(tok, HISTORY, None, {"enable_thinking": False}) == encode_chat(tok, HISTORY)
+    for key, value in (("chat_template", "{% for i in range(10**9) %}x{% endfor %}"), ("tokenize", False),
+                       ("add_generation_prompt", False), ("tools", [])):
+        with pytest.raises(ValueError, match=key):
+            encode_chat(tok, HISTORY, None, {key: value})
+
+
 @pytest.fixture(scope="module")
 def server(tiny_llama):
     srv = ServerProcess(tiny_llama, "--max-total-tokens", "16384", "--reasoning-parser", "qwen3")

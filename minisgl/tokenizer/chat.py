@@ -9,6 +9,7 @@ the ``<tool_call>`` format the ``qwen25`` parser reads back.
 
 from __future__ import annotations
 
+import inspect
 import json
 from typing import Any
 
@@ -88,6 +89,12 @@ def encode_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict
     messages = [_with_parsed_arguments(m) for m in messages]
     has_calls = any(m.get("tool_calls") for m in messages)
     kwargs = dict(template_kwargs or {})
+    # Only template variables: apply_chat_template's own arguments (``chat_template`` above all:
+    # a client's Jinja would run in the process every request needs) are refused by name.
+    call_args = set(inspect.signature(tokenizer.apply_chat_template).parameters) - {"documents", "kwargs"}
+    refused = sorted(call_args & set(kwargs))
+    if refused:
+        raise ValueError(f"chat_template_kwargs may only set template variables, not {', '.join(refused)}")
     if (tools or has_calls) and not renders_tools(tokenizer):
         messages, tools = _spelled_out(messages, tools), None
     if tools:
