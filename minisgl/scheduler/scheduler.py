@@ -243,7 +243,7 @@ class Scheduler:
         samples for, the prompt positions it scores, and whether it decodes."""
         c = self.counters
         while True:
-            entries, admitted = self.prefill.schedule(self.prefilling, self.waiting, c.steps)
+            entries, admitted = self.prefill.schedule(self.prefilling, self.waiting, c.steps, len(self.decoding))
             for req in admitted:
                 self.waiting.remove(req)
                 self.running.append(req)
