@@ -83,11 +83,12 @@ def measure(running: int, waiting: int, steps: int, args: argparse.Namespace) ->
             sched.add_request(*wl.next())
 
     top_up()
-    warm = 0
-    while len(sched.running) < running or warm < args.warmup:  # fill every slot, then settle
+    while len(sched.running) < running:  # fill every slot once, then settle
         sched.step()
         top_up()
-        warm += 1
+    for _ in range(args.warmup):
+        sched.step()
+        top_up()
     times = {"decode": [], "prefill": []}
     profiler = cProfile.Profile() if args.profile else None
     for _ in range(steps):

@@ -42,6 +42,7 @@ class PrefillPlanner:
         self.chunk = args.prefill_chunk(context_len)
         self.counters = counters
         self.admit_together = max(1, args.running_limit // ADMIT_TOGETHER_SHARE)
+        self.filling = False  # admitting a batch of free slots, over as many steps as it takes
 
     def count_hit(self, req: Req, tokens: int) -> None:
         """Hits count once per request, on its prompt: a retracted request re-admitted finds
@@ -79,10 +80,11 @@ class PrefillPlanner:
         """This step's prefill chunks, and the requests it admitted from the queue (now holding
         a slot; the caller takes them off the queue). ``decoding``: requests past their prefill.
 
-        While a large batch decodes, new requests wait until a few slots are free together: a
-        prefill step costs about a decode step whatever it computes, and with thousands of
-        requests finishing a few per step, admitting each handful at once made a third of the
-        steps prefills of a few tokens (repeated sampling: each sample's last partial page)."""
+        While a large batch decodes, new requests wait until a few slots are free together, then
+        fill them all (over several steps if the token budget says so): a prefill step costs
+        about a decode step whatever it computes, and with thousands of requests finishing a few
+        per step, admitting each handful at once made a third of the steps prefills of a few
+        tokens (repeated sampling: each sample's last partial page)."""
         budget, entries, admitted = self.budget, [], []
         for req in prefilling:
             if budget <= 0:
@@ -95,8 +97,10 @@ class PrefillPlanner:
         memory = self.memory
         if budget <= 0 or not memory.free_slots or not queue:
             return entries, admitted
-        if decoding >= ADMIT_TOGETHER_FROM and len(memory.free_slots) < self.admit_together:
-            return entries, admitted
+        if decoding >= ADMIT_TOGETHER_FROM and not self.filling:
+            if len(memory.free_slots) < self.admit_together:
+                return entries, admitted
+            self.filling = True  # from here, admit every step until the slots or the queue run out
         for req in queue.order(step, memory.cache):
             if budget <= 0 or not memory.free_slots:
                 break
@@ -112,4 +116,6 @@ class PrefillPlanner:
             self.count_hit(req, matched)
             entries.append(entry)
             budget -= entry[1]
+        if not memory.free_slots or len(admitted) == len(queue):
+            self.filling = False
         return entries, admitted
