@@ -35,12 +35,17 @@ def prefill_batch(entries: list[Entry], eos_ids: set[int]) -> tuple[ForwardBatch
         batch.input_ids += req.all_ids[start : req.kv_len]
         if req.table_len == 0:
             batch.new_requests.append(new_request(req, eos_ids))
-        for col in range(req.table_len, len(req.pages)):
-            batch.table_slots.append(req.slot)
-            batch.table_cols.append(col)
-            batch.table_pages.append(req.pages[col])
-        req.table_len = len(req.pages)
+        write_table(batch, req)
     return batch, scored
+
+
+def write_table(batch: ForwardBatch, req: Req) -> None:
+    """Add the request's pages not yet in the worker's page table to the batch's writes."""
+    for col in range(req.table_len, len(req.pages)):
+        batch.table_slots.append(req.slot)
+        batch.table_cols.append(col)
+        batch.table_pages.append(req.pages[col])
+    req.table_len = len(req.pages)
 
 
 def new_request(req: Req, eos_ids: set[int]) -> NewRequest:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from minisgl.messages import ForwardBatch
+from minisgl.scheduler.batch import write_table
 from minisgl.scheduler.cascade import DecodeOrder, plan_cascade
 from minisgl.scheduler.memory import Memory
 from minisgl.scheduler.request import Req
@@ -57,9 +58,5 @@ class DecodePlanner:
             mask_rows=[i for i, r in enumerate(reqs) if r.matcher is not None],
         )
         for req in needy:
-            for col in range(req.table_len, len(req.pages)):
-                batch.table_slots.append(req.slot)
-                batch.table_cols.append(col)
-                batch.table_pages.append(req.pages[col])
-            req.table_len = len(req.pages)
+            write_table(batch, req)
         return batch

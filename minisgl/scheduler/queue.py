@@ -55,7 +55,7 @@ class _Node:
         self.oldest = _NEVER  # the most senior request below (smallest sequence number)
         self.version = 0
 
-    def __lt__(self, other: _Node) -> bool:  # never reached: (oldest, version) pairs are unique
+    def __lt__(self, other: _Node) -> bool:  # heap ties: a stale entry and a live one can share (oldest, version)
         return id(self) < id(other)
 
     def entry_valid(self, entry: tuple[int, int, _Node]) -> bool:
@@ -149,7 +149,7 @@ class _Trie:
             node = node.parent
 
     def remove(self, req: Req, seq: int) -> None:
-        """Take a request (queued as ``seq``) out of whichever trie holds it."""
+        """Take a request (queued as ``seq``) out of the trie."""
         node: _Node = req.queue_node
         req.queue_node = None
         del node.own[bisect.bisect_left(node.own, (seq,))]

@@ -55,7 +55,7 @@ class CudaGraphRunner:
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # by (size, cascade)
         # Every graph writes its logits here: one buffer for all sizes. (Each graph keeping its
         # own output held size x vocab float32 per graph: 27 GB for a ladder to 1024 at a
-        # 128k vocabulary. The copy costs ~0.35 ms at batch 1024 on the H100.)
+        # 128k vocabulary, out of memory on the H100. The price is one more [size, vocab] copy.)
         self.logits: torch.Tensor | None = None
         runner.attn.init_cuda_graph(max_bs, runner.page_table.shape[1])
         self._capture()

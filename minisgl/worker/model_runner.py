@@ -88,8 +88,7 @@ class ModelRunner:
         self._slots(WARMUP_ROWS)
         self.num_pages = self._profile_num_pages()
         # Slots (page-table rows, sampling state) once the pool size says how many may run.
-        self.max_slots = args.derive_max_running_requests(self.num_pages * self.page_size, self.device.type == "cuda")
-        self._slots(self.max_slots)
+        self._slots(args.derive_max_running_requests(self.num_pages * self.page_size, self.device.type == "cuda"))
         self.kv_cache = self._make_cache(self.num_pages + 1)
         self.page_table[self.pad_slot] = self.num_pages
         self.attn = create_backend(
