@@ -46,6 +46,8 @@ class EngineArgs:
     max_prefill_tokens: int | None = None  # tokens of one prefill step (None: chunked_prefill_size)
     revision: str | None = None  # of a hub model
     chat_template: str | None = None  # a Jinja template file (or the template itself) to use instead
+    quantization: str | None = None  # "fp8": quantize a float checkpoint's linear layers at load (W8A8)
+    kv_cache_dtype: str = "auto"  # auto (the model dtype), fp8_e4m3, bf16
 
     @property
     def ranks_per_node(self) -> int:
@@ -105,6 +107,10 @@ class EngineArgs:
             raise ValueError(f"decode_attention_backend must be flashinfer or triton, got {self.decode_attention_backend!r}")
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise ValueError(f"schedule_policy must be fcfs or lpm, got {self.schedule_policy!r}")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"--quantization {self.quantization!r} is not supported (fp8)")
+        if self.kv_cache_dtype not in ("auto", "fp8_e4m3", "bf16", "bfloat16"):
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r} is not supported (auto, fp8_e4m3, bf16)")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ValueError(f"max_total_tokens must hold at least one page, got {self.max_total_tokens}")
 
@@ -152,6 +158,12 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=d.tp_size,
                     help="tensor-parallel ranks (GPUs)")
     ap.add_argument("--dtype", default=d.dtype, help="auto, bfloat16, float16 or float32")
+    ap.add_argument("--quantization", default=None,
+                    help="fp8: linear weights quantized to FP8 e4m3 at load (per output channel) with per-token "
+                         "FP8 activations; FP8 checkpoints (compressed-tensors, block-wise) need no flag")
+    ap.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
+                    help="auto (the model dtype), fp8_e4m3 (twice the tokens per GB, per-tensor scales from the "
+                         "checkpoint or 1.0) or bf16")
     ap.add_argument("--load-format", default=d.load_format, choices=["auto", "safetensors", "gguf", "dummy"],
                     help="auto: safetensors, or GGUF for a .gguf file; dummy: random weights in the real shapes")
     ap.add_argument("--device", default=d.device, help="auto (cuda if present, else cpu), cuda or cpu")

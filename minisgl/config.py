@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from minisgl.layers.quantization import Fp8Scheme
+
 logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = (
@@ -44,6 +46,8 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    quantization_config: dict[str, Any] | None = None  # as the checkpoint's config.json has it
+    quant: Fp8Scheme | None = None  # the linear layers' scheme, set by the loader from the above and the flags
 
     @property
     def qk_norm(self) -> bool:
@@ -95,6 +99,7 @@ class ModelConfig:
             sliding_window=sliding,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            quantization_config=raw.get("quantization_config"),
         )
 
     @classmethod

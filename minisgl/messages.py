@@ -243,6 +243,9 @@ class EngineInfo(msgspec.Struct, tag=True):
     max_running_requests: int = 0
     eos_ids: list[int] = []
     tool_call_parser: str | None = None  # the format of tool calls in answers (flag, or read from the template)
+    kv_cache_dtype: str = ""  # the pool's element type, e.g. bfloat16 or float8_e4m3fn
+    kv_bytes_per_token: int = 0  # K and V of one token over all layers (this rank's heads)
+    quantization: str | None = None  # where the fp8 linear weights came from (online, or the checkpoint format)
 
 
 ToTokenizer = GenerateBatch | AbortReq | ControlReq | ControlReply | TokenBatch | EngineInfo

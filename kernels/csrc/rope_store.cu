@@ -3,6 +3,7 @@
 //   q heads: optional per-head RMSNorm (Qwen3's q_norm), rotary  -> q_out [T, Hq, D]
 //   k heads: optional per-head RMSNorm (k_norm), rotary          -> the token's K cache slot
 //   v heads: copied                                               -> the token's V cache slot
+// An fp8 (e4m3) cache stores K * inv_k_scale and V * inv_v_scale, saturated to +-448.
 // It replaces the norm, rotary, contiguous-copy and store launches of each layer with one.
 //
 // qkv:        [T, (Hq + 2 Hk) * D], rows may be strided, each row contiguous.
@@ -13,6 +14,7 @@
 // rotate-half partner of lane l is lane l ^ 16.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 #include <tvm/ffi/container/tensor.h>
 #include <tvm/ffi/error.h>
@@ -36,6 +38,8 @@ template <>
 __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <>
+__device__ __forceinline__ __nv_fp8_e4m3 from_float<__nv_fp8_e4m3>(float x) { return __nv_fp8_e4m3(x); }  // satfinite
 
 template <typename T, int E>
 struct alignas(sizeof(T) * E) Pack {
@@ -46,12 +50,13 @@ struct Geometry {
   int64_t num_tokens, qkv_stride;           // tokens, elements between qkv rows
   int64_t page_stride, slot_stride, page_size;  // elements, elements, slots
   int num_q_heads, num_kv_heads;
-  float eps;
+  float eps, inv_k_scale, inv_v_scale;
 };
 
-template <typename T, int E>
-__global__ void rope_store_kernel(const T* __restrict__ qkv, T* __restrict__ q_out, T* __restrict__ k_cache,
-                                  T* __restrict__ v_cache, const int64_t* __restrict__ positions,
+// T: the activations' type; C: the cache's (T, or fp8).
+template <typename T, typename C, int E>
+__global__ void rope_store_kernel(const T* __restrict__ qkv, T* __restrict__ q_out, C* __restrict__ k_cache,
+                                  C* __restrict__ v_cache, const int64_t* __restrict__ positions,
                                   const int64_t* __restrict__ loc, const float* __restrict__ cos_sin,
                                   const T* __restrict__ q_weight, const T* __restrict__ k_weight, Geometry g) {
   constexpr int D = 32 * E;
@@ -65,22 +70,10 @@ __global__ void rope_store_kernel(const T* __restrict__ qkv, T* __restrict__ q_o
 
   const bool is_q = head < g.num_q_heads;
   const bool is_v = head >= g.num_q_heads + g.num_kv_heads;
-  T* dst;
-  if (is_q) {
-    dst = q_out + (token * g.num_q_heads + head) * D;
-  } else {
-    const int64_t slot = loc[token];
-    const int kv_head = head - g.num_q_heads - (is_v ? g.num_kv_heads : 0);
-    dst = (is_v ? v_cache : k_cache) + (slot / g.page_size) * g.page_stride + (slot % g.page_size) * g.slot_stride +
-          kv_head * D;
-  }
-  Pack<T, E> out;
-  if (is_v) {
-    out = in;
-  } else {
-    float x[E];
+  float x[E];
 #pragma unroll
-    for (int i = 0; i < E; ++i) x[i] = to_float(in.v[i]);
+  for (int i = 0; i < E; ++i) x[i] = to_float(in.v[i]);
+  if (!is_v) {
     const T* weight = is_q ? q_weight : k_weight;
     if (weight != nullptr) {
       // Like the reference: normalize in float, round to T, then scale by the weight.
@@ -101,11 +94,26 @@ __global__ void rope_store_kernel(const T* __restrict__ qkv, T* __restrict__ q_o
     for (int i = 0; i < E; ++i) {
       const float other = __shfl_xor_sync(0xffffffff, x[i], 16);
       const float c = cs[freq + i], s = cs[D / 2 + freq + i];
-      // First half: x1 cos - x2 sin; second half: x2 cos + x1 sin.
-      out.v[i] = from_float<T>(lane < 16 ? x[i] * c - other * s : x[i] * c + other * s);
+      // First half: x1 cos - x2 sin; second half: x2 cos + x1 sin. Rounded to T as q is.
+      x[i] = to_float(from_float<T>(lane < 16 ? x[i] * c - other * s : x[i] * c + other * s));
     }
   }
-  *reinterpret_cast<Pack<T, E>*>(dst + lane * E) = out;
+  if (is_q) {
+    Pack<T, E> out;
+#pragma unroll
+    for (int i = 0; i < E; ++i) out.v[i] = from_float<T>(x[i]);
+    *reinterpret_cast<Pack<T, E>*>(q_out + (token * g.num_q_heads + head) * D + lane * E) = out;
+    return;
+  }
+  const int64_t slot = loc[token];
+  const int kv_head = head - g.num_q_heads - (is_v ? g.num_kv_heads : 0);
+  C* dst = (is_v ? v_cache : k_cache) + (slot / g.page_size) * g.page_stride + (slot % g.page_size) * g.slot_stride +
+           kv_head * D;
+  const float inv = is_v ? g.inv_v_scale : g.inv_k_scale;
+  Pack<C, E> out;
+#pragma unroll
+  for (int i = 0; i < E; ++i) out.v[i] = from_float<C>(x[i] * inv);
+  *reinterpret_cast<Pack<C, E>*>(dst + lane * E) = out;
 }
 
 template <typename T>
@@ -113,7 +121,7 @@ T* ptr(const TensorView& t) {
   return reinterpret_cast<T*>(static_cast<char*>(t.data_ptr()) + t.byte_offset());
 }
 
-template <typename T, int E>
+template <typename T, typename C, int E>
 void launch(const TensorView& qkv, const TensorView& q_out, const TensorView& k_cache, const TensorView& v_cache,
             const TensorView& positions, const TensorView& loc, const TensorView& cos_sin,
             const T* q_weight, const T* k_weight, const Geometry& g, cudaStream_t stream) {
@@ -121,19 +129,20 @@ void launch(const TensorView& qkv, const TensorView& q_out, const TensorView& k_
   const int threads = 256;
   const int64_t blocks = (g.num_tokens * heads * 32 + threads - 1) / threads;
   if (blocks == 0) return;
-  constexpr uintptr_t align = sizeof(Pack<T, E>);
+  constexpr uintptr_t align = sizeof(Pack<T, E>), cache_align = sizeof(Pack<C, E>);
   const uintptr_t bits = reinterpret_cast<uintptr_t>(ptr<T>(qkv)) | reinterpret_cast<uintptr_t>(ptr<T>(q_out)) |
-                         reinterpret_cast<uintptr_t>(ptr<T>(k_cache)) | reinterpret_cast<uintptr_t>(ptr<T>(v_cache)) |
                          static_cast<uintptr_t>(g.qkv_stride * sizeof(T));
-  TVM_FFI_CHECK(bits % align == 0, ValueError) << "rope_store needs " << align << "-byte aligned rows";
-  rope_store_kernel<T, E><<<blocks, threads, 0, stream>>>(
-      ptr<T>(qkv), ptr<T>(q_out), ptr<T>(k_cache), ptr<T>(v_cache), ptr<int64_t>(positions), ptr<int64_t>(loc),
+  const uintptr_t cache_bits = reinterpret_cast<uintptr_t>(ptr<C>(k_cache)) | reinterpret_cast<uintptr_t>(ptr<C>(v_cache));
+  TVM_FFI_CHECK(bits % align == 0 && cache_bits % cache_align == 0, ValueError)
+      << "rope_store needs " << align << "-byte aligned rows";
+  rope_store_kernel<T, C, E><<<blocks, threads, 0, stream>>>(
+      ptr<T>(qkv), ptr<T>(q_out), ptr<C>(k_cache), ptr<C>(v_cache), ptr<int64_t>(positions), ptr<int64_t>(loc),
       ptr<float>(cos_sin), q_weight, k_weight, g);
   cudaError_t err = cudaGetLastError();
   TVM_FFI_CHECK(err == cudaSuccess, RuntimeError) << "rope_store launch failed: " << cudaGetErrorString(err);
 }
 
-template <typename T>
+template <typename T, typename C>
 void dispatch(const TensorView& qkv, const TensorView& q_out, const TensorView& k_cache, const TensorView& v_cache,
               const TensorView& positions, const TensorView& loc, const TensorView& cos_sin,
               const TensorView& q_weight, const TensorView& k_weight, Geometry g, int64_t head_dim,
@@ -142,10 +151,10 @@ void dispatch(const TensorView& qkv, const TensorView& q_out, const TensorView& 
   const T* qw = norm ? ptr<T>(q_weight) : nullptr;
   const T* kw = norm ? ptr<T>(k_weight) : nullptr;
   switch (head_dim) {
-    case 32: return launch<T, 1>(qkv, q_out, k_cache, v_cache, positions, loc, cos_sin, qw, kw, g, stream);
-    case 64: return launch<T, 2>(qkv, q_out, k_cache, v_cache, positions, loc, cos_sin, qw, kw, g, stream);
-    case 128: return launch<T, 4>(qkv, q_out, k_cache, v_cache, positions, loc, cos_sin, qw, kw, g, stream);
-    case 256: return launch<T, 8>(qkv, q_out, k_cache, v_cache, positions, loc, cos_sin, qw, kw, g, stream);
+    case 32: return launch<T, C, 1>(qkv, q_out, k_cache, v_cache, positions, loc, cos_sin, qw, kw, g, stream);
+    case 64: return launch<T, C, 2>(qkv, q_out, k_cache, v_cache, positions, loc, cos_sin, qw, kw, g, stream);
+    case 128: return launch<T, C, 4>(qkv, q_out, k_cache, v_cache, positions, loc, cos_sin, qw, kw, g, stream);
+    case 256: return launch<T, C, 8>(qkv, q_out, k_cache, v_cache, positions, loc, cos_sin, qw, kw, g, stream);
     default: TVM_FFI_THROW(ValueError) << "rope_store supports head_dim 32, 64, 128 or 256, got " << head_dim;
   }
 }
@@ -159,7 +168,7 @@ bool same_dtype(const TensorView& a, const TensorView& b) { return is_dtype(a, b
 // q_weight/k_weight: [D] norm weights, or empty tensors for models without q/k norm.
 void rope_store(TensorView qkv, TensorView q_out, TensorView k_cache, TensorView v_cache, TensorView positions,
                 TensorView loc, TensorView cos_sin, TensorView q_weight, TensorView k_weight, double eps,
-                int64_t stream) {
+                double inv_k_scale, double inv_v_scale, int64_t stream) {
   TVM_FFI_CHECK(k_cache.ndim() == 4 && v_cache.ndim() == 4, ValueError)
       << "caches must be [pages, page_size, heads, head_dim]";
   const int64_t hk = k_cache.size(2), d = k_cache.size(3);
@@ -176,8 +185,10 @@ void rope_store(TensorView qkv, TensorView q_out, TensorView k_cache, TensorView
         << "k and v caches must have the same shape and strides";
   }
   TVM_FFI_CHECK(k_cache.stride(3) == 1 && k_cache.stride(2) == d, ValueError) << "cache heads must be contiguous";
-  TVM_FFI_CHECK(same_dtype(qkv, q_out) && same_dtype(qkv, k_cache) && same_dtype(qkv, v_cache), ValueError)
-      << "qkv, q_out and the caches must share one dtype";
+  const bool fp8_cache = is_dtype(k_cache, kDLFloat8_e4m3fn, 8) && is_dtype(v_cache, kDLFloat8_e4m3fn, 8);
+  TVM_FFI_CHECK(same_dtype(qkv, q_out) && (fp8_cache || (same_dtype(qkv, k_cache) && same_dtype(qkv, v_cache))),
+                ValueError)
+      << "qkv, q_out and the caches must share one dtype (or the caches be float8_e4m3fn)";
   TVM_FFI_CHECK(positions.ndim() == 1 && loc.ndim() == 1 && positions.size(0) == t && loc.size(0) == t, ValueError)
       << "positions and loc must have one entry per token";
   TVM_FFI_CHECK(t == 0 || (positions.stride(0) == 1 && loc.stride(0) == 1), ValueError)
@@ -202,13 +213,18 @@ void rope_store(TensorView qkv, TensorView q_out, TensorView k_cache, TensorView
   g.num_q_heads = static_cast<int>(hq);
   g.num_kv_heads = static_cast<int>(hk);
   g.eps = static_cast<float>(eps);
+  g.inv_k_scale = static_cast<float>(inv_k_scale);
+  g.inv_v_scale = static_cast<float>(inv_v_scale);
   auto s = reinterpret_cast<cudaStream_t>(stream);
   if (is_dtype(qkv, kDLBfloat, 16)) {
-    dispatch<__nv_bfloat16>(qkv, q_out, k_cache, v_cache, positions, loc, cos_sin, q_weight, k_weight, g, d, s);
+    if (fp8_cache) return dispatch<__nv_bfloat16, __nv_fp8_e4m3>(qkv, q_out, k_cache, v_cache, positions, loc, cos_sin, q_weight, k_weight, g, d, s);
+    dispatch<__nv_bfloat16, __nv_bfloat16>(qkv, q_out, k_cache, v_cache, positions, loc, cos_sin, q_weight, k_weight, g, d, s);
   } else if (is_dtype(qkv, kDLFloat, 16)) {
-    dispatch<__half>(qkv, q_out, k_cache, v_cache, positions, loc, cos_sin, q_weight, k_weight, g, d, s);
+    if (fp8_cache) return dispatch<__half, __nv_fp8_e4m3>(qkv, q_out, k_cache, v_cache, positions, loc, cos_sin, q_weight, k_weight, g, d, s);
+    dispatch<__half, __half>(qkv, q_out, k_cache, v_cache, positions, loc, cos_sin, q_weight, k_weight, g, d, s);
   } else if (is_dtype(qkv, kDLFloat, 32)) {
-    dispatch<float>(qkv, q_out, k_cache, v_cache, positions, loc, cos_sin, q_weight, k_weight, g, d, s);
+    if (fp8_cache) return dispatch<float, __nv_fp8_e4m3>(qkv, q_out, k_cache, v_cache, positions, loc, cos_sin, q_weight, k_weight, g, d, s);
+    dispatch<float, float>(qkv, q_out, k_cache, v_cache, positions, loc, cos_sin, q_weight, k_weight, g, d, s);
   } else {
     TVM_FFI_THROW(ValueError) << "rope_store supports float32, float16 and bfloat16";
   }

@@ -123,6 +123,8 @@ class NativeRoutes(ApiBase):
         server_args = {k: v for k, v in asdict(self.args).items() if k != "api_key"}
         server_args["max_running_requests"] = self.info.max_running_requests  # as derived, if not given
         return JSONResponse({
+            "max_total_num_tokens": self.info.num_pages * self.info.page_size,
+            "kv_cache_dtype": self.info.kv_cache_dtype, "version": minisgl.__version__,
             "server_args": server_args, "engine": msgspec.to_builtins(self.info),
             "scheduler": await self._stats(), "active_requests": len(self.client.active_rids),
             "processes": self.pids,

@@ -97,7 +97,7 @@ class AttentionBackend(ABC):
         rotary, K/V written to the new tokens' slots. Returns q [T, Hq, D] for ``forward``."""
         return rope_store(
             qkv, self.num_qo_heads, positions, cos_sin, self.kv_cache.k_cache(layer_id),
-            self.kv_cache.v_cache(layer_id), self.meta.out_loc, norm,
+            self.kv_cache.v_cache(layer_id), self.meta.out_loc, norm, self.kv_cache.scales[layer_id],
         )
 
     @abstractmethod

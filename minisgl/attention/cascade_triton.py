@@ -224,22 +224,23 @@ class TritonCascade:
             self.l = torch.empty(total, hq, dtype=torch.float32, device=self.device)
 
     def _run(self, level: _Level, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             out: torch.Tensor, scale: float) -> None:
+             out: torch.Tensor, scale: float, kv_scales: tuple[float, float]) -> None:
         from minisgl.kernels.partial_attention import partial_attention
 
         if level.programs:
             partial_attention(q, k_cache, v_cache, out, level.indices, level.work, level.n_work, self.row_base,
-                              self.acc, self.m, self.l, level.programs, scale, **level.launch)
+                              self.acc, self.m, self.l, level.programs, scale, kv_scales=kv_scales, **level.launch)
 
     def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
-                levels: tuple[str, ...] = ("shared", "own", "combine")) -> torch.Tensor:
+                levels: tuple[str, ...] = ("shared", "own", "combine"),
+                kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
         """The planned step's attention output for q [B, Hq, D]; ``levels`` runs only some parts
-        (benchmarks time them alone)."""
+        (benchmarks time them alone); ``kv_scales`` of an fp8 cache."""
         out = torch.empty_like(q)
         if "shared" in levels:
-            self._run(self.shared, q, k_cache, v_cache, out, scale)
+            self._run(self.shared, q, k_cache, v_cache, out, scale, kv_scales)
         if "own" in levels:
-            self._run(self.own, q, k_cache, v_cache, out, scale)
+            self._run(self.own, q, k_cache, v_cache, out, scale, kv_scales)
         if "combine" in levels:
             from minisgl.kernels.partial_attention import combine
 

@@ -69,7 +69,7 @@ class FlashInferBackend(AttentionBackend):
 
     def __init__(
         self, kv_cache: BaseKVCache, num_qo_heads: int, num_kv_heads: int, head_dim: int,
-        decode_backend: str = "triton", cascade_options: dict | None = None,
+        decode_backend: str = "triton", cascade_options: dict | None = None, dtype: torch.dtype | None = None,
     ):
         import flashinfer
 
@@ -78,7 +78,8 @@ class FlashInferBackend(AttentionBackend):
         super().__init__(kv_cache, num_qo_heads, num_kv_heads, head_dim)
         self._graph_wrappers: dict[int, flashinfer.BatchDecodeWithPagedKVCacheWrapper] = {}
         device = kv_cache.k_cache(0).device
-        self.dtype = kv_cache.k_cache(0).dtype
+        self.kv_dtype = kv_cache.k_cache(0).dtype
+        self.q_dtype = dtype or self.kv_dtype  # an fp8 cache is read with q in the model dtype
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True)
@@ -144,7 +145,7 @@ class FlashInferBackend(AttentionBackend):
         self.step = "flashinfer"
         kv_indptr = torch.from_numpy(np.concatenate([[0], np.cumsum(num_pages)]).astype(np.int32))
         last_page_len = torch.from_numpy((seq_lens - (-(-seq_lens // page_size) - 1) * page_size).astype(np.int32))
-        common = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale)
+        common = dict(q_data_type=self.q_dtype, kv_data_type=self.kv_dtype, sm_scale=self.scale)
         heads = (self.num_qo_heads, self.num_kv_heads, self.head_dim, page_size)
         if meta.is_decode:
             self.wrapper = self.decode if graph_batch_size is None else self._graph_wrapper(graph_batch_size)
@@ -157,7 +158,10 @@ class FlashInferBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, layer_id: int) -> torch.Tensor:
         cache = (self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id))
+        k_scale, v_scale = self.kv_cache.scales[layer_id]
         if self.step == "flashinfer":
+            if self.kv_dtype != q.dtype:
+                return self.wrapper.run(q, cache, k_scale=k_scale, v_scale=v_scale)
             return self.wrapper.run(q, cache)
         levels = ("shared", "own", "combine") if self.step == "cascade" else ("own", "combine")
-        return self.cascade.forward(q, *cache, self.scale, levels)
+        return self.cascade.forward(q, *cache, self.scale, levels, (k_scale, v_scale))

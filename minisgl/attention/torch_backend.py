@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from minisgl.attention.base import AttentionBackend, AttentionMetadata
-from minisgl.kernels.rope_store import rope_rows, rope_store_torch
+from minisgl.kernels.rope_store import from_cache, rope_rows, rope_store_torch
 from minisgl.utils import cdiv
 
 
@@ -55,7 +55,8 @@ class TorchBackend(AttentionBackend):
         if self._rows is None:
             self._rows = rope_rows(cos_sin, positions, qkv.dtype)
         return rope_store_torch(qkv, self.num_qo_heads, positions, cos_sin, self.kv_cache.k_cache(layer_id),
-                                self.kv_cache.v_cache(layer_id), self.meta.out_loc, norm, self._rows)
+                                self.kv_cache.v_cache(layer_id), self.meta.out_loc, norm, self._rows,
+                                self.kv_cache.scales[layer_id])
 
     def _gather(self, layer_id: int, slot: int, first_page: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of tokens [first_page * page_size, end) of the request in ``slot``, GQA-expanded."""
@@ -63,9 +64,10 @@ class TorchBackend(AttentionBackend):
         group = self.num_qo_heads // self.num_kv_heads
         pages = meta.page_table[slot, first_page : cdiv(end, page_size)].long()
         count = end - first_page * page_size
+        k_scale, v_scale = self.kv_cache.scales[layer_id]
         keys = self.kv_cache.k_cache(layer_id)[pages].flatten(0, 1)[:count].repeat_interleave(group, dim=1)
         values = self.kv_cache.v_cache(layer_id)[pages].flatten(0, 1)[:count].repeat_interleave(group, dim=1)
-        return keys.float(), values.float()
+        return from_cache(keys, k_scale), from_cache(values, v_scale)
 
     def _attend(
         self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
@@ -108,8 +110,9 @@ class TorchBackend(AttentionBackend):
         there the einsum path's softmax cost SmolLM2 8% of its CPU decode speed (14.2 vs 15.4
         tok/s, interleaved runs in one process)."""
         pages, longest, mask = self._decode
-        keys = self.kv_cache.k_cache(layer_id)[pages].flatten(1, 2)[:, :longest].float()  # [B, L, kv, d]
-        values = self.kv_cache.v_cache(layer_id)[pages].flatten(1, 2)[:, :longest].float()
+        k_scale, v_scale = self.kv_cache.scales[layer_id]
+        keys = from_cache(self.kv_cache.k_cache(layer_id)[pages].flatten(1, 2)[:, :longest], k_scale)  # [B, L, kv, d]
+        values = from_cache(self.kv_cache.v_cache(layer_id)[pages].flatten(1, 2)[:, :longest], v_scale)
         batch, heads, dim = q.shape
         # SDPA's fused CPU kernel (query head h reads kv head h // group, as GQA packs them): 2.3x
         # faster than two einsums and a softmax in SmolLM2's shape at batch 8, 200 keys (0.19 vs

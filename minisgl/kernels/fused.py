@@ -12,6 +12,9 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from minisgl.layers.quantization import Fp8Act, Fp8Scheme, quantize
+from minisgl.layers.quantization import fused as fp8_fused
+
 
 @functools.cache
 def _flashinfer_available() -> bool:
@@ -53,8 +56,15 @@ def add_rmsnorm(
     return rmsnorm_torch(residual, weight, eps), residual
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x holds [gate | up] along the last dim; returns silu(gate) * up."""
+def silu_and_mul(x: torch.Tensor, quant: Fp8Scheme | None = None) -> torch.Tensor | Fp8Act:
+    """x holds [gate | up] along the last dim; returns silu(gate) * up, quantized for an fp8
+    layer under ``quant`` (one Triton kernel on CUDA)."""
+    if quant is not None:
+        if fp8_fused(x) and x.dim() == 2:
+            from minisgl.kernels.fp8 import quantize_rows
+
+            return Fp8Act(*quantize_rows(x, quant.block, silu=True), x.dtype)
+        return quantize(silu_and_mul(x), quant.block)
     if _fused(x) and x.is_contiguous():
         import flashinfer
 

@@ -44,9 +44,9 @@ WORK_COLUMNS = 6
 def _partial_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, indices_ptr, work_ptr, n_work_ptr, row_base_ptr, acc_ptr, m_ptr, l_ptr,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_kp, stride_kt, stride_kh, stride_as, stride_ah, stride_ms,
-    scale_log2,
+    scale_log2, v_scale,
     PAGE: tl.constexpr, GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    WIDE: tl.constexpr,
+    WIDE: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     # The grid is (KV heads, programs): the CTAs of one item's heads launch together and read the
     # same tokens' rows (2.5% faster than programs first on 256 plain rows of 2304 tokens).
@@ -60,7 +60,7 @@ def _partial_attention_kernel(
     # The row sums run through the tensor cores too (p times a column of ones, 16 wide, the
     # narrowest tile): a reduction across lanes and warps would add in an order set by the tile's
     # layout, which differs between the levels' tile shapes.
-    ones = tl.full([BLOCK_N, 16], 1.0, k_ptr.dtype.element_ty)
+    ones = tl.full([BLOCK_N, 16], 1.0, q_ptr.dtype.element_ty)
     n_work = tl.load(n_work_ptr)
     for item in tl.range(program, n_work, n_programs):
         at = work_ptr + item * 6
@@ -93,12 +93,16 @@ def _partial_attention_kernel(
                 page = page.to(tl.int64)
             offset = page * stride_kp + (tok % PAGE) * stride_kt + kv_head * stride_kh
             k = tl.load(k_ptr + offset[:, None] + dim[None, :], mask=ok[:, None], other=0.0)
+            if KV_FP8:  # K / k_scale: the scale is in scale_log2
+                k = k.to(q.dtype)
             s = tl.dot(q, tl.trans(k)) * scale_log2
             s = tl.where(ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))  # a maximum is exact in any order
             alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None]).to(k.dtype)
+            p = tl.exp2(s - m_new[:, None]).to(q.dtype)
             v = tl.load(v_ptr + offset[:, None] + dim[None, :], mask=ok[:, None], other=0.0)
+            if KV_FP8:
+                v = (v.to(tl.float32) * v_scale).to(q.dtype)
             l_i = l_i * alpha[:, None] + tl.dot(p, ones)
             acc = acc * alpha[:, None] + tl.dot(p, v)
             m_i = m_new
@@ -164,7 +168,7 @@ def partial_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, indices: torch.Tensor,
     work: torch.Tensor, n_work: torch.Tensor, row_base: torch.Tensor, acc: torch.Tensor, m: torch.Tensor,
     l: torch.Tensor, programs: int, scale: float, block_m: int, block_n: int = 64, num_warps: int = 4,
-    num_stages: int = 5,
+    num_stages: int = 5, kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> None:
     """q, out [B, Hq, D]; caches [pages, page_size, Hk, D]; ``work`` int32 [items, 6] rows of
     (first query row, members, first entry of ``indices``, tokens from the first page on, slot,
@@ -172,7 +176,8 @@ def partial_attention(
     each row's slots start in the states acc [states, Hq, D], m and l [states, Hq] (fp32, base 2).
     ``programs`` programs per KV head, each item up to ``block_m // GQA`` requests. An item's first
     token must be the start of a page, and, when its rows' results must not depend on which items
-    computed them, of a ``block_n`` tile of the row's keys."""
+    computed them, of a ``block_n`` tile of the row's keys. An fp8 (e4m3) cache holds K / k_scale
+    and V / v_scale (``kv_scales``); its tiles are widened to q's dtype as they load."""
     page_size, kv_heads, head_dim = k_cache.shape[1:]
     gqa = q.shape[1] // kv_heads
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1 and q.stride(2) == 1
@@ -183,8 +188,9 @@ def partial_attention(
             q, k_cache, v_cache, out, indices, work, n_work, row_base, acc, m, l,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
             k_cache.stride(2), acc.stride(0), acc.stride(1), m.stride(0),
-            scale * LOG2E, PAGE=page_size, GQA=gqa, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
-            WIDE=wide, num_warps=num_warps, num_stages=num_stages,
+            scale * LOG2E * kv_scales[0], kv_scales[1], PAGE=page_size, GQA=gqa, HEAD_DIM=head_dim,
+            BLOCK_M=block_m, BLOCK_N=block_n, WIDE=wide, KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
+            num_warps=num_warps, num_stages=num_stages,
         )
 
 

@@ -12,18 +12,35 @@ import torch
 
 from minisgl.kernels.fused import rmsnorm_torch
 from minisgl.kernels.jit import load_module
+from minisgl.layers.quantization import FP8, FP8_MAX
 
 KERNEL_HEAD_DIMS = (32, 64, 128, 256)
 
 
+def to_cache(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """Values as a cache of ``dtype`` holds them: fp8 caches store x / scale, saturated."""
+    if dtype != FP8:
+        return x.to(dtype)
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def from_cache(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """float32 values of cache entries (times the scale for an fp8 cache)."""
+    return x.float() * scale if x.dtype == FP8 else x.float()
+
+
 def store_kv_torch(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor,
+    scales: tuple[float, float] = (1.0, 1.0),
 ) -> None:
     """Caches are [pages, page_size, H, D] layer views (contiguous); ``out_loc`` holds slot ids
     (page * page_size + offset), which are row numbers of the cache seen as [slots, H, D]."""
     loc = out_loc.long()
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, loc, k)
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, loc, v)
+    for cache, x, scale in ((k_cache, k, scales[0]), (v_cache, v, scales[1])):
+        x = to_cache(x, cache.dtype, scale)
+        if cache.dtype == FP8:  # index_copy_ has no fp8 kernels: copy the bytes
+            cache, x = cache.view(torch.uint8), x.view(torch.uint8)
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, loc, x)
 
 
 def rotate_half_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -41,7 +58,7 @@ def rope_store_torch(
     qkv: torch.Tensor, num_q_heads: int, positions: torch.Tensor, cos_sin: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, out_loc: torch.Tensor,
     norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-    rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+    rows: tuple[torch.Tensor, torch.Tensor] | None = None, scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """``rope_store`` in torch ops; ``rows``: (cos, sin) [T, 1, D/2] of ``positions`` if the
     caller already has them (the same for every layer of a step)."""
@@ -56,27 +73,29 @@ def rope_store_torch(
     # q and k side by side in one rotation: half the ops of rotating each (they are a CPU step's
     # per-layer overhead on a small model).
     q, k = rotate_half_torch(qk, cos, sin).split([num_q_heads, num_kv_heads], dim=1)
-    store_kv_torch(k_cache, v_cache, k, v, out_loc)
+    store_kv_torch(k_cache, v_cache, k, v, out_loc, scales)
     return q.contiguous()
 
 
 def rope_store(
     qkv: torch.Tensor, num_q_heads: int, positions: torch.Tensor, cos_sin: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, out_loc: torch.Tensor,
-    norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """Rotate q and k of ``qkv`` [T, (Hq + 2 Hk) * D] by ``positions`` (rotate-half layout,
     ``cos_sin`` = [max_pos, D] float32 cos | sin), after a per-head RMSNorm when ``norm`` =
     (q_weight, k_weight, eps) is given. K and V go to slots ``out_loc`` of the [pages,
-    page_size, Hk, D] cache views; returns q as a contiguous [T, Hq, D]."""
+    page_size, Hk, D] cache views (an fp8 cache stores K / scales[0] and V / scales[1]); returns q
+    as a contiguous [T, Hq, D]."""
     head_dim = k_cache.shape[3]
     if not qkv.is_cuda or head_dim not in KERNEL_HEAD_DIMS:
-        return rope_store_torch(qkv, num_q_heads, positions, cos_sin, k_cache, v_cache, out_loc, norm)
+        return rope_store_torch(qkv, num_q_heads, positions, cos_sin, k_cache, v_cache, out_loc, norm,
+                                scales=scales)
     q = torch.empty(qkv.shape[0], num_q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     empty = qkv.new_empty(0)
     q_weight, k_weight, eps = norm if norm is not None else (empty, empty, 0.0)
     load_module("rope_store").rope_store(
         qkv, q, k_cache, v_cache, positions, out_loc, cos_sin, q_weight, k_weight, eps,
-        torch.cuda.current_stream().cuda_stream,
+        1.0 / scales[0], 1.0 / scales[1], torch.cuda.current_stream().cuda_stream,
     )
     return q

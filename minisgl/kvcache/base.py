@@ -8,10 +8,14 @@ import torch
 
 
 class BaseKVCache(ABC):
-    """Paged K/V storage. A token's slot id is ``page * page_size + offset_in_page``."""
+    """Paged K/V storage. A token's slot id is ``page * page_size + offset_in_page``.
+
+    An fp8 cache holds K / k_scale and V / v_scale; ``scales[layer]`` = (k_scale, v_scale), 1.0
+    unless the checkpoint has them (and 1.0, unused, for a cache in the model dtype)."""
 
     num_pages: int
     page_size: int
+    scales: list[tuple[float, float]]
 
     @abstractmethod
     def k_cache(self, layer_id: int) -> torch.Tensor:

@@ -34,6 +34,7 @@ class MHAKVCache(BaseKVCache):
         self.buffer = torch.zeros(
             (2, num_layers, num_pages, page_size, num_kv_heads, head_dim), dtype=dtype, device=device
         )
+        self.scales = [(1.0, 1.0)] * num_layers
 
     @staticmethod
     def bytes_per_page(page_size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -3,6 +3,10 @@
 Column-parallel layers split their output features, row-parallel layers their input features
 (and all-reduce the result). Each parameter carries a ``weight_loader`` that cuts the rank's
 shard out of a full checkpoint tensor, so loading is the same code at any tp size.
+
+Under an ``Fp8Scheme`` the weight is float8 with per-row scales (``weight_scale``, see
+``layers.quantization``): a float checkpoint tensor is quantized whole before it is cut (so every
+rank holds the scales of the full rows), an fp8 one is cut with its scales.
 """
 
 from __future__ import annotations
@@ -12,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.distributed import all_reduce, get_tp_info
-from minisgl.utils import divide
+from minisgl.layers.quantization import FP8, Fp8Act, Fp8Scheme, fp8_linear, quantize_weight, row_scales
+from minisgl.utils import cdiv, divide
 
 
 def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -27,13 +32,17 @@ class ColumnParallelLinear(nn.Module):
     ``output_sizes`` lists the full (unsharded) sizes of the fused parts, e.g. [gate, up].
     """
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False, quant: Fp8Scheme | None = None):
         super().__init__()
         tp = get_tp_info()
+        self.quant = quant
+        self.output_sizes = output_sizes
         self.local_sizes = [self._local_size(i, s, tp.size) for i, s in enumerate(output_sizes)]
         self.offsets = [sum(self.local_sizes[:i]) for i in range(len(output_sizes))]
-        self.weight = nn.Parameter(torch.empty(sum(self.local_sizes), input_size), requires_grad=False)
+        self.weight, self.weight_scale = make_weight(sum(self.local_sizes), input_size, quant)
         self.weight.weight_loader = self.load_shard
+        if quant is not None:
+            self.weight_scale.weight_loader = self.load_shard
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(sum(self.local_sizes)), requires_grad=False)
@@ -48,9 +57,13 @@ class ColumnParallelLinear(nn.Module):
 
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, part: int | str | None = None) -> None:
         idx = self._part_index(part)
-        size = self.local_sizes[idx]
-        src = loaded.narrow(0, self._source_start(idx, get_tp_info().rank), size)
-        param.data.narrow(0, self.offsets[idx], size).copy_(src)
+        size, start = self.local_sizes[idx], self._source_start(idx, get_tp_info().rank)
+        if param is self.weight_scale:
+            loaded = row_scales(loaded, self.output_sizes[idx], self.quant.block)
+        elif param is self.weight and self.quant is not None and loaded.dtype != FP8:
+            loaded, scale = quantize_weight(loaded, self.quant.block)
+            self.weight_scale.data.narrow(0, self.offsets[idx], size).copy_(scale.narrow(0, start, size))
+        param.data.narrow(0, self.offsets[idx], size).copy_(loaded.narrow(0, start, size))
 
     def _part_index(self, part: int | str | None) -> int:
         if part is None:
@@ -59,8 +72,19 @@ class ColumnParallelLinear(nn.Module):
             return 0
         return int(part)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Act) -> torch.Tensor:
+        if self.quant is not None:
+            return fp8_linear(x, self.weight, self.weight_scale, self.bias, self.quant.block)
         return F.linear(x, self.weight, self.bias)
+
+
+def make_weight(rows: int, cols: int, quant: Fp8Scheme | None) -> tuple[nn.Parameter, nn.Parameter | None]:
+    """The weight [rows, cols] in the default dtype, or fp8 with its float32 per-row scales."""
+    if quant is None:
+        return nn.Parameter(torch.empty(rows, cols), requires_grad=False), None
+    scale_shape = (rows,) if quant.block is None else (rows, cdiv(cols, quant.block))
+    return (nn.Parameter(torch.empty(rows, cols, dtype=FP8), requires_grad=False),
+            nn.Parameter(torch.ones(scale_shape, dtype=torch.float32), requires_grad=False))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -68,11 +92,12 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     _PARTS = {"q": 0, "k": 1, "v": 2}
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool):
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
+                 quant: Fp8Scheme | None = None):
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads
         kv_size = num_kv_heads * head_dim
-        super().__init__(hidden_size, [num_heads * head_dim, kv_size, kv_size], bias)
+        super().__init__(hidden_size, [num_heads * head_dim, kv_size, kv_size], bias, quant)
 
     def _local_size(self, part: int, size: int, tp_size: int) -> int:
         if part == 0 or tp_size <= self.num_kv_heads:
@@ -95,28 +120,52 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(nn.Module):
     """y = x W^T + b with W's columns split across ranks; partial sums are all-reduced."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, quant: Fp8Scheme | None = None):
         super().__init__()
-        self.local_input = divide(input_size, get_tp_info().size)
-        self.weight = nn.Parameter(torch.empty(output_size, self.local_input), requires_grad=False)
+        tp = get_tp_info()
+        self.quant = quant
+        self.local_input = divide(input_size, tp.size)
+        if quant is not None and quant.block is not None and tp.size > 1 and self.local_input % quant.block:
+            raise ValueError(f"a row-parallel layer's {self.local_input} input columns per rank do not hold whole "
+                             f"{quant.block}-column fp8 blocks at tp={tp.size}")
+        self.weight, self.weight_scale = make_weight(output_size, self.local_input, quant)
         self.weight.weight_loader = self.load_weight
+        if quant is not None:
+            self.weight_scale.weight_loader = self.load_weight
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
 
     def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, part: None = None) -> None:
         start = get_tp_info().rank * self.local_input
-        param.data.copy_(loaded.narrow(1, start, self.local_input))
+        scale = None
+        if param is self.weight_scale:
+            scale = row_scales(loaded, self.weight.shape[0], self.quant.block)
+        elif self.quant is not None and loaded.dtype != FP8:
+            loaded, scale = quantize_weight(loaded, self.quant.block)
+        if scale is not None:  # per channel: whole rows; per block: this rank's column blocks
+            block = self.quant.block
+            if block is not None:
+                scale = scale.narrow(1, start // block, self.weight_scale.shape[1])
+            self.weight_scale.data.copy_(scale)
+        if param is self.weight:
+            param.data.copy_(loaded.narrow(1, start, self.local_input))
+
+    def _matmul(self, x: torch.Tensor | Fp8Act) -> torch.Tensor:
+        if self.quant is not None:
+            return fp8_linear(x, self.weight, self.weight_scale, None, self.quant.block)
+        return F.linear(x, self.weight)
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """With ``reduce=False`` (no bias) this rank's partial sums, for a following
         ``RMSNorm(..., reduce=True)`` to all-reduce together with its residual add."""
         if not reduce:
             assert self.bias is None, "a bias is added after the all-reduce"
-            return F.linear(x, self.weight)
+            return self._matmul(x)
         tp = get_tp_info()
-        if tp.reduce_fp32 and tp.size > 1 and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
+        if (tp.reduce_fp32 and tp.size > 1 and self.quant is None and x.is_cuda
+                and x.dtype in (torch.bfloat16, torch.float16)):
             y = all_reduce(linear_fp32(x, self.weight)).to(x.dtype)
         else:
-            y = all_reduce(F.linear(x, self.weight))
+            y = all_reduce(self._matmul(x))
         return y if self.bias is None else y + self.bias

@@ -19,6 +19,7 @@ from minisgl.kernels.fused import silu_and_mul
 from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from minisgl.layers.norm import RMSNorm
+from minisgl.layers.quantization import Fp8Act
 from minisgl.layers.rotary import RotaryEmbedding
 
 
@@ -27,15 +28,17 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads, config.qkv_bias
+            config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads, config.qkv_bias, config.quant
         )
-        self.o_proj = RowParallelLinear(config.num_heads * config.head_dim, config.hidden_size, config.attention_bias)
+        self.o_proj = RowParallelLinear(
+            config.num_heads * config.head_dim, config.hidden_size, config.attention_bias, config.quant
+        )
         self.rotary = rotary
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Act, positions: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         backend = get_attention_backend()
         norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if hasattr(self, "q_norm") else None
         q = backend.rope_store(self.qkv_proj(x), positions, self.layer_id, self.rotary.cos_sin, norm)
@@ -46,11 +49,12 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         size = config.intermediate_size
-        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [size, size], config.mlp_bias)
-        self.down_proj = RowParallelLinear(size, config.hidden_size, config.mlp_bias)
+        self.quant = config.quant
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [size, size], config.mlp_bias, config.quant)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, config.mlp_bias, config.quant)
 
-    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)), reduce)
+    def forward(self, x: torch.Tensor | Fp8Act, reduce: bool = True) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.quant), reduce)
 
 
 class DecoderLayer(nn.Module):
@@ -58,8 +62,9 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(config, layer_id, rotary)
         self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Under fp8 both norms hand their linear layer a quantized activation.
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.quant)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.quant)
         self.defer = defers_reduce(config)
 
     def forward(

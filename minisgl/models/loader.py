@@ -1,13 +1,16 @@
 """Find a checkpoint (local folder or hub id), build the model, and fill its weights.
 
 Weights come from one or many ``*.safetensors`` files (with or without an index), or, with
-``load_format="dummy"``, from a seeded random init in the real shapes (for benchmarks).
+``load_format="dummy"``, from a seeded random init in the real shapes (for benchmarks). FP8
+checkpoints (compressed-tensors, block-wise "fp8") load their weights and scales as they are;
+``quantization="fp8"`` quantizes a float checkpoint's linear weights as they load.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +20,7 @@ from torch import nn
 from tqdm import tqdm
 
 from minisgl.config import ModelConfig
+from minisgl.layers.quantization import FP8, FP8_MAX, quantization_scheme
 from minisgl.models import get_model_class
 from minisgl.models.gguf_file import converted_checkpoint, find_gguf
 
@@ -78,16 +82,30 @@ def iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                     bar.update(1)
 
 
+# Per-tensor K and V cache scales as checkpoints name them (vLLM/SGLang and compressed-tensors).
+KV_SCALE = re.compile(r"layers\.(\d+)\.self_attn\.(?:attn\.)?(?:(k|v)_scale|(k|v)_proj\.output_scale)$")
+
+
 def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
-    """Copy checkpoint tensors into (possibly fused, possibly sharded) parameters."""
+    """Copy checkpoint tensors into (possibly fused, possibly sharded) parameters. KV cache
+    scales go to ``model.kv_scales`` ({layer: {"k": s, "v": s}}), read by the model runner."""
     params = dict(model.named_parameters(remove_duplicate=False))
     packed: dict[str, tuple[str, int | str]] = getattr(model, "packed_modules", {})
     tied = getattr(model.config, "tie_word_embeddings", False)
-    expected = {n for n in params if not (tied and n == "lm_head.weight")}
+    online = getattr(model.config, "quant", None) is not None and model.config.quant.source == "online"
+    # Quantized at load, a float weight brings its own scales.
+    expected = {n for n in params if not (tied and n == "lm_head.weight") and not (online and n.endswith("weight_scale"))}
     seen: set[str] = set()
+    model.kv_scales = {}
     for name, tensor in weights:
         if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
             continue
+        kv = KV_SCALE.search(name)
+        if kv is not None:
+            model.kv_scales.setdefault(int(kv.group(1)), {})[kv.group(2) or kv.group(3)] = float(tensor.float().max())
+            continue
+        if name.endswith(".weight_scale_inv"):  # block-wise checkpoints: a multiplier, despite the name
+            name = name[: -len("_inv")]
         part = None
         for ckpt_name, (ours, shard) in packed.items():
             if f".{ckpt_name}." in name:
@@ -109,21 +127,35 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
 
 
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
-    """Random weights in the real shapes: small normals for matrices, ones for norms."""
+    """Random weights in the real shapes: small normals for matrices, ones for norms; fp8
+    matrices hold normals at a scale that fits four standard deviations."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    scale = 4 * 0.02 / FP8_MAX
+    model.kv_scales = {}
     for name, param in model.named_parameters():
         if "norm" in name:
             param.data.fill_(1.0)
+        elif name.endswith("weight_scale"):
+            param.data.fill_(scale)
+        elif param.dtype == FP8:
+            values = torch.empty(param.shape, dtype=torch.bfloat16, device=param.device).normal_(0.0, 0.02, generator=gen)
+            param.data.copy_((values.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8))
         else:
             param.data.normal_(0.0, 0.02, generator=gen)
 
 
 def load_model(
     model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-    max_positions: int, load_format: str = "auto", seed: int = 0,
+    max_positions: int, load_format: str = "auto", seed: int = 0, quantization: str | None = None,
 ) -> nn.Module:
+    """``quantization``: ``--quantization`` (None or "fp8"); a checkpoint's own quantization
+    config decides the scheme when it has one."""
     if load_format not in ("auto", "safetensors", "gguf", "dummy"):
         raise ValueError(f"unsupported load format {load_format!r} (auto, safetensors, gguf, dummy)")
+    config.quant = quantization_scheme(config.quantization_config, quantization)
+    if config.quant is not None:
+        logger.info("fp8 linear layers (%s, %s)", config.quant.source,
+                    "per channel" if config.quant.block is None else f"{config.quant.block}-column groups")
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

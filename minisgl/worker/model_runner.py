@@ -29,6 +29,7 @@ from minisgl.messages import ForwardBatch, NewRequest, StepOutput
 from minisgl.models.loader import load_model, resolve_model_path
 from minisgl.sampling import SampleOutput, Sampler, SamplingParams
 from minisgl.sampling.sampler import SAMPLE_BLOCK
+from minisgl.layers.quantization import FP8, parse_kv_cache_dtype
 from minisgl.utils import cdiv, resolve_device, resolve_dtype
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class ModelRunner:
         self.model_dir = model_dir or resolve_model_path(args.model, args.load_format, args.revision)
         self.config = ModelConfig.from_path(self.model_dir)
         self.dtype = resolve_dtype(args.dtype, self.config.torch_dtype, self.device)
+        self.kv_dtype = parse_kv_cache_dtype(args.kv_cache_dtype, self.dtype)
         self.context_len = self.config.context_limit(args.context_length)
         self.page_size = args.page_size
         tp = get_tp_info()
@@ -79,7 +81,8 @@ class ModelRunner:
         self.num_kv_heads = max(1, self.config.num_kv_heads // tp.size)
         self.num_qo_heads = self.config.num_heads // tp.size
         self.model = load_model(
-            self.model_dir, self.config, self.dtype, self.device, self.context_len, args.load_format, args.seed
+            self.model_dir, self.config, self.dtype, self.device, self.context_len, args.load_format, args.seed,
+            args.quantization,
         )
         self.vocab_size = self.config.vocab_size
         self.pending: deque[_Pending] = deque()
@@ -90,10 +93,11 @@ class ModelRunner:
         # Slots (page-table rows, sampling state) once the pool size says how many may run.
         self._slots(args.derive_max_running_requests(self.num_pages * self.page_size, self.device.type == "cuda"))
         self.kv_cache = self._make_cache(self.num_pages + 1)
+        self._set_kv_scales()
         self.page_table[self.pad_slot] = self.num_pages
         self.attn = create_backend(
             args.attention_backend, self.kv_cache, self.num_qo_heads, self.num_kv_heads, self.config.head_dim,
-            args.decode_attention_backend,
+            args.decode_attention_backend, self.dtype,
         )
         if self.device.type == "cuda" and args.cuda_graph_max_bs != 0 and not args.disable_cuda_graph and self.attn.supports_cuda_graph:
             from minisgl.worker.cuda_graph import CudaGraphRunner
@@ -101,7 +105,7 @@ class ModelRunner:
             self.graphs = CudaGraphRunner(self, args.graph_batch_size)
         logger.info(
             "KV cache: %d pages x %d tokens (%.2f GiB, %s) on %s",
-            self.num_pages, self.page_size, self.kv_cache.buffer.nbytes / 2**30, self.dtype, self.device,
+            self.num_pages, self.page_size, self.kv_cache.buffer.nbytes / 2**30, self.kv_dtype, self.device,
         )
 
     # ---- set-up -------------------------------------------------------------------------------
@@ -119,14 +123,29 @@ class ModelRunner:
     def _make_cache(self, num_pages: int) -> MHAKVCache:
         return MHAKVCache(
             num_pages, self.page_size, self.config.num_layers, self.num_kv_heads,
-            self.config.head_dim, self.dtype, self.device,
+            self.config.head_dim, self.kv_dtype, self.device,
+        )
+
+    def _set_kv_scales(self) -> None:
+        """An fp8 cache takes the checkpoint's per-layer K and V scales (1.0 where it has none)."""
+        found = getattr(self.model, "kv_scales", {})
+        if self.kv_dtype != FP8:
+            if found:
+                logger.info("the checkpoint's KV cache scales are unused: the cache is %s", self.kv_dtype)
+            return
+        self.kv_cache.scales = [(found.get(i, {}).get("k", 1.0), found.get(i, {}).get("v", 1.0))
+                                for i in range(self.config.num_layers)]
+        logger.info("fp8 KV cache, %s", "the checkpoint's scales" if found else "scales 1.0")
+
+    @property
+    def kv_bytes_per_page(self) -> int:
+        return MHAKVCache.bytes_per_page(
+            self.page_size, self.config.num_layers, self.num_kv_heads, self.config.head_dim, self.kv_dtype
         )
 
     def _profile_num_pages(self) -> int:
         """Run the largest prefill and sampling step once, then size the cache from what is left."""
-        bytes_per_page = MHAKVCache.bytes_per_page(
-            self.page_size, self.config.num_layers, self.num_kv_heads, self.config.head_dim, self.dtype
-        )
+        bytes_per_page = self.kv_bytes_per_page
         # On CUDA the largest prefill measures peak activations; on CPU nothing is measured, and a
         # full 8192-token torch-attention prefill took minutes: a short one checks the path.
         tokens = min(self.args.prefill_budget(self.context_len), self.context_len)
@@ -134,7 +153,8 @@ class ModelRunner:
             tokens = min(tokens, CPU_WARMUP_TOKENS)
         self.kv_cache = self._make_cache(cdiv(tokens, self.page_size))
         self.attn = create_backend(
-            self.args.attention_backend, self.kv_cache, self.num_qo_heads, self.num_kv_heads, self.config.head_dim
+            self.args.attention_backend, self.kv_cache, self.num_qo_heads, self.num_kv_heads, self.config.head_dim,
+            dtype=self.dtype,
         )
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

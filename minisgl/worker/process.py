@@ -53,7 +53,9 @@ def run_worker(args: EngineArgs, rank: int, addrs: Addresses, log_level: str) ->
         outbox.send(EngineInfo(
             model_path=str(runner.model_dir), num_pages=runner.num_pages, page_size=runner.page_size,
             context_len=runner.context_len, vocab_size=runner.vocab_size,
-            max_running_requests=args.max_running_requests,
+            max_running_requests=args.max_running_requests, kv_cache_dtype=str(runner.kv_dtype).removeprefix("torch."),
+            kv_bytes_per_token=runner.kv_bytes_per_page // runner.page_size,
+            quantization=runner.config.quant.source if runner.config.quant is not None else None,
         ))
     profiler = StepProfiler(rank, runner.device)
     while True:

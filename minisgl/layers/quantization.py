@@ -1,0 +1,212 @@
+"""FP8 (e4m3) weights and activations: the scheme, the quantizers and the GEMM.
+
+A linear layer under ``Fp8Scheme`` keeps its weight in float8_e4m3fn with float32 scales held
+per output row: one per row (``block`` None: per output channel, as ``--quantization fp8`` makes
+at load and compressed-tensors "FP8-dynamic" checkpoints ship), or one per row and group of
+``block`` input columns (block-wise checkpoints, e.g. Qwen3's ``-FP8``, whose 128 x 128 weight
+blocks are stored here repeated over their rows, so fused and sharded layers cut scales exactly
+as they cut weights). Activations are quantized as they arrive, per token (or per token and
+group of ``block`` columns) with scale amax / 448.
+
+On CUDA in 16-bit models the quantizers are fused Triton kernels (``kernels.fp8``: with the
+RMSNorm or SiLU-and-mul that produces a GEMM's input, so quantizing costs no extra pass) and the
+GEMM is ``torch._scaled_mm`` (per channel) or our Triton block-scaled kernel. Everywhere else
+the torch functions here are the reference: the same rounding, dequantized products in float32.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+MIN_SCALE = 1e-12  # an all-zero row (padding) still gets a finite scale
+
+
+@dataclass(frozen=True)
+class Fp8Scheme:
+    """How a model's linear layers are quantized. ``block``: input columns per weight scale and
+    per activation scale (None: one scale per output channel and one per token). ``source``
+    names where the weights come from, for logs: "online" or the checkpoint format."""
+
+    block: int | None = None
+    source: str = "online"
+
+
+class Fp8Act(NamedTuple):
+    """An activation already quantized by the op that produced it: ``data`` fp8 [T, K], ``scale``
+    float32 [T, 1] or [T, K / block]; ``dtype`` the model dtype the GEMM returns."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+
+def parse_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """SGLang's ``--kv-cache-dtype`` names: auto (the model dtype), fp8_e4m3, bf16/bfloat16."""
+    if name == "auto":
+        return model_dtype
+    if name == "fp8_e4m3":
+        return FP8
+    if name in ("bf16", "bfloat16"):
+        return torch.bfloat16
+    raise ValueError(f"--kv-cache-dtype {name!r} is not supported (auto, fp8_e4m3, bf16)")
+
+
+def quantization_scheme(quant_config: dict[str, Any] | None, requested: str | None) -> Fp8Scheme | None:
+    """The scheme of a checkpoint's ``quantization_config`` (compressed-tensors float 8-bit with
+    dynamic per-token activations; "fp8" per tensor/channel or with 128 x 128 blocks), or the
+    online one ``--quantization fp8`` asks for. Anything else is refused by name."""
+    if requested not in (None, "fp8", "compressed-tensors"):
+        raise ValueError(f"--quantization {requested!r} is not supported (fp8)")
+    if not quant_config:
+        return Fp8Scheme() if requested else None
+    method = quant_config.get("quant_method")
+    if method == "compressed-tensors":
+        return _compressed_tensors_scheme(quant_config)
+    if method == "fp8":
+        if quant_config.get("activation_scheme", "dynamic") != "dynamic":
+            raise ValueError("fp8 checkpoints with static activation scales are not supported (dynamic only)")
+        block = quant_config.get("weight_block_size")
+        if block is None:
+            return Fp8Scheme(source="fp8")
+        if len(block) != 2 or block[0] != block[1]:
+            raise ValueError(f"fp8 weight_block_size {block} is not supported (square blocks only)")
+        return Fp8Scheme(block=int(block[0]), source=f"fp8 {block[0]}x{block[1]} blocks")
+    raise ValueError(f"checkpoint quantization {method!r} is not supported (fp8, compressed-tensors float8)")
+
+
+def _compressed_tensors_scheme(quant_config: dict[str, Any]) -> Fp8Scheme:
+    groups = list((quant_config.get("config_groups") or {}).values())
+    if len(groups) != 1:
+        raise ValueError(f"compressed-tensors: one config group supported, the checkpoint has {len(groups)}")
+    weights, acts = groups[0].get("weights") or {}, groups[0].get("input_activations") or {}
+    if weights.get("type") != "float" or weights.get("num_bits") != 8:
+        raise ValueError(f"compressed-tensors weights {weights.get('type')}{weights.get('num_bits')} are not "
+                         "supported (float 8-bit)")
+    if weights.get("strategy") not in ("channel", "tensor"):
+        raise ValueError(f"compressed-tensors weight strategy {weights.get('strategy')!r} is not supported "
+                         "(channel, tensor)")
+    if not acts or acts.get("type") != "float" or acts.get("num_bits") != 8 or not acts.get("dynamic"):
+        raise ValueError("compressed-tensors: only dynamic float 8-bit input activations are supported")
+    ignored = [name for name in quant_config.get("ignore", []) if "lm_head" not in name]
+    if ignored:
+        raise ValueError(f"compressed-tensors: layers left unquantized besides lm_head are not supported: {ignored}")
+    return Fp8Scheme(source="compressed-tensors")
+
+
+# ---- reference quantizers (CPU, float32 models, tests) ------------------------------------------
+
+
+def _grouped(x: torch.Tensor, block: int | None) -> torch.Tensor:
+    """x [R, K] as float32 [R, groups, width], zero-padded to whole groups."""
+    x = x.float()
+    if block is None:
+        return x.unsqueeze(1)
+    pad = -x.shape[-1] % block
+    return F.pad(x, (0, pad)).view(x.shape[0], -1, block)
+
+
+def quantize_torch(x: torch.Tensor, block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of x [R, K] to fp8 with one scale per row ([R, 1]) or per row and ``block`` columns
+    ([R, ceil(K / block)]): scale = amax / 448, q = x / scale."""
+    g = _grouped(x, block)
+    scale = (g.abs().amax(-1) / FP8_MAX).clamp(min=MIN_SCALE)
+    q = (g / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.flatten(1)[:, : x.shape[1]], scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, block: int | None = None) -> torch.Tensor:
+    """float32 values of ``quantize_torch``'s output; ``scale`` [R], [R, 1] or [R, groups]."""
+    scale = scale.float().reshape(q.shape[0], -1)
+    if block is not None:
+        scale = scale.repeat_interleave(block, dim=1)[:, : q.shape[1]]
+    return q.float() * scale
+
+
+def quantize_blocks(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight [N, K] in ``block`` x ``block`` tiles, one scale each ([ceil(N/b), ceil(K/b)]), as
+    block-wise checkpoints store them (the scale named ``weight_scale_inv``, a multiplier)."""
+    n, k = w.shape
+    tiles = F.pad(w.float(), (0, -k % block, 0, -n % block))
+    tiles = tiles.view(tiles.shape[0] // block, block, -1, block)
+    scale = (tiles.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=MIN_SCALE)
+    q = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.flatten(2).flatten(0, 1)[:n, :k], scale
+
+
+def row_scales(scale: torch.Tensor, rows: int, block: int | None) -> torch.Tensor:
+    """A checkpoint's weight scale as our per-row form: [rows] per channel (from [rows, 1],
+    [rows] or one per-tensor value), or [rows, groups] (from [ceil(rows / block), groups] tiles)."""
+    scale = scale.float()
+    if block is not None:
+        return scale.repeat_interleave(block, dim=0)[:rows]
+    if scale.numel() == 1:
+        return scale.reshape(1).expand(rows).clone()
+    return scale.reshape(rows)
+
+
+def quantize_weight(w: torch.Tensor, block: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float weight [N, K] as (fp8, per-row scales) in the layer's form: per output channel,
+    or in ``block`` x ``block`` tiles repeated over their rows."""
+    if block is None:
+        q, scale = quantize_torch(w)
+        return q, scale.view(-1)
+    q, tiles = quantize_blocks(w, block)
+    return q, row_scales(tiles, w.shape[0], block)
+
+
+# ---- dispatch -----------------------------------------------------------------------------------
+
+
+@functools.cache
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def fused(x: torch.Tensor) -> bool:
+    """Whether x takes the CUDA kernels: 16-bit activations on a GPU with Triton."""
+    return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and _triton_available()
+
+
+def quantize(x: torch.Tensor, block: int | None) -> Fp8Act:
+    """An activation [T, K] quantized per token (or token and group)."""
+    if fused(x):
+        from minisgl.kernels.fp8 import quantize_rows
+
+        q, scale = quantize_rows(x, block)
+    else:
+        q, scale = quantize_torch(x, block)
+    return Fp8Act(q, scale, x.dtype)
+
+
+def fp8_linear(
+    x: torch.Tensor | Fp8Act, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+    block: int | None,
+) -> torch.Tensor:
+    """x W^T + b for an fp8 ``weight`` [N, K] with per-row ``scale`` ([N] or [N, K / block])."""
+    act = x if isinstance(x, Fp8Act) else quantize(x.reshape(-1, x.shape[-1]), block)
+    lead = x.shape[:-1] if isinstance(x, torch.Tensor) else act.data.shape[:-1]
+    if act.data.is_cuda and act.dtype in (torch.float16, torch.bfloat16) and act.data.shape[0] > 0:
+        if block is None:
+            # Row-wise scaling returns bf16 only; fp16 models take one cast.
+            out = torch._scaled_mm(act.data, weight.t(), scale_a=act.scale, scale_b=scale.view(1, -1),
+                                   out_dtype=torch.bfloat16).to(act.dtype)
+        else:
+            from minisgl.kernels.fp8 import block_matmul
+
+            out = block_matmul(act.data, act.scale, weight, scale, block, act.dtype)
+    else:
+        out = (dequantize(act.data, act.scale, block) @ dequantize(weight, scale, block).t()).to(act.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.view(*lead, weight.shape[0])
