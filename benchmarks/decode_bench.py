@@ -258,6 +258,8 @@ def main() -> None:
     ap.add_argument("--profile", type=int, default=0, metavar="BS",
                     help="print a torch-profiler table of 5 pipelined steps at this batch size and exit")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--quantization", default=None, choices=["fp8"], help="fp8: W8A8 linear layers")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"])
     ap.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3], help="which parts to run")
     ap.add_argument("--cascade-cases", nargs="+", default=None, metavar="BxGxS",
                     help="part 3 cases as batch x groups x shared tokens [x loose requests among the batch "
@@ -284,6 +286,7 @@ def main() -> None:
         model=args.model, load_format="dummy", device="cuda", context_length=args.context + 64,
         page_size=args.page_size, max_running_requests=max_bs,
         max_total_tokens=max_bs * cdiv(args.context + 1, args.page_size) * args.page_size,
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
     ))
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     kv_per_token = runner.kv_cache.buffer.nbytes // ((runner.num_pages + 1) * args.page_size)

@@ -3,7 +3,8 @@
     python benchmarks/offline_throughput.py --model benchmarks/configs/llama3.1-8b --load-format dummy
 
 Variants: radix-on (everything on), cascade-off, radix-off, and with --ablations no-cuda-graph
-and no-overlap. Prints a table (with prefill tokens computed against the workload's distinct
+and no-overlap. ``--quantization none fp8 --kv-cache-dtype auto fp8_e4m3`` runs every workload
+once per (quantization, KV dtype) pair, each on a fresh engine, in the same process. Prints a table (with prefill tokens computed against the workload's distinct
 prompt tokens) and writes JSON to benchmarks/results/. Outputs ignore EOS so every request
 generates exactly its output length.
 """
@@ -102,6 +103,9 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/offline_<model>.json)")
     ap.add_argument("--profile", action="store_true",
                     help="profile the first workload (radix on): GPU kernels and idle time, then the host by function")
+    ap.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "fp8"],
+                    help="linear layers per mode (paired with --kv-cache-dtype; one value applies to all)")
+    ap.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=["auto", "fp8_e4m3"])
     ap.add_argument("--tp-size", type=int, default=1,
                     help="tensor-parallel ranks (worker processes; the in-process ablations and --profile need 1)")
     args = ap.parse_args()
@@ -109,16 +113,55 @@ def main() -> None:
     if args.tp_size > 1 and (args.ablations or args.profile):
         ap.error("--ablations and --profile reach into the in-process model runner: use --tp-size 1")
 
-    llm = LLM(args.model, load_format=args.load_format, page_size=args.page_size,
-              max_running_requests=args.max_running_requests, chunked_prefill_size=args.chunked_prefill_size,
-              context_length=args.context_length, tp_size=args.tp_size, cuda_graph_max_bs=args.cuda_graph_max_bs)
+    modes = len(args.quantization), len(args.kv_cache_dtype)
+    if max(modes) > 1 and min(modes) > 1 and modes[0] != modes[1]:
+        ap.error("--quantization and --kv-cache-dtype pair up: give as many of each (or one)")
+    pairs = list(zip(args.quantization * (max(modes) // modes[0]), args.kv_cache_dtype * (max(modes) // modes[1])))
     WORKLOADS["repeated"] = partial(WORKLOADS["repeated"], problems=args.problems, samples=args.samples)
-    if args.profile:
-        profile(llm, WORKLOADS[args.workloads[0]](llm.runner.vocab_size))
-        return
+    rows: list[dict] = []
+    llm = None
+    for quantization, kv_dtype in pairs:
+        if llm is not None:  # free the last engine's weights, pool and graphs first
+            import gc
+
+            import torch
+
+            del llm
+            gc.collect()
+            torch.cuda.empty_cache()
+        llm = LLM(args.model, load_format=args.load_format, page_size=args.page_size,
+                  max_running_requests=args.max_running_requests, chunked_prefill_size=args.chunked_prefill_size,
+                  context_length=args.context_length, tp_size=args.tp_size, cuda_graph_max_bs=args.cuda_graph_max_bs,
+                  quantization=None if quantization == "none" else quantization, kv_cache_dtype=kv_dtype)
+        if args.profile:
+            profile(llm, WORKLOADS[args.workloads[0]](llm.runner.vocab_size))
+            return
+        mode = {"quantization": quantization, "kv_cache_dtype": kv_dtype}
+        if len(pairs) > 1:
+            print(f"== quantization {quantization}, KV cache {kv_dtype}", flush=True)
+        run_workloads(llm, args, mode, rows)
+    import torch
+
+    device = getattr(llm.runner, "device", torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    info = {"model": args.model, "device": str(device), "args": vars(args), "rows": rows}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    save_result(info, args.out, f"offline_{Path(args.model).name}")
+    if len(pairs) > 1:
+        first = [r for r in rows if (r["quantization"], r["kv_cache_dtype"]) == pairs[0]]
+        for r in rows[len(first):]:
+            base = next(b for b in first if (b["workload"], b["variant"], b["temperature"])
+                        == (r["workload"], r["variant"], r["temperature"]))
+            print(f"{r['workload']} {r['variant']} T={r['temperature']}: {r['quantization']}/{r['kv_cache_dtype']} "
+                  f"{r['seconds']:.2f} s vs {pairs[0][0]}/{pairs[0][1]} {base['seconds']:.2f} s = "
+                  f"{base['seconds'] / r['seconds']:.2f}x throughput")
+
+
+def run_workloads(llm: LLM, args: argparse.Namespace, mode: dict[str, str], rows: list[dict]) -> None:
+    """Every workload under every variant (and temperature) on one engine; rows are appended."""
     graphs = getattr(llm.runner, "graphs", None)
     variants = args.variants + (["no-cuda-graph", "no-overlap"] if args.ablations else [])
-    rows = []
+    start = len(rows)
     for name in args.workloads:
         wl = WORKLOADS[name](llm.runner.vocab_size)
         distinct = distinct_tokens(wl.prompts)
@@ -131,7 +174,7 @@ def main() -> None:
             llm.reset_scheduler(disable_radix_cache=radix_off)  # empty cache per run
             result = run(llm, wl.prompts, wl.output_lens, temperature)
             result["distinct_prompt_tokens"] = distinct
-            rows.append({"workload": wl.name, "variant": variant, "temperature": temperature, **result})
+            rows.append({"workload": wl.name, "variant": variant, "temperature": temperature, **mode, **result})
             print(f"{wl.name:14s} {variant:14s} T={temperature:<4} {result['seconds']:8.2f} s  "
                   f"{result['output_tok_per_s']:9.0f} out tok/s  hit rate {result['cache_hit_rate']:.2f}  "
                   f"prefill {result['prefill_tokens'] / distinct:.3f}x distinct  "
@@ -139,17 +182,10 @@ def main() -> None:
         if args.tp_size == 1:
             llm.runner.graphs = graphs
         for temperature in args.temperature:
-            same = [r for r in rows if r["workload"] == wl.name and r["temperature"] == temperature]
+            same = [r for r in rows[start:] if r["workload"] == wl.name and r["temperature"] == temperature]
             for r in same[1:]:
                 print(f"{wl.name} T={temperature}: {r['variant']} / {same[0]['variant']} = "
                       f"{r['seconds'] / same[0]['seconds']:.2f}x")
-    import torch
-
-    device = getattr(llm.runner, "device", torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    info = {"model": args.model, "device": str(device), "args": vars(args), "rows": rows}
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-    save_result(info, args.out, f"offline_{Path(args.model).name}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,302 @@
+"""FP8: quantizers, fp8 linear layers, FP8 checkpoints of both formats, and the FP8 KV cache.
+
+CPU tests run the torch reference; ``cuda`` tests compare the Triton kernels, ``_scaled_mm``, the
+rope_store kernel's fp8 store and the attention kernels' fp8 reads against it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minisgl.args import EngineArgs
+from minisgl.attention import create_backend
+from minisgl.kernels import rope_store, rope_store_torch, store_kv_torch
+from minisgl.kernels.rope_store import from_cache
+from minisgl.kvcache import MHAKVCache
+from minisgl.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from minisgl.layers.quantization import (
+    FP8, Fp8Scheme, dequantize, fp8_linear, quantization_scheme, quantize, quantize_blocks, quantize_torch,
+    quantize_weight, row_scales,
+)
+from minisgl.worker import ModelRunner
+from scripts.make_tiny_model import make_tiny_model
+from scripts.quantize_checkpoint import convert, quantization_config
+from tests.test_scheduler import make_llm, shared_prefix_prompts, tokens
+
+GREEDY = {"max_new_tokens": 10, "temperature": 0.0, "ignore_eos": True}
+
+
+# ---- quantizers and layers (CPU) ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("block", [None, 128, 32])
+def test_quantize_round_trip_is_within_fp8_precision(block):
+    torch.manual_seed(0)
+    x = torch.randn(7, 576) * torch.logspace(-3, 2, 7)[:, None]  # rows of very different sizes
+    x[3] = 0.0  # padding rows quantize to zeros with a finite scale
+    q, scale = quantize_torch(x, block)
+    assert q.dtype == FP8 and q.shape == x.shape
+    assert scale.shape == ((7, 1) if block is None else (7, -(-576 // block)))
+    assert torch.isfinite(scale).all() and (dequantize(q, scale, block)[3] == 0).all()
+    back = dequantize(q, scale, block)
+    # e4m3 keeps 3 mantissa bits (relative error 2^-4), subnormals a step of 2^-9 of the scale.
+    step = scale if block is None else scale.repeat_interleave(block, 1)[:, :576]
+    assert ((back - x).abs() <= x.abs() * 2**-4 + step * 2**-9).all()
+    assert q.float().abs().max() == 448.0  # the scale puts each group's largest value at the top
+
+
+def test_block_weight_scales_repeat_over_their_rows():
+    torch.manual_seed(0)
+    w = torch.randn(300, 200)  # partial tiles on both sides
+    q, tiles = quantize_blocks(w, 128)
+    assert tiles.shape == (3, 2)
+    per_row = row_scales(tiles, 300, 128)
+    assert per_row.shape == (300, 2)
+    assert torch.equal(dequantize(q, per_row, 128), dequantize(*quantize_weight(w, 128), 128))
+    torch.testing.assert_close(dequantize(q, per_row, 128), w, atol=0.07 * w.abs().max(), rtol=0)
+
+
+@pytest.mark.parametrize("block", [None, 128])
+def test_fp8_layers_load_float_and_fp8_tensors_alike(block):
+    """A fused layer quantizes each float part whole; fed the parts already quantized (a
+    checkpoint), it holds the same bytes and scales. Its output is the dequantized product."""
+    torch.manual_seed(0)
+    scheme = Fp8Scheme(block=block)
+    parts = {"q": torch.randn(576, 320), "k": torch.randn(192, 320), "v": torch.randn(192, 320)}
+    online = QKVParallelLinear(320, 64, 9, 3, False, scheme)
+    stored = QKVParallelLinear(320, 64, 9, 3, False, scheme)
+    for part, w in parts.items():
+        online.weight.weight_loader(online.weight, w, part)
+        if block is None:
+            q, s = quantize_torch(w)
+        else:
+            q, s = quantize_blocks(w, block)
+        stored.weight.weight_loader(stored.weight, q, part)
+        stored.weight_scale.weight_loader(stored.weight_scale, s, part)
+    assert torch.equal(online.weight.view(torch.uint8), stored.weight.view(torch.uint8))
+    assert torch.equal(online.weight_scale, stored.weight_scale)
+    x = torch.randn(5, 320)
+    want = dequantize(*quantize_torch(x, block), block) @ dequantize(online.weight, online.weight_scale, block).t()
+    torch.testing.assert_close(online(x), want)
+    full = torch.cat(list(parts.values()))
+    assert ((online(x) - x @ full.t()).norm() / (x @ full.t()).norm()) < 0.06
+
+    row = RowParallelLinear(320, 128, quant=scheme)
+    w = torch.randn(128, 320)
+    row.weight.weight_loader(row.weight, w)
+    torch.testing.assert_close(dequantize(row.weight, row.weight_scale, block), w, atol=0.07 * w.abs().max(), rtol=0)
+
+
+def test_per_tensor_checkpoint_scales_expand_to_rows():
+    layer = ColumnParallelLinear(64, [32, 48], quant=Fp8Scheme(source="fp8"))
+    for part, (rows, value) in enumerate(((32, 0.5), (48, 0.25))):
+        layer.weight_scale.weight_loader(layer.weight_scale, torch.tensor(value), part)
+    assert torch.equal(layer.weight_scale, torch.tensor([0.5] * 32 + [0.25] * 48))
+
+
+def test_quantization_schemes_and_refusals():
+    assert quantization_scheme(None, None) is None
+    assert quantization_scheme(None, "fp8") == Fp8Scheme()
+    assert quantization_scheme(quantization_config("compressed-tensors"), None).block is None
+    assert quantization_scheme(quantization_config("block"), "fp8").block == 128
+    with pytest.raises(ValueError, match="awq"):
+        quantization_scheme({"quant_method": "awq"}, None)
+    with pytest.raises(ValueError, match="static"):
+        quantization_scheme({"quant_method": "fp8", "activation_scheme": "static"}, None)
+    static = quantization_config("compressed-tensors")
+    static["config_groups"]["group_0"]["input_activations"]["dynamic"] = False
+    with pytest.raises(ValueError, match="dynamic"):
+        quantization_scheme(static, None)
+    with pytest.raises(ValueError, match="int4"):
+        quantization_scheme(None, "int4")
+    for bad in (dict(quantization="awq"), dict(kv_cache_dtype="fp8_e5m2")):
+        with pytest.raises(ValueError, match=list(bad.values())[0]):
+            EngineArgs(model="x", **bad).validate()
+
+
+# ---- engines (CPU reference) --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fp8")
+    src = make_tiny_model("llama", root / "float", seed=0)
+    return {"float": src, "compressed-tensors": convert(src, root / "ct", "compressed-tensors"),
+            "block": convert(src, root / "block", "block", kv_scale=0.5)}
+
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], list(range(20, 77)), [42, 43]]
+
+
+def test_fp8_checkpoints_give_the_online_quantized_tokens(fp8_checkpoints, monkeypatch):
+    """Per channel: the compressed-tensors checkpoint against --quantization fp8 of its source.
+    Block-wise: the block checkpoint against the same 128 x 128 blocks made at load."""
+    online = tokens(make_llm(fp8_checkpoints["float"], quantization="fp8").generate(PROMPTS, GREEDY))
+    plain = tokens(make_llm(fp8_checkpoints["float"]).generate(PROMPTS, GREEDY))
+    stored = make_llm(fp8_checkpoints["compressed-tensors"])
+    assert stored.runner.model.config.quant.source == "compressed-tensors"
+    assert tokens(stored.generate(PROMPTS, GREEDY)) == online
+    assert online != plain  # the quantization is real
+    block = tokens(make_llm(fp8_checkpoints["block"]).generate(PROMPTS, GREEDY))
+    import minisgl.models.loader as loader
+
+    monkeypatch.setattr(loader, "quantization_scheme", lambda *_: Fp8Scheme(block=128))
+    assert tokens(make_llm(fp8_checkpoints["float"]).generate(PROMPTS, GREEDY)) == block
+
+
+def test_checkpoint_kv_scales_reach_an_fp8_cache(fp8_checkpoints):
+    llm = make_llm(fp8_checkpoints["block"], kv_cache_dtype="fp8_e4m3")
+    assert llm.runner.kv_cache.scales == [(0.5, 0.5)] * llm.runner.config.num_layers
+    assert make_llm(fp8_checkpoints["block"]).runner.kv_cache.scales[0] == (1.0, 1.0)  # unused in fp32
+
+
+def test_fp8_kv_cache_holds_more_tokens_and_round_trips(tiny_llama):
+    # Enough requests that memory (256 MB on CPU), not slots x context, bounds the pool.
+    runners = {kv: ModelRunner(EngineArgs(model=str(tiny_llama), device="cpu", kv_cache_dtype=kv,
+                                          max_running_requests=4096)) for kv in ("auto", "fp8_e4m3")}
+    assert runners["fp8_e4m3"].kv_cache.buffer.dtype == FP8
+    # fp32 model: a quarter of the bytes per token, four times the pages in the same budget
+    assert runners["fp8_e4m3"].kv_bytes_per_page * 4 == runners["auto"].kv_bytes_per_page
+    assert runners["fp8_e4m3"].num_pages == 4 * runners["auto"].num_pages
+
+    cache = MHAKVCache(8, 4, 1, 2, 16, FP8, torch.device("cpu"))
+    k, v = torch.randn(5, 2, 16), torch.randn(5, 2, 16) * 30
+    loc = torch.tensor([0, 3, 4, 17, 30])
+    store_kv_torch(cache.k_cache(0), cache.v_cache(0), k, v, loc, scales=(0.5, 0.25))
+    got_k = from_cache(cache.k_cache(0).reshape(-1, 2, 16)[loc], 0.5)
+    got_v = from_cache(cache.v_cache(0).reshape(-1, 2, 16)[loc], 0.25)
+    torch.testing.assert_close(got_k, k, atol=0, rtol=2**-4)
+    torch.testing.assert_close(got_v, v.clamp(-112, 112), atol=0, rtol=2**-4)  # 448 * 0.25 saturates
+
+
+def test_fp8_engine_radix_and_cascade_agree(tiny_llama):
+    """With fp8 weights and KV: radix on and off, cascade on and off give the same tokens."""
+    prompts = shared_prefix_prompts(groups=3, per_group=4, prefix_len=40)
+    kw = dict(quantization="fp8", kv_cache_dtype="fp8_e4m3")
+    ref = tokens(make_llm(tiny_llama, disable_radix_cache=True, **kw).generate(prompts, GREEDY))
+    assert tokens(make_llm(tiny_llama, **kw).generate(prompts, GREEDY)) == ref
+    assert tokens(make_llm(tiny_llama, disable_cascade_attention=True, **kw).generate(prompts, GREEDY)) == ref
+
+
+# ---- CUDA kernels against the reference ---------------------------------------------------------
+
+
+def _close_fp8(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor], block) -> None:
+    torch.testing.assert_close(got[1], want[1], rtol=1e-2, atol=0)
+    torch.testing.assert_close(dequantize(*got, block), dequantize(*want, block), rtol=0.07, atol=1e-3)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block", [None, 128])
+@pytest.mark.parametrize("cols", [576, 4096])
+def test_triton_quantizers_match_torch(dtype, block, cols):
+    from minisgl.kernels.fp8 import quantize_rows, rmsnorm_quant
+    from minisgl.kernels.fused import rmsnorm_torch
+
+    torch.manual_seed(0)
+    x = torch.randn(37, cols, device="cuda", dtype=dtype)
+    res = torch.randn(37, cols, device="cuda", dtype=dtype)
+    w = torch.rand(cols, device="cuda", dtype=dtype) + 0.5
+    _close_fp8(quantize_rows(x, block), quantize_torch(x, block), block)
+    gate_up = torch.randn(37, 2 * cols, device="cuda", dtype=dtype)
+    gate, up = gate_up.chunk(2, -1)
+    _close_fp8(quantize_rows(gate_up, block, silu=True),
+               quantize_torch(torch.nn.functional.silu(gate.float()).mul(up.float()).to(dtype), block), block)
+    _close_fp8(rmsnorm_quant(x, None, w, 1e-6, block), quantize_torch(rmsnorm_torch(x, w, 1e-6), block), block)
+    res2 = res.clone()
+    got = rmsnorm_quant(x, res2, w, 1e-6, block)
+    torch.testing.assert_close(res2, x + res)
+    _close_fp8(got, quantize_torch(rmsnorm_torch(x + res, w, 1e-6), block), block)
+    empty = quantize_rows(x[:0], block)
+    assert empty[0].shape == (0, cols)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("block", [None, 128])
+@pytest.mark.parametrize("m", [1, 37, 256])
+def test_fp8_gemms_match_the_dequantized_product(block, m):
+    torch.manual_seed(0)
+    x = torch.randn(m, 576, device="cuda", dtype=torch.bfloat16)
+    wq, ws = quantize_weight(torch.randn(1536, 576, device="cuda") * 0.02, block)
+    act = quantize(x, block)
+    got = fp8_linear(act, wq, ws, None, block).float()
+    want = dequantize(act.data, act.scale, block) @ dequantize(wq, ws, block).t()
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_store_writes_fp8_like_the_reference(qk_norm):
+    from minisgl.layers.rotary import RotaryEmbedding
+
+    torch.manual_seed(0)
+    hq, hk, dim, tokens_, scales = 32, 8, 128, 100, (0.5, 2.0)
+    caches = [MHAKVCache(64, 16, 2, hk, dim, FP8, torch.device("cuda")) for _ in range(2)]
+    slots = torch.randperm(64 * 16, device="cuda")[:tokens_]
+    positions = torch.randint(0, 4096, (tokens_,), device="cuda")
+    cos_sin = RotaryEmbedding(dim, 4096, 500000.0, None).cuda().cos_sin
+    qkv = torch.randn(tokens_, (hq + 2 * hk) * dim, device="cuda", dtype=torch.bfloat16) * 4
+    norm = (torch.rand(dim, device="cuda", dtype=torch.bfloat16) + 0.5,) * 2 + (1e-6,) if qk_norm else None
+    got = rope_store(qkv, hq, positions, cos_sin, caches[0].k_cache(1), caches[0].v_cache(1), slots, norm, scales)
+    want = rope_store_torch(qkv, hq, positions, cos_sin, caches[1].k_cache(1), caches[1].v_cache(1), slots, norm,
+                            scales=scales)
+    torch.testing.assert_close(got, want, atol=3e-2, rtol=2e-2)
+    for layer in range(2):
+        for view in ("k_cache", "v_cache"):
+            a, b = getattr(caches[0], view)(layer).float(), getattr(caches[1], view)(layer).float()
+            torch.testing.assert_close(a, b, atol=0, rtol=0.13)  # one e4m3 step at most
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["prefill", "decode", "cascade"])
+def test_attention_kernels_read_fp8_like_the_reference(mode):
+    from tests.test_cuda import _random_batch
+
+    hq, hk, dim, pages, page_size, scales = 32, 8, 128, 512, 16, (0.7, 1.3)
+    if mode == "prefill":
+        cached, new = [0, 37, 300, 5], [45, 1, 129, 260]
+    else:
+        cached, new = [300, 200, 700, 400, 1023, 64], [1] * 6
+    outs = []
+    for name in ("torch", "flashinfer"):
+        torch.manual_seed(0)
+        cache = MHAKVCache(pages, page_size, 2, hk, dim, FP8, torch.device("cuda"))
+        cache.buffer.copy_(torch.randn(cache.buffer.shape, device="cuda").to(FP8))
+        cache.scales = [scales, scales]
+        meta = _random_batch(page_size, cached, new, pages, "cuda")
+        if mode == "cascade":  # two groups of two sharing their first 8 and 4 pages
+            meta.group_sizes, meta.group_pages = [2, 2], [8, 4]
+            meta.page_table[1, :8] = meta.page_table[0, :8]
+            meta.page_table[3, :4] = meta.page_table[2, :4]
+        backend = create_backend(name, cache, hq, hk, dim, dtype=torch.bfloat16)
+        backend.prepare(meta)
+        q = torch.randn(sum(new), hq, dim, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(sum(new), hk, dim, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(sum(new), hk, dim, device="cuda", dtype=torch.bfloat16)
+        out = []
+        for layer in range(2):
+            store_kv_torch(cache.k_cache(layer), cache.v_cache(layer), k, v, meta.out_loc, scales)
+            out.append(backend.forward(q, layer))
+        outs.append(out)
+    for ref, got in zip(*outs):
+        torch.testing.assert_close(got.float(), ref.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.cuda
+def test_fp8_engine_on_cuda_graphs_overlap_and_cascade(tmp_path):
+    """W8A8 + fp8 KV in bf16 on the GPU: CUDA graphs with overlap and cascade on give the eager,
+    synchronous, cascade-off tokens (the decode kernel's exactness holds on fp8 pages too)."""
+    from minisgl.llm import LLM
+
+    path = make_tiny_model("llama", tmp_path / "llama-hd128", overrides={"head_dim": 128})
+    prompts = shared_prefix_prompts(groups=4, per_group=6, prefix_len=48)
+    params = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+    outs = {}
+    for name, kw in {"eager": dict(cuda_graph_max_bs=0, disable_overlap_schedule=True, disable_cascade_attention=True),
+                     "graphs": dict(cuda_graph_max_bs=32)}.items():
+        llm = LLM(str(path), device="cuda", dtype="bfloat16", max_total_tokens=8192, max_running_requests=32,
+                  page_size=16, quantization="fp8", kv_cache_dtype="fp8_e4m3", **kw)
+        outs[name] = [r["output_ids"] for r in llm.generate(prompts, params)]
+    assert outs["graphs"] == outs["eager"]
