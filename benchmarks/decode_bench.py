@@ -205,6 +205,7 @@ CASCADE_VARIANTS = [  # (name, step kind, FlashInferBackend options); knob varia
 def cascade_kernels(
     qo_heads: int, kv_heads: int, head_dim: int, page_size: int, bandwidth: float,
     cases: list[tuple[int, int, int]] = CASCADE_CASES, variants: list[str] | None = None,
+    kv_dtype: torch.dtype = torch.bfloat16,
 ) -> list[dict]:
     from minisgl.attention.synthetic import decode_metadata
     from minisgl.attention.flashinfer_backend import FlashInferBackend
@@ -219,18 +220,18 @@ def cascade_kernels(
         per = [grouped // groups + (g < grouped % groups) for g in range(groups)]
         layout = [(shared_pages, [shared + own_len + 1] * n) for n in per]
         total_pages = int(decode_metadata(page_size, layout, loose, "cpu").page_table.max()) + 1
-        cache = MHAKVCache(total_pages, page_size, 1, kv_heads, head_dim, torch.bfloat16,
-                           torch.device("cuda"))
-        cache.buffer.normal_()
+        cache = MHAKVCache(total_pages, page_size, 1, kv_heads, head_dim, kv_dtype, torch.device("cuda"))
+        cache.buffer.copy_(torch.randn(cache.buffer.shape, device="cuda").to(kv_dtype))
         q = torch.randn(batch, qo_heads, head_dim, dtype=torch.bfloat16, device="cuda")
         row = {"batch": batch, "groups": groups, "shared_tokens": shared, "own_tokens": own_len if groups else loose_len,
                "loose_requests": len(loose),
-               "distinct_kv_floor_ms": total_pages * page_size * 2 * kv_heads * head_dim * 2 / bandwidth * 1e3}
+               "distinct_kv_floor_ms": total_pages * page_size * 2 * kv_heads * head_dim * kv_dtype.itemsize
+               / bandwidth * 1e3}
         for name, kind, kw in CASCADE_VARIANTS:
             cascade = kind == "cascade" or (kind == "auto" and groups > 0)
             if (cascade and not groups) or (variants and name not in variants):
                 continue
-            backend = FlashInferBackend(cache, qo_heads, kv_heads, head_dim, **kw)
+            backend = FlashInferBackend(cache, qo_heads, kv_heads, head_dim, dtype=torch.bfloat16, **kw)
             meta = decode_metadata(page_size, layout, loose, "cuda", cascade=cascade)
             backend.init_cuda_graph(batch, meta.page_table.shape[1])
             backend.prepare(meta, graph_batch_size=batch)
@@ -276,8 +277,9 @@ def main() -> None:
         print(f"one layer of decode attention, {cfg.num_heads} q / {cfg.num_kv_heads} kv heads, page size "
               f"{args.page_size}: plain vs cascade (CUDA-graph replays, ms)")
         cases = [tuple(map(int, c.split("x"))) for c in args.cascade_cases] if args.cascade_cases else CASCADE_CASES
+        kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8_e4m3" else torch.bfloat16
         result["cascade"] = cascade_kernels(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, args.page_size, bw,
-                                            cases, args.cascade_variants)
+                                            cases, args.cascade_variants, kv_dtype)
     if 1 not in args.parts and 2 not in args.parts:
         save_result(result, args.out, f"decode_{Path(args.model).name}")
         return

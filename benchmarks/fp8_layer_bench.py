@@ -28,6 +28,7 @@ from minisgl.config import ModelConfig  # noqa: E402
 from minisgl.kernels.fused import add_rmsnorm, silu_and_mul  # noqa: E402
 from minisgl.layers.quantization import Fp8Act, Fp8Scheme, fp8_linear, quantize, quantize_weight  # noqa: E402
 from minisgl.layers.norm import RMSNorm  # noqa: E402
+from minisgl.kernels.fp8 import quantize_rows  # noqa: E402
 
 
 def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -52,11 +53,11 @@ def run(cfg: ModelConfig, batch: int) -> dict:
         F.linear(x, w["qkv"]), F.linear(attn, w["o"])
         F.linear(silu_and_mul(F.linear(x, w["gate_up"])), w["down"])
 
-    def bf16_layer():
-        y, _ = add_rmsnorm(x.clone(), res.clone(), norm_w, 1e-5)
+    def bf16_layer():  # FlashInfer's fused add+RMSNorm works in place, as in the engine
+        y, _ = add_rmsnorm(x, res, norm_w, 1e-5)
         F.linear(y, w["qkv"])
         o = F.linear(attn, w["o"])
-        y, _ = add_rmsnorm(o, res.clone(), norm_w, 1e-5)
+        y, _ = add_rmsnorm(o, res, norm_w, 1e-5)
         F.linear(silu_and_mul(F.linear(y, w["gate_up"])), w["down"])
 
     out["bf16_gemms_us"] = replay_ms(bf16_gemms) * 1e3
@@ -83,6 +84,15 @@ def run(cfg: ModelConfig, batch: int) -> dict:
 
         out[f"{label}_gemms_us"] = replay_ms(gemms) * 1e3
         out[f"{label}_layer_us"] = replay_ms(layer) * 1e3
+        if block is None:  # the fused quantizers alone, against the bf16 ops they replace
+            gate_up = torch.randn(batch, shapes["gate_up"][0], dtype=bf16, device=dev)
+            out["bf16_add_rmsnorm_us"] = replay_ms(lambda: add_rmsnorm(x, res, norm_w, 1e-5)) * 1e3
+            out["bf16_silu_and_mul_us"] = replay_ms(lambda: silu_and_mul(gate_up)) * 1e3
+            out["fp8_add_rmsnorm_quant_us"] = replay_ms(lambda: norm(x, res)) * 1e3
+            for chunk, warps in ((None, None), (1024, 4), (2048, 8), (16384, 8), (16384, 32)):
+                out[f"fp8_silu_quant_{chunk}_{warps}_us"] = replay_ms(
+                    lambda: quantize_rows(gate_up, None, True, chunk, warps)) * 1e3
+                out[f"fp8_quant_{chunk}_{warps}_us"] = replay_ms(lambda: quantize_rows(attn, None, False, chunk, warps)) * 1e3
         # Accuracy of the whole chain against bf16 on the same inputs (relative error of qkv).
         ref = F.linear(x, w["qkv"]).float()
         got = fp8_linear(quantize(x, block), *qw["qkv"], None, block).float()

@@ -184,7 +184,8 @@ def test_fp8_engine_radix_and_cascade_agree(tiny_llama):
 
 def _close_fp8(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor], block) -> None:
     torch.testing.assert_close(got[1], want[1], rtol=1e-2, atol=0)
-    torch.testing.assert_close(dequantize(*got, block), dequantize(*want, block), rtol=0.07, atol=1e-3)
+    # The kernels' float32 sums may round a value across an fp8 step from the reference's.
+    torch.testing.assert_close(dequantize(*got, block), dequantize(*want, block), rtol=0.13, atol=1e-3)
 
 
 @pytest.mark.cuda
@@ -242,11 +243,13 @@ def test_rope_store_writes_fp8_like_the_reference(qk_norm):
     got = rope_store(qkv, hq, positions, cos_sin, caches[0].k_cache(1), caches[0].v_cache(1), slots, norm, scales)
     want = rope_store_torch(qkv, hq, positions, cos_sin, caches[1].k_cache(1), caches[1].v_cache(1), slots, norm,
                             scales=scales)
-    torch.testing.assert_close(got, want, atol=3e-2, rtol=2e-2)
+    torch.testing.assert_close(got, want, atol=6e-2, rtol=2e-2)  # q of |x| up to ~20 in bf16
     for layer in range(2):
         for view in ("k_cache", "v_cache"):
             a, b = getattr(caches[0], view)(layer).float(), getattr(caches[1], view)(layer).float()
-            torch.testing.assert_close(a, b, atol=0, rtol=0.13)  # one e4m3 step at most
+            # One e4m3 step at most: the reference rotates in bf16 arithmetic, the kernel in float32
+            # (k differs by a bf16 step, near zero magnified by 1 / k_scale).
+            torch.testing.assert_close(a, b, atol=0.07, rtol=0.13)
 
 
 @pytest.mark.cuda

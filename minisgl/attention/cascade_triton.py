@@ -245,5 +245,5 @@ class TritonCascade:
             from minisgl.kernels.partial_attention import combine
 
             rows = len(self.counts)
-            combine(out[:rows], self.acc, self.m, self.l, self.row_base, self.counts)
+            combine(out[:rows], self.acc, self.m, self.l, self.row_base, self.counts, v_scale=kv_scales[1])
         return out

@@ -19,6 +19,8 @@ import triton.language as tl
 from minisgl.layers.quantization import FP8
 
 CHUNK = 1024  # columns per loop step of the row kernels that do not hold a whole row
+WARPS = 4
+WHOLE_ROW = 16384  # per-token rows up to this many columns are quantized in one pass
 
 
 @triton.jit
@@ -75,11 +77,24 @@ def _value(x_ptr, row, cols, n_cols, SILU: tl.constexpr):
 
 @triton.jit
 def _rows_quant_kernel(x_ptr, out_ptr, scale_ptr, n_cols, n_groups, SILU: tl.constexpr, CHUNK: tl.constexpr,
-                       GROUP: tl.constexpr):
-    """One row of x (or of silu(gate) * up) quantized, CHUNK columns at a time: per group in one
-    pass, per row in two (the amax, then the values, recomputed from L2)."""
+                       GROUP: tl.constexpr, WHOLE: tl.constexpr):
+    """One row of x (or of silu(gate) * up) quantized. Per group: CHUNK columns at a time, one
+    pass. Per row: the whole row in registers (WHOLE: CHUNK covers it), or two passes over
+    chunks (the amax, then the values, recomputed from L2)."""
     row = tl.program_id(0).to(tl.int64)
-    if GROUP == 0:
+    if GROUP != 0:
+        for start in tl.range(0, n_cols, CHUNK):
+            cols = start + tl.arange(0, CHUNK)
+            y = _value(x_ptr, row, cols, n_cols, SILU)
+            _store_groups(y, out_ptr, scale_ptr, row, cols, n_cols, n_groups, start, CHUNK // GROUP, GROUP)
+    elif WHOLE:
+        cols = tl.arange(0, CHUNK)
+        y = _value(x_ptr, row, cols, n_cols, SILU)
+        scale = tl.maximum(tl.max(tl.abs(y), 0) / 448.0, 1e-12)
+        q = tl.minimum(tl.maximum(y / scale, -448.0), 448.0)
+        tl.store(out_ptr + row * n_cols + cols, q.to(out_ptr.dtype.element_ty), mask=cols < n_cols)
+        tl.store(scale_ptr + row, scale)
+    else:
         amax = tl.zeros([CHUNK], tl.float32)
         for start in tl.range(0, n_cols, CHUNK):
             amax = tl.maximum(amax, tl.abs(_value(x_ptr, row, start + tl.arange(0, CHUNK), n_cols, SILU)))
@@ -89,11 +104,6 @@ def _rows_quant_kernel(x_ptr, out_ptr, scale_ptr, n_cols, n_groups, SILU: tl.con
             q = tl.minimum(tl.maximum(_value(x_ptr, row, cols, n_cols, SILU) / scale, -448.0), 448.0)
             tl.store(out_ptr + row * n_cols + cols, q.to(out_ptr.dtype.element_ty), mask=cols < n_cols)
         tl.store(scale_ptr + row, scale)
-    else:
-        for start in tl.range(0, n_cols, CHUNK):
-            cols = start + tl.arange(0, CHUNK)
-            y = _value(x_ptr, row, cols, n_cols, SILU)
-            _store_groups(y, out_ptr, scale_ptr, row, cols, n_cols, n_groups, start, CHUNK // GROUP, GROUP)
 
 
 def _outputs(rows: int, cols: int, block: int | None, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,15 +112,22 @@ def _outputs(rows: int, cols: int, block: int | None, device: torch.device) -> t
             torch.empty(rows, groups, dtype=torch.float32, device=device))
 
 
-def quantize_rows(x: torch.Tensor, block: int | None, silu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, K] (or silu(gate) * up of x [T, 2K] with ``silu``) to fp8 and scales."""
+def quantize_rows(x: torch.Tensor, block: int | None, silu: bool = False, chunk: int | None = None,
+                  num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] (or silu(gate) * up of x [T, 2K] with ``silu``) to fp8 and scales. Per token, rows
+    up to ``WHOLE_ROW`` columns are held whole (one pass): the 8B's 14336-wide SiLU-and-mul took
+    12.2 us at batch 256 in two passes of 1024 columns, 9.6 us at best over chunk sizes and warps."""
     x = x.contiguous()
     cols = x.shape[1] // 2 if silu else x.shape[1]
     q, scale = _outputs(x.shape[0], cols, block, x.device)
     if x.shape[0]:
-        chunk = CHUNK if block is None else max(CHUNK // block, 1) * block
+        if block is not None:
+            chunk = max((chunk or CHUNK) // block, 1) * block
+        elif chunk is None:
+            chunk = triton.next_power_of_2(cols) if cols <= WHOLE_ROW else CHUNK
+        warps = num_warps or (min(16, max(4, chunk // 1024)) if chunk >= cols else WARPS)
         _rows_quant_kernel[(x.shape[0],)](x, q, scale, cols, scale.shape[1], SILU=silu, CHUNK=chunk,
-                                          GROUP=block or 0, num_warps=4)
+                                          GROUP=block or 0, WHOLE=block is None and chunk >= cols, num_warps=warps)
     return q, scale
 
 
@@ -157,7 +174,9 @@ def _block_matmul_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, n_groups,
 
 def block_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, block: int,
                  dtype: torch.dtype) -> torch.Tensor:
-    """A [M, K] fp8 with scales [M, K / block] times B [N, K] fp8 with scales [N, K / block]."""
+    """A [M, K] fp8 with scales [M, K / block] times B [N, K] fp8 with scales [N, K / block]
+    (all contiguous)."""
+    assert a.is_contiguous() and b.is_contiguous() and a_scale.is_contiguous() and b_scale.is_contiguous()
     M, K = a.shape
     N = b.shape[0]
     c = torch.empty(M, N, dtype=dtype, device=a.device)

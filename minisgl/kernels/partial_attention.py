@@ -60,7 +60,6 @@ def _partial_attention_kernel(
     # The row sums run through the tensor cores too (p times a column of ones, 16 wide, the
     # narrowest tile): a reduction across lanes and warps would add in an order set by the tile's
     # layout, which differs between the levels' tile shapes.
-    ones = tl.full([BLOCK_N, 16], 1.0, q_ptr.dtype.element_ty)
     n_work = tl.load(n_work_ptr)
     for item in tl.range(program, n_work, n_programs):
         at = work_ptr + item * 6
@@ -77,6 +76,9 @@ def _partial_attention_kernel(
         at_ml = state * stride_ms + head
         q = tl.load(q_ptr + q_row[:, None] * stride_qb + head[:, None] * stride_qh + dim[None, :],
                     mask=live[:, None], other=0.0)
+        if KV_FP8:  # products in fp16, to which e4m3 widens in one instruction (bf16 takes three)
+            q = q.to(tl.float16)
+        ones = tl.full([BLOCK_N, 16], 1.0, q.dtype)
         if (flags & 1) != 0:  # RESUME
             m_i = tl.load(m_ptr + at_ml, mask=live, other=float("-inf"))
             l_i = tl.load(l_ptr + at_ml, mask=live, other=0.0)[:, None] + tl.zeros([BLOCK_M, 16], tl.float32)
@@ -94,22 +96,25 @@ def _partial_attention_kernel(
             offset = page * stride_kp + (tok % PAGE) * stride_kt + kv_head * stride_kh
             k = tl.load(k_ptr + offset[:, None] + dim[None, :], mask=ok[:, None], other=0.0)
             if KV_FP8:  # K / k_scale: the scale is in scale_log2
-                k = k.to(q.dtype)
+                k = k.to(tl.float16)
             s = tl.dot(q, tl.trans(k)) * scale_log2
             s = tl.where(ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))  # a maximum is exact in any order
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None]).to(q.dtype)
             v = tl.load(v_ptr + offset[:, None] + dim[None, :], mask=ok[:, None], other=0.0)
-            if KV_FP8:
-                v = (v.to(tl.float32) * v_scale).to(q.dtype)
+            if KV_FP8:  # V / v_scale: the scale is applied to the output
+                v = v.to(tl.float16)
             l_i = l_i * alpha[:, None] + tl.dot(p, ones)
             acc = acc * alpha[:, None] + tl.dot(p, v)
             m_i = m_new
         l_row = tl.max(l_i, 1)  # its 16 columns are equal
         if (flags & 2) != 0:  # FINAL
+            result = acc / l_row[:, None]
+            if KV_FP8:
+                result = result * v_scale
             tl.store(out_ptr + q_row[:, None] * stride_ob + head[:, None] * stride_oh + dim[None, :],
-                     (acc / l_row[:, None]).to(out_ptr.dtype.element_ty), mask=live[:, None])
+                     result.to(out_ptr.dtype.element_ty), mask=live[:, None])
         else:
             tl.store(at_acc, acc, mask=live[:, None])
             tl.store(m_ptr + at_ml, m_i, mask=live)
@@ -119,7 +124,7 @@ def _partial_attention_kernel(
 @triton.jit
 def _combine_kernel(
     out_ptr, acc_ptr, m_ptr, l_ptr, row_base_ptr, counts_ptr,
-    stride_b, stride_h, stride_as, stride_ah, stride_ms,
+    stride_b, stride_h, stride_as, stride_ah, stride_ms, v_scale,
     HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -145,7 +150,7 @@ def _combine_kernel(
             l = l * wa + l_b * wb
             m = m_new
         tl.store(out_ptr + row * stride_b + head[:, None] * stride_h + dim[None, :],
-                 (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=hm[:, None])
+                 (acc / l[:, None] * v_scale).to(out_ptr.dtype.element_ty), mask=hm[:, None])
 
 
 @contextlib.contextmanager
@@ -177,7 +182,8 @@ def partial_attention(
     ``programs`` programs per KV head, each item up to ``block_m // GQA`` requests. An item's first
     token must be the start of a page, and, when its rows' results must not depend on which items
     computed them, of a ``block_n`` tile of the row's keys. An fp8 (e4m3) cache holds K / k_scale
-    and V / v_scale (``kv_scales``); its tiles are widened to q's dtype as they load."""
+    and V / v_scale (``kv_scales``): its tiles widen to fp16 as they load (q too), k_scale joins
+    the softmax scale and v_scale multiplies the output (``combine`` takes it too)."""
     page_size, kv_heads, head_dim = k_cache.shape[1:]
     gqa = q.shape[1] // kv_heads
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1 and q.stride(2) == 1
@@ -195,13 +201,13 @@ def partial_attention(
 
 
 def combine(out: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, l: torch.Tensor, row_base: torch.Tensor,
-            counts: torch.Tensor, block_h: int = 32) -> None:
+            counts: torch.Tensor, block_h: int = 32, v_scale: float = 1.0) -> None:
     """Row r of ``out`` becomes the fold of its ``counts[r]`` states from ``row_base[r]`` on, in
-    slot order; rows with none are left as they are. A program takes ``block_h`` heads of a row (all
+    slot order, times ``v_scale`` (an fp8 cache's); rows with none are left as they are. A program takes ``block_h`` heads of a row (all
     of them for most models), so a row with nothing to fold costs one program that returns at once."""
     rows, heads, head_dim = out.shape
     block_h = min(block_h, triton.next_power_of_2(heads))
     _combine_kernel[(rows, triton.cdiv(heads, block_h))](
         out, acc, m, l, row_base, counts, out.stride(0), out.stride(1), acc.stride(0), acc.stride(1), m.stride(0),
-        HEADS=heads, BLOCK_H=block_h, HEAD_DIM=head_dim, num_warps=4,
+        v_scale, HEADS=heads, BLOCK_H=block_h, HEAD_DIM=head_dim, num_warps=4,
     )

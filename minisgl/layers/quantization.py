@@ -118,7 +118,7 @@ def quantize_torch(x: torch.Tensor, block: int | None = None) -> tuple[torch.Ten
     g = _grouped(x, block)
     scale = (g.abs().amax(-1) / FP8_MAX).clamp(min=MIN_SCALE)
     q = (g / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return q.flatten(1)[:, : x.shape[1]], scale
+    return q.flatten(1)[:, : x.shape[1]].contiguous(), scale
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, block: int | None = None) -> torch.Tensor:
@@ -137,7 +137,7 @@ def quantize_blocks(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Te
     tiles = tiles.view(tiles.shape[0] // block, block, -1, block)
     scale = (tiles.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=MIN_SCALE)
     q = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return q.flatten(2).flatten(0, 1)[:n, :k], scale
+    return q.flatten(2).flatten(0, 1)[:n, :k].contiguous(), scale
 
 
 def row_scales(scale: torch.Tensor, rows: int, block: int | None) -> torch.Tensor:
