@@ -14,13 +14,13 @@ import httpx
 
 
 @contextmanager
-def serving(model: str, *extra: str, timeout: float = 180) -> Iterator[str]:
-    """Start ``python -m minisgl.launch`` on CPU, wait for /health, yield its URL, stop it."""
+def serving(model: str, *extra: str, timeout: float = 180, device: str = "cpu") -> Iterator[str]:
+    """Start ``python -m minisgl.launch`` (on CPU unless told), wait for /health, yield its URL, stop it."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     server = subprocess.Popen([sys.executable, "-m", "minisgl.launch", "--model", model, "--port", str(port),
-                               "--device", "cpu", "--log-level", "warning", *extra])
+                               "--device", device, "--log-level", "warning", *extra])
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, server, timeout)
