@@ -31,6 +31,10 @@ from minisgl.layers.norm import RMSNorm  # noqa: E402
 from minisgl.kernels.fp8 import quantize_rows  # noqa: E402
 
 
+TRITON_CONFIGS = [(16, 64, 4, 3), (32, 64, 4, 4), (64, 64, 4, 4), (64, 128, 4, 4), (128, 128, 8, 3),
+                  (128, 256, 8, 3), (64, 256, 8, 4)]  # (BM, BN, warps, stages)
+
+
 def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     i = cfg.intermediate_size
@@ -83,6 +87,17 @@ def run(cfg: ModelConfig, batch: int) -> dict:
             fp8_linear(silu_and_mul(gu, scheme), *qw["down"], None, block)
 
         out[f"{label}_gemms_us"] = replay_ms(gemms) * 1e3
+        if block is None:  # our Triton kernel on the per-channel GEMMs, by tile configuration
+            from minisgl.kernels.fp8 import block_matmul
+
+            for config in TRITON_CONFIGS:
+                def triton_gemms(config=config):
+                    for n, (wq, ws) in qw.items():
+                        block_matmul(acts[n].data, acts[n].scale, wq, ws, None, bf16, config)
+                try:
+                    out[f"fp8_triton_{'x'.join(map(str, config))}_us"] = replay_ms(triton_gemms) * 1e3
+                except Exception as e:  # noqa: BLE001 - a configuration that does not fit is skipped
+                    print(f"config {config}: {type(e).__name__}")
         out[f"{label}_layer_us"] = replay_ms(layer) * 1e3
         if block is None:  # the fused quantizers alone, against the bf16 ops they replace
             gate_up = torch.randn(batch, shapes["gate_up"][0], dtype=bf16, device=dev)

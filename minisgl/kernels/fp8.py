@@ -146,10 +146,12 @@ def rmsnorm_quant(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.
 
 
 @triton.jit
-def _block_matmul_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, n_groups,
-                         BM: tl.constexpr, BN: tl.constexpr, GROUP: tl.constexpr, SWIZZLE: tl.constexpr):
-    """C = (A * a_scale) (B * b_scale)^T with A [M, K], B [N, K] fp8 and one scale per row and
-    GROUP columns for each; K steps of GROUP, each partial product scaled before it is added."""
+def _matmul_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, n_groups,
+                   BM: tl.constexpr, BN: tl.constexpr, GROUP: tl.constexpr, SWIZZLE: tl.constexpr,
+                   PER_GROUP: tl.constexpr):
+    """C = (A * a_scale) (B * b_scale)^T with A [M, K], B [N, K] fp8, in K steps of GROUP. With
+    PER_GROUP one scale per row and GROUP columns for each, every step's product scaled before
+    it is added; else one per row ([M] and [N]), applied once at the end."""
     pid = tl.program_id(0)
     n_m, n_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
     group = pid // (SWIZZLE * n_m)
@@ -161,29 +163,39 @@ def _block_matmul_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, n_groups,
     rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
     rk = tl.arange(0, GROUP)
     acc = tl.zeros([BM, BN], tl.float32)
-    for g in range(0, n_groups):
+    for g in range(0, tl.cdiv(K, GROUP)):
         k = g * GROUP + rk
         a = tl.load(a_ptr + rm[:, None] * K + k[None, :], mask=(rm[:, None] < M) & (k[None, :] < K), other=0.0)
         b = tl.load(b_ptr + rn[:, None] * K + k[None, :], mask=(rn[:, None] < N) & (k[None, :] < K), other=0.0)
-        sa = tl.load(as_ptr + rm * n_groups + g, mask=rm < M, other=0.0)
-        sb = tl.load(bs_ptr + rn * n_groups + g, mask=rn < N, other=0.0)
-        acc += tl.dot(a, tl.trans(b)) * sa[:, None] * sb[None, :]
+        if PER_GROUP:
+            sa = tl.load(as_ptr + rm * n_groups + g, mask=rm < M, other=0.0)
+            sb = tl.load(bs_ptr + rn * n_groups + g, mask=rn < N, other=0.0)
+            acc += tl.dot(a, tl.trans(b)) * sa[:, None] * sb[None, :]
+        else:
+            acc = tl.dot(a, tl.trans(b), acc)
+    if not PER_GROUP:
+        acc = acc * tl.load(as_ptr + rm, mask=rm < M, other=0.0)[:, None] * tl.load(bs_ptr + rn, mask=rn < N,
+                                                                                     other=0.0)[None, :]
     tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc.to(c_ptr.dtype.element_ty),
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def block_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, block: int,
-                 dtype: torch.dtype) -> torch.Tensor:
-    """A [M, K] fp8 with scales [M, K / block] times B [N, K] fp8 with scales [N, K / block]
-    (all contiguous)."""
+def block_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, block: int | None,
+                 dtype: torch.dtype, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """A [M, K] fp8 times B [N, K] fp8 (all contiguous), with scales [M, K / block] and
+    [N, K / block], or with ``block`` None per row ([M, 1] and [N]). ``config``: (BM, BN, warps,
+    stages) instead of the size-based choice."""
     assert a.is_contiguous() and b.is_contiguous() and a_scale.is_contiguous() and b_scale.is_contiguous()
     M, K = a.shape
     N = b.shape[0]
     c = torch.empty(M, N, dtype=dtype, device=a.device)
-    bm = 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 else 128
-    bn = 64 if M <= 64 else 128
+    if config is None:
+        bm = 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 else 128
+        bn = 64 if M <= 64 else 128
+        config = (bm, bn, 4 if bm <= 64 else 8, 3)
+    bm, bn, warps, stages = config
     grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
-    _block_matmul_kernel[grid](a, a_scale, b, b_scale, c, M, N, K, b_scale.shape[1], BM=bm, BN=bn, GROUP=block,
-                               SWIZZLE=8, num_warps=4 if bm <= 64 else 8, num_stages=3)
+    _matmul_kernel[grid](a, a_scale, b, b_scale, c, M, N, K, b_scale.shape[1] if block else 1, BM=bm, BN=bn,
+                         GROUP=block or 128, SWIZZLE=8, PER_GROUP=block is not None, num_warps=warps,
+                         num_stages=stages)
     return c
-
