@@ -216,11 +216,12 @@ def test_triton_quantizers_match_torch(dtype, block, cols):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("block", [None, 128])
-@pytest.mark.parametrize("m", [1, 37, 256])
-def test_fp8_gemms_match_the_dequantized_product(block, m):
+@pytest.mark.parametrize("m", [1, 37, 256, 600])
+@pytest.mark.parametrize("n,k", [(1536, 576), (4096, 2304)])  # small weights (Triton) and large (cuBLAS)
+def test_fp8_gemms_match_the_dequantized_product(block, m, n, k):
     torch.manual_seed(0)
-    x = torch.randn(m, 576, device="cuda", dtype=torch.bfloat16)
-    wq, ws = quantize_weight(torch.randn(1536, 576, device="cuda") * 0.02, block)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    wq, ws = quantize_weight(torch.randn(n, k, device="cuda") * 0.02, block)
     act = quantize(x, block)
     got = fp8_linear(act, wq, ws, None, block).float()
     want = dequantize(act.data, act.scale, block) @ dequantize(wq, ws, block).t()

@@ -28,6 +28,16 @@ FP8_MAX = 448.0
 MIN_SCALE = 1e-12  # an all-zero row (padding) still gets a finite scale
 
 
+# Per-channel GEMMs of small weights at decode sizes take our Triton kernel in 64 x 64 tiles: cuBLAS
+# picks one 128 x 128 row-scaled kernel for every shape, slower than bf16 on Qwen3-0.6B's layer
+# (qkv + o + gate_up + down: 29.8 / 30.2 / 31.6 us at batch 16 / 64 / 256, against bf16's 20.8 /
+# 24.9 / 34.5 and Triton's 18.7 / 18.7 / 24.9). On the 8B's large weights cuBLAS is as fast or
+# faster (134 against 159 us at 256). fp8_layer_triton_*_h100.json.
+SMALL_GEMM_ROWS = 512
+SMALL_GEMM_WEIGHTS = 8 << 20
+SMALL_GEMM_CONFIG = (64, 64, 4, 4)  # BM, BN, warps, stages
+
+
 @dataclass(frozen=True)
 class Fp8Scheme:
     """How a model's linear layers are quantized. ``block``: input columns per weight scale and
@@ -197,14 +207,16 @@ def fp8_linear(
     act = x if isinstance(x, Fp8Act) else quantize(x.reshape(-1, x.shape[-1]), block)
     lead = x.shape[:-1] if isinstance(x, torch.Tensor) else act.data.shape[:-1]
     if act.data.is_cuda and act.dtype in (torch.float16, torch.bfloat16) and act.data.shape[0] > 0:
-        if block is None:
+        from minisgl.kernels.fp8 import block_matmul
+
+        if block is not None:
+            out = block_matmul(act.data, act.scale, weight, scale, block, act.dtype)
+        elif act.data.shape[0] <= SMALL_GEMM_ROWS and weight.numel() <= SMALL_GEMM_WEIGHTS:
+            out = block_matmul(act.data, act.scale, weight, scale, None, act.dtype, SMALL_GEMM_CONFIG)
+        else:
             # Row-wise scaling returns bf16 only; fp16 models take one cast.
             out = torch._scaled_mm(act.data, weight.t(), scale_a=act.scale, scale_b=scale.view(1, -1),
                                    out_dtype=torch.bfloat16).to(act.dtype)
-        else:
-            from minisgl.kernels.fp8 import block_matmul
-
-            out = block_matmul(act.data, act.scale, weight, scale, block, act.dtype)
     else:
         out = (dequantize(act.data, act.scale, block) @ dequantize(weight, scale, block).t()).to(act.dtype)
     if bias is not None:
