@@ -24,19 +24,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.decode_bench import replay_ms  # noqa: E402
 from benchmarks.workloads import save_result  # noqa: E402
 from minisgl.config import ModelConfig  # noqa: E402
+from minisgl.kernels.fp8 import tile  # noqa: E402
 
 
 @triton.jit
 def _matmul(a_ptr, b_ptr, c_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr):
     """C = A B^T for row-major A [M, K] and B [N, K] (F.linear's layout), tiles in groups of
     ``GROUP`` columns so neighbouring programs share weight tiles in L2."""
-    pid = tl.program_id(0)
-    n_m, n_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
-    group = pid // (GROUP * n_m)
-    first_n = group * GROUP
-    size = min(n_n - first_n, GROUP)
-    pid_n = first_n + (pid % (GROUP * n_m)) % size
-    pid_m = (pid % (GROUP * n_m)) // size
+    pid_m, pid_n = tile(tl.program_id(0), M, N, BM, BN, GROUP)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)

@@ -5,6 +5,8 @@ processes use this module too and never load torch (hundreds of MB of memory eac
 
 from __future__ import annotations
 
+import functools
+import importlib
 import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -52,6 +54,16 @@ def partial_suffix(text: str, markers: Iterable[str]) -> int:
         if any(m.startswith(tail) for m in markers):
             return n
     return 0
+
+
+@functools.cache
+def has_module(name: str) -> bool:
+    """Whether an optional package (flashinfer, triton) imports; asked once per process."""
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        return False
+    return True
 
 
 def cdiv(a: int, b: int) -> int:

@@ -146,19 +146,23 @@ def rmsnorm_quant(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.
 
 
 @triton.jit
+def tile(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, SWIZZLE: tl.constexpr):
+    """The (row, column) tile of program ``pid``: tiles go in groups of SWIZZLE columns, so
+    neighbouring programs share weight tiles in L2."""
+    n_m, n_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
+    first_n = pid // (SWIZZLE * n_m) * SWIZZLE
+    size = min(n_n - first_n, SWIZZLE)
+    return (pid % (SWIZZLE * n_m)) // size, first_n + (pid % (SWIZZLE * n_m)) % size
+
+
+@triton.jit
 def _matmul_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, n_groups,
                    BM: tl.constexpr, BN: tl.constexpr, GROUP: tl.constexpr, SWIZZLE: tl.constexpr,
                    PER_GROUP: tl.constexpr):
     """C = (A * a_scale) (B * b_scale)^T with A [M, K], B [N, K] fp8, in K steps of GROUP. With
     PER_GROUP one scale per row and GROUP columns for each, every step's product scaled before
     it is added; else one per row ([M] and [N]), applied once at the end."""
-    pid = tl.program_id(0)
-    n_m, n_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
-    group = pid // (SWIZZLE * n_m)
-    first_n = group * SWIZZLE
-    size = min(n_n - first_n, SWIZZLE)
-    pid_n = first_n + (pid % (SWIZZLE * n_m)) % size
-    pid_m = (pid % (SWIZZLE * n_m)) // size
+    pid_m, pid_n = tile(tl.program_id(0), M, N, BM, BN, SWIZZLE)
     rm = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
     rn = (pid_n * BN + tl.arange(0, BN)).to(tl.int64)
     rk = tl.arange(0, GROUP)

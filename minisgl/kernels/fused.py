@@ -7,26 +7,16 @@ fuses each group into one kernel. The torch versions are the reference (CPU, fp3
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
 from minisgl.layers.quantization import Fp8Act, Fp8Scheme, quantize
 from minisgl.layers.quantization import fused as fp8_fused
-
-
-@functools.cache
-def _flashinfer_available() -> bool:
-    try:
-        import flashinfer  # noqa: F401
-    except ImportError:
-        return False
-    return True
+from minisgl.utils import has_module
 
 
 def _fused(x: torch.Tensor) -> bool:
-    return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and _flashinfer_available()
+    return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and has_module("flashinfer")
 
 
 def rmsnorm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

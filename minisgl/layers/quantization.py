@@ -16,12 +16,13 @@ the torch functions here are the reference: the same rounding, dequantized produ
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from minisgl.utils import has_module
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -174,18 +175,9 @@ def quantize_weight(w: torch.Tensor, block: int | None) -> tuple[torch.Tensor, t
 # ---- dispatch -----------------------------------------------------------------------------------
 
 
-@functools.cache
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def fused(x: torch.Tensor) -> bool:
     """Whether x takes the CUDA kernels: 16-bit activations on a GPU with Triton."""
-    return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and _triton_available()
+    return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and has_module("triton")
 
 
 def quantize(x: torch.Tensor, block: int | None) -> Fp8Act:
