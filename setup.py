@@ -6,6 +6,8 @@ setup(
     description="A compact, fast LLM serving runtime built around a radix-tree prefix cache.",
     python_requires=">=3.10",
     packages=find_packages(include=["minisgl", "minisgl.*"]),
+    # the JIT kernels' CUDA sources, compiled on first use: a non-editable install needs them
+    package_data={"minisgl.kernels": ["csrc/*.cu"]},
     # torch is deliberately not pinned to a CUDA build: install the torch you need first.
     install_requires=[
         "torch>=2.4",

@@ -1,4 +1,4 @@
-"""Compile the CUDA sources under kernels/csrc at run time with tvm-ffi and cache them on disk.
+"""Compile the CUDA sources under minisgl/kernels/csrc (shipped in the package) at run time with tvm-ffi and cache them on disk.
 
 tvm-ffi builds a small kernel in seconds (torch's cpp_extension takes about a minute) and keeps
 the shared library under ``~/.cache/tvm-ffi`` (or ``$TVM_FFI_CACHE_DIR``), so later runs only load it.
@@ -14,17 +14,17 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-CSRC = Path(__file__).resolve().parents[2] / "kernels" / "csrc"
+CSRC = Path(__file__).resolve().parent / "csrc"
 
 
 @functools.cache
 def load_module(name: str) -> Any:
-    """Load ``kernels/csrc/<name>.cu`` (compiling it if its cached build is missing or stale)."""
+    """Load ``csrc/<name>.cu`` (compiling it if its cached build is missing or stale)."""
     import tvm_ffi.cpp
 
     source = CSRC / f"{name}.cu"
     if not source.is_file():
-        raise FileNotFoundError(f"CUDA source {source} not found (run from a source checkout)")
+        raise FileNotFoundError(f"CUDA source {source} not found (the package was installed without it)")
     start = time.perf_counter()
     module = tvm_ffi.cpp.load(
         f"minisgl_{name}", cuda_files=[str(source)], extra_cuda_cflags=["-O3", "--use_fast_math"]
