@@ -124,6 +124,7 @@ class ServerArgs(EngineArgs):
     api_key: str | None = None
     log_level: str = "info"
     served_model_name: str | None = None
+    check_model_name: bool = False  # 404 for requests naming another model (vLLM); SGLang serves any name
     max_queued_requests: int | None = None  # beyond the running ones; more get a 503 (None: no limit)
     watchdog_timeout: float = 300.0  # seconds a step may take before the server gives up and exits
     log_requests: bool = False  # one log line per finished request

@@ -50,6 +50,9 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     ap = argparse.ArgumentParser(prog="python -m minisgl.launch", description="Serve a model over HTTP.")
     add_engine_args(ap)
     ap.add_argument("--served-model-name", default=None, help="name in /v1/models and OpenAI requests")
+    ap.add_argument("--check-model-name", action="store_true",
+                    help="answer 404 to OpenAI requests naming another model, as vLLM does (SGLang, and by default "
+                         "minisgl, serve any name)")
     ap.add_argument("--host", default=d.host, help="address to bind (default %(default)s)")
     ap.add_argument("--port", type=int, default=d.port)
     ap.add_argument("--api-key", default=os.environ.get("MINISGL_API_KEY"),

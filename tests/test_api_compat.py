@@ -173,7 +173,10 @@ def test_openai_usage_streaming_and_models(server: ServerProcess):
     assert sum(len(c.choices[0].logprobs.content) for c in chat if c.choices) == 8
     assert chat[-1].usage is not None and chat[-1].usage.completion_tokens == 8
     assert client.models.retrieve("tiny").id == "tiny"
+    assert httpx.get(f"{server.url}/v1/models/tiny").json()["root"] == "tiny"  # the served id, not a path
     assert httpx.get(f"{server.url}/v1/models/nope").status_code == 404
+    # Requests may name any model, as SGLang's clients and tests do (--check-model-name refuses).
+    assert client.completions.create(model="gpt-4", prompt="Hello", max_tokens=2).choices[0].text is not None
     for route in ("/server_info", "/model_info", "/version", "/get_model_info", "/get_server_info"):
         assert httpx.get(f"{server.url}{route}").status_code == 200, route
     # The shape the smg router polls (GET /v1/loads?include=core).

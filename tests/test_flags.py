@@ -78,3 +78,19 @@ def test_min_new_tokens_bans_what_would_end_the_request(tiny_llama):
     assert stop not in held[:3] and len(held) >= 3
     with pytest.raises(ValueError, match="min_new_tokens"):
         SamplingParams(max_new_tokens=2, min_new_tokens=5).validate()
+
+
+def test_check_model_name_refuses_other_models_only_when_asked():
+    from minisgl.api.openai import OpenAIRoutes
+    from minisgl.api.protocol import BadRequest
+    from minisgl.args import ServerArgs
+
+    routes = object.__new__(OpenAIRoutes)
+    routes.args = ServerArgs(model="/models/tiny", served_model_name="tiny")
+    routes._check_model("gpt-4")  # SGLang's behaviour: any name is served
+    routes.args.check_model_name = True
+    for name in ("tiny", "/models/tiny", "default"):
+        routes._check_model(name)
+    with pytest.raises(BadRequest, match="'gpt-4' does not exist"):
+        routes._check_model("gpt-4")
+    assert parse_args(["--model", "m", "--check-model-name"]).check_model_name

@@ -209,8 +209,11 @@ class ApiBase:
 
         return EventStream(events, close)
 
-    def _check_model(self, model: str) -> None:
-        """SGLang answers to its served name, its model path, and "default"."""
+    def _check_model(self, model: str, always: bool = False) -> None:
+        """Requests may name any model, as SGLang serves them; with --check-model-name (as vLLM)
+        only the served name, the model path and "default" (``always``: a catalog lookup)."""
+        if not (always or self.args.check_model_name):
+            return
         if model not in (self.args.model_name, self.args.model, "default"):
             raise BadRequest(f"model {model!r} does not exist; this server serves {self.args.model_name!r}",
                              status=404, param="model")

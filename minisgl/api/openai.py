@@ -158,12 +158,12 @@ class OpenAIRoutes(ApiBase):
 
     def _card(self) -> dict[str, Any]:
         return {"id": self.args.model_name, "object": "model", "created": self.created, "owned_by": "minisgl",
-                "root": self.args.model, "max_model_len": self.info.context_len}
+                "root": self.args.model_name, "max_model_len": self.info.context_len}
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [self._card()]})
 
     async def model(self, request: Request) -> Response:
-        self._check_model(request.path_params["model"])
+        self._check_model(request.path_params["model"], always=True)
         return JSONResponse(self._card())
 
