@@ -244,6 +244,18 @@ def test_stop_string_across_tokens(server: ServerProcess, offline: LLM):
                                             stop=stop, stream=True, extra_body={"ignore_eos": True}))
     streamed = "".join(c.choices[0].text for c in chunks)
     assert streamed == expected and chunks[-1].choices[0].finish_reason == "stop"
+    # SGLang's matched_stop on OpenAI choices: the stop string, a stop token's id, or null.
+    assert chunks[-1].choices[0].model_extra["matched_stop"] == stop
+    whole = client.completions.create(model="tiny", prompt="Hello world", max_tokens=40, temperature=0, stop=stop,
+                                      extra_body={"ignore_eos": True})
+    assert whole.choices[0].model_extra["matched_stop"] == stop
+    length = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                            max_tokens=2, extra_body={"ignore_eos": True})
+    assert length.choices[0].finish_reason == "length" and length.choices[0].model_extra["matched_stop"] is None
+    first = offline.generate("Hello world", {"max_new_tokens": 1, "temperature": 0})[0]["output_ids"][0]
+    by_id = client.completions.create(model="tiny", prompt="Hello world", max_tokens=8, temperature=0,
+                                      extra_body={"stop_token_ids": [first]})
+    assert by_id.choices[0].model_extra["matched_stop"] == first
     idle_and_clean(server)
 
 

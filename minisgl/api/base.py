@@ -75,6 +75,13 @@ class Run:
             return {"type": "length", "length": len(self.token_ids)}
         return {"type": self.finish_reason}
 
+    @property
+    def matched_stop(self) -> int | str | None:
+        """SGLang's ``matched_stop`` of OpenAI choices: the stop string or token id that ended the
+        request, None when something else did."""
+        info = self.finish_info()
+        return info.get("matched") if info else None
+
     async def arrivals(self) -> AsyncIterator[ReqUpdate]:
         """Each update as it arrives (the acceptance one first), not yet applied to the totals."""
         if self._first is not None:

@@ -93,6 +93,7 @@ class OpenAIRoutes(ApiBase):
                 echoed = _echo(prompts[i // body.n], r.input_logprobs) if body.echo else ""
                 lps = (r.input_logprobs if body.echo else []) + r.logprobs
                 choices.append({"index": i, "text": echoed + r.text, "finish_reason": r.finish_reason,
+                                "matched_stop": r.matched_stop,
                                 "logprobs": _completion_logprobs(lps, 0) if body.logprobs is not None else None})
             return JSONResponse({**head, "choices": choices, "usage": _usage(runs, body.n)})
 
@@ -107,7 +108,8 @@ class OpenAIRoutes(ApiBase):
             if body.logprobs is not None:  # one entry per token, also while its text is held back
                 logprobs = _completion_logprobs(lps, offsets[i])
             offsets[i] += len(text)
-            return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": upd.finish_reason}
+            return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": upd.finish_reason,
+                    "matched_stop": runs[i].matched_stop if upd.finish_reason else None}
 
         events = _chunks(runs, head, body, choice)
         return self._stream(runs, events)
@@ -138,7 +140,7 @@ class OpenAIRoutes(ApiBase):
                 choices.append({
                     "index": i, "message": out.message(r.text),
                     "logprobs": {"content": [_openai_logprob(lp) for lp in r.logprobs]} if body.logprobs else None,
-                    "finish_reason": out.finish_reason(r.finish_reason)})
+                    "finish_reason": out.finish_reason(r.finish_reason), "matched_stop": r.matched_stop})
             return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": _usage(runs, body.n)})
 
         head["object"] = "chat.completion.chunk"
@@ -151,7 +153,8 @@ class OpenAIRoutes(ApiBase):
             if not started[i]:
                 delta, started[i] = {"role": "assistant", "content": "", **delta}, True
             return {"index": i, "delta": delta, "logprobs": logprobs,
-                    "finish_reason": outputs[i].finish_reason(upd.finish_reason)}
+                    "finish_reason": outputs[i].finish_reason(upd.finish_reason),
+                    "matched_stop": runs[i].matched_stop if upd.finish_reason else None}
 
         events = _chunks(runs, head, body, choice)
         return self._stream(runs, events)
