@@ -129,6 +129,24 @@ def test_chat_template_kwargs_are_template_variables_only(tiny_llama):
             encode_chat(tok, HISTORY, None, {key: value})
 
 
+def test_reasoning_effort_reaches_templates_that_take_it(tiny_llama):
+    """OpenAI's reasoning_effort is a template variable (gpt-oss's templates read it); others
+    render as without it; chat_template_kwargs may still set it."""
+    import msgspec
+
+    from minisgl.api.protocol import ChatCompletionRequest
+
+    body = msgspec.json.decode(b'{"model": "m", "messages": [{"role": "user", "content": "x"}], '
+                               b'"reasoning_effort": "high"}', type=ChatCompletionRequest)
+    assert body.template_kwargs() == {"reasoning_effort": "high"}
+    tok = load_tokenizer(tiny_llama)
+    assert encode_chat(tok, HISTORY, None, body.template_kwargs()) == encode_chat(tok, HISTORY)
+    tok.chat_template = "{{ reasoning_effort | default('unset') }}:{{ messages[-1]['content'] }}"
+    assert tok.decode(encode_chat(tok, HISTORY, None, body.template_kwargs())).startswith("high:")
+    body.chat_template_kwargs = {"reasoning_effort": "low"}
+    assert tok.decode(encode_chat(tok, HISTORY, None, body.template_kwargs())).startswith("low:")
+
+
 @pytest.fixture(scope="module")
 def server(tiny_llama):
     srv = ServerProcess(tiny_llama, "--max-total-tokens", "16384", "--reasoning-parser", "qwen3")

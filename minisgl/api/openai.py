@@ -127,7 +127,7 @@ class OpenAIRoutes(ApiBase):
             sampling.json_schema = plan.schema or sampling.json_schema  # a forced call's grammar
             reqs.append(GenerateReq(f"{cid}-{j}", sampling, messages=messages, top_logprobs=body.num_top_logprobs,
                                     fill_context=max_new is None, tools=plan.tools,
-                                    chat_template_kwargs=body.chat_template_kwargs))
+                                    chat_template_kwargs=body.template_kwargs()))
         runs = await self._start(reqs)
         reasoning = self.args.reasoning_parser if body.separate_reasoning else None
         outputs = [ChatOutput(plan, reasoning, body.stream_reasoning) for _ in runs]

@@ -405,8 +405,16 @@ class ChatCompletionRequest(_OpenAIBase, kw_only=True):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's: a template variable for templates that take it (gpt-oss's), inert for the others.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     separate_reasoning: bool = True  # SGLang: reasoning_content apart from content (with --reasoning-parser)
     stream_reasoning: bool = True  # SGLang: false sends the reasoning whole once it ends
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """chat_template_kwargs, with reasoning_effort among them when it is given (theirs wins)."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
 
     def tool_plan(self, parser: str | None) -> ToolPlan:
         """How this request's tools run, given the server's tool-call format (None: unknown)."""
