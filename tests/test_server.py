@@ -469,12 +469,16 @@ def test_info_metrics_and_flush(server: ServerProcess):
     assert info["served_model_name"] == "tiny" and info["is_generation"] and info["context_length"] == 1024
     sinfo = server.server_info()
     assert sinfo["server_args"]["page_size"] == PAGE_SIZE and "api_key" not in sinfo["server_args"]
+    # SGLang's top-level keys, as its tests and autoscalers read them
+    assert sinfo["page_size"] == PAGE_SIZE and sinfo["model_path"] and sinfo["version"] and "api_key" not in sinfo
+    assert sinfo["max_total_num_tokens"] >= 16384 and sinfo["kv_cache_dtype"] == "float32"
     assert set(sinfo["processes"]) == {"api", "tokenizer", "scheduler", "worker-0"}
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
     # SGLang's names and model_name label, as its Grafana dashboard and the smg router read them.
     for name in ["sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage", "sglang:cache_hit_rate",
                  "sglang:gen_throughput", "sglang:time_to_first_token_seconds_bucket",
                  "sglang:inter_token_latency_seconds_bucket", "sglang:e2e_request_latency_seconds_bucket",
+                 "sglang:time_per_output_token_seconds_bucket", "sglang:num_requests_total",
                  "sglang:prompt_tokens_total", "sglang:generation_tokens_total", "sglang:cached_tokens_total",
                  "sglang:num_retracted_requests_total", "minisgl_requests_total", "minisgl_free_pages"]:
         assert name in text, name

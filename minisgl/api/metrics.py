@@ -31,6 +31,9 @@ class Metrics:
         self.ttft = histogram("sglang:time_to_first_token_seconds", "Time to first token")
         self.itl = histogram("sglang:inter_token_latency_seconds", "Time between output tokens")
         self.e2e = histogram("sglang:e2e_request_latency_seconds", "Request latency, arrival to last token")
+        self.tpot = histogram("sglang:time_per_output_token_seconds",
+                              "Per request, time from its first to its last output token per token after the first")
+        self.finished = counter("sglang:num_requests", "Finished requests")
         self.gauges = {
             name: Gauge(name, doc, model, registry=r).labels(model_name)
             for name, doc in [
@@ -84,7 +87,7 @@ class RequestTimer:
 
     def __init__(self, metrics: Metrics):
         self.metrics = metrics
-        self.start = self.last = time.perf_counter()
+        self.start = self.last = self.first = time.perf_counter()
         self.tokens = 0
 
     def tokens_arrived(self, n: int) -> None:
@@ -93,6 +96,7 @@ class RequestTimer:
         now = time.perf_counter()
         self.metrics.tokens_streamed += n
         if self.tokens == 0:
+            self.first = now
             self.metrics.ttft.observe(now - self.start)
         else:
             gap = (now - self.last) / n
@@ -106,6 +110,9 @@ class RequestTimer:
         e2e = time.perf_counter() - self.start
         m = self.metrics
         m.e2e.observe(e2e)
+        if self.tokens > 1:
+            m.tpot.observe((self.last - self.first) / (self.tokens - 1))
+        m.finished.inc()
         m.requests.labels(reason).inc()
         m.prompt_tokens.inc(prompt_tokens)
         m.cached_tokens.inc(cached_tokens)

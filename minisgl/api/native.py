@@ -122,7 +122,10 @@ class NativeRoutes(ApiBase):
     async def server_info(self, request: Request) -> Response:
         server_args = {k: v for k, v in asdict(self.args).items() if k != "api_key"}
         server_args["max_running_requests"] = self.info.max_running_requests  # as derived, if not given
+        # SGLang's shape: the server args at the top level (model_path its name for --model), then
+        # what the engine measured; ours under their own keys too.
         return JSONResponse({
+            **server_args, "model_path": self.args.model,
             "max_total_num_tokens": self.info.num_pages * self.info.page_size,
             "kv_cache_dtype": self.info.kv_cache_dtype, "version": minisgl.__version__,
             "server_args": server_args, "engine": msgspec.to_builtins(self.info),
