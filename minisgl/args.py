@@ -105,8 +105,8 @@ class EngineArgs:
                 raise ValueError(f"nnodes > 1 needs dist_init_addr as host:port, got {self.dist_init_addr!r}")
         if self.decode_attention_backend not in ("flashinfer", "triton"):
             raise ValueError(f"decode_attention_backend must be flashinfer or triton, got {self.decode_attention_backend!r}")
-        if self.schedule_policy not in ("fcfs", "lpm"):
-            raise ValueError(f"schedule_policy must be fcfs or lpm, got {self.schedule_policy!r}")
+        if self.schedule_policy not in ("fcfs", "lpm", "random"):
+            raise ValueError(f"schedule_policy must be lpm, fcfs or random, got {self.schedule_policy!r}")
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"--quantization {self.quantization!r} is not supported (fp8)")
         if self.kv_cache_dtype not in ("auto", "fp8_e4m3", "bf16", "bfloat16"):
@@ -168,7 +168,12 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--load-format", default=d.load_format, choices=["auto", "safetensors", "gguf", "dummy"],
                     help="auto: safetensors, or GGUF for a .gguf file; dummy: random weights in the real shapes")
     ap.add_argument("--device", default=d.device, help="auto (cuda if present, else cpu), cuda or cpu")
-    ap.add_argument("--attention-backend", default=d.attention_backend, choices=["auto", "torch", "flashinfer"])
+    ap.add_argument("--attention-backend", default=d.attention_backend,
+                    choices=["auto", "torch", "torch_native", "flashinfer"],
+                    help="auto: FlashInfer (with our Triton decode kernel) on CUDA, torch elsewhere; torch_native "
+                         "is SGLang's name for torch")
+    ap.add_argument("--grammar-backend", default="xgrammar", choices=["xgrammar"],
+                    help="structured output through xgrammar (the one backend here)")
     ap.add_argument("--decode-attention-backend", default=d.decode_attention_backend, choices=["flashinfer", "triton"],
                     help="plain decode steps with the flashinfer backend: triton (default), the kernel cascade steps "
                          "run on, so a request's tokens are bit-identical with cascade attention on or off; or "
@@ -186,7 +191,9 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
                     help="most prompt tokens of one prefill step (default: --chunked-prefill-size)")
     ap.add_argument("--context-length", type=int, default=None)
     ap.add_argument("--disable-radix-cache", action="store_true")
-    ap.add_argument("--schedule-policy", default=d.schedule_policy, choices=["lpm", "fcfs"])
+    ap.add_argument("--schedule-policy", default=d.schedule_policy, choices=["lpm", "fcfs", "random"],
+                    help="admission order: lpm (longest cached prefix first, shared prefixes together), fcfs "
+                         "(arrival), random")
     ap.add_argument("--seed", "--random-seed", dest="seed", type=int, default=d.seed)
     ap.add_argument("--cuda-graph-max-bs", type=int, default=None,
                     help="largest decode batch run from a CUDA graph (default: max-running-requests; 0: off)")
@@ -205,6 +212,16 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
                     help="decode every request over all its pages, even those it shares with others")
 
 
+def normalize_engine_args(ns: argparse.Namespace) -> None:
+    """SGLang's spellings to ours, and flags accepted only for its command lines dropped."""
+    if ns.attention_backend == "torch_native":
+        ns.attention_backend = "torch"
+    for name in ("grammar_backend",):
+        if hasattr(ns, name):
+            delattr(ns, name)
+
+
 def engine_kwargs(ns: argparse.Namespace) -> dict:
     """The EngineArgs fields of parsed arguments (for ``LLM(**...)``, model excluded)."""
+    normalize_engine_args(ns)
     return {f.name: getattr(ns, f.name) for f in fields(EngineArgs) if f.name != "model" and hasattr(ns, f.name)}

@@ -32,7 +32,7 @@ from minisgl.api.connections import HeaderTimeoutProtocol
 from minisgl.api.reasoning import PARSERS as REASONING_PARSERS
 from minisgl.api.server import create_app
 from minisgl.api.tool_calls import PARSERS as TOOL_PARSERS
-from minisgl.args import ServerArgs, add_engine_args
+from minisgl.args import ServerArgs, add_engine_args, normalize_engine_args
 from minisgl.data_parallel import ROUTER_POLICIES, DataParallelLauncher
 from minisgl.ipc import Addresses, ChildDied, Receiver, stop_processes, wait_ready
 from minisgl.messages import EngineInfo
@@ -63,7 +63,8 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
                     help="seconds a model step may take before the server reports itself dead and exits")
     ap.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error", "critical"])
     ap.add_argument("--log-requests", action="store_true", help="log one line per finished request")
-    ap.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes, help="largest request body (413 above)")
+    ap.add_argument("--max-request-bytes", "--max-payload-size", dest="max_request_bytes", type=int,
+                    default=d.max_request_bytes, help="largest request body (413 above; SGLang: --max-payload-size)")
     ap.add_argument("--request-body-timeout", type=float, default=d.request_body_timeout,
                     help="seconds a client may take to send its body (408 after)")
     ap.add_argument("--max-sequences-per-request", type=int, default=d.max_sequences_per_request,
@@ -100,6 +101,7 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
                  "per host and one smg router over them (README: scale-out)")
     for name in ("trust_remote_code", "enable_metrics", "enable_cache_report", "skip_server_warmup"):
         delattr(ns, name)
+    normalize_engine_args(ns)
     return ServerArgs(**vars(ns))
 
 

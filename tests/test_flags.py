@@ -94,3 +94,13 @@ def test_check_model_name_refuses_other_models_only_when_asked():
     with pytest.raises(BadRequest, match="'gpt-4' does not exist"):
         routes._check_model("gpt-4")
     assert parse_args(["--model", "m", "--check-model-name"]).check_model_name
+
+
+def test_sglang_spellings_of_backends_and_limits():
+    args = parse_args(["--model", "m", "--attention-backend", "torch_native", "--grammar-backend", "xgrammar",
+                       "--max-payload-size", "1000", "--schedule-policy", "random", "--kv-cache-dtype", "auto"])
+    assert (args.attention_backend, args.max_request_bytes, args.schedule_policy) == ("torch", 1000, "random")
+    args.validate()
+    for flag, value in (("--grammar-backend", "outlines"), ("--attention-backend", "fa3")):
+        with pytest.raises(SystemExit):
+            parse_args(["--model", "m", flag, value])

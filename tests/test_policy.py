@@ -206,3 +206,31 @@ def test_a_shared_prefix_is_computed_once(tiny_llama, policy, chunk, page_size, 
     computed = llm.scheduler.stats()["prefill_tokens"]
     # A request recomputes at most the partial page its cached prefix ends in.
     assert distinct_tokens(prompts) <= computed <= distinct_tokens(prompts) + len(prompts) * (page_size - 1) + len(prompts)
+
+
+def test_random_policy_is_a_stable_permutation_with_retractions_in_front():
+    """--schedule-policy random: an order drawn at arrival (the same on every read), every live
+    request once, removals gone, a retracted request in front; the engine gives greedy tokens
+    independent of the order."""
+    cache = RadixCacheManager(4)
+    reqs = [make_req(i, [3 + i, 4, 5, 6, 7]) for i in range(200)]
+    queue = WaitingQueue("random", 4)
+    for r in reqs:
+        queue.push(r, 0)
+    first = list(queue.order(0, cache))
+    assert sorted(r.rid for r in first) == list(range(200)) and first != reqs
+    assert list(queue.order(5, cache)) == first
+    for r in first[:150:2]:
+        queue.remove(r)
+    assert list(queue.order(0, cache)) == [r for r in first if r not in first[:150:2]]
+    back = first[0]
+    queue.push(back, 3, front=True)
+    assert next(iter(queue.order(3, cache))) is back and len(queue) == len(list(queue.order(3, cache)))
+
+
+def test_random_policy_engine_tokens_match_fcfs(tiny_llama):
+    prompts = [[5 + i, 17, 23, 42 + i, 7] for i in range(12)]
+    params = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+    outs = [[r["output_ids"] for r in make_llm(tiny_llama, schedule_policy=p, max_running_requests=3).generate(
+        prompts, params)] for p in ("fcfs", "random")]
+    assert outs[0] == outs[1]

@@ -1,6 +1,7 @@
 """The waiting queue: which request goes next, at a cost that does not grow with the queue.
 
-``fcfs`` admits in arrival order. ``lpm`` puts the requests whose prompts are cached the
+``fcfs`` admits in arrival order, ``random`` in an order drawn at arrival (SGLang's policy of
+that name shuffles its queue each round; a key drawn once costs O(log n) per request). ``lpm`` puts the requests whose prompts are cached the
 furthest first and keeps requests that share a prefix next to each other: the first one
 admitted computes the prefix, and because the scheduler publishes a chunk's pages when it
 schedules it, the ones right behind it reuse them. Among equal hits, subtrees go oldest first:
@@ -27,6 +28,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
+import random
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
@@ -36,7 +38,7 @@ from minisgl.kvcache.base_manager import common_pages
 from minisgl.scheduler.request import Req
 
 AGING_STEPS = 256
-POLICIES = ("lpm", "fcfs")
+POLICIES = ("lpm", "fcfs", "random")
 
 
 class _Node:
@@ -234,6 +236,10 @@ class WaitingQueue:
         # fcfs: sequence numbers in order (arrivals appended, retractions in front), dropped lazily.
         self._fifo: deque[tuple[int, Req]] = deque()
         self._gone = 0
+        # random: (key, sequence number, request) sorted by a key drawn at arrival (retractions
+        # below every draw), dropped lazily.
+        self._shuffled: list[tuple[float, int, Req]] = []
+        self._rng = random.Random(0)
         # lpm: one trie; arrivals by the step they came at, the oldest first: sequence numbers
         # below the first arrival younger than AGING_STEPS are the aged tier.
         self._trie = _Trie(page_size)
@@ -261,6 +267,9 @@ class WaitingQueue:
         if self.policy == "fcfs":
             self._fifo.appendleft((seq, req)) if front else self._fifo.append((seq, req))
             return
+        if self.policy == "random":  # (key, seq) is unique: requests are never compared
+            bisect.insort(self._shuffled, (float(seq) if front else self._rng.random(), seq, req))
+            return
         self._trie.insert(req, seq)
         if not front:
             self._arrival_steps.append(step)
@@ -275,6 +284,11 @@ class WaitingQueue:
             self._trie.remove(req, seq)
             return
         self._gone += 1
+        if self.policy == "random":
+            if self._gone > len(self._shuffled) // 2:
+                self._shuffled = [e for e in self._shuffled if e[2].queue_seq == e[1]]
+                self._gone = 0
+            return
         fifo = self._fifo
         while fifo and fifo[0][1].queue_seq != fifo[0][0]:
             fifo.popleft()
@@ -288,6 +302,8 @@ class WaitingQueue:
         remove while reading."""
         if self.policy == "fcfs":
             return (req for seq, req in self._fifo if req.queue_seq == seq)
+        if self.policy == "random":
+            return (req for _, seq, req in self._shuffled if req.queue_seq == seq)
         steps, seqs = self._arrival_steps, self._arrival_seqs
         aged = bisect.bisect_right(steps, step - AGING_STEPS)  # a burst of arrivals ages at once
         young = seqs[aged] if aged < len(seqs) else _NEVER

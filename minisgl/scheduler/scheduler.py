@@ -88,7 +88,9 @@ class Scheduler:
         self.memory = Memory(args.page_size, num_pages, args.max_running_requests, args.disable_radix_cache)
         self.cache, self.allocator = self.memory.cache, self.memory.allocator
         # Without prefix reuse there is nothing for lpm to order by: arrival order.
-        self.waiting = WaitingQueue(args.schedule_policy if self.cache.reuses_prefixes else "fcfs", args.page_size)
+        # lpm without a prefix cache has no hits to order by: arrival order.
+        policy = "fcfs" if args.schedule_policy == "lpm" and not self.cache.reuses_prefixes else args.schedule_policy
+        self.waiting = WaitingQueue(policy, args.page_size)
         self.counters = Counters()
         self.prefill = PrefillPlanner(args, context_len, self.memory, self.counters)
         self.decode = DecodePlanner(self.memory, not args.disable_cascade_attention)
