@@ -46,6 +46,7 @@ class EngineArgs:
     max_prefill_tokens: int | None = None  # tokens of one prefill step (None: chunked_prefill_size)
     revision: str | None = None  # of a hub model
     chat_template: str | None = None  # a Jinja template file (or the template itself) to use instead
+    decode_log_interval: int | None = None  # stats line every N decode steps (None: every 10 s of work)
     quantization: str | None = None  # "fp8": quantize a float checkpoint's linear layers at load (W8A8)
     kv_cache_dtype: str = "auto"  # auto (the model dtype), fp8_e4m3, bf16
 
@@ -107,6 +108,8 @@ class EngineArgs:
             raise ValueError(f"decode_attention_backend must be flashinfer or triton, got {self.decode_attention_backend!r}")
         if self.schedule_policy not in ("fcfs", "lpm", "random"):
             raise ValueError(f"schedule_policy must be lpm, fcfs or random, got {self.schedule_policy!r}")
+        if self.decode_log_interval is not None and self.decode_log_interval < 1:
+            raise ValueError(f"decode_log_interval must be >= 1, got {self.decode_log_interval}")
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"--quantization {self.quantization!r} is not supported (fp8)")
         if self.kv_cache_dtype not in ("auto", "fp8_e4m3", "bf16", "bfloat16"):
@@ -159,6 +162,8 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=d.tp_size,
                     help="tensor-parallel ranks (GPUs)")
     ap.add_argument("--dtype", default=d.dtype, help="auto, bfloat16, float16 or float32")
+    ap.add_argument("--decode-log-interval", type=int, default=None,
+                    help="log the stats line every N decode steps (SGLang's flag; default: every 10 s while busy)")
     ap.add_argument("--quantization", default=None,
                     help="fp8: linear weights quantized to FP8 e4m3 at load (per output channel) with per-token "
                          "FP8 activations; FP8 checkpoints (compressed-tensors, block-wise) need no flag")

@@ -104,3 +104,27 @@ def test_sglang_spellings_of_backends_and_limits():
     for flag, value in (("--grammar-backend", "outlines"), ("--attention-backend", "fa3")):
         with pytest.raises(SystemExit):
             parse_args(["--model", "m", flag, value])
+
+
+def test_decode_log_interval_logs_every_n_decode_steps(caplog):
+    """--decode-log-interval N: the stats line after every N decode steps, however little time passed."""
+    import logging
+    import types
+
+    from minisgl.args import EngineArgs
+    from minisgl.scheduler.process import SchedulerProcess
+
+    proc = object.__new__(SchedulerProcess)
+    proc.args = EngineArgs(model="m", decode_log_interval=3)
+    stats = dict(running_requests=1, queued_requests=0, kv_usage=0.5, total_pages=10, cache_hit_rate=0.25)
+    proc.sched = types.SimpleNamespace(counters=types.SimpleNamespace(decode_steps=0), stats=lambda: stats,
+                                       has_work=True)
+    proc._last_log, proc._tokens_since_log, proc._logged_steps = 0.0, 0, 0
+    lines = []
+    with caplog.at_level(logging.INFO, logger="minisgl.scheduler.process"):
+        for step in range(1, 10):
+            proc.sched.counters.decode_steps = step
+            proc._maybe_log_stats()
+            lines.append(sum("cache hit rate 25.0%" in r.message for r in caplog.records))
+    assert lines == [0, 0, 1, 1, 1, 2, 2, 2, 3]
+    assert parse_args(["--model", "m", "--decode-log-interval", "40"]).decode_log_interval == 40

@@ -52,7 +52,7 @@ class SchedulerProcess:
         self.by_rid: dict[str, Req] = {}
         self.rid_of: dict[int, str] = {}
         self.outbox: list[TokenOut] = []
-        self._last_log, self._tokens_since_log = time.monotonic(), 0
+        self._last_log, self._tokens_since_log, self._logged_steps = time.monotonic(), 0, 0
         self._turned = time.monotonic()  # when the main loop last came round
         self.tokenizer.send(info)
 
@@ -166,8 +166,15 @@ class SchedulerProcess:
             self._maybe_log_stats()
 
     def _maybe_log_stats(self) -> None:
+        """Every STATS_INTERVAL_S while there is work, or every --decode-log-interval decode steps."""
         now = time.monotonic()
-        if now - self._last_log < STATS_INTERVAL_S or not (self._tokens_since_log or self.sched.has_work):
+        every = self.args.decode_log_interval
+        if every:
+            steps = self.sched.counters.decode_steps
+            if steps - self._logged_steps < every:
+                return
+            self._logged_steps = steps
+        elif now - self._last_log < STATS_INTERVAL_S or not (self._tokens_since_log or self.sched.has_work):
             return
         s = self.sched.stats()
         logger.info(
