@@ -535,3 +535,19 @@ def test_limit_flags(tiny_llama: Path):
             start = time.monotonic()
             reply = s.recv(4096).decode()
             assert " 408 " in reply.splitlines()[0] and time.monotonic() - start < 5, reply
+
+
+def test_stream_output_sends_disjoint_segments(tiny_llama):
+    """--stream-output (SGLang's): each streamed /generate event carries only its new text, ids and
+    logprobs; put together they are the whole answer."""
+    body = {"text": "Hello world", "stream": True, "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}}
+    with running_server(tiny_llama, "--max-total-tokens", "4096", "--stream-output") as srv:
+        whole = httpx.post(f"{srv.url}/generate", json={**body, "stream": False}, timeout=60).json()
+        with httpx.stream("POST", f"{srv.url}/generate", json=body, timeout=60) as r:
+            events = sse_events(r.iter_lines())[:-1]
+    assert len(events) > 1
+    assert "".join(e["text"] for e in events) == whole["text"]
+    assert sum((e["output_ids"] for e in events), []) == whole["output_ids"]
+    logprobs = sum((e["meta_info"]["output_token_logprobs"] for e in events), [])
+    assert [t for _, t, _ in logprobs] == whole["output_ids"]

@@ -67,10 +67,19 @@ class NativeRoutes(ApiBase):
                 return Response(status_code=499)
             return JSONResponse([result(i) for i in range(len(runs))] if batch else result(0))
 
+        sent = [0] * len(runs)  # output tokens each run has streamed (--stream-output)
+
         async def events() -> AsyncIterator[bytes]:
             async for i, upd in merge(runs):
                 if upd.token_ids or upd.finish_reason is not None:
-                    yield sse(result(i))
+                    out = result(i)
+                    if self.args.stream_output:  # SGLang's disjoint segments: only what is new
+                        out["text"], out["output_ids"] = upd.text, out["output_ids"][sent[i]:]
+                        for key in ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs"):
+                            if key in out["meta_info"]:
+                                out["meta_info"][key] = out["meta_info"][key][sent[i]:]
+                        sent[i] = len(runs[i].token_ids)
+                    yield sse(out)
             yield SSE_DONE
 
         return self._stream(runs, events())
