@@ -535,6 +535,13 @@ def test_limit_flags(tiny_llama: Path):
             start = time.monotonic()
             reply = s.recv(4096).decode()
             assert " 408 " in reply.splitlines()[0] and time.monotonic() - start < 5, reply
+        # A declared length past the limit: 413 at once, nothing of the body read or awaited.
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
+            s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 999999999\r\n\r\n{")
+            start = time.monotonic()
+            reply = s.recv(4096).decode()
+            assert " 413 " in reply.splitlines()[0] and time.monotonic() - start < 0.9, reply
 
 
 def test_stream_output_sends_disjoint_segments(tiny_llama):
@@ -551,3 +558,15 @@ def test_stream_output_sends_disjoint_segments(tiny_llama):
     assert sum((e["output_ids"] for e in events), []) == whole["output_ids"]
     logprobs = sum((e["meta_info"]["output_token_logprobs"] for e in events), [])
     assert [t for _, t, _ in logprobs] == whole["output_ids"]
+
+
+def test_huge_batches_are_counted_before_they_are_built(server: ServerProcess):
+    """100,000 prompts in a 0.6 MB body get their 400 at once (they took 13.8 s, while other
+    clients waited): sequences are counted before any request is built."""
+    for route, body in (("/generate", {"text": ["hi"] * 100_000}),
+                        ("/v1/completions", {"model": "tiny", "prompt": ["hi"] * 100_000, "max_tokens": 2})):
+        start = time.monotonic()
+        r = httpx.post(f"{server.url}{route}", content=json.dumps(body), timeout=30)
+        assert r.status_code == 400 and "--max-sequences-per-request" in r.text, (route, r.text[:200])
+        assert time.monotonic() - start < 1.0
+    idle_and_clean(server)

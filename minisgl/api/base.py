@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse
 from minisgl.api.client import EngineClient, RequestStream
 from minisgl.api.fields import Schema
 from minisgl.api.metrics import Metrics, RequestTimer
-from minisgl.api.protocol import BadRequest, decode
+from minisgl.api.protocol import BadRequest, check_sequences, decode
 from minisgl.api.streaming import EventStream
 from minisgl.args import ServerArgs
 from minisgl.messages import EngineInfo, GenerateReq, ReqUpdate, TokenLogprob
@@ -110,6 +110,9 @@ async def read_body(request: Request, kind: type, args: ServerArgs, schema: Sche
     """The request body decoded as ``kind`` (fields sorted by ``schema``): 413 past
     ``--max-request-bytes`` (read no further), 408 when it does not arrive in time."""
     limit = args.max_request_bytes
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:  # refused at once, before waiting for the body
+        raise BadRequest(f"the request body has {declared} bytes, more than {limit} (--max-request-bytes)", status=413)
 
     async def receive() -> bytes:
         chunks, size = [], 0
@@ -178,9 +181,7 @@ class ApiBase:
         """Submit all requests; if the engine refuses any, abort the rest and raise. Refused
         whole when they are more than one request may run, or the queue is full."""
         args = self.args
-        if len(reqs) > args.max_sequences_per_request:
-            raise BadRequest(f"the request asks for {len(reqs)} sequences (prompts x n); at most "
-                             f"{args.max_sequences_per_request} (--max-sequences-per-request)", param="n")
+        check_sequences(len(reqs), args.max_sequences_per_request)
         for req in reqs:
             stops = req.sampling.stop_strings
             if len(stops) > args.max_stop_strings or any(len(s) > args.max_stop_length for s in stops):

@@ -50,7 +50,7 @@ class NativeRoutes(ApiBase):
 
     async def generate(self, request: Request) -> Response:
         body: GenerateRequest = await read_body(request, GenerateRequest, self.args, GENERATE)
-        items = body.items()
+        items = body.items(self.args.max_sequences_per_request)  # counted before any is built
         runs = await self._start([
             GenerateReq(it.rid, it.sampling, text=it.text, input_ids=it.input_ids, top_logprobs=it.top_logprobs,
                         logprob_start=it.logprob_start, logprob_ids=it.logprob_ids)

@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse, Response
 from minisgl.api.base import ApiBase, Run, merge, read_body
 from minisgl.api.chat_output import ChatOutput
 from minisgl.api.fields import CHAT, COMPLETION
-from minisgl.api.protocol import ChatCompletionRequest, CompletionRequest
+from minisgl.api.protocol import ChatCompletionRequest, CompletionRequest, check_sequences
 from minisgl.api.streaming import SSE_DONE, sse
 from minisgl.messages import GenerateReq, ReqUpdate, TokenLogprob
 
@@ -76,6 +76,7 @@ class OpenAIRoutes(ApiBase):
         self._check_model(body.model)
         body.check()
         cid, prompts = f"cmpl-{uuid.uuid4().hex}", body.prompts()
+        check_sequences(len(prompts) * body.n, self.args.max_sequences_per_request)  # before any is built
         reqs = [  # echo with max_tokens 0 scores the prompt and generates nothing
             GenerateReq(f"{cid}-{i * body.n + j}", body.sampling(body.max_tokens, j),
                         text=p if isinstance(p, str) else None, input_ids=None if isinstance(p, str) else p,

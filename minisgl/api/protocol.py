@@ -134,8 +134,9 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
             raise BadRequest(f"{name} has {len(value)} entries for {count} prompts", param=name)
         return value
 
-    def items(self) -> list[GenerateItem]:
-        """The sequences to run, prompt by prompt, each prompt's n samples together."""
+    def items(self, max_sequences: int | None = None) -> list[GenerateItem]:
+        """The sequences to run, prompt by prompt, each prompt's n samples together; refused
+        before any is built when there are more than ``max_sequences``."""
         prompts = self._prompts()
         count = len(prompts)
         sampling = self._per_prompt(self.sampling_params, "sampling_params", count, SamplingIn())
@@ -148,6 +149,7 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
         n = sampling[0].n
         if not 1 <= n <= MAX_N:
             raise BadRequest(f"n must be in [1, {MAX_N}], got {n}", param="sampling_params.n")
+        check_sequences(count * n, max_sequences)
         single = not self.is_batch and n == 1
         rids = self._rids(count * n, single)
         out = []
@@ -189,6 +191,13 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
         if len(self.rid) != total:
             raise BadRequest(f"rid has {len(self.rid)} entries for {total} sequences", param="rid")
         return list(self.rid)
+
+
+def check_sequences(total: int, limit: int | None) -> None:
+    """Refuse a request for more sequences (prompts x n) than one request may run."""
+    if limit is not None and total > limit:
+        raise BadRequest(f"the request asks for {total} sequences (prompts x n); at most {limit} "
+                         "(--max-sequences-per-request)", param="n")
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
