@@ -159,6 +159,12 @@ def test_n_choices_logprobs_and_batch_prompts(server: ServerProcess, offline: LL
     assert all(len(c.logprobs.content) == len(c.logprobs.content) and c.logprobs.content for c in chat.choices)
     assert all(len(t.top_logprobs) == 2 for c in chat.choices for t in c.logprobs.content)
     assert chat.usage.completion_tokens == sum(len(c.logprobs.content) for c in chat.choices)
+    # n > 1: the prompt and its cached tokens count once (they summed over the samples before).
+    long_prompt = "A prompt long enough to fill several pages of the cache, " * 3
+    for n in (1, 4):
+        u = client.completions.create(model="tiny", prompt=long_prompt, n=n, max_tokens=2).usage
+        assert u.prompt_tokens_details.cached_tokens <= u.prompt_tokens
+    assert u.prompt_tokens_details.cached_tokens >= u.prompt_tokens - PAGE_SIZE  # the n=1 run cached it
     idle_and_clean(server)
 
 

@@ -43,12 +43,15 @@ def _echo(prompt: str | list[int], prompt_logprobs: list[TokenLogprob]) -> str:
 
 
 def _usage(runs: list[Run], n: int = 1) -> dict[str, Any]:
-    """Usage of ``runs``, n choices per prompt: each prompt counts once, as OpenAI counts it."""
+    """Usage of ``runs``, n choices per prompt: each prompt counts once, as OpenAI counts it, and
+    so do its cached tokens: what the cache held before the request (the least any of its
+    samples found; the others also reuse the pages the first one computed)."""
     prompt = sum(r.prompt_tokens for r in runs[::n])
+    cached = sum(min(r.cached_tokens for r in runs[i : i + n]) for i in range(0, len(runs), n))
     completion = sum(len(r.token_ids) for r in runs)
     return {
         "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in runs)},
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
 
 
