@@ -208,6 +208,50 @@ def test_forced_tool_calls_over_the_openai_client(server):
     idle_and_clean(server)
 
 
+# A parameter schema as pydantic writes it: models under $defs, referenced by $ref, one recursive.
+PYDANTIC_TOOL = {"type": "function", "function": {"name": "book", "parameters": {
+    "type": "object", "title": "Booking",
+    "properties": {"guest": {"$ref": "#/$defs/Person"}, "nights": {"type": "integer", "minimum": 1, "maximum": 9}},
+    "required": ["guest", "nights"],
+    "$defs": {"Person": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                                          "friend": {"anyOf": [{"$ref": "#/$defs/Person"},
+                                                                               {"type": "null"}]}},
+                         "required": ["name", "friend"]}}}}}
+
+
+def test_required_schema_rebases_pydantic_references():
+    """tool_choice "required" nests each tool's parameters in one schema: their $defs move to the
+    root under the tool's prefix and their $refs follow, so validators and xgrammar resolve them
+    (400 "Cannot find field $defs" before)."""
+    import jsonschema
+    import xgrammar
+
+    from minisgl.api.tool_calls import required_schema
+
+    schema = required_schema([TOOLS[0], PYDANTIC_TOOL], parallel=True)
+    call = {"name": "book", "parameters": {"guest": {"name": "Ana", "friend": {"name": "Bo", "friend": None}},
+                                           "nights": 2}}
+    jsonschema.validate([call], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{**call, "parameters": {"guest": {"name": 3, "friend": None}, "nights": 2}}], schema)
+    xgrammar.Grammar.from_json_schema(json.dumps(schema))  # compiles
+
+
+def test_forced_choice_with_pydantic_parameters(server):
+    import jsonschema
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    for choice in ("required", {"type": "function", "function": {"name": "book"}}):
+        r = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Book a room"}],
+                                           tools=[PYDANTIC_TOOL], tool_choice=choice, max_tokens=200, temperature=0)
+        calls = r.choices[0].message.tool_calls
+        assert calls and calls[0].function.name == "book"
+        params = PYDANTIC_TOOL["function"]["parameters"]
+        jsonschema.validate(json.loads(calls[0].function.arguments), params)
+    idle_and_clean(server)
+
+
 def test_tools_in_the_history_and_auto_choice(server):
     """A conversation with a past call and its result is accepted; with tool_choice auto a
     model that answers in words gets content, no calls; "none" sends the tools nowhere."""

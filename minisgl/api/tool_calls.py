@@ -282,11 +282,41 @@ def deltas(events: list[Event]) -> tuple[str, list[dict[str, Any]]]:
 
 def required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
     """The JSON schema ``tool_choice: "required"`` constrains the answer to: a list of one or
-    more calls of the given tools (one when parallel_tool_calls is false)."""
-    items = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
-                                               "parameters": t["function"].get("parameters") or {"type": "object"}},
-              "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+    more calls of the given tools (one when parallel_tool_calls is false). Each tool's parameter
+    schema moves inside it, so its references are rebased: its ``$defs``/``definitions`` (as
+    pydantic writes them) go to the root under the tool's own prefix, ``#...`` pointers to its
+    new place."""
+    items, defs = [], {}
+    for i, t in enumerate(tools):
+        params = t["function"].get("parameters") or {"type": "object"}
+        at = f"#/items/anyOf/{i}/properties/parameters"
+        local = {**params.get("definitions", {}), **params.get("$defs", {})}
+        params = {k: v for k, v in params.items() if k not in ("$defs", "definitions")}
+        defs.update({f"t{i}_{name}": _rebase(d, i, at) for name, d in local.items()})
+        items.append({"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                                       "parameters": _rebase(params, i, at)},
+                      "required": ["name", "parameters"], "additionalProperties": False})
     schema: dict[str, Any] = {"type": "array", "items": {"anyOf": items}, "minItems": 1}
+    if defs:
+        schema["$defs"] = defs
     if not parallel:
         schema["maxItems"] = 1
     return schema
+
+
+def _rebase(node: Any, tool: int, at: str) -> Any:
+    """A copy of a tool's schema ``node`` whose ``$ref`` pointers work from the combined root."""
+    if isinstance(node, list):
+        return [_rebase(x, tool, at) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _rebase(v, tool, at) for k, v in node.items()}
+    ref = node.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        for prefix in ("#/$defs/", "#/definitions/"):
+            if ref.startswith(prefix):
+                out["$ref"] = f"#/$defs/t{tool}_{ref[len(prefix):]}"
+                break
+        else:
+            out["$ref"] = at + ref[1:]
+    return out
