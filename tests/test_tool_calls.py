@@ -34,6 +34,9 @@ ANSWERS = [  # (format, text, content, [(name, arguments)])
     ("qwen25", "A plain answer that mentions <tool and <tool_ca but calls nothing.  ",
      "A plain answer that mentions <tool and <tool_ca but calls nothing.  ", []),
     ("qwen25", "<tool_call>\nnot a call</tool_call> after", "<tool_call>\nnot a call</tool_call> after", []),
+    # A stray tag that fails to parse does not hide a real call after it (whole answers hid it).
+    ("qwen25", '<tool_call>\nnot a call</tool_call> then <tool_call>\n{"name": "add", "arguments": {"a": 1}}\n'
+     '</tool_call>', "<tool_call>\nnot a call</tool_call> then", [("add", '{"a": 1}')]),
     ("qwen25", '<tool_call>\n{"name": "add", "arguments": {"a": 1', "", [("add", '{"a": 1')]),  # cut by max_tokens
     ("hermes", '<tool_call>{"name": "add", "arguments": {"a": "x\\"}"}}</tool_call>\n\nDone.',
      "Done.", [("add", '{"a": "x\\"}"}')]),

@@ -187,10 +187,12 @@ class ToolCallParser:
         events += [Event(kind, value, self.calls) for kind, value in learned]
         if state == "open":
             return False
-        if state == "fail" and self.call.name is None:  # not a call after all: its text is content
-            events.append(Event("content", self.given_back + self.call.buf))
+        if state == "fail" and self.call.name is None:  # not a call after all: its opening is content,
+            # and its text is read again as text (a whole answer's may hold a real call further on)
+            events.append(Event("content", self.given_back))
+            self.pending, self.call = self.call.buf, None
             self.state = "text" if self.fmt == "qwen25" else "plain"
-            return False
+            return True
         self.calls += 1
         if state == "fail":  # a call whose end is malformed: it ends there, and so does the answer
             self.state = "done"
