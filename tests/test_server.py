@@ -576,3 +576,25 @@ def test_huge_batches_are_counted_before_they_are_built(server: ServerProcess):
         assert r.status_code == 400 and "--max-sequences-per-request" in r.text, (route, r.text[:200])
         assert time.monotonic() - start < 1.0
     idle_and_clean(server)
+
+
+def test_monitoring_answers_503_when_the_scheduler_is_stuck(tiny_llama):
+    """A stopped scheduler (SIGSTOP): /get_server_info, /metrics and /v1/loads answer 503 naming
+    what did not answer, in seconds (a 500 after 30 s before); once it resumes all is well."""
+    import os
+    import signal
+
+    with running_server(tiny_llama, "--max-total-tokens", "4096") as srv:
+        pid = srv.server_info()["processes"]["scheduler"]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            for route in ("/get_server_info", "/metrics", "/v1/loads"):
+                start = time.monotonic()
+                r = httpx.get(f"{srv.url}{route}", timeout=30)
+                assert r.status_code == 503 and "did not answer 'stats'" in r.text, (route, r.text)
+                assert time.monotonic() - start < 8
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert httpx.get(f"{srv.url}/get_server_info", timeout=30).status_code == 200
+        ok = httpx.post(f"{srv.url}/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}}, timeout=30)
+        assert ok.status_code == 200

@@ -164,11 +164,16 @@ class EngineClient:
         self._sender.send(AbortReq(uid))
 
     async def control(self, op: str, timeout: float = 30.0, profile: ProfileReq | None = None) -> ControlReply:
+        """The scheduler's reply to ``op``; a 503 naming it when none comes within ``timeout``
+        (a scheduler stuck in a step, or a worker that stopped)."""
         cid = next(self._cids)
         fut: asyncio.Future[ControlReply] = asyncio.get_running_loop().create_future()
         self._replies[cid] = fut
         self._sender.send(ControlReq(cid, op, profile))
         try:
             return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            raise EngineError(f"the scheduler did not answer {op!r} within {timeout:g} s (it may be stuck in a "
+                              "model step)", status=503) from None
         finally:
             self._replies.pop(cid, None)

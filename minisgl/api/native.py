@@ -24,6 +24,10 @@ from minisgl.api.streaming import SSE_DONE, sse
 from minisgl.messages import GenerateReq, ProfileReq
 from minisgl.sampling import SamplingParams
 
+# Monitoring (/get_server_info, /metrics, /v1/loads) waits this long for the scheduler's
+# stats before answering 503: a probe must not hang with a stuck engine.
+STATS_TIMEOUT_S = 5.0
+
 
 def _logprob_entry(logprob: float | None, token: int, text: str, with_text: bool) -> list[Any]:
     return [logprob, token, text if with_text else None]
@@ -98,7 +102,7 @@ class NativeRoutes(ApiBase):
         return JSONResponse({"status": "ok"})
 
     async def _stats(self) -> dict[str, Any]:
-        reply = await self.client.control("stats")
+        reply = await self.client.control("stats", timeout=STATS_TIMEOUT_S)
         return dict(reply.data)
 
     async def loads(self, request: Request) -> Response:
