@@ -77,6 +77,9 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         ap.add_argument(flag, action="store_true", help="accepted for SGLang's command lines (always so here)")
     ap.add_argument("--stream-interval", type=int, default=d.stream_interval,
                     help="tokens per streamed update (larger: fewer events, higher throughput)")
+    ap.add_argument("--profile-dir", default=None,
+                    help="where /start_profile writes traces; a client's output_dir must lie inside it "
+                         "(default: $SGLANG_TORCH_PROFILER_DIR, else /tmp)")
     ap.add_argument("--stream-output", action="store_true",
                     help="streamed /generate events carry only their new text, ids and logprobs (default: all so far)")
     ap.add_argument("--tool-call-parser", default=None, choices=TOOL_PARSERS,

@@ -515,6 +515,11 @@ def test_start_and_stop_profile(server: ServerProcess, tmp_path: Path):
     assert (tables[0].parent / "rank0.trace.json.gz").stat().st_size > 0
     r = httpx.post(f"{server.url}/start_profile", json={"activities": ["TPU"]}, timeout=10)
     assert r.status_code == 400 and r.json()["error"]["param"] == "activities"
+    # Traces stay under the server's profile directory (/tmp here): no writing elsewhere.
+    for body, param in (({"output_dir": "/etc/minisgl"}, "output_dir"), ({"output_dir": "../../etc"}, "output_dir"),
+                        ({"output_dir": str(tmp_path), "profile_prefix": "../../etc/x"}, "profile_prefix")):
+        r = httpx.post(f"{server.url}/start_profile", json=body, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
     idle_and_clean(server)
 
 

@@ -167,7 +167,15 @@ class NativeRoutes(ApiBase):
             return error_response(400, f"activities: unknown {unknown} (CPU, GPU)", param="activities")
         if body.num_steps is not None and body.num_steps < 1:
             return error_response(400, f"num_steps must be >= 1, got {body.num_steps}", param="num_steps")
-        output_dir = body.output_dir or os.environ.get("SGLANG_TORCH_PROFILER_DIR", "/tmp")
+        # Traces go under the server's directory: a client's output_dir must resolve inside it,
+        # and its prefix be a plain name (a client could write anywhere the server may before).
+        root = os.path.realpath(self.args.profile_dir or os.environ.get("SGLANG_TORCH_PROFILER_DIR", "/tmp"))
+        output_dir = os.path.realpath(os.path.join(root, body.output_dir or ""))
+        if os.path.commonpath([root, output_dir]) != root:
+            return error_response(400, f"output_dir must be inside the server's profile directory {root} "
+                                       "(--profile-dir)", param="output_dir")
+        if body.profile_prefix and (os.sep in body.profile_prefix or body.profile_prefix.startswith(".")):
+            return error_response(400, "profile_prefix must be a plain name", param="profile_prefix")
         prefix = f"{body.profile_prefix}-" if body.profile_prefix else ""
         profile = ProfileReq(True, os.path.join(output_dir, f"{prefix}minisgl-{int(time.time())}"),
                              body.num_steps or 0, activities)

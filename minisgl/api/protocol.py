@@ -475,7 +475,7 @@ class ProfileRequest(msgspec.Struct):
     """/start_profile's body (SGLang's fields; an empty body takes the defaults). Only the
     trace's shape depends on them, never a result."""
 
-    output_dir: str | None = None  # default: $SGLANG_TORCH_PROFILER_DIR, else /tmp
+    output_dir: str | None = None  # inside --profile-dir (relative: to it); default: --profile-dir itself
     num_steps: Int32 | None = None  # stop after this many model steps (default: at /stop_profile)
     activities: list[str] | None = None  # CPU, GPU (default both)
     profile_prefix: str | None = None
