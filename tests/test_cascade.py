@@ -62,6 +62,7 @@ def cheap_cascade(monkeypatch):
     monkeypatch.setattr(cascade, "MIN_SHARED_TOKENS", 1)
     monkeypatch.setattr(cascade, "MIN_SAVED_SHARE", 0)
     monkeypatch.setattr(cascade, "MIN_BATCH", 1)
+    monkeypatch.setattr(cascade, "ON_CPU", True)
 
 
 def test_groups_follow_the_radix_tree(tiny_llama, cheap_cascade):
@@ -86,6 +87,21 @@ def test_cost_rule_drops_groups_that_do_not_pay(tiny_llama):
     assert seen and not any(sizes for sizes, _, _ in seen), "20 shared tokens are below the measured minimum"
 
 
+def test_no_groups_on_cpu_by_default(tiny_llama, monkeypatch):
+    """The cost rule was fitted on the H100; on CPU the two-level path is slower than plain
+    decode, so a CPU engine forms no groups however much its requests share."""
+    monkeypatch.setattr(cascade, "MIN_GROUP_SIZE", 2)
+    monkeypatch.setattr(cascade, "MIN_SHARED_TOKENS", 1)
+    monkeypatch.setattr(cascade, "MIN_SAVED_SHARE", 0)
+    monkeypatch.setattr(cascade, "MIN_BATCH", 1)
+    llm = make_llm(tiny_llama, page_size=4)
+    seen = spy_groups(llm)
+    llm.generate(shared_prefix_prompts(groups=2, per_group=4, prefix_len=41, seed=6),
+                 SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True))
+    assert seen and not any(sizes for sizes, _, _ in seen)
+    assert llm.scheduler.stats()["cascade_steps"] == 0
+
+
 def test_cost_rule_weighs_saved_reads_against_the_batch(tiny_llama, monkeypatch):
     """Groups run as a cascade only when they skip MIN_SAVED_SHARE of the step's KV reads: the
     same groups beside long requests of their own do not."""
@@ -94,6 +110,7 @@ def test_cost_rule_weighs_saved_reads_against_the_batch(tiny_llama, monkeypatch)
     monkeypatch.setattr(cascade, "MIN_GROUP_SIZE", 2)
     monkeypatch.setattr(cascade, "MIN_SHARED_TOKENS", 1)
     monkeypatch.setattr(cascade, "MIN_BATCH", 1)
+    monkeypatch.setattr(cascade, "ON_CPU", True)
     grouped = shared_prefix_prompts(groups=2, per_group=4, prefix_len=41, seed=6)
     rng = random.Random(1)
     long_alone = [[rng.randrange(3, 1000) for _ in range(300)] for _ in range(6)]

@@ -170,12 +170,18 @@ def test_fp8_kv_cache_holds_more_tokens_and_round_trips(tiny_llama):
     torch.testing.assert_close(got_v, v.clamp(-112, 112), atol=0, rtol=2**-4)  # 448 * 0.25 saturates
 
 
-def test_fp8_engine_radix_and_cascade_agree(tiny_llama):
+def test_fp8_engine_radix_and_cascade_agree(tiny_llama, monkeypatch):
     """With fp8 weights and KV: radix on and off, cascade on and off give the same tokens."""
+    from minisgl.scheduler import cascade
+
+    for name, value in (("MIN_GROUP_SIZE", 2), ("MIN_SHARED_TOKENS", 1), ("MIN_SAVED_SHARE", 0), ("MIN_BATCH", 1),
+                        ("ON_CPU", True)):
+        monkeypatch.setattr(cascade, name, value)
     prompts = shared_prefix_prompts(groups=3, per_group=4, prefix_len=40)
     kw = dict(quantization="fp8", kv_cache_dtype="fp8_e4m3")
     ref = tokens(make_llm(tiny_llama, disable_radix_cache=True, **kw).generate(prompts, GREEDY))
-    assert tokens(make_llm(tiny_llama, **kw).generate(prompts, GREEDY)) == ref
+    grouped = make_llm(tiny_llama, **kw)
+    assert tokens(grouped.generate(prompts, GREEDY)) == ref and grouped.scheduler.stats()["cascade_steps"] > 0
     assert tokens(make_llm(tiny_llama, disable_cascade_attention=True, **kw).generate(prompts, GREEDY)) == ref
 
 

@@ -16,6 +16,10 @@ second launch and the merge, ~5-7 us a layer) loses to the latency-bound plain d
 Kept: groups of at least ``MIN_GROUP_SIZE`` requests (broad groups, so a chat tree's system
 prompt rather than a pair's turn) sharing at least ``MIN_SHARED_TOKENS``, and a step only when
 it has ``MIN_BATCH`` requests and its groups together skip ``MIN_SAVED_SHARE`` of its reads.
+
+On CPU the rule does not hold: the torch reference's cascade loops over requests and took 2.2-2.8x
+the plain decode's time (issue 31), so CPU engines form no groups (``ON_CPU``; tests turn it on
+to check the two-level path against the plain one).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ MIN_GROUP_SIZE = 4
 MIN_SHARED_TOKENS = 256
 MIN_BATCH = 32
 MIN_SAVED_SHARE = 0.4
+ON_CPU = False
 
 
 @dataclass

@@ -25,6 +25,7 @@ from typing import Protocol
 from minisgl.args import EngineArgs
 from minisgl.messages import ForwardBatch, StepOutput
 from minisgl.sampling import SamplingParams
+from minisgl.scheduler import cascade
 from minisgl.scheduler.batch import prefill_batch
 from minisgl.scheduler.decode import DecodePlanner
 from minisgl.scheduler.grammar import GrammarBackend
@@ -33,7 +34,7 @@ from minisgl.scheduler.output import apply_output
 from minisgl.scheduler.prefill import Entry, PrefillPlanner
 from minisgl.scheduler.queue import WaitingQueue
 from minisgl.scheduler.request import Req
-from minisgl.utils import cdiv
+from minisgl.utils import cdiv, resolve_device
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +94,8 @@ class Scheduler:
         self.waiting = WaitingQueue(policy, args.page_size)
         self.counters = Counters()
         self.prefill = PrefillPlanner(args, context_len, self.memory, self.counters)
-        self.decode = DecodePlanner(self.memory, not args.disable_cascade_attention)
+        on_gpu = resolve_device(args.device).type == "cuda"
+        self.decode = DecodePlanner(self.memory, not args.disable_cascade_attention and (on_gpu or cascade.ON_CPU))
         self.grammar = grammar
         self.compiling: list[Req] = []  # waiting for their grammar; others are scheduled meanwhile
         self.compiled: list[Req] = []  # grammar done (or failed: req.error) since take_compiled
