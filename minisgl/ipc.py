@@ -192,7 +192,9 @@ def wait_ready(receive: Callable[[int], T | None], procs: list[BaseProcess], tim
 
 
 def stop_processes(procs: list[BaseProcess]) -> None:
-    """SIGTERM each child, then SIGKILL what has not exited after 5 s."""
+    """SIGTERM each child, then SIGKILL what has not exited after 5 s (children never started,
+    as when the port was taken, are skipped)."""
+    procs = [p for p in procs if p.pid is not None]
     for p in procs:
         if p.is_alive():
             p.terminate()

@@ -36,6 +36,7 @@ from minisgl.args import ServerArgs, add_engine_args, normalize_engine_args
 from minisgl.data_parallel import ROUTER_POLICIES, DataParallelLauncher
 from minisgl.ipc import Addresses, ChildDied, Receiver, stop_processes, wait_ready
 from minisgl.messages import EngineInfo
+from minisgl.models.loader import resolve_model_path
 from minisgl.scheduler.process import run_scheduler
 from minisgl.scheduler.workers import run_worker_process
 from minisgl.tokenizer import read_chat_template
@@ -255,6 +256,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    try:  # here, in one line, rather than in a worker's traceback 40 s on (a hub model is fetched once)
+        resolve_model_path(args.model, args.load_format, args.revision)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     if args.node_rank > 0:
         signal.signal(signal.SIGTERM, _interrupt)
         return run_worker_node(args)

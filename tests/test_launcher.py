@@ -72,8 +72,23 @@ def test_failed_start_and_bad_arguments(tmp_path: Path):
     assert bad.returncode == 2 and "page_size must be >= 1" in bad.stderr
     missing = subprocess.run(run + ["--model", str(tmp_path / "nope")], cwd=ROOT,
                              capture_output=True, text=True, timeout=120)
-    assert missing.returncode == 1
-    assert "does not exist" in missing.stderr and "exited with code 1 during start-up" in missing.stderr
+    assert missing.returncode == 1 and "does not exist" in missing.stderr
+    assert "Traceback" not in missing.stderr and len(missing.stderr.strip().splitlines()) == 1  # the launcher says it
+    # A relative path whose first folder exists is a missing folder, never a hub id.
+    (tmp_path / "checkpoints").mkdir()
+    relative = subprocess.run(run + ["--model", "checkpoints/nope"], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=120)
+    assert relative.returncode == 1 and "is not a hub id" in relative.stderr, relative.stderr
+    # A port in use: one line, no traceback (an AssertionError from stopping unstarted children before).
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        taken = subprocess.run(run + ["--model", str(ROOT / "benchmarks/configs/qwen3-0.6b"), "--load-format", "dummy",
+                                      "--port", str(s.getsockname()[1])], cwd=ROOT, capture_output=True, text=True,
+                               timeout=120)
+    assert taken.returncode == 1 and "Address already in use" in taken.stderr and "Traceback" not in taken.stderr
 
 
 def test_tensor_parallel_on_cpu_matches_one_rank(tiny_llama: Path):

@@ -42,7 +42,9 @@ def resolve_model_path(model: str, load_format: str = "auto", revision: str | No
         return path
     if path.exists():
         raise ValueError(f"--model {model!r} is a file; pass the checkpoint folder or a .gguf file")
-    if model.startswith((".", "/", "~")) or model.count("/") != 1:
+    # A hub id is org/name; a path that starts like one, or whose first part is a local folder
+    # (checkpoints/x), is a missing folder, never sent to the hub.
+    if model.startswith((".", "/", "~")) or model.count("/") != 1 or Path(model.split("/")[0]).is_dir():
         raise FileNotFoundError(f"model folder {model!r} does not exist and is not a hub id (org/name)")
     from huggingface_hub import snapshot_download
 
