@@ -82,6 +82,21 @@ def _random_batch(page_size: int, cached: list[int], new: list[int], pages: int,
     )
 
 
+def backend_outputs(backend, cache: MHAKVCache, meta: AttentionMetadata, hq: int, new: list[int],
+                    scales: tuple[float, float] = (1.0, 1.0)) -> list[torch.Tensor]:
+    """Two layers of ``backend`` on random bf16 q/k/v (seeded by the caller), their K/V stored first."""
+    hk, dim = cache.k_cache(0).shape[2:]
+    backend.prepare(meta)
+    q = torch.randn(sum(new), hq, dim, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(sum(new), hk, dim, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(sum(new), hk, dim, device="cuda", dtype=torch.bfloat16)
+    out = []
+    for layer in range(2):
+        store_kv_torch(cache.k_cache(layer), cache.v_cache(layer), k, v, meta.out_loc, scales)
+        out.append(backend.forward(q, layer))
+    return out
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("heads", [(32, 8), (16, 8), (8, 8)])
 @pytest.mark.parametrize("mode", ["prefill", "decode"])
@@ -97,16 +112,7 @@ def test_flashinfer_matches_torch_backend(page_size, heads, mode):
         cache = MHAKVCache(pages, page_size, 2, hk, dim, torch.bfloat16, torch.device("cuda"))
         cache.buffer.normal_()
         meta = _random_batch(page_size, cached, new, pages, "cuda")
-        backend = create_backend(name, cache, hq, hk, dim)
-        backend.prepare(meta)
-        q = torch.randn(sum(new), hq, dim, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(sum(new), hk, dim, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn(sum(new), hk, dim, device="cuda", dtype=torch.bfloat16)
-        out = []
-        for layer in range(2):
-            store_kv_torch(cache.k_cache(layer), cache.v_cache(layer), k, v, meta.out_loc)
-            out.append(backend.forward(q, layer))
-        outs.append(out)
+        outs.append(backend_outputs(create_backend(name, cache, hq, hk, dim), cache, meta, hq, new))
     for ref, got in zip(*outs):
         torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
 

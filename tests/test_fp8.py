@@ -267,7 +267,7 @@ def test_rope_store_writes_fp8_like_the_reference(qk_norm):
 @pytest.mark.cuda
 @pytest.mark.parametrize("mode", ["prefill", "decode", "cascade"])
 def test_attention_kernels_read_fp8_like_the_reference(mode):
-    from tests.test_cuda import _random_batch
+    from tests.test_cuda import _random_batch, backend_outputs
 
     hq, hk, dim, pages, page_size, scales = 32, 8, 128, 512, 16, (0.7, 1.3)
     if mode == "prefill":
@@ -286,15 +286,7 @@ def test_attention_kernels_read_fp8_like_the_reference(mode):
             meta.page_table[1, :8] = meta.page_table[0, :8]
             meta.page_table[3, :4] = meta.page_table[2, :4]
         backend = create_backend(name, cache, hq, hk, dim, dtype=torch.bfloat16)
-        backend.prepare(meta)
-        q = torch.randn(sum(new), hq, dim, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(sum(new), hk, dim, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn(sum(new), hk, dim, device="cuda", dtype=torch.bfloat16)
-        out = []
-        for layer in range(2):
-            store_kv_torch(cache.k_cache(layer), cache.v_cache(layer), k, v, meta.out_loc, scales)
-            out.append(backend.forward(q, layer))
-        outs.append(out)
+        outs.append(backend_outputs(backend, cache, meta, hq, new, scales))
     for ref, got in zip(*outs):
         torch.testing.assert_close(got.float(), ref.float(), atol=3e-2, rtol=3e-2)
 
