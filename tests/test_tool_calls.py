@@ -46,6 +46,10 @@ ANSWERS = [  # (format, text, content, [(name, arguments)])
     ("llama3", 'Hello {"name": 1}', 'Hello {"name": 1}', []),
     ("llama3", '{"answer": 42}', '{"answer": 42}', []),
     ("array", '[{"name":"f","parameters":{"a":1}},{"name":"g","parameters":{}}]', "", [("f", '{"a":1}'), ("g", "{}")]),
+    ("mistral", 'Sure. [TOOL_CALLS] [{"name": "add", "arguments": {"a": 1}}, {"name": "f", "arguments": {}}]',
+     "Sure.", [("add", '{"a": 1}'), ("f", "{}")]),
+    ("mistral", '[TOOL_CALLS][{"name": "add", "arguments": {"b": "]"}}]', "", [("add", '{"b": "]"}')]),
+    ("mistral", "No calls [TOOL here.  ", "No calls [TOOL here.  ", []),
     ("named", '{"a": 1}', "", [("fn", '{"a": 1}')]),
 ]
 
@@ -120,6 +124,14 @@ def test_chat_templates_render_tools_natively_or_in_the_system_message(tiny_llam
         assert '{"name": "get_weather", "arguments": {"city": "Oslo"}}' in text
         assert "-3 C, snow" in text
     assert "Today's weather" not in plain.decode(encode_chat(plain, HISTORY))  # no tools: nothing added
+
+
+def test_mistral_templates_are_read_with_the_mistral_parser(tiny_llama):
+    tok = load_tokenizer(tiny_llama)
+    tok.chat_template = ("{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+                         "{% for m in messages %}{% if m.tool_calls %}[TOOL_CALLS]{{ m.tool_calls | tojson }}"
+                         "{% else %}[INST]{{ m.content }}[/INST]{% endif %}{% endfor %}")
+    assert detect_tool_parser(tok) == "mistral"
 
 
 def test_chat_template_kwargs_are_template_variables_only(tiny_llama):

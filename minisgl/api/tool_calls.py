@@ -10,6 +10,8 @@ by construction. Every format wraps the same call object, ``{"name": ..., "argum
   not render tools): ``<tool_call>`` object ``</tool_call>``, content around them;
 - ``llama3``: the whole answer is one or more objects (``;`` between), optionally after
   ``<|python_tag|>``; an answer that does not start with an object is content;
+- ``mistral``: content, then ``[TOOL_CALLS]`` and a JSON array of call objects (Mistral's
+  v3 tokenizer format, the one SGLang's ``mistral`` parser reads);
 - ``array``: a JSON array of objects, what ``tool_choice: "required"`` is constrained to;
 - ``named``: the whole answer is one function's arguments (``tool_choice`` naming a function).
 
@@ -28,8 +30,9 @@ import regex
 
 from minisgl.utils import partial_suffix
 
-PARSERS = ("llama3", "qwen25", "qwen", "hermes")  # --tool-call-parser: SGLang's names for these formats
+PARSERS = ("llama3", "qwen25", "qwen", "hermes", "mistral")  # --tool-call-parser: SGLang's names
 QWEN_OPEN, QWEN_CLOSE = "<tool_call>", "</tool_call>"
+MISTRAL_CALLS = "[TOOL_CALLS]"
 # A call object up to the first brace of its arguments. Matched with partial=True: a prefix of
 # it is "still possible", anything else is not a call.
 _HEAD = regex.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*\{')
@@ -129,7 +132,7 @@ class ToolCallParser:
 
     def __init__(self, fmt: str, name: str | None = None):
         self.fmt = "qwen25" if fmt in ("qwen", "hermes") else fmt
-        if self.fmt not in ("qwen25", "llama3", "array", "named"):
+        if self.fmt not in ("qwen25", "llama3", "mistral", "array", "named"):
             raise ValueError(f"unknown tool-call format {fmt!r}")
         self.name = name  # the function of the "named" format
         self.pending = ""  # text read but not yet turned into events
@@ -174,7 +177,8 @@ class ToolCallParser:
             events.append(Event("content", self.pending))
             self.pending = ""
             return False
-        return {"qwen25": self._qwen, "llama3": self._llama, "array": self._array}[self.fmt](events)
+        return {"qwen25": self._qwen, "llama3": self._llama, "mistral": self._mistral,
+                "array": self._array}[self.fmt](events)
 
     def _open(self, given_back: str, body: str) -> bool:
         self.call, self.given_back, self.pending, self.state = _Call(), given_back, body, "call"
@@ -239,6 +243,22 @@ class ToolCallParser:
             return self._open(self.pending[: len(self.pending) - len(body)], body)
         self.state = "plain" if self.calls == 0 else "done"  # text after calls is not part of them
         return self.calls == 0
+
+    def _mistral(self, events: list[Event]) -> bool:
+        """Content up to ``[TOOL_CALLS]``, then the array format reads the calls."""
+        at = self.pending.find(MISTRAL_CALLS)
+        if at < 0:  # hold back trailing whitespace and a partial marker, as for <tool_call>
+            keep = partial_suffix(self.pending, [MISTRAL_CALLS])
+            out = self.pending[: len(self.pending) - keep].rstrip()
+            if out:
+                events.append(Event("content", out))
+            self.pending = self.pending[len(out):]
+            return False
+        before = self.pending[:at].rstrip()
+        if before:
+            events.append(Event("content", before))
+        self.pending, self.fmt, self.state = self.pending[at + len(MISTRAL_CALLS):], "array", "start"
+        return True
 
     def _array(self, events: list[Event]) -> bool:
         body = self.pending.lstrip()

@@ -41,7 +41,8 @@ def renders_tools(tokenizer: Any) -> bool:
 def detect_tool_parser(tokenizer: Any) -> str | None:
     """The tool-call format of the template's model: ``qwen25`` for ``<tool_call>`` (and for
     templates that ignore tools: this module's own prompt asks for it), ``llama3`` for Llama's
-    JSON calls, None when the template renders tools in a format not known here."""
+    JSON calls, ``mistral`` for ``[TOOL_CALLS]``, None when the template renders tools in a
+    format not known here."""
     if tokenizer is None or not tokenizer.chat_template:
         return None
     if not renders_tools(tokenizer):
@@ -51,6 +52,8 @@ def detect_tool_parser(tokenizer: Any) -> str | None:
         return "qwen25"
     if "<|python_tag|>" in text or '"parameters"' in text:
         return "llama3"
+    if "[TOOL_CALLS]" in text:
+        return "mistral"
     return None
 
 
