@@ -22,6 +22,7 @@ setup(
         "starlette",
         "uvicorn",
         "prometheus-client",
+        "setproctitle",  # process titles: minisgl::api, minisgl::scheduler, ...
         "regex",  # partial matching: tool calls read as they stream
         "gguf",
         # structured output; ships CPU wheels (it brings triton on Linux x86-64)

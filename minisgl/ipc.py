@@ -212,8 +212,14 @@ def become_child(threads: int = 1) -> None:
 
     ``threads`` caps its CPU threads (torch, OpenMP): only the worker computes; the others
     get one thread each, as their own OpenMP teams contending with the worker's made a CPU
-    decode 2.5x slower (see ``cpu_worker_threads``)."""
+    decode 2.5x slower (see ``cpu_worker_threads``). Its process title names it for ps and top
+    (``minisgl::scheduler``, ``minisgl::worker-0``, ...)."""
+    import multiprocessing
+
+    import setproctitle
     from tqdm import tqdm
+
+    setproctitle.setproctitle(f"minisgl::{multiprocessing.current_process().name}")
 
     if "OMP_NUM_THREADS" not in os.environ or threads == 1:
         os.environ["OMP_NUM_THREADS"] = str(threads)

@@ -24,6 +24,7 @@ import threading
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 
+import setproctitle
 import uvicorn
 import zmq
 
@@ -248,6 +249,9 @@ def _interrupt(signum: int, frame: object) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # Titles for ps and top; the children name themselves (ipc.become_child).
+    role = "node" if args.node_rank > 0 else "dp-launcher" if args.dp_size > 1 else "api"
+    setproctitle.setproctitle(f"minisgl::{role}")
     init_logging(args.log_level)
     try:
         args.validate()

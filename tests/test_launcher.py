@@ -41,6 +41,9 @@ def test_sigterm_stops_everything(tiny_llama: Path):
         children = descendants(srv.proc.pid)
         assert procs.pop("api") == srv.proc.pid  # the launcher serves the API itself
         assert set(procs.values()) <= children
+        # Process titles say which process is which (ps, top).
+        for name, pid in {"api": srv.proc.pid, **procs}.items():
+            assert Path(f"/proc/{pid}/cmdline").read_bytes().startswith(f"minisgl::{name}".encode()), name
         start = time.monotonic()
         code = srv.stop(signal.SIGTERM)
         assert code == 0, srv.output
