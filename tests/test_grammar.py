@@ -149,3 +149,52 @@ def test_constrained_request_done_in_its_first_step_without_overlap(tiny_llama):
             assert r.status_code == 200, r.text
             assert r.json()["meta_info"]["completion_tokens"] == 1
         assert httpx.get(f"{srv.url}/health", timeout=10).status_code == 200
+
+
+def _mixed_bodies(count: int, seed: int) -> list[dict]:
+    """/generate bodies mixing every sampling feature: plain greedy, regexes, penalties, logit
+    biases, seeded sampling, and combinations of them."""
+    import random
+
+    rng = random.Random(seed)
+    bodies = []
+    for i in range(count):
+        sp: dict = {"max_new_tokens": rng.randint(4, 24), "temperature": 0.0, "ignore_eos": True}
+        for feature in rng.sample(["regex", "penalty", "bias", "seeded"], rng.randint(0, 3)):
+            if feature == "regex":
+                sp.pop("ignore_eos")
+                sp["regex"] = REGEXES[i % len(REGEXES)]
+            elif feature == "penalty":
+                sp[rng.choice(["repetition_penalty", "frequency_penalty", "presence_penalty"])] = 1.3
+            elif feature == "bias":
+                sp["logit_bias"] = {str(rng.randrange(3, 900)): 5.0, str(rng.randrange(3, 900)): -100.0}
+            else:
+                sp.update(temperature=0.8, seed=rng.randrange(1000))
+        bodies.append({"text": f"Request {i} asks about {rng.choice(['rivers', 'trees', 'stars'])}:",
+                       "sampling_params": sp})
+    return bodies
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_mixed_features_under_load_equal_each_request_alone(tiny_llama, overlap):
+    """Issue 31's fuzz: constrained, penalized, logit-biased, seeded and plain requests at once
+    in one server (overlap on and off); it stays healthy and every request gets the tokens it
+    gets alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.server_utils import running_server
+
+    bodies = _mixed_bodies(24, seed=5)
+    extra = () if overlap else ("--disable-overlap-schedule",)
+    with running_server(tiny_llama, "--max-total-tokens", "8192", *extra) as srv:
+        def post(body: dict) -> dict:
+            r = httpx.post(f"{srv.url}/generate", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        alone = [post(b)["output_ids"] for b in bodies]
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            together = [r["output_ids"] for r in pool.map(post, bodies)]
+        assert together == alone
+        assert httpx.get(f"{srv.url}/health_generate", timeout=60).status_code == 200
+        idle_and_clean(srv)
