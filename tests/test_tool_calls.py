@@ -253,16 +253,25 @@ def test_required_schema_rebases_pydantic_references():
 
 
 def test_forced_choice_with_pydantic_parameters(server):
+    """Over HTTP, with references but no recursion (a recursive schema lets a random model nest
+    until max_tokens cuts the call)."""
     import jsonschema
     import openai
 
+    params = json.loads(json.dumps(PYDANTIC_TOOL["function"]["parameters"]))
+    params["$defs"]["Person"]["properties"]["friend"] = {"anyOf": [{"$ref": "#/$defs/Pet"}, {"type": "null"}]}
+    params["$defs"]["Pet"] = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}}, "required": ["kind"],
+                              "additionalProperties": False}
+    params["$defs"]["Person"]["additionalProperties"] = False
+    params["additionalProperties"] = False
+    tool = {"type": "function", "function": {"name": "book", "parameters": params}}
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
     for choice in ("required", {"type": "function", "function": {"name": "book"}}):
         r = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Book a room"}],
-                                           tools=[PYDANTIC_TOOL], tool_choice=choice, max_tokens=200, temperature=0)
+                                           tools=[tool], tool_choice=choice, max_tokens=300, temperature=0)
+        assert r.choices[0].finish_reason != "length", r
         calls = r.choices[0].message.tool_calls
         assert calls and calls[0].function.name == "book"
-        params = PYDANTIC_TOOL["function"]["parameters"]
         jsonschema.validate(json.loads(calls[0].function.arguments), params)
     idle_and_clean(server)
 
