@@ -6,6 +6,8 @@ import argparse
 from dataclasses import dataclass, fields
 
 
+QUANTIZATIONS = ("fp8",)  # --quantization values (FP8 checkpoints need none)
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "bf16", "bfloat16")  # --kv-cache-dtype values (SGLang's names)
 MAX_RUNNING_CAP = 4096  # most running requests a derived default allows
 KV_TOKENS_PER_REQUEST = 512
 
@@ -110,10 +112,10 @@ class EngineArgs:
             raise ValueError(f"schedule_policy must be lpm, fcfs or random, got {self.schedule_policy!r}")
         if self.decode_log_interval is not None and self.decode_log_interval < 1:
             raise ValueError(f"decode_log_interval must be >= 1, got {self.decode_log_interval}")
-        if self.quantization not in (None, "fp8"):
-            raise ValueError(f"--quantization {self.quantization!r} is not supported (fp8)")
-        if self.kv_cache_dtype not in ("auto", "fp8_e4m3", "bf16", "bfloat16"):
-            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r} is not supported (auto, fp8_e4m3, bf16)")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"--quantization {self.quantization!r} is not supported ({', '.join(QUANTIZATIONS)})")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r} is not supported ({', '.join(KV_CACHE_DTYPES)})")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ValueError(f"max_total_tokens must hold at least one page, got {self.max_total_tokens}")
 

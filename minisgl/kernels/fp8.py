@@ -37,6 +37,15 @@ def _store_groups(y, out_ptr, scale_ptr, row, cols, n_cols, n_groups, col0, GROU
 
 
 @triton.jit
+def _store_row(y, out_ptr, scale_ptr, row, cols, n_cols):
+    """Quantize ``y`` (columns ``cols``, the whole row) with one scale."""
+    scale = tl.maximum(tl.max(tl.abs(y), 0) / 448.0, 1e-12)
+    q = tl.minimum(tl.maximum(y / scale, -448.0), 448.0)
+    tl.store(out_ptr + row * n_cols + cols, q.to(out_ptr.dtype.element_ty), mask=cols < n_cols)
+    tl.store(scale_ptr + row, scale)
+
+
+@triton.jit
 def _rmsnorm_quant_kernel(x_ptr, res_ptr, w_ptr, out_ptr, scale_ptr, n_cols, n_groups, eps,
                           HAS_RES: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr):
     """One row: (x + residual, stored back to residual), RMSNorm, times the weight, quantized."""
@@ -52,10 +61,7 @@ def _rmsnorm_quant_kernel(x_ptr, res_ptr, w_ptr, out_ptr, scale_ptr, n_cols, n_g
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     y = ((xf * rstd).to(x.dtype) * w).to(tl.float32)
     if GROUP == 0:
-        scale = tl.maximum(tl.max(tl.abs(y), 0) / 448.0, 1e-12)
-        q = tl.minimum(tl.maximum(y / scale, -448.0), 448.0)
-        tl.store(out_ptr + row * n_cols + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(scale_ptr + row, scale)
+        _store_row(y, out_ptr, scale_ptr, row, cols, n_cols)
     else:
         _store_groups(y, out_ptr, scale_ptr, row, cols, n_cols, n_groups, 0, BLOCK // GROUP, GROUP)
 
@@ -89,11 +95,7 @@ def _rows_quant_kernel(x_ptr, out_ptr, scale_ptr, n_cols, n_groups, SILU: tl.con
             _store_groups(y, out_ptr, scale_ptr, row, cols, n_cols, n_groups, start, CHUNK // GROUP, GROUP)
     elif WHOLE:
         cols = tl.arange(0, CHUNK)
-        y = _value(x_ptr, row, cols, n_cols, SILU)
-        scale = tl.maximum(tl.max(tl.abs(y), 0) / 448.0, 1e-12)
-        q = tl.minimum(tl.maximum(y / scale, -448.0), 448.0)
-        tl.store(out_ptr + row * n_cols + cols, q.to(out_ptr.dtype.element_ty), mask=cols < n_cols)
-        tl.store(scale_ptr + row, scale)
+        _store_row(_value(x_ptr, row, cols, n_cols, SILU), out_ptr, scale_ptr, row, cols, n_cols)
     else:
         amax = tl.zeros([CHUNK], tl.float32)
         for start in tl.range(0, n_cols, CHUNK):

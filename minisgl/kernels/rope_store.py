@@ -12,16 +12,14 @@ import torch
 
 from minisgl.kernels.fused import rmsnorm_torch
 from minisgl.kernels.jit import load_module
-from minisgl.layers.quantization import FP8, FP8_MAX
+from minisgl.layers.quantization import FP8, to_fp8
 
 KERNEL_HEAD_DIMS = (32, 64, 128, 256)
 
 
 def to_cache(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
     """Values as a cache of ``dtype`` holds them: fp8 caches store x / scale, saturated."""
-    if dtype != FP8:
-        return x.to(dtype)
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return to_fp8(x, scale) if dtype == FP8 else x.to(dtype)
 
 
 def from_cache(x: torch.Tensor, scale: float) -> torch.Tensor:

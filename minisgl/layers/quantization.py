@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from minisgl.args import KV_CACHE_DTYPES, QUANTIZATIONS
 from minisgl.utils import has_module
 
 FP8 = torch.float8_e4m3fn
@@ -66,15 +67,15 @@ def parse_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
         return FP8
     if name in ("bf16", "bfloat16"):
         return torch.bfloat16
-    raise ValueError(f"--kv-cache-dtype {name!r} is not supported (auto, fp8_e4m3, bf16)")
+    raise ValueError(f"--kv-cache-dtype {name!r} is not supported ({', '.join(KV_CACHE_DTYPES)})")
 
 
 def quantization_scheme(quant_config: dict[str, Any] | None, requested: str | None) -> Fp8Scheme | None:
     """The scheme of a checkpoint's ``quantization_config`` (compressed-tensors float 8-bit with
     dynamic per-token activations; "fp8" per tensor/channel or with 128 x 128 blocks), or the
     online one ``--quantization fp8`` asks for. Anything else is refused by name."""
-    if requested not in (None, "fp8", "compressed-tensors"):
-        raise ValueError(f"--quantization {requested!r} is not supported (fp8)")
+    if requested is not None and requested not in QUANTIZATIONS:
+        raise ValueError(f"--quantization {requested!r} is not supported ({', '.join(QUANTIZATIONS)})")
     if not quant_config:
         return Fp8Scheme() if requested else None
     method = quant_config.get("quant_method")
@@ -114,6 +115,11 @@ def _compressed_tensors_scheme(quant_config: dict[str, Any]) -> Fp8Scheme:
 # ---- reference quantizers (CPU, float32 models, tests) ------------------------------------------
 
 
+def to_fp8(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
+    """x / scale in e4m3, saturated to its range (a plain cast overflows to NaN on some builds)."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
 def _grouped(x: torch.Tensor, block: int | None) -> torch.Tensor:
     """x [R, K] as float32 [R, groups, width], zero-padded to whole groups."""
     x = x.float()
@@ -128,7 +134,7 @@ def quantize_torch(x: torch.Tensor, block: int | None = None) -> tuple[torch.Ten
     ([R, ceil(K / block)]): scale = amax / 448, q = x / scale."""
     g = _grouped(x, block)
     scale = (g.abs().amax(-1) / FP8_MAX).clamp(min=MIN_SCALE)
-    q = (g / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    q = to_fp8(g, scale.unsqueeze(-1))
     return q.flatten(1)[:, : x.shape[1]].contiguous(), scale
 
 
@@ -147,7 +153,7 @@ def quantize_blocks(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Te
     tiles = F.pad(w.float(), (0, -k % block, 0, -n % block))
     tiles = tiles.view(tiles.shape[0] // block, block, -1, block)
     scale = (tiles.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=MIN_SCALE)
-    q = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    q = to_fp8(tiles, scale[:, None, :, None])
     return q.flatten(2).flatten(0, 1)[:n, :k].contiguous(), scale
 
 

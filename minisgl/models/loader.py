@@ -20,7 +20,7 @@ from torch import nn
 from tqdm import tqdm
 
 from minisgl.config import ModelConfig
-from minisgl.layers.quantization import FP8, FP8_MAX, quantization_scheme
+from minisgl.layers.quantization import FP8, FP8_MAX, quantization_scheme, to_fp8
 from minisgl.models import get_model_class
 from minisgl.models.gguf_file import converted_checkpoint, find_gguf
 
@@ -141,7 +141,7 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
             param.data.fill_(scale)
         elif param.dtype == FP8:
             values = torch.empty(param.shape, dtype=torch.bfloat16, device=param.device).normal_(0.0, 0.02, generator=gen)
-            param.data.copy_((values.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8))
+            param.data.copy_(to_fp8(values, scale))
         else:
             param.data.normal_(0.0, 0.02, generator=gen)
 
