@@ -217,19 +217,25 @@ class ToolCallParser:
             if not self.pending:
                 return False
             self.lead = False
-        at = self.pending.find(QWEN_OPEN)
+        rest = self._content_until(QWEN_OPEN, events)
+        return False if rest is None else self._open(QWEN_OPEN, rest)
+
+    def _content_until(self, marker: str, events: list[Event]) -> str | None:
+        """Content up to ``marker`` (whitespace before it is not content), then the text after
+        it; None while it has not come, holding back trailing whitespace (it may come before the
+        marker) and a partial marker."""
+        at = self.pending.find(marker)
         if at >= 0:
             before = self.pending[:at].rstrip()
             if before:
                 events.append(Event("content", before))
-            return self._open(QWEN_OPEN, self.pending[at + len(QWEN_OPEN):])
-        # Hold back trailing whitespace (it may come before a call) and a partial <tool_call>.
-        keep = partial_suffix(self.pending, [QWEN_OPEN])
+            return self.pending[at + len(marker):]
+        keep = partial_suffix(self.pending, [marker])
         out = self.pending[: len(self.pending) - keep].rstrip()
         if out:
             events.append(Event("content", out))
         self.pending, self.state = self.pending[len(out):], "text"
-        return False
+        return None
 
     def _llama(self, events: list[Event]) -> bool:
         body = self.pending.lstrip()
@@ -246,18 +252,10 @@ class ToolCallParser:
 
     def _mistral(self, events: list[Event]) -> bool:
         """Content up to ``[TOOL_CALLS]``, then the array format reads the calls."""
-        at = self.pending.find(MISTRAL_CALLS)
-        if at < 0:  # hold back trailing whitespace and a partial marker, as for <tool_call>
-            keep = partial_suffix(self.pending, [MISTRAL_CALLS])
-            out = self.pending[: len(self.pending) - keep].rstrip()
-            if out:
-                events.append(Event("content", out))
-            self.pending = self.pending[len(out):]
+        rest = self._content_until(MISTRAL_CALLS, events)
+        if rest is None:
             return False
-        before = self.pending[:at].rstrip()
-        if before:
-            events.append(Event("content", before))
-        self.pending, self.fmt, self.state = self.pending[at + len(MISTRAL_CALLS):], "array", "start"
+        self.pending, self.fmt, self.state = rest, "array", "start"
         return True
 
     def _array(self, events: list[Event]) -> bool:
