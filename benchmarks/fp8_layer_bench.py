@@ -26,7 +26,7 @@ from benchmarks.decode_bench import replay_ms  # noqa: E402
 from benchmarks.workloads import save_result  # noqa: E402
 from minisgl.config import ModelConfig  # noqa: E402
 from minisgl.kernels.fused import add_rmsnorm, silu_and_mul  # noqa: E402
-from minisgl.layers.quantization import Fp8Act, Fp8Scheme, fp8_linear, quantize, quantize_weight  # noqa: E402
+from minisgl.layers.quantization import Fp8Scheme, fp8_linear, quantize, quantize_weight  # noqa: E402
 from minisgl.layers.norm import RMSNorm  # noqa: E402
 from minisgl.kernels.fp8 import quantize_rows  # noqa: E402
 
@@ -112,7 +112,6 @@ def run(cfg: ModelConfig, batch: int) -> dict:
         ref = F.linear(x, w["qkv"]).float()
         got = fp8_linear(quantize(x, block), *qw["qkv"], None, block).float()
         out[f"{label}_qkv_rel_err"] = ((got - ref).norm() / ref.norm()).item()
-        assert isinstance(acts["qkv"], Fp8Act)
     return out
 
 
