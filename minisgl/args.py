@@ -6,6 +6,8 @@ import argparse
 from dataclasses import dataclass, fields
 
 
+HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+HICACHE_IO_BACKENDS = ("kernel", "direct")
 QUANTIZATIONS = ("fp8",)  # --quantization values (FP8 checkpoints need none)
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "bf16", "bfloat16")  # --kv-cache-dtype values (SGLang's names)
 MAX_RUNNING_CAP = 4096  # most running requests a derived default allows
@@ -51,6 +53,12 @@ class EngineArgs:
     decode_log_interval: int | None = None  # stats line every N decode steps (None: every 10 s of work)
     quantization: str | None = None  # "fp8": quantize a float checkpoint's linear layers at load (W8A8)
     kv_cache_dtype: str = "auto"  # auto (the model dtype), fp8_e4m3, bf16
+    # Hierarchical cache: a host-memory tier under the radix tree (SGLang's HiCache flags).
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0  # host pool size as a multiple of the device pool
+    hicache_size: float = 0.0  # host pool in GB (overrides the ratio when > 0)
+    hicache_write_policy: str = "write_through"
+    hicache_io_backend: str = "kernel"  # kernel: our page-copy kernel; direct: per-layer torch copies
 
     @property
     def ranks_per_node(self) -> int:
@@ -118,6 +126,18 @@ class EngineArgs:
             raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r} is not supported ({', '.join(KV_CACHE_DTYPES)})")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ValueError(f"max_total_tokens must hold at least one page, got {self.max_total_tokens}")
+        if self.enable_hierarchical_cache:
+            if self.disable_radix_cache:
+                raise ValueError("--enable-hierarchical-cache needs the radix cache (drop --disable-radix-cache)")
+            if self.hicache_size < 0 or (self.hicache_size == 0 and self.hicache_ratio <= 0):
+                raise ValueError(f"the host pool must be > 0: --hicache-size {self.hicache_size}, "
+                                 f"--hicache-ratio {self.hicache_ratio}")
+        if self.hicache_write_policy not in HICACHE_WRITE_POLICIES:
+            raise ValueError(f"--hicache-write-policy must be one of {', '.join(HICACHE_WRITE_POLICIES)}, "
+                             f"got {self.hicache_write_policy!r}")
+        if self.hicache_io_backend not in HICACHE_IO_BACKENDS:
+            raise ValueError(f"--hicache-io-backend must be one of {', '.join(HICACHE_IO_BACKENDS)}, "
+                             f"got {self.hicache_io_backend!r}")
 
 
 @dataclass
@@ -219,6 +239,19 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
                     help="wait for each step's tokens before scheduling the next")
     ap.add_argument("--disable-cascade-attention", action="store_true",
                     help="decode every request over all its pages, even those it shares with others")
+    ap.add_argument("--enable-hierarchical-cache", action="store_true",
+                    help="keep prefixes evicted from the device pool in a host-memory pool under the radix tree, "
+                         "and load them back when a request matches them")
+    ap.add_argument("--hicache-ratio", type=float, default=d.hicache_ratio,
+                    help="host pool size as a multiple of the device KV pool")
+    ap.add_argument("--hicache-size", type=float, default=d.hicache_size,
+                    help="host pool size in GB (overrides --hicache-ratio when > 0)")
+    ap.add_argument("--hicache-write-policy", default=d.hicache_write_policy, choices=HICACHE_WRITE_POLICIES,
+                    help="write_through: every cached prefix is copied to host as it is computed; "
+                         "write_through_selective: once it has been matched twice; write_back: when evicted")
+    ap.add_argument("--hicache-io-backend", default=d.hicache_io_backend, choices=HICACHE_IO_BACKENDS,
+                    help="kernel: our JIT page-copy kernel reads and writes pinned host memory directly; "
+                         "direct: torch copies, per layer")
 
 
 def normalize_engine_args(ns: argparse.Namespace) -> None:

@@ -63,6 +63,12 @@ class ForwardBatch(msgspec.Struct, array_like=True, tag=True):
     # Structured output: indices (among the rows with sample=True) of rows whose tokens must
     # follow a grammar. The worker runs the forward pass, then samples once a SampleMasks comes.
     mask_rows: list[int] = []
+    # Hierarchical cache: page copies before this step, writes (device, host) then loads (host,
+    # device), flattened pairs; with wait_kv_io the step's layers wait for their copies (they
+    # read loaded pages or reuse pages whose write may still run), else the copies run beside it.
+    kv_writes: list[int] = []
+    kv_loads: list[int] = []
+    wait_kv_io: bool = False
 
 
 class SampleMasks(msgspec.Struct, array_like=True, tag=True):
@@ -246,6 +252,7 @@ class EngineInfo(msgspec.Struct, tag=True):
     kv_cache_dtype: str = ""  # the pool's element type, e.g. bfloat16 or float8_e4m3fn
     kv_bytes_per_token: int = 0  # K and V of one token over all layers (this rank's heads)
     quantization: str | None = None  # where the fp8 linear weights came from (online, or the checkpoint format)
+    num_host_pages: int = 0  # the hierarchical cache's host pool (0: off)
 
 
 ToTokenizer = GenerateBatch | AbortReq | ControlReq | ControlReply | TokenBatch | EngineInfo

@@ -95,6 +95,7 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """From a layer's qkv projection [T, (Hq + 2 Hk) * D]: per-head q/k norm (``norm``),
         rotary, K/V written to the new tokens' slots. Returns q [T, Hq, D] for ``forward``."""
+        self.kv_cache.wait_layer(layer_id)  # host-tier copies into (or out of) this layer's pages
         return rope_store(
             qkv, self.num_qo_heads, positions, cos_sin, self.kv_cache.k_cache(layer_id),
             self.kv_cache.v_cache(layer_id), self.meta.out_loc, norm, self.kv_cache.scales[layer_id],

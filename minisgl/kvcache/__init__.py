@@ -5,16 +5,21 @@ from typing import Any
 
 from minisgl.kvcache.allocator import PageAllocator
 from minisgl.kvcache.base_manager import BaseCacheManager, CacheHandle, SizeInfo
+from minisgl.kvcache.host_tier import HostTier
 from minisgl.kvcache.naive_manager import NaiveCacheManager
 from minisgl.kvcache.radix_manager import RadixCacheManager
 
 
-def create_cache_manager(page_size: int, disable_radix_cache: bool = False) -> BaseCacheManager:
-    return NaiveCacheManager(page_size) if disable_radix_cache else RadixCacheManager(page_size)
+def create_cache_manager(page_size: int, disable_radix_cache: bool = False, host: HostTier | None = None) -> BaseCacheManager:
+    if disable_radix_cache:
+        if host is not None:
+            raise ValueError("the hierarchical cache needs the radix cache")
+        return NaiveCacheManager(page_size)
+    return RadixCacheManager(page_size, host)
 
 
 __all__ = [
-    "BaseCacheManager", "BaseKVCache", "CacheHandle", "MHAKVCache", "NaiveCacheManager",
+    "BaseCacheManager", "BaseKVCache", "CacheHandle", "HostKVPool", "HostTier", "MHAKVCache", "NaiveCacheManager",
     "PageAllocator", "RadixCacheManager", "SizeInfo", "create_cache_manager",
 ]
 
@@ -24,6 +29,10 @@ def __getattr__(name: str) -> Any:
         from minisgl.kvcache.base import BaseKVCache
 
         return BaseKVCache
+    if name == "HostKVPool":
+        from minisgl.kvcache.host_pool import HostKVPool
+
+        return HostKVPool
     if name == "MHAKVCache":
         from minisgl.kvcache.mha_pool import MHAKVCache
 

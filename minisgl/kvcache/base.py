@@ -17,6 +17,9 @@ class BaseKVCache(ABC):
     page_size: int
     scales: list[tuple[float, float]]
 
+    def wait_layer(self, layer_id: int) -> None:
+        """Hold the current stream until copies into this layer's pages are done (none here)."""
+
     @abstractmethod
     def k_cache(self, layer_id: int) -> torch.Tensor:
         """Layer view of K: [num_pages, page_size, kv_heads, head_dim] (page stride may be large)."""

@@ -62,9 +62,10 @@ class BaseCacheManager(ABC):
         """Protect (or release) the handle's prefix from eviction; locks nest."""
 
     @abstractmethod
-    def insert_prefix(self, ids: list[int], pages: list[int]) -> int:
+    def insert_prefix(self, ids: list[int], pages: list[int], computing: bool = False) -> int:
         """Cache ``pages`` under ``ids``; returns the length that was already cached (under its
-        own pages: the caller's pages for that part are duplicates it must free)."""
+        own pages: the caller's pages for that part are duplicates it must free). ``computing``:
+        the batch being built computes them (a host tier copies them one batch later)."""
 
     @abstractmethod
     def evict(self, num_pages: int) -> list[int]:
@@ -91,7 +92,7 @@ class BaseCacheManager(ABC):
         """Raise AssertionError if any internal invariant is broken."""
 
     def commit(
-        self, ids: list[int], pages: list[int], handle: CacheHandle
+        self, ids: list[int], pages: list[int], handle: CacheHandle, computing: bool = False
     ) -> tuple[CacheHandle, list[int], list[int]]:
         """Insert a request's computed whole pages and move its lock to the new, deeper prefix.
 
@@ -100,7 +101,7 @@ class BaseCacheManager(ABC):
         """
         n = self.aligned(len(ids))
         own = pages[: n // self.page_size]
-        self.insert_prefix(ids[:n], own)
+        self.insert_prefix(ids[:n], own, computing)
         new_handle, tree_pages = self.match_prefix(ids[:n])
         self.lock_handle(new_handle)
         self.lock_handle(handle, unlock=True)

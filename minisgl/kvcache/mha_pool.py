@@ -5,7 +5,8 @@ dense paged tensors. The page-first layout of the design (``[2, num_pages, num_l
 one page holding every layer's K and V, for moving whole pages) spreads a layer's pages a
 megabyte apart on the 8B's 32 layers, and decode attention paid for it: 0.187 against 0.175 ms
 per layer at 256 requests in 16 groups on the H100 (benchmarks/results/gpu_2026-11-22.md,
-session 12). Nothing moves pages yet; when something does, it copies one block per layer.
+session 12). The hierarchical cache's host pool is page-first (``host_pool.py``); copies move
+one block per page and layer.
 """
 
 from __future__ import annotations
@@ -35,6 +36,13 @@ class MHAKVCache(BaseKVCache):
             (2, num_layers, num_pages, page_size, num_kv_heads, head_dim), dtype=dtype, device=device
         )
         self.scales = [(1.0, 1.0)] * num_layers
+        # Set for one step whose host-tier copies it must wait for: layer i's copies are done
+        # when layer_events[i] is (see HostKVPool.transfer).
+        self.layer_events: list[torch.cuda.Event] = []
+
+    def wait_layer(self, layer_id: int) -> None:
+        if self.layer_events:
+            torch.cuda.current_stream().wait_event(self.layer_events[layer_id])
 
     @staticmethod
     def bytes_per_page(page_size: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -16,11 +16,11 @@ class NaiveCacheManager(BaseCacheManager):
     def lock_handle(self, handle: CacheHandle, unlock: bool = False) -> None:
         pass
 
-    def insert_prefix(self, ids: list[int], pages: list[int]) -> int:
+    def insert_prefix(self, ids: list[int], pages: list[int], computing: bool = False) -> int:
         return 0
 
     def commit(
-        self, ids: list[int], pages: list[int], handle: CacheHandle
+        self, ids: list[int], pages: list[int], handle: CacheHandle, computing: bool = False
     ) -> tuple[CacheHandle, list[int], list[int]]:
         """Nothing is kept: every page of the prefix goes back to the caller to free."""
         return _EMPTY, [], pages[: self.aligned(len(ids)) // self.page_size]

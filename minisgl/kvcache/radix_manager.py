@@ -4,6 +4,14 @@ Each node's key is a run of whole pages of tokens and its value the matching pag
 node's children are keyed by their first page of tokens. A lock on a node counts on the node
 and every ancestor, so a locked prefix is never evicted. Eviction removes least-recently-used
 unlocked leaves, so a prefix still shared by a cached suffix goes last.
+
+With a host tier (``HostTier``, the hierarchical cache) a node's pages live on the device, in
+host memory, or both: ``pages`` are device pages (None once only the host copy is left),
+``host`` the host copy (None if none). Device residence is closed under parents: a node on
+the device has its whole path there, so ``match_prefix`` (device pages only) stops at the
+first node that is not, and ``match_host`` returns the host-only nodes after it, to be loaded.
+Evicting a device leaf keeps the node when it has (or, under write_back, gets) a host copy;
+host pages are evicted LRU too, from host-only leaves and from nodes also on the device.
 """
 
 from __future__ import annotations
@@ -14,14 +22,19 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from minisgl.kvcache.base_manager import BaseCacheManager, CacheHandle, SizeInfo, common_pages
+from minisgl.kvcache.host_tier import SELECTIVE_HITS, HostTier
 
 
 class _Node:
-    __slots__ = ("key", "pages", "children", "parent", "ref", "last_access", "depth", "_handle")
+    __slots__ = ("key", "pages", "children", "parent", "ref", "last_access", "depth", "_handle", "host",
+                 "io_step", "hits")
 
-    def __init__(self, key: list[int], pages: list[int], parent: _Node | None, tick: int):
+    def __init__(self, key: list[int], pages: list[int] | None, parent: _Node | None, tick: int):
         self.key = key
-        self.pages = pages
+        self.pages = pages  # device pages; None when only the host copy is left
+        self.host: list[int] | None = None  # host pages holding a copy (hierarchical cache)
+        self.io_step = -1  # the batch carrying this node's latest host copy
+        self.hits = 0
         self.children: dict[tuple[int, ...], _Node] = {}
         self.parent = parent
         self.ref = 0  # locks held on this node or any descendant
@@ -50,16 +63,18 @@ class RadixHandle(CacheHandle):
 
 
 class RadixCacheManager(BaseCacheManager):
-    def __init__(self, page_size: int):
+    def __init__(self, page_size: int, host: HostTier | None = None):
         super().__init__(page_size)
+        self.host = host
         self._clock = itertools.count(1)
         self.root = _Node([], [], None, 0)
         self.root.ref = 1  # the root is never evicted
-        self.evictable_pages = 0
+        self.evictable_pages = 0  # device pages only, here and below
         self.protected_pages = 0
-        # Unlocked leaves by last use, kept as they appear (lazily: stale entries are skipped),
-        # so eviction costs the pages it frees, not a walk of the tree.
+        # Unlocked device leaves by last use, kept as they appear (lazily: stale entries are
+        # skipped), so eviction costs the pages it frees, not a walk of the tree.
         self._leaves: list[tuple[int, _Node]] = []
+        self._host_leaves: list[tuple[int, _Node]] = []  # the same for host copies
         self._num_nodes = 0
 
     # ---- walking ------------------------------------------------------------------------------
@@ -71,24 +86,30 @@ class RadixCacheManager(BaseCacheManager):
         """Cut ``node`` after ``num_pages`` pages; returns the new upper half (same locks)."""
         self.epoch += 1
         cut = num_pages * self.page_size
-        upper = _Node(node.key[:cut], node.pages[:num_pages], node.parent, node.last_access)
-        upper.ref = node.ref
+        upper = _Node(node.key[:cut], None if node.pages is None else node.pages[:num_pages], node.parent,
+                      node.last_access)
+        upper.ref, upper.io_step, upper.hits = node.ref, node.io_step, node.hits
         node.parent.children[self._edge(upper.key, 0)] = upper
-        node.key, node.pages, node.parent = node.key[cut:], node.pages[num_pages:], upper
+        node.key, node.parent = node.key[cut:], upper
+        if node.pages is not None:
+            node.pages = node.pages[num_pages:]
+        if node.host is not None:
+            upper.host, node.host = node.host[:num_pages], node.host[num_pages:]
         upper.children[self._edge(node.key, 0)] = node
         self._num_nodes += 1
         return upper
 
-    def _walk(self, ids: list[int]) -> tuple[_Node, int]:
-        """Deepest node whose path is a prefix of ids (splitting an edge if needed), and its length."""
+    def _walk(self, ids: list[int], on_device: bool = True) -> tuple[_Node, int]:
+        """Deepest node whose path is a prefix of ids (splitting an edge if needed), and its
+        length; ``on_device``: through nodes with device pages only."""
         node, matched, tick = self.root, 0, next(self._clock)
         limit = self.aligned(len(ids))
         while matched < limit:
             child = node.children.get(self._edge(ids, matched))
-            if child is None:
+            if child is None or (on_device and child.pages is None):
                 break
             pages = common_pages(child.key, ids, matched, self.page_size, limit)
-            if pages < len(child.pages):
+            if pages * self.page_size < len(child.key):
                 upper = self._split(child, pages)  # only the matched half counts as used
                 upper.last_access = tick
                 return upper, matched + pages * self.page_size
@@ -127,8 +148,9 @@ class RadixCacheManager(BaseCacheManager):
         return node.children.keys()
 
     def advance(self, pos: tuple[_Node, int], ids: list[int]) -> tuple[tuple[_Node, int], int]:
-        """Follow ``ids`` (whole pages) from ``pos`` as far as the cache holds them, without
-        splitting or touching eviction order; returns the new position and the tokens matched."""
+        """Follow ``ids`` (whole pages) from ``pos`` as far as the cache holds them (in either
+        tier), without splitting or touching eviction order; returns the new position and the
+        tokens matched."""
         node, off = pos
         matched = 0
         while matched < len(ids):
@@ -148,36 +170,88 @@ class RadixCacheManager(BaseCacheManager):
         assert matched == node.depth
         return node.handle, self._path_pages(node)
 
+    def match_host(self, handle: CacheHandle, ids: list[int]) -> list[_Node]:
+        """The host-only nodes that continue ``handle``'s device prefix along ``ids`` (the last
+        one cut to what matches), to be loaded with ``load``."""
+        node, matched, tick, out = handle.node, handle.cached_len, next(self._clock), []
+        limit = self.aligned(len(ids))
+        while matched < limit:
+            child = node.children.get(self._edge(ids, matched))
+            if child is None:
+                break
+            assert child.pages is None, "a device node below the end of a device match"
+            pages = common_pages(child.key, ids, matched, self.page_size, limit)
+            if pages * self.page_size < len(child.key):
+                child = self._split(child, pages)
+            child.last_access = tick
+            out.append(child)
+            node, matched = child, matched + len(child.key)
+        return out
+
+    def load(self, nodes: list[_Node], pages: list[int]) -> None:
+        """Give host-only ``nodes`` (a path, as ``match_host`` returns it) the device ``pages``
+        and queue the copies into them."""
+        at = 0
+        for node in nodes:
+            n = len(node.host)
+            self._to_device(node, pages[at : at + n])
+            self.host.load(node.host, node.pages)
+            node.io_step = self.host.step
+            at += n
+
+    def _to_device(self, node: _Node, pages: list[int]) -> None:
+        node.pages = pages
+        if node.ref:
+            self.protected_pages += len(pages)
+        else:
+            self.evictable_pages += len(pages)
+        self._maybe_evictable(node)
+
     def lock_handle(self, handle: CacheHandle, unlock: bool = False) -> None:
         self.epoch += 1
         node = handle.node
         while node is not self.root:
+            n = len(node.pages) if node.pages is not None else 0
             if unlock:
                 if node.ref <= 0:
                     raise AssertionError("unlocking a prefix that is not locked")
                 node.ref -= 1
                 if node.ref == 0:
-                    self.protected_pages -= len(node.pages)
-                    self.evictable_pages += len(node.pages)
+                    self.protected_pages -= n
+                    self.evictable_pages += n
                     self._maybe_evictable(node)
             else:
                 if node.ref == 0:
-                    self.evictable_pages -= len(node.pages)
-                    self.protected_pages += len(node.pages)
+                    self.evictable_pages -= n
+                    self.protected_pages += n
                 node.ref += 1
             node = node.parent
 
-    def insert_prefix(self, ids: list[int], pages: list[int]) -> int:
+    def insert_prefix(self, ids: list[int], pages: list[int], computing: bool = False) -> int:
+        """``computing``: the batch being built computes these pages (a host copy of them must
+        wait for the next batch)."""
         n = self.aligned(len(ids))
         if len(pages) < n // self.page_size:
             raise ValueError(f"{len(pages)} pages cannot hold {n} tokens of page size {self.page_size}")
-        node, matched = self._walk(ids[:n])
+        node, matched = self._walk(ids[:n], on_device=False)
+        if self.host is not None:  # host-only nodes on the path take the caller's pages (same tokens)
+            path, up = [], node
+            while up is not self.root and up.pages is None:
+                path.append(up)
+                up = up.parent
+            for part in reversed(path):
+                start = (part.depth - len(part.key)) // self.page_size
+                self._to_device(part, pages[start : start + len(part.host)])
         if matched < n:
             leaf = _Node(ids[matched:n], pages[matched // self.page_size : n // self.page_size], node, next(self._clock))
             node.children[self._edge(leaf.key, 0)] = leaf
             self.evictable_pages += len(leaf.pages)
             self._num_nodes += 1
             self._maybe_evictable(leaf)
+            if self.host is not None:
+                leaf.io_step = self.host.step + computing  # the first batch that may copy it
+                if self.host.policy == "write_through":
+                    self._write(leaf, computing)
         return matched
 
     def evict(self, num_pages: int) -> list[int]:
@@ -188,7 +262,7 @@ class RadixCacheManager(BaseCacheManager):
         freed: list[int] = []
         while len(freed) < num_pages:
             tick, node = heapq.heappop(self._leaves)
-            if node.parent is None or node.children or node.ref:
+            if not self._device_leaf(node):
                 continue  # evicted already, no longer a leaf, or locked again: a stale entry
             if node.last_access != tick:  # used since it was queued: back in at its new age
                 heapq.heappush(self._leaves, (node.last_access, node))
@@ -196,20 +270,130 @@ class RadixCacheManager(BaseCacheManager):
             freed += node.pages
             self.evictable_pages -= len(node.pages)
             parent = node.parent
-            del parent.children[self._edge(node.key, 0)]
-            node.parent = None
-            self._num_nodes -= 1
+            if self._keep_on_host(node):
+                node.pages = None
+            else:
+                self._remove(node)
             self._maybe_evictable(parent)
         return freed
 
+    def _device_leaf(self, node: _Node) -> bool:
+        if node.parent is None or node.pages is None or node.ref:
+            return False
+        if self.host is None:
+            return not node.children
+        return all(c.pages is None for c in node.children.values())
+
+    def _keep_on_host(self, node: _Node) -> bool:
+        """Whether an evicted device leaf stays as a host copy (written back first if the
+        policy says so); if its copy may still be in flight, the batch waits for copies."""
+        host = self.host
+        if host is None:
+            return False
+        if node.host is None and (host.policy != "write_back" or not self._write(node, False)):
+            return False
+        if node.io_step > host.confirmed:
+            host.wait = True
+        self._maybe_host_evictable(node)
+        return True
+
+    def _remove(self, node: _Node) -> None:
+        """Take a node with no device descendants out of the tree, its host copies with it."""
+        del node.parent.children[self._edge(node.key, 0)]
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            if n.host is not None:
+                self.host.allocator.free(n.host)
+                n.host = None
+            n.parent = None
+            self._num_nodes -= 1
+            stack.extend(n.children.values())
+            n.children = {}
+
     def _maybe_evictable(self, node: _Node) -> None:
-        """Queue an unlocked leaf for eviction (entries that stop being one are skipped later)."""
-        if node is not self.root and not node.children and node.ref == 0:
+        """Queue an unlocked device leaf for eviction (entries that stop being one are skipped later)."""
+        if node is not self.root and self._device_leaf(node):
             heapq.heappush(self._leaves, (node.last_access, node))
             if len(self._leaves) > 2 * self._num_nodes + 64:  # mostly stale: keep one entry per leaf
-                live = {id(n): n for _, n in self._leaves if n.parent is not None and not n.children and not n.ref}
+                live = {id(n): n for _, n in self._leaves if self._device_leaf(n)}
                 self._leaves = [(n.last_access, n) for n in live.values()]
                 heapq.heapify(self._leaves)
+
+    # ---- the host tier ------------------------------------------------------------------------
+
+    def count_hit(self, handle: CacheHandle) -> None:
+        """A request was admitted on this prefix: under write_through_selective, prefixes
+        matched often enough get their host copy."""
+        if self.host is None or self.host.policy != "write_through_selective":
+            return
+        node = handle.node
+        while node is not self.root and node.host is None:
+            node.hits += 1
+            if node.hits >= SELECTIVE_HITS:
+                self._write(node, False)
+            node = node.parent
+
+    def _write(self, node: _Node, computing: bool) -> bool:
+        """Give a device node a host copy (evicting host pages for it); False if none are free."""
+        n, host = len(node.pages), self.host
+        computing = computing or node.io_step > host.step  # (published by the batch being built)
+        if host.allocator.num_free < n:
+            self._evict_host(n - host.allocator.num_free)
+        pages = host.allocator.alloc(n)
+        if pages is None:
+            return False
+        node.host = pages
+        node.io_step = host.write(node.pages, pages, computing)
+        self._maybe_host_evictable(node)
+        return True
+
+    def _host_evictable(self, node: _Node) -> bool:
+        """A host copy that may go: not in a copy of a batch still being built, and either the
+        node stays on the device or it is an unlocked leaf."""
+        if node.parent is None or node.host is None or node.io_step >= self.host.step:
+            return False
+        return node.pages is not None or (not node.children and not node.ref)
+
+    def _maybe_host_evictable(self, node: _Node) -> None:
+        if node is not self.root and node.host is not None:
+            heapq.heappush(self._host_leaves, (node.last_access, node))
+            if len(self._host_leaves) > 2 * self._num_nodes + 64:
+                live = {id(n): n for _, n in self._host_leaves if n.parent is not None and n.host is not None}
+                self._host_leaves = [(n.last_access, n) for n in live.values()]
+                heapq.heapify(self._host_leaves)
+
+    def _evict_host(self, num_pages: int) -> None:
+        """Free at least ``num_pages`` host pages, least recently used first, if that many can go."""
+        freed, busy = 0, []
+        while freed < num_pages and self._host_leaves:
+            tick, node = heapq.heappop(self._host_leaves)
+            if node.parent is None or node.host is None:
+                continue  # stale
+            if node.last_access != tick:
+                heapq.heappush(self._host_leaves, (node.last_access, node))
+                continue
+            if not self._host_evictable(node):
+                if node.pages is not None or not node.children:
+                    busy.append((tick, node))  # may become evictable later: keep its entry
+                continue  # (an inner host-only node is queued again when its last child goes)
+            freed += len(node.host)
+            self.host.evicted_pages += len(node.host)
+            if node.pages is not None:
+                self.host.allocator.free(node.host)
+                node.host = None
+            else:
+                parent = node.parent
+                self._remove(node)
+                self._maybe_host_evictable(parent)
+        for entry in busy:
+            heapq.heappush(self._host_leaves, entry)
+
+    def host_pages(self) -> list[int]:
+        """Every host page the tree holds (integrity checks)."""
+        return [p for n in self._nodes() if n.host is not None for p in n.host]
+
+    # ---- whole-cache operations ---------------------------------------------------------------
 
     def size_info(self) -> SizeInfo:
         return SizeInfo(self.evictable_pages, self.protected_pages)
@@ -217,9 +401,13 @@ class RadixCacheManager(BaseCacheManager):
     def reset(self) -> list[int]:
         if self.protected_pages:
             raise RuntimeError(f"cannot reset: {self.protected_pages} pages are locked by running requests")
-        freed = self.evict(self.evictable_pages)
+        freed = [p for n in self._nodes() if n.pages is not None for p in n.pages]
+        if self.host is not None:
+            self.host.allocator.free(self.host_pages())
+            self.host.drop_queued()
+        self.evictable_pages = 0
         self.root.children.clear()
-        self._leaves, self._num_nodes = [], 0
+        self._leaves, self._host_leaves, self._num_nodes = [], [], 0
         return freed
 
     def _nodes(self) -> list[_Node]:
@@ -231,28 +419,48 @@ class RadixCacheManager(BaseCacheManager):
         return out
 
     def all_pages(self) -> list[int]:
-        return [p for n in self._nodes() for p in n.pages]
+        return [p for n in self._nodes() if n.pages is not None for p in n.pages]
 
     def check_integrity(self) -> None:
         evictable = protected = 0
         seen: set[int] = set()
-        for node in self._nodes():
-            assert node.pages and len(node.key) == len(node.pages) * self.page_size, "key/page length mismatch"
+        seen_host: set[int] = set()
+        nodes = self._nodes()
+        for node in nodes:
+            size = len(node.key) // self.page_size
+            assert size and len(node.key) % self.page_size == 0, "a node holds no whole pages"
+            assert node.pages is not None or node.host is not None, "a node with no pages in any tier"
+            assert node.pages is None or len(node.pages) == size, "key/page length mismatch"
+            assert node.host is None or len(node.host) == size, "key/host page length mismatch"
+            assert node.pages is None or node.parent.pages is not None, "a device node under a host-only one"
             assert node.parent.children.get(self._edge(node.key, 0)) is node, "child keyed by the wrong page"
             assert node.ref >= sum(c.ref for c in node.children.values()), "a locked node has an unlocked ancestor"
             assert node.ref >= 0, "negative lock count"
             assert node.depth == node.parent.depth + len(node.key), "node depth out of date"
-            dup = seen.intersection(node.pages)
-            assert not dup and len(set(node.pages)) == len(node.pages), f"page(s) {dup} appear twice"
-            seen.update(node.pages)
-            if node.ref:
-                protected += len(node.pages)
-            else:
-                evictable += len(node.pages)
+            if node.pages is not None:
+                dup = seen.intersection(node.pages)
+                assert not dup and len(set(node.pages)) == len(node.pages), f"page(s) {dup} appear twice"
+                seen.update(node.pages)
+                if node.ref:
+                    protected += len(node.pages)
+                else:
+                    evictable += len(node.pages)
+            if node.host is not None:
+                dup = seen_host.intersection(node.host)
+                assert not dup and len(set(node.host)) == len(node.host), f"host page(s) {dup} appear twice"
+                seen_host.update(node.host)
         assert (evictable, protected) == (self.evictable_pages, self.protected_pages), (
             f"size counters {(self.evictable_pages, self.protected_pages)} != tree {(evictable, protected)}"
         )
-        nodes = self._nodes()
         assert self._num_nodes == len(nodes), f"node count {self._num_nodes} != tree {len(nodes)}"
         queued = {id(n) for _, n in self._leaves}
-        assert all(id(n) in queued for n in nodes if not n.children and not n.ref), "an evictable leaf is not queued"
+        assert all(id(n) in queued for n in nodes if self._device_leaf(n)), "an evictable leaf is not queued"
+        if self.host is not None:
+            free = self.host.allocator.free_pages()
+            assert len(set(free)) == len(free) and not seen_host.intersection(free), "a host page is free and used"
+            assert len(free) + len(seen_host) == self.host.num_pages, (
+                f"host pages: free {len(free)} + cached {len(seen_host)} != {self.host.num_pages}"
+            )
+            queued = {id(n) for _, n in self._host_leaves}
+            assert all(id(n) in queued for n in nodes if n.host is not None and (n.pages is not None or not n.children)), (
+                "a host copy is not queued")

@@ -1,19 +1,23 @@
 """Pages and page-table slots of running requests: the prefix cache, the free pages and the
-free slots, and the moves between them (admit, publish, release)."""
+free slots, and the moves between them (admit, publish, release). With a host tier, admission
+also brings a prefix's host pages back to the device."""
 
 from __future__ import annotations
 
-from minisgl.kvcache import CacheHandle, PageAllocator, create_cache_manager
+from minisgl.kvcache import CacheHandle, HostTier, PageAllocator, create_cache_manager
 from minisgl.scheduler.request import Req
 from minisgl.utils import cdiv
 
 
 class Memory:
-    def __init__(self, page_size: int, num_pages: int, num_slots: int, disable_radix_cache: bool):
+    def __init__(self, page_size: int, num_pages: int, num_slots: int, disable_radix_cache: bool,
+                 num_host_pages: int = 0, write_policy: str = "write_through"):
         self.page_size = page_size
-        self.cache = create_cache_manager(page_size, disable_radix_cache)
+        self.host = HostTier(num_host_pages, write_policy) if num_host_pages else None
+        self.cache = create_cache_manager(page_size, disable_radix_cache, self.host)
         self.allocator = PageAllocator(num_pages)
         self.free_slots = list(range(num_slots - 1, -1, -1))
+        self.host_hit_tokens = 0  # tokens admissions found on the host tier (loaded to the device)
 
     def alloc(self, n: int) -> list[int] | None:
         """n free pages, evicting unlocked cache if needed; None if even that is not enough."""
@@ -24,13 +28,43 @@ class Memory:
             self.allocator.free(self.cache.evict(short))
         return self.allocator.alloc(n)
 
-    def admit(self, req: Req, reusable: int) -> None:
+    def admit(self, req: Req, reusable: int) -> int:
         """Give a request a slot and lock the longest cached prefix of its first ``reusable``
-        tokens."""
-        handle, pages = self.cache.match_prefix(req.all_ids[:reusable])
+        tokens; returns how many of them came from the host tier."""
+        ids = req.all_ids[:reusable]
+        handle, pages = self.cache.match_prefix(ids)
+        loaded = 0
+        if self.host is not None:
+            self.cache.count_hit(handle)
+            loaded = self._load(ids, handle)
+            if loaded:
+                handle, pages = self.cache.match_prefix(ids)
         self.cache.lock_handle(handle)
         req.slot, req.handle, req.pages = self.free_slots.pop(), handle, pages
         req.kv_len, req.table_len, req.prefill_target = handle.cached_len, 0, len(req.all_ids)
+        return loaded
+
+    def _load(self, ids: list[int], handle: CacheHandle) -> int:
+        """Bring the host-only continuation of ``handle`` along ``ids`` to the device (copied
+        by the batch being built, before its attention reads them); returns its tokens, 0 if
+        the device has no room for it."""
+        nodes = self.cache.match_host(handle, ids)
+        if not nodes:
+            return 0
+        n = sum(len(node.host) for node in nodes)
+        tail = nodes[-1].handle
+        self.cache.lock_handle(tail)  # the path stays (both tiers) while device pages are found
+        pages = self.alloc(n)
+        self.cache.lock_handle(tail, unlock=True)
+        if pages is None:
+            return 0
+        self.cache.load(nodes, pages)
+        self.host_hit_tokens += n * self.page_size
+        return n * self.page_size
+
+    def take_io(self) -> tuple[list[int], list[int], bool]:
+        """The host copies the batch being built carries (see ``HostTier.take``)."""
+        return self.host.take()
 
     def rematch(self, req: Req, reusable: int) -> int:
         """Take up pages another request cached since this one's last chunk; returns how many
@@ -46,7 +80,7 @@ class Memory:
     def publish(self, req: Req, upto: int) -> None:
         """Put the request's whole pages of its first ``upto`` tokens in the cache now, so that
         requests scheduled after it reuse them."""
-        req.handle, _, duplicates = self.cache.commit(req.all_ids[:upto], req.pages, req.handle)
+        req.handle, _, duplicates = self.cache.commit(req.all_ids[:upto], req.pages, req.handle, computing=True)
         assert not duplicates, "pages were cached between a match and its commit"
 
     def release(self, req: Req) -> None:
@@ -69,11 +103,12 @@ class Memory:
             "used_pages": total - free,
             # Pages that eviction cannot reclaim now: private to requests or locked by them.
             "kv_usage": (total - free - info.evictable) / total,
+            **(self.host.stats() if self.host is not None else {}),
         }
 
     def check_integrity(self, running: list[Req]) -> None:
         """Every page is exactly one of: free, cached, or private to one running request."""
-        self.cache.check_integrity()
+        self.cache.check_integrity()  # (the host tier's pages too)
         free = self.allocator.free_pages()
         cached = set(self.cache.all_pages())
         private: list[int] = []

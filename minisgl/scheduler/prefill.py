@@ -104,7 +104,7 @@ class PrefillPlanner:
         for req in queue.order(step, memory.cache):
             if budget <= 0 or not memory.free_slots:
                 break
-            memory.admit(req, reusable(req, len(req.all_ids) - 1))
+            loaded = memory.admit(req, reusable(req, len(req.all_ids) - 1))
             matched = req.kv_len
             entry = self.chunk_of(req, min(budget, self.chunk))
             if entry is None:
@@ -114,6 +114,8 @@ class PrefillPlanner:
             if not req.retracted:
                 self.counters.prefix_queried_tokens += req.prefill_target
             self.count_hit(req, matched)
+            if not req.retracted:
+                self.counters.prefix_host_hit_tokens += loaded
             entries.append(entry)
             budget -= entry[1]
         if not memory.free_slots or len(admitted) == len(queue):

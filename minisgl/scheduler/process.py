@@ -48,7 +48,7 @@ class SchedulerProcess:
         # The tokenizer itself is loaded with the first grammar: this process stays torch-free.
         grammar = GrammarBackend(lambda: load_tokenizer(tokenizer_path), info.vocab_size, info.eos_ids)
         self.sched = Scheduler(args, info.num_pages, info.context_len, info.vocab_size, info.eos_ids, self.workers,
-                               grammar)
+                               grammar, info.num_host_pages)
         self.by_rid: dict[str, Req] = {}
         self.rid_of: dict[int, str] = {}
         self.outbox: list[TokenOut] = []
@@ -177,10 +177,15 @@ class SchedulerProcess:
         elif now - self._last_log < STATS_INTERVAL_S or not (self._tokens_since_log or self.sched.has_work):
             return
         s = self.sched.stats()
+        host = ""
+        if "host_total_pages" in s:  # the hierarchical cache: its share of the hits and its use
+            used = s["host_total_pages"] - s["host_free_pages"]
+            host = (f" ({100 * s['prefix_host_hit_tokens'] / max(s['prefix_queried_tokens'], 1):.1f}% from host, "
+                    f"host pool {100 * used / s['host_total_pages']:.1f}% used)")
         logger.info(
-            "running %d, queued %d, KV usage %.1f%% of %d pages, cache hit rate %.1f%%, %.1f tokens/s",
+            "running %d, queued %d, KV usage %.1f%% of %d pages, cache hit rate %.1f%%%s, %.1f tokens/s",
             s["running_requests"], s["queued_requests"], 100 * s["kv_usage"], s["total_pages"],
-            100 * s["cache_hit_rate"], self._tokens_since_log / (now - self._last_log),
+            100 * s["cache_hit_rate"], host, self._tokens_since_log / (now - self._last_log),
         )
         self._last_log, self._tokens_since_log = now, 0
 

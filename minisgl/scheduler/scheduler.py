@@ -60,7 +60,8 @@ class Executor(Protocol):
 @dataclass
 class Counters:
     prefix_queried_tokens: int = 0  # tokens looked up in the prefix cache
-    prefix_hit_tokens: int = 0  # of those, tokens served from the cache
+    prefix_hit_tokens: int = 0  # of those, tokens served from the cache (any tier)
+    prefix_host_hit_tokens: int = 0  # of those, tokens the host tier held (loaded back)
     retractions: int = 0
     steps: int = 0
     prefill_tokens: int = 0  # prompt tokens computed (not served from the cache)
@@ -69,14 +70,14 @@ class Counters:
 
 
 # A launched step: the requests it samples a token for (in row order), the (request, position)
-# of each scored prompt row, and the token ids scored at each of those rows.
-Inflight = tuple[list[Req], list[tuple[Req, int]], list[int]]
+# of each scored prompt row, the token ids scored at each of those rows, and its step number.
+Inflight = tuple[list[Req], list[tuple[Req, int]], list[int], int]
 
 
 class Scheduler:
     def __init__(
         self, args: EngineArgs, num_pages: int, context_len: int, vocab_size: int,
-        eos_ids: list[int], executor: Executor, grammar: GrammarBackend | None = None,
+        eos_ids: list[int], executor: Executor, grammar: GrammarBackend | None = None, num_host_pages: int = 0,
     ):
         self.args = args
         self.page_size = args.page_size
@@ -86,7 +87,8 @@ class Scheduler:
         self.executor = executor
         self.overlap = not args.disable_overlap_schedule
         self.inflight: deque[Inflight] = deque()  # launched steps whose tokens are not back yet
-        self.memory = Memory(args.page_size, num_pages, args.max_running_requests, args.disable_radix_cache)
+        self.memory = Memory(args.page_size, num_pages, args.max_running_requests, args.disable_radix_cache,
+                             num_host_pages if args.enable_hierarchical_cache else 0, args.hicache_write_policy)
         self.cache, self.allocator = self.memory.cache, self.memory.allocator
         # Without prefix reuse there is nothing for lpm to order by: arrival order.
         # lpm without a prefix cache has no hits to order by: arrival order.
@@ -219,8 +221,10 @@ class Scheduler:
             self._retracted_tokens = []
         got: list[Req] = []
         if batch is not None:
+            if self.memory.host is not None:
+                batch.kv_writes, batch.kv_loads, batch.wait_kv_io = self.memory.take_io()
             self.executor.launch(batch)
-            self.inflight.append((sampled, scored, batch.score_logprob_ids))
+            self.inflight.append((sampled, scored, batch.score_logprob_ids, self.counters.steps))
             if batch.mask_rows:
                 # The batch samples once its constrained rows' masks come, and a matcher must
                 # first see every token sampled before: process the batch before this one (its
@@ -271,7 +275,9 @@ class Scheduler:
             self._retract(self.running[-1])
 
     def _process(self, inflight: Inflight) -> list[Req]:
-        sampled, scored, score_ids = inflight
+        sampled, scored, score_ids, step = inflight
+        if self.memory.host is not None:
+            self.memory.host.done(step)  # the worker sends a step's tokens once its copies are done
         return apply_output(sampled, scored, score_ids, self.executor.collect(), self.finish)
 
     # ---- giving pages back ---------------------------------------------------------------------
@@ -300,6 +306,7 @@ class Scheduler:
             "prefix_queried_tokens": c.prefix_queried_tokens,
             "prefix_hit_tokens": c.prefix_hit_tokens,
             "cache_hit_rate": c.prefix_hit_tokens / c.prefix_queried_tokens if c.prefix_queried_tokens else 0.0,
+            "prefix_host_hit_tokens": c.prefix_host_hit_tokens,
             "retractions": c.retractions,
             "prefill_tokens": c.prefill_tokens,
             "prefill_steps": c.steps - c.decode_steps,

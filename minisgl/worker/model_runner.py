@@ -24,7 +24,7 @@ from minisgl.attention import AttentionMetadata, create_backend
 from minisgl.attention.context import set_attention_backend
 from minisgl.config import ModelConfig
 from minisgl.distributed import get_tp_info, init_fused_all_reduce_norm, init_one_shot_all_reduce
-from minisgl.kvcache import MHAKVCache
+from minisgl.kvcache import HostKVPool, MHAKVCache
 from minisgl.messages import ForwardBatch, NewRequest, StepOutput
 from minisgl.models.loader import load_model, resolve_model_path
 from minisgl.sampling import SampleOutput, Sampler, SamplingParams
@@ -47,6 +47,7 @@ class _Pending:
     host: dict[str, torch.Tensor]
     event: torch.cuda.Event | None
     score_top: int = 0
+    io_event: torch.cuda.Event | None = None  # the step's host-tier copies done
     ids: list[list[int]] | None = None  # per row, the token ids whose logprobs it wants
     id_union: list[int] | None = None  # the columns of host["id_logprobs"]
 
@@ -99,6 +100,9 @@ class ModelRunner:
             args.attention_backend, self.kv_cache, self.num_qo_heads, self.num_kv_heads, self.config.head_dim,
             args.decode_attention_backend, self.dtype,
         )
+        self.host_pool = self._make_host_pool() if args.enable_hierarchical_cache else None
+        self.num_host_pages = self.host_pool.num_pages if self.host_pool is not None else 0
+        self._io_event: torch.cuda.Event | None = None
         if self.device.type == "cuda" and args.cuda_graph_max_bs != 0 and not args.disable_cuda_graph and self.attn.supports_cuda_graph:
             from minisgl.worker.cuda_graph import CudaGraphRunner
 
@@ -125,6 +129,26 @@ class ModelRunner:
             num_pages, self.page_size, self.config.num_layers, self.num_kv_heads,
             self.config.head_dim, self.kv_dtype, self.device,
         )
+
+    def _make_host_pool(self) -> HostKVPool:
+        """The hierarchical cache's host pool: --hicache-size GB, else --hicache-ratio times the
+        device pool; refused if it would not leave a fifth of the host's available memory."""
+        per_page = self.kv_bytes_per_page
+        if self.args.hicache_size > 0:
+            num_pages = int(self.args.hicache_size * 1e9 // per_page)
+        else:
+            num_pages = int(self.num_pages * self.args.hicache_ratio)
+        available = _available_host_bytes() // max(1, self.args.ranks_per_node)
+        if num_pages < 1 or num_pages * per_page > 0.8 * available:
+            raise RuntimeError(
+                f"a host KV pool of {num_pages} pages ({num_pages * per_page / 1e9:.1f} GB) does not fit in "
+                f"80% of the {available / 1e9:.1f} GB of host memory available per rank; lower --hicache-ratio "
+                f"or --hicache-size"
+            )
+        pool = HostKVPool(num_pages, self.kv_cache, self.args.hicache_io_backend)
+        logger.info("hierarchical cache: %d host pages (%.2f GiB, %s copies)", num_pages, pool.nbytes / 2**30,
+                    self.args.hicache_io_backend if self.device.type == "cuda" else "torch")
+        return pool
 
     def _set_kv_scales(self) -> None:
         """An fp8 cache takes the checkpoint's per-layer K and V scales (1.0 where it has none)."""
@@ -241,7 +265,20 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch, gather: bool = True) -> torch.Tensor:
         """Logits [N, vocab] of the last new token of each request with sample=True; with
         ``gather=False`` this rank's vocabulary slice of them (``_sample`` joins them if needed)."""
+        if batch.kv_writes or batch.kv_loads:
+            events = self.host_pool.transfer(self.kv_cache, batch.kv_writes, batch.kv_loads)
+            self._io_event = events[-1] if events else None
+            if batch.wait_kv_io:
+                self.kv_cache.layer_events = events
+        try:
+            return self._forward(batch, gather)
+        finally:
+            self.kv_cache.layer_events = []
+
+    def _forward(self, batch: ForwardBatch, gather: bool) -> torch.Tensor:
         if self.graphs is not None and self.graphs.can_run(batch):
+            if self.kv_cache.layer_events:  # a captured step cannot wait per layer: all before it
+                torch.cuda.current_stream().wait_event(self.kv_cache.layer_events[-1])
             logits = self.graphs.forward(batch)
             return self.model.lm_head.gather(logits) if gather else logits
         meta, input_ids = self._metadata(batch)
@@ -325,18 +362,22 @@ class ModelRunner:
             event.record()
         ids = [self.sampler.h_ids[s] for s in slots.tolist()] if out.id_union else None
         top_n = self.sampler.h_top_n[slots]
-        return _Pending(top_n.tolist() if (top_n >= 0).any() else [], host, event, score_top, ids, out.id_union)
+        io_event, self._io_event = self._io_event, None
+        return _Pending(top_n.tolist() if (top_n >= 0).any() else [], host, event, score_top, io_event, ids,
+                        out.id_union)
 
     def oldest_done(self) -> bool:
         """Whether ``collect`` would return without waiting."""
-        event = self.pending[0].event
-        return event is None or event.query()
+        p = self.pending[0]
+        return (p.event is None or p.event.query()) and (p.io_event is None or p.io_event.query())
 
     def collect(self) -> StepOutput:
         """Tokens (and logprobs) of the oldest launched step, waiting for it if needed."""
         p = self.pending.popleft()
         if p.event is not None:
             p.event.synchronize()
+        if p.io_event is not None:  # the scheduler counts a step's copies done with its tokens
+            p.io_event.synchronize()
         h = p.host
         msg = StepOutput(tokens=h["tokens"].tolist() if "tokens" in h else [])
         if "score_logprobs" in h:

@@ -1,0 +1,96 @@
+"""HostKVPool: the host-memory pages of the hierarchical cache, and the copies to and from the
+device pool.
+
+Page-first, ``[pages, layers, 2, page_size, kv_heads, head_dim]``: one page holds every
+layer's K and V contiguously (one block to move whole, to disk or to another replica), while
+the device pool stays layer-first for attention. On CUDA the buffer is page-locked and mapped
+(``cudaHostRegister``: torch's pinned allocator rounds sizes up to a power of two), and copies
+run on a stream of their own: our page-copy kernel reads and writes host memory directly
+(``--hicache-io-backend kernel``) or the DMA engines do, one 2D copy per page and K/V
+(``direct``). A batch's writes go before its loads, layer by layer; an event per layer lets
+attention start on layer 0 while later layers still load. On CPU, torch index copies.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minisgl.kvcache.mha_pool import MHAKVCache
+
+
+class HostKVPool:
+    def __init__(self, num_pages: int, device_cache: MHAKVCache, io_backend: str = "kernel"):
+        dev = device_cache.buffer
+        _, layers, _, page_size, heads, dim = dev.shape
+        self.num_pages, self.num_layers, self.io_backend = num_pages, layers, io_backend
+        self.buffer = torch.empty((num_pages, layers, 2, page_size, heads, dim), dtype=dev.dtype)
+        self.on_cuda = dev.is_cuda
+        self.block = page_size * heads * dim * dev.dtype.itemsize  # bytes of one page of one layer's K
+        if self.on_cuda:
+            from minisgl.kernels.jit import load_module
+
+            self._ops = load_module("page_copy")
+            self._host_ptr = self.buffer.data_ptr()
+            self.device_ptr = self._ops.host_register(self._host_ptr, self.buffer.nbytes)
+            self.stream = torch.cuda.Stream(dev.device)
+
+    def close(self) -> None:
+        if self.on_cuda and self._host_ptr:
+            self._ops.host_unregister(self._host_ptr)
+            self._host_ptr = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.nbytes
+
+    def _strides(self, cache: MHAKVCache) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+        """(page, layer, kv) byte strides of the host pool and of the device pool."""
+        b, pages = self.block, cache.buffer.shape[2]
+        return (self.num_layers * 2 * b, 2 * b, b), (b, pages * b, self.num_layers * pages * b)
+
+    def transfer(self, cache: MHAKVCache, writes: list[int], loads: list[int]) -> list[torch.cuda.Event]:
+        """Copy device pages to host pages (``writes``: flat (device, host) pairs), then host
+        pages to device pages (``loads``: (host, device) pairs). On CUDA they are queued on the
+        copy stream behind the work already on the current stream, and the returned events
+        mark each layer's copies done (one event for all layers with the direct backend)."""
+        if not self.on_cuda:
+            self._transfer_torch(cache, writes, loads)
+            return []
+        compute = torch.cuda.current_stream()
+        self.stream.wait_stream(compute)  # the pages written were computed by earlier steps
+        host, device = self._strides(cache)
+        dev_ptr = cache.buffer.data_ptr()
+        jobs = [(w, dev_ptr, self.device_ptr, device, host) for w in (writes,) if w]
+        jobs += [(ld, self.device_ptr, dev_ptr, host, device) for ld in (loads,) if ld]
+        with torch.cuda.stream(self.stream):
+            # (pinned, so the copies to the device may run behind; the direct backend reads them
+            # on the host, in the call)
+            tensors = [torch.tensor(pairs, dtype=torch.int64).pin_memory() for pairs, *_ in jobs]
+            if self.io_backend == "direct":
+                for t, (_, src, dst, s, d) in zip(tensors, jobs):
+                    self._ops.copy_pages_direct(src, dst, t, *s, *d, self.num_layers, self.block,
+                                                self.stream.cuda_stream)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+                events = [event] * self.num_layers
+            else:
+                on_device = [t.to(cache.buffer.device, non_blocking=True) for t in tensors]
+                events = []
+                for layer in range(self.num_layers):
+                    for t, (_, src, dst, s, d) in zip(on_device, jobs):
+                        self._ops.copy_pages(src, dst, t, *s, *d, layer, layer + 1, self.block,
+                                             self.stream.cuda_stream)
+                    event = torch.cuda.Event()
+                    event.record(self.stream)
+                    events.append(event)
+        return events
+
+    def _transfer_torch(self, cache: MHAKVCache, writes: list[int], loads: list[int]) -> None:
+        """The reference: whole pages through torch indexing (bytes, so fp8 pools work too)."""
+        dev, host = cache.buffer.view(torch.uint8), self.buffer.view(torch.uint8)
+        if writes:
+            d, h = torch.tensor(writes[0::2]), torch.tensor(writes[1::2])
+            host[h] = dev[:, :, d].permute(2, 1, 0, 3, 4, 5).to(host.device)
+        if loads:
+            h, d = torch.tensor(loads[0::2]), torch.tensor(loads[1::2])
+            dev[:, :, d] = host[h].permute(2, 1, 0, 3, 4, 5).to(dev.device)
