@@ -97,6 +97,9 @@ class RadixCacheManager(BaseCacheManager):
             upper.host, node.host = node.host[:num_pages], node.host[num_pages:]
         upper.children[self._edge(node.key, 0)] = node
         self._num_nodes += 1
+        if self.host is not None:  # the upper half may be a device leaf over a host-only half
+            self._maybe_evictable(upper)
+            self._maybe_host_evictable(upper)
         return upper
 
     def _walk(self, ids: list[int], on_device: bool = True) -> tuple[_Node, int]:
@@ -206,6 +209,7 @@ class RadixCacheManager(BaseCacheManager):
         else:
             self.evictable_pages += len(pages)
         self._maybe_evictable(node)
+        self._maybe_host_evictable(node)
 
     def lock_handle(self, handle: CacheHandle, unlock: bool = False) -> None:
         self.epoch += 1

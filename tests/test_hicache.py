@@ -1,0 +1,313 @@
+"""The hierarchical cache: a host tier under the radix tree.
+
+The fuzz drives the scheduler with an executor that keeps real page contents (each slot of a
+device or host page holds the token id written there) and applies a batch's host copies the
+way the worker orders them: after the previous step's compute, and before this step's compute
+only when the batch says to wait (otherwise after it, the worst case of two streams). Every step
+checks that each request's cached positions hold its own tokens, so a load from a reused host
+page, a write of a page already overwritten or a missing wait shows up as a wrong token.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from minisgl.args import EngineArgs
+from minisgl.kvcache import HostTier, RadixCacheManager
+from minisgl.messages import ForwardBatch, StepOutput
+from minisgl.sampling import SamplingParams
+from minisgl.scheduler import Scheduler
+
+EOS, VOCAB = 1, 100
+POLICIES = ("write_through", "write_through_selective", "write_back")
+
+
+class ContentExecutor:
+    """A fake worker whose KV pages hold token ids; sampled tokens are a function of the whole
+    sequence so far, read back from the pages, so wrong pages give different tokens."""
+
+    def __init__(self, sched_ref: list, page_size: int, num_pages: int, num_host_pages: int):
+        self.sched_ref, self.page_size = sched_ref, page_size
+        self.device: list[list[int | None]] = [[None] * page_size for _ in range(num_pages)]
+        self.host: list[list[int | None]] = [[None] * page_size for _ in range(num_host_pages)]
+        self.table: dict[tuple[int, int], int] = {}
+        self.last: dict[int, int] = {}
+        self.outputs: list[list[int]] = []
+        self.checked = 0
+
+    def _copies(self, batch: ForwardBatch) -> None:
+        for i in range(0, len(batch.kv_writes), 2):
+            self.host[batch.kv_writes[i + 1]] = list(self.device[batch.kv_writes[i]])
+        for i in range(0, len(batch.kv_loads), 2):
+            self.device[batch.kv_loads[i + 1]] = list(self.host[batch.kv_loads[i]])
+
+    def _compute(self, batch: ForwardBatch) -> list[int]:
+        ps, by_slot = self.page_size, {r.slot: r for r in self.sched_ref[0].running}
+        for s, c, p in zip(batch.table_slots, batch.table_cols, batch.table_pages):
+            self.table[(s, c)] = p
+        at, tokens = 0, []
+        for slot, cached, new, sample in zip(batch.slots, batch.cached_lens, batch.new_lens, batch.sample):
+            ids = batch.input_ids[at : at + new]
+            at += new
+            ids = [self.last[slot] if t < 0 else t for t in ids]
+            req = by_slot[slot]
+            known = req.all_ids
+            # What attention reads: every cached position in a prefill (where loaded pages are
+            # first read), the last few in a decode step (a Python loop over all is too slow).
+            seq = []
+            for pos in range(0 if new > 1 else max(0, cached - 4), cached):
+                value = self.device[self.table[(slot, pos // ps)]][pos % ps]
+                if pos < len(known):
+                    assert value == known[pos], f"request {req.rid}: position {pos} holds {value}, not {known[pos]}"
+                    self.checked += 1
+                seq.append(value)
+            for k, t in enumerate(ids):
+                pos = cached + k
+                self.device[self.table[(slot, pos // ps)]][pos % ps] = t
+            seq = (seq + ids)[-4:] + [cached + new]  # (the same however the prompt was chunked)
+            if sample:
+                tok = EOS if hash(tuple(seq)) % 40 == 0 else 2 + hash(tuple(seq)) % (VOCAB - 2)
+                self.last[slot] = tok
+                tokens.append(tok)
+        return tokens
+
+    def launch(self, batch: ForwardBatch) -> None:
+        if batch.wait_kv_io:
+            self._copies(batch)
+            tokens = self._compute(batch)
+        else:  # the copies may run beside (after) the compute
+            tokens = self._compute(batch)
+            self._copies(batch)
+        self.outputs.append(tokens)
+
+    def collect(self) -> StepOutput:
+        return StepOutput(tokens=self.outputs.pop(0))
+
+    def sample_masked(self, bitmask: bytes) -> None:
+        raise AssertionError("no grammars here")
+
+
+def run_fuzz(seed: int, policy: str, host_pages: int, num_pages: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    page = rng.choice([1, 4, 16])
+    args = EngineArgs(
+        model="", page_size=page, max_running_requests=rng.choice([3, 16, 64]),
+        chunked_prefill_size=rng.choice([page * 4, 64, 256]), schedule_policy=rng.choice(["lpm", "fcfs"]),
+        disable_overlap_schedule=seed % 2 == 1, enable_hierarchical_cache=host_pages > 0,
+        hicache_write_policy=policy,
+    )
+    num_pages //= page
+    ref: list = []
+    executor = ContentExecutor(ref, page, num_pages, host_pages // page)
+    sched = Scheduler(args, num_pages, 512, VOCAB, [EOS], executor, None, host_pages // page)
+    ref.append(sched)
+    stems = [[rng.randrange(2, VOCAB) for _ in range(rng.randint(30, 200))] for _ in range(6)]
+    # What arrives, and which request is aborted, at each step: drawn up front, so runs with
+    # other pools (other timings) see the same requests.
+    plan = []
+    for step in range(250):
+        arrivals = []
+        for _ in range(rng.choice([0, 0, 1, 2])):
+            prompt = rng.choice(stems)[: rng.randint(1, 200)] + [rng.randrange(2, VOCAB) for _ in range(rng.randint(0, 40))]
+            params = SamplingParams(max_new_tokens=rng.randint(1, 60), temperature=0.0, ignore_eos=rng.random() < 0.5)
+            arrivals += [(prompt, params)] * rng.choice([1, 1, 3])
+        plan.append((arrivals, rng.randrange(10**6) if rng.random() < 0.03 else None, rng.random() < 0.2))
+    reqs = []
+    for arrivals, abort, flush in plan:
+        reqs += [sched.add_request(prompt, params) for prompt, params in arrivals]
+        if abort is not None:
+            sched.finish(reqs[abort % len(reqs)], "abort")
+        if sched.has_work:
+            sched.step()
+        elif flush:
+            assert sched.flush_cache()
+        sched.check_integrity()
+    while sched.has_work:
+        sched.step()
+        sched.check_integrity()
+    info = sched.cache.size_info()
+    assert info.protected == 0 and sched.allocator.num_free + info.evictable == num_pages, "device pages leaked"
+    if sched.memory.host is not None:
+        host = sched.memory.host
+        assert host.allocator.num_free + len(sched.cache.host_pages()) == host.num_pages, "host pages leaked"
+    assert executor.checked > 0
+    return [None if r.finish_reason == "abort" else r.output_ids for r in reqs]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("seed", range(2))
+def test_fuzzed_scheduler_with_host_tier_reads_only_its_own_tokens(seed, policy):
+    """Random arrivals over shared stems, aborts, retraction (small pools), flushes: integrity
+    in both tiers after every step, nothing leaks, and the tokens equal those of a run whose
+    device pool holds everything (the same requests arrive at the same steps; one aborted in
+    either run is left out)."""
+    small = run_fuzz(seed, policy, host_pages=1600, num_pages=700)
+    big = run_fuzz(seed, policy, host_pages=0, num_pages=100000)
+    both = [(a, b) for a, b in zip(small, big) if a is not None and b is not None]  # (not aborted in either)
+    assert len(both) > len(small) // 2 and all(a == b for a, b in both)
+
+
+def test_host_tier_is_used_by_the_fuzz():
+    """The fuzz pool is small enough that the host tier both fills and serves hits."""
+    rng_seed, loaded = 1, 0
+    for seed in range(rng_seed, rng_seed + 3):
+        ref: list = []
+        args = EngineArgs(model="", page_size=4, max_running_requests=16, chunked_prefill_size=64,
+                          enable_hierarchical_cache=True)
+        executor = ContentExecutor(ref, 4, 150, 400)
+        sched = Scheduler(args, 150, 512, VOCAB, [EOS], executor, None, 400)
+        ref.append(sched)
+        rng = random.Random(seed)
+        stems = [[rng.randrange(2, VOCAB) for _ in range(120)] for _ in range(8)]
+        for round_ in range(4):
+            for s in stems:
+                sched.add_request(s + [rng.randrange(2, VOCAB) for _ in range(8)], SamplingParams(max_new_tokens=4))
+                while sched.has_work:
+                    sched.step()
+                    sched.check_integrity()
+        loaded += sched.stats()["prefix_host_hit_tokens"]
+    assert loaded > 0
+
+
+# ---- the tree's two tiers, step by step -----------------------------------------------------------
+
+
+def make(policy: str = "write_through", host_pages: int = 8) -> tuple[RadixCacheManager, HostTier]:
+    host = HostTier(host_pages, policy)
+    return RadixCacheManager(1, host), host
+
+
+def test_write_through_copies_on_insert_and_eviction_keeps_the_node_on_host():
+    cache, host = make()
+    cache.insert_prefix([1, 2, 3], [10, 11, 12])
+    writes, loads, wait = host.take()
+    assert len(writes) == 6 and not loads and not wait
+    assert cache.evict(3) == [10, 11, 12]
+    handle, pages = cache.match_prefix([1, 2, 3])
+    assert handle.cached_len == 0 and pages == []
+    nodes = cache.match_host(handle, [1, 2, 3])
+    assert [n.key for n in nodes] == [[1, 2, 3]]
+    assert host.wait, "the write was not confirmed: the batch must wait before reusing the pages"
+    cache.load(nodes, [20, 21, 22])
+    handle, pages = cache.match_prefix([1, 2, 3])
+    assert pages == [20, 21, 22]
+    writes, loads, wait = host.take()
+    assert loads == [h for pair in zip(nodes[0].host, [20, 21, 22]) for h in pair] and wait
+    cache.check_integrity()
+
+
+def test_a_write_of_pages_being_computed_goes_with_the_next_batch():
+    cache, host = make()
+    cache.insert_prefix([1, 2], [10, 11], computing=True)
+    assert host.take()[0] == []
+    assert host.take()[0] == [10, cache.root.children[(1,)].host[0], 11, cache.root.children[(1,)].host[1]]
+
+
+def test_write_back_copies_only_at_eviction():
+    cache, host = make("write_back")
+    cache.insert_prefix([1, 2], [10, 11])
+    assert host.take()[0] == []
+    cache.evict(2)
+    writes, _, wait = host.take()
+    assert writes[0::2] == [10, 11] and wait
+    cache.check_integrity()
+
+
+def test_selective_writes_prefixes_matched_twice():
+    cache, host = make("write_through_selective")
+    cache.insert_prefix([1, 2], [10, 11])
+    for expected in (0, 4):
+        handle, _ = cache.match_prefix([1, 2])
+        cache.count_hit(handle)
+        assert len(host.take()[0]) == expected
+
+
+def test_inserting_over_a_host_only_prefix_adopts_the_callers_pages():
+    cache, host = make()
+    cache.insert_prefix([1, 2], [10, 11])
+    host.take()
+    cache.evict(2)
+    cache.insert_prefix([1, 2, 3], [20, 21, 22])
+    handle, pages = cache.match_prefix([1, 2, 3])
+    assert pages == [20, 21, 22]
+    cache.check_integrity()
+
+
+def test_host_pool_full_evicts_least_recently_used_host_copies():
+    cache, host = make(host_pages=4)
+    cache.insert_prefix([1, 2], [10, 11])
+    cache.insert_prefix([5, 6], [12, 13])
+    host.take()
+    host.take()  # both writes are in past batches: their host pages may go
+    cache.evict(4)  # both on host only now
+    cache.match_prefix([5, 6])  # touch [5, 6]
+    cache.insert_prefix([7, 8], [14, 15])  # needs 2 host pages: the older [1, 2] goes
+    assert cache.match_host(cache.root.handle, [1, 2]) == []
+    assert [n.key for n in cache.match_host(cache.root.handle, [5, 6])] == [[5, 6]]
+    assert host.evicted_pages == 2
+    cache.check_integrity()
+
+
+def test_host_copies_in_this_batch_are_never_reused_in_it():
+    cache, host = make(host_pages=2)
+    cache.insert_prefix([1, 2], [10, 11])  # its write goes with this batch
+    cache.insert_prefix([5, 6], [12, 13])  # no host page may be taken from it: no copy for this one
+    assert cache.root.children[(5,)].host is None
+    cache.check_integrity()
+
+
+def test_flush_frees_both_tiers():
+    cache, host = make()
+    cache.insert_prefix([1, 2, 3, 4], [10, 11, 12, 13])
+    cache.insert_prefix([1, 2, 3, 5], [10, 11, 12, 14])
+    assert cache.evict(1) in ([13], [14])  # one leaf goes to the host tier only
+    freed = cache.reset()
+    assert len(freed) == 4 and host.allocator.num_free == 8
+    cache.check_integrity()
+
+
+# ---- the real engine ----------------------------------------------------------------------------
+
+
+def multi_turn(llm, rounds: int = 3, convs: int = 8) -> list[list[int]]:
+    """Conversations that come back after the others: each round appends a user turn and the
+    answer to every history, so the working set outgrows a small device pool."""
+    rng = random.Random(0)
+    histories = [[rng.randrange(5, 500) for _ in range(200)] for _ in range(convs)]
+    outs = []
+    for _ in range(rounds):
+        for h in histories:
+            h += [rng.randrange(5, 500) for _ in range(40)]
+        results = llm.generate([list(h) for h in histories],
+                               SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True))
+        for h, r in zip(histories, results):
+            h += r["output_ids"]
+            outs.append(r["output_ids"])
+        llm.scheduler.check_integrity()
+    return outs
+
+
+def test_engine_with_host_tier_gives_the_tokens_of_one_big_pool(tiny_llama):
+    """Greedy tokens on the CPU engine: a device pool too small for the conversations plus the
+    host tier, under each write policy, equal one pool that holds everything; the host tier
+    serves hits (write_through), and copies really moved the bytes (the host pool's pages equal
+    the device's for a cached prefix)."""
+    from minisgl.llm import LLM
+
+    llm = LLM(str(tiny_llama), device="cpu", dtype="float32", max_total_tokens=100000)
+    reference = multi_turn(llm)
+    for policy in POLICIES:
+        llm = LLM(str(tiny_llama), device="cpu", dtype="float32", max_total_tokens=1200,
+                  enable_hierarchical_cache=True, hicache_ratio=4, hicache_write_policy=policy)
+        assert multi_turn(llm) == reference, policy
+        stats = llm.scheduler.stats()
+        if policy == "write_through":
+            assert stats["prefix_host_hit_tokens"] > 0 and stats["host_loaded_pages"] > 0
+        cache, runner = llm.scheduler.cache, llm.runner
+        for node in cache._nodes():
+            if node.pages is not None and node.host is not None and node.io_step < cache.host.step:
+                for d, h in zip(node.pages, node.host):
+                    assert torch.equal(runner.kv_cache.buffer[:, :, d], runner.host_pool.buffer[h].transpose(0, 1))
