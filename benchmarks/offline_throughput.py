@@ -75,6 +75,7 @@ def profile(llm: LLM, wl: Workload) -> None:
 
 VARIANTS = {  # name: (radix cache off, cascade off, CUDA graphs, overlap)
     "radix-on": (False, False, True, True),
+    "hicache": (False, False, True, True),  # radix-on plus the host tier (the engine built with --hicache)
     "cascade-off": (False, True, True, True),
     "radix-off": (True, True, True, True),
     "no-cuda-graph": (False, False, False, True),
@@ -106,10 +107,15 @@ def main() -> None:
     ap.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "fp8"],
                     help="linear layers per mode (paired with --kv-cache-dtype; one value applies to all)")
     ap.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=["auto", "fp8_e4m3"])
+    ap.add_argument("--hicache", action="store_true",
+                    help="build the engine with a host tier (--enable-hierarchical-cache); the hicache variant "
+                         "runs with it, the others without (its cost when everything fits on the device)")
     ap.add_argument("--tp-size", type=int, default=1,
                     help="tensor-parallel ranks (worker processes; the in-process ablations and --profile need 1)")
     args = ap.parse_args()
     init_logging("info")  # pool size, derived limits, CUDA-graph capture time
+    if ("hicache" in args.variants) != args.hicache:
+        ap.error("the hicache variant and --hicache go together")
     if args.tp_size > 1 and (args.ablations or args.profile):
         ap.error("--ablations and --profile reach into the in-process model runner: use --tp-size 1")
 
@@ -132,7 +138,8 @@ def main() -> None:
         llm = LLM(args.model, load_format=args.load_format, page_size=args.page_size,
                   max_running_requests=args.max_running_requests, chunked_prefill_size=args.chunked_prefill_size,
                   context_length=args.context_length, tp_size=args.tp_size, cuda_graph_max_bs=args.cuda_graph_max_bs,
-                  quantization=None if quantization == "none" else quantization, kv_cache_dtype=kv_dtype)
+                  quantization=None if quantization == "none" else quantization, kv_cache_dtype=kv_dtype,
+                  enable_hierarchical_cache=args.hicache)
         if args.profile:
             profile(llm, WORKLOADS[args.workloads[0]](llm.runner.vocab_size))
             return
@@ -171,6 +178,7 @@ def run_workloads(llm: LLM, args: argparse.Namespace, mode: dict[str, str], rows
                 llm.runner.graphs = graphs if use_graphs else None
             llm.args.disable_overlap_schedule = not overlap
             llm.args.disable_cascade_attention = cascade_off
+            llm.args.enable_hierarchical_cache = variant == "hicache"
             llm.reset_scheduler(disable_radix_cache=radix_off)  # empty cache per run
             result = run(llm, wl.prompts, wl.output_lens, temperature)
             result["distinct_prompt_tokens"] = distinct

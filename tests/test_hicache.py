@@ -311,3 +311,52 @@ def test_engine_with_host_tier_gives_the_tokens_of_one_big_pool(tiny_llama):
             if node.pages is not None and node.host is not None and node.io_step < cache.host.step:
                 for d, h in zip(node.pages, node.host):
                     assert torch.equal(runner.kv_cache.buffer[:, :, d], runner.host_pool.buffer[h].transpose(0, 1))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("io_backend", ["kernel", "direct"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_cuda_page_copies_equal_the_torch_reference(io_backend, dtype):
+    """Writes then loads through the page-copy kernel (or the 2D DMA copies) move exactly the
+    bytes the torch reference moves, per-layer events included; a page written and then
+    loaded in one batch round-trips."""
+    from minisgl.kvcache import HostKVPool, MHAKVCache
+
+    def pools(device: str) -> tuple:
+        cache = MHAKVCache(40, 16, 5, 2, 64, dtype, torch.device(device))
+        raw = cache.buffer.view(torch.uint8)
+        raw.copy_(torch.randint(0, 120, raw.shape, generator=torch.Generator().manual_seed(0), dtype=torch.uint8))
+        host = HostKVPool(30, cache, io_backend)
+        host.buffer.view(torch.uint8).fill_(7)
+        return cache, host
+
+    writes = [3, 0, 9, 5, 17, 29, 39, 11]  # (device, host) pairs
+    loads = [0, 1, 5, 2, 11, 20, 13, 33]  # (host, device): two of them read pages written just before
+    gpu, gpu_host = pools("cuda")
+    cpu, cpu_host = pools("cpu")
+    events = gpu_host.transfer(gpu, writes, loads)
+    assert len(events) == 5
+    cpu_host.transfer(cpu, writes, loads)
+    torch.cuda.current_stream().wait_event(events[-1])
+    torch.cuda.synchronize()
+    assert torch.equal(gpu_host.buffer.view(torch.uint8), cpu_host.buffer.view(torch.uint8))
+    assert torch.equal(gpu.buffer.view(torch.uint8).cpu(), cpu.buffer.view(torch.uint8))
+    gpu_host.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("policy", POLICIES)
+def test_cuda_engine_with_host_tier_gives_the_tokens_of_one_big_pool(tiny_llama, policy):
+    """On the GPU (FlashInfer prefill, CUDA graphs, overlap, copies on their own stream): a small
+    device pool plus the host tier gives the greedy tokens of one big pool."""
+    from minisgl.llm import LLM
+
+    common = dict(device="cuda", dtype="float32", attention_backend="torch", cuda_graph_max_bs=16)
+    llm = LLM(str(tiny_llama), max_total_tokens=100000, **common)
+    reference = multi_turn(llm)
+    del llm
+    llm = LLM(str(tiny_llama), max_total_tokens=1200, enable_hierarchical_cache=True, hicache_ratio=4,
+              hicache_write_policy=policy, **common)
+    assert multi_turn(llm) == reference
+    assert llm.scheduler.stats()["host_loaded_pages"] > 0 or policy == "write_through_selective"
+    llm.runner.host_pool.close()

@@ -41,6 +41,8 @@ class Metrics:
                 ("sglang:num_queue_reqs", "Requests waiting to be scheduled"),
                 ("sglang:token_usage", "Fraction of KV pages that cannot be reclaimed now"),
                 ("sglang:cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens looked up"),
+                ("sglang:hicache_host_hit_rate",
+                 "Prompt tokens served from the hierarchical cache's host tier / prompt tokens looked up"),
                 ("sglang:gen_throughput", "Generated tokens per second since the previous scrape"),
             ]
         }
@@ -53,6 +55,10 @@ class Metrics:
                 ("free_pages", "KV pages holding nothing"),
                 ("evictable_pages", "KV pages of cached prefixes no request uses"),
                 ("protected_pages", "KV pages of cached prefixes locked by running requests"),
+                ("host_total_pages", "Host-tier KV pages (hierarchical cache; 0 when off)"),
+                ("host_free_pages", "Host-tier KV pages holding nothing"),
+                ("host_loaded_pages", "Host-tier pages loaded back to the device so far"),
+                ("host_written_pages", "Device pages copied to the host tier so far"),
             ]
         }
         self.tokens_streamed = 0  # output tokens as they arrive (gen_throughput)
@@ -69,6 +75,7 @@ class Metrics:
             "sglang:num_queue_reqs": stats.get("queued_requests", 0),
             "sglang:token_usage": stats.get("kv_usage", 0),
             "sglang:cache_hit_rate": stats.get("cache_hit_rate", 0),
+            "sglang:hicache_host_hit_rate": stats.get("prefix_host_hit_tokens", 0) / max(stats.get("prefix_queried_tokens", 0), 1),
             "sglang:gen_throughput": (generated - last_generated) / max(now - last_time, 1e-9),
         }
         for name, gauge in self.gauges.items():

@@ -1,0 +1,79 @@
+"""Host-tier copy bandwidth against plain pinned-memory copies, in the 8B's KV shape.
+
+    python benchmarks/hicache_bandwidth.py [--layers 32 --kv-heads 8 --head-dim 128 --page-size 16]
+
+Pinned reference: one contiguous ``copy_`` of a pinned buffer to the device and back. Host tier:
+``HostKVPool.transfer`` of N scattered pages (loads: host -> device, writes: device -> host),
+each page every layer's K and V, through our page-copy kernel and through 2D DMA copies
+(``--hicache-io-backend kernel`` / ``direct``). Prints GB/s and the share of the pinned rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.workloads import save_result  # noqa: E402
+from minisgl.kvcache import HostKVPool, MHAKVCache  # noqa: E402
+
+
+def timed(fn, repeat: int = 5) -> float:
+    fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--device-pages", type=int, default=8192)
+    ap.add_argument("--host-pages", type=int, default=16384)
+    ap.add_argument("--pages", type=int, nargs="+", default=[64, 256, 1024, 4096])
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    cache = MHAKVCache(args.device_pages, args.page_size, args.layers, args.kv_heads, args.head_dim,
+                       torch.bfloat16, torch.device("cuda"))
+    page_bytes = MHAKVCache.bytes_per_page(args.page_size, args.layers, args.kv_heads, args.head_dim, torch.bfloat16)
+    rows = []
+    size = max(args.pages) * page_bytes
+    pinned = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(size, dtype=torch.uint8, device="cuda")
+    h2d = size / timed(lambda: dev.copy_(pinned, non_blocking=True)) / 1e9
+    d2h = size / timed(lambda: pinned.copy_(dev, non_blocking=True)) / 1e9
+    print(f"pinned contiguous copy of {size / 1e9:.2f} GB: H2D {h2d:.1f} GB/s, D2H {d2h:.1f} GB/s")
+    rng = random.Random(0)
+    for backend in ("kernel", "direct"):
+        pool = HostKVPool(args.host_pages, cache, backend)
+        for n in args.pages:
+            dpages, hpages = rng.sample(range(args.device_pages), n), rng.sample(range(args.host_pages), n)
+            loads = [x for pair in zip(hpages, dpages) for x in pair]
+            writes = [x for pair in zip(dpages, hpages) for x in pair]
+            for kind, w, ld, ref in (("load", [], loads, h2d), ("write", writes, [], d2h)):
+                rate = n * page_bytes / timed(lambda: pool.transfer(cache, w, ld)) / 1e9
+                rows.append({"backend": backend, "direction": kind, "pages": n, "bytes": n * page_bytes,
+                             "gb_per_s": rate, "share_of_pinned": rate / ref})
+                print(f"{backend:7s} {kind:6s} {n:5d} pages ({n * page_bytes / 1e6:7.1f} MB): {rate:6.1f} GB/s "
+                      f"= {100 * rate / ref:5.1f}% of pinned")
+        pool.close()
+    save_result({"args": vars(args), "pinned_h2d": h2d, "pinned_d2h": d2h, "page_bytes": page_bytes, "rows": rows},
+                args.out, "hicache_bandwidth")
+
+
+if __name__ == "__main__":
+    main()
