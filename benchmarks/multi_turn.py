@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import random
 import subprocess
 import sys
@@ -109,6 +110,7 @@ def run_offline(args: argparse.Namespace, mode: str) -> dict:
     if getattr(llm.runner, "host_pool", None) is not None:
         llm.runner.host_pool.close()
     del llm
+    gc.collect()  # the engine's weights, pools and graphs go before the next mode's are made
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return result
 
