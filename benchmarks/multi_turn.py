@@ -27,6 +27,7 @@ import gc
 import random
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -166,6 +167,8 @@ def run_online(args: argparse.Namespace, mode: str) -> dict:
         for line in proc.stdout:
             print(line, end="")
             if line.startswith("minisgl ready"):
+                # keep draining the pipe (a server blocked on a full pipe would stall the run)
+                threading.Thread(target=lambda: [print(x, end="") for x in proc.stdout], daemon=True).start()
                 break
         else:
             raise RuntimeError("the server exited before it was ready")
