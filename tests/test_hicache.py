@@ -39,6 +39,9 @@ class ContentExecutor:
         self.checked = 0
 
     def _copies(self, batch: ForwardBatch) -> None:
+        for pages, pool in ((batch.kv_writes[0::2] + batch.kv_loads[1::2], self.device),
+                            (batch.kv_writes[1::2] + batch.kv_loads[0::2], self.host)):
+            assert all(0 <= p < len(pool) for p in pages), "a copy names a page outside its pool"
         for i in range(0, len(batch.kv_writes), 2):
             self.host[batch.kv_writes[i + 1]] = list(self.device[batch.kv_writes[i]])
         for i in range(0, len(batch.kv_loads), 2):
@@ -47,6 +50,7 @@ class ContentExecutor:
     def _compute(self, batch: ForwardBatch) -> list[int]:
         ps, by_slot = self.page_size, {r.slot: r for r in self.sched_ref[0].running}
         for s, c, p in zip(batch.table_slots, batch.table_cols, batch.table_pages):
+            assert 0 <= p < len(self.device), f"page {p} is outside the device pool"
             self.table[(s, c)] = p
         at, tokens = 0, []
         for slot, cached, new, sample in zip(batch.slots, batch.cached_lens, batch.new_lens, batch.sample):
