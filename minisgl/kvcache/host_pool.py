@@ -19,7 +19,7 @@ from minisgl.kvcache.mha_pool import MHAKVCache
 
 
 class HostKVPool:
-    def __init__(self, num_pages: int, device_cache: MHAKVCache, io_backend: str = "kernel"):
+    def __init__(self, num_pages: int, device_cache: MHAKVCache, io_backend: str = "direct"):
         dev = device_cache.buffer
         _, layers, _, page_size, heads, dim = dev.shape
         self.num_pages, self.num_layers, self.io_backend = num_pages, layers, io_backend
