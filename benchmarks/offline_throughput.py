@@ -107,14 +107,15 @@ def main() -> None:
     ap.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "fp8"],
                     help="linear layers per mode (paired with --kv-cache-dtype; one value applies to all)")
     ap.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=["auto", "fp8_e4m3"])
-    ap.add_argument("--hicache", action="store_true",
-                    help="build the engine with a host tier (--enable-hierarchical-cache); the hicache variant "
-                         "runs with it, the others without (its cost when everything fits on the device)")
+    ap.add_argument("--hicache", type=float, default=0.0, metavar="GB",
+                    help="build the engine with a host tier of this many GB (--enable-hierarchical-cache "
+                         "--hicache-size); the hicache variant runs with it, the others without (its cost when "
+                         "everything fits on the device)")
     ap.add_argument("--tp-size", type=int, default=1,
                     help="tensor-parallel ranks (worker processes; the in-process ablations and --profile need 1)")
     args = ap.parse_args()
     init_logging("info")  # pool size, derived limits, CUDA-graph capture time
-    if ("hicache" in args.variants) != args.hicache:
+    if ("hicache" in args.variants) != (args.hicache > 0):
         ap.error("the hicache variant and --hicache go together")
     if args.tp_size > 1 and (args.ablations or args.profile):
         ap.error("--ablations and --profile reach into the in-process model runner: use --tp-size 1")
@@ -139,7 +140,7 @@ def main() -> None:
                   max_running_requests=args.max_running_requests, chunked_prefill_size=args.chunked_prefill_size,
                   context_length=args.context_length, tp_size=args.tp_size, cuda_graph_max_bs=args.cuda_graph_max_bs,
                   quantization=None if quantization == "none" else quantization, kv_cache_dtype=kv_dtype,
-                  enable_hierarchical_cache=args.hicache)
+                  enable_hierarchical_cache=args.hicache > 0, hicache_size=args.hicache)
         if args.profile:
             profile(llm, WORKLOADS[args.workloads[0]](llm.runner.vocab_size))
             return
