@@ -56,7 +56,7 @@ VARIANTS = {  # tp=2 all-reduce variants: extra server flags
 }
 
 
-def run_agreement(variants: list[str]) -> dict:
+def run_agreement(variants: list[str], extra: list[str] = ()) -> dict:
     from scripts.make_tiny_model import make_tiny_model
 
     model = make_tiny_model("llama", Path(tempfile.mkdtemp()) / "tiny-hd128", overrides={"head_dim": 128})
@@ -64,16 +64,17 @@ def run_agreement(variants: list[str]) -> dict:
     prompts = [[rng.randrange(3, 1000) for _ in range(rng.randrange(8, 200))] for _ in range(64)]
     report = {}
     for dtype in ("float32", "bfloat16"):
-        with serving(str(model), "--device", "cuda", "--dtype", dtype, timeout=600) as url:
+        with serving(str(model), "--device", "cuda", "--dtype", dtype, *extra, timeout=600) as url:
             reference = generate(url, prompts, 48)[0]
         for name in variants:
             with serving(str(model), "--device", "cuda", "--dtype", dtype, "--tp-size", "2", *VARIANTS[name],
-                         timeout=600) as url:
+                         *extra, timeout=600) as url:
                 report[f"{dtype} {name}"] = agreement(generate(url, prompts, 48)[0], reference)
     return report
 
 
-def warmed_servers(model: str, batch: int, prompt_len: int, variants: list[str]) -> Iterator[tuple[str, str, list]]:
+def warmed_servers(model: str, batch: int, prompt_len: int, variants: list[str],
+                   extra: list[str] = ()) -> Iterator[tuple[str, str, list]]:
     """For tp=1 and then each tp=2 variant: a dummy-weight server whose ``batch`` random prompts
     are already cached and whose decode shapes are warm; yields (variant, url, prompts)."""
     rng = random.Random(0)
@@ -81,19 +82,20 @@ def warmed_servers(model: str, batch: int, prompt_len: int, variants: list[str])
     for name in ["tp1", *variants]:
         tp = "1" if name == "tp1" else "2"
         with serving(model, "--device", "cuda", "--load-format", "dummy", "--tp-size", tp,
-                     "--context-length", "4096", *VARIANTS.get(name, []), timeout=900) as url:
+                     "--context-length", "4096", *VARIANTS.get(name, []), *extra, timeout=900) as url:
             generate(url, prompts, 1)  # prefill once; later runs read the prompts from the cache
             generate(url, prompts, 8)  # warm
             yield name, url, prompts
 
 
-def run_throughput(model: str, batch: int, prompt_len: int, new_tokens: int, variants: list[str]) -> dict:
+def run_throughput(model: str, batch: int, prompt_len: int, new_tokens: int, variants: list[str],
+                   extra: list[str] = ()) -> dict:
     """Per variant: one request batch of ``new_tokens`` tokens end to end (its one-token prefill
     and the HTTP round trip included), and the decode rate alone: the extra tokens of a batch
     ``new_tokens`` longer than a 32-token one over its extra time."""
     short = 32
     report = {}
-    for name, url, prompts in warmed_servers(model, batch, prompt_len, variants):
+    for name, url, prompts in warmed_servers(model, batch, prompt_len, variants, extra):
         _, seconds = generate(url, prompts, new_tokens)
         _, base = generate(url, prompts, short)
         _, longer = generate(url, prompts, short + new_tokens)
@@ -241,15 +243,18 @@ def main() -> None:
     ap.add_argument("--profile-steps", type=int, default=0, help="step mode: kernel tables of this many replays")
     ap.add_argument("--items-per-sm", type=int, default=0, help="step mode: decode attention items per SM")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--server-args", default="",
+                    help="more flags for every server (tp=1 too), e.g. '--quantization fp8 --kv-cache-dtype fp8_e4m3'")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    extra = args.server_args.split()
     if args.mode == "agreement":
-        report = run_agreement(args.variants)
+        report = run_agreement(args.variants, extra)
     elif args.mode == "step":
         report = run_step(args.model, args.batch, args.prompt_len, args.steps, args.variants, args.profile_steps,
                           args.items_per_sm)
     elif args.mode == "throughput":
-        report = run_throughput(args.model, args.batch, args.prompt_len, args.new_tokens, args.variants)
+        report = run_throughput(args.model, args.batch, args.prompt_len, args.new_tokens, args.variants, extra)
     else:
         out_dir = Path(args.out).parent if args.out else Path(tempfile.mkdtemp())
         report = run_profile(args.model, args.batch, args.prompt_len, args.variants, out_dir / "profiles")
