@@ -61,6 +61,14 @@ class EngineArgs:
     # direct: 2D DMA copies (one per page and K/V); kernel: our page-copy kernel, 3-5% faster but
     # it crashed the server once (an illegal address, under load; not reproduced offline): opt-in.
     hicache_io_backend: str = "direct"
+    hicache_storage_backend: str | None = None  # "file": a disk tier under the host tier
+    hicache_storage_dir: str | None = None  # its folder ($SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, /tmp/hicache)
+
+    @property
+    def storage_dir(self) -> str:
+        import os
+
+        return self.hicache_storage_dir or os.environ.get("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", "/tmp/hicache")
 
     @property
     def ranks_per_node(self) -> int:
@@ -134,6 +142,10 @@ class EngineArgs:
             if self.hicache_size < 0 or (self.hicache_size == 0 and self.hicache_ratio <= 0):
                 raise ValueError(f"the host pool must be > 0: --hicache-size {self.hicache_size}, "
                                  f"--hicache-ratio {self.hicache_ratio}")
+        if self.hicache_storage_backend not in (None, "file"):
+            raise ValueError(f"--hicache-storage-backend {self.hicache_storage_backend!r} is not supported (file)")
+        if self.hicache_storage_backend and not self.enable_hierarchical_cache:
+            raise ValueError("--hicache-storage-backend needs --enable-hierarchical-cache")
         if self.hicache_write_policy not in HICACHE_WRITE_POLICIES:
             raise ValueError(f"--hicache-write-policy must be one of {', '.join(HICACHE_WRITE_POLICIES)}, "
                              f"got {self.hicache_write_policy!r}")
@@ -255,6 +267,11 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
                     help="direct (default): the DMA engines, one 2D copy per page and K/V (85%% of the pinned "
                          "copy rate on an H100); kernel: our JIT page-copy kernel reading and writing pinned host "
                          "memory (88-90%%, per-layer overlap; experimental: it crashed a server under load once)")
+    ap.add_argument("--hicache-storage-backend", default=None, choices=["file"],
+                    help="file: a disk tier under the host tier; pages are written behind, keyed by a hash of their "
+                         "token prefix, and found again by later requests, a restarted server or another replica")
+    ap.add_argument("--hicache-storage-dir", default=None,
+                    help="the file backend's folder (default $SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR or /tmp/hicache)")
 
 
 def normalize_engine_args(ns: argparse.Namespace) -> None:

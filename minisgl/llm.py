@@ -45,7 +45,8 @@ class LLM:
             self.args.disable_radix_cache = disable_radix_cache
         self.scheduler = Scheduler(
             self.args, self.runner.num_pages, self.runner.context_len, self.runner.vocab_size,
-            self.eos_ids, self.runner, self.grammar, self.runner.num_host_pages,
+            self.eos_ids, self.runner, self.grammar, self.runner.num_host_pages, self.runner.storage_fingerprint,
+            self.runner.kv_bytes_per_page,
         )
 
     def _encode(self, prompt: Prompt) -> list[int]:

@@ -69,6 +69,12 @@ class ForwardBatch(msgspec.Struct, array_like=True, tag=True):
     kv_writes: list[int] = []
     kv_loads: list[int] = []
     wait_kv_io: bool = False
+    # The storage tier: pages read from disk into host pages before the copies (the scheduler
+    # checked the files), and host pages (their copies done) to write behind, by key.
+    disk_read_keys: list[bytes] = []
+    disk_read_pages: list[int] = []
+    disk_write_keys: list[bytes] = []
+    disk_write_pages: list[int] = []
 
 
 class SampleMasks(msgspec.Struct, array_like=True, tag=True):
@@ -253,6 +259,7 @@ class EngineInfo(msgspec.Struct, tag=True):
     kv_bytes_per_token: int = 0  # K and V of one token over all layers (this rank's heads)
     quantization: str | None = None  # where the fp8 linear weights came from (online, or the checkpoint format)
     num_host_pages: int = 0  # the hierarchical cache's host pool (0: off)
+    storage_fingerprint: str = ""  # what the KV bytes mean (model, layout, dtype): the disk tier's folder
 
 
 ToTokenizer = GenerateBatch | AbortReq | ControlReq | ControlReply | TokenBatch | EngineInfo

@@ -187,7 +187,7 @@ def make(policy: str = "write_through", host_pages: int = 8) -> tuple[RadixCache
 def test_write_through_copies_on_insert_and_eviction_keeps_the_node_on_host():
     cache, host = make()
     cache.insert_prefix([1, 2, 3], [10, 11, 12])
-    writes, loads, wait = host.take()
+    writes, loads, wait, _ = host.take()
     assert len(writes) == 6 and not loads and not wait
     assert cache.evict(3) == [10, 11, 12]
     handle, pages = cache.match_prefix([1, 2, 3])
@@ -198,7 +198,7 @@ def test_write_through_copies_on_insert_and_eviction_keeps_the_node_on_host():
     cache.load(nodes, [20, 21, 22])
     handle, pages = cache.match_prefix([1, 2, 3])
     assert pages == [20, 21, 22]
-    writes, loads, wait = host.take()
+    writes, loads, wait, _ = host.take()
     assert loads == [h for pair in zip(nodes[0].host, [20, 21, 22]) for h in pair] and wait
     cache.check_integrity()
 
@@ -215,7 +215,7 @@ def test_write_back_copies_only_at_eviction():
     cache.insert_prefix([1, 2], [10, 11])
     assert host.take()[0] == []
     cache.evict(2)
-    writes, _, wait = host.take()
+    writes, _, wait, _ = host.take()
     assert writes[0::2] == [10, 11] and wait
     cache.check_integrity()
 
@@ -364,3 +364,42 @@ def test_cuda_engine_with_host_tier_gives_the_tokens_of_one_big_pool(tiny_llama,
     assert multi_turn(llm) == reference
     assert llm.scheduler.stats()["host_loaded_pages"] > 0 or policy == "write_through_selective"
     llm.runner.host_pool.close()
+
+
+# ---- the storage tier -----------------------------------------------------------------------------
+
+
+def test_a_restarted_engine_finds_the_prompt_on_disk_and_skips_a_corrupt_file(tiny_llama, tmp_path):
+    """Pages are written behind to the storage folder; a new engine on the same folder (a
+    restart) serves a repeated prompt from it with the tokens of a cold run; a corrupted file is
+    found, counted and removed, and the pages from there on are computed again."""
+    from minisgl.llm import LLM
+
+    engine = dict(device="cpu", dtype="float32", max_total_tokens=4000, enable_hierarchical_cache=True,
+                  hicache_storage_backend="file", hicache_storage_dir=str(tmp_path))
+    prompt = [random.Random(5).randrange(5, 500) for _ in range(900)]
+    params = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+    first = LLM(str(tiny_llama), **engine)
+    cold = first.generate([prompt], params)[0]
+    assert cold["meta_info"]["cached_tokens"] == 0
+    files = sorted(tmp_path.rglob("*.r0"))
+    assert len(files) >= 900 // 16 - 1, "the prompt's pages were not written behind"
+    del first
+
+    again = LLM(str(tiny_llama), **engine)
+    warm = again.generate([prompt], params)[0]
+    assert warm["output_ids"] == cold["output_ids"]
+    assert warm["meta_info"]["cached_tokens"] >= 0.9 * len(prompt)
+    assert again.scheduler.stats()["prefix_disk_hit_tokens"] >= 0.9 * len(prompt)
+    again.scheduler.check_integrity()
+
+    by_age = sorted(files, key=lambda f: f.stat().st_mtime)
+    data = bytearray(by_age[10].read_bytes())
+    data[-1] ^= 0xFF  # one bit of the eleventh page's payload
+    by_age[10].write_bytes(bytes(data))
+    third = LLM(str(tiny_llama), **engine)
+    out = third.generate([prompt], params)[0]
+    assert out["output_ids"] == cold["output_ids"]
+    stats = third.scheduler.stats()
+    assert stats["disk_corrupt_files"] == 1
+    assert out["meta_info"]["cached_tokens"] < 0.9 * len(prompt)

@@ -13,18 +13,33 @@ attention start on layer 0 while later layers still load. On CPU, torch index co
 
 from __future__ import annotations
 
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+
 import torch
 
+from minisgl.kvcache.disk_store import DiskStore
 from minisgl.kvcache.mha_pool import MHAKVCache
+
+logger = logging.getLogger(__name__)
+
+Keyed = tuple[list[bytes], list[int]]  # (keys, host pages) of disk reads or writes
 
 
 class HostKVPool:
-    def __init__(self, num_pages: int, device_cache: MHAKVCache, io_backend: str = "direct"):
+    """``disk``: the storage tier; this rank (``rank``) reads pages from it before a batch's
+    copies and writes pages to it behind, on threads of its own."""
+
+    def __init__(self, num_pages: int, device_cache: MHAKVCache, io_backend: str = "direct",
+                 disk: DiskStore | None = None, rank: int = 0):
         dev = device_cache.buffer
         _, layers, _, page_size, heads, dim = dev.shape
         self.num_pages, self.num_layers, self.io_backend = num_pages, layers, io_backend
         self.buffer = torch.empty((num_pages, layers, 2, page_size, heads, dim), dtype=dev.dtype)
         self.on_cuda = dev.is_cuda
+        self.disk, self.rank = disk, rank
+        self._disk_jobs: dict[int, Future] = {}  # host page -> its write to disk, while it runs
+        self._writer = ThreadPoolExecutor(4, thread_name_prefix="kv-disk") if disk is not None else None
         self.block = page_size * heads * dim * dev.dtype.itemsize  # bytes of one page of one layer's K
         if self.on_cuda:
             from minisgl.kernels.jit import load_module
@@ -48,11 +63,39 @@ class HostKVPool:
         b, pages = self.block, cache.buffer.shape[2]
         return (self.num_layers * 2 * b, 2 * b, b), (b, pages * b, self.num_layers * pages * b)
 
-    def transfer(self, cache: MHAKVCache, writes: list[int], loads: list[int]) -> list[torch.cuda.Event]:
+    def page_bytes(self, page: int) -> memoryview:
+        return memoryview(self.buffer[page].view(torch.uint8).reshape(-1).numpy())
+
+    def _disk(self, writes: list[int], disk_reads: Keyed, disk_writes: Keyed) -> None:
+        """Start this batch's disk writes (their pages' copies are done), wait for those still
+        reading a page this batch overwrites, then read this batch's pages from disk."""
+        for key, page in zip(*disk_writes):
+            self._disk_jobs[page] = self._writer.submit(self.disk.write_from, key, self.rank, self.page_bytes(page))
+        for page in set(writes[1::2]) | set(disk_reads[1]):
+            job = self._disk_jobs.pop(page, None)
+            if job is not None:
+                job.result()
+        for page in [p for p, job in self._disk_jobs.items() if job.done()]:
+            error = self._disk_jobs.pop(page).exception()
+            if error is not None:
+                logger.warning("writing a KV page to disk failed: %s", error)
+        if disk_reads[0]:
+            if self.on_cuda:
+                self.stream.synchronize()  # earlier copies into these host pages are done
+            for key, page in zip(*disk_reads):
+                self.disk.read_into(key, self.rank, self.page_bytes(page))
+
+    def transfer(self, cache: MHAKVCache, writes: list[int], loads: list[int], disk_reads: Keyed = ([], []),
+                 disk_writes: Keyed = ([], [])) -> list[torch.cuda.Event]:
         """Copy device pages to host pages (``writes``: flat (device, host) pairs), then host
-        pages to device pages (``loads``: (host, device) pairs). On CUDA they are queued on the
-        copy stream behind the work already on the current stream, and the returned events
-        mark each layer's copies done (one event for all layers with the direct backend)."""
+        pages to device pages (``loads``: (host, device) pairs), after the disk reads (and
+        writes) of the storage tier. On CUDA the copies are queued on the copy stream behind the
+        work already on the current stream, and the returned events mark each layer's copies
+        done (one event for all layers with the direct backend)."""
+        if self.disk is not None:
+            self._disk(writes, disk_reads, disk_writes)
+        if not writes and not loads:
+            return []
         if not self.on_cuda:
             self._transfer_torch(cache, writes, loads)
             return []

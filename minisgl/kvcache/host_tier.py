@@ -17,12 +17,16 @@ from __future__ import annotations
 
 from minisgl.args import HICACHE_WRITE_POLICIES as WRITE_POLICIES
 from minisgl.kvcache.allocator import PageAllocator
+from minisgl.kvcache.disk_store import DiskStore
 
 SELECTIVE_HITS = 2  # write_through_selective: a prefix goes to host once it has been matched this often
 
 
 class HostTier:
-    def __init__(self, num_pages: int, write_policy: str = "write_through"):
+    """``disk``: the storage tier under it (``page_bytes``: one page's bytes on one rank)."""
+
+    def __init__(self, num_pages: int, write_policy: str = "write_through", disk: DiskStore | None = None,
+                 page_bytes: int = 0):
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"hicache_write_policy must be one of {', '.join(WRITE_POLICIES)}, got {write_policy!r}")
         self.allocator = PageAllocator(num_pages)
@@ -36,6 +40,12 @@ class HostTier:
         self.written_pages = 0
         self.loaded_pages = 0
         self.evicted_pages = 0  # host pages given up to make room
+        self.disk, self.page_bytes = disk, page_bytes
+        self.disk_reads: tuple[list[bytes], list[int]] = ([], [])  # (keys, host pages) read before this batch's copies
+        self.unpersisted: list[tuple[int, list[bytes], list[int]]] = []  # (batch of the host copies, keys, pages)
+        self.owner: dict[int, bytes] = {}  # host page -> the key of what was last copied into it
+        self.disk_read_pages = 0
+        self.disk_written_pages = 0
 
     @property
     def num_pages(self) -> int:
@@ -50,22 +60,33 @@ class HostTier:
         self.written_pages += len(device)
         return self.step + computing
 
+    @property
+    def pending(self) -> bool:
+        return bool(self._writes or self._deferred or self._loads or self.disk_reads[0] or self.unpersisted)
+
+    def read_from_disk(self, keys: list[bytes], host: list[int]) -> None:
+        self.disk_reads[0].extend(keys)
+        self.disk_reads[1].extend(host)
+        self.disk_read_pages += len(host)
+
     def load(self, host: list[int], device: list[int]) -> None:
         for h, d in zip(host, device):
             self._loads += (h, d)
         self.loaded_pages += len(host)
         self.wait = True
 
-    def take(self) -> tuple[list[int], list[int], bool]:
-        """This batch's copies (writes, loads) and whether its compute must wait for them."""
-        out = (self._writes, self._loads, self.wait)
+    def take(self) -> tuple[list[int], list[int], bool, tuple[list[bytes], list[int]]]:
+        """This batch's copies (writes, loads), whether its compute must wait for them, and the
+        pages it reads from disk first."""
+        out = (self._writes, self._loads, self.wait, self.disk_reads)
         self._writes, self._deferred, self._loads, self.wait = self._deferred, [], [], False
+        self.disk_reads = ([], [])
         self.step += 1
         return out
 
     def drop_queued(self) -> None:
         """Forget queued writes (the tree they were for is gone: flush)."""
-        self._writes, self._deferred = [], []
+        self._writes, self._deferred, self.unpersisted = [], [], []
 
     def done(self, step: int) -> None:
         """The batch ``step`` came back: its copies are complete."""
@@ -78,4 +99,6 @@ class HostTier:
             "host_written_pages": self.written_pages,
             "host_loaded_pages": self.loaded_pages,
             "host_evicted_pages": self.evicted_pages,
+            **({"disk_read_pages": self.disk_read_pages, "disk_written_pages": self.disk_written_pages,
+                "disk_corrupt_files": self.disk.corrupt} if self.disk is not None else {}),
         }

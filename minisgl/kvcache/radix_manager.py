@@ -22,6 +22,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from minisgl.kvcache.base_manager import BaseCacheManager, CacheHandle, SizeInfo, common_pages
+from minisgl.kvcache.disk_store import page_keys
 from minisgl.kvcache.host_tier import SELECTIVE_HITS, HostTier
 
 
@@ -191,6 +192,53 @@ class RadixCacheManager(BaseCacheManager):
             node, matched = child, matched + len(child.key)
         return out
 
+    def match_disk(self, node: _Node, ids: list[int]) -> list[_Node]:
+        """The storage tier's continuation of ``node`` (the end of a device and host match)
+        along ``ids``: as many whole pages as it holds good files for become a host-only leaf,
+        read from disk before this batch's copies (``[]`` if none, or no host room)."""
+        host, start, stop = self.host, node.depth, self.aligned(len(ids))
+        if stop - start < self.page_size:
+            return []
+        before = page_keys(ids, self.page_size, end=start)[-1:] or [b""]
+        keys = page_keys(ids, self.page_size, before[0], start, stop)
+        n = host.disk.find(keys, host.page_bytes)
+        if n and host.allocator.num_free < n:
+            self._evict_host(n - host.allocator.num_free)
+        pages = host.allocator.alloc(n) if n else None
+        if pages is None:
+            return []
+        leaf = _Node(ids[start : start + n * self.page_size], None, node, next(self._clock))
+        leaf.host, leaf.io_step = pages, host.step
+        node.children[self._edge(leaf.key, 0)] = leaf
+        self._num_nodes += 1
+        self._maybe_host_evictable(leaf)
+        host.owner.update(zip(pages, keys))
+        host.read_from_disk(keys[:n], pages)
+        return [leaf]
+
+    def disk_writes(self) -> tuple[list[bytes], list[int]]:
+        """Keys and host pages of host copies now complete (their batch came back), still
+        holding the page they were written with, and not yet on disk: to be written behind."""
+        host, keys, pages, waiting = self.host, [], [], []
+        for step, written_keys, written_pages in host.unpersisted:
+            if step > host.confirmed:
+                waiting.append((step, written_keys, written_pages))
+                continue
+            for key, page in zip(written_keys, written_pages):
+                if host.owner.get(page) == key and not host.disk.exists(key):
+                    keys.append(key)
+                    pages.append(page)
+        host.unpersisted = waiting
+        host.disk_written_pages += len(pages)
+        return keys, pages
+
+    def _path_ids(self, node: _Node) -> list[int]:
+        parts = []
+        while node is not self.root:
+            parts.append(node.key)
+            node = node.parent
+        return [t for part in reversed(parts) for t in part]
+
     def load(self, nodes: list[_Node], pages: list[int]) -> None:
         """Give host-only ``nodes`` (a path, as ``match_host`` returns it) the device ``pages``
         and queue the copies into them."""
@@ -350,6 +398,10 @@ class RadixCacheManager(BaseCacheManager):
         node.host = pages
         node.io_step = host.write(node.pages, pages, computing)
         self._maybe_host_evictable(node)
+        if host.disk is not None:  # written behind once the copy is done (pages may be split off by then)
+            keys = page_keys(self._path_ids(node), self.page_size)[-n:]
+            host.owner.update(zip(pages, keys))
+            host.unpersisted.append((node.io_step, keys, pages))
         return True
 
     def _host_evictable(self, node: _Node) -> bool:

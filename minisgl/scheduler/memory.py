@@ -5,19 +5,23 @@ also brings a prefix's host pages back to the device."""
 from __future__ import annotations
 
 from minisgl.kvcache import CacheHandle, HostTier, PageAllocator, create_cache_manager
+from minisgl.kvcache.disk_store import DiskStore
+from minisgl.messages import ForwardBatch
 from minisgl.scheduler.request import Req
 from minisgl.utils import cdiv
 
 
 class Memory:
     def __init__(self, page_size: int, num_pages: int, num_slots: int, disable_radix_cache: bool,
-                 num_host_pages: int = 0, write_policy: str = "write_through"):
+                 num_host_pages: int = 0, write_policy: str = "write_through", disk: DiskStore | None = None,
+                 page_bytes: int = 0):
         self.page_size = page_size
-        self.host = HostTier(num_host_pages, write_policy) if num_host_pages else None
+        self.host = HostTier(num_host_pages, write_policy, disk, page_bytes) if num_host_pages else None
         self.cache = create_cache_manager(page_size, disable_radix_cache, self.host)
         self.allocator = PageAllocator(num_pages)
         self.free_slots = list(range(num_slots - 1, -1, -1))
         self.host_hit_tokens = 0  # tokens admissions found on the host tier (loaded to the device)
+        self.disk_hit_tokens = 0  # of those, tokens the storage tier had (read into host pages first)
 
     def alloc(self, n: int) -> list[int] | None:
         """n free pages, evicting unlocked cache if needed; None if even that is not enough."""
@@ -49,12 +53,14 @@ class Memory:
         by the batch being built, before its attention reads them); returns its tokens, 0 if
         the device has no room for it."""
         nodes = self.cache.match_host(handle, ids)
-        if not nodes:
-            return 0
+        tail = (nodes[-1] if nodes else handle.node).handle
+        self.cache.lock_handle(tail)  # the path stays (every tier) while disk and device pages are found
+        if self.host.disk is not None:
+            disk = self.cache.match_disk(tail.node, ids)
+            self.disk_hit_tokens += sum(len(node.key) for node in disk)
+            nodes += disk
         n = sum(len(node.host) for node in nodes)
-        tail = nodes[-1].handle
-        self.cache.lock_handle(tail)  # the path stays (both tiers) while device pages are found
-        pages = self.alloc(n)
+        pages = self.alloc(n) if n else None
         self.cache.lock_handle(tail, unlock=True)
         if pages is None:
             return 0
@@ -62,9 +68,17 @@ class Memory:
         self.host_hit_tokens += n * self.page_size
         return n * self.page_size
 
-    def take_io(self) -> tuple[list[int], list[int], bool]:
-        """The host copies the batch being built carries (see ``HostTier.take``)."""
-        return self.host.take()
+    @property
+    def io_pending(self) -> bool:
+        """Host copies or disk writes wait for a batch to carry them."""
+        return self.host is not None and self.host.pending
+
+    def take_io(self, batch: ForwardBatch) -> None:
+        """Put the host (and disk) copies of the batch being built in it (see ``HostTier.take``)."""
+        if self.host.disk is not None:
+            batch.disk_write_keys, batch.disk_write_pages = self.cache.disk_writes()
+        batch.kv_writes, batch.kv_loads, batch.wait_kv_io, (batch.disk_read_keys, batch.disk_read_pages) = (
+            self.host.take())
 
     def rematch(self, req: Req, reusable: int) -> int:
         """Take up pages another request cached since this one's last chunk; returns how many
@@ -104,6 +118,7 @@ class Memory:
             # Pages that eviction cannot reclaim now: private to requests or locked by them.
             "kv_usage": (total - free - info.evictable) / total,
             **(self.host.stats() if self.host is not None else {}),
+            **({"prefix_disk_hit_tokens": self.disk_hit_tokens} if self.host is not None and self.host.disk else {}),
         }
 
     def check_integrity(self, running: list[Req]) -> None:

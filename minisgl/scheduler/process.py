@@ -48,7 +48,8 @@ class SchedulerProcess:
         # The tokenizer itself is loaded with the first grammar: this process stays torch-free.
         grammar = GrammarBackend(lambda: load_tokenizer(tokenizer_path), info.vocab_size, info.eos_ids)
         self.sched = Scheduler(args, info.num_pages, info.context_len, info.vocab_size, info.eos_ids, self.workers,
-                               grammar, info.num_host_pages)
+                               grammar, info.num_host_pages, info.storage_fingerprint,
+                               info.kv_bytes_per_token * info.page_size)
         self.by_rid: dict[str, Req] = {}
         self.rid_of: dict[int, str] = {}
         self.outbox: list[TokenOut] = []

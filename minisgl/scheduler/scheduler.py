@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from minisgl.args import EngineArgs
+from minisgl.kvcache.disk_store import DiskStore
 from minisgl.messages import ForwardBatch, StepOutput
 from minisgl.sampling import SamplingParams
 from minisgl.scheduler import cascade
@@ -78,6 +79,7 @@ class Scheduler:
     def __init__(
         self, args: EngineArgs, num_pages: int, context_len: int, vocab_size: int,
         eos_ids: list[int], executor: Executor, grammar: GrammarBackend | None = None, num_host_pages: int = 0,
+        storage_fingerprint: str = "", page_bytes: int = 0,
     ):
         self.args = args
         self.page_size = args.page_size
@@ -87,8 +89,11 @@ class Scheduler:
         self.executor = executor
         self.overlap = not args.disable_overlap_schedule
         self.inflight: deque[Inflight] = deque()  # launched steps whose tokens are not back yet
+        host = num_host_pages if args.enable_hierarchical_cache else 0
+        disk = (DiskStore(args.storage_dir, storage_fingerprint, args.tp_size)
+                if host and args.hicache_storage_backend == "file" else None)
         self.memory = Memory(args.page_size, num_pages, args.max_running_requests, args.disable_radix_cache,
-                             num_host_pages if args.enable_hierarchical_cache else 0, args.hicache_write_policy)
+                             host, args.hicache_write_policy, disk, page_bytes)
         self.cache, self.allocator = self.memory.cache, self.memory.allocator
         # Without prefix reuse there is nothing for lpm to order by: arrival order.
         # lpm without a prefix cache has no hits to order by: arrival order.
@@ -170,14 +175,19 @@ class Scheduler:
 
     def flush_cache(self) -> bool:
         """Drop every cached prefix; refused (False) while requests are queued or running."""
-        if self.has_work:
+        if self.has_requests:
             return False
         self.allocator.free(self.cache.reset())
         return True
 
     @property
-    def has_work(self) -> bool:
+    def has_requests(self) -> bool:
         return bool(self.waiting or self.running or self.inflight or self.compiling)
+
+    @property
+    def has_work(self) -> bool:
+        """Requests, or host-tier copies and disk writes still to send (a few steps after them)."""
+        return self.has_requests or self.memory.io_pending
 
     @property
     def only_compiling(self) -> bool:
@@ -215,6 +225,8 @@ class Scheduler:
         if self.compiling:
             self._admit_compiled()
         batch, sampled, scored, decode = self._schedule()
+        if batch is None and self.memory.io_pending:  # host-tier copies (or disk writes) still to send
+            batch = ForwardBatch(slots=[], cached_lens=[], new_lens=[], input_ids=[], sample=[])
         if self._retracted_tokens:  # one line per step, however many went back
             logger.info("out of KV pages: retracted %d requests (%d tokens) to the queue",
                         len(self._retracted_tokens), sum(self._retracted_tokens))
@@ -222,7 +234,7 @@ class Scheduler:
         got: list[Req] = []
         if batch is not None:
             if self.memory.host is not None:
-                batch.kv_writes, batch.kv_loads, batch.wait_kv_io = self.memory.take_io()
+                self.memory.take_io(batch)
             self.executor.launch(batch)
             self.inflight.append((sampled, scored, batch.score_logprob_ids, self.counters.steps))
             if batch.mask_rows:

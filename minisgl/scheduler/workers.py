@@ -72,7 +72,8 @@ class WorkerGroup(WorkerLink):
             raise
         self.model_dir = Path(info.model_path)
         self.vocab_size, self.num_pages, self.context_len = info.vocab_size, info.num_pages, info.context_len
-        self.num_host_pages = info.num_host_pages
+        self.num_host_pages, self.storage_fingerprint = info.num_host_pages, info.storage_fingerprint
+        self.kv_bytes_per_page = info.kv_bytes_per_token * info.page_size
         args.max_running_requests = info.max_running_requests  # derived from the pool unless given
 
     def close(self) -> None:

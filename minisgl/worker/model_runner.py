@@ -25,6 +25,7 @@ from minisgl.attention.context import set_attention_backend
 from minisgl.config import ModelConfig
 from minisgl.distributed import get_tp_info, init_fused_all_reduce_norm, init_one_shot_all_reduce
 from minisgl.kvcache import HostKVPool, MHAKVCache
+from minisgl.kvcache.disk_store import DiskStore, fingerprint
 from minisgl.messages import ForwardBatch, NewRequest, StepOutput
 from minisgl.models.loader import load_model, resolve_model_path
 from minisgl.sampling import SampleOutput, Sampler, SamplingParams
@@ -145,10 +146,24 @@ class ModelRunner:
                 f"80% of the {available / 1e9:.1f} GB of host memory available per rank; lower --hicache-ratio "
                 f"or --hicache-size"
             )
-        pool = HostKVPool(num_pages, self.kv_cache, self.args.hicache_io_backend)
+        disk = None
+        if self.args.hicache_storage_backend == "file":
+            disk = DiskStore(self.args.storage_dir, self.storage_fingerprint, get_tp_info().size)
+            logger.info("hierarchical cache storage: %s", disk.folder)
+        pool = HostKVPool(num_pages, self.kv_cache, self.args.hicache_io_backend, disk, get_tp_info().rank)
         logger.info("hierarchical cache: %d host pages (%.2f GiB, %s copies)", num_pages, pool.nbytes / 2**30,
                     self.args.hicache_io_backend if self.device.type == "cuda" else "torch")
         return pool
+
+    @property
+    def storage_fingerprint(self) -> str:
+        """What this rank's KV page bytes mean: files written under it are only read back by a
+        server with the same model, weights, layout and dtype."""
+        a, c = self.args, self.config
+        return fingerprint(model=str(self.model_dir), load_format=a.load_format, quantization=a.quantization,
+                           dummy_seed=a.seed if a.load_format == "dummy" else None, dtype=str(self.dtype),
+                           kv_dtype=str(self.kv_dtype), page_size=self.page_size, layers=c.num_layers,
+                           kv_heads=self.num_kv_heads, head_dim=c.head_dim, tp=get_tp_info().size)
 
     def _set_kv_scales(self) -> None:
         """An fp8 cache takes the checkpoint's per-layer K and V scales (1.0 where it has none)."""
@@ -265,15 +280,21 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch, gather: bool = True) -> torch.Tensor:
         """Logits [N, vocab] of the last new token of each request with sample=True; with
         ``gather=False`` this rank's vocabulary slice of them (``_sample`` joins them if needed)."""
-        if batch.kv_writes or batch.kv_loads:
-            events = self.host_pool.transfer(self.kv_cache, batch.kv_writes, batch.kv_loads)
-            self._io_event = events[-1] if events else None
-            if batch.wait_kv_io:
-                self.kv_cache.layer_events = events
+        self._copies(batch)
         try:
             return self._forward(batch, gather)
         finally:
             self.kv_cache.layer_events = []
+
+    def _copies(self, batch: ForwardBatch) -> None:
+        """The batch's host-tier copies (and disk reads and writes), queued before its forward."""
+        if batch.kv_writes or batch.kv_loads or batch.disk_read_keys or batch.disk_write_keys:
+            events = self.host_pool.transfer(self.kv_cache, batch.kv_writes, batch.kv_loads,
+                                             (batch.disk_read_keys, batch.disk_read_pages),
+                                             (batch.disk_write_keys, batch.disk_write_pages))
+            self._io_event = events[-1] if events else None
+            if batch.wait_kv_io:
+                self.kv_cache.layer_events = events
 
     def _forward(self, batch: ForwardBatch, gather: bool) -> torch.Tensor:
         if self.graphs is not None and self.graphs.can_run(batch):
@@ -316,6 +337,11 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, batch: ForwardBatch) -> None:
         """Queue one step on the device; its tokens come back through ``collect``."""
+        if not batch.slots:  # host-tier copies only, sent while the scheduler is idle
+            self._copies(batch)
+            io_event, self._io_event = self._io_event, None
+            self.pending.append(_Pending([], {}, None, io_event=io_event))
+            return
         self.add_requests(batch.new_requests)
         logits = self.forward(batch, gather=False)
         if batch.mask_rows:  # constrained rows: sample when their masks come (sample_masked)
