@@ -369,14 +369,15 @@ def test_cuda_engine_with_host_tier_gives_the_tokens_of_one_big_pool(tiny_llama,
 # ---- the storage tier -----------------------------------------------------------------------------
 
 
-def test_a_restarted_engine_finds_the_prompt_on_disk_and_skips_a_corrupt_file(tiny_llama, tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_a_restarted_engine_finds_the_prompt_on_disk_and_skips_a_corrupt_file(tiny_llama, tmp_path, device):
     """Pages are written behind to the storage folder; a new engine on the same folder (a
     restart) serves a repeated prompt from it with the tokens of a cold run; a corrupted file is
     found, counted and removed, and the pages from there on are computed again."""
     from minisgl.llm import LLM
 
-    engine = dict(device="cpu", dtype="float32", max_total_tokens=4000, enable_hierarchical_cache=True,
-                  hicache_storage_backend="file", hicache_storage_dir=str(tmp_path))
+    engine = dict(device=device, dtype="float32", max_total_tokens=4000, enable_hierarchical_cache=True,
+                  hicache_storage_backend="file", hicache_storage_dir=str(tmp_path), attention_backend="torch")
     prompt = [random.Random(5).randrange(5, 500) for _ in range(900)]
     params = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
     first = LLM(str(tiny_llama), **engine)
