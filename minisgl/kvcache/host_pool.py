@@ -14,6 +14,7 @@ attention start on layer 0 while later layers still load. On CPU, torch index co
 from __future__ import annotations
 
 import logging
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -24,6 +25,10 @@ from minisgl.kvcache.mha_pool import MHAKVCache
 logger = logging.getLogger(__name__)
 
 Keyed = tuple[list[bytes], list[int]]  # (keys, host pages) of disk reads or writes
+
+
+def _unregister(ops: object, buffer: torch.Tensor) -> None:
+    ops.host_unregister(buffer.data_ptr())
 
 
 class HostKVPool:
@@ -45,14 +50,15 @@ class HostKVPool:
             from minisgl.kernels.jit import load_module
 
             self._ops = load_module("page_copy")
-            self._host_ptr = self.buffer.data_ptr()
-            self.device_ptr = self._ops.host_register(self._host_ptr, self.buffer.nbytes)
+            self.device_ptr = self._ops.host_register(self.buffer.data_ptr(), self.buffer.nbytes)
             self.stream = torch.cuda.Stream(dev.device)
+            # Unregistered before the buffer's memory goes back (the finalizer holds the buffer).
+            self._unregister = weakref.finalize(self, _unregister, self._ops, self.buffer)
 
     def close(self) -> None:
-        if self.on_cuda and self._host_ptr:
-            self._ops.host_unregister(self._host_ptr)
-            self._host_ptr = 0
+        """Unpin the buffer now (else when the pool is collected)."""
+        if self.on_cuda:
+            self._unregister()
 
     @property
     def nbytes(self) -> int:
