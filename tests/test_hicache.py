@@ -404,3 +404,18 @@ def test_a_restarted_engine_finds_the_prompt_on_disk_and_skips_a_corrupt_file(ti
     stats = third.scheduler.stats()
     assert stats["disk_corrupt_files"] == 1
     assert out["meta_info"]["cached_tokens"] < 0.9 * len(prompt)
+
+
+def test_tp2_engine_with_host_tier_gives_the_tokens_of_one_big_pool(tiny_llama):
+    """Tensor parallel 2 (gloo): each rank keeps and moves its own heads' pages, and the tokens
+    equal one big pool's at tp=1."""
+    from minisgl.llm import LLM
+
+    reference = multi_turn(LLM(str(tiny_llama), device="cpu", dtype="float32", max_total_tokens=100000))
+    llm = LLM(str(tiny_llama), device="cpu", dtype="float32", max_total_tokens=1200, tp_size=2,
+              enable_hierarchical_cache=True, hicache_ratio=4)
+    try:
+        assert multi_turn(llm) == reference
+        assert llm.scheduler.stats()["prefix_host_hit_tokens"] > 0
+    finally:
+        llm.runner.close()

@@ -73,9 +73,7 @@ class DiskStore:
     def find(self, keys: list[bytes], page_bytes: int) -> int:
         """How many of ``keys``, in order, have a good file for every rank."""
         for n, key in enumerate(keys):
-            if not all(self.path(key, r).is_file() for r in range(self.tp_size)):
-                return n
-            if not all(self._check(key, r, page_bytes) for r in range(self.tp_size)):
+            if not self.exists(key) or not all(self._check(key, r, page_bytes) for r in range(self.tp_size)):
                 return n
         return len(keys)
 
