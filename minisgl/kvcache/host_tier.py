@@ -11,6 +11,10 @@ a node's last copy):
 - device pages freed by eviction may be overwritten by this batch's compute, so when the write
   that saved them is not known to be done (``confirmed``), the batch asks the worker to wait
   for its copies first (``wait``).
+
+Loads are issued when a request is admitted; while others decode, its prefill waits for the next
+step, so the copy runs beside a decode step instead of ahead of a prefill. A prefill step waits
+for every load not yet known to be done (``wait_for_loads``).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ class HostTier:
         self.step = 0  # the batch being built: copies queued now are emitted with it
         self.confirmed = -1  # copies of batches up to this one are done (their outputs came back)
         self.wait = False
+        self.load_step = -1  # the last batch carrying loads
         self._writes: list[int] = []  # (device page, host page) pairs, flattened, for this batch
         self._deferred: list[int] = []  # pages this batch computes: written with the next one
         self._loads: list[int] = []  # (host page, device page) pairs, flattened
@@ -73,7 +78,12 @@ class HostTier:
         for h, d in zip(host, device):
             self._loads += (h, d)
         self.loaded_pages += len(host)
-        self.wait = True
+        self.load_step = self.step
+
+    def wait_for_loads(self) -> None:
+        """The batch being built prefills: its attention may read pages still loading."""
+        if self.load_step > self.confirmed:
+            self.wait = True
 
     def take(self) -> tuple[list[int], list[int], bool, tuple[list[bytes], list[int]]]:
         """This batch's copies (writes, loads), whether its compute must wait for them, and the

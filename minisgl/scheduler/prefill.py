@@ -106,18 +106,20 @@ class PrefillPlanner:
                 break
             loaded = memory.admit(req, reusable(req, len(req.all_ids) - 1))
             matched = req.kv_len
-            entry = self.chunk_of(req, min(budget, self.chunk))
-            if entry is None:
+            # Pages coming back from the host tier: while others decode, the copy runs beside
+            # this step and the request prefills from the next (its budget counted now).
+            entry = None if loaded and decoding else self.chunk_of(req, min(budget, self.chunk))
+            if entry is None and not (loaded and decoding):
                 memory.release(req)  # not enough pages now: try again after others finish
                 break
             admitted.append(req)
             if not req.retracted:
                 self.counters.prefix_queried_tokens += req.prefill_target
-            self.count_hit(req, matched)
-            if not req.retracted:
                 self.counters.prefix_host_hit_tokens += loaded
-            entries.append(entry)
-            budget -= entry[1]
+            self.count_hit(req, matched)
+            if entry is not None:
+                entries.append(entry)
+            budget -= entry[1] if entry is not None else min(req.prefill_target - req.kv_len, self.chunk)
         if not memory.free_slots or len(admitted) == len(queue):
             self.filling = False
         return entries, admitted

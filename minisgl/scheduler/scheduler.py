@@ -273,6 +273,8 @@ class Scheduler:
                     if done:  # its last chunk: it decodes from the next step on
                         self.prefilling.remove(req)
                         self.decoding.append(req)
+                if self.memory.host is not None:
+                    self.memory.host.wait_for_loads()
                 batch, scored = prefill_batch(entries, self.eos_ids)
                 c.prefill_tokens += len(batch.input_ids)
                 return batch, [req for req, _, sample in entries if sample], scored, False

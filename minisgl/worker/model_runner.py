@@ -104,6 +104,7 @@ class ModelRunner:
         self.host_pool = self._make_host_pool() if args.enable_hierarchical_cache else None
         self.num_host_pages = self.host_pool.num_pages if self.host_pool is not None else 0
         self._io_event: torch.cuda.Event | None = None
+        self._events: list[torch.cuda.Event] = []  # the latest host-tier copies, per layer
         if self.device.type == "cuda" and args.cuda_graph_max_bs != 0 and not args.disable_cuda_graph and self.attn.supports_cuda_graph:
             from minisgl.worker.cuda_graph import CudaGraphRunner
 
@@ -289,12 +290,12 @@ class ModelRunner:
     def _copies(self, batch: ForwardBatch) -> None:
         """The batch's host-tier copies (and disk reads and writes), queued before its forward."""
         if batch.kv_writes or batch.kv_loads or batch.disk_read_keys or batch.disk_write_keys:
-            events = self.host_pool.transfer(self.kv_cache, batch.kv_writes, batch.kv_loads,
-                                             (batch.disk_read_keys, batch.disk_read_pages),
-                                             (batch.disk_write_keys, batch.disk_write_pages))
-            self._io_event = events[-1] if events else None
-            if batch.wait_kv_io:
-                self.kv_cache.layer_events = events
+            self._events = self.host_pool.transfer(self.kv_cache, batch.kv_writes, batch.kv_loads,
+                                                   (batch.disk_read_keys, batch.disk_read_pages),
+                                                   (batch.disk_write_keys, batch.disk_write_pages))
+            self._io_event = self._events[-1] if self._events else None
+        if batch.wait_kv_io:  # (the copies may be an earlier step's: the stream runs them in order)
+            self.kv_cache.layer_events = self._events
 
     def _forward(self, batch: ForwardBatch, gather: bool) -> torch.Tensor:
         if self.graphs is not None and self.graphs.can_run(batch):
