@@ -64,6 +64,8 @@ class LLM:
             "cached_tokens": req.cached_tokens,
             "finish_reason": req.finish_reason,
         }
+        if req.error is not None:  # ended by an error (its grammar rejected a sampled token)
+            meta["error"] = req.error
         if req.top_logprobs >= 0:
             meta["output_token_logprobs"] = req.output_logprobs
             if req.top_logprobs > 0:

@@ -156,3 +156,30 @@ def test_fuzzing_reaches_retraction():
         sched.step()
         sched.check_integrity()
     assert sched.stats()["retractions"] > 0
+
+
+def test_a_matcher_rejecting_a_sampled_token_ends_the_request_with_an_error():
+    """A constrained request whose matcher refuses the token sampled under its mask ends with an
+    error naming its grammar's field (never a silent result that breaks the grammar); a request
+    beside it runs on, and nothing leaks."""
+
+    class Rejecting(FakeGrammars):
+        @staticmethod
+        def matcher(compiled: int) -> FakeMatcher:
+            m = FakeMatcher(compiled)
+            m.accept_token = lambda token: False
+            return m
+
+    rng = random.Random(0)
+    grammars = Rejecting(rng)
+    args = EngineArgs(model="", page_size=4, max_running_requests=8)
+    sched = Scheduler(args, 100, 512, VOCAB, [EOS], FakeExecutor(rng), grammars)
+    bad = sched.add_request([5, 6, 7], SamplingParams(max_new_tokens=8, regex="aaaa"))
+    good = sched.add_request([5, 6, 8], SamplingParams(max_new_tokens=8, ignore_eos=True))
+    while sched.has_work:
+        grammars.tick(1.0)
+        sched.step()
+        sched.check_integrity()
+    assert bad.finish_reason == "abort" and bad.error.startswith("regex: the grammar rejected sampled token")
+    assert good.finish_reason == "length" and len(good.output_ids) == 8
+    assert sched.cache.size_info().protected == 0 and sorted(sched.memory.free_slots) == list(range(8))

@@ -55,7 +55,12 @@ def apply_output(
             req.output_id_logprobs.append(out.id_logprobs[i])
         reason = "stop" if token in req.stop_ids else "length" if len(req.output_ids) >= req.max_outputs else None
         if req.matcher is not None:
-            req.matcher.accept_token(token)
+            if not req.matcher.accept_token(token):  # sampled under its mask, so never expected
+                kind = req.params.grammar[0] if req.params.grammar else "grammar"
+                req.error = (f"{kind}: the grammar rejected sampled token {token} after {len(req.output_ids) - 1} "
+                             f"tokens; the output cannot follow it")
+                finish(req, "abort")
+                continue
             if reason is None and req.matcher.is_terminated():
                 reason = "stop"  # the grammar is complete (its last token was a stop token)
         if reason is not None:

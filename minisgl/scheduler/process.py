@@ -108,7 +108,7 @@ class SchedulerProcess:
 
     def _token_out(self, req: Req) -> TokenOut:
         out = TokenOut(self.rid_of[req.rid], req.output_ids[-1:], finish_reason=req.finish_reason,
-                       cached_tokens=req.cached_tokens)
+                       cached_tokens=req.cached_tokens, error=req.error)
         if req.top_logprobs >= 0:
             out.logprobs = req.output_logprobs[-1:]
         if req.top_logprobs > 0 and req.output_ids:
