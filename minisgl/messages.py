@@ -140,6 +140,7 @@ class GenerateReq(msgspec.Struct):
     logprob_ids: list[int] = []  # SGLang's token_ids_logprob: these ids' logprobs at every position
     tools: list[dict[str, Any]] | None = None  # OpenAI tool definitions, rendered by the chat template
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (enable_thinking, ...)
+    cache_salt: str | None = None  # vLLM's: prefix-cache isolation between tenants
 
 
 class GenerateBatch(msgspec.Struct, tag=True):
@@ -159,6 +160,7 @@ class TokenizedReq(msgspec.Struct):
     top_logprobs: int = -1
     logprob_start: int = -1  # prompt logprobs from this position (-1: none)
     logprob_ids: list[int] = []
+    cache_salt: str | None = None  # shares cached prefixes only with requests of the same salt
 
 
 class TokenizedBatch(msgspec.Struct, tag=True):

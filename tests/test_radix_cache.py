@@ -172,3 +172,19 @@ def test_lru_evicts_least_recently_used_leaf():
     cache.match_prefix([1, 2])  # touch: [3, 4] is now older
     assert cache.evict(1) == [2, 3]  # the whole [3, 4] leaf goes
     assert cache.match_prefix([1, 2])[1] == [0, 1]
+
+
+def test_salted_prefixes_live_in_trees_of_their_own():
+    """cache_salt: the same tokens under another salt (or none) match nothing of each other;
+    eviction, integrity and reset cover every tree."""
+    cache = RadixCacheManager(2)
+    cache.insert_prefix([1, 2, 3, 4], [0, 1])
+    cache.insert_prefix([1, 2, 3, 4], [2, 3], salt="a")
+    assert cache.match_prefix([1, 2, 3, 4])[1] == [0, 1]
+    assert cache.match_prefix([1, 2, 3, 4], "a")[1] == [2, 3]
+    assert cache.match_prefix([1, 2, 3, 4], "b")[0].cached_len == 0
+    cache.check_integrity()
+    assert sorted(cache.evict(4)) == [0, 1, 2, 3]
+    cache.insert_prefix([5, 6], [4], salt="a")
+    assert cache.reset() == [4] and cache.match_prefix([5, 6], "a")[0].cached_len == 0
+    cache.check_integrity()

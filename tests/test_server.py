@@ -604,3 +604,26 @@ def test_monitoring_answers_503_when_the_scheduler_is_stuck(tiny_llama):
         assert httpx.get(f"{srv.url}/get_server_info", timeout=30).status_code == 200
         ok = httpx.post(f"{srv.url}/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}}, timeout=30)
         assert ok.status_code == 200
+
+
+def test_cache_salt_and_extra_key_keep_tenants_apart(server):
+    """Requests with different cache_salt (OpenAI routes) or extra_key (/generate) never share
+    cached pages; the same salt shares them as an unsalted request would."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    prompt = [7 + (i * 37) % 400 for i in range(5 * PAGE_SIZE + 3)]
+
+    def cached(salt: str | None) -> int:
+        extra = {"cache_salt": salt} if salt is not None else {}
+        out = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0, extra_body=extra)
+        return out.usage.prompt_tokens_details.cached_tokens if out.usage.prompt_tokens_details else 0
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-a") >= len(prompt) - PAGE_SIZE
+    assert cached("tenant-b") == 0  # the same prompt, another tenant
+    assert cached(None) == 0  # nor the unsalted cache
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}, "extra_key": "tenant-a"}
+    r = httpx.post(f"{server.url}/generate", json=body).json()
+    assert r["meta_info"]["cached_tokens"] >= len(prompt) - PAGE_SIZE  # extra_key is the same namespace
+    r = httpx.post(f"{server.url}/generate", json={**body, "extra_key": "tenant-c"}).json()
+    assert r["meta_info"]["cached_tokens"] == 0
+    idle_and_clean(server)

@@ -57,7 +57,7 @@ class NativeRoutes(ApiBase):
         items = body.items(self.args.max_sequences_per_request)  # counted before any is built
         runs = await self._start([
             GenerateReq(it.rid, it.sampling, text=it.text, input_ids=it.input_ids, top_logprobs=it.top_logprobs,
-                        logprob_start=it.logprob_start, logprob_ids=it.logprob_ids)
+                        logprob_start=it.logprob_start, logprob_ids=it.logprob_ids, cache_salt=it.cache_salt)
             for it in items
         ])
         with_text, batch = body.return_text_in_logprobs, len(items) > 1 or body.is_batch

@@ -83,7 +83,7 @@ class OpenAIRoutes(ApiBase):
         reqs = [  # echo with max_tokens 0 scores the prompt and generates nothing
             GenerateReq(f"{cid}-{i * body.n + j}", body.sampling(body.max_tokens, j),
                         text=p if isinstance(p, str) else None, input_ids=None if isinstance(p, str) else p,
-                        top_logprobs=body.top_logprobs,
+                        top_logprobs=body.top_logprobs, cache_salt=body.cache_salt,
                         fill_context=body.max_tokens is None, logprob_start=0 if body.echo else -1)
             for i, p in enumerate(prompts) for j in range(body.n)
         ]
@@ -130,7 +130,7 @@ class OpenAIRoutes(ApiBase):
             sampling = body.sampling(max_new, j)
             sampling.json_schema = plan.schema or sampling.json_schema  # a forced call's grammar
             reqs.append(GenerateReq(f"{cid}-{j}", sampling, messages=messages, top_logprobs=body.num_top_logprobs,
-                                    fill_context=max_new is None, tools=plan.tools,
+                                    fill_context=max_new is None, tools=plan.tools, cache_salt=body.cache_salt,
                                     chat_template_kwargs=body.template_kwargs()))
         runs = await self._start(reqs)
         reasoning = self.args.reasoning_parser if body.separate_reasoning else None

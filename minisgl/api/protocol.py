@@ -88,6 +88,7 @@ class GenerateItem(msgspec.Struct):
     top_logprobs: int  # -1: no logprobs
     logprob_start: int = -1  # prompt logprobs from this position (-1: none)
     logprob_ids: list[int] = []  # token_ids_logprob
+    cache_salt: str | None = None  # extra_key: shares cached prefixes only with the same key
 
 
 class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -104,6 +105,7 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
     token_ids_logprob: list[Any] | None = None  # ids, or a list of ids per prompt
     return_text_in_logprobs: bool = False
     rid: str | list[str] | None = None
+    extra_key: str | list[str] | None = None  # SGLang's cache isolation key (the OpenAI routes' cache_salt)
 
     @property
     def is_batch(self) -> bool:
@@ -144,6 +146,7 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
         tops = self._per_prompt(self.top_logprobs_num, "top_logprobs_num", count, 0)
         starts = self._per_prompt(self.logprob_start_len, "logprob_start_len", count, -1)
         ids = self._logprob_ids(count)
+        keys = self._per_prompt(self.extra_key, "extra_key", count, None)
         if len({s.n for s in sampling}) > 1:
             raise BadRequest("every sampling_params of a batch must have the same n", param="sampling_params.n")
         n = sampling[0].n
@@ -164,7 +167,7 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
                 out.append(GenerateItem(
                     rids[i * n + j], prompt if isinstance(prompt, str) else None,
                     None if isinstance(prompt, str) else prompt, sampling[i].params(j), tops[i] if want[i] else -1,
-                    start, ids[i] if want[i] else []))
+                    start, ids[i] if want[i] else [], keys[i]))
         return out
 
     def _logprob_ids(self, count: int) -> list[list[int]]:
@@ -244,6 +247,7 @@ class _OpenAIBase(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     frequency_penalty: float = 0.0
     seed: Int64 | None = None
     user: str | None = None
+    cache_salt: str | None = None  # cached prefixes are shared only among requests with the same salt
     top_k: Int32 = -1
     min_p: float = 0.0
     repetition_penalty: float = 1.0

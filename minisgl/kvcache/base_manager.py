@@ -54,15 +54,16 @@ class BaseCacheManager(ABC):
         return n - n % self.page_size
 
     @abstractmethod
-    def match_prefix(self, ids: list[int]) -> tuple[CacheHandle, list[int]]:
-        """Longest cached whole-page prefix of ``ids`` and its pages. Does not lock."""
+    def match_prefix(self, ids: list[int], salt: str | None = None) -> tuple[CacheHandle, list[int]]:
+        """Longest cached whole-page prefix of ``ids`` and its pages, among prefixes cached with
+        the same ``salt`` (a request's cache_salt: tenants never share pages). Does not lock."""
 
     @abstractmethod
     def lock_handle(self, handle: CacheHandle, unlock: bool = False) -> None:
         """Protect (or release) the handle's prefix from eviction; locks nest."""
 
     @abstractmethod
-    def insert_prefix(self, ids: list[int], pages: list[int], computing: bool = False) -> int:
+    def insert_prefix(self, ids: list[int], pages: list[int], computing: bool = False, salt: str | None = None) -> int:
         """Cache ``pages`` under ``ids``; returns the length that was already cached (under its
         own pages: the caller's pages for that part are duplicates it must free). ``computing``:
         the batch being built computes them (a host tier copies them one batch later)."""
@@ -92,7 +93,7 @@ class BaseCacheManager(ABC):
         """Raise AssertionError if any internal invariant is broken."""
 
     def commit(
-        self, ids: list[int], pages: list[int], handle: CacheHandle, computing: bool = False
+        self, ids: list[int], pages: list[int], handle: CacheHandle, computing: bool = False, salt: str | None = None
     ) -> tuple[CacheHandle, list[int], list[int]]:
         """Insert a request's computed whole pages and move its lock to the new, deeper prefix.
 
@@ -101,8 +102,8 @@ class BaseCacheManager(ABC):
         """
         n = self.aligned(len(ids))
         own = pages[: n // self.page_size]
-        self.insert_prefix(ids[:n], own, computing)
-        new_handle, tree_pages = self.match_prefix(ids[:n])
+        self.insert_prefix(ids[:n], own, computing, salt)
+        new_handle, tree_pages = self.match_prefix(ids[:n], salt)
         self.lock_handle(new_handle)
         self.lock_handle(handle, unlock=True)
         duplicates = [p for p, t in zip(own, tree_pages) if p != t]

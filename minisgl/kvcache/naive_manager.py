@@ -10,17 +10,17 @@ _EMPTY = CacheHandle(0)
 class NaiveCacheManager(BaseCacheManager):
     reuses_prefixes = False
 
-    def match_prefix(self, ids: list[int]) -> tuple[CacheHandle, list[int]]:
+    def match_prefix(self, ids: list[int], salt: str | None = None) -> tuple[CacheHandle, list[int]]:
         return _EMPTY, []
 
     def lock_handle(self, handle: CacheHandle, unlock: bool = False) -> None:
         pass
 
-    def insert_prefix(self, ids: list[int], pages: list[int], computing: bool = False) -> int:
+    def insert_prefix(self, ids: list[int], pages: list[int], computing: bool = False, salt: str | None = None) -> int:
         return 0
 
     def commit(
-        self, ids: list[int], pages: list[int], handle: CacheHandle, computing: bool = False
+        self, ids: list[int], pages: list[int], handle: CacheHandle, computing: bool = False, salt: str | None = None
     ) -> tuple[CacheHandle, list[int], list[int]]:
         """Nothing is kept: every page of the prefix goes back to the caller to free."""
         return _EMPTY, [], pages[: self.aligned(len(ids)) // self.page_size]

@@ -70,6 +70,8 @@ class RadixCacheManager(BaseCacheManager):
         self._clock = itertools.count(1)
         self.root = _Node([], [], None, 0)
         self.root.ref = 1  # the root is never evicted
+        # cache_salt: each salt has a tree of its own, so tenants never share pages.
+        self.roots: dict[str | None, _Node] = {None: self.root}
         self.evictable_pages = 0  # device pages only, here and below
         self.protected_pages = 0
         # Unlocked device leaves by last use, kept as they appear (lazily: stale entries are
@@ -103,10 +105,17 @@ class RadixCacheManager(BaseCacheManager):
             self._maybe_host_evictable(upper)
         return upper
 
-    def _walk(self, ids: list[int], on_device: bool = True) -> tuple[_Node, int]:
+    def _root(self, salt: str | None) -> _Node:
+        root = self.roots.get(salt)
+        if root is None:
+            root = self.roots[salt] = _Node([], [], None, 0)
+            root.ref = 1
+        return root
+
+    def _walk(self, ids: list[int], on_device: bool = True, salt: str | None = None) -> tuple[_Node, int]:
         """Deepest node whose path is a prefix of ids (splitting an edge if needed), and its
         length; ``on_device``: through nodes with device pages only."""
-        node, matched, tick = self.root, 0, next(self._clock)
+        node, matched, tick = self._root(salt), 0, next(self._clock)
         limit = self.aligned(len(ids))
         while matched < limit:
             child = node.children.get(self._edge(ids, matched))
@@ -136,9 +145,9 @@ class RadixCacheManager(BaseCacheManager):
         and its length in tokens: the part of the path that this request shares with others
         running. None when it shares nothing. Walks nodes, not pages."""
         node = handle.node
-        while node is not self.root and node.ref < min_requests:
+        while node.parent is not None and node.ref < min_requests:
             node = node.parent
-        return None if node is self.root else (node, node.depth)
+        return None if node.parent is None else (node, node.depth)
 
     def start(self) -> tuple[_Node, int]:
         """A read-only walk's starting position: (node, tokens of its key matched so far)."""
@@ -169,8 +178,8 @@ class RadixCacheManager(BaseCacheManager):
                 break
         return (node, off), matched
 
-    def match_prefix(self, ids: list[int]) -> tuple[RadixHandle, list[int]]:
-        node, matched = self._walk(ids)
+    def match_prefix(self, ids: list[int], salt: str | None = None) -> tuple[RadixHandle, list[int]]:
+        node, matched = self._walk(ids, salt=salt)
         assert matched == node.depth
         return node.handle, self._path_pages(node)
 
@@ -192,14 +201,15 @@ class RadixCacheManager(BaseCacheManager):
             node, matched = child, matched + len(child.key)
         return out
 
-    def match_disk(self, node: _Node, ids: list[int]) -> list[_Node]:
+    def match_disk(self, node: _Node, ids: list[int], salt: str | None = None) -> list[_Node]:
         """The storage tier's continuation of ``node`` (the end of a device and host match)
         along ``ids``: as many whole pages as it holds good files for become a host-only leaf,
         read from disk before this batch's copies (``[]`` if none, or no host room)."""
         host, start, stop = self.host, node.depth, self.aligned(len(ids))
         if stop - start < self.page_size:
             return []
-        before = page_keys(ids, self.page_size, end=start)[-1:] or [b""]
+        first = salt.encode() if salt is not None else b""  # (a salted tree's pages get keys of their own)
+        before = page_keys(ids, self.page_size, first, end=start)[-1:] or [first]
         keys = page_keys(ids, self.page_size, before[0], start, stop)
         n = host.disk.find(keys, host.page_bytes)
         if n and host.allocator.num_free < n:
@@ -232,12 +242,14 @@ class RadixCacheManager(BaseCacheManager):
         host.disk_written_pages += len(pages)
         return keys, pages
 
-    def _path_ids(self, node: _Node) -> list[int]:
+    def _path_ids(self, node: _Node) -> tuple[list[int], bytes]:
+        """The tokens from the root to the end of ``node``, and its tree's first key."""
         parts = []
-        while node is not self.root:
+        while node.parent is not None:
             parts.append(node.key)
             node = node.parent
-        return [t for part in reversed(parts) for t in part]
+        salt = next(k for k, root in self.roots.items() if root is node)
+        return [t for part in reversed(parts) for t in part], salt.encode() if salt is not None else b""
 
     def load(self, nodes: list[_Node], pages: list[int]) -> None:
         """Give host-only ``nodes`` (a path, as ``match_host`` returns it) the device ``pages``
@@ -262,7 +274,7 @@ class RadixCacheManager(BaseCacheManager):
     def lock_handle(self, handle: CacheHandle, unlock: bool = False) -> None:
         self.epoch += 1
         node = handle.node
-        while node is not self.root:
+        while node.parent is not None:
             n = len(node.pages) if node.pages is not None else 0
             if unlock:
                 if node.ref <= 0:
@@ -279,16 +291,16 @@ class RadixCacheManager(BaseCacheManager):
                 node.ref += 1
             node = node.parent
 
-    def insert_prefix(self, ids: list[int], pages: list[int], computing: bool = False) -> int:
+    def insert_prefix(self, ids: list[int], pages: list[int], computing: bool = False, salt: str | None = None) -> int:
         """``computing``: the batch being built computes these pages (a host copy of them must
         wait for the next batch)."""
         n = self.aligned(len(ids))
         if len(pages) < n // self.page_size:
             raise ValueError(f"{len(pages)} pages cannot hold {n} tokens of page size {self.page_size}")
-        node, matched = self._walk(ids[:n], on_device=False)
+        node, matched = self._walk(ids[:n], on_device=False, salt=salt)
         if self.host is not None:  # host-only nodes on the path take the caller's pages (same tokens)
             path, up = [], node
-            while up is not self.root and up.pages is None:
+            while up.parent is not None and up.pages is None:
                 path.append(up)
                 up = up.parent
             for part in reversed(path):
@@ -365,7 +377,7 @@ class RadixCacheManager(BaseCacheManager):
 
     def _maybe_evictable(self, node: _Node) -> None:
         """Queue an unlocked device leaf for eviction (entries that stop being one are skipped later)."""
-        if node is not self.root and self._device_leaf(node):
+        if node.parent is not None and self._device_leaf(node):
             heapq.heappush(self._leaves, (node.last_access, node))
             if len(self._leaves) > 2 * self._num_nodes + 64:  # mostly stale: keep one entry per leaf
                 live = {id(n): n for _, n in self._leaves if self._device_leaf(n)}
@@ -380,7 +392,7 @@ class RadixCacheManager(BaseCacheManager):
         if self.host is None or self.host.policy != "write_through_selective":
             return
         node = handle.node
-        while node is not self.root and node.host is None:
+        while node.parent is not None and node.host is None:
             node.hits += 1
             if node.hits >= SELECTIVE_HITS:
                 self._write(node, False)
@@ -399,7 +411,8 @@ class RadixCacheManager(BaseCacheManager):
         node.io_step = host.write(node.pages, pages, computing)
         self._maybe_host_evictable(node)
         if host.disk is not None:  # written behind once the copy is done (pages may be split off by then)
-            keys = page_keys(self._path_ids(node), self.page_size)[-n:]
+            path, first = self._path_ids(node)
+            keys = page_keys(path, self.page_size, first)[-n:]
             host.owner.update(zip(pages, keys))
             host.unpersisted.append((node.io_step, keys, pages))
         return True
@@ -412,7 +425,7 @@ class RadixCacheManager(BaseCacheManager):
         return node.pages is not None or (not node.children and not node.ref)
 
     def _maybe_host_evictable(self, node: _Node) -> None:
-        if node is not self.root and node.host is not None:
+        if node.parent is not None and node.host is not None:
             heapq.heappush(self._host_leaves, (node.last_access, node))
             if len(self._host_leaves) > 2 * self._num_nodes + 64:
                 live = {id(n): n for _, n in self._host_leaves if n.parent is not None and n.host is not None}
@@ -463,11 +476,12 @@ class RadixCacheManager(BaseCacheManager):
             self.host.drop_queued()
         self.evictable_pages = 0
         self.root.children.clear()
+        self.roots = {None: self.root}
         self._leaves, self._host_leaves, self._num_nodes = [], [], 0
         return freed
 
     def _nodes(self) -> list[_Node]:
-        out, stack = [], list(self.root.children.values())
+        out, stack = [], [c for root in self.roots.values() for c in root.children.values()]
         while stack:
             node = stack.pop()
             out.append(node)

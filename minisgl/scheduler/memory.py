@@ -35,20 +35,20 @@ class Memory:
     def admit(self, req: Req, reusable: int) -> int:
         """Give a request a slot and lock the longest cached prefix of its first ``reusable``
         tokens; returns how many of them came from the host tier."""
-        ids = req.all_ids[:reusable]
-        handle, pages = self.cache.match_prefix(ids)
+        ids, salt = req.all_ids[:reusable], req.cache_salt
+        handle, pages = self.cache.match_prefix(ids, salt)
         loaded = 0
         if self.host is not None:
             self.cache.count_hit(handle)
-            loaded = self._load(ids, handle)
+            loaded = self._load(ids, handle, salt)
             if loaded:
-                handle, pages = self.cache.match_prefix(ids)
+                handle, pages = self.cache.match_prefix(ids, salt)
         self.cache.lock_handle(handle)
         req.slot, req.handle, req.pages = self.free_slots.pop(), handle, pages
         req.kv_len, req.table_len, req.prefill_target = handle.cached_len, 0, len(req.all_ids)
         return loaded
 
-    def _load(self, ids: list[int], handle: CacheHandle) -> int:
+    def _load(self, ids: list[int], handle: CacheHandle, salt: str | None) -> int:
         """Bring the host-only continuation of ``handle`` along ``ids`` to the device (copied
         by the batch being built, before its attention reads them); returns its tokens, 0 if
         the device has no room for it."""
@@ -56,7 +56,7 @@ class Memory:
         tail = (nodes[-1] if nodes else handle.node).handle
         self.cache.lock_handle(tail)  # the path stays (every tier) while disk and device pages are found
         if self.host.disk is not None:
-            disk = self.cache.match_disk(tail.node, ids)
+            disk = self.cache.match_disk(tail.node, ids, salt)
             self.disk_hit_tokens += sum(len(node.key) for node in disk)
             nodes += disk
         n = sum(len(node.host) for node in nodes)
@@ -83,7 +83,7 @@ class Memory:
     def rematch(self, req: Req, reusable: int) -> int:
         """Take up pages another request cached since this one's last chunk; returns how many
         tokens it gained."""
-        handle, pages = self.cache.match_prefix(req.all_ids[:reusable])
+        handle, pages = self.cache.match_prefix(req.all_ids[:reusable], req.cache_salt)
         gained = handle.cached_len - req.kv_len
         if gained > 0:
             self.cache.lock_handle(handle)
@@ -94,13 +94,13 @@ class Memory:
     def publish(self, req: Req, upto: int) -> None:
         """Put the request's whole pages of its first ``upto`` tokens in the cache now, so that
         requests scheduled after it reuse them."""
-        req.handle, _, duplicates = self.cache.commit(req.all_ids[:upto], req.pages, req.handle, computing=True)
+        req.handle, _, duplicates = self.cache.commit(req.all_ids[:upto], req.pages, req.handle, True, req.cache_salt)
         assert not duplicates, "pages were cached between a match and its commit"
 
     def release(self, req: Req) -> None:
         """Cache the request's computed whole pages, free the rest and its slot."""
         computed = req.all_ids[: req.kv_len]
-        handle, _, duplicates = self.cache.commit(computed, req.pages, req.handle)
+        handle, _, duplicates = self.cache.commit(computed, req.pages, req.handle, salt=req.cache_salt)
         self.cache.lock_handle(handle, unlock=True)
         tail = req.pages[self.cache.aligned(len(computed)) // self.page_size :]
         self.allocator.free(duplicates + tail)

@@ -74,7 +74,7 @@ class SchedulerProcess:
     def _add(self, msg: TokenizedReq) -> None:
         try:
             req = self.sched.add_request(msg.input_ids, msg.sampling, msg.top_logprobs, msg.logprob_start,
-                                         msg.logprob_ids)
+                                         msg.logprob_ids, msg.cache_salt)
         except ValueError as e:
             self.outbox.append(TokenOut(msg.rid, error=str(e)))
             return

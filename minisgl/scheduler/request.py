@@ -27,6 +27,7 @@ class Req:
     output_id_logprobs: list[list[float]] = field(default_factory=list)  # per output token, per logprob_ids
     finish_reason: str | None = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache instead of computed
+    cache_salt: str | None = None  # shares cached pages only with requests of the same salt
     queued_step: int = 0  # the scheduler step at which it last came to the queue (for aging)
     retracted: bool = False  # re-prefills its own tokens: no longer counts cache hits
     # Prompt logprobs from this position (-1: none): position j's logprob given tokens < j, with

@@ -119,7 +119,7 @@ class Scheduler:
 
     def add_request(
         self, prompt_ids: list[int], params: SamplingParams, top_logprobs: int = -1, logprob_start: int = -1,
-        logprob_ids: list[int] | None = None,
+        logprob_ids: list[int] | None = None, cache_salt: str | None = None,
     ) -> Req:
         """Validate and queue a request. Raises ValueError naming what is wrong."""
         params.validate(self.vocab_size)
@@ -143,7 +143,7 @@ class Scheduler:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = Req(self._next_rid, list(prompt_ids), params, seed, max_len, top_logprobs,
                   logprob_start=min(logprob_start, len(prompt_ids)),
-                  logprob_ids=list(logprob_ids or []) if top_logprobs >= 0 else [])
+                  logprob_ids=list(logprob_ids or []) if top_logprobs >= 0 else [], cache_salt=cache_salt or None)
         self._next_rid += 1
         self._unfrozen += 1
         if self._unfrozen >= GC_FREEZE_EVERY:

@@ -195,7 +195,7 @@ class TokenizerProcess:
                 continue
             self.reqs[req.rid] = RequestState(req, ids, self.tokenizer, self.stream_interval)
             accepted.append(TokenizedReq(req.rid, ids, req.sampling, req.top_logprobs, req.logprob_start,
-                                         req.logprob_ids))
+                                         req.logprob_ids, req.cache_salt))
         if refused:
             self.api.send(UpdateBatch(refused))
         if accepted:
