@@ -83,3 +83,10 @@ def init_logging(level: str = "info") -> None:
         datefmt="%H:%M:%S",
     )
 
+
+
+def context_overflow(limit: int, prompt: int, new: int = 0) -> str:
+    """The 400 text for a request over the context length, in the words SGLang's clients (and
+    tools that classify provider errors) look for."""
+    asked = f"{prompt} prompt tokens + {new} new tokens" if new else f"the prompt has {prompt} tokens"
+    return f"Requested token count exceeds the model's maximum context length of {limit} tokens: {asked}"

@@ -112,14 +112,16 @@ async def read_body(request: Request, kind: type, args: ServerArgs, schema: Sche
     limit = args.max_request_bytes
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:  # refused at once, before waiting for the body
-        raise BadRequest(f"the request body has {declared} bytes, more than {limit} (--max-request-bytes)", status=413)
+        raise BadRequest(f"Payload Too Large: the request body has {declared} bytes, more than {limit} "
+                         "(--max-request-bytes)", status=413)
 
     async def receive() -> bytes:
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                raise BadRequest(f"the request body has more than {limit} bytes (--max-request-bytes)", status=413)
+                raise BadRequest(f"Payload Too Large: the request body has more than {limit} bytes (--max-request-bytes)",
+                                 status=413)
             chunks.append(chunk)
         return b"".join(chunks)
 

@@ -35,7 +35,7 @@ from minisgl.scheduler.output import apply_output
 from minisgl.scheduler.prefill import Entry, PrefillPlanner
 from minisgl.scheduler.queue import WaitingQueue
 from minisgl.scheduler.request import Req
-from minisgl.utils import cdiv, resolve_device
+from minisgl.utils import cdiv, context_overflow, resolve_device
 
 logger = logging.getLogger(__name__)
 
@@ -130,9 +130,7 @@ class Scheduler:
         if not 0 <= min(prompt_ids) <= max(prompt_ids) < self.vocab_size:
             raise ValueError(f"input_ids must be in [0, {self.vocab_size})")
         if len(prompt_ids) >= self.context_len:
-            raise ValueError(
-                f"the prompt has {len(prompt_ids)} tokens; the context length is {self.context_len}"
-            )
+            raise ValueError(context_overflow(self.context_len, len(prompt_ids)))
         max_len = min(len(prompt_ids) + params.max_new_tokens, self.context_len)
         if cdiv(max_len, self.page_size) > self.allocator.num_pages:
             raise ValueError(f"the request needs {max_len} tokens of KV cache; the pool holds "

@@ -22,7 +22,7 @@ from minisgl.messages import (
 from minisgl.tokenizer import load_tokenizer
 from minisgl.tokenizer.chat import detect_tool_parser, encode_chat
 from minisgl.tokenizer.detokenizer import TextStream, decode_ids
-from minisgl.utils import init_logging
+from minisgl.utils import context_overflow, init_logging
 
 logger = logging.getLogger(__name__)
 
@@ -169,15 +169,12 @@ class TokenizerProcess:
         if n == 0:
             raise ValueError("the prompt is empty")
         if n >= limit:
-            raise ValueError(f"the prompt has {n} tokens; this model's context length is {limit}")
+            raise ValueError(context_overflow(limit, n))
         if req.fill_context:  # what the context leaves, within what the KV pool can hold
             pool = self.info.num_pages * self.info.page_size
             req.sampling.max_new_tokens = max(1, min(limit, pool) - n)
         elif n + req.sampling.max_new_tokens > limit:
-            raise ValueError(
-                f"the prompt has {n} tokens and max_new_tokens is {req.sampling.max_new_tokens}: "
-                f"together over this model's context length of {limit} tokens"
-            )
+            raise ValueError(context_overflow(limit, n, req.sampling.max_new_tokens))
 
     def _on_generate(self, reqs: list[GenerateReq]) -> None:
         """Tokenize one HTTP request's sequences; the accepted ones go on to the scheduler together."""
