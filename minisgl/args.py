@@ -170,6 +170,7 @@ class ServerArgs(EngineArgs):
     stream_interval: int = 1  # tokens per streamed update (a request's sampling_params may set its own)
     profile_dir: str | None = None  # /start_profile's traces go under it (default $SGLANG_TORCH_PROFILER_DIR, /tmp)
     stream_output: bool = False  # /generate streams only each event's new text and ids (SGLang's flag)
+    skip_tokenizer_init: bool = False  # no tokenizer: token ids in, token ids out (SGLang's flag)
     # Limits that keep one request from stalling the others (the tokenizer process serves all).
     max_request_bytes: int = 64 << 20
     request_body_timeout: float = 30.0  # seconds to receive a body

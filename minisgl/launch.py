@@ -82,6 +82,9 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     ap.add_argument("--profile-dir", default=None,
                     help="where /start_profile writes traces; a client's output_dir must lie inside it "
                          "(default: $SGLANG_TORCH_PROFILER_DIR, else /tmp)")
+    ap.add_argument("--skip-tokenizer-init", action="store_true",
+                    help="load no tokenizer: prompts are token ids (input_ids), outputs are token ids (output_ids, "
+                         "no text)")
     ap.add_argument("--stream-output", action="store_true",
                     help="streamed /generate events carry only their new text, ids and logprobs (default: all so far)")
     ap.add_argument("--tool-call-parser", default=None, choices=TOOL_PARSERS,
@@ -142,7 +145,7 @@ class Launcher:
         self.procs: list[BaseProcess] = [
             ctx.Process(target=run_tokenizer, name="tokenizer",
                         args=(self.addrs, args.tokenizer, level, args.chat_template, args.stream_interval,
-                              args.tool_call_parser)),
+                              args.tool_call_parser, args.skip_tokenizer_init)),
             ctx.Process(target=run_scheduler, args=(args, self.addrs, level, args.watchdog_timeout),
                         name="scheduler"),
         ] + [

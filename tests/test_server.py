@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from minisgl.llm import LLM
+from minisgl.sampling import SamplingParams
 from tests.server_utils import ServerProcess, running_server
 
 PAGE_SIZE = 4
@@ -627,3 +628,16 @@ def test_cache_salt_and_extra_key_keep_tenants_apart(server):
     r = httpx.post(f"{server.url}/generate", json={**body, "extra_key": "tenant-c"}).json()
     assert r["meta_info"]["cached_tokens"] == 0
     idle_and_clean(server)
+
+
+def test_skip_tokenizer_init_serves_token_ids_only(tiny_llama, offline):
+    """--skip-tokenizer-init: token ids in, the same greedy ids out (no text); a text prompt is
+    refused naming the flag."""
+    prompt = [5 + (i * 13) % 300 for i in range(40)]
+    want = offline.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=6))[0]["output_ids"]
+    with running_server(tiny_llama, "--skip-tokenizer-init") as srv:
+        r = httpx.post(f"{srv.url}/generate", json={"input_ids": prompt,
+                                                     "sampling_params": {"max_new_tokens": 6, "temperature": 0}})
+        assert r.status_code == 200 and r.json()["output_ids"] == want and not r.json()["text"]
+        r = httpx.post(f"{srv.url}/generate", json={"text": "hello"})
+        assert r.status_code == 400 and "--skip-tokenizer-init" in r.text

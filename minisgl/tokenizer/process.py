@@ -107,7 +107,7 @@ class RequestState:
 
 class TokenizerProcess:
     def __init__(self, addrs: Addresses, tokenizer_path: str | None, chat_template: str | None = None,
-                 stream_interval: int = 1, tool_call_parser: str | None = None):
+                 stream_interval: int = 1, tool_call_parser: str | None = None, skip_init: bool = False):
         ctx = zmq.Context()
         self.inbox: Receiver[ToTokenizer] = Receiver(ctx, addrs.tokenizer, ToTokenizer)
         self.api = Sender(ctx, addrs.api)
@@ -117,6 +117,7 @@ class TokenizerProcess:
         self.chat_template = chat_template
         self.stream_interval = stream_interval
         self.tool_call_parser = tool_call_parser
+        self.skip_init = skip_init  # --skip-tokenizer-init: token ids in and out
         self.tokenizer: Any = None
         self.info: EngineInfo | None = None
         self.reqs: dict[str, RequestState] = {}
@@ -135,7 +136,8 @@ class TokenizerProcess:
             elif isinstance(msg, ControlReply):
                 self.api.send(msg)
             elif isinstance(msg, EngineInfo):
-                self.tokenizer = load_tokenizer(self.tokenizer_path or msg.model_path, self.chat_template)
+                if not self.skip_init:
+                    self.tokenizer = load_tokenizer(self.tokenizer_path or msg.model_path, self.chat_template)
                 parser = self.tool_call_parser or detect_tool_parser(self.tokenizer)
                 if parser is not None and self.tokenizer is not None:
                     logger.info("tool calls are read in the %s format%s", parser,
@@ -155,7 +157,8 @@ class TokenizerProcess:
             raise ValueError(f"the prompt has {chars} characters, more than the context length of "
                              f"{self.info.context_len} tokens can hold")
         if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer: send input_ids instead of text")
+            why = "the server runs with --skip-tokenizer-init" if self.skip_init else "this model has no tokenizer"
+            raise ValueError(f"{why}: send input_ids instead of text")
         if req.messages is not None:
             if not self.tokenizer.chat_template:
                 raise ValueError("this model has no chat template; use /v1/completions or /generate")
@@ -229,9 +232,9 @@ class TokenizerProcess:
 
 def run_tokenizer(
     addrs: Addresses, tokenizer_path: str | None, log_level: str, chat_template: str | None = None,
-    stream_interval: int = 1, tool_call_parser: str | None = None,
+    stream_interval: int = 1, tool_call_parser: str | None = None, skip_init: bool = False,
 ) -> None:
     """Process entry point (spawned by the launcher)."""
     become_child()
     init_logging(log_level)
-    TokenizerProcess(addrs, tokenizer_path, chat_template, stream_interval, tool_call_parser).run()
+    TokenizerProcess(addrs, tokenizer_path, chat_template, stream_interval, tool_call_parser, skip_init).run()
