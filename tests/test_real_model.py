@@ -144,3 +144,27 @@ def test_forced_tool_calls_on_the_real_model(llm: LLM):
         assert res["meta_info"]["finish_reason"] == "stop" and content == "" and len(calls) == 1, res
         call = calls[0]["function"]
         jsonschema.validate(json.loads(call["arguments"]), PARAMS[call["name"]])
+
+
+def test_conversion_cache_is_keyed_by_content_and_drops_stale_folders(smollm2_gguf: Path, tmp_path: Path):
+    """A copy of the file (new path, new mtime) finds the same folder; folders made from an
+    earlier content of the path, or by older versions without a source record, are removed."""
+    import shutil
+
+    cache = tmp_path / "cache"
+    copy = tmp_path / "a" / smollm2_gguf.name
+    copy.parent.mkdir()
+    shutil.copy(smollm2_gguf, copy)
+    stale = cache / f"{copy.stem}-0000000000000000"
+    old_format = cache / f"{copy.stem}-1111111111111111"
+    for folder in (stale, old_format):
+        folder.mkdir(parents=True)
+    (stale / "source.json").write_text(json.dumps({"path": str(copy.resolve()), "sha256": "0" * 64}))
+    folder = converted_checkpoint(copy, cache)
+    assert (folder / "model.safetensors").is_file() and not stale.exists() and not old_format.exists()
+    second = tmp_path / "b" / smollm2_gguf.name
+    second.parent.mkdir()
+    shutil.copy(smollm2_gguf, second)
+    made = (folder / "model.safetensors").stat().st_mtime_ns
+    assert converted_checkpoint(second, cache) == folder
+    assert (folder / "model.safetensors").stat().st_mtime_ns == made  # not converted again

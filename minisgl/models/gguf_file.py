@@ -4,8 +4,9 @@ A ``.gguf`` file becomes a checkpoint folder that the engine then loads like any
 config.json from the file's metadata, every tensor dequantized to float32 safetensors (the
 values the quantized file stands for; ``--dtype`` casts them at load), and the tokenizer with
 its chat template from the metadata. The folder is built once and cached under
-``~/.cache/minisgl/gguf`` by the file's name, size and modification time, so a restart (or a
-test run) loads it directly.
+``~/.cache/minisgl/gguf`` by a hash of the file's content (hashed once per path, size and
+modification time: a restart, a copy or a touched file finds the same folder), and a new
+conversion of a path removes the folders of that path's earlier contents.
 """
 
 from __future__ import annotations
@@ -52,17 +53,41 @@ def find_gguf(model: str) -> Path | None:
     return None
 
 
+def content_key(path: Path, cache_root: Path = CACHE_ROOT) -> str:
+    """sha256 of the file's bytes; remembered per (path, size, mtime) in ``index.json`` so it
+    is read once, not at every start."""
+    stat = path.stat()
+    seen = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    index_path = cache_root / "index.json"
+    try:
+        index = json.loads(index_path.read_text())
+    except (OSError, ValueError):
+        index = {}
+    if seen not in index:
+        index = {k: v for k, v in index.items() if not k.startswith(f"{path.resolve()}:")}  # its older states
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 24):
+                digest.update(chunk)
+        index[seen] = digest.hexdigest()
+        cache_root.mkdir(parents=True, exist_ok=True)
+        tmp = index_path.with_name(f".index-{os.getpid()}.json")
+        tmp.write_text(json.dumps(index))
+        tmp.replace(index_path)
+    return index[seen]
+
+
 def converted_checkpoint(path: Path, cache_root: Path = CACHE_ROOT) -> Path:
     """The cached checkpoint folder for a .gguf file, converting it first if needed."""
-    stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    out = cache_root / f"{path.stem}-{key}"
+    digest = content_key(path, cache_root)
+    out = cache_root / f"{path.stem}-{digest[:16]}"
     if (out / "model.safetensors").is_file():
         return out
     cache_root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=cache_root))
     try:
         convert(path, tmp)
+        (tmp / "source.json").write_text(json.dumps({"path": str(path.resolve()), "sha256": digest}))
         try:
             tmp.rename(out)  # atomic: another process converting the same file may have won
         except OSError:
@@ -70,7 +95,23 @@ def converted_checkpoint(path: Path, cache_root: Path = CACHE_ROOT) -> Path:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    _remove_stale(cache_root, path.resolve(), digest)
     return out
+
+
+def _remove_stale(cache_root: Path, source: Path, digest: str) -> None:
+    """Folders converted from earlier contents of ``source`` (the file changed since), and
+    folders of its name that older versions made without saying their source."""
+    for folder in cache_root.glob(f"{source.stem}-*"):
+        try:
+            entry = json.loads((folder / "source.json").read_text())
+        except FileNotFoundError:
+            entry = {"path": str(source)}  # an older version's folder for a file of this name
+        except (OSError, ValueError):
+            continue
+        if entry.get("path") == str(source) and entry.get("sha256") != digest:
+            logger.info("removing %s, converted from an earlier version of %s", folder, source)
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def convert(path: Path, out: Path) -> None:
