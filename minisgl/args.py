@@ -187,92 +187,112 @@ class ServerArgs(EngineArgs):
         return self.served_model_name or self.model
 
 
-def add_engine_args(ap: argparse.ArgumentParser) -> None:
-    """The engine's flags (SGLang's names), shared by the server and ``minisgl.generate``."""
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """--help with each flag's default, unless its help already says it or there is none to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS) or action.required:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def add_engine_args(ap: argparse.ArgumentParser) -> dict[str, argparse._ArgumentGroup]:
+    """The engine's flags (SGLang's names), shared by the server and ``minisgl.generate``, in
+    groups for --help; returns the groups so the server adds its own flags to them."""
     d = EngineArgs(model="")
-    ap.add_argument("--model", "--model-path", dest="model", required=True,
+    model = ap.add_argument_group("model")
+    device = ap.add_argument_group("device and memory")
+    sched = ap.add_argument_group("scheduling and prefix cache")
+    hicache = ap.add_argument_group("hierarchical cache (host memory and disk under the prefix cache)")
+    parallel = ap.add_argument_group("parallelism")
+    model.add_argument("--model", "--model-path", dest="model", required=True,
                     help="local checkpoint folder, .gguf file, or Hugging Face hub id")
-    ap.add_argument("--tokenizer", "--tokenizer-path", dest="tokenizer", default=None,
+    model.add_argument("--tokenizer", "--tokenizer-path", dest="tokenizer", default=None,
                     help="tokenizer folder or hub id (default: the model's)")
-    ap.add_argument("--revision", default=None, help="branch, tag or commit of a hub model")
-    ap.add_argument("--chat-template", default=None, help="Jinja chat template file to use instead of the model's")
-    ap.add_argument("--trust-remote-code", action="store_true",
+    model.add_argument("--revision", default=None, help="branch, tag or commit of a hub model")
+    model.add_argument("--chat-template", default=None, help="Jinja chat template file to use instead of the model's")
+    model.add_argument("--trust-remote-code", action="store_true",
                     help="accepted for SGLang's command lines; minisgl never runs code from a checkpoint")
-    ap.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=d.tp_size,
+    parallel.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=d.tp_size,
                     help="tensor-parallel ranks (GPUs)")
-    ap.add_argument("--dtype", default=d.dtype, help="auto, bfloat16, float16 or float32")
-    ap.add_argument("--decode-log-interval", type=int, default=None,
+    model.add_argument("--dtype", default=d.dtype, help="auto, bfloat16, float16 or float32")
+    sched.add_argument("--decode-log-interval", type=int, default=None,
                     help="log the stats line every N decode steps (SGLang's flag; default: every 10 s while busy)")
-    ap.add_argument("--quantization", default=None,
+    model.add_argument("--quantization", default=None,
                     help="fp8: linear weights quantized to FP8 e4m3 at load (per output channel) with per-token "
                          "FP8 activations; FP8 checkpoints (compressed-tensors, block-wise) need no flag")
-    ap.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
+    model.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
                     help="auto (the model dtype), fp8_e4m3 (twice the tokens per GB, per-tensor scales from the "
                          "checkpoint or 1.0) or bf16")
-    ap.add_argument("--load-format", default=d.load_format, choices=["auto", "safetensors", "gguf", "dummy"],
+    model.add_argument("--load-format", default=d.load_format, choices=["auto", "safetensors", "gguf", "dummy"],
                     help="auto: safetensors, or GGUF for a .gguf file; dummy: random weights in the real shapes")
-    ap.add_argument("--device", default=d.device, help="auto (cuda if present, else cpu), cuda or cpu")
-    ap.add_argument("--attention-backend", default=d.attention_backend,
+    device.add_argument("--device", default=d.device, help="auto (cuda if present, else cpu), cuda or cpu")
+    device.add_argument("--attention-backend", default=d.attention_backend,
                     choices=["auto", "torch", "torch_native", "flashinfer"],
                     help="auto: FlashInfer (with our Triton decode kernel) on CUDA, torch elsewhere; torch_native "
                          "is SGLang's name for torch")
-    ap.add_argument("--grammar-backend", default="xgrammar", choices=["xgrammar"],
+    sched.add_argument("--grammar-backend", default="xgrammar", choices=["xgrammar"],
                     help="structured output through xgrammar (the one backend here)")
-    ap.add_argument("--decode-attention-backend", default=d.decode_attention_backend, choices=["flashinfer", "triton"],
+    device.add_argument("--decode-attention-backend", default=d.decode_attention_backend, choices=["flashinfer", "triton"],
                     help="plain decode steps with the flashinfer backend: triton (default), the kernel cascade steps "
                          "run on, so a request's tokens are bit-identical with cascade attention on or off; or "
                          "flashinfer, FlashInfer's decode kernel (faster on grouped batches with cascade off)")
-    ap.add_argument("--page-size", type=int, default=d.page_size)
-    ap.add_argument("--mem-fraction-static", type=float, default=d.mem_fraction_static,
+    sched.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page")
+    device.add_argument("--mem-fraction-static", type=float, default=d.mem_fraction_static,
                     help="fraction of GPU memory for weights and KV cache")
-    ap.add_argument("--max-total-tokens", type=int, default=None, help="KV cache size in tokens (overrides memory sizing)")
-    ap.add_argument("--max-running-requests", type=int, default=None,
+    device.add_argument("--max-total-tokens", type=int, default=None, help="KV cache size in tokens (overrides memory sizing)")
+    sched.add_argument("--max-running-requests", type=int, default=None,
                     help="most requests decoding at once (default: on a GPU one per 512 tokens of KV pool, "
                          "256 to 4096; on a CPU 256)")
-    ap.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size,
+    sched.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size,
                     help="most prompt tokens of one request per step (-1: no chunking)")
-    ap.add_argument("--max-prefill-tokens", type=int, default=None,
+    sched.add_argument("--max-prefill-tokens", type=int, default=None,
                     help="most prompt tokens of one prefill step (default: --chunked-prefill-size)")
-    ap.add_argument("--context-length", type=int, default=None)
-    ap.add_argument("--disable-radix-cache", action="store_true")
-    ap.add_argument("--schedule-policy", default=d.schedule_policy, choices=["lpm", "fcfs", "random"],
+    model.add_argument("--context-length", type=int, default=None,
+                       help="longest prompt + output (default: the model's max_position_embeddings)")
+    sched.add_argument("--disable-radix-cache", action="store_true",
+                       help="no prefix cache: every prompt is computed in full")
+    sched.add_argument("--schedule-policy", default=d.schedule_policy, choices=["lpm", "fcfs", "random"],
                     help="admission order: lpm (longest cached prefix first, shared prefixes together), fcfs "
                          "(arrival), random")
-    ap.add_argument("--seed", "--random-seed", dest="seed", type=int, default=d.seed)
-    ap.add_argument("--cuda-graph-max-bs", type=int, default=None,
+    model.add_argument("--seed", "--random-seed", dest="seed", type=int, default=d.seed,
+                       help="seed of sampling without a per-request seed, and of dummy weights")
+    device.add_argument("--cuda-graph-max-bs", type=int, default=None,
                     help="largest decode batch run from a CUDA graph (default: max-running-requests; 0: off)")
-    ap.add_argument("--disable-cuda-graph", action="store_true", help="run every step eagerly")
-    ap.add_argument("--disable-custom-all-reduce", action="store_true",
+    device.add_argument("--disable-cuda-graph", action="store_true", help="run every step eagerly")
+    parallel.add_argument("--disable-custom-all-reduce", action="store_true",
                     help="tensor parallelism on GPUs: NCCL for every all-reduce instead of the one-shot "
                          "symmetric-memory kernels for small (decode) tensors, the one fused with the "
                          "residual add and RMSNorm included")
-    ap.add_argument("--enable-fp32-all-reduce", action="store_true",
+    parallel.add_argument("--enable-fp32-all-reduce", action="store_true",
                     help="tensor parallelism in bf16/fp16: all-reduce the row-parallel partial sums in float32 and "
                          "round once, as tp=1 does (greedy tokens at tp=2 matched tp=1 on 56/64 instead of 27/64 "
                          "requests; decode ~5%% slower)")
-    ap.add_argument("--disable-overlap-schedule", action="store_true",
+    sched.add_argument("--disable-overlap-schedule", action="store_true",
                     help="wait for each step's tokens before scheduling the next")
-    ap.add_argument("--disable-cascade-attention", action="store_true",
+    sched.add_argument("--disable-cascade-attention", action="store_true",
                     help="decode every request over all its pages, even those it shares with others")
-    ap.add_argument("--enable-hierarchical-cache", action="store_true",
+    hicache.add_argument("--enable-hierarchical-cache", action="store_true",
                     help="keep prefixes evicted from the device pool in a host-memory pool under the radix tree, "
                          "and load them back when a request matches them")
-    ap.add_argument("--hicache-ratio", type=float, default=d.hicache_ratio,
+    hicache.add_argument("--hicache-ratio", type=float, default=d.hicache_ratio,
                     help="host pool size as a multiple of the device KV pool")
-    ap.add_argument("--hicache-size", type=float, default=d.hicache_size,
+    hicache.add_argument("--hicache-size", type=float, default=d.hicache_size,
                     help="host pool size in GB (overrides --hicache-ratio when > 0)")
-    ap.add_argument("--hicache-write-policy", default=d.hicache_write_policy, choices=HICACHE_WRITE_POLICIES,
+    hicache.add_argument("--hicache-write-policy", default=d.hicache_write_policy, choices=HICACHE_WRITE_POLICIES,
                     help="write_through: every cached prefix is copied to host as it is computed; "
                          "write_through_selective: once it has been matched twice; write_back: when evicted")
-    ap.add_argument("--hicache-io-backend", default=d.hicache_io_backend, choices=HICACHE_IO_BACKENDS,
+    hicache.add_argument("--hicache-io-backend", default=d.hicache_io_backend, choices=HICACHE_IO_BACKENDS,
                     help="direct (default): the DMA engines, one 2D copy per page and K/V (85%% of the pinned "
                          "copy rate on an H100); kernel: our JIT page-copy kernel reading and writing pinned host "
                          "memory (88-90%%, per-layer overlap; experimental: it crashed a server under load once)")
-    ap.add_argument("--hicache-storage-backend", default=None, choices=["file"],
+    hicache.add_argument("--hicache-storage-backend", default=None, choices=["file"],
                     help="file: a disk tier under the host tier; pages are written behind, keyed by a hash of their "
                          "token prefix, and found again by later requests, a restarted server or another replica")
-    ap.add_argument("--hicache-storage-dir", default=None,
+    hicache.add_argument("--hicache-storage-dir", default=None,
                     help="the file backend's folder (default $SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR or /tmp/hicache)")
+    return {"model": model, "device": device, "scheduling": sched, "hicache": hicache, "parallelism": parallel}
 
 
 def normalize_engine_args(ns: argparse.Namespace) -> None:

@@ -8,14 +8,14 @@ from __future__ import annotations
 import argparse
 import json
 
-from minisgl.args import add_engine_args, engine_kwargs
+from minisgl.args import HelpFormatter, add_engine_args, engine_kwargs
 from minisgl.llm import LLM
 from minisgl.sampling import SamplingParams
 from minisgl.utils import init_logging
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     add_engine_args(ap)
     ap.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
     ap.add_argument("--chat", action="store_true", help="send each prompt as a user message through the chat template")

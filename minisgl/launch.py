@@ -33,7 +33,7 @@ from minisgl.api.connections import HeaderTimeoutProtocol
 from minisgl.api.reasoning import PARSERS as REASONING_PARSERS
 from minisgl.api.server import create_app
 from minisgl.api.tool_calls import PARSERS as TOOL_PARSERS
-from minisgl.args import ServerArgs, add_engine_args, normalize_engine_args
+from minisgl.args import HelpFormatter, ServerArgs, add_engine_args, normalize_engine_args
 from minisgl.data_parallel import ROUTER_POLICIES, DataParallelLauncher
 from minisgl.ipc import Addresses, ChildDied, Receiver, stop_processes, wait_ready
 from minisgl.messages import EngineInfo
@@ -49,57 +49,61 @@ logger = logging.getLogger("minisgl.launch")
 
 def parse_args(argv: list[str] | None = None) -> ServerArgs:
     d = ServerArgs(model="")
-    ap = argparse.ArgumentParser(prog="python -m minisgl.launch", description="Serve a model over HTTP.")
-    add_engine_args(ap)
-    ap.add_argument("--served-model-name", default=None, help="name in /v1/models and OpenAI requests")
-    ap.add_argument("--check-model-name", action="store_true",
+    ap = argparse.ArgumentParser(prog="python -m minisgl.launch", description="Serve a model over HTTP.",
+                                 formatter_class=HelpFormatter)
+    groups = add_engine_args(ap)
+    server = ap.add_argument_group("server")
+    limits = ap.add_argument_group("limits (what one request may ask for)")
+    server.add_argument("--served-model-name", default=None, help="name in /v1/models and OpenAI requests")
+    server.add_argument("--check-model-name", action="store_true",
                     help="answer 404 to OpenAI requests naming another model, as vLLM does (SGLang, and by default "
                          "minisgl, serve any name)")
-    ap.add_argument("--host", default=d.host, help="address to bind (default %(default)s)")
-    ap.add_argument("--port", type=int, default=d.port)
-    ap.add_argument("--api-key", default=os.environ.get("MINISGL_API_KEY"),
+    server.add_argument("--host", default=d.host, help="address to bind (default %(default)s)")
+    server.add_argument("--port", type=int, default=d.port, help="HTTP port")
+    server.add_argument("--api-key", default=os.environ.get("MINISGL_API_KEY"),
                     help="require 'Authorization: Bearer <key>' (default: $MINISGL_API_KEY)")
-    ap.add_argument("--max-queued-requests", type=int, default=None,
+    limits.add_argument("--max-queued-requests", type=int, default=None,
                     help="requests that may wait beyond the running ones; more get 503 (default: no limit)")
-    ap.add_argument("--watchdog-timeout", type=float, default=d.watchdog_timeout,
+    server.add_argument("--watchdog-timeout", type=float, default=d.watchdog_timeout,
                     help="seconds a model step may take before the server reports itself dead and exits")
-    ap.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error", "critical"])
-    ap.add_argument("--log-requests", action="store_true", help="log one line per finished request")
-    ap.add_argument("--max-request-bytes", "--max-payload-size", dest="max_request_bytes", type=int,
+    server.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error", "critical"],
+                        help="what the processes log (debug: one line per batch)")
+    server.add_argument("--log-requests", action="store_true", help="log one line per finished request")
+    limits.add_argument("--max-request-bytes", "--max-payload-size", dest="max_request_bytes", type=int,
                     default=d.max_request_bytes, help="largest request body (413 above; SGLang: --max-payload-size)")
-    ap.add_argument("--request-body-timeout", type=float, default=d.request_body_timeout,
+    limits.add_argument("--request-body-timeout", type=float, default=d.request_body_timeout,
                     help="seconds a client may take to send its body (408 after)")
-    ap.add_argument("--max-sequences-per-request", type=int, default=d.max_sequences_per_request,
+    limits.add_argument("--max-sequences-per-request", type=int, default=d.max_sequences_per_request,
                     help="prompts x n one request may ask for")
-    ap.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings, help="stop strings per request")
-    ap.add_argument("--max-stop-length", type=int, default=d.max_stop_length, help="characters per stop string")
+    limits.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings, help="stop strings per request")
+    limits.add_argument("--max-stop-length", type=int, default=d.max_stop_length, help="characters per stop string")
     # SGLang flags whose behaviour is already minisgl's: metrics and cached-token counts are always on,
     # and the server sends no warm-up request.
     for flag in ("--enable-metrics", "--enable-cache-report", "--skip-server-warmup"):
-        ap.add_argument(flag, action="store_true", help="accepted for SGLang's command lines (always so here)")
-    ap.add_argument("--stream-interval", type=int, default=d.stream_interval,
+        server.add_argument(flag, action="store_true", help="accepted for SGLang's command lines (always so here)")
+    server.add_argument("--stream-interval", type=int, default=d.stream_interval,
                     help="tokens per streamed update (larger: fewer events, higher throughput)")
-    ap.add_argument("--profile-dir", default=None,
+    server.add_argument("--profile-dir", default=None,
                     help="where /start_profile writes traces; a client's output_dir must lie inside it "
                          "(default: $SGLANG_TORCH_PROFILER_DIR, else /tmp)")
-    ap.add_argument("--skip-tokenizer-init", action="store_true",
+    server.add_argument("--skip-tokenizer-init", action="store_true",
                     help="load no tokenizer: prompts are token ids (input_ids), outputs are token ids (output_ids, "
                          "no text)")
-    ap.add_argument("--stream-output", action="store_true",
+    server.add_argument("--stream-output", action="store_true",
                     help="streamed /generate events carry only their new text, ids and logprobs (default: all so far)")
-    ap.add_argument("--tool-call-parser", default=None, choices=TOOL_PARSERS,
+    server.add_argument("--tool-call-parser", default=None, choices=TOOL_PARSERS,
                     help="format of tool calls in answers (default: read from the chat template)")
-    ap.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+    server.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                     help="separate <think>...</think> into reasoning_content")
-    ap.add_argument("--nnodes", type=int, default=d.nnodes, help="hosts one tensor-parallel group spans")
-    ap.add_argument("--node-rank", type=int, default=d.node_rank,
+    groups["parallelism"].add_argument("--nnodes", type=int, default=d.nnodes, help="hosts one tensor-parallel group spans")
+    groups["parallelism"].add_argument("--node-rank", type=int, default=d.node_rank,
                     help="this host's place among --nnodes (0 serves HTTP; the others run workers only)")
-    ap.add_argument("--dist-init-addr", "--nccl-init-addr", dest="dist_init_addr", default=None,
+    groups["parallelism"].add_argument("--dist-init-addr", "--nccl-init-addr", dest="dist_init_addr", default=None,
                     help="host:port of node 0 where the nodes meet (torch.distributed; ZeroMQ links to the "
                          "other nodes' workers take the ports after it)")
-    ap.add_argument("--dp-size", "--data-parallel-size", dest="dp_size", type=int, default=d.dp_size,
+    groups["parallelism"].add_argument("--dp-size", "--data-parallel-size", dest="dp_size", type=int, default=d.dp_size,
                     help="replicas (each with --tp-size GPUs) behind the smg router on --host/--port")
-    ap.add_argument("--router-policy", default=d.router_policy, choices=ROUTER_POLICIES,
+    groups["parallelism"].add_argument("--router-policy", default=d.router_policy, choices=ROUTER_POLICIES,
                     help="how the smg router picks a replica with --dp-size (default %(default)s)")
     ns = ap.parse_args(argv)
     if ns.stream_interval < 1:
