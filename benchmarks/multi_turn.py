@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import json
 import random
 import subprocess
 import sys
@@ -119,8 +120,6 @@ def run_offline(args: argparse.Namespace, mode: str) -> dict:
 async def one_turn(client: httpx.AsyncClient, url: str, prompt: list[int], n: int) -> tuple[dict, list[int]]:
     body = {"input_ids": prompt, "stream": True,
             "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}}
-    import json
-
     start, first, ids, cached = time.perf_counter(), None, [], 0
     async with client.stream("POST", f"{url}/generate", json=body) as r:
         r.raise_for_status()

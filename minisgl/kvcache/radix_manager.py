@@ -72,6 +72,7 @@ class RadixCacheManager(BaseCacheManager):
         self.root.ref = 1  # the root is never evicted
         # cache_salt: each salt has a tree of its own, so tenants never share pages.
         self.roots: dict[str | None, _Node] = {None: self.root}
+        self._salt_of: dict[_Node, str | None] = {self.root: None}  # (roots hash by identity)
         self.evictable_pages = 0  # device pages only, here and below
         self.protected_pages = 0
         # Unlocked device leaves by last use, kept as they appear (lazily: stale entries are
@@ -110,7 +111,13 @@ class RadixCacheManager(BaseCacheManager):
         if root is None:
             root = self.roots[salt] = _Node([], [], None, 0)
             root.ref = 1
+            self._salt_of[root] = salt
         return root
+
+    @staticmethod
+    def _first_key(salt: str | None) -> bytes:
+        """The disk key a tree's page chain starts from: a salted tree's pages get keys of their own."""
+        return salt.encode() if salt is not None else b""
 
     def _walk(self, ids: list[int], on_device: bool = True, salt: str | None = None) -> tuple[_Node, int]:
         """Deepest node whose path is a prefix of ids (splitting an edge if needed), and its
@@ -208,7 +215,7 @@ class RadixCacheManager(BaseCacheManager):
         host, start, stop = self.host, node.depth, self.aligned(len(ids))
         if stop - start < self.page_size:
             return []
-        first = salt.encode() if salt is not None else b""  # (a salted tree's pages get keys of their own)
+        first = self._first_key(salt)
         before = page_keys(ids, self.page_size, first, end=start)[-1:] or [first]
         keys = page_keys(ids, self.page_size, before[0], start, stop)
         n = host.disk.find(keys, host.page_bytes)
@@ -248,8 +255,7 @@ class RadixCacheManager(BaseCacheManager):
         while node.parent is not None:
             parts.append(node.key)
             node = node.parent
-        salt = next(k for k, root in self.roots.items() if root is node)
-        return [t for part in reversed(parts) for t in part], salt.encode() if salt is not None else b""
+        return [t for part in reversed(parts) for t in part], self._first_key(self._salt_of[node])
 
     def load(self, nodes: list[_Node], pages: list[int]) -> None:
         """Give host-only ``nodes`` (a path, as ``match_host`` returns it) the device ``pages``
@@ -377,7 +383,7 @@ class RadixCacheManager(BaseCacheManager):
 
     def _maybe_evictable(self, node: _Node) -> None:
         """Queue an unlocked device leaf for eviction (entries that stop being one are skipped later)."""
-        if node.parent is not None and self._device_leaf(node):
+        if self._device_leaf(node):
             heapq.heappush(self._leaves, (node.last_access, node))
             if len(self._leaves) > 2 * self._num_nodes + 64:  # mostly stale: keep one entry per leaf
                 live = {id(n): n for _, n in self._leaves if self._device_leaf(n)}
@@ -476,7 +482,7 @@ class RadixCacheManager(BaseCacheManager):
             self.host.drop_queued()
         self.evictable_pages = 0
         self.root.children.clear()
-        self.roots = {None: self.root}
+        self.roots, self._salt_of = {None: self.root}, {self.root: None}
         self._leaves, self._host_leaves, self._num_nodes = [], [], 0
         return freed
 

@@ -20,8 +20,7 @@ class Memory:
         self.cache = create_cache_manager(page_size, disable_radix_cache, self.host)
         self.allocator = PageAllocator(num_pages)
         self.free_slots = list(range(num_slots - 1, -1, -1))
-        self.host_hit_tokens = 0  # tokens admissions found on the host tier (loaded to the device)
-        self.disk_hit_tokens = 0  # of those, tokens the storage tier had (read into host pages first)
+        self.disk_hit_tokens = 0  # tokens admissions found in the storage tier (read into host pages first)
 
     def alloc(self, n: int) -> list[int] | None:
         """n free pages, evicting unlocked cache if needed; None if even that is not enough."""
@@ -65,7 +64,6 @@ class Memory:
         if pages is None:
             return 0
         self.cache.load(nodes, pages)
-        self.host_hit_tokens += n * self.page_size
         return n * self.page_size
 
     @property

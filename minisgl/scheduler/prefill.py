@@ -108,8 +108,9 @@ class PrefillPlanner:
             matched = req.kv_len
             # Pages coming back from the host tier: while others decode, the copy runs beside
             # this step and the request prefills from the next (its budget counted now).
-            entry = None if loaded and decoding else self.chunk_of(req, min(budget, self.chunk))
-            if entry is None and not (loaded and decoding):
+            defer = bool(loaded and decoding)
+            entry = None if defer else self.chunk_of(req, min(budget, self.chunk))
+            if entry is None and not defer:
                 memory.release(req)  # not enough pages now: try again after others finish
                 break
             admitted.append(req)
@@ -117,9 +118,11 @@ class PrefillPlanner:
                 self.counters.prefix_queried_tokens += req.prefill_target
                 self.counters.prefix_host_hit_tokens += loaded
             self.count_hit(req, matched)
-            if entry is not None:
+            if defer:
+                budget -= min(req.prefill_target - req.kv_len, self.chunk)
+            else:
                 entries.append(entry)
-            budget -= entry[1] if entry is not None else min(req.prefill_target - req.kv_len, self.chunk)
+                budget -= entry[1]
         if not memory.free_slots or len(admitted) == len(queue):
             self.filling = False
         return entries, admitted

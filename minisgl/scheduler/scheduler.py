@@ -95,7 +95,6 @@ class Scheduler:
         self.memory = Memory(args.page_size, num_pages, args.max_running_requests, args.disable_radix_cache,
                              host, args.hicache_write_policy, disk, page_bytes)
         self.cache, self.allocator = self.memory.cache, self.memory.allocator
-        # Without prefix reuse there is nothing for lpm to order by: arrival order.
         # lpm without a prefix cache has no hits to order by: arrival order.
         policy = "fcfs" if args.schedule_policy == "lpm" and not self.cache.reuses_prefixes else args.schedule_policy
         self.waiting = WaitingQueue(policy, args.page_size)
