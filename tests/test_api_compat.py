@@ -97,6 +97,11 @@ def test_smg_router_and_bench_serving_fields(server: ServerProcess, offline: LLM
     r = httpx.post(f"{server.url}/generate", json=body, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["output_ids"] == greedy(offline, "Hello", 6, ignore_eos=True)["output_ids"]
+    # SGLang's hicache bench_multiturn says "no adapter" with an empty string; an adapter is refused.
+    r = httpx.post(f"{server.url}/generate", json={**body, "lora_path": ""}, timeout=60)
+    assert r.status_code == 200, r.text
+    r = httpx.post(f"{server.url}/generate", json={**body, "lora_path": "adapter-a"}, timeout=60)
+    assert r.status_code == 400 and "lora_path" in r.text, r.text
 
 
 def test_batched_generate_and_n(server: ServerProcess, offline: LLM):

@@ -317,6 +317,18 @@ def test_engine_with_host_tier_gives_the_tokens_of_one_big_pool(tiny_llama):
                     assert torch.equal(runner.kv_cache.buffer[:, :, d], runner.host_pool.buffer[h].transpose(0, 1))
 
 
+def test_a_page_outside_either_pool_is_refused_before_any_copy():
+    from minisgl.kvcache import HostKVPool, MHAKVCache
+
+    cache = MHAKVCache(8, 4, 2, 2, 8, torch.float32, torch.device("cpu"))
+    host = HostKVPool(6, cache)
+    before = host.buffer.clone()
+    for writes, loads in (([0, 6], []), ([8, 0], []), ([], [0, 8]), ([], [-1, 0]), ([1, 1, 2, 2], [5, 9])):
+        with pytest.raises(IndexError, match="outside the pools"):
+            host.transfer(cache, writes, loads)
+    assert torch.equal(host.buffer, before)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("io_backend", ["kernel", "direct"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
@@ -349,8 +361,9 @@ def test_cuda_page_copies_equal_the_torch_reference(io_backend, dtype):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("io_backend", ["direct", "kernel"])
 @pytest.mark.parametrize("policy", POLICIES)
-def test_cuda_engine_with_host_tier_gives_the_tokens_of_one_big_pool(tiny_llama, policy):
+def test_cuda_engine_with_host_tier_gives_the_tokens_of_one_big_pool(tiny_llama, policy, io_backend):
     """On the GPU (FlashInfer prefill, CUDA graphs, overlap, copies on their own stream): a small
     device pool plus the host tier gives the greedy tokens of one big pool."""
     from minisgl.llm import LLM
@@ -360,7 +373,7 @@ def test_cuda_engine_with_host_tier_gives_the_tokens_of_one_big_pool(tiny_llama,
     reference = multi_turn(llm)
     del llm
     llm = LLM(str(tiny_llama), max_total_tokens=1200, enable_hierarchical_cache=True, hicache_ratio=4,
-              hicache_write_policy=policy, **common)
+              hicache_write_policy=policy, hicache_io_backend=io_backend, **common)
     assert multi_turn(llm) == reference
     assert llm.scheduler.stats()["host_loaded_pages"] > 0 or policy == "write_through_selective"
     llm.runner.host_pool.close()

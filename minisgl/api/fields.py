@@ -70,8 +70,11 @@ class Schema:
 
 
 def _is_default(value: Any, default: Any) -> bool:
-    """null, the default, one of several defaults, or an empty list or object."""
+    """null, the default, one of several defaults, or an empty list, object or (where the default
+    is null) string: SGLang's own benchmarks send ``"lora_path": ""`` for no adapter."""
     if value is None or value == default or (isinstance(value, (list, dict)) and not value):
+        return True
+    if default is None and value == "":
         return True
     return isinstance(default, tuple) and value in default
 

@@ -6,15 +6,18 @@ layer's K and V contiguously (one block to move whole, to disk or to another rep
 the device pool stays layer-first for attention. On CUDA the buffer is page-locked and mapped
 (``cudaHostRegister``: torch's pinned allocator rounds sizes up to a power of two), and copies
 run on a stream of their own: our page-copy kernel reads and writes host memory directly
-(``--hicache-io-backend kernel``) or the DMA engines do, one 2D copy per page and K/V
-(``direct``). A batch's writes go before its loads, layer by layer; an event per layer lets
-attention start on layer 0 while later layers still load. On CPU, torch index copies.
+(``--hicache-io-backend kernel``, the default) on a few CTAs, so the forward it runs beside
+keeps the other SMs, or the DMA engines do, one 2D copy per page and K/V (``direct``). A batch's
+writes go before its loads, layer by layer; with the kernel an event per layer lets attention
+start on layer 0 while later layers still load (the direct backend marks all layers at once).
+On CPU, torch index copies.
 """
 
 from __future__ import annotations
 
 import logging
 import weakref
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -36,10 +39,11 @@ class HostKVPool:
     copies and writes pages to it behind, on threads of its own."""
 
     def __init__(self, num_pages: int, device_cache: MHAKVCache, io_backend: str = "direct",
-                 disk: DiskStore | None = None, rank: int = 0):
+                 disk: DiskStore | None = None, rank: int = 0, kernel_ctas: int = 32):
         dev = device_cache.buffer
         _, layers, _, page_size, heads, dim = dev.shape
         self.num_pages, self.num_layers, self.io_backend = num_pages, layers, io_backend
+        self.kernel_ctas = kernel_ctas  # CTAs of the copy kernel: enough to fill the bus, few of the SMs
         self.buffer = torch.empty((num_pages, layers, 2, page_size, heads, dim), dtype=dev.dtype)
         self.on_cuda = dev.is_cuda
         self.disk, self.rank = disk, rank
@@ -52,6 +56,10 @@ class HostKVPool:
             self._ops = load_module("page_copy")
             self.device_ptr = self._ops.host_register(self.buffer.data_ptr(), self.buffer.nbytes)
             self.stream = torch.cuda.Stream(dev.device)
+            # The page pairs of queued copies, pinned and on the device, kept until their copies
+            # are done: the copy stream can run far behind, and a pinned block handed to another
+            # transfer before its queued upload ran would send garbage page numbers.
+            self._held: deque[tuple[torch.cuda.Event, list[torch.Tensor]]] = deque()
             # Unregistered before the buffer's memory goes back (the finalizer holds the buffer).
             self._unregister = weakref.finalize(self, _unregister, self._ops, self.buffer)
 
@@ -102,9 +110,13 @@ class HostKVPool:
             self._disk(writes, disk_reads, disk_writes)
         if not writes and not loads:
             return []
+        self._check(writes, cache.num_pages, self.num_pages, "write (device, host)")
+        self._check(loads, self.num_pages, cache.num_pages, "load (host, device)")
         if not self.on_cuda:
             self._transfer_torch(cache, writes, loads)
             return []
+        while self._held and self._held[0][0].query():
+            self._held.popleft()
         compute = torch.cuda.current_stream()
         self.stream.wait_stream(compute)  # the pages written were computed by earlier steps
         host, device = self._strides(cache)
@@ -112,27 +124,38 @@ class HostKVPool:
         jobs = [(w, dev_ptr, self.device_ptr, device, host) for w in (writes,) if w]
         jobs += [(ld, self.device_ptr, dev_ptr, host, device) for ld in (loads,) if ld]
         with torch.cuda.stream(self.stream):
-            # (pinned, so the copies to the device may run behind; the direct backend reads them
-            # on the host, in the call)
-            tensors = [torch.tensor(pairs, dtype=torch.int64).pin_memory() for pairs, *_ in jobs]
-            if self.io_backend == "direct":
+            tensors = [torch.tensor(pairs, dtype=torch.int64) for pairs, *_ in jobs]
+            if self.io_backend == "direct":  # (the pairs are read on the host, in the call)
                 for t, (_, src, dst, s, d) in zip(tensors, jobs):
                     self._ops.copy_pages_direct(src, dst, t, *s, *d, self.num_layers, self.block,
                                                 self.stream.cuda_stream)
                 event = torch.cuda.Event()
                 event.record(self.stream)
                 events = [event] * self.num_layers
+                on_device = []
             else:
+                tensors = [t.pin_memory() for t in tensors]  # (so their upload can run behind)
                 on_device = [t.to(cache.buffer.device, non_blocking=True) for t in tensors]
                 events = []
                 for layer in range(self.num_layers):
                     for t, (_, src, dst, s, d) in zip(on_device, jobs):
                         self._ops.copy_pages(src, dst, t, *s, *d, layer, layer + 1, self.block,
-                                             self.stream.cuda_stream)
+                                             self.kernel_ctas, self.stream.cuda_stream)
                     event = torch.cuda.Event()
                     event.record(self.stream)
                     events.append(event)
+        self._held.append((events[-1], tensors + on_device))
         return events
+
+    @staticmethod
+    def _check(pairs: list[int], sources: int, destinations: int, what: str) -> None:
+        """Refuse a page outside either pool: the copies read and write raw addresses, so a bad
+        index would corrupt memory or fault the device far from its cause."""
+        if pairs and not (0 <= min(pairs[0::2]) and max(pairs[0::2]) < sources
+                          and 0 <= min(pairs[1::2]) and max(pairs[1::2]) < destinations):
+            raise IndexError(f"a {what} page pair is outside the pools ({sources} and {destinations} pages): "
+                             f"sources {min(pairs[0::2])}..{max(pairs[0::2])}, "
+                             f"destinations {min(pairs[1::2])}..{max(pairs[1::2])}")
 
     def _transfer_torch(self, cache: MHAKVCache, writes: list[int], loads: list[int]) -> None:
         """The reference: whole pages through torch indexing (bytes, so fp8 pools work too)."""

@@ -12,9 +12,10 @@ a node's last copy):
   that saved them is not known to be done (``confirmed``), the batch asks the worker to wait
   for its copies first (``wait``).
 
-Loads are issued when a request is admitted; while others decode, its prefill waits for the next
-step, so the copy runs beside a decode step instead of ahead of a prefill. A prefill step waits
-for every load not yet known to be done (``wait_for_loads``).
+Loads are issued when a request is admitted; while others decode, its prefill waits until they
+are known to be done (``Memory.loading``), so the copy runs beside decode steps instead of ahead
+of a prefill. A prefill step waits for every load not yet known to be done (``wait_for_loads``),
+layer by layer with the copy kernel.
 """
 
 from __future__ import annotations

@@ -89,6 +89,8 @@ class PrefillPlanner:
         for req in prefilling:
             if budget <= 0:
                 return entries, admitted
+            if decoding and self.memory.loading(req):
+                continue  # its pages still load beside the decode steps: a prefill now would wait for them
             entry = self.chunk_of(req, min(budget, self.chunk))
             if entry is None:
                 return entries, admitted
@@ -107,7 +109,7 @@ class PrefillPlanner:
             loaded = memory.admit(req, reusable(req, len(req.all_ids) - 1))
             matched = req.kv_len
             # Pages coming back from the host tier: while others decode, the copy runs beside
-            # this step and the request prefills from the next (its budget counted now).
+            # their steps and the request prefills once it is done (its budget counted now).
             defer = bool(loaded and decoding)
             entry = None if defer else self.chunk_of(req, min(budget, self.chunk))
             if entry is None and not defer:

@@ -7,8 +7,11 @@
 // which describes both layouts. `pairs` holds (source page, destination page) int64 pairs.
 //
 // copy_pages: a kernel; its threads read and write pinned host memory directly (mapped, so the
-//   host pointer is valid on the device), 16 bytes at a time, four loads in flight per thread,
-//   one CTA per (pair, K or V, layer). Layers [layer_begin, layer_end) in one launch.
+//   host pointer is valid on the device), 16 bytes at a time, four loads in flight per thread.
+//   A CTA moves one (pair, K or V) block at a time and strides over the launch's blocks: a few
+//   CTAs keep the bus busy (a copy is bound by PCIe latency, not by SMs), so the forward it runs
+//   beside keeps the other SMs; one CTA per block would fill the GPU and the forward would wait
+//   behind the copy. Layers [layer_begin, layer_end) in one launch.
 // copy_pages_direct: the DMA engines instead, one cudaMemcpy2DAsync per (pair, K or V) moving
 //   that page's block of every layer (rows = layers).
 // host_register: page-lock a host buffer for both (mapped), returning its device address.
@@ -17,6 +20,7 @@
 #include <tvm/ffi/error.h>
 #include <tvm/ffi/function.h>
 
+#include <algorithm>
 #include <cstdint>
 
 namespace {
@@ -31,39 +35,42 @@ constexpr int kThreads = 256;
 constexpr int kUnroll = 4;
 
 __global__ void copy_pages_kernel(const char* __restrict__ src, char* __restrict__ dst,
-                                  const int64_t* __restrict__ pairs, Strides s, Strides d, int64_t layer_begin,
-                                  int64_t block_bytes) {
-  const int64_t pair = blockIdx.x >> 1;
-  const int kv = blockIdx.x & 1;
+                                  const int64_t* __restrict__ pairs, int64_t num_pairs, Strides s, Strides d,
+                                  int64_t layer_begin, int64_t block_bytes) {
   const int64_t layer = layer_begin + blockIdx.y;
-  const int4* from = reinterpret_cast<const int4*>(src + pairs[2 * pair] * s.page + layer * s.layer + kv * s.kv);
-  int4* to = reinterpret_cast<int4*>(dst + pairs[2 * pair + 1] * d.page + layer * d.layer + kv * d.kv);
   const int64_t n = block_bytes / 16;
-  int64_t i = threadIdx.x;
-  for (; i + (kUnroll - 1) * kThreads < n; i += kUnroll * kThreads) {
-    int4 v[kUnroll];
+  for (int64_t item = blockIdx.x; item < 2 * num_pairs; item += gridDim.x) {
+    const int64_t pair = item >> 1;
+    const int kv = item & 1;
+    const int4* from = reinterpret_cast<const int4*>(src + pairs[2 * pair] * s.page + layer * s.layer + kv * s.kv);
+    int4* to = reinterpret_cast<int4*>(dst + pairs[2 * pair + 1] * d.page + layer * d.layer + kv * d.kv);
+    int64_t i = threadIdx.x;
+    for (; i + (kUnroll - 1) * kThreads < n; i += kUnroll * kThreads) {
+      int4 v[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) v[u] = from[i + u * kThreads];
+      for (int u = 0; u < kUnroll; ++u) v[u] = from[i + u * kThreads];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) to[i + u * kThreads] = v[u];
+      for (int u = 0; u < kUnroll; ++u) to[i + u * kThreads] = v[u];
+    }
+    for (; i < n; i += kThreads) to[i] = from[i];
   }
-  for (; i < n; i += kThreads) to[i] = from[i];
 }
 
 Strides strides(int64_t page, int64_t layer, int64_t kv) { return Strides{page, layer, kv}; }
 
 void copy_pages(int64_t src, int64_t dst, TensorView pairs, int64_t src_page, int64_t src_layer, int64_t src_kv,
                 int64_t dst_page, int64_t dst_layer, int64_t dst_kv, int64_t layer_begin, int64_t layer_end,
-                int64_t block_bytes, int64_t stream) {
+                int64_t block_bytes, int64_t ctas, int64_t stream) {
   TVM_FFI_CHECK(block_bytes % 16 == 0, ValueError) << "page_copy needs blocks of a multiple of 16 bytes";
   TVM_FFI_CHECK(pairs.ndim() == 1 && pairs.size(0) % 2 == 0 && pairs.dtype().bits == 64, ValueError)
       << "pairs must be a flat int64 tensor of (source, destination) pages";
   const int64_t n = pairs.size(0) / 2;
   if (n == 0 || layer_end <= layer_begin) return;
-  dim3 grid(static_cast<unsigned>(2 * n), static_cast<unsigned>(layer_end - layer_begin));
+  TVM_FFI_CHECK(ctas > 0, ValueError) << "page_copy needs at least one CTA";
+  dim3 grid(static_cast<unsigned>(std::min(2 * n, ctas)), static_cast<unsigned>(layer_end - layer_begin));
   const int64_t* p = reinterpret_cast<const int64_t*>(static_cast<char*>(pairs.data_ptr()) + pairs.byte_offset());
   copy_pages_kernel<<<grid, kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
-      reinterpret_cast<const char*>(src), reinterpret_cast<char*>(dst), p, strides(src_page, src_layer, src_kv),
+      reinterpret_cast<const char*>(src), reinterpret_cast<char*>(dst), p, n, strides(src_page, src_layer, src_kv),
       strides(dst_page, dst_layer, dst_kv), layer_begin, block_bytes);
   cudaError_t err = cudaGetLastError();
   TVM_FFI_CHECK(err == cudaSuccess, RuntimeError) << "page_copy launch failed: " << cudaGetErrorString(err);
