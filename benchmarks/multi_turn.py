@@ -26,9 +26,7 @@ import asyncio
 import gc
 import json
 import random
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -37,6 +35,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.online_serving import summary  # noqa: E402
+from benchmarks.server import start_server  # noqa: E402
 from benchmarks.workloads import save_result  # noqa: E402
 
 MODES = ("device", "hicache", "big")
@@ -159,19 +158,8 @@ def run_online(args: argparse.Namespace, mode: str) -> dict:
     for name, value in {**engine_flags(args, mode), **args.engine}.items():
         flag = "--" + name.replace("_", "-")
         flags += [flag] if value is True else [flag, str(value)]
-    cmd = [sys.executable, "-m", "minisgl.launch", "--model", args.model, "--load-format", args.load_format,
-           "--port", str(args.port), "--log-level", "warning", *flags]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc, url = start_server(args.model, args.port, flags, args.load_format)
     try:
-        for line in proc.stdout:
-            print(line, end="")
-            if line.startswith("minisgl ready"):
-                # keep draining the pipe (a server blocked on a full pipe would stall the run)
-                threading.Thread(target=lambda: [print(x, end="") for x in proc.stdout], daemon=True).start()
-                break
-        else:
-            raise RuntimeError("the server exited before it was ready")
-        url = f"http://127.0.0.1:{args.port}"
         vocab = httpx.get(f"{url}/get_model_info").json().get("vocab_size", 32000)
         results, seconds = asyncio.run(run_online_clients(args, url, vocab))
         stats = httpx.get(f"{url}/get_server_info").json()["scheduler"]

@@ -20,9 +20,7 @@ import asyncio
 import multiprocessing
 import os
 import random
-import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -134,19 +132,6 @@ def summary(values: list[float]) -> dict[str, float]:
     return {"mean": sum(v) / len(v), "p50": pick(0.5), "p99": pick(0.99)}
 
 
-def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "minisgl.launch", "--model", args.model, "--load-format", args.load_format,
-           "--port", str(args.port), "--log-level", "warning", *args.server_args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for line in proc.stdout:
-        print(line, end="")
-        if line.startswith("minisgl ready"):
-            # keep draining the pipe: a server blocked on a full pipe would stall the benchmark
-            threading.Thread(target=lambda: [print(x, end="") for x in proc.stdout], daemon=True).start()
-            return proc, f"http://127.0.0.1:{args.port}"
-    raise RuntimeError("the server exited before it was ready")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="checkpoint or config folder to serve (ignored with --url)")
@@ -166,7 +151,7 @@ def main() -> None:
     proc = None
     url = args.url
     if url is None:
-        proc, url = start_server(args)
+        proc, url = start_server(args.model, args.port, args.server_args, args.load_format)
     try:
         vocab = httpx.get(f"{url}/get_model_info", timeout=30).json()["vocab_size"]
         wl = WORKLOADS[args.workload](vocab)
