@@ -144,6 +144,25 @@ def test_chat_template_kwargs_are_template_variables_only(tiny_llama):
             encode_chat(tok, HISTORY, None, {key: value})
 
 
+def test_rendering_a_template_is_time_bound(tiny_llama):
+    """A template whose work grows with a client's variable stops at its time bound with a
+    ValueError naming it (the API's 400); the next conversation renders as before."""
+    import time
+
+    from minisgl.tokenizer.chat import TemplateTimeout
+
+    tok = load_tokenizer(tiny_llama)
+    want = encode_chat(tok, HISTORY)
+    template = tok.chat_template
+    tok.chat_template = "{% for i in range(n) %}{% for j in range(n) %}x{% endfor %}{% endfor %}"
+    start = time.monotonic()
+    with pytest.raises(TemplateTimeout, match="chat template took longer than 0.5 s"):
+        encode_chat(tok, HISTORY, None, {"n": 100000}, timeout=0.5)
+    assert time.monotonic() - start < 5
+    tok.chat_template = template
+    assert encode_chat(tok, HISTORY) == want
+
+
 def test_reasoning_effort_reaches_templates_that_take_it(tiny_llama):
     """OpenAI's reasoning_effort is a template variable (gpt-oss's templates read it); others
     render as without it; chat_template_kwargs may still set it."""

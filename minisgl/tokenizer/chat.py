@@ -11,9 +11,42 @@ from __future__ import annotations
 
 import inspect
 import json
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from minisgl.api.tool_calls import QWEN_OPEN, QWEN_CLOSE
+
+# Seconds one conversation may take to render. The template is the checkpoint's, but clients set
+# its variables and messages, and a loop over them could hold the one process every request needs.
+RENDER_TIMEOUT_S = 10.0
+
+
+class TemplateTimeout(ValueError):
+    """Rendering the chat template ran past its time bound (the request is refused, 400)."""
+
+
+@contextmanager
+def _time_bound(seconds: float) -> Iterator[None]:
+    """Interrupt the Python work inside after ``seconds`` (a SIGALRM on the main thread: Jinja
+    renders in Python, so it stops between two steps of the template). Elsewhere no bound."""
+    if seconds <= 0 or threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def expired(signum: int, frame: object) -> None:
+        raise TemplateTimeout(f"rendering the chat template took longer than {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
 
 _PROBE_TOOL = {"type": "function", "function": {"name": "probe_tool_7f3a", "description": "d",
                                                 "parameters": {"type": "object", "properties": {}}}}
@@ -85,10 +118,11 @@ def _spelled_out(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | N
 
 
 def encode_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                template_kwargs: dict[str, Any] | None = None, timeout: float = RENDER_TIMEOUT_S) -> list[int]:
     """Token ids of a conversation ready for the assistant's turn (the template adds any special
     tokens itself). A call's arguments are given to the template as an object, as templates
-    expect; a tool message's content stays text."""
+    expect; a tool message's content stays text. Rendering longer than ``timeout`` seconds raises
+    ``TemplateTimeout``."""
     messages = [_with_parsed_arguments(m) for m in messages]
     has_calls = any(m.get("tool_calls") for m in messages)
     kwargs = dict(template_kwargs or {})
@@ -102,7 +136,8 @@ def encode_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict
         messages, tools = _spelled_out(messages, tools), None
     if tools:
         kwargs["tools"] = tools
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+    with _time_bound(timeout):
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
     return tokenizer.encode(text, add_special_tokens=False)
 
 
