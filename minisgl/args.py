@@ -53,6 +53,7 @@ class EngineArgs:
     decode_log_interval: int | None = None  # stats line every N decode steps (None: every 10 s of work)
     quantization: str | None = None  # "fp8": quantize a float checkpoint's linear layers at load (W8A8)
     kv_cache_dtype: str = "auto"  # auto (the model dtype), fp8_e4m3, bf16
+    grammar_compile_timeout_secs: float = 15.0  # a request whose grammar is not compiled by then ends with an error
     # Hierarchical cache: a host-memory tier under the radix tree (SGLang's HiCache flags).
     enable_hierarchical_cache: bool = False
     hicache_ratio: float = 2.0  # host pool size as a multiple of the device pool
@@ -116,6 +117,8 @@ class EngineArgs:
                              f"got {self.chunked_prefill_size}")
         if self.max_prefill_tokens is not None and self.max_prefill_tokens < self.page_size:
             raise ValueError(f"max_prefill_tokens must be >= page_size ({self.page_size}), got {self.max_prefill_tokens}")
+        if not self.grammar_compile_timeout_secs > 0:
+            raise ValueError(f"grammar_compile_timeout_secs must be > 0, got {self.grammar_compile_timeout_secs}")
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, nnodes), got node_rank={self.node_rank}, nnodes={self.nnodes}")
         if self.tp_size % self.nnodes:
@@ -234,6 +237,10 @@ def add_engine_args(ap: argparse.ArgumentParser) -> dict[str, argparse._Argument
                          "is SGLang's name for torch")
     sched.add_argument("--grammar-backend", default="xgrammar", choices=["xgrammar"],
                     help="structured output through xgrammar (the one backend here)")
+    sched.add_argument("--grammar-compile-timeout-secs", type=float, default=d.grammar_compile_timeout_secs,
+                    help="a request whose json_schema / regex / ebnf has not compiled after this many seconds "
+                         "ends with an error naming this flag (a compile cannot be stopped; later requests with "
+                         "the same text wait for the same compile)")
     device.add_argument("--decode-attention-backend", default=d.decode_attention_backend, choices=["flashinfer", "triton"],
                     help="plain decode steps with the flashinfer backend: triton (default), the kernel cascade steps "
                          "run on, so a request's tokens are bit-identical with cascade attention on or off; or "

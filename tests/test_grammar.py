@@ -198,3 +198,45 @@ def test_mixed_features_under_load_equal_each_request_alone(tiny_llama, overlap)
         assert together == alone
         assert httpx.get(f"{srv.url}/health_generate", timeout=60).status_code == 200
         idle_and_clean(srv)
+
+
+def test_grammar_compiles_are_bounded_and_small_ones_never_wait_for_big_ones(tiny_llama, monkeypatch):
+    """A grammar text over the size limit is refused before any work; a compile past
+    --grammar-compile-timeout-secs ends its request with an error naming the flag (and its
+    pages and slot are free); a small grammar compiles while big ones hold their threads; a
+    request that goes away before its compile starts cancels it."""
+    import threading
+    import time
+
+    from minisgl.scheduler import grammar as grammar_mod
+
+    llm = make_llm(tiny_llama, grammar_compile_timeout_secs=0.5)
+    backend = llm.scheduler.grammar
+    release = threading.Event()
+    real = backend._compile
+
+    def slow_for_big(kind: str, text: str):
+        if len(text) > grammar_mod.SMALL_GRAMMAR_BYTES:
+            release.wait(30)
+        return real(kind, text)
+
+    monkeypatch.setattr(backend, "_compile", slow_for_big)
+    with pytest.raises(ValueError, match="regex: .* over the limit"):
+        llm.generate("Hi", SamplingParams(max_new_tokens=4, regex="a" * (grammar_mod.MAX_GRAMMAR_BYTES + 1)))
+    big = [f"(x|{'y' * (grammar_mod.SMALL_GRAMMAR_BYTES + i)})" for i in range(3)]
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="--grammar-compile-timeout-secs"):
+        llm.generate("Hi", SamplingParams(max_new_tokens=4, regex=big[0]))
+    assert time.monotonic() - start < 10
+    # Both big threads are held now (the first compile and a second one); a small grammar still compiles.
+    held = backend.compile("regex", big[1])
+    queued = backend.compile("regex", big[2])
+    [out] = llm.generate(["Hi"], SamplingParams(max_new_tokens=4, regex="(yes|no)"))
+    assert out["text"] in ("yes", "no")
+    req = llm.scheduler.add_request([5, 6, 7], SamplingParams(max_new_tokens=4, regex=big[2]))
+    assert req.grammar_future is queued and not queued.running()
+    llm.scheduler.finish(req, "abort")
+    assert queued.cancelled() and not held.cancelled()
+    release.set()
+    assert not llm.scheduler.has_work
+    llm.scheduler.check_integrity()

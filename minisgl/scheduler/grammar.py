@@ -1,7 +1,13 @@
-"""Structured output through xgrammar: grammars compile on a small thread pool (xgrammar releases
+"""Structured output through xgrammar: grammars compile on small thread pools (xgrammar releases
 the GIL), cached by their text, so the scheduling loop never waits for one; each constrained
 request then carries a matcher that the scheduler advances with every sampled token and asks
 for the next step's allowed-token bitmask.
+
+A compile cannot be interrupted, so it is bounded around: a grammar text over ``MAX_GRAMMAR_BYTES``
+is refused before any work, small texts compile on threads of their own (never queued behind a
+big schema), the scheduler gives up on a request whose grammar is not ready by its deadline
+(``--grammar-compile-timeout-secs``), and a compile nobody waits for any more is cancelled if it
+has not started.
 
 xgrammar (and with it torch) is imported on the first grammar, so a server that never sees one
 keeps its scheduler process small.
@@ -16,6 +22,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 CACHE_SIZE = 256  # compiled grammars kept (by kind and text)
+MAX_GRAMMAR_BYTES = 256 << 10  # a longer schema, regex or grammar is refused (a 1 MB regex compiled for minutes)
+SMALL_GRAMMAR_BYTES = 8 << 10  # texts up to this compile on the small pool
 
 
 class GrammarBackend:
@@ -23,7 +31,8 @@ class GrammarBackend:
         self._load_tokenizer = load_tokenizer  # called with the first grammar
         self.vocab_size = vocab_size
         self.eos_ids = list(eos_ids)
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar")
+        self._small = ThreadPoolExecutor(threads, thread_name_prefix="grammar-small")
+        self._big = ThreadPoolExecutor(threads, thread_name_prefix="grammar-big")
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._lock = threading.Lock()
         self._compiler: Any = None
@@ -82,17 +91,28 @@ class GrammarBackend:
 
     def compile(self, kind: str, text: str) -> Future:
         """A future of the compiled grammar (shared by every request with the same text)."""
+        size = len(text.encode())
+        if size > MAX_GRAMMAR_BYTES:
+            refused: Future = Future()
+            refused.set_exception(ValueError(f"invalid {kind}: {size} bytes, over the limit of {MAX_GRAMMAR_BYTES}"))
+            return refused
         key = (kind, text)
         with self._lock:
             fut = self._cache.get(key)
-            if fut is not None and not (fut.done() and fut.exception() is not None):
+            if fut is not None and not fut.cancelled() and not (fut.done() and fut.exception() is not None):
                 self._cache.move_to_end(key)
                 return fut
-            fut = self._pool.submit(self._compile, kind, text)
+            pool = self._small if size <= SMALL_GRAMMAR_BYTES else self._big
+            fut = pool.submit(self._compile, kind, text)
             self._cache[key] = fut
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
             return fut
+
+    def abandon(self, fut: Future) -> None:
+        """No request waits for ``fut`` any more: cancel it if it has not started (one that runs
+        finishes and stays cached for the next request with its text)."""
+        fut.cancel()
 
     @staticmethod
     def matcher(compiled: Any) -> Any:
@@ -118,4 +138,5 @@ class GrammarBackend:
         return mask.numpy().tobytes()
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._small, self._big):
+            pool.shutdown(wait=False, cancel_futures=True)

@@ -39,6 +39,7 @@ class Req:
     # Structured output: the grammar being compiled, then the matcher that has seen every output
     # token processed so far; ``error`` is set when the grammar does not compile.
     grammar_future: Any = None
+    grammar_deadline: float = 0.0  # time.monotonic() by which the grammar must have compiled
     matcher: Any = None
     error: str | None = None
     # Cache state, valid while the request holds a page-table slot.

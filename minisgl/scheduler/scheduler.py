@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import gc
 import logging
-from concurrent import futures
 import random
+import time
+from concurrent import futures
 from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
@@ -153,6 +154,7 @@ class Scheduler:
             req.finish_reason = "length"
         elif grammar is not None:
             req.grammar_future = self.grammar.compile(*grammar)
+            req.grammar_deadline = time.monotonic() + self.args.grammar_compile_timeout_secs
             self.compiling.append(req)
         else:  # max_new_tokens 0 with prompt logprobs: a prefill that scores the prompt, no token
             self.waiting.push(req, self.counters.steps)
@@ -166,6 +168,8 @@ class Scheduler:
         req.matcher = None
         if req in self.compiling:
             self.compiling.remove(req)
+            self._abandon(req.grammar_future)
+            req.grammar_future = None
         self.waiting.remove(req)
         if req.slot is not None:
             self._release(req)
@@ -193,8 +197,16 @@ class Scheduler:
         return bool(self.compiling) and not (self.waiting or self.running or self.inflight)
 
     def wait_compiled(self, timeout: float) -> None:
-        """Block until a grammar being compiled is done, or ``timeout`` seconds pass."""
-        futures.wait([r.grammar_future for r in self.compiling], timeout, futures.FIRST_COMPLETED)
+        """Block until a grammar being compiled is done, a compile's deadline, or ``timeout``
+        seconds pass."""
+        until = min([r.grammar_deadline for r in self.compiling], default=0.0) - time.monotonic()
+        futures.wait([r.grammar_future for r in self.compiling], max(0.0, min(timeout, until)),
+                     futures.FIRST_COMPLETED)
+
+    def _abandon(self, fut: futures.Future) -> None:
+        """A compile's request is gone: cancel the compile unless another request waits for it."""
+        if all(r.grammar_future is not fut for r in self.compiling):
+            self.grammar.abandon(fut)
 
     def take_compiled(self) -> list[Req]:
         """Requests whose grammar compiled (now queued) or failed (``error`` set, finished)
@@ -203,15 +215,23 @@ class Scheduler:
         return done
 
     def _admit_compiled(self) -> None:
-        for req in [r for r in self.compiling if r.grammar_future.done()]:
+        now = time.monotonic()
+        for req in [r for r in self.compiling if r.grammar_future.done() or now >= r.grammar_deadline]:
             self.compiling.remove(req)
-            try:
-                req.matcher = self.grammar.matcher(req.grammar_future.result())
-            except ValueError as e:
-                req.error, req.finish_reason = str(e), "abort"
+            fut, req.grammar_future = req.grammar_future, None
+            if not fut.done():  # (its thread goes on; the next request with this text waits for it)
+                self._abandon(fut)
+                kind = req.params.grammar[0]
+                req.error = (f"{kind}: the grammar did not compile within --grammar-compile-timeout-secs "
+                             f"({self.args.grammar_compile_timeout_secs:g} s)")
+                req.finish_reason = "abort"
             else:
-                self.waiting.push(req, self.counters.steps)
-            req.grammar_future = None
+                try:
+                    req.matcher = self.grammar.matcher(fut.result())
+                except ValueError as e:
+                    req.error, req.finish_reason = str(e), "abort"
+                else:
+                    self.waiting.push(req, self.counters.steps)
             self.compiled.append(req)
 
     # ---- one step ------------------------------------------------------------------------------
