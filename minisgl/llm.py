@@ -119,7 +119,8 @@ class LLM:
         # detokenized as they go so the stop can end them.
         streams = {}
         if self.tokenizer is not None:
-            streams = {r.rid: TextStream(self.tokenizer, r.params.stop_strings, r.params.skip_special_tokens)
+            streams = {r.rid: TextStream(self.tokenizer, r.params.stop_strings, r.params.skip_special_tokens,
+                                         r.params.no_stop_trim)
                        for r in reqs if r.params.stop_strings}
         texts: dict[int, list[str]] = {rid: [] for rid in streams}
         while self.scheduler.has_work:

@@ -133,6 +133,9 @@ def test_text_prompts_stop_strings_and_logprobs(tiny_llama):
     res = llm.generate("Hello world", SamplingParams(temperature=0.0, max_new_tokens=16, stop=stop))[0]
     assert res["meta_info"]["finish_reason"] == "stop"
     assert stop not in res["text"] and base["text"].startswith(res["text"])
+    kept = llm.generate("Hello world", SamplingParams(temperature=0.0, max_new_tokens=16, stop=stop,
+                                                      no_stop_trim=True))[0]
+    assert kept["text"] == res["text"] + stop  # SGLang's no_stop_trim, as the server does
     lp = llm.generate([[5, 6, 7]], GREEDY, top_logprobs=2)[0]["meta_info"]
     assert len(lp["output_token_logprobs"]) == 12 and all(x <= 0 for x in lp["output_token_logprobs"])
     assert all(len(top) == 2 for top in lp["output_top_logprobs"])
