@@ -59,8 +59,8 @@ class EngineArgs:
     hicache_ratio: float = 2.0  # host pool size as a multiple of the device pool
     hicache_size: float = 0.0  # host pool in GB (overrides the ratio when > 0)
     hicache_write_policy: str = "write_through"
-    # kernel: our page-copy kernel on a few CTAs, layer by layer, so a prefill's attention starts
-    # on layer 0 while later layers load; direct: 2D DMA copies, one per page and K/V, all layers.
+    # Loads: kernel = our page-copy kernel on a few CTAs, layer by layer, so a prefill's attention
+    # starts on layer 0 while later layers load; direct = 2D DMA copies, all layers. Writes: DMA.
     hicache_io_backend: str = "kernel"
     hicache_storage_backend: str | None = None  # "file": a disk tier under the host tier
     hicache_storage_dir: str | None = None  # its folder ($SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, /tmp/hicache)
@@ -291,9 +291,10 @@ def add_engine_args(ap: argparse.ArgumentParser) -> dict[str, argparse._Argument
                     help="write_through: every cached prefix is copied to host as it is computed; "
                          "write_through_selective: once it has been matched twice; write_back: when evicted")
     hicache.add_argument("--hicache-io-backend", default=d.hicache_io_backend, choices=HICACHE_IO_BACKENDS,
-                    help="kernel (default): our JIT page-copy kernel on 32 CTAs reading and writing pinned host "
-                         "memory, layer by layer beside the forward (87-91%% of the pinned copy rate on an H100); "
-                         "direct: the DMA engines, one 2D copy per page and K/V and all layers at once (84-86%%)")
+                    help="kernel (default): loads through our JIT page-copy kernel on 32 CTAs reading pinned host "
+                         "memory, layer by layer beside the forward (87%% of the pinned copy rate on an H100); "
+                         "direct: loads through the DMA engines, all layers at once (84%%). Writes to host always "
+                         "take the DMA engines")
     hicache.add_argument("--hicache-storage-backend", default=None, choices=["file"],
                     help="file: a disk tier under the host tier; pages are written behind, keyed by a hash of their "
                          "token prefix, and found again by later requests, a restarted server or another replica")

@@ -8,8 +8,10 @@ the device pool stays layer-first for attention. On CUDA the buffer is page-lock
 run on a stream of their own: our page-copy kernel reads and writes host memory directly
 (``--hicache-io-backend kernel``, the default) on a few CTAs, so the forward it runs beside
 keeps the other SMs, or the DMA engines do, one 2D copy per page and K/V (``direct``). A batch's
-writes go before its loads, layer by layer; with the kernel an event per layer lets attention
-start on layer 0 while later layers still load (the direct backend marks all layers at once).
+writes go before its loads; with the kernel an event per layer lets attention start on layer 0
+while later layers still load (the direct backend marks all layers at once). Writes always take
+the DMA engines: nothing waits for them layer by layer, and the kernel's CTAs beside decode
+steps cost a few percent when everything fits on the device.
 On CPU, torch index copies.
 """
 
@@ -105,7 +107,7 @@ class HostKVPool:
         pages to device pages (``loads``: (host, device) pairs), after the disk reads (and
         writes) of the storage tier. On CUDA the copies are queued on the copy stream behind the
         work already on the current stream, and the returned events mark each layer's copies
-        done (one event for all layers with the direct backend)."""
+        done (one event for all layers when no load goes through the kernel)."""
         if self.disk is not None:
             self._disk(writes, disk_reads, disk_writes)
         if not writes and not loads:
@@ -121,30 +123,33 @@ class HostKVPool:
         self.stream.wait_stream(compute)  # the pages written were computed by earlier steps
         host, device = self._strides(cache)
         dev_ptr = cache.buffer.data_ptr()
-        jobs = [(w, dev_ptr, self.device_ptr, device, host) for w in (writes,) if w]
-        jobs += [(ld, self.device_ptr, dev_ptr, host, device) for ld in (loads,) if ld]
+        dma = [(writes, dev_ptr, self.device_ptr, device, host)] if writes else []
+        by_kernel = []
+        if loads:
+            job = (loads, self.device_ptr, dev_ptr, host, device)
+            (dma if self.io_backend == "direct" else by_kernel).append(job)
+        held: list[torch.Tensor] = []
         with torch.cuda.stream(self.stream):
-            tensors = [torch.tensor(pairs, dtype=torch.int64) for pairs, *_ in jobs]
-            if self.io_backend == "direct":  # (the pairs are read on the host, in the call)
-                for t, (_, src, dst, s, d) in zip(tensors, jobs):
-                    self._ops.copy_pages_direct(src, dst, t, *s, *d, self.num_layers, self.block,
-                                                self.stream.cuda_stream)
-                event = torch.cuda.Event()
-                event.record(self.stream)
-                events = [event] * self.num_layers
-                on_device = []
-            else:
-                tensors = [t.pin_memory() for t in tensors]  # (so their upload can run behind)
-                on_device = [t.to(cache.buffer.device, non_blocking=True) for t in tensors]
-                events = []
+            for pairs, src, dst, s, d in dma:  # (the pairs are read on the host, in the call)
+                self._ops.copy_pages_direct(src, dst, torch.tensor(pairs, dtype=torch.int64), *s, *d,
+                                            self.num_layers, self.block, self.stream.cuda_stream)
+            events = []
+            for pairs, src, dst, s, d in by_kernel:
+                pinned = torch.tensor(pairs, dtype=torch.int64).pin_memory()  # (so its upload can run behind)
+                on_device = pinned.to(cache.buffer.device, non_blocking=True)
+                held += [pinned, on_device]
                 for layer in range(self.num_layers):
-                    for t, (_, src, dst, s, d) in zip(on_device, jobs):
-                        self._ops.copy_pages(src, dst, t, *s, *d, layer, layer + 1, self.block,
-                                             self.kernel_ctas, self.stream.cuda_stream)
+                    self._ops.copy_pages(src, dst, on_device, *s, *d, layer, layer + 1, self.block,
+                                         self.kernel_ctas, self.stream.cuda_stream)
                     event = torch.cuda.Event()
                     event.record(self.stream)
                     events.append(event)
-        self._held.append((events[-1], tensors + on_device))
+            if not events:
+                event = torch.cuda.Event()
+                event.record(self.stream)
+                events = [event] * self.num_layers
+        if held:
+            self._held.append((events[-1], held))
         return events
 
     @staticmethod
