@@ -43,6 +43,9 @@ class LLM:
         switching the radix cache on or off; used to compare both in one process."""
         if disable_radix_cache is not None:
             self.args.disable_radix_cache = disable_radix_cache
+        old = getattr(self, "scheduler", None)
+        while old is not None and old.has_work:  # (its steps still in flight)
+            old.step()
         self.scheduler = Scheduler(
             self.args, self.runner.num_pages, self.runner.context_len, self.runner.vocab_size,
             self.eos_ids, self.runner, self.grammar, self.runner.num_host_pages, self.runner.storage_fingerprint,
@@ -123,7 +126,9 @@ class LLM:
                                          r.params.no_stop_trim)
                        for r in reqs if r.params.stop_strings}
         texts: dict[int, list[str]] = {rid: [] for rid in streams}
-        while self.scheduler.has_work:
+        # Done once every request is: host-tier copies still running are collected by the next
+        # call's first step (the results do not wait for a cache's background copies).
+        while self.scheduler.has_work and not self.scheduler.settled:
             if self.scheduler.only_compiling:
                 self.scheduler.wait_compiled(timeout=1.0)
             got = self.scheduler.step()

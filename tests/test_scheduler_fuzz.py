@@ -83,6 +83,11 @@ class FakeGrammars:
             else:
                 fut.set_result(len(text))
 
+    def abandon(self, fut: Future) -> None:
+        """As the real backend: a compile nobody waits for is cancelled (none here has started)."""
+        if fut.cancel():
+            self.pending = [p for p in self.pending if p[0] is not fut]
+
     @staticmethod
     def matcher(compiled: int) -> FakeMatcher:
         return FakeMatcher(compiled)

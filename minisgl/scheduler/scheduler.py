@@ -176,6 +176,7 @@ class Scheduler:
 
     def flush_cache(self) -> bool:
         """Drop every cached prefix; refused (False) while requests are queued or running."""
+        self.drain()
         if self.has_requests:
             return False
         self.allocator.free(self.cache.reset())
@@ -189,6 +190,18 @@ class Scheduler:
     def has_work(self) -> bool:
         """Requests, or host-tier copies and disk writes still to send (a few steps after them)."""
         return self.has_requests or self.memory.io_pending
+
+    @property
+    def settled(self) -> bool:
+        """Every request is done and every host-tier copy sent: what may still be in flight are
+        steps of copies only, which the device runs on its own (the next step collects them)."""
+        return not (self.waiting or self.running or self.compiling or self.memory.io_pending) and all(
+            not sampled and not scored for sampled, scored, *_ in self.inflight)
+
+    def drain(self) -> None:
+        """Collect the copy-only steps still in flight, once settled."""
+        while self.inflight and self.settled:
+            self.step()
 
     @property
     def only_compiling(self) -> bool:
