@@ -96,13 +96,14 @@ class LLM:
     def generate(
         self, prompts: Prompt | list[Prompt],
         sampling_params: SamplingParams | dict | list[SamplingParams | dict] | None = None,
-        top_logprobs: int = -1, logprob_start: int = -1,
+        top_logprobs: int = -1, logprob_start: int = -1, cache_salt: str | None = None,
     ) -> list[dict[str, Any]]:
         """Generate for every prompt (text or token ids); results come back in prompt order.
 
         ``top_logprobs``: -1 for none, 0 for the chosen token's log-probability, n for the n
         most likely tokens as well. ``logprob_start`` >= 0: also the prompt's logprobs from
-        that position on (``input_token_logprobs``).
+        that position on (``input_token_logprobs``). ``cache_salt``: these prompts share cached
+        prefixes only with others of the same salt (the server's ``cache_salt`` / ``extra_key``).
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -113,7 +114,8 @@ class LLM:
         reqs: list[Req] = []
         try:
             for prompt, sp in zip(prompts, params):
-                reqs.append(self.scheduler.add_request(self._encode(prompt), sp, top_logprobs, logprob_start))
+                reqs.append(self.scheduler.add_request(self._encode(prompt), sp, top_logprobs, logprob_start,
+                                                       cache_salt=cache_salt))
         except ValueError:
             for req in reqs:  # all or nothing: a bad prompt leaves no queued work behind
                 self.scheduler.finish(req, "abort")

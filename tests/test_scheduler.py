@@ -256,3 +256,17 @@ def test_prompt_logprobs_survive_chunks_cache_and_retraction(tiny_llama):
             assert got[0] is None and max(abs(g - r) for g, r in zip(got[1:], ref[1:])) < 1e-4
         if pool == 200:
             assert llm.scheduler.stats()["retractions"] > 0
+
+
+def test_offline_cache_salt_keeps_prefixes_apart(tiny_llama):
+    """LLM.generate's cache_salt: a salted prompt reuses only pages cached under its salt, and
+    the tokens are the same whatever was reused."""
+    llm = make_llm(tiny_llama)
+    prompt = list(range(5, 5 + 96))
+    plain = llm.generate([prompt], GREEDY)[0]
+    first = llm.generate([prompt], GREEDY, cache_salt="tenant-a")[0]
+    again = llm.generate([prompt], GREEDY, cache_salt="tenant-a")[0]
+    other = llm.generate([prompt], GREEDY, cache_salt="tenant-b")[0]
+    assert first["meta_info"]["cached_tokens"] == 0 and other["meta_info"]["cached_tokens"] == 0
+    assert again["meta_info"]["cached_tokens"] > 0
+    assert plain["output_ids"] == first["output_ids"] == again["output_ids"] == other["output_ids"]
