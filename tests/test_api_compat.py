@@ -175,6 +175,8 @@ def test_openai_usage_streaming_and_models(server: ServerProcess):
         logprobs=True, extra_body={"ignore_eos": True, "stream_options": {"continuous_usage_stats": True}}))
     first = chat[0].choices[0]
     assert first.delta.role == "assistant" and first.logprobs is not None and len(first.logprobs.content) >= 1
+    # As SGLang's: every delta has reasoning_content (null without a reasoning parser).
+    assert all(c.choices[0].delta.model_extra.get("reasoning_content", "absent") is None for c in chat if c.choices)
     assert sum(len(c.choices[0].logprobs.content) for c in chat if c.choices) == 8
     assert chat[-1].usage is not None and chat[-1].usage.completion_tokens == 8
     assert client.models.retrieve("tiny").id == "tiny"

@@ -153,7 +153,9 @@ class OpenAIRoutes(ApiBase):
 
         def choice(i: int, upd: ReqUpdate) -> dict[str, Any]:
             logprobs = {"content": [_openai_logprob(lp) for lp in upd.logprobs]} if body.logprobs else None
-            delta = outputs[i].delta(upd.text, upd.finish_reason is not None)
+            # reasoning_content is always there, null or text, as SGLang streams it (clients read
+            # delta.reasoning_content without checking for it)
+            delta = {"reasoning_content": None, **outputs[i].delta(upd.text, upd.finish_reason is not None)}
             if not started[i]:
                 delta, started[i] = {"role": "assistant", "content": "", **delta}, True
             return {"index": i, "delta": delta, "logprobs": logprobs,
