@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Run on the GPU machine from the project root (see ../shared/device/README.md):
-#   source .device/env.sh && bash scripts/device_tests.sh; bash .device/save-cache.sh
+# Run on a GPU machine from the project root, after `pip install ".[cuda,test]"` (or, in a
+# sandbox without network, `source scripts/device_env.sh`):
 # Times the JIT rope_store kernel build (cold, then cached), then runs the whole test suite.
 set -o pipefail
 out=${OUT:-/tmp}
