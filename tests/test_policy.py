@@ -17,8 +17,8 @@ from minisgl.scheduler.request import Req
 from tests.test_scheduler import make_llm
 
 
-def make_req(rid: int, ids: list[int], queued_step: int = 0) -> Req:
-    return Req(rid, ids, SamplingParams(), 0, len(ids) + 8, queued_step=queued_step)
+def make_req(rid: int, ids: list[int], queued_step: int = 0, salt: str | None = None) -> Req:
+    return Req(rid, ids, SamplingParams(), 0, len(ids) + 8, queued_step=queued_step, cache_salt=salt)
 
 
 def fill_cache(cache: RadixCacheManager, prompts: list[list[int]]) -> None:
@@ -45,16 +45,21 @@ def reference_order(queued: list[tuple[int, Req]], cache: RadixCacheManager, ste
     """lpm by brute force over (sequence number, request) pairs: the aged tier first (queued
     AGING_STEPS ago, or retracted: a negative number), then the rest; within a tier by cached
     whole pages (the last token excluded), longest first; ties in the depth-first order of the
-    trie of every queued prompt's whole pages, each node's requests and subtrees by their most
-    senior request."""
+    trie of every queued prompt's whole pages (a salted prompt's behind a page of its salt), each
+    node's requests and subtrees by their most senior request; a salted prompt's hit is read in
+    its salt's tree."""
     page = cache.page_size
 
-    def key(r: Req) -> list[int]:
+    def tokens(r: Req) -> list[int]:
         n = len(r.all_ids) - 1
         return r.all_ids[: n - n % page]
 
+    def key(r: Req) -> list:
+        return ([r.cache_salt] * page if r.cache_salt is not None else []) + tokens(r)
+
     def hit(r: Req) -> int:
-        return cache.advance(cache.start(), key(r))[1]
+        start = cache.start(r.cache_salt)
+        return 0 if start is None else cache.advance(start, tokens(r))[1]
 
     def trie_order(group: list[tuple[int, Req]], depth: int) -> list[tuple[int, Req]]:
         own = [(s, r) for s, r in group if len(key(r)) == depth]
@@ -86,12 +91,15 @@ def test_lpm_queue_matches_brute_force_as_requests_come_and_go(seed):
     def prompt() -> list[int]:
         return rng.choice(stems)[: rng.randint(0, 24)] + [rng.randrange(5) for _ in range(rng.randint(1, 10))]
 
+    def salt() -> str | None:  # tenants: the same tokens under another salt share nothing
+        return rng.choice([None, None, "a", "b"])
+
     queue, queued, next_page = WaitingQueue("lpm", page), {}, 0
     front, arrivals = itertools.count(-1, -1), itertools.count(0)
     for step in range(0, 40 * 30, 30):
         for _ in range(rng.randint(0, 6)):
             seq = next(arrivals)
-            r = make_req(seq, prompt())
+            r = make_req(seq, prompt(), salt=salt())
             queue.push(r, step)
             queued[id(r)] = (seq, r)
         if queued and rng.random() < 0.3:  # a retraction: back in front of everyone
@@ -103,7 +111,7 @@ def test_lpm_queue_matches_brute_force_as_requests_come_and_go(seed):
         if rng.random() < 0.5:
             ids = prompt()
             n = len(ids) // page
-            cache.insert_prefix(ids, list(range(next_page, next_page + n)))
+            cache.insert_prefix(ids, list(range(next_page, next_page + n)), salt=salt())
             next_page += n
         if rng.random() < 0.2 and cache.size_info().evictable:
             cache.evict(rng.randint(1, cache.size_info().evictable))

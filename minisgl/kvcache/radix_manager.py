@@ -156,9 +156,11 @@ class RadixCacheManager(BaseCacheManager):
             node = node.parent
         return None if node.parent is None else (node, node.depth)
 
-    def start(self) -> tuple[_Node, int]:
-        """A read-only walk's starting position: (node, tokens of its key matched so far)."""
-        return self.root, 0
+    def start(self, salt: str | None = None) -> tuple[_Node, int] | None:
+        """A read-only walk's starting position: (node, tokens of its key matched so far), in
+        the tree of ``salt`` (None if that salt has none)."""
+        root = self.roots.get(salt)
+        return None if root is None else (root, 0)
 
     def next_pages(self, pos: tuple[_Node, int]) -> Collection[tuple[int, ...]]:
         """The first pages of tokens the cache continues with after ``pos``."""

@@ -103,7 +103,8 @@ _NEVER = 1 << 62
 
 class _Trie:
     """Waiting prompts by their whole pages (each request's last token excluded: it is always
-    computed, so it is never a cache hit)."""
+    computed, so it is never a cache hit). A salted prompt (``cache_salt``) starts with a page
+    of its salt, so its hit is read in that salt's tree of the cache, as admission matches it."""
 
     def __init__(self, page_size: int):
         self.page_size = page_size
@@ -129,6 +130,11 @@ class _Trie:
         ids = req.all_ids
         n = len(ids) - 1
         ids, node, at = ids[: n - n % self.page_size], self.root, 0
+        if req.cache_salt is not None:  # a salt's prompts share a subtree, under a page of the salt
+            mark = [req.cache_salt] * self.page_size
+            node = self.root.children.get(tuple(mark))
+            if node is None:
+                node = self.root.children[tuple(mark)] = _Node(mark, self.root)
         while at < len(ids):
             child = node.children.get(self._edge(ids, at))
             if child is None:
@@ -178,6 +184,10 @@ class _Trie:
         its parent's: walks only the nodes the trie and the cache both hold."""
         found = [(0, self.root)]
         todo: list[tuple[_Node, int, Any]] = [(self.root, 0, cache.start())]
+        for edge, node in self.root.children.items():  # salted subtrees: along their salt's tree
+            pos = cache.start(edge[0]) if isinstance(edge[0], str) else None
+            if pos is not None:
+                todo.append((node, 0, pos))
         while todo:
             node, depth, pos = todo.pop()
             ours, theirs = node.children, cache.next_pages(pos)
