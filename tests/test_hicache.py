@@ -432,3 +432,30 @@ def test_tp2_engine_with_host_tier_gives_the_tokens_of_one_big_pool(tiny_llama):
         assert llm.scheduler.stats()["prefix_host_hit_tokens"] > 0
     finally:
         llm.runner.close()
+
+
+def test_disk_keys_are_kept_per_node_and_equal_the_path_hash():
+    """Each node's storage keys, computed once and sliced by splits, are the chained hash of
+    the tokens from its tree's root (salted trees chain from their salt)."""
+    from minisgl.kvcache.disk_store import page_keys
+
+    rng = random.Random(3)
+    cache = RadixCacheManager(2)
+    stems = [[rng.randrange(6) for _ in range(12)] for _ in range(3)]
+    page = 0
+    for i in range(40):
+        ids = rng.choice(stems)[: rng.randrange(0, 12, 2)] + [rng.randrange(6) for _ in range(rng.randrange(2, 10, 2))]
+        salt = rng.choice([None, "t"])
+        n = len(ids) // 2
+        cache.insert_prefix(ids, list(range(page, page + n)), salt=salt)
+        page += n
+        for node in cache._nodes():
+            if rng.random() < 0.3:
+                cache._disk_keys(node)  # some computed early, then split by later inserts
+    for node in cache._nodes():
+        path, up = [], node
+        while up.parent is not None:
+            path[:0] = up.key
+            up = up.parent
+        salt = cache._salt_of[up]
+        assert cache._disk_keys(node) == page_keys(path, 2, cache._first_key(salt))[-len(node.key) // 2:]

@@ -28,7 +28,7 @@ from minisgl.kvcache.host_tier import SELECTIVE_HITS, HostTier
 
 class _Node:
     __slots__ = ("key", "pages", "children", "parent", "ref", "last_access", "depth", "_handle", "host",
-                 "io_step", "hits")
+                 "io_step", "hits", "disk_keys")
 
     def __init__(self, key: list[int], pages: list[int] | None, parent: _Node | None, tick: int):
         self.key = key
@@ -36,6 +36,7 @@ class _Node:
         self.host: list[int] | None = None  # host pages holding a copy (hierarchical cache)
         self.io_step = -1  # the batch carrying this node's latest host copy
         self.hits = 0
+        self.disk_keys: list[bytes] | None = None  # its pages' storage-tier keys, once computed
         self.children: dict[tuple[int, ...], _Node] = {}
         self.parent = parent
         self.ref = 0  # locks held on this node or any descendant
@@ -99,6 +100,8 @@ class RadixCacheManager(BaseCacheManager):
             node.pages = node.pages[num_pages:]
         if node.host is not None:
             upper.host, node.host = node.host[:num_pages], node.host[num_pages:]
+        if node.disk_keys is not None:
+            upper.disk_keys, node.disk_keys = node.disk_keys[:num_pages], node.disk_keys[num_pages:]
         upper.children[self._edge(node.key, 0)] = node
         self._num_nodes += 1
         if self.host is not None:  # the upper half may be a device leaf over a host-only half
@@ -210,16 +213,14 @@ class RadixCacheManager(BaseCacheManager):
             node, matched = child, matched + len(child.key)
         return out
 
-    def match_disk(self, node: _Node, ids: list[int], salt: str | None = None) -> list[_Node]:
+    def match_disk(self, node: _Node, ids: list[int]) -> list[_Node]:
         """The storage tier's continuation of ``node`` (the end of a device and host match)
         along ``ids``: as many whole pages as it holds good files for become a host-only leaf,
         read from disk before this batch's copies (``[]`` if none, or no host room)."""
         host, start, stop = self.host, node.depth, self.aligned(len(ids))
         if stop - start < self.page_size:
             return []
-        first = self._first_key(salt)
-        before = page_keys(ids, self.page_size, first, end=start)[-1:] or [first]
-        keys = page_keys(ids, self.page_size, before[0], start, stop)
+        keys = page_keys(ids, self.page_size, self._disk_keys(node)[-1], start, stop)
         n = host.disk.find(keys, host.page_bytes)
         if n and host.allocator.num_free < n:
             self._evict_host(n - host.allocator.num_free)
@@ -227,7 +228,7 @@ class RadixCacheManager(BaseCacheManager):
         if pages is None:
             return []
         leaf = _Node(ids[start : start + n * self.page_size], None, node, next(self._clock))
-        leaf.host, leaf.io_step = pages, host.step
+        leaf.host, leaf.io_step, leaf.disk_keys = pages, host.step, keys[:n]
         node.children[self._edge(leaf.key, 0)] = leaf
         self._num_nodes += 1
         self._maybe_host_evictable(leaf)
@@ -251,13 +252,22 @@ class RadixCacheManager(BaseCacheManager):
         host.disk_written_pages += len(pages)
         return keys, pages
 
-    def _path_ids(self, node: _Node) -> tuple[list[int], bytes]:
-        """The tokens from the root to the end of ``node``, and its tree's first key."""
-        parts = []
-        while node.parent is not None:
-            parts.append(node.key)
-            node = node.parent
-        return [t for part in reversed(parts) for t in part], self._first_key(self._salt_of[node])
+    def _disk_keys(self, node: _Node) -> list[bytes]:
+        """The storage-tier keys of ``node``'s pages, chained from the root's: computed once per
+        node (a split slices them), so a write hashes its own pages, not the whole path."""
+        if node.parent is None:
+            return [self._first_key(self._salt_of[node])]
+        if node.disk_keys is None:
+            missing = []
+            up = node
+            while up.parent is not None and up.disk_keys is None:
+                missing.append(up)
+                up = up.parent
+            before = self._disk_keys(up)[-1]
+            for n in reversed(missing):
+                n.disk_keys = page_keys(n.key, self.page_size, before)
+                before = n.disk_keys[-1]
+        return node.disk_keys
 
     def load(self, nodes: list[_Node], pages: list[int]) -> None:
         """Give host-only ``nodes`` (a path, as ``match_host`` returns it) the device ``pages``
@@ -419,8 +429,7 @@ class RadixCacheManager(BaseCacheManager):
         node.io_step = host.write(node.pages, pages, computing)
         self._maybe_host_evictable(node)
         if host.disk is not None:  # written behind once the copy is done (pages may be split off by then)
-            path, first = self._path_ids(node)
-            keys = page_keys(path, self.page_size, first)[-n:]
+            keys = list(self._disk_keys(node))
             host.owner.update(zip(pages, keys))
             host.unpersisted.append((node.io_step, keys, pages))
         return True

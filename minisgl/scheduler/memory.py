@@ -39,7 +39,7 @@ class Memory:
         loaded = 0
         if self.host is not None:
             self.cache.count_hit(handle)
-            loaded = self._load(ids, handle, salt)
+            loaded = self._load(ids, handle)
             if loaded:
                 handle, pages = self.cache.match_prefix(ids, salt)
         self.cache.lock_handle(handle)
@@ -53,7 +53,7 @@ class Memory:
         """Whether pages the request's prefill reads may still be coming back from host."""
         return self.host is not None and req.loads_step > self.host.confirmed
 
-    def _load(self, ids: list[int], handle: CacheHandle, salt: str | None) -> int:
+    def _load(self, ids: list[int], handle: CacheHandle) -> int:
         """Bring the host-only continuation of ``handle`` along ``ids`` to the device (copied
         by the batch being built, before its attention reads them); returns its tokens, 0 if
         the device has no room for it."""
@@ -61,7 +61,7 @@ class Memory:
         tail = (nodes[-1] if nodes else handle.node).handle
         self.cache.lock_handle(tail)  # the path stays (every tier) while disk and device pages are found
         if self.host.disk is not None:
-            disk = self.cache.match_disk(tail.node, ids, salt)
+            disk = self.cache.match_disk(tail.node, ids)
             self.disk_hit_tokens += sum(len(node.key) for node in disk)
             nodes += disk
         n = sum(len(node.host) for node in nodes)
