@@ -128,3 +128,27 @@ def test_decode_log_interval_logs_every_n_decode_steps(caplog):
             lines.append(sum("cache hit rate 25.0%" in r.message for r in caplog.records))
     assert lines == [0, 0, 1, 1, 1, 2, 2, 2, 3]
     assert parse_args(["--model", "m", "--decode-log-interval", "40"]).decode_log_interval == 40
+
+
+def test_a_slow_template_render_is_refused_and_the_server_stays_up(tiny_llama, tmp_path):
+    """A template whose work a client's variable sets (n x n steps) stops at the render bound:
+    a 400 naming it, and the tokenizer process serves the next request."""
+    import time
+
+    import httpx
+
+    from minisgl.tokenizer.chat import RENDER_TIMEOUT_S
+    from tests.server_utils import running_server
+
+    template = ("{% for i in range(n | default(1)) %}{% for j in range(n | default(1)) %}{% endfor %}{% endfor %}"
+                "{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
+    (tmp_path / "slow.jinja").write_text(template)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    with running_server(tiny_llama, "--chat-template", str(tmp_path / "slow.jinja")) as srv:
+        start = time.monotonic()
+        r = httpx.post(f"{srv.url}/v1/chat/completions", json={**body, "chat_template_kwargs": {"n": 100000}},
+                       timeout=120)
+        assert r.status_code == 400 and "chat template took longer than" in r.text, r.text
+        assert time.monotonic() - start < RENDER_TIMEOUT_S + 10
+        r = httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
