@@ -40,7 +40,7 @@ class HostKVPool:
     """``disk``: the storage tier; this rank (``rank``) reads pages from it before a batch's
     copies and writes pages to it behind, on threads of its own."""
 
-    def __init__(self, num_pages: int, device_cache: MHAKVCache, io_backend: str = "direct",
+    def __init__(self, num_pages: int, device_cache: MHAKVCache, io_backend: str = "kernel",
                  disk: DiskStore | None = None, rank: int = 0, kernel_ctas: int = 32):
         dev = device_cache.buffer
         _, layers, _, page_size, heads, dim = dev.shape
@@ -123,34 +123,34 @@ class HostKVPool:
         self.stream.wait_stream(compute)  # the pages written were computed by earlier steps
         host, device = self._strides(cache)
         dev_ptr = cache.buffer.data_ptr()
-        dma = [(writes, dev_ptr, self.device_ptr, device, host)] if writes else []
-        by_kernel = []
-        if loads:
-            job = (loads, self.device_ptr, dev_ptr, host, device)
-            (dma if self.io_backend == "direct" else by_kernel).append(job)
-        held: list[torch.Tensor] = []
+        events: list[torch.cuda.Event] = []
         with torch.cuda.stream(self.stream):
-            for pairs, src, dst, s, d in dma:  # (the pairs are read on the host, in the call)
-                self._ops.copy_pages_direct(src, dst, torch.tensor(pairs, dtype=torch.int64), *s, *d,
-                                            self.num_layers, self.block, self.stream.cuda_stream)
-            events = []
-            for pairs, src, dst, s, d in by_kernel:
-                pinned = torch.tensor(pairs, dtype=torch.int64).pin_memory()  # (so its upload can run behind)
+            if writes:  # (the DMA engines: nothing waits for writes layer by layer)
+                self._dma(writes, dev_ptr, self.device_ptr, device, host)
+            if loads and self.io_backend == "direct":
+                self._dma(loads, self.device_ptr, dev_ptr, host, device)
+            elif loads:
+                pinned = torch.tensor(loads, dtype=torch.int64).pin_memory()  # (so its upload can run behind)
                 on_device = pinned.to(cache.buffer.device, non_blocking=True)
-                held += [pinned, on_device]
                 for layer in range(self.num_layers):
-                    self._ops.copy_pages(src, dst, on_device, *s, *d, layer, layer + 1, self.block,
-                                         self.kernel_ctas, self.stream.cuda_stream)
+                    self._ops.copy_pages(self.device_ptr, dev_ptr, on_device, *host, *device, layer, layer + 1,
+                                         self.block, self.kernel_ctas, self.stream.cuda_stream)
                     event = torch.cuda.Event()
                     event.record(self.stream)
                     events.append(event)
+                self._held.append((events[-1], [pinned, on_device]))
             if not events:
                 event = torch.cuda.Event()
                 event.record(self.stream)
                 events = [event] * self.num_layers
-        if held:
-            self._held.append((events[-1], held))
         return events
+
+    def _dma(self, pairs: list[int], src: int, dst: int, src_strides: tuple[int, int, int],
+             dst_strides: tuple[int, int, int]) -> None:
+        """(source, destination) page pairs through the DMA engines, every layer in one 2D copy
+        per pair and K/V (the pairs are read on the host, in the call)."""
+        self._ops.copy_pages_direct(src, dst, torch.tensor(pairs, dtype=torch.int64), *src_strides, *dst_strides,
+                                    self.num_layers, self.block, self.stream.cuda_stream)
 
     @staticmethod
     def _check(pairs: list[int], sources: int, destinations: int, what: str) -> None:

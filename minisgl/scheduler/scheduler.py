@@ -232,7 +232,7 @@ class Scheduler:
         for req in [r for r in self.compiling if r.grammar_future.done() or now >= r.grammar_deadline]:
             self.compiling.remove(req)
             fut, req.grammar_future = req.grammar_future, None
-            if not fut.done():  # (its thread goes on; the next request with this text waits for it)
+            if not fut.done():  # (a started compile goes on; the next request with its text waits for it)
                 self._abandon(fut)
                 kind = req.params.grammar[0]
                 req.error = (f"{kind}: the grammar did not compile within --grammar-compile-timeout-secs "
