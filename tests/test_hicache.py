@@ -104,9 +104,12 @@ def run_fuzz(seed: int, policy: str, host_pages: int, num_pages: int) -> list[li
         hicache_write_policy=policy,
     )
     num_pages //= page
+    max_writes = rng.choice([1, 3, 256])  # (drawn in both runs: they see the same plan)
     ref: list = []
     executor = ContentExecutor(ref, page, num_pages, host_pages // page)
     sched = Scheduler(args, num_pages, 512, VOCAB, [EOS], executor, None, host_pages // page)
+    if sched.memory.host is not None:  # writes spread over many batches, evictions pulling them forward
+        sched.memory.host.max_writes = max_writes
     ref.append(sched)
     stems = [[rng.randrange(2, VOCAB) for _ in range(rng.randint(30, 200))] for _ in range(6)]
     # What arrives, and which request is aborted, at each step: drawn up front, so runs with
@@ -208,6 +211,24 @@ def test_a_write_of_pages_being_computed_goes_with_the_next_batch():
     cache.insert_prefix([1, 2], [10, 11], computing=True)
     assert host.take()[0] == []
     assert host.take()[0] == [10, cache.root.children[(1,)].host[0], 11, cache.root.children[(1,)].host[1]]
+
+
+def test_writes_are_spread_over_batches_and_an_eviction_pulls_its_own_forward():
+    cache, host = make(host_pages=16)
+    host.max_writes = 2
+    cache.insert_prefix([1, 2, 3, 4, 5], [10, 11, 12, 13, 14])
+    node = cache.root.children[(1,)]
+    assert node.io_step == host.step + 2, "five pages at two a batch: the third batch carries the last"
+    assert host.take()[0][0::2] == [10, 11]
+    assert not cache._host_evictable(node), "its copy is not all sent"
+    cache.insert_prefix([7, 8], [20, 21])  # queued behind: batches two and three
+    assert cache.evict(5) == [10, 11, 12, 13, 14]  # the older leaf
+    writes, _, wait, _ = host.take()
+    assert sorted(writes[0::2]) == [12, 13, 14] and wait, "the evicted pages' writes go with this batch"
+    assert node.io_step == host.step - 1
+    assert host.take()[0][0::2] == [20] and host.take()[0][0::2] == [21], "the others keep their batches"
+    assert not host.pending
+    cache.check_integrity()
 
 
 def test_write_back_copies_only_at_eviction():

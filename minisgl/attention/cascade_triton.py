@@ -129,7 +129,8 @@ class TritonCascade:
     def __init__(
         self, num_qo_heads: int, num_kv_heads: int, head_dim: int, device: torch.device, block_n: int = 64,
         num_warps: int = 4, num_stages: int = 5, items_per_sm: int = 8, programs_per_sm: int = 8,
-        min_segment_tokens: int = MIN_SEGMENT_TOKENS, shared_rows: int = 32,
+        min_segment_tokens: int = MIN_SEGMENT_TOKENS, shared_rows: int = 32, own_num_warps: int | None = None,
+        own_num_stages: int | None = None,
     ):
         # Defaults from benchmarks/decode_bench.py part 3 on the H100 (gpu_2026-11-22.md, session 12).
         # Stages: the page-index load is a pipeline stage of its own, so Triton double-buffers the
@@ -154,7 +155,11 @@ class TritonCascade:
         self.min_segment_tokens = min_segment_tokens
         programs = max(1, programs_per_sm * sms // num_kv_heads)
         self.shared = _Level(device, dict(launch, block_m=shared_m), programs)
-        self.own = _Level(device, dict(launch, block_m=own_m), programs)
+        # The own level may launch otherwise (its items are short runs of one request's keys); the
+        # tiles stay the same, so a row's arithmetic does too.
+        own_launch = dict(launch, block_m=own_m, num_warps=own_num_warps or num_warps,
+                          num_stages=own_num_stages or num_stages)
+        self.own = _Level(device, own_launch, programs)
 
     def unit(self, page_size: int) -> int:
         """Tokens that segment and shared-part boundaries are multiples of: whole pages and tiles."""

@@ -12,6 +12,13 @@ a node's last copy):
   that saved them is not known to be done (``confirmed``), the batch asks the worker to wait
   for its copies first (``wait``).
 
+Writes are spread over batches, at most ``max_writes`` pages each (the worker issues two DMA
+copies per page, and past about a thousand queued copies every further call blocks the host
+thread until one finishes: 256 requests finishing at once on the 8B held it 160 ms;
+``benchmarks/hicache_bandwidth.py``). Each write is given its batch when it is queued, so
+``io_step`` stays exact; a device page evicted before its write's batch has its copy moved into
+the batch being built (``expedite``).
+
 Loads are issued when a request is admitted; while others decode, its prefill waits until they
 are known to be done (``Memory.loading``), so the copy runs beside decode steps instead of ahead
 of a prefill. A prefill step waits for every load not yet known to be done (``wait_for_loads``),
@@ -20,18 +27,21 @@ layer by layer with the copy kernel.
 
 from __future__ import annotations
 
+from collections import deque
+
 from minisgl.args import HICACHE_WRITE_POLICIES as WRITE_POLICIES
 from minisgl.kvcache.allocator import PageAllocator
 from minisgl.kvcache.disk_store import DiskStore
 
 SELECTIVE_HITS = 2  # write_through_selective: a prefix goes to host once it has been matched this often
+MAX_WRITES_PER_BATCH = 256  # pages: 512 DMA copies, ~1 ms of the host thread; 11 ms of copying on the 8B
 
 
 class HostTier:
     """``disk``: the storage tier under it (``page_bytes``: one page's bytes on one rank)."""
 
     def __init__(self, num_pages: int, write_policy: str = "write_through", disk: DiskStore | None = None,
-                 page_bytes: int = 0):
+                 page_bytes: int = 0, max_writes: int = MAX_WRITES_PER_BATCH):
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"hicache_write_policy must be one of {', '.join(WRITE_POLICIES)}, got {write_policy!r}")
         self.allocator = PageAllocator(num_pages)
@@ -40,8 +50,9 @@ class HostTier:
         self.confirmed = -1  # copies of batches up to this one are done (their outputs came back)
         self.wait = False
         self.load_step = -1  # the last batch carrying loads
-        self._writes: list[int] = []  # (device page, host page) pairs, flattened, for this batch
-        self._deferred: list[int] = []  # pages this batch computes: written with the next one
+        self.max_writes = max_writes
+        # (device page, host page) pairs, flattened, per batch from the one being built on
+        self._writes: deque[list[int]] = deque([[]])
         self._loads: list[int] = []  # (host page, device page) pairs, flattened
         self.written_pages = 0
         self.loaded_pages = 0
@@ -58,17 +69,41 @@ class HostTier:
         return self.allocator.num_pages
 
     def write(self, device: list[int], host: list[int], computing: bool) -> int:
-        """Queue a device -> host copy; returns the batch that will carry it. ``computing``: the
-        batch being built computes those pages, so the copy waits for the next."""
-        queue = self._deferred if computing else self._writes
-        for d, h in zip(device, host):
-            queue += (d, h)
+        """Queue a device -> host copy in the first batches with room; returns the last batch
+        that carries part of it. ``computing``: the batch being built computes those pages, so
+        the copy starts with the next."""
+        at, pairs = int(computing), [x for pair in zip(device, host) for x in pair]
+        while True:
+            while len(self._writes) <= at:
+                self._writes.append([])
+            room = 2 * self.max_writes - len(self._writes[at])
+            self._writes[at] += pairs[:room]
+            pairs = pairs[room:]
+            if not pairs:
+                break
+            at += 1
         self.written_pages += len(device)
-        return self.step + computing
+        return self.step + at
+
+    def expedite(self, device: list[int]) -> None:
+        """Move the queued writes of these device pages (about to be freed) into the batch being
+        built; the node that owned them now has its copy there."""
+        moving = set(device)
+        for queued in list(self._writes)[1:]:
+            keep = []
+            for i in range(0, len(queued), 2):
+                (self._writes[0] if queued[i] in moving else keep).extend(queued[i : i + 2])
+            queued[:] = keep
 
     @property
     def pending(self) -> bool:
-        return bool(self._writes or self._deferred or self._loads or self.disk_reads[0] or self.unpersisted)
+        return any(self._writes) or self.urgent
+
+    @property
+    def urgent(self) -> bool:
+        """Copies something waits for: loads, disk reads, and writes the storage tier persists
+        (writes that only fill the host tier go out with whatever batch comes next)."""
+        return bool(self._loads or self.disk_reads[0] or self.unpersisted)
 
     def read_from_disk(self, keys: list[bytes], host: list[int]) -> None:
         self.disk_reads[0].extend(keys)
@@ -89,15 +124,17 @@ class HostTier:
     def take(self) -> tuple[list[int], list[int], bool, tuple[list[bytes], list[int]]]:
         """This batch's copies (writes, loads), whether its compute must wait for them, and the
         pages it reads from disk first."""
-        out = (self._writes, self._loads, self.wait, self.disk_reads)
-        self._writes, self._deferred, self._loads, self.wait = self._deferred, [], [], False
+        out = (self._writes.popleft(), self._loads, self.wait, self.disk_reads)
+        if not self._writes:
+            self._writes.append([])
+        self._loads, self.wait = [], False
         self.disk_reads = ([], [])
         self.step += 1
         return out
 
     def drop_queued(self) -> None:
         """Forget queued writes (the tree they were for is gone: flush)."""
-        self._writes, self._deferred, self.unpersisted = [], [], []
+        self._writes, self.unpersisted = deque([[]]), []
 
     def done(self, step: int) -> None:
         """The batch ``step`` came back: its copies are complete."""

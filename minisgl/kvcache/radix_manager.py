@@ -374,6 +374,9 @@ class RadixCacheManager(BaseCacheManager):
             return False
         if node.host is None and (host.policy != "write_back" or not self._write(node, False)):
             return False
+        if node.io_step > host.step:  # its write waits for a later batch: it goes with this one
+            host.expedite(node.pages)
+            node.io_step = host.step
         if node.io_step > host.confirmed:
             host.wait = True
         self._maybe_host_evictable(node)

@@ -77,6 +77,11 @@ class Memory:
         """Host copies or disk writes wait for a batch to carry them."""
         return self.host is not None and self.host.pending
 
+    @property
+    def io_urgent(self) -> bool:
+        """Copies something waits for (``HostTier.urgent``)."""
+        return self.host is not None and self.host.urgent
+
     def take_io(self, batch: ForwardBatch) -> None:
         """Put the host (and disk) copies of the batch being built in it (see ``HostTier.take``)."""
         if self.host.disk is not None:

@@ -193,9 +193,11 @@ class Scheduler:
 
     @property
     def settled(self) -> bool:
-        """Every request is done and every host-tier copy sent: what may still be in flight are
-        steps of copies only, which the device runs on its own (the next step collects them)."""
-        return not (self.waiting or self.running or self.compiling or self.memory.io_pending) and all(
+        """Every request is done and every copy something waits for is sent: what may still be
+        in flight are steps of copies only, which the device runs on its own (the next step
+        collects them), and what may still be queued are writes that only fill the host tier
+        (the next call's batches carry them)."""
+        return not (self.waiting or self.running or self.compiling or self.memory.io_urgent) and all(
             not sampled and not scored for sampled, scored, *_ in self.inflight)
 
     def drain(self) -> None:
