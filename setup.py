@@ -33,7 +33,8 @@ setup(
         "cuda": ["flashinfer-python>=0.6", "apache-tvm-ffi>=0.1.15", "ninja", "triton>=3.4"],
         # accelerate: transformers reading GGUF; triton: its interpreter runs the cascade kernels on CPU.
         # smg: SGLang's router, run in front of two servers by tests/test_router.py.
-        "test": ["pytest", "hypothesis", "httpx", "openai", "accelerate", "jsonschema",
+        # openai-agents: the Agents SDK's agent loop against /v1/responses (tests/test_responses.py).
+        "test": ["pytest", "hypothesis", "httpx", "openai", "openai-agents", "accelerate", "jsonschema",
                  "smg; platform_system == 'Linux' and platform_machine == 'x86_64'",
                  "triton>=3.4; platform_system == 'Linux' and platform_machine == 'x86_64'"],
         "bench": ["httpx", "matplotlib"],

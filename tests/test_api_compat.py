@@ -20,8 +20,10 @@ BASES = {
     "/v1/completions": {"model": "tiny", "prompt": "Hello", "max_tokens": 2, "temperature": 0},
     "/v1/chat/completions": {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2,
                              "temperature": 0},
+    "/v1/responses": {"model": "tiny", "input": "Hello", "max_output_tokens": 2, "temperature": 0},
 }
-SCHEMAS = {"/generate": fields.GENERATE, "/v1/completions": fields.COMPLETION, "/v1/chat/completions": fields.CHAT}
+SCHEMAS = {"/generate": fields.GENERATE, "/v1/completions": fields.COMPLETION, "/v1/chat/completions": fields.CHAT,
+           "/v1/responses": fields.RESPONSES}
 
 
 def _other(default):

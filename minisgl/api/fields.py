@@ -162,3 +162,22 @@ CHAT = Schema(
     why={**_OPENAI_COMMON["why"], "functions": LEGACY_FUNCTIONS, "function_call": LEGACY_FUNCTIONS},
     nested={"stream_options": STREAM_OPTIONS, "messages": MESSAGE},
 )
+
+RESPONSES = Schema(
+    "OpenAI responses",
+    implemented={"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens",
+                 "temperature", "top_p", "stream", "text", "reasoning", "previous_response_id", "store", "metadata",
+                 "user", "top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "stop",
+                 "seed", "cache_salt"},
+    inert={"include", "service_tier", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
+           "prompt_cache_options", "context_management", "stream_options", "extra_key", "rid", "request_id",
+           "priority"},
+    default_only={"background": False, "conversation": None, "prompt": None, "truncation": "disabled",
+                  "top_logprobs": 0, "max_tool_calls": None},
+    why={"background": "background responses are not supported",
+         "conversation": "conversations are not supported; continue with previous_response_id",
+         "prompt": "stored prompt templates are not supported",
+         "truncation": "the context is never truncated; a prompt that does not fit is refused",
+         "top_logprobs": "logprobs are not returned on this route; use /v1/chat/completions",
+         "max_tool_calls": "use parallel_tool_calls: false for one call"},
+)

@@ -120,21 +120,8 @@ class OpenAIRoutes(ApiBase):
 
     async def chat_completions(self, request: Request) -> Response:
         body: ChatCompletionRequest = await read_body(request, ChatCompletionRequest, self.args, CHAT)
-        self._check_model(body.model)
-        body.check()
-        plan = body.tool_plan(self.info.tool_call_parser)
-        messages = [m.flat() for m in body.messages]
-        cid, max_new = f"chatcmpl-{uuid.uuid4().hex}", body.max_new_tokens
-        reqs = []
-        for j in range(body.n):
-            sampling = body.sampling(max_new, j)
-            sampling.json_schema = plan.schema or sampling.json_schema  # a forced call's grammar
-            reqs.append(GenerateReq(f"{cid}-{j}", sampling, messages=messages, top_logprobs=body.num_top_logprobs,
-                                    fill_context=max_new is None, tools=plan.tools, cache_salt=body.cache_salt,
-                                    chat_template_kwargs=body.template_kwargs()))
-        runs = await self._start(reqs)
-        reasoning = self.args.reasoning_parser if body.separate_reasoning else None
-        outputs = [ChatOutput(plan, reasoning, body.stream_reasoning) for _ in runs]
+        cid = f"chatcmpl-{uuid.uuid4().hex}"
+        runs, outputs = await self._chat_runs(body, cid)
         head = {"id": cid, "created": int(time.time()), "model": body.model}
         if not body.stream:
             if not await self._collect(runs, request):
@@ -164,6 +151,25 @@ class OpenAIRoutes(ApiBase):
 
         events = _chunks(runs, head, body, choice)
         return self._stream(runs, events)
+
+    async def _chat_runs(self, body: ChatCompletionRequest, rid: str) -> tuple[list[Run], list[ChatOutput]]:
+        """Start a chat request's runs (one per choice, ids ``rid-j``), each with the reader of its
+        answer (reasoning, content, tool calls)."""
+        self._check_model(body.model)
+        body.check()
+        plan = body.tool_plan(self.info.tool_call_parser)
+        messages = [m.flat() for m in body.messages]
+        max_new = body.max_new_tokens
+        reqs = []
+        for j in range(body.n):
+            sampling = body.sampling(max_new, j)
+            sampling.json_schema = plan.schema or sampling.json_schema  # a forced call's grammar
+            reqs.append(GenerateReq(f"{rid}-{j}", sampling, messages=messages, top_logprobs=body.num_top_logprobs,
+                                    fill_context=max_new is None, tools=plan.tools, cache_salt=body.cache_salt,
+                                    chat_template_kwargs=body.template_kwargs()))
+        runs = await self._start(reqs)
+        reasoning = self.args.reasoning_parser if body.separate_reasoning else None
+        return runs, [ChatOutput(plan, reasoning, body.stream_reasoning) for _ in runs]
 
     def _card(self) -> dict[str, Any]:
         return {"id": self.args.model_name, "object": "model", "created": self.created, "owned_by": "minisgl",

@@ -1,7 +1,7 @@
 """The HTTP API app (Starlette, served by uvicorn in the launcher process).
 
-SGLang's native routes (``api.native``) and the OpenAI-compatible ones (``api.openai``) on one
-app, behind an optional API key. Each route decodes its body (4xx naming the bad field, fields
+SGLang's native routes (``api.native``) and the OpenAI-compatible ones (``api.openai``,
+``api.responses``) on one app, behind an optional API key. Each route decodes its body (4xx naming the bad field, fields
 sorted by ``api.fields``), turns it into GenerateReq messages, and either streams updates as
 server-sent events or collects them into one JSON response. A client that goes away aborts its
 requests, so their KV pages go back to the pool.
@@ -22,7 +22,7 @@ from starlette.routing import Route
 from minisgl.api.base import error_response
 from minisgl.api.client import EngineClient, EngineError
 from minisgl.api.native import NativeRoutes
-from minisgl.api.openai import OpenAIRoutes
+from minisgl.api.responses import ResponsesRoutes
 from minisgl.api.protocol import BadRequest
 from minisgl.args import ServerArgs
 from minisgl.messages import EngineInfo
@@ -30,7 +30,7 @@ from minisgl.messages import EngineInfo
 OPEN_PATHS = {"/health"}  # reachable without the API key (liveness probes)
 
 
-class Api(NativeRoutes, OpenAIRoutes):
+class Api(NativeRoutes, ResponsesRoutes):
     """Every route's handler, on one shared state."""
 
 
@@ -80,6 +80,9 @@ def create_app(client: EngineClient, info: EngineInfo, args: ServerArgs, pids: d
         ("/generate", api.generate, ["POST"]),
         ("/v1/completions", api.completions, ["POST"]),
         ("/v1/chat/completions", api.chat_completions, ["POST"]),
+        ("/v1/responses", api.responses, ["POST"]),
+        ("/v1/responses/{response_id}", api.get_response, ["GET"]),
+        ("/v1/responses/{response_id}", api.delete_response, ["DELETE"]),
         ("/v1/models", api.models, ["GET"]),
         ("/v1/models/{model:path}", api.model, ["GET"]),
         ("/health", api.health, ["GET"]),

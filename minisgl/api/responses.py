@@ -1,0 +1,249 @@
+"""OpenAI's Responses API: POST /v1/responses, GET and DELETE /v1/responses/{id}.
+
+A body becomes a chat request (``responses_request``) and runs as one; its answer, read by the
+chat route's ``ChatOutput`` (reasoning, content, tool calls), goes back as output items: a
+``reasoning`` item, a ``message`` with its ``output_text``, and one ``function_call`` per call.
+Streamed, the same items arrive as the typed events the openai client and the Agents SDK read
+(``response.created``, ``response.output_item.added``, ``response.output_text.delta``, ...,
+``response.completed``). Responses are stored (``store``, on by default), the latest
+``MAX_STORED`` of them, so ``previous_response_id`` continues a conversation: each stored
+response keeps its own input and output messages and the id of the one it continued.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from minisgl.api.base import Run, merge, read_body
+from minisgl.api.chat_output import ChatOutput
+from minisgl.api.fields import RESPONSES
+from minisgl.api.openai import OpenAIRoutes, _usage
+from minisgl.api.protocol import BadRequest, ChatMessageIn, FunctionCallIn, ToolCallIn
+from minisgl.api.responses_request import ResponsesRequest
+
+MAX_STORED = 4096
+_encoder = msgspec.json.Encoder()
+
+
+@dataclass
+class _Stored:
+    response: dict[str, Any]
+    messages: list[ChatMessageIn]  # this response's input and its answer, as chat messages
+    previous: str | None
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _message_item(text: str, status: str = "completed", item_id: str | None = None) -> dict[str, Any]:
+    return {"type": "message", "id": item_id or _id("msg"), "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def _reasoning_item(text: str, item_id: str | None = None) -> dict[str, Any]:
+    return {"type": "reasoning", "id": item_id or _id("rs"), "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
+def _call_item(call_id: str, name: str, arguments: str, status: str = "completed",
+               item_id: str | None = None) -> dict[str, Any]:
+    return {"type": "function_call", "id": item_id or _id("fc"), "call_id": call_id, "name": name,
+            "arguments": arguments, "status": status}
+
+
+def _answer(items: list[dict[str, Any]]) -> ChatMessageIn:
+    """The output items as the assistant message a continuation's prompt shows."""
+    text = "".join(p["text"] for it in items if it["type"] == "message" for p in it["content"])
+    calls = [ToolCallIn(FunctionCallIn(it["name"], it["arguments"]), id=it["call_id"])
+             for it in items if it["type"] == "function_call"]
+    return ChatMessageIn("assistant", text or None, tool_calls=calls or None)
+
+
+class _Events:
+    """A streamed answer's deltas as Responses events, items opened and closed in order."""
+
+    def __init__(self) -> None:
+        self.seq = 0
+        self.items: list[dict[str, Any]] = []  # finished items
+        self.open: dict[str, Any] | None = None  # the item being streamed
+
+    def event(self, kind: str, **data: Any) -> bytes:
+        payload = _encoder.encode({"type": kind, "sequence_number": self.seq, **data})
+        self.seq += 1
+        return b"event: " + kind.encode() + b"\ndata: " + payload + b"\n\n"
+
+    def open_item(self, item: dict[str, Any]) -> list[bytes]:
+        out = self.close()
+        self.open = item
+        index = len(self.items)
+        out.append(self.event("response.output_item.added", output_index=index, item={**item, "status": "in_progress"}))
+        if item["type"] == "message":
+            out.append(self.event("response.content_part.added", item_id=item["id"], output_index=index,
+                                  content_index=0, part={**item["content"][0], "text": ""}))
+        return out
+
+    def delta(self, delta: dict[str, Any]) -> list[bytes]:
+        """The events of one chat delta (``ChatOutput.delta``)."""
+        out: list[bytes] = []
+        if delta.get("reasoning_content"):
+            if self.open is None or self.open["type"] != "reasoning":
+                out += self.open_item(_reasoning_item(""))
+            part = self.open["content"][0]
+            part["text"] += delta["reasoning_content"]
+            out.append(self.event("response.reasoning_text.delta", item_id=self.open["id"], output_index=len(self.items),
+                                  content_index=0, delta=delta["reasoning_content"]))
+        if delta.get("content"):
+            if self.open is None or self.open["type"] != "message":
+                out += self.open_item(_message_item("", "in_progress"))
+            part = self.open["content"][0]
+            part["text"] += delta["content"]
+            out.append(self.event("response.output_text.delta", item_id=self.open["id"], output_index=len(self.items),
+                                  content_index=0, delta=delta["content"], logprobs=[]))
+        for call in delta.get("tool_calls", []):
+            function = call["function"]
+            if "id" in call:  # a call starts
+                out += self.open_item(_call_item(call["id"], function["name"], "", "in_progress"))
+            self.open["arguments"] += function["arguments"]
+            if function["arguments"]:
+                out.append(self.event("response.function_call_arguments.delta", item_id=self.open["id"],
+                                      output_index=len(self.items), delta=function["arguments"]))
+        return out
+
+    def close(self) -> list[bytes]:
+        """Finish the item being streamed."""
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        index, out = len(self.items), []
+        if item["type"] == "reasoning":
+            out.append(self.event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                                  content_index=0, text=item["content"][0]["text"]))
+        elif item["type"] == "message":
+            item["status"] = "completed"
+            part = item["content"][0]
+            out.append(self.event("response.output_text.done", item_id=item["id"], output_index=index,
+                                  content_index=0, text=part["text"], logprobs=[]))
+            out.append(self.event("response.content_part.done", item_id=item["id"], output_index=index,
+                                  content_index=0, part=part))
+        else:
+            item["status"] = "completed"
+            out.append(self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                  name=item["name"], arguments=item["arguments"]))
+        out.append(self.event("response.output_item.done", output_index=index, item=item))
+        self.items.append(item)
+        return out
+
+
+class ResponsesRoutes(OpenAIRoutes):
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.stored: OrderedDict[str, _Stored] = OrderedDict()
+
+    def _history(self, previous: str | None) -> list[ChatMessageIn]:
+        """The messages of the responses ``previous`` continues, oldest first."""
+        chain: list[list[ChatMessageIn]] = []
+        while previous is not None:
+            stored = self.stored.get(previous)
+            if stored is None:
+                raise BadRequest(f"previous_response_id {previous!r} is not a stored response (this server keeps "
+                                 f"the latest {MAX_STORED})", status=404, param="previous_response_id")
+            chain.append(stored.messages)
+            previous = stored.previous
+        return [m for messages in reversed(chain) for m in messages]
+
+    def _head(self, body: ResponsesRequest, rid: str, status: str) -> dict[str, Any]:
+        fmt = body.text.format if body.text and body.text.format else None
+        return {
+            "id": rid, "object": "response", "created_at": int(time.time()), "status": status, "model": body.model,
+            "output": [], "error": None, "incomplete_details": None, "instructions": body.instructions,
+            "max_output_tokens": body.max_output_tokens, "parallel_tool_calls": body.parallel_tool_calls,
+            "previous_response_id": body.previous_response_id, "temperature": body.temperature,
+            "top_p": body.top_p, "tool_choice": body.tool_choice or "auto",
+            "tools": [msgspec.to_builtins(t) for t in body.tools or []],
+            "text": {"format": msgspec.to_builtins(fmt) if fmt else {"type": "text"}},
+            "reasoning": msgspec.to_builtins(body.reasoning) if body.reasoning else None,
+            "metadata": body.metadata or {}, "store": body.store, "truncation": "disabled", "user": body.user,
+            "usage": None,
+        }
+
+    def _finish(self, body: ResponsesRequest, response: dict[str, Any], run: Run, items: list[dict[str, Any]],
+                own: list[ChatMessageIn]) -> dict[str, Any]:
+        """Fill in the finished response; store it if asked."""
+        usage = _usage([run])
+        incomplete = run.finish_reason == "length"
+        response.update(
+            status="incomplete" if incomplete else "completed", output=items,
+            incomplete_details={"reason": "max_output_tokens"} if incomplete else None,
+            usage={"input_tokens": usage["prompt_tokens"],
+                   "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
+                   "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+                   "total_tokens": usage["total_tokens"]})
+        if body.store:
+            self.stored[response["id"]] = _Stored(response, own + [_answer(items)], body.previous_response_id)
+            while len(self.stored) > MAX_STORED:
+                self.stored.popitem(last=False)
+        return response
+
+    async def responses(self, request: Request) -> Response:
+        body: ResponsesRequest = await read_body(request, ResponsesRequest, self.args, RESPONSES)
+        own = body.messages()
+        chat = body.chat(self._history(body.previous_response_id) + own)
+        rid = _id("resp")
+        runs, outputs = await self._chat_runs(chat, rid)
+        run, output = runs[0], outputs[0]
+        response = self._head(body, rid, "in_progress")
+        if not body.stream:
+            if not await self._collect(runs, request):
+                return Response(status_code=499)
+            message = output.message(run.text)
+            items = []
+            if message.get("reasoning_content"):
+                items.append(_reasoning_item(message["reasoning_content"]))
+            if message.get("content") or not message.get("tool_calls"):
+                items.append(_message_item(message.get("content") or ""))
+            items += [_call_item(c["id"], c["function"]["name"], c["function"]["arguments"])
+                      for c in message.get("tool_calls", [])]
+            return JSONResponse(self._finish(body, response, run, items, own))
+
+        async def events() -> AsyncIterator[bytes]:
+            stream = _Events()
+            yield stream.event("response.created", response=dict(response))
+            yield stream.event("response.in_progress", response=dict(response))
+            async for _, upd in merge(runs):
+                for chunk in stream.delta(output.delta(upd.text, upd.finish_reason is not None)):
+                    yield chunk
+            if not stream.items and stream.open is None:  # an empty answer is an empty message
+                for chunk in stream.open_item(_message_item("", "in_progress")):
+                    yield chunk
+            for chunk in stream.close():
+                yield chunk
+            done = self._finish(body, response, run, stream.items, own)
+            kind = "response.completed" if done["status"] == "completed" else f"response.{done['status']}"
+            yield stream.event(kind, response=done)
+
+        return self._stream(runs, events())
+
+    def _stored(self, request: Request) -> _Stored:
+        rid = request.path_params["response_id"]
+        stored = self.stored.get(rid)
+        if stored is None:
+            raise BadRequest(f"no stored response has the id {rid!r}", status=404, param="response_id")
+        return stored
+
+    async def get_response(self, request: Request) -> Response:
+        return JSONResponse(self._stored(request).response)
+
+    async def delete_response(self, request: Request) -> Response:
+        rid = self._stored(request).response["id"]
+        del self.stored[rid]
+        return JSONResponse({"id": rid, "object": "response", "deleted": True})

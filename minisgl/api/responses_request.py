@@ -1,0 +1,185 @@
+"""A body of OpenAI's Responses API, and the chat completion request it means.
+
+The Responses API says what chat completions say in other words: ``instructions`` is the system
+message, ``input`` a string or a list of items (messages, the model's earlier ``function_call``
+items, the caller's ``function_call_output`` items), tools are flat (``{"type": "function",
+"name": ...}``), ``text.format`` is the response format and ``reasoning.effort`` the template's
+reasoning effort. ``ResponsesRequest.chat`` rewrites a body as a ``ChatCompletionRequest``, so
+sampling, tools, grammars and every check are the chat route's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from minisgl.api.protocol import (
+    BadRequest, ChatCompletionRequest, ChatMessageIn, FunctionCallIn, FunctionDef, JsonSchemaFormat,
+    NamedFunction, NamedToolChoice, ResponseFormat, Tool, ToolCallIn,
+)
+from minisgl.sampling.params import Int32, Int64
+
+TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
+ROLES = ("user", "system", "developer", "assistant")
+
+
+class TextFormat(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextConfig(msgspec.Struct, forbid_unknown_fields=True):
+    format: TextFormat | None = None
+    verbosity: str | None = None  # a hint to OpenAI's models; inert here
+
+
+class ReasoningConfig(msgspec.Struct, forbid_unknown_fields=True):
+    effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    summary: str | None = None  # OpenAI's summaries of hidden reasoning; ours is shown whole
+    generate_summary: str | None = None
+
+
+class FunctionTool(msgspec.Struct):
+    type: str
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    input: str | list[dict[str, Any]]
+    model: str = "default"
+    instructions: str | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    max_output_tokens: Int32 | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stream: bool = False
+    text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
+    previous_response_id: str | None = None
+    store: bool = True
+    metadata: dict[str, Any] | None = None
+    user: str | None = None
+    # SGLang's sampling extras, as on its other OpenAI routes
+    top_k: Int32 = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    stop: str | list[str] | None = None
+    seed: Int64 | None = None
+    cache_salt: str | None = None
+
+    def messages(self) -> list[ChatMessageIn]:
+        """``input`` as chat messages (without ``instructions``, which are not carried over to
+        a response that continues this one)."""
+        if isinstance(self.input, str):
+            return [ChatMessageIn("user", self.input)]
+        out: list[ChatMessageIn] = []
+        for i, item in enumerate(self.input):
+            kind = item.get("type", "message")
+            where = f"input[{i}]"
+            if kind == "message":
+                role = item.get("role")
+                if role not in ROLES:
+                    raise BadRequest(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", param="input")
+                out.append(ChatMessageIn(role, _text(item.get("content"), f"{where}.content")))
+            elif kind == "function_call":
+                call = ToolCallIn(FunctionCallIn(_str(item, "name", where), _str(item, "arguments", where)),
+                                  id=_str(item, "call_id", where))
+                last = out[-1] if out else None
+                if last is not None and last.role == "assistant" and last.tool_calls is not None:
+                    last.tool_calls.append(call)  # parallel calls: one assistant message
+                else:
+                    out.append(ChatMessageIn("assistant", None, tool_calls=[call]))
+            elif kind == "function_call_output":
+                output = item.get("output")
+                text = output if isinstance(output, str) else _text(output, f"{where}.output")
+                out.append(ChatMessageIn("tool", text, tool_call_id=_str(item, "call_id", where)))
+            elif kind == "reasoning":
+                continue  # the model's earlier thinking: chat templates leave it out of the prompt
+            else:
+                raise BadRequest(f"{where} has type {kind!r}, which is not supported (message, function_call, "
+                                 "function_call_output and reasoning items are)", param="input")
+        if not out:
+            raise BadRequest("input has no message", param="input")
+        return out
+
+    def chat(self, history: list[ChatMessageIn]) -> ChatCompletionRequest:
+        """The chat request this body means, after the ``history`` of the responses it continues."""
+        if self.max_output_tokens is not None and self.max_output_tokens < 1:
+            raise BadRequest(f"max_output_tokens must be >= 1, got {self.max_output_tokens}",
+                             param="max_output_tokens")
+        messages = ([ChatMessageIn("system", self.instructions)] if self.instructions else []) + history
+        return ChatCompletionRequest(
+            model=self.model, messages=messages, max_completion_tokens=self.max_output_tokens,
+            temperature=self.temperature, top_p=self.top_p, stream=self.stream, tools=self._tools(),
+            tool_choice=self._tool_choice(), parallel_tool_calls=self.parallel_tool_calls,
+            response_format=self._format(), reasoning_effort=self.reasoning.effort if self.reasoning else None,
+            user=self.user, top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+            frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty, stop=self.stop,
+            seed=self.seed, cache_salt=self.cache_salt,
+        )
+
+    def _tools(self) -> list[Tool] | None:
+        if not self.tools:
+            return None
+        tools = []
+        for i, t in enumerate(self.tools):
+            if t.type != "function":
+                raise BadRequest(f"tools[{i}] has type {t.type!r}: only function tools are supported",
+                                 param="tools")
+            if not t.name:
+                raise BadRequest(f"tools[{i}] needs a name", param="tools")
+            tools.append(Tool(FunctionDef(t.name, t.description, t.parameters, t.strict)))
+        return tools
+
+    def _tool_choice(self) -> Literal["none", "auto", "required"] | NamedToolChoice | None:
+        choice = self.tool_choice
+        if choice is None or isinstance(choice, str):
+            return choice
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise BadRequest(f"tool_choice {choice!r} is not supported: give none, auto, required or "
+                             '{"type": "function", "name": ...}', param="tool_choice")
+        return NamedToolChoice(NamedFunction(choice["name"]))
+
+    def _format(self) -> ResponseFormat | None:
+        fmt = self.text.format if self.text else None
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return ResponseFormat("json_object")
+        if fmt.schema is None:
+            raise BadRequest("text.format of type json_schema needs a schema", param="text")
+        return ResponseFormat("json_schema", JsonSchemaFormat(fmt.name, fmt.schema, fmt.strict, fmt.description))
+
+
+def _str(item: dict[str, Any], key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise BadRequest(f"{where}.{key} must be a string", param="input")
+    return value
+
+
+def _text(content: Any, where: str) -> str:
+    """A message's content: a string, or text parts joined."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise BadRequest(f"{where} must be a string or a list of parts", param="input")
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
+            raise BadRequest(f"{where} has a part of type {kind!r}; only text parts are supported "
+                             "(this server serves text-only models)", param="input")
+        texts.append(part["text"])
+    return "".join(texts)

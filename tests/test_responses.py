@@ -1,0 +1,157 @@
+"""OpenAI's Responses API (/v1/responses) on the real model: the same answers as the chat route,
+whole and streamed, conversations continued by previous_response_id, function calls, and the
+OpenAI Agents SDK's default agent loop (a tool call, its result, the final answer)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.server_utils import ServerProcess
+from tests.test_server import idle_and_clean
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+           "additionalProperties": False}
+TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather in a city.", "parameters": WEATHER}]
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_gguf: Path):
+    srv = ServerProcess(smollm2_gguf, "--max-total-tokens", "16384", "--dtype", "float32")
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess):
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+
+
+def _chat(client, messages: list[dict], **kw) -> tuple[str, int]:
+    r = client.chat.completions.create(model="default", messages=messages, temperature=0, **kw)
+    return r.choices[0].message.content, r.usage.prompt_tokens
+
+
+def _items(output) -> list[dict]:
+    """Output items without their fresh ids."""
+    return [{k: v for k, v in item.model_dump().items() if k not in ("id", "call_id")} for item in output]
+
+
+def test_text_whole_and_streamed_equal_the_chat_route(server, client):
+    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Name a color."}]
+    text, prompt_tokens = _chat(client, messages, max_tokens=12)
+    r = client.responses.create(model="default", instructions="Answer briefly.", input="Name a color.",
+                                max_output_tokens=12, temperature=0)
+    assert r.output_text == text and r.usage.input_tokens == prompt_tokens
+    assert r.status in ("completed", "incomplete") and r.output[0].type == "message"
+    events = list(client.responses.create(model="default", instructions="Answer briefly.", input="Name a color.",
+                                          max_output_tokens=12, temperature=0, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert kinds[-1] == f"response.{r.status}" and [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == text
+    assert _items(events[-1].response.output) == _items(r.output)
+    idle_and_clean(server)
+
+
+def test_previous_response_id_continues_the_conversation(server, client):
+    """The second turn sees the first turn's input and answer (not its instructions): the same
+    text and prompt as the chat route given the whole history; stored responses can be read back
+    and deleted; store=false keeps nothing."""
+    first = client.responses.create(model="default", instructions="Be terse.", input="Say hello.",
+                                    max_output_tokens=10, temperature=0)
+    second = client.responses.create(model="default", input="Now say goodbye.", previous_response_id=first.id,
+                                     max_output_tokens=10, temperature=0)
+    history = [{"role": "user", "content": "Say hello."}, {"role": "assistant", "content": first.output_text},
+               {"role": "user", "content": "Now say goodbye."}]
+    assert (second.output_text, second.usage.input_tokens) == _chat(client, history, max_tokens=10)
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    client.responses.delete(first.id)
+    r = httpx.post(f"{server.url}/v1/responses", timeout=30, json={
+        "model": "default", "input": "x", "previous_response_id": first.id, "max_output_tokens": 2})
+    assert r.status_code == 404 and "previous_response_id" in r.text
+    unstored = client.responses.create(model="default", input="x", max_output_tokens=2, store=False)
+    assert httpx.get(f"{server.url}/v1/responses/{unstored.id}", timeout=10).status_code == 404
+    idle_and_clean(server)
+
+
+def test_function_calls_forced_whole_and_streamed(server, client):
+    import jsonschema
+
+    for choice in ("required", {"type": "function", "name": "get_weather"}):
+        kw = dict(model="default", input="What is the weather in Lima?", tools=TOOLS, tool_choice=choice,
+                  parallel_tool_calls=False, max_output_tokens=60, temperature=0)
+        r = client.responses.create(**kw)
+        calls = [o for o in r.output if o.type == "function_call"]
+        assert r.status == "completed" and len(calls) == 1 and calls[0].name == "get_weather", r
+        assert calls[0].call_id.startswith("call_")
+        jsonschema.validate(json.loads(calls[0].arguments), WEATHER)
+        events = list(client.responses.create(stream=True, **kw))
+        assert _items(events[-1].response.output) == _items(r.output)
+        args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+        assert args == calls[0].arguments
+    idle_and_clean(server)
+
+
+def test_the_agents_sdk_runs_a_tool_round_trip(server):
+    """The Agents SDK's default model class (the Responses API): tool_choice required makes the
+    model call the tool, the SDK runs it and sends the result back (a function_call_output
+    item), and the model's answer ends the run; streamed runs end the same way."""
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+    from agents.items import MessageOutputItem, ToolCallItem, ToolCallOutputItem
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)
+    cities: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        cities.append(city)
+        return f"It is sunny in {city}."
+
+    model = OpenAIResponsesModel(model="default",
+                                 openai_client=AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused"))
+    agent = Agent(name="weather", instructions="You are a helpful assistant.", tools=[get_weather], model=model,
+                  model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=64,
+                                               temperature=0))
+
+    async def both():
+        whole = await Runner.run(agent, "What is the weather in Lima?", max_turns=3)
+        streamed = Runner.run_streamed(agent, "What is the weather in Lima?", max_turns=3)
+        async for _ in streamed.stream_events():
+            pass
+        return whole, streamed
+
+    whole, streamed = asyncio.run(both())
+    assert [type(i) for i in whole.new_items] == [ToolCallItem, ToolCallOutputItem, MessageOutputItem]
+    assert len(cities) == 2 and cities[0] == cities[1] and len(whole.raw_responses) == 2
+    assert isinstance(whole.final_output, str) and whole.final_output
+    assert streamed.final_output == whole.final_output
+    idle_and_clean(server)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input"),
+    ({"input": [{"role": "robot", "content": "hi"}]}, "input"),
+    ({"background": True}, "background"),
+    ({"conversation": "conv_1"}, "conversation"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
+    ({"tool_choice": {"type": "file_search"}, "tools": TOOLS}, "tool_choice"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+])
+def test_bad_bodies_are_refused_by_name(server, body, param):
+    r = httpx.post(f"{server.url}/v1/responses", timeout=30, json={"model": "default", "input": "hi",
+                                                                   "max_output_tokens": 4, **body})
+    assert r.status_code == 400 and param in r.text, r.text
