@@ -111,6 +111,7 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
         params = [p if isinstance(p, SamplingParams) else msgspec.convert(p or {}, SamplingParams) for p in params]
+        self.scheduler.take_events()  # (those of earlier calls)
         reqs: list[Req] = []
         try:
             for prompt, sp in zip(prompts, params):
@@ -133,16 +134,16 @@ class LLM:
         while self.scheduler.has_work and not self.scheduler.settled:
             if self.scheduler.only_compiling:
                 self.scheduler.wait_compiled(timeout=1.0)
-            got = self.scheduler.step()
-            failed = [r for r in self.scheduler.take_compiled() if r.error]
+            events = self.scheduler.step()
+            failed = [req for kind, req, _ in events if kind == "accepted" and req.error]
             if failed:
                 for req in reqs:
                     self.scheduler.finish(req, "abort")
                 while self.scheduler.has_work:  # let in-flight steps land before raising
                     self.scheduler.step()
                 raise ValueError(failed[0].error)
-            for req in got:
-                if req.rid in streams:
+            for kind, req, _ in events:
+                if kind == "output" and req.rid in streams:
                     texts[req.rid].append(streams[req.rid].add(req.output_ids[-1:], req.finished))
                     if streams[req.rid].stopped:
                         # A stop string is a stop even when it ends on the last allowed token.

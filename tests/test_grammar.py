@@ -240,3 +240,25 @@ def test_grammar_compiles_are_bounded_and_small_ones_never_wait_for_big_ones(tin
     release.set()
     assert not llm.scheduler.has_work
     llm.scheduler.check_integrity()
+
+
+def test_request_events_come_in_order_for_every_reader(tiny_llama):
+    """The scheduler's one event stream (what the scheduler process and the offline API both
+    read): a constrained request that compiles, runs and finishes within one step without
+    overlap is accepted before its output; one with nothing to generate is accepted ended; a
+    grammar that fails is accepted ended with its error."""
+    sched = make_llm(tiny_llama, disable_overlap_schedule=True).scheduler
+    sched.take_events()
+    done = sched.add_request([5, 6, 7], SamplingParams(max_new_tokens=0))
+    constrained = sched.add_request([5, 6, 7], SamplingParams(max_new_tokens=1, temperature=0.0, regex="(yes|no)"))
+    broken = sched.add_request([5, 6, 7], SamplingParams(max_new_tokens=4, regex="(unclosed"))
+    events = []
+    while sched.has_work:
+        if sched.only_compiling:
+            sched.wait_compiled(timeout=1.0)
+        events += sched.step()
+    mine = lambda req: [(kind, ended) for kind, r, ended in events if r is req]  # noqa: E731
+    assert mine(done) == [("accepted", True)]
+    assert mine(constrained) == [("accepted", False), ("output", False)] and constrained.finished
+    assert mine(broken) == [("accepted", True)] and "regex" in broken.error
+    sched.check_integrity()

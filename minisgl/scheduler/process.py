@@ -21,7 +21,7 @@ from minisgl.messages import (
     TokenizedReq, TokenOut, ToScheduler,
 )
 from minisgl.scheduler.grammar import GrammarBackend
-from minisgl.scheduler.request import Req
+from minisgl.scheduler.request import Req, ReqEvent
 from minisgl.scheduler.output import prompt_scores
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.tokenizer import eos_ids, load_tokenizer
@@ -53,6 +53,7 @@ class SchedulerProcess:
         self.by_rid: dict[str, Req] = {}
         self.rid_of: dict[int, str] = {}
         self.outbox: list[TokenOut] = []
+        self._aborted: list[Req] = []
         self._last_log, self._tokens_since_log, self._logged_steps = time.monotonic(), 0, 0
         self._turned = time.monotonic()  # when the main loop last came round
         self.tokenizer.send(info)
@@ -67,7 +68,7 @@ class SchedulerProcess:
             req = self.by_rid.get(msg.rid)
             if req is not None:
                 self.sched.finish(req, msg.reason)
-                self._forget(req)
+                self._aborted.append(req)  # forgotten once its queued events (its acceptance) are out
         elif isinstance(msg, ControlReq):
             self.tokenizer.send(self._control(msg))
 
@@ -79,8 +80,6 @@ class SchedulerProcess:
             self.outbox.append(TokenOut(msg.rid, error=str(e)))
             return
         self.by_rid[msg.rid], self.rid_of[req.rid] = req, msg.rid
-        if req.grammar_future is None:  # else accepted (or refused) once its grammar compiles
-            self._accepted(req)
 
     def _control(self, msg: ControlReq) -> ControlReply:
         if msg.op == "stats":
@@ -93,18 +92,24 @@ class SchedulerProcess:
             return ControlReply(msg.cid, True, {})
         return ControlReply(msg.cid, False, {"error": f"unknown control op {msg.op!r}"})
 
-    def _accepted(self, req: Req, ran: bool = False) -> None:
-        """The request's first message: accepted (no tokens), or refused with its error. One
-        that ``ran`` in this very step (its grammar compiled, then it was admitted and, without
-        overlap, finished) ends with its token message instead."""
-        ended = req.finished and not ran  # max_new_tokens == 0, or its grammar did not compile
-        self.outbox.append(TokenOut(self.rid_of[req.rid], finish_reason=req.finish_reason if ended else None,
-                                    error=req.error))
-        if ended:
-            self._forget(req)
+    def _events(self, events: list[ReqEvent]) -> None:
+        """Each request event as its message to the tokenizer process, in order: the first one
+        says accepted (no tokens) or refused (its error), then one per step's output."""
+        for kind, req, ended in events:
+            if kind == "accepted":
+                self.outbox.append(TokenOut(self.rid_of[req.rid], finish_reason=req.finish_reason if ended else None,
+                                            error=req.error))
+            else:
+                self.outbox.append(self._token_out(req))
+                self._tokens_since_log += 1
+                ended = req.finished
+            if ended:
+                self._forget(req)
 
     def _forget(self, req: Req) -> None:
-        self.by_rid.pop(self.rid_of.pop(req.rid), None)
+        rid = self.rid_of.pop(req.rid, None)
+        if rid is not None and self.by_rid.get(rid) is req:  # (a client may reuse an aborted request's rid)
+            del self.by_rid[rid]
 
     def _token_out(self, req: Req) -> TokenOut:
         out = TokenOut(self.rid_of[req.rid], req.output_ids[-1:], finish_reason=req.finish_reason,
@@ -151,16 +156,10 @@ class SchedulerProcess:
                 msgs = ([first] if first is not None else []) + self.inbox.recv_all()
             for msg in msgs:
                 self._handle(msg)
-            if self.sched.has_work:
-                got = self.sched.step()
-                stepped = {id(r) for r in got}
-                for req in self.sched.take_compiled():
-                    self._accepted(req, ran=id(req) in stepped)
-                for req in got:
-                    self.outbox.append(self._token_out(req))
-                    self._tokens_since_log += 1
-                    if req.finished:
-                        self._forget(req)
+            self._events(self.sched.step() if self.sched.has_work else self.sched.take_events())
+            for req in self._aborted:
+                self._forget(req)
+            self._aborted = []
             if self.outbox:
                 self.tokenizer.send(TokenBatch(self.outbox))
                 self.outbox = []

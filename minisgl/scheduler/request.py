@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from minisgl.kvcache import CacheHandle
 from minisgl.sampling import SamplingParams
@@ -76,3 +76,15 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+class ReqEvent(NamedTuple):
+    """What happened to a request, in the order it happened (``Scheduler.take_events``): every
+    reader (the scheduler process, the offline API) sees one request's events in this order.
+
+    ``accepted``: queued, or ended at once (``ended``: nothing to generate, or its grammar did not
+    compile, ``req.error``); ``output``: a step gave it a token or finished it."""
+
+    kind: str
+    req: Req
+    ended: bool = False

@@ -35,7 +35,7 @@ from minisgl.scheduler.memory import Memory
 from minisgl.scheduler.output import apply_output
 from minisgl.scheduler.prefill import Entry, PrefillPlanner
 from minisgl.scheduler.queue import WaitingQueue
-from minisgl.scheduler.request import Req
+from minisgl.scheduler.request import Req, ReqEvent
 from minisgl.utils import cdiv, context_overflow, resolve_device
 
 logger = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ class Scheduler:
         self.decode = DecodePlanner(self.memory, not args.disable_cascade_attention and (on_gpu or cascade.ON_CPU))
         self.grammar = grammar
         self.compiling: list[Req] = []  # waiting for their grammar; others are scheduled meanwhile
-        self.compiled: list[Req] = []  # grammar done (or failed: req.error) since take_compiled
+        self.events: list[ReqEvent] = []  # since the last take_events, in order
         self.running: list[Req] = []  # requests holding a slot, oldest first
         self.prefilling: list[Req] = []  # of those, the ones still prefilling, in admission order
         self.decoding: list[Req] = []  # and the ones past their prefill
@@ -158,6 +158,8 @@ class Scheduler:
             self.compiling.append(req)
         else:  # max_new_tokens 0 with prompt logprobs: a prefill that scores the prompt, no token
             self.waiting.push(req, self.counters.steps)
+        if req.grammar_future is None:  # else accepted (or refused) once its grammar compiles
+            self.events.append(ReqEvent("accepted", req, req.finished))
         return req
 
     def finish(self, req: Req, reason: str) -> None:
@@ -201,9 +203,12 @@ class Scheduler:
             not sampled and not scored for sampled, scored, *_ in self.inflight)
 
     def drain(self) -> None:
-        """Collect the copy-only steps still in flight, once settled."""
+        """Collect the copy-only steps still in flight, once settled (request events stay for
+        the caller's next ``take_events``)."""
+        kept = self.take_events()
         while self.inflight and self.settled:
-            self.step()
+            kept += self.step()
+        self.events = kept + self.events
 
     @property
     def only_compiling(self) -> bool:
@@ -223,11 +228,10 @@ class Scheduler:
         if all(r.grammar_future is not fut for r in self.compiling):
             self.grammar.abandon(fut)
 
-    def take_compiled(self) -> list[Req]:
-        """Requests whose grammar compiled (now queued) or failed (``error`` set, finished)
-        since the last call."""
-        done, self.compiled = self.compiled, []
-        return done
+    def take_events(self) -> list[ReqEvent]:
+        """The request events since the last call (``step`` returns them too), in order."""
+        events, self.events = self.events, []
+        return events
 
     def _admit_compiled(self) -> None:
         now = time.monotonic()
@@ -247,13 +251,14 @@ class Scheduler:
                     req.error, req.finish_reason = str(e), "abort"
                 else:
                     self.waiting.push(req, self.counters.steps)
-            self.compiled.append(req)
+            self.events.append(ReqEvent("accepted", req, req.finished))
 
     # ---- one step ------------------------------------------------------------------------------
 
-    def step(self) -> list[Req]:
+    def step(self) -> list[ReqEvent]:
         """Schedule and launch one batch, then process the oldest batch whose turn has come
-        (with overlap, the one before). Returns the requests that got a token."""
+        (with overlap, the one before). Returns the request events since the last call: the
+        acceptances (also those of ``add_request``), then the outputs of this step."""
         if self.compiling:
             self._admit_compiled()
         batch, sampled, scored, decode = self._schedule()
@@ -288,7 +293,8 @@ class Scheduler:
         if self._frozen and not self.has_work:
             gc.unfreeze()  # idle: collections may take their time again
             self._frozen = False
-        return got
+        self.events += [ReqEvent("output", req) for req in got]
+        return self.take_events()
 
     def _schedule(self) -> tuple[ForwardBatch | None, list[Req], list[tuple[Req, int]], bool]:
         """The next batch (prefill chunks if any can run, else a decode step), the requests it
