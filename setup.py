@@ -25,16 +25,17 @@ setup(
         "setproctitle",  # process titles: minisgl::api, minisgl::scheduler, ...
         "regex",  # partial matching: tool calls read as they stream
         "gguf",
-        # structured output; ships CPU wheels (it brings triton on Linux x86-64)
-        "xgrammar>=0.1.25",
     ],
     extras_require={
         # triton: the cascade's kernels (torch's CUDA wheels bring it too).
-        "cuda": ["flashinfer-python>=0.6", "apache-tvm-ffi>=0.1.15", "ninja", "triton>=3.4"],
+        "cuda": ["flashinfer-python>=0.6", "apache-tvm-ffi>=0.1.15", "ninja", "triton>=3.4", "xgrammar>=0.1.25"],
+        # structured output (json_schema, regex, ebnf, forced tool calls): xgrammar ships CPU wheels,
+        # but on Linux x86-64 it requires triton (about 1 GB), so a plain CPU install goes without.
+        "grammar": ["xgrammar>=0.1.25"],
         # accelerate: transformers reading GGUF; triton: its interpreter runs the cascade kernels on CPU.
         # smg: SGLang's router, run in front of two servers by tests/test_router.py.
         # openai-agents: the Agents SDK's agent loop against /v1/responses (tests/test_responses.py).
-        "test": ["pytest", "hypothesis", "httpx", "openai", "openai-agents", "accelerate", "jsonschema",
+        "test": ["pytest", "hypothesis", "httpx", "openai", "openai-agents", "accelerate", "jsonschema", "xgrammar>=0.1.25",
                  "smg; platform_system == 'Linux' and platform_machine == 'x86_64'",
                  "triton>=3.4; platform_system == 'Linux' and platform_machine == 'x86_64'"],
         "bench": ["httpx", "matplotlib"],

@@ -262,3 +262,16 @@ def test_request_events_come_in_order_for_every_reader(tiny_llama):
     assert mine(constrained) == [("accepted", False), ("output", False)] and constrained.finished
     assert mine(broken) == [("accepted", True)] and "regex" in broken.error
     sched.check_integrity()
+
+
+def test_structured_output_without_xgrammar_is_refused_by_name(llm):
+    """xgrammar is an extra (it brings triton on Linux): without it a constrained request is
+    refused naming its field and the extra, and plain requests run."""
+    backend = llm.scheduler.grammar
+    backend.available = False
+    try:
+        with pytest.raises(ValueError, match=r"json_schema: .*minisgl\[grammar\]"):
+            llm.generate("Hi", SamplingParams(max_new_tokens=4, json_schema='{"type": "object"}'))
+        assert llm.generate("Hi", SamplingParams(max_new_tokens=2))[0]["output_ids"]
+    finally:
+        backend.available = True

@@ -15,6 +15,8 @@ keeps its scheduler process small.
 
 from __future__ import annotations
 
+import importlib.util
+
 import json
 import threading
 from collections import OrderedDict
@@ -28,6 +30,9 @@ SMALL_GRAMMAR_BYTES = 8 << 10  # texts up to this compile on the small pool
 
 class GrammarBackend:
     def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int, eos_ids: list[int], threads: int = 2):
+        # xgrammar is an extra (minisgl[grammar]): on Linux x86-64 it brings triton, 1 GB a CPU
+        # server without structured output does not need.
+        self.available = importlib.util.find_spec("xgrammar") is not None
         self._load_tokenizer = load_tokenizer  # called with the first grammar
         self.vocab_size = vocab_size
         self.eos_ids = list(eos_ids)

@@ -138,6 +138,9 @@ class Scheduler:
         grammar = params.grammar
         if grammar is not None and self.grammar is None:
             raise ValueError("structured output is not available in this scheduler")
+        if grammar is not None and not self.grammar.available:
+            raise ValueError(f"{grammar[0]}: structured output (json_schema, regex, ebnf, response_format, a forced "
+                             "tool_choice) needs xgrammar, which this install lacks: pip install 'minisgl[grammar]'")
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = Req(self._next_rid, list(prompt_ids), params, seed, max_len, top_logprobs,
                   logprob_start=min(logprob_start, len(prompt_ids)),
