@@ -126,8 +126,8 @@ class LLM:
         streams = {}
         if self.tokenizer is not None:
             streams = {r.rid: TextStream(self.tokenizer, r.params.stop_strings, r.params.skip_special_tokens,
-                                         r.params.no_stop_trim)
-                       for r in reqs if r.params.stop_strings}
+                                         r.params.no_stop_trim, r.params.stop_regexes)
+                       for r in reqs if r.params.stop_strings or r.params.stop_regexes}
         texts: dict[int, list[str]] = {rid: [] for rid in streams}
         # Done once every request is: host-tier copies still running are collected by the next
         # call's first step (the results do not wait for a cache's background copies).

@@ -107,3 +107,52 @@ def test_clean_up_setting_never_drops_punctuation_in_streams(tiny_llama: Path):
     stream = TextStream(tok, [])
     pieces = [stream.add([t]) for t in ids] + [stream.add([], final=True)]
     assert "".join(pieces) == whole
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    text=st.text(alphabet="abc.", max_size=30),
+    pattern=st.sampled_from([r"ab+c", r"\.", r"c\.?$", r"(a|b)c"]),
+    cuts=st.lists(st.integers(0, 30), max_size=6),
+)
+def test_stop_regex_ends_the_text_through_its_first_match_however_it_is_split(text, pattern, cuts):
+    """SGLang's stop_regex: the text ends where the pattern first matches the text so far (the
+    match is kept, as a stream may have shown its start); ``matched`` is the pattern."""
+    import re
+
+    f = StopStringFilter([], regexes=[pattern])
+    bounds = sorted({0, len(text), *[c for c in cuts if c <= len(text)]})
+    shown = ""
+    for a, b in zip(bounds, bounds[1:]):
+        shown += f.feed(text[a:b])
+        if f.matched:
+            break
+    if f.matched is None:
+        shown += f.feed("", final=True)
+        assert shown == text
+        # no prefix the pieces ended at matched (a `$` pattern may match only a longer text)
+        assert not any(re.search(pattern, text[:b]) for b in bounds[1:])
+        return
+    assert f.matched == pattern and text.startswith(shown) and re.search(pattern, shown)
+    assert not any(re.search(pattern, text[:b]) for b in bounds[1:] if b < len(shown))
+
+
+def test_stop_regex_and_out_of_vocabulary_stop_ids_in_the_offline_api(tiny_llama):
+    """stop_regex ends a request with finish "stop" (its text holds the match); a stop token id
+    past the vocabulary is accepted and never matches (SGLang's tests send one model's ids to
+    every model); a bad pattern is refused by name."""
+    import re
+
+    from minisgl.llm import LLM
+
+    llm = LLM(str(tiny_llama), device="cpu", max_total_tokens=4096)
+    free = llm.generate("Hello", {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True})[0]
+    target = free["text"][4:8]
+    pattern = re.escape(target)
+    out = llm.generate("Hello", {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True, "stop_regex": pattern})[0]
+    assert out["meta_info"]["finish_reason"] == "stop" and out["text"].endswith(target) and free["text"].startswith(out["text"])
+    far = llm.generate("Hello", {"max_new_tokens": 6, "temperature": 0, "stop_token_ids": [10**6],
+                                 "min_new_tokens": 2})[0]
+    assert far["output_ids"] == free["output_ids"][: len(far["output_ids"])]
+    with pytest.raises(ValueError, match="stop_regex"):
+        llm.generate("Hello", {"max_new_tokens": 4, "stop_regex": "(unclosed"})

@@ -185,11 +185,11 @@ class ApiBase:
         args = self.args
         check_sequences(len(reqs), args.max_sequences_per_request)
         for req in reqs:
-            stops = req.sampling.stop_strings
-            if len(stops) > args.max_stop_strings or any(len(s) > args.max_stop_length for s in stops):
-                raise BadRequest(f"stop takes at most {args.max_stop_strings} strings of at most "
-                                 f"{args.max_stop_length} characters (--max-stop-strings, --max-stop-length)",
-                                 param="stop")
+            for name, stops in (("stop", req.sampling.stop_strings), ("stop_regex", req.sampling.stop_regexes)):
+                if len(stops) > args.max_stop_strings or any(len(s) > args.max_stop_length for s in stops):
+                    raise BadRequest(f"{name} takes at most {args.max_stop_strings} strings of at most "
+                                     f"{args.max_stop_length} characters (--max-stop-strings, --max-stop-length)",
+                                     param=name)
         limit = self.args.max_queued_requests
         if limit is not None and len(self.client.active_rids) + len(reqs) > limit + self.info.max_running_requests:
             raise BadRequest(f"the server is at capacity ({limit} queued requests); retry later", status=503)

@@ -88,9 +88,9 @@ SAMPLING = Schema(
     implemented={"max_new_tokens", "stop", "stop_token_ids", "temperature", "top_p", "top_k", "min_p",
                  "frequency_penalty", "presence_penalty", "repetition_penalty", "ignore_eos", "skip_special_tokens",
                  "no_stop_trim", "logit_bias", "seed", "sampling_seed", "n", "min_new_tokens", "stream_interval",
-                 "json_schema", "regex", "ebnf"},
+                 "json_schema", "regex", "ebnf", "stop_regex"},
     inert={"custom_params"},
-    default_only={"stop_regex": None, "structural_tag": None, "spaces_between_special_tokens": True},
+    default_only={"structural_tag": None, "spaces_between_special_tokens": True},
     why={"structural_tag": STRUCTURAL_TAG},
 )
 
@@ -124,11 +124,11 @@ _OPENAI_COMMON = dict(
     implemented={"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
                  "presence_penalty", "frequency_penalty", "seed", "user", "top_k", "min_p", "repetition_penalty",
                  "stop_token_ids", "ignore_eos", "skip_special_tokens", "logit_bias", "logprobs", "no_stop_trim",
-                 "min_tokens", "response_format", "json_schema", "regex", "ebnf", "cache_salt"},
+                 "min_tokens", "response_format", "json_schema", "regex", "ebnf", "cache_salt", "stop_regex"},
     inert={"store", "metadata", "service_tier", "priority", "extra_key", "data_parallel_rank",
            "routed_dp_rank", "rid", "bootstrap_host", "bootstrap_port", "bootstrap_room", "stream_reasoning",
            "separate_reasoning", "return_text_in_logprobs"},
-    default_only={"lora_path": None, "session_params": None, "return_hidden_states": False, "stop_regex": None,
+    default_only={"lora_path": None, "session_params": None, "return_hidden_states": False,
                   "spaces_between_special_tokens": True},
     why={"lora_path": "LoRA adapters are not supported"},
 )

@@ -243,6 +243,7 @@ class _OpenAIBase(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
+    stop_regex: str | list[str] | None = None  # SGLang's
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: Int64 | None = None
@@ -276,7 +277,7 @@ class _OpenAIBase(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             max_new_tokens=max_tokens or 0, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             min_p=self.min_p, repetition_penalty=self.repetition_penalty,
             frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
-            seed=None if self.seed is None else self.seed + choice, stop=self.stop,
+            seed=None if self.seed is None else self.seed + choice, stop=self.stop, stop_regex=self.stop_regex,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens, no_stop_trim=self.no_stop_trim, logit_bias=self.logit_bias,
             min_new_tokens=min(self.min_tokens, max_tokens) if max_tokens else self.min_tokens,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated
 
 import msgspec
+import regex
 
 # Integer fields are bounded when decoded, so no value can overflow a tensor or a message.
 Int32 = Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)]
@@ -33,6 +34,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     presence_penalty: float = 0.0
     seed: Int64 | None = None
     stop: str | list[str] | None = None
+    stop_regex: str | list[str] | None = None  # SGLang's: ends the output at a match (kept in the text)
     stop_token_ids: list[Int32] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
@@ -53,6 +55,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def stop_regexes(self) -> list[str]:
+        if self.stop_regex is None:
+            return []
+        return [self.stop_regex] if isinstance(self.stop_regex, str) else list(self.stop_regex)
 
     @property
     def grammar(self) -> tuple[str, str] | None:
@@ -100,7 +108,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                     raise ValueError(f"logit_bias token {key} is outside the vocabulary [0, {vocab_size})")
         if self.stop_token_ids and len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids")
-        if self.stop_token_ids and vocab_size is not None:
-            bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
-            if bad:
-                raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
+        if self.stop_token_ids and min(self.stop_token_ids) < 0:
+            raise ValueError(f"stop_token_ids must be >= 0, got {min(self.stop_token_ids)}")
+        # (ids past the vocabulary are accepted and never match, as SGLang's own tests expect:
+        # they send one model's stop ids to every model)
+        for pattern in self.stop_regexes:
+            try:
+                regex.compile(pattern)
+            except regex.error as e:
+                raise ValueError(f"stop_regex {pattern!r} is not a valid regular expression: {e}") from None

@@ -123,6 +123,8 @@ class Scheduler:
     ) -> Req:
         """Validate and queue a request. Raises ValueError naming what is wrong."""
         params.validate(self.vocab_size)
+        if params.stop_token_ids and max(params.stop_token_ids) >= self.vocab_size:  # they never match: dropped
+            params.stop_token_ids = [t for t in params.stop_token_ids if t < self.vocab_size]
         if logprob_ids and not 0 <= min(logprob_ids) <= max(logprob_ids) < self.vocab_size:
             raise ValueError(f"token_ids_logprob must be in [0, {self.vocab_size})")
         if not prompt_ids:

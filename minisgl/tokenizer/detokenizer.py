@@ -8,10 +8,14 @@ the start of a stop string, so a stop string split across tokens is caught and n
 
 from __future__ import annotations
 
+import logging
 from typing import Any
+
+import regex
 
 from minisgl.utils import partial_suffix
 
+logger = logging.getLogger(__name__)
 REPLACEMENT = "\ufffd"
 
 
@@ -50,36 +54,64 @@ class IncrementalDetokenizer:
         return text[len(shown) :]
 
 
+REGEX_WINDOW = 4096  # characters of the text so far a stop regex is searched in (SGLang: a tail too)
+REGEX_TIMEOUT_S = 0.05  # per search: the tokenizer process serves every request
+
+
 class StopStringFilter:
-    def __init__(self, stops: list[str], keep: bool = False):
+    """Cuts the text at its first stop string, or ends it at the first match of a stop regex
+    (SGLang's ``stop_regex``; searched in the last ``REGEX_WINDOW`` characters after every
+    piece, ``$`` meaning the end of the text so far). A stop string is left out of the text
+    (kept with ``keep``); a regex match stays in, since a streamed client may have seen its start."""
+
+    def __init__(self, stops: list[str], keep: bool = False, regexes: list[str] | None = None):
         self.stops = [s for s in stops if s]
         self.keep = keep  # show the matched stop string (SGLang's no_stop_trim)
+        self.regexes = [(r, regex.compile(r)) for r in regexes or []]
         self._held = ""
-        self.matched: str | None = None  # the stop string that ended the text
+        self._tail = ""  # the last shown text, for the regexes
+        self.matched: str | None = None  # the stop string (or regex) that ended the text
 
     def feed(self, text: str, final: bool = False) -> str:
         """The part of ``text`` (appended to what is held) that can be shown. After a match,
-        returns the text before the stop string (through it with ``keep``) and sets ``matched``;
-        later calls return ""."""
+        returns the text before the stop string (through it with ``keep``; through a regex's
+        match) and sets ``matched``; later calls return ""."""
         if self.matched is not None:
             return ""
         buf = self._held + text
         hits = [(i, s) for i, s in ((buf.find(s), s) for s in self.stops) if i >= 0]
         if hits:
             at, stop = min(hits, key=lambda h: (h[0], -len(h[1])))
+            buf = buf[: at + (len(stop) if self.keep else 0)]
+        for pattern, compiled in list(self.regexes):
+            try:
+                m = compiled.search(self._tail + buf, timeout=REGEX_TIMEOUT_S)
+            except TimeoutError:  # a pattern that backtracks without end: it stops nothing
+                logger.warning("stop_regex %r took over %g s on %d characters: no longer searched",
+                               pattern, REGEX_TIMEOUT_S, len(self._tail) + len(buf))
+                self.regexes.remove((pattern, compiled))
+                continue
+            if m is not None and (not hits or m.end() - len(self._tail) <= at):
+                self.matched, self._held = pattern, ""
+                return buf[: max(m.end() - len(self._tail), 0)]
+        if hits:
             self.matched, self._held = stop, ""
-            return buf[: at + (len(stop) if self.keep else 0)]
+            return buf
         keep = 0 if final else partial_suffix(buf, self.stops)
         self._held = buf[len(buf) - keep :] if keep else ""
-        return buf[: len(buf) - keep]
+        shown = buf[: len(buf) - keep]
+        if self.regexes:
+            self._tail = (self._tail + shown)[-REGEX_WINDOW:]
+        return shown
 
 
 class TextStream:
     """One request's output text: detokenized incrementally, cut at its first stop string."""
 
-    def __init__(self, tokenizer: Any, stops: list[str], skip_special_tokens: bool = True, keep_stop: bool = False):
+    def __init__(self, tokenizer: Any, stops: list[str], skip_special_tokens: bool = True, keep_stop: bool = False,
+                 stop_regexes: list[str] | None = None):
         self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
-        self.stops = StopStringFilter(stops, keep_stop)
+        self.stops = StopStringFilter(stops, keep_stop, stop_regexes)
 
     def add(self, ids: list[int], final: bool = False) -> str:
         """New text safe to show; ``final`` flushes everything held back."""
