@@ -351,19 +351,19 @@ def test_a_page_outside_either_pool_is_refused_before_any_copy():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("io_backend", ["kernel", "direct", "background"])
+@pytest.mark.parametrize("io_backend", ["kernel", "direct"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
 def test_cuda_page_copies_equal_the_torch_reference(io_backend, dtype):
-    """Writes then loads through the page-copy kernel (or the 2D DMA copies, also the kernel
-    backend's loads that nothing waits for) move exactly the bytes the torch reference moves,
-    per-layer events included; a page written and then loaded in one batch round-trips."""
+    """Writes then loads through the page-copy kernel (or the 2D DMA copies) move exactly the
+    bytes the torch reference moves, per-layer events included; a page written and then
+    loaded in one batch round-trips."""
     from minisgl.kvcache import HostKVPool, MHAKVCache
 
     def pools(device: str) -> tuple:
         cache = MHAKVCache(40, 16, 5, 2, 64, dtype, torch.device(device))
         raw = cache.buffer.view(torch.uint8)
         raw.copy_(torch.randint(0, 120, raw.shape, generator=torch.Generator().manual_seed(0), dtype=torch.uint8))
-        host = HostKVPool(30, cache, "kernel" if io_backend == "background" else io_backend)
+        host = HostKVPool(30, cache, io_backend)
         host.buffer.view(torch.uint8).fill_(7)
         return cache, host
 
@@ -371,7 +371,7 @@ def test_cuda_page_copies_equal_the_torch_reference(io_backend, dtype):
     loads = [0, 1, 5, 2, 11, 20, 13, 33]  # (host, device): two of them read pages written just before
     gpu, gpu_host = pools("cuda")
     cpu, cpu_host = pools("cpu")
-    events = gpu_host.transfer(gpu, writes, loads, background=io_backend == "background")
+    events = gpu_host.transfer(gpu, writes, loads)
     assert len(events) == 5
     cpu_host.transfer(cpu, writes, loads)
     torch.cuda.current_stream().wait_event(events[-1])

@@ -64,6 +64,8 @@ class FakeGrammars:
     """Compiles ``regex`` texts into matchers of their length: at once or a few steps later
     (``tick``), and fails texts starting with "bad"."""
 
+    available = True  # (GrammarBackend's: xgrammar is installed)
+
     def __init__(self, rng: random.Random):
         self.rng = rng
         self.pending: list[tuple[Future, str]] = []

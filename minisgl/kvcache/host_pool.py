@@ -36,11 +36,6 @@ def _unregister(ops: object, buffer: torch.Tensor) -> None:
     ops.host_unregister(buffer.data_ptr())
 
 
-# Loads nothing waits for go through the DMA engines up to this many pages (two copies each; past
-# about a thousand queued copies every further one blocks the host thread: hicache_bandwidth.py).
-MAX_DMA_LOADS = 256
-
-
 class HostKVPool:
     """``disk``: the storage tier; this rank (``rank``) reads pages from it before a batch's
     copies and writes pages to it behind, on threads of its own."""
@@ -107,14 +102,12 @@ class HostKVPool:
                 self.disk.read_into(key, self.rank, self.page_bytes(page))
 
     def transfer(self, cache: MHAKVCache, writes: list[int], loads: list[int], disk_reads: Keyed = ([], []),
-                 disk_writes: Keyed = ([], []), background: bool = False) -> list[torch.cuda.Event]:
+                 disk_writes: Keyed = ([], [])) -> list[torch.cuda.Event]:
         """Copy device pages to host pages (``writes``: flat (device, host) pairs), then host
         pages to device pages (``loads``: (host, device) pairs), after the disk reads (and
         writes) of the storage tier. On CUDA the copies are queued on the copy stream behind the
         work already on the current stream, and the returned events mark each layer's copies
-        done (one event for all layers when no load goes through the kernel). ``background``:
-        nothing waits for these loads layer by layer (they run beside decode steps), so up to
-        ``MAX_DMA_LOADS`` pages take the DMA engines and leave the SMs to the forward."""
+        done (one event for all layers when no load goes through the kernel)."""
         if self.disk is not None:
             self._disk(writes, disk_reads, disk_writes)
         if not writes and not loads:
@@ -134,7 +127,7 @@ class HostKVPool:
         with torch.cuda.stream(self.stream):
             if writes:  # (the DMA engines: nothing waits for writes layer by layer)
                 self._dma(writes, dev_ptr, self.device_ptr, device, host)
-            if loads and (self.io_backend == "direct" or (background and len(loads) <= 2 * MAX_DMA_LOADS)):
+            if loads and self.io_backend == "direct":
                 self._dma(loads, self.device_ptr, dev_ptr, host, device)
             elif loads:
                 pinned = torch.tensor(loads, dtype=torch.int64).pin_memory()  # (so its upload can run behind)

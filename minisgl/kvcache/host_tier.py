@@ -19,10 +19,9 @@ thread until one finishes: 256 requests finishing at once on the 8B held it 160 
 ``io_step`` stays exact; a device page evicted before its write's batch has its copy moved into
 the batch being built (``expedite``).
 
-Loads are issued when a request is admitted; while others decode, its prefill waits until they
-are known to be done (``Memory.loading``), so the copy runs beside decode steps instead of ahead
-of a prefill. A prefill step waits for every load not yet known to be done (``wait_for_loads``),
-layer by layer with the copy kernel.
+Loads are issued when a request is admitted, with the batch that prefills it; a prefill step
+waits for every load not yet known to be done (``wait_for_loads``), layer by layer with the copy
+kernel, so the copy of layer i overlaps the prefill of the layers before it.
 """
 
 from __future__ import annotations

@@ -45,13 +45,7 @@ class Memory:
         self.cache.lock_handle(handle)
         req.slot, req.handle, req.pages = self.free_slots.pop(), handle, pages
         req.kv_len, req.table_len, req.prefill_target = handle.cached_len, 0, len(req.all_ids)
-        if loaded:
-            req.loads_step = self.host.step
         return loaded
-
-    def loading(self, req: Req) -> bool:
-        """Whether pages the request's prefill reads may still be coming back from host."""
-        return self.host is not None and req.loads_step > self.host.confirmed
 
     def _load(self, ids: list[int], handle: CacheHandle) -> int:
         """Bring the host-only continuation of ``handle`` along ``ids`` to the device (copied

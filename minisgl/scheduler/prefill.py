@@ -89,8 +89,6 @@ class PrefillPlanner:
         for req in prefilling:
             if budget <= 0:
                 return entries, admitted
-            if decoding and self.memory.loading(req):
-                continue  # its pages still load beside the decode steps: a prefill now would wait for them
             entry = self.chunk_of(req, min(budget, self.chunk))
             if entry is None:
                 return entries, admitted
@@ -106,13 +104,13 @@ class PrefillPlanner:
         for req in queue.order(step, memory.cache):
             if budget <= 0 or not memory.free_slots:
                 break
+            # Pages coming back from the host tier are copied by this very batch, whose prefill
+            # waits for each layer's copies before that layer (online multi-turn on the 8B: 47.3 s
+            # against 50.4 s when the prefill waited beside decode steps until they were done).
             loaded = memory.admit(req, reusable(req, len(req.all_ids) - 1))
             matched = req.kv_len
-            # Pages coming back from the host tier: while others decode, the copy runs beside
-            # their steps and the request prefills once it is done (its budget counted now).
-            defer = bool(loaded and decoding)
-            entry = None if defer else self.chunk_of(req, min(budget, self.chunk))
-            if entry is None and not defer:
+            entry = self.chunk_of(req, min(budget, self.chunk))
+            if entry is None:
                 memory.release(req)  # not enough pages now: try again after others finish
                 break
             admitted.append(req)
@@ -120,11 +118,8 @@ class PrefillPlanner:
                 self.counters.prefix_queried_tokens += req.prefill_target
                 self.counters.prefix_host_hit_tokens += loaded
             self.count_hit(req, matched)
-            if defer:
-                budget -= min(req.prefill_target - req.kv_len, self.chunk)
-            else:
-                entries.append(entry)
-                budget -= entry[1]
+            entries.append(entry)
+            budget -= entry[1]
         if not memory.free_slots or len(admitted) == len(queue):
             self.filling = False
         return entries, admitted

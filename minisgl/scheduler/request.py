@@ -47,7 +47,6 @@ class Req:
     handle: CacheHandle = CacheHandle(0)  # the locked cached prefix
     pages: list[int] = field(default_factory=list)  # KV pages for tokens [0, kv_len)
     kv_len: int = 0  # tokens whose KV is computed or being computed by a sent step
-    loads_step: int = -1  # the batch carrying this request's pages back from the host tier
     table_len: int = 0  # entries of `pages` already written to the worker's page table
     prefill_target: int = 0  # at admission: every token so far needs KV before decoding resumes
     # The short path of output processing (no logprobs, no grammar): its stop tokens and how

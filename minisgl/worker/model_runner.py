@@ -292,8 +292,7 @@ class ModelRunner:
         if batch.kv_writes or batch.kv_loads or batch.disk_read_keys or batch.disk_write_keys:
             self._events = self.host_pool.transfer(self.kv_cache, batch.kv_writes, batch.kv_loads,
                                                    (batch.disk_read_keys, batch.disk_read_pages),
-                                                   (batch.disk_write_keys, batch.disk_write_pages),
-                                                   background=not batch.wait_kv_io)
+                                                   (batch.disk_write_keys, batch.disk_write_pages))
             self._io_event = self._events[-1] if self._events else None
         if batch.wait_kv_io:  # (the copies may be an earlier step's: the stream runs them in order)
             self.kv_cache.layer_events = self._events
