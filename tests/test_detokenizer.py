@@ -48,6 +48,18 @@ def test_pieces_add_up_to_the_full_decode(tok, data):
         assert "".join(pieces) == tok.decode(ids, skip_special_tokens=skip)
 
 
+def _feed(f: StopStringFilter, text: str, cuts: list[int]) -> tuple[str, list[int]]:
+    """``text`` fed in the pieces ``cuts`` make (then flushed, unless a stop matched): what was
+    shown, and the piece boundaries."""
+    bounds = sorted({0, len(text), *[c for c in cuts if c <= len(text)]})
+    shown = ""
+    for a, b in zip(bounds, bounds[1:]):
+        shown += f.feed(text[a:b])
+        if f.matched:
+            return shown, bounds
+    return shown + f.feed("", final=True), bounds
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     text=st.text(alphabet="abc", max_size=30),
@@ -56,14 +68,7 @@ def test_pieces_add_up_to_the_full_decode(tok, data):
 )
 def test_stop_filter_cuts_at_the_first_completed_stop_and_never_leaks(text, stops, cuts):
     f = StopStringFilter(stops)
-    bounds = sorted({0, len(text), *[c for c in cuts if c <= len(text)]})
-    shown = ""
-    for a, b in zip(bounds, bounds[1:]):
-        shown += f.feed(text[a:b])
-        if f.matched:
-            break
-    if not f.matched:
-        shown += f.feed("", final=True)
+    shown, _ = _feed(f, text, cuts)
     ends = [text.find(s) + len(s) for s in stops if s in text]
     assert (f.matched is not None) == bool(ends)
     assert f.matched is None or f.matched in stops
@@ -121,14 +126,8 @@ def test_stop_regex_ends_the_text_through_its_first_match_however_it_is_split(te
     import re
 
     f = StopStringFilter([], regexes=[pattern])
-    bounds = sorted({0, len(text), *[c for c in cuts if c <= len(text)]})
-    shown = ""
-    for a, b in zip(bounds, bounds[1:]):
-        shown += f.feed(text[a:b])
-        if f.matched:
-            break
+    shown, bounds = _feed(f, text, cuts)
     if f.matched is None:
-        shown += f.feed("", final=True)
         assert shown == text
         # no prefix the pieces ended at matched (a `$` pattern may match only a longer text)
         assert not any(re.search(pattern, text[:b]) for b in bounds[1:])

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server_utils import ServerProcess
+from tests.server_utils import running_server
 from tests.test_server import idle_and_clean
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
@@ -21,16 +21,12 @@ TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather
 
 @pytest.fixture(scope="module")
 def server(smollm2_gguf: Path):
-    srv = ServerProcess(smollm2_gguf, "--max-total-tokens", "16384", "--dtype", "float32")
-    try:
-        srv.wait_ready()
+    with running_server(smollm2_gguf, "--max-total-tokens", "16384", "--dtype", "float32") as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")
-def client(server: ServerProcess):
+def client(server):
     import openai
 
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
