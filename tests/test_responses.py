@@ -151,3 +151,23 @@ def test_bad_bodies_are_refused_by_name(server, body, param):
     r = httpx.post(f"{server.url}/v1/responses", timeout=30, json={"model": "default", "input": "hi",
                                                                    "max_output_tokens": 4, **body})
     assert r.status_code == 400 and param in r.text, r.text
+
+
+def test_whole_and_streamed_items_come_from_one_path():
+    """A whole answer's items are those its stream ends with, however the text is split; an
+    answer of reasoning only still ends with a (empty) message."""
+    from minisgl.api.chat_output import ChatOutput
+    from minisgl.api.protocol import ToolPlan
+    from minisgl.api.responses import _Events
+
+    def items(pieces: list[str]) -> list[dict]:
+        out, stream = ChatOutput(ToolPlan(), "qwen3"), _Events()
+        for i, piece in enumerate(pieces):
+            stream.delta(out.delta(piece, i == len(pieces) - 1))
+        stream.finish()
+        return [{k: v for k, v in it.items() if k != "id"} for it in stream.items]
+
+    for text in ("<think>plan</think>Paris.", "<think>only thinking</think>"):
+        whole = items([text])
+        assert whole == items([text[:5], text[5:12], text[12:]])
+        assert [it["type"] for it in whole] == ["reasoning", "message"]

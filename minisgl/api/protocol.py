@@ -505,5 +505,3 @@ def _validate(params: SamplingParams) -> None:
         params.validate()
     except ValueError as e:
         raise BadRequest(str(e), param=str(e).split(" ", 1)[0]) from None
-    if params.stop_token_ids is not None and any(t < 0 for t in params.stop_token_ids):
-        raise BadRequest("stop_token_ids must be >= 0", param="stop_token_ids")

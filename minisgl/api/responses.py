@@ -45,20 +45,19 @@ def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def _message_item(text: str, status: str = "completed", item_id: str | None = None) -> dict[str, Any]:
-    return {"type": "message", "id": item_id or _id("msg"), "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+def _message_item() -> dict[str, Any]:
+    return {"type": "message", "id": _id("msg"), "status": "in_progress", "role": "assistant",
+            "content": [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}]}
 
 
-def _reasoning_item(text: str, item_id: str | None = None) -> dict[str, Any]:
-    return {"type": "reasoning", "id": item_id or _id("rs"), "summary": [],
-            "content": [{"type": "reasoning_text", "text": text}]}
+def _reasoning_item() -> dict[str, Any]:
+    return {"type": "reasoning", "id": _id("rs"), "summary": [],
+            "content": [{"type": "reasoning_text", "text": ""}]}
 
 
-def _call_item(call_id: str, name: str, arguments: str, status: str = "completed",
-               item_id: str | None = None) -> dict[str, Any]:
-    return {"type": "function_call", "id": item_id or _id("fc"), "call_id": call_id, "name": name,
-            "arguments": arguments, "status": status}
+def _call_item(call_id: str, name: str) -> dict[str, Any]:
+    return {"type": "function_call", "id": _id("fc"), "call_id": call_id, "name": name, "arguments": "",
+            "status": "in_progress"}
 
 
 def _answer(items: list[dict[str, Any]]) -> ChatMessageIn:
@@ -97,14 +96,14 @@ class _Events:
         out: list[bytes] = []
         if delta.get("reasoning_content"):
             if self.open is None or self.open["type"] != "reasoning":
-                out += self.open_item(_reasoning_item(""))
+                out += self.open_item(_reasoning_item())
             part = self.open["content"][0]
             part["text"] += delta["reasoning_content"]
-            out.append(self.event("response.reasoning_text.delta", item_id=self.open["id"], output_index=len(self.items),
-                                  content_index=0, delta=delta["reasoning_content"]))
+            out.append(self.event("response.reasoning_text.delta", item_id=self.open["id"],
+                                  output_index=len(self.items), content_index=0, delta=delta["reasoning_content"]))
         if delta.get("content"):
             if self.open is None or self.open["type"] != "message":
-                out += self.open_item(_message_item("", "in_progress"))
+                out += self.open_item(_message_item())
             part = self.open["content"][0]
             part["text"] += delta["content"]
             out.append(self.event("response.output_text.delta", item_id=self.open["id"], output_index=len(self.items),
@@ -112,12 +111,19 @@ class _Events:
         for call in delta.get("tool_calls", []):
             function = call["function"]
             if "id" in call:  # a call starts
-                out += self.open_item(_call_item(call["id"], function["name"], "", "in_progress"))
+                out += self.open_item(_call_item(call["id"], function["name"]))
             self.open["arguments"] += function["arguments"]
             if function["arguments"]:
                 out.append(self.event("response.function_call_arguments.delta", item_id=self.open["id"],
                                       output_index=len(self.items), delta=function["arguments"]))
         return out
+
+    def finish(self) -> list[bytes]:
+        """End the answer: close its last item; one with neither a message nor a call gets an
+        empty message."""
+        items = self.items + ([self.open] if self.open is not None else [])
+        out = [] if any(it["type"] != "reasoning" for it in items) else self.open_item(_message_item())
+        return out + self.close()
 
     def close(self) -> list[bytes]:
         """Finish the item being streamed."""
@@ -161,11 +167,12 @@ class ResponsesRoutes(OpenAIRoutes):
             previous = stored.previous
         return [m for messages in reversed(chain) for m in messages]
 
-    def _head(self, body: ResponsesRequest, rid: str, status: str) -> dict[str, Any]:
+    def _head(self, body: ResponsesRequest, rid: str) -> dict[str, Any]:
         fmt = body.text.format if body.text and body.text.format else None
         return {
-            "id": rid, "object": "response", "created_at": int(time.time()), "status": status, "model": body.model,
-            "output": [], "error": None, "incomplete_details": None, "instructions": body.instructions,
+            "id": rid, "object": "response", "created_at": int(time.time()), "status": "in_progress",
+            "model": body.model, "output": [], "error": None, "incomplete_details": None,
+            "instructions": body.instructions,
             "max_output_tokens": body.max_output_tokens, "parallel_tool_calls": body.parallel_tool_calls,
             "previous_response_id": body.previous_response_id, "temperature": body.temperature,
             "top_p": body.top_p, "tool_choice": body.tool_choice or "auto",
@@ -201,19 +208,14 @@ class ResponsesRoutes(OpenAIRoutes):
         rid = _id("resp")
         runs, outputs = await self._chat_runs(chat, rid)
         run, output = runs[0], outputs[0]
-        response = self._head(body, rid, "in_progress")
+        response = self._head(body, rid)
         if not body.stream:
             if not await self._collect(runs, request):
                 return Response(status_code=499)
-            message = output.message(run.text)
-            items = []
-            if message.get("reasoning_content"):
-                items.append(_reasoning_item(message["reasoning_content"]))
-            if message.get("content") or not message.get("tool_calls"):
-                items.append(_message_item(message.get("content") or ""))
-            items += [_call_item(c["id"], c["function"]["name"], c["function"]["arguments"])
-                      for c in message.get("tool_calls", [])]
-            return JSONResponse(self._finish(body, response, run, items, own))
+            whole = _Events()  # the whole answer as one final delta: the items a stream ends with
+            whole.delta(output.delta(run.text, True))
+            whole.finish()
+            return JSONResponse(self._finish(body, response, run, whole.items, own))
 
         async def events() -> AsyncIterator[bytes]:
             stream = _Events()
@@ -222,10 +224,7 @@ class ResponsesRoutes(OpenAIRoutes):
             async for _, upd in merge(runs):
                 for chunk in stream.delta(output.delta(upd.text, upd.finish_reason is not None)):
                     yield chunk
-            if not stream.items and stream.open is None:  # an empty answer is an empty message
-                for chunk in stream.open_item(_message_item("", "in_progress")):
-                    yield chunk
-            for chunk in stream.close():
+            for chunk in stream.finish():
                 yield chunk
             done = self._finish(body, response, run, stream.items, own)
             kind = "response.completed" if done["status"] == "completed" else f"response.{done['status']}"

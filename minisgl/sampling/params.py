@@ -52,15 +52,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     @property
     def stop_strings(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        return _listed(self.stop)
 
     @property
     def stop_regexes(self) -> list[str]:
-        if self.stop_regex is None:
-            return []
-        return [self.stop_regex] if isinstance(self.stop_regex, str) else list(self.stop_regex)
+        return _listed(self.stop_regex)
 
     @property
     def grammar(self) -> tuple[str, str] | None:
@@ -117,3 +113,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 regex.compile(pattern)
             except regex.error as e:
                 raise ValueError(f"stop_regex {pattern!r} is not a valid regular expression: {e}") from None
+
+
+def _listed(value: str | list[str] | None) -> list[str]:
+    """A field that takes one string or a list of them, as a list."""
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else list(value)

@@ -16,7 +16,6 @@ keeps its scheduler process small.
 from __future__ import annotations
 
 import importlib.util
-
 import json
 import threading
 from collections import OrderedDict
