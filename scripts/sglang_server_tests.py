@@ -25,9 +25,12 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.server import start_server  # noqa: E402
 
 SGLANG_VERSION = "0.5.10.post1"
 SERVER_ARGS = "--dtype float32 --max-total-tokens 65536 --max-sequences-per-request 512"  # (the radix kit: 401 prompts)
@@ -131,26 +134,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: str, port: int, extra: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "minisgl.launch", "--model", model, "--port", str(port), "--device", "cpu",
-           "--log-level", "warning", *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 300
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if line.startswith("minisgl ready"):
-            break
-        if time.monotonic() > deadline:
-            break
-    else:
-        raise SystemExit(f"the server did not start (exit code {proc.wait()})")
-    # keep draining its output so it never blocks on a full pipe
-    import threading
-
-    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
-    return proc
-
-
 def run(model: str, source: Path | None, server_args: list[str], pytest_args: list[str]) -> dict[str, str]:
     """Each test's outcome ("passed", "failed: ..."), by its pytest id."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -161,7 +144,7 @@ def run(model: str, source: Path | None, server_args: list[str], pytest_args: li
                               for names in KITS.values() for name in names)
         (workdir / "test_sglang_kits.py").write_text(TEST_MODULE.format(imports=imports, classes=classes))
         port = free_port()
-        server = start_server(model, port, server_args)
+        server, _ = start_server(model, port, ["--device", "cpu", *server_args])
         try:
             env = {**os.environ, "PYTHONPATH": f"{shim}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                    "SGLANG_KITS_URL": f"http://127.0.0.1:{port}", "SGLANG_KITS_MODEL": "default",
