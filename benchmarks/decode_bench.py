@@ -201,6 +201,8 @@ CASCADE_VARIANTS = [  # (name, step kind, FlashInferBackend options); knob varia
     "rows64": dict(shared_rows=64),
     "items4": dict(items_per_sm=4),  # items per SM that segment lengths aim at
     "items16": dict(items_per_sm=16),
+    "items32": dict(items_per_sm=32),
+    "items64": dict(items_per_sm=64),
     "programs4": dict(programs_per_sm=4),  # CTAs per SM under graphs
     "programs16": dict(programs_per_sm=16),
 }.items()]

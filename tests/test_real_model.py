@@ -147,9 +147,14 @@ def test_forced_tool_calls_on_the_real_model(llm: LLM):
 
 
 def test_conversion_cache_is_keyed_by_content_and_drops_stale_folders(smollm2_gguf: Path, tmp_path: Path):
-    """A copy of the file (new path, new mtime) finds the same folder; folders made from an
-    earlier content of the path, or by older versions without a source record, are removed."""
+    """A copy of the file (new path, new mtime) finds the same folder, which then loads from the
+    copy; folders made from an earlier content of the path, or by older versions without a
+    source record, are removed; the folder holds no weights (they stay in the file) and an older
+    version's float32 copy of them is deleted."""
     import shutil
+
+    from minisgl.models.gguf_file import gguf_source
+    from minisgl.models.loader import iter_weights
 
     cache = tmp_path / "cache"
     copy = tmp_path / "a" / smollm2_gguf.name
@@ -161,10 +166,19 @@ def test_conversion_cache_is_keyed_by_content_and_drops_stale_folders(smollm2_gg
         folder.mkdir(parents=True)
     (stale / "source.json").write_text(json.dumps({"path": str(copy.resolve()), "sha256": "0" * 64}))
     folder = converted_checkpoint(copy, cache)
-    assert (folder / "model.safetensors").is_file() and not stale.exists() and not old_format.exists()
+    assert not stale.exists() and not old_format.exists() and gguf_source(folder) == copy.resolve()
+    assert sum(f.stat().st_size for f in folder.iterdir()) < 8 << 20  # config and tokenizer only
     second = tmp_path / "b" / smollm2_gguf.name
     second.parent.mkdir()
     shutil.copy(smollm2_gguf, second)
-    made = (folder / "model.safetensors").stat().st_mtime_ns
+    made = (folder / "config.json").stat().st_mtime_ns
+    (folder / "model.safetensors").write_bytes(b"an older version's float32 weights")
     assert converted_checkpoint(second, cache) == folder
-    assert (folder / "model.safetensors").stat().st_mtime_ns == made  # not converted again
+    assert (folder / "config.json").stat().st_mtime_ns == made  # not converted again
+    assert gguf_source(folder) == second.resolve() and not (folder / "model.safetensors").exists()
+    copy.unlink()  # the folder loads from where the file was last found
+    name, tensor = next(iter(iter_weights(folder)))
+    assert tensor.dtype == torch.float32 and tensor.numel() > 0
+    second.unlink()
+    with pytest.raises(FileNotFoundError, match="pass the .gguf file again"):
+        next(iter(iter_weights(folder)))

@@ -1,12 +1,14 @@
 """GGUF checkpoints (llama.cpp's single-file format), read with the ``gguf`` package.
 
 A ``.gguf`` file becomes a checkpoint folder that the engine then loads like any other:
-config.json from the file's metadata, every tensor dequantized to float32 safetensors (the
-values the quantized file stands for; ``--dtype`` casts them at load), and the tokenizer with
-its chat template from the metadata. The folder is built once and cached under
-``~/.cache/minisgl/gguf`` by a hash of the file's content (hashed once per path, size and
-modification time: a restart, a copy or a touched file finds the same folder), and a new
-conversion of a path removes the folders of that path's earlier contents.
+config.json from the file's metadata and the tokenizer with its chat template. The weights stay
+in the file: they are dequantized tensor by tensor as the model loads (``iter_gguf_weights``; the
+values the quantized file stands for, in float32, which the loader casts to the model dtype), so
+the folder takes a few MB, not four bytes per weight (a 93 MB Q4_1 file is 517 MB in float32).
+The folder is made once and cached under ``~/.cache/minisgl/gguf`` by a hash of the file's
+content (hashed once per path, size and modification time: a restart, a copy or a touched file
+finds the same folder, which records the path it was last found at), and a new conversion of a
+path removes the folders of that path's earlier contents.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -81,13 +84,16 @@ def converted_checkpoint(path: Path, cache_root: Path = CACHE_ROOT) -> Path:
     """The cached checkpoint folder for a .gguf file, converting it first if needed."""
     digest = content_key(path, cache_root)
     out = cache_root / f"{path.stem}-{digest[:16]}"
-    if (out / "model.safetensors").is_file():
+    if (out / "config.json").is_file() and (out / SOURCE).is_file():
+        (out / "model.safetensors").unlink(missing_ok=True)  # older versions kept float32 weights here
+        if gguf_source(out) != path.resolve():  # the same content found at another path
+            _write_source(out, path, digest)
         return out
     cache_root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=cache_root))
     try:
         convert(path, tmp)
-        (tmp / "source.json").write_text(json.dumps({"path": str(path.resolve()), "sha256": digest}))
+        _write_source(tmp, path, digest)
         try:
             tmp.rename(out)  # atomic: another process converting the same file may have won
         except OSError:
@@ -99,12 +105,29 @@ def converted_checkpoint(path: Path, cache_root: Path = CACHE_ROOT) -> Path:
     return out
 
 
+SOURCE = "source.json"  # in a converted folder: the .gguf file its weights come from
+
+
+def _write_source(folder: Path, path: Path, digest: str) -> None:
+    tmp = folder / f".source-{os.getpid()}.json"
+    tmp.write_text(json.dumps({"path": str(path.resolve()), "sha256": digest}))
+    tmp.replace(folder / SOURCE)
+
+
+def gguf_source(folder: Path) -> Path | None:
+    """The .gguf file whose weights a converted ``folder`` loads; None for any other folder."""
+    try:
+        return Path(json.loads((folder / SOURCE).read_text())["path"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _remove_stale(cache_root: Path, source: Path, digest: str) -> None:
     """Folders converted from earlier contents of ``source`` (the file changed since), and
     folders of its name that older versions made without saying their source."""
     for folder in cache_root.glob(f"{source.stem}-*"):
         try:
-            entry = json.loads((folder / "source.json").read_text())
+            entry = json.loads((folder / SOURCE).read_text())
         except FileNotFoundError:
             entry = {"path": str(source)}  # an older version's folder for a file of this name
         except (OSError, ValueError):
@@ -115,17 +138,14 @@ def _remove_stale(cache_root: Path, source: Path, digest: str) -> None:
 
 
 def convert(path: Path, out: Path) -> None:
-    """Write config.json, model.safetensors and the tokenizer files of ``path`` into ``out``."""
+    """Write config.json and the tokenizer files of ``path`` into ``out``."""
     import gguf
-    from safetensors.torch import save_file
 
     reader = gguf.GGUFReader(str(path))
     config = _config(reader, path)
-    tensors = _tensors(reader, config, path)
-    if "lm_head.weight" not in tensors:
+    if not any(_hf_name(t.name) == "lm_head.weight" for t in reader.tensors):
         config["tie_word_embeddings"] = True
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    save_file(tensors, str(out / "model.safetensors"))
     _save_tokenizer(path, out)
 
 
@@ -183,12 +203,19 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _tensors(reader: Any, config: dict[str, Any], path: Path) -> dict[str, torch.Tensor]:
+def iter_gguf_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weights of a converted ``folder``, dequantized from its .gguf file one tensor at a
+    time, under Hugging Face names and in float32."""
+    import gguf
     from gguf import GGMLQuantizationType, quants
     from tqdm import tqdm
 
-    out: dict[str, torch.Tensor] = {}
-    for t in tqdm(reader.tensors, desc=f"Dequantizing {path.name}", unit="tensor"):
+    path = gguf_source(folder)
+    if path is None or not path.is_file():
+        raise FileNotFoundError(f"{folder} loads its weights from {path}, which is gone; pass the .gguf file again")
+    config = json.loads((folder / "config.json").read_text())
+    reader = gguf.GGUFReader(str(path))
+    for t in tqdm(reader.tensors, desc=f"Loading weights from {path.name}", unit="tensor", dynamic_ncols=True):
         try:
             data = quants.dequantize(t.data, t.tensor_type)
         except NotImplementedError:
@@ -202,8 +229,7 @@ def _tensors(reader: Any, config: dict[str, Any], path: Path) -> dict[str, torch
                 data = _unpermute(data, config["num_attention_heads"])
             elif name.endswith("k_proj.weight"):
                 data = _unpermute(data, config["num_key_value_heads"])
-        out[name] = torch.from_numpy(np.array(data, copy=not data.flags.writeable, order="C"))
-    return out
+        yield name, torch.from_numpy(np.array(data, copy=not data.flags.writeable, order="C"))
 
 
 def _save_tokenizer(path: Path, out: Path) -> None:

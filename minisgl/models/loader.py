@@ -1,6 +1,7 @@
 """Find a checkpoint (local folder or hub id), build the model, and fill its weights.
 
-Weights come from one or many ``*.safetensors`` files (with or without an index), or, with
+Weights come from one or many ``*.safetensors`` files (with or without an index), from the
+.gguf file a converted GGUF folder names (``gguf_file``), or, with
 ``load_format="dummy"``, from a seeded random init in the real shapes (for benchmarks). FP8
 checkpoints (compressed-tensors, block-wise "fp8") load their weights and scales as they are;
 ``quantization="fp8"`` quantizes a float checkpoint's linear weights as they load.
@@ -22,7 +23,7 @@ from tqdm import tqdm
 from minisgl.config import ModelConfig
 from minisgl.layers.quantization import FP8, FP8_MAX, quantization_scheme, to_fp8
 from minisgl.models import get_model_class
-from minisgl.models.gguf_file import converted_checkpoint, find_gguf
+from minisgl.models.gguf_file import converted_checkpoint, find_gguf, gguf_source, iter_gguf_weights
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,11 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """A checkpoint folder's tensors by name: its safetensors files, or the .gguf file a
+    converted GGUF folder stands for."""
+    if gguf_source(model_dir) is not None:
+        yield from iter_gguf_weights(model_dir)
+        return
     files = safetensors_files(model_dir)
     total = 0
     for f in files:
