@@ -265,13 +265,17 @@ def test_rope_store_writes_fp8_like_the_reference(qk_norm):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("mode", ["prefill", "decode", "cascade"])
+@pytest.mark.parametrize("mode", ["prefill", "prefill_wide", "decode", "cascade"])
 def test_attention_kernels_read_fp8_like_the_reference(mode):
+    """prefill_wide: a chunk large enough that its pages are widened to bf16 for the 16-bit
+    kernels, two of its requests sharing their cached pages (read once into the scratch)."""
     from tests.test_cuda import _random_batch, backend_outputs
 
     hq, hk, dim, pages, page_size, scales = 32, 8, 128, 512, 16, (0.7, 1.3)
     if mode == "prefill":
         cached, new = [0, 37, 300, 5], [45, 1, 129, 260]
+    elif mode == "prefill_wide":
+        cached, new = [1024, 1024, 300, 0], [600, 700, 1000, 300]
     else:
         cached, new = [300, 200, 700, 400, 1023, 64], [1] * 6
     outs = []
@@ -285,10 +289,42 @@ def test_attention_kernels_read_fp8_like_the_reference(mode):
             meta.group_sizes, meta.group_pages = [2, 2], [8, 4]
             meta.page_table[1, :8] = meta.page_table[0, :8]
             meta.page_table[3, :4] = meta.page_table[2, :4]
+        if mode == "prefill_wide":
+            meta.page_table[1, :64] = meta.page_table[0, :64]  # a shared cached prefix
+        meta.page_table_host = meta.page_table.cpu().numpy()
         backend = create_backend(name, cache, hq, hk, dim, dtype=torch.bfloat16)
         outs.append(backend_outputs(backend, cache, meta, hq, new, scales))
+        if name == "flashinfer" and mode.startswith("prefill"):
+            widened = backend.wide_pages
+            assert (widened is not None) == (mode == "prefill_wide")
+            if widened is not None:  # every page read, once
+                read = {int(p) for row, (c, n) in enumerate(zip(cached, new))
+                        for p in meta.page_table_host[row, : -(-(c + n) // page_size)]}
+                assert sorted(widened.tolist()) == sorted(read)
     for ref, got in zip(*outs):
         torch.testing.assert_close(got.float(), ref.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.cuda
+def test_fp8_prefill_widened_or_not_gives_the_same_logits(tmp_path, monkeypatch):
+    """A long prefill on an fp8 cache through widened pages (bf16 kernels) and through FlashInfer's
+    fa2 kernels on the fp8 pages: two exact views of the same pages, so the logits agree to the
+    kernels' rounding (their summation orders differ, so not to the bit)."""
+    from minisgl.attention import flashinfer_backend
+    from tests.helpers import prefill_batch
+
+    path = make_tiny_model("llama", tmp_path / "llama-hd128", overrides={"head_dim": 128})
+    runner = ModelRunner(EngineArgs(model=str(path), device="cuda", dtype="bfloat16", max_total_tokens=16384,
+                                    page_size=16, kv_cache_dtype="fp8_e4m3", cuda_graph_max_bs=0))
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 1000, (n,), generator=gen).tolist() for n in (900, 700, 1000, 300)]
+    logits = {}
+    for name, least in {"wide": flashinfer_backend.WIDE_MIN_CHUNK_TOKENS, "fa2": 1 << 30}.items():
+        monkeypatch.setattr(flashinfer_backend, "WIDE_MIN_CHUNK_TOKENS", least)
+        logits[name] = runner.forward(prefill_batch(runner, prompts)).float()
+        assert (runner.attn.wide_pages is not None) == (name == "wide")
+    torch.testing.assert_close(logits["wide"], logits["fa2"], atol=5e-2, rtol=5e-2)
+    assert (logits["wide"].argmax(-1) == logits["fa2"].argmax(-1)).all()
 
 
 @pytest.mark.cuda

@@ -40,6 +40,7 @@ class AttentionMetadata:
     out_loc: torch.Tensor  # [T] int64
     group_sizes: list[int] = field(default_factory=list)
     group_pages: list[int] = field(default_factory=list)
+    page_table_host: np.ndarray | None = None  # the page table's host copy, where the runner keeps one
 
     @property
     def num_reqs(self) -> int:

@@ -1,7 +1,11 @@
 """FlashInfer paged attention on CUDA for prefill, our Triton kernel for decode.
 
 One plan per step, reused by every layer. Prefill attends to the request's cached prefix plus
-its new tokens with FlashInfer's paged prefill, a causal mask aligned to the sequence end.
+its new tokens with FlashInfer's paged prefill, a causal mask aligned to the sequence end. On an
+fp8 cache FlashInfer's prefill reads fp8 pages only on its fa2 kernels (fa3 wants an fp8 query
+too), twice as slow as fa3 on bf16 pages: chunks with enough new tokens per request instead widen
+the distinct pages they read into a scratch in the model dtype (exact) and run the 16-bit kernels
+(``WIDE_MIN_NEW_TOKENS``; benchmarks/fp8_prefill_bench.py).
 
 Decode steps (one new token each) run on our kernel (``attention.cascade_triton``): cascade
 steps (groups of requests sharing a cached prefix, see ``ForwardBatch``), whose shared level
@@ -26,6 +30,14 @@ from minisgl.kvcache import BaseKVCache
 
 # Split-KV scratch of the prefill and decode wrappers.
 WORKSPACE_BYTES = 256 * 1024 * 1024
+# fp8 prefill through widened pages, measured on the H100 (8B heads, ms per layer: fa2 on fp8 pages
+# against widening + fa3): one 8192-token prompt 2.14 / 1.04, 8192 on 24k cached 13.5 / 6.8, 64
+# requests x 128 new on 2048 shared 1.07 / 0.68; but 256 x 32 new on 2048: 1.05 / 2.27 (fa3's
+# 128-row query tiles), and small chunks gain nothing. Hence: at least this many new tokens per
+# request and in all, and at most WIDE_MAX_BYTES of scratch (else fp8 pages as they are).
+WIDE_MIN_NEW_TOKENS = 128
+WIDE_MIN_CHUNK_TOKENS = 2048
+WIDE_MAX_BYTES = 256 << 20
 
 
 def plan_decode(wrapper, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor,
@@ -82,6 +94,9 @@ class FlashInferBackend(AttentionBackend):
         self.q_dtype = dtype or self.kv_dtype  # an fp8 cache is read with q in the model dtype
         self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        fp8 = self.kv_dtype == torch.float8_e4m3fn and self.q_dtype in (torch.bfloat16, torch.float16)
+        self.prefill_wide = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD") if fp8 else None
+        self.wide_pages: torch.Tensor | None = None  # this step's pool pages for the scratch, if widening
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True)
         if decode_backend not in ("flashinfer", "triton"):
             raise ValueError(f"unknown decode attention backend {decode_backend!r} (flashinfer, triton)")
@@ -129,6 +144,7 @@ class FlashInferBackend(AttentionBackend):
 
     def prepare(self, meta: AttentionMetadata, graph_batch_size: int | None = None) -> None:
         super().prepare(meta)
+        self.wide_pages = None
         page_size = self.kv_cache.page_size
         seq_lens = meta.seq_lens
         # A group's shared level reads whole tiles of its prefix; each member reads the rest.
@@ -156,15 +172,43 @@ class FlashInferBackend(AttentionBackend):
             self.wrapper = self.decode if graph_batch_size is None else self._graph_wrapper(graph_batch_size)
             plan_decode(self.wrapper, kv_indptr, indices, last_page_len, kv_lens, heads, **common)
         else:
-            self.wrapper = self.prefill
             qo_indptr = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
             qo_indptr[1:] = torch.tensor(meta.new_lens, dtype=torch.int32).cumsum(0)
-            self.prefill.plan(qo_indptr, kv_indptr, indices, last_page_len, *heads, causal=True, **common)
+            self.wrapper = self.prefill
+            wide = self._wide_indices(meta, num_pages)
+            if wide is not None:
+                self.wrapper, (self.wide_pages, indices) = self.prefill_wide, wide
+                common["kv_data_type"] = self.q_dtype
+            self.wrapper.plan(qo_indptr, kv_indptr, indices, last_page_len, *heads, causal=True, **common)
+
+    def _wide_indices(self, meta: AttentionMetadata, num_pages: np.ndarray) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For a prefill chunk on an fp8 cache that pays for widening: the distinct pool pages it
+        reads (int64, on the device) and its page list as positions among them; else None."""
+        new = np.asarray(meta.new_lens)
+        if (self.prefill_wide is None or meta.page_table_host is None or new.sum() < WIDE_MIN_CHUNK_TOKENS
+                or new.sum() < WIDE_MIN_NEW_TOKENS * len(new)):
+            return None
+        rows = np.repeat(np.asarray(meta.slots), num_pages)
+        cols = np.arange(len(rows)) - np.repeat(np.cumsum(num_pages) - num_pages, num_pages)
+        pages, positions = np.unique(meta.page_table_host[rows, cols], return_inverse=True)
+        page_bytes = self.kv_cache.k_cache(0)[0].numel() * torch.finfo(self.q_dtype).bits // 8
+        if 2 * len(pages) * page_bytes > WIDE_MAX_BYTES:
+            return None
+        device = self.workspace.device
+        return (torch.from_numpy(pages.astype(np.int64)).to(device, non_blocking=True),
+                torch.from_numpy(positions.astype(np.int32)).to(device, non_blocking=True))
 
     def forward(self, q: torch.Tensor, layer_id: int) -> torch.Tensor:
         cache = (self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id))
         k_scale, v_scale = self.kv_cache.scales[layer_id]
         if self.step == "flashinfer":
+            if self.wide_pages is not None:
+                from minisgl.kernels.fp8 import widen_pages
+
+                shape = (len(self.wide_pages), *cache[0].shape[1:])
+                wide = (torch.empty(shape, dtype=q.dtype, device=q.device), torch.empty(shape, dtype=q.dtype, device=q.device))
+                widen_pages(*cache, self.wide_pages, *wide)
+                return self.wrapper.run(q, wide, k_scale=k_scale, v_scale=v_scale)
             if self.kv_dtype != q.dtype:
                 return self.wrapper.run(q, cache, k_scale=k_scale, v_scale=v_scale)
             return self.wrapper.run(q, cache)

@@ -205,3 +205,30 @@ def block_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scal
                          GROUP=block or 128, SWIZZLE=8, PER_GROUP=block is not None, num_warps=warps,
                          num_stages=stages)
     return c
+
+
+@triton.jit
+def _widen_pages_kernel(k_ptr, v_ptr, pages_ptr, k_out_ptr, v_out_ptr, page_elems, BLOCK: tl.constexpr):
+    """Scratch page i of K and V = pool page ``pages[i]``, widened from fp8 (exact: e4m3 values
+    are bf16 and fp16 values)."""
+    i = tl.program_id(0).to(tl.int64)
+    src = tl.load(pages_ptr + i).to(tl.int64) * page_elems
+    dst = i * page_elems
+    for start in range(0, page_elems, BLOCK):
+        at = start + tl.arange(0, BLOCK)
+        ok = at < page_elems
+        k = tl.load(k_ptr + src + at, mask=ok)
+        tl.store(k_out_ptr + dst + at, k.to(k_out_ptr.dtype.element_ty), mask=ok)
+        v = tl.load(v_ptr + src + at, mask=ok)
+        tl.store(v_out_ptr + dst + at, v.to(v_out_ptr.dtype.element_ty), mask=ok)
+
+
+def widen_pages(k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor, k_out: torch.Tensor,
+                v_out: torch.Tensor) -> None:
+    """k_out[i], v_out[i] = the fp8 pool's page ``pages[i]`` in the outputs' dtype; caches
+    [pages, page_size, Hk, D] contiguous per page, outputs [len(pages), page_size, Hk, D]."""
+    page_elems = k_cache[0].numel()
+    assert k_cache.stride(0) == v_cache.stride(0) == page_elems and k_out.is_contiguous() and v_out.is_contiguous()
+    if len(pages):
+        _widen_pages_kernel[(len(pages),)](k_cache, v_cache, pages, k_out, v_out, page_elems, BLOCK=4096,
+                                           num_warps=WARPS)
