@@ -104,8 +104,9 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/offline_<model>.json)")
     ap.add_argument("--profile", action="store_true",
                     help="profile the first workload (radix on): GPU kernels and idle time, then the host by function")
-    ap.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "fp8"],
-                    help="linear layers per mode (paired with --kv-cache-dtype; one value applies to all)")
+    ap.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "fp8", "fp8-head"],
+                    help="linear layers per mode (paired with --kv-cache-dtype; one value applies to all); "
+                         "fp8-head: fp8 with the LM head quantized too (--quantize-lm-head)")
     ap.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=["auto", "fp8_e4m3"])
     ap.add_argument("--hicache", type=float, default=0.0, metavar="GB",
                     help="build the engine with a host tier of this many GB (--enable-hierarchical-cache "
@@ -139,7 +140,8 @@ def main() -> None:
         llm = LLM(args.model, load_format=args.load_format, page_size=args.page_size,
                   max_running_requests=args.max_running_requests, chunked_prefill_size=args.chunked_prefill_size,
                   context_length=args.context_length, tp_size=args.tp_size, cuda_graph_max_bs=args.cuda_graph_max_bs,
-                  quantization=None if quantization == "none" else quantization, kv_cache_dtype=kv_dtype,
+                  quantization=None if quantization == "none" else "fp8", kv_cache_dtype=kv_dtype,
+                  quantize_lm_head=quantization == "fp8-head",
                   enable_hierarchical_cache=args.hicache > 0, hicache_size=args.hicache)
         if args.profile:
             profile(llm, WORKLOADS[args.workloads[0]](llm.runner.vocab_size))

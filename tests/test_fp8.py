@@ -151,6 +151,30 @@ def test_checkpoint_kv_scales_reach_an_fp8_cache(fp8_checkpoints):
     assert make_llm(fp8_checkpoints["block"]).runner.kv_cache.scales[0] == (1.0, 1.0)  # unused in fp32
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # an untied head and one tied to the embedding
+def test_quantized_lm_head(tiny_models, arch):
+    """--quantize-lm-head: the head held in fp8 per vocabulary row, logits equal to the
+    dequantized product (per-token activations) in float32; an untied head's float weight is
+    freed, a tied one's stays for the embedding; refused without fp8 linear layers."""
+    from minisgl.layers.quantization import dequantize, quantize_torch
+
+    runner = ModelRunner(EngineArgs(model=str(tiny_models[arch]), device="cpu", quantization="fp8",
+                                    quantize_lm_head=True))
+    head, tied = runner.model.lm_head, runner.config.tie_word_embeddings
+    assert head.qweight.dtype == FP8 and head.qscale.shape == (head.qweight.shape[0],)
+    assert ("weight" in dict(head.named_parameters())) == tied
+    hidden = torch.randn(5, runner.config.hidden_size)
+    q, s = quantize_torch(hidden)
+    want = dequantize(q, s) @ dequantize(head.qweight, head.qscale).t()
+    got = head(hidden)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want[:, : runner.vocab_size], atol=0, rtol=0)
+    float_head = ModelRunner(EngineArgs(model=str(tiny_models[arch]), device="cpu", quantization="fp8")).model.lm_head
+    torch.testing.assert_close(got, float_head(hidden), atol=0.05 * float_head(hidden).abs().max().item(), rtol=0.1)
+    with pytest.raises(ValueError, match="--quantize-lm-head goes with fp8 linear layers"):
+        ModelRunner(EngineArgs(model=str(tiny_models[arch]), device="cpu", quantize_lm_head=True))
+
+
 def test_fp8_kv_cache_holds_more_tokens_and_round_trips(tiny_llama):
     # Enough requests that memory (256 MB on CPU), not slots x context, bounds the pool.
     runners = {kv: ModelRunner(EngineArgs(model=str(tiny_llama), device="cpu", kv_cache_dtype=kv,
@@ -303,6 +327,22 @@ def test_attention_kernels_read_fp8_like_the_reference(mode):
                 assert sorted(widened.tolist()) == sorted(read)
     for ref, got in zip(*outs):
         torch.testing.assert_close(got.float(), ref.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows", [5, 300])  # our Triton kernel, then cuBLAS
+def test_fp8_lm_head_matches_the_reference_on_cuda(rows):
+    from minisgl.layers.quantization import dequantize, fp8_logits, quantize_torch
+
+    torch.manual_seed(0)
+    w = (torch.randn(5000, 512, device="cuda") * 0.05).to(torch.bfloat16)
+    wq, ws = quantize_torch(w)
+    x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
+    got = fp8_logits(x, wq, ws.view(-1))
+    q, s = quantize_torch(x)
+    want = dequantize(q, s) @ dequantize(wq, ws).t()
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
 
 
 @pytest.mark.cuda

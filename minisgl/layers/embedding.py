@@ -8,6 +8,7 @@ from torch import nn
 
 from minisgl.distributed import all_gather_last_dim, all_reduce, argmax_over_ranks, get_tp_info
 from minisgl.layers.linear import linear_fp32
+from minisgl.layers.quantization import fp8_logits, quantize_weight
 from minisgl.utils import cdiv
 
 
@@ -40,12 +41,30 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     On CUDA in bf16/fp16 the GEMM writes float32 logits straight from its accumulator: rounded
     to bf16, logits near 20 are spaced 0.125 apart, so close candidates tie exactly and greedy
-    picks between them by index, flipping with any change of summation order upstream."""
+    picks between them by index, flipping with any change of summation order upstream.
+
+    ``quantize`` turns the head fp8 (``--quantize-lm-head``): rows scaled one by one, so each
+    rank's slice quantizes as the whole would; logits stay float32."""
+
+    qweight: torch.Tensor | None = None
+    qscale: torch.Tensor | None = None
+
+    def quantize(self, keep_float: bool, rows_per_pass: int = 8192) -> None:
+        """Hold the head in fp8 with one scale per vocabulary row; the float weight is freed
+        unless the embedding shares it (``keep_float``)."""
+        w = self.weight.data
+        parts = [quantize_weight(w[i : i + rows_per_pass], None) for i in range(0, w.shape[0], rows_per_pass)]
+        self.qweight = torch.cat([q for q, _ in parts])
+        self.qscale = torch.cat([s for _, s in parts])
+        if not keep_float:
+            del self.weight
 
     def forward(self, hidden: torch.Tensor, gather: bool = True) -> torch.Tensor:
         """Logits [N, vocab]; with ``gather=False`` this rank's slice [N, shard], for ``gather``
         or ``greedy`` later (a greedy step at tp>1 then never moves the whole rows)."""
-        if hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16):
+        if self.qweight is not None:
+            logits = fp8_logits(hidden, self.qweight, self.qscale)
+        elif hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16):
             logits = linear_fp32(hidden, self.weight)
         else:
             logits = F.linear(hidden, self.weight)

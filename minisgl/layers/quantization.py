@@ -38,6 +38,10 @@ MIN_SCALE = 1e-12  # an all-zero row (padding) still gets a finite scale
 SMALL_GEMM_ROWS = 512
 SMALL_GEMM_WEIGHTS = 8 << 20
 SMALL_GEMM_CONFIG = (64, 64, 4, 4)  # BM, BN, warps, stages
+# The fp8 LM head (8B's 128256 x 4096, us with quantization, float32 logits; lm_head_*_h100.json):
+# our Triton kernel below this many rows (139 rows: 268 against cuBLAS's 374; bf16 418), cuBLAS
+# from it on (256: 274 against 307; bf16 458).
+LOGITS_TRITON_ROWS = 192
 
 
 @dataclass(frozen=True)
@@ -195,6 +199,24 @@ def quantize(x: torch.Tensor, block: int | None) -> Fp8Act:
     else:
         q, scale = quantize_torch(x, block)
     return Fp8Act(q, scale, x.dtype)
+
+
+def fp8_logits(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x W^T in float32 for an fp8 ``weight`` [V, K] with per-row ``scale`` [V] (the LM head):
+    x quantized per token, the product kept in the GEMM's float32 accumulator."""
+    x2 = x.reshape(-1, x.shape[-1])
+    act = quantize(x2, None)
+    if fused(x2) and x2.shape[0] > 0:
+        if x2.shape[0] < LOGITS_TRITON_ROWS:
+            from minisgl.kernels.fp8 import block_matmul
+
+            out = block_matmul(act.data, act.scale, weight, scale, None, torch.float32)
+        else:
+            out = torch._scaled_mm(act.data, weight.t(), scale_a=act.scale, scale_b=scale.view(1, -1),
+                                   out_dtype=torch.float32)
+    else:
+        out = dequantize(act.data, act.scale) @ dequantize(weight, scale).t()
+    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 def fp8_linear(

@@ -155,12 +155,15 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
 def load_model(
     model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
     max_positions: int, load_format: str = "auto", seed: int = 0, quantization: str | None = None,
+    quantize_lm_head: bool = False,
 ) -> nn.Module:
     """``quantization``: ``--quantization`` (None or "fp8"); a checkpoint's own quantization
-    config decides the scheme when it has one."""
+    config decides the scheme when it has one. ``quantize_lm_head``: the LM head in fp8 too."""
     if load_format not in ("auto", "safetensors", "gguf", "dummy"):
         raise ValueError(f"unsupported load format {load_format!r} (auto, safetensors, gguf, dummy)")
     config.quant = quantization_scheme(config.quantization_config, quantization)
+    if quantize_lm_head and config.quant is None:
+        raise ValueError("--quantize-lm-head goes with fp8 linear layers: add --quantization fp8 or load an FP8 checkpoint")
     if config.quant is not None:
         logger.info("fp8 linear layers (%s, %s)", config.quant.source,
                     "per channel" if config.quant.block is None else f"{config.quant.block}-column groups")
@@ -175,4 +178,6 @@ def load_model(
         init_dummy_weights(model, seed)
     else:
         load_weights(model, iter_weights(model_dir))
+    if quantize_lm_head:
+        model.lm_head.quantize(keep_float=config.tie_word_embeddings)
     return model.eval()

@@ -84,7 +84,7 @@ class ModelRunner:
         self.num_qo_heads = self.config.num_heads // tp.size
         self.model = load_model(
             self.model_dir, self.config, self.dtype, self.device, self.context_len, args.load_format, args.seed,
-            args.quantization,
+            args.quantization, args.quantize_lm_head,
         )
         self.vocab_size = self.config.vocab_size
         self.pending: deque[_Pending] = deque()
