@@ -207,7 +207,7 @@ def fp8_logits(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> to
     x2 = x.reshape(-1, x.shape[-1])
     act = quantize(x2, None)
     if fused(x2) and x2.shape[0] > 0:
-        if x2.shape[0] < LOGITS_TRITON_ROWS:
+        if x2.shape[0] < LOGITS_TRITON_ROWS or weight.shape[0] % 16:  # cuBLAS wants whole 16-row groups
             from minisgl.kernels.fp8 import block_matmul
 
             out = block_matmul(act.data, act.scale, weight, scale, None, torch.float32)

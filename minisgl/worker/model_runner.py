@@ -238,6 +238,10 @@ class ModelRunner:
             table_slots=[0] * pages, table_cols=list(range(pages)), table_pages=list(range(pages)),
         )
         self.forward(batch)
+        # A short chunk too: on an fp8 cache short and long chunks take different prefill kernels
+        # (attention.flashinfer_backend), and a kernel's first use compiles it (up to a minute).
+        short = min(tokens, 16)
+        self.forward(ForwardBatch(slots=[0], cached_lens=[0], new_lens=[short], input_ids=[0] * short, sample=[True]))
         # The sampler's worst case: every slot sampling with top-k/top-p over the whole vocabulary.
         params = SamplingParams(temperature=0.7, top_p=0.9, top_k=50)
         for slot in range(rows):
