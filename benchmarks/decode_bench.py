@@ -189,6 +189,7 @@ CASCADE_VARIANTS = [  # (name, step kind, FlashInferBackend options); knob varia
 ] + [(name, "auto", {"cascade_options": options}) for name, options in {  # the kernel's knobs
     "bn128_stages3": dict(block_n=128, num_stages=3),  # session 11's default: single-buffered tiles
     "bn32": dict(block_n=32),  # keys per tile
+    "bn64": dict(block_n=64),  # (fp8 pages default to 128)
     "bn128": dict(block_n=128),  # (two 128-key buffers leave room for one program per SM)
     "stages4": dict(num_stages=4),  # pipeline depth (4 and fewer: one K/V buffer)
     "stages6": dict(num_stages=6),

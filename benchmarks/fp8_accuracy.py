@@ -32,7 +32,8 @@ from benchmarks.workloads import save_result  # noqa: E402
 from scripts.local_server import serving  # noqa: E402
 
 MODES = {"base": [], "fp8-w8a8": ["--quantization", "fp8"], "fp8-kv": ["--kv-cache-dtype", "fp8_e4m3"],
-         "fp8-both": ["--quantization", "fp8", "--kv-cache-dtype", "fp8_e4m3"]}
+         "fp8-both": ["--quantization", "fp8", "--kv-cache-dtype", "fp8_e4m3"],
+         "fp8-both-head": ["--quantization", "fp8", "--kv-cache-dtype", "fp8_e4m3", "--quantize-lm-head"]}
 TOPICS = ("assignment", "exceptions", "execmodel", "import", "types", "compound", "naming", "numbers",
           "attribute-access", "specialnames", "datamodel", "function", "class", "typesseq", "typesmapping")
 ENDING_WORDS = 4
