@@ -175,6 +175,10 @@ def run_workloads(llm: LLM, args: argparse.Namespace, mode: dict[str, str], rows
     for name in args.workloads:
         wl = WORKLOADS[name](llm.runner.vocab_size)
         distinct = distinct_tokens(wl.prompts)
+        # Untimed: kernels a workload's shapes first need (Triton specializations, FlashInfer
+        # modules) compile here, not inside a timed run.
+        llm.reset_scheduler(disable_radix_cache=False)
+        run(llm, wl.prompts[:16], [4] * 16)
         for temperature, variant in [(t, v) for t in args.temperature for v in variants]:
             radix_off, cascade_off, use_graphs, overlap = VARIANTS[variant]
             if args.tp_size == 1:

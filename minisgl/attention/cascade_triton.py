@@ -129,7 +129,7 @@ class TritonCascade:
     def __init__(
         self, num_qo_heads: int, num_kv_heads: int, head_dim: int, device: torch.device, block_n: int = 64,
         num_warps: int = 4, num_stages: int = 5, items_per_sm: int = 8, programs_per_sm: int = 8,
-        min_segment_tokens: int = MIN_SEGMENT_TOKENS, shared_rows: int = 32, own_num_warps: int | None = None,
+        min_segment_tokens: int = MIN_SEGMENT_TOKENS, shared_rows: int | None = None, own_num_warps: int | None = None,
         own_num_stages: int | None = None,
     ):
         # Defaults from benchmarks/decode_bench.py part 3 on the H100 (gpu_2026-11-22.md, session 12).
@@ -140,6 +140,11 @@ class TritonCascade:
         self.device = device
         gqa = num_qo_heads // num_kv_heads
         own_m = max(16, 1 << (gqa - 1).bit_length())  # one request's query heads, at least an mma.sync tile
+        # Eight members per shared item, in 16 to 32 rows: Qwen3-0.6B's pairs of heads (GQA 2) in 16
+        # rows took 0.062 ms a layer against 32 rows' 0.076 (fp8 pages; bf16 0.053 / 0.066), the
+        # 8B's fours in 32 rows 0.076 against 16 rows' 0.103 (decode_kernels_*_h100.json).
+        if shared_rows is None:
+            shared_rows = min(32, max(16, 1 << (8 * gqa - 1).bit_length()))  # a power of two
         shared_m = max(shared_rows, own_m)
         self.members_per_item = shared_m // gqa
         self.block_n = block_n

@@ -102,9 +102,12 @@ class FlashInferBackend(AttentionBackend):
             raise ValueError(f"unknown decode attention backend {decode_backend!r} (flashinfer, triton)")
         self.triton_decode = decode_backend == "triton"  # plain decode steps on our kernel too
         options = dict(cascade_options or {})
-        if self.kv_dtype == torch.float8_e4m3fn:
-            # fp8 pages: 128-key tiles (8B, 256 x 2304 keys: 0.48 against 0.54 ms a layer with 64;
-            # 16 groups of 16 sharing 2048: 0.185 against 0.184; decode_kernels_fp8_knobs_*.json).
+        if self.kv_dtype == torch.float8_e4m3fn and num_qo_heads >= 4 * num_kv_heads:
+            # fp8 pages with four or more query heads per KV head: 128-key tiles (8B, 256 x 2304 keys:
+            # 0.48 against 0.54 ms a layer with 64; 16 groups of 16 sharing 2048: 0.185 against 0.184;
+            # decode_kernels_fp8_knobs_*.json). With two (Qwen3-0.6B) 64 keys are faster on every
+            # shape measured (256 x 2304: 0.532 against 0.546; 256 x 512: 0.150 / 0.169; cascade
+            # 0.185 / 0.198; decode_kernels_qwen3-0.6b_{fp8,bf16}_knobs_h100.json).
             options.setdefault("block_n", 128)
         self.cascade = TritonCascade(num_qo_heads, num_kv_heads, head_dim, device, **options)
         self.wrapper = self.prefill
