@@ -31,9 +31,9 @@ from minisgl.kvcache import BaseKVCache
 # Split-KV scratch of the prefill and decode wrappers.
 WORKSPACE_BYTES = 256 * 1024 * 1024
 # fp8 prefill through widened pages, measured on the H100 (8B heads, ms per layer: fa2 on fp8 pages
-# against widening + fa3): one 8192-token prompt 2.14 / 1.04, 8192 on 24k cached 13.5 / 6.8, 64
-# requests x 128 new on 2048 shared 1.07 / 0.68; but 256 x 32 new on 2048: 1.05 / 2.27 (fa3's
-# 128-row query tiles), and small chunks gain nothing. Hence: at least this many new tokens per
+# against widening + fa3): one 8192-token prompt 2.12 / 1.00, 8192 on 24k cached 13.65 / 6.73, 64
+# requests x 128 new on 2048 shared 1.06 / 0.58; but 256 x 32 new on 2048: 1.13 / 2.14 (fa3's
+# 128-row query tiles), and small chunks gain nothing (fp8_prefill_*_h100.json). Hence: at least this many new tokens per
 # request and in all, and at most WIDE_MAX_BYTES of scratch (else fp8 pages as they are).
 WIDE_MIN_NEW_TOKENS = 128
 WIDE_MIN_CHUNK_TOKENS = 2048
