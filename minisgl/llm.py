@@ -125,8 +125,7 @@ class LLM:
         # detokenized as they go so the stop can end them.
         streams = {}
         if self.tokenizer is not None:
-            streams = {r.rid: TextStream(self.tokenizer, r.params.stop_strings, r.params.skip_special_tokens,
-                                         r.params.no_stop_trim, r.params.stop_regexes)
+            streams = {r.rid: TextStream.of(self.tokenizer, r.params)
                        for r in reqs if r.params.stop_strings or r.params.stop_regexes}
         texts: dict[int, list[str]] = {rid: [] for rid in streams}
         # Done once every request is: host-tier copies still running are collected by the next

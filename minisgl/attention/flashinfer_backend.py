@@ -33,8 +33,9 @@ WORKSPACE_BYTES = 256 * 1024 * 1024
 # fp8 prefill through widened pages, measured on the H100 (8B heads, ms per layer: fa2 on fp8 pages
 # against widening + fa3): one 8192-token prompt 2.12 / 1.00, 8192 on 24k cached 13.65 / 6.73, 64
 # requests x 128 new on 2048 shared 1.06 / 0.58; but 256 x 32 new on 2048: 1.13 / 2.14 (fa3's
-# 128-row query tiles), and small chunks gain nothing (fp8_prefill_*_h100.json). Hence: at least this many new tokens per
-# request and in all, and at most WIDE_MAX_BYTES of scratch (else fp8 pages as they are).
+# 128-row query tiles), and small chunks gain nothing (fp8_prefill_*_h100.json). Hence: at least
+# this many new tokens per request and in all, and at most WIDE_MAX_BYTES of scratch (else the fp8
+# pages as they are).
 WIDE_MIN_NEW_TOKENS = 128
 WIDE_MIN_CHUNK_TOKENS = 2048
 WIDE_MAX_BYTES = 256 << 20
@@ -209,7 +210,7 @@ class FlashInferBackend(AttentionBackend):
                 from minisgl.kernels.fp8 import widen_pages
 
                 shape = (len(self.wide_pages), *cache[0].shape[1:])
-                wide = (torch.empty(shape, dtype=q.dtype, device=q.device), torch.empty(shape, dtype=q.dtype, device=q.device))
+                wide = tuple(torch.empty(shape, dtype=q.dtype, device=q.device) for _ in range(2))
                 widen_pages(*cache, self.wide_pages, *wide)
                 return self.wrapper.run(q, wide, k_scale=k_scale, v_scale=v_scale)
             if self.kv_dtype != q.dtype:

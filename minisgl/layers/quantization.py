@@ -234,7 +234,7 @@ def fp8_linear(
         elif act.data.shape[0] <= SMALL_GEMM_ROWS and weight.numel() <= SMALL_GEMM_WEIGHTS:
             out = block_matmul(act.data, act.scale, weight, scale, None, act.dtype, SMALL_GEMM_CONFIG)
         else:
-            # Row-wise scaling returns bf16 only; fp16 models take one cast.
+            # Row-wise scaling writes bf16 (or float32, as fp8_logits asks), not fp16: fp16 models take one cast.
             out = torch._scaled_mm(act.data, weight.t(), scale_a=act.scale, scale_b=scale.view(1, -1),
                                    out_dtype=torch.bfloat16).to(act.dtype)
     else:

@@ -19,8 +19,8 @@ import logging
 import os
 import shutil
 import tempfile
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np

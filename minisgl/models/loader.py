@@ -163,7 +163,8 @@ def load_model(
         raise ValueError(f"unsupported load format {load_format!r} (auto, safetensors, gguf, dummy)")
     config.quant = quantization_scheme(config.quantization_config, quantization)
     if quantize_lm_head and config.quant is None:
-        raise ValueError("--quantize-lm-head goes with fp8 linear layers: add --quantization fp8 or load an FP8 checkpoint")
+        raise ValueError("--quantize-lm-head goes with fp8 linear layers: add --quantization fp8 or load an "
+                         "FP8 checkpoint")
     if config.quant is not None:
         logger.info("fp8 linear layers (%s, %s)", config.quant.source,
                     "per channel" if config.quant.block is None else f"{config.quant.block}-column groups")

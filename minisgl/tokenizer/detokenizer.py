@@ -9,11 +9,14 @@ the start of a stop string, so a stop string split across tokens is caught and n
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import regex
 
 from minisgl.utils import partial_suffix
+
+if TYPE_CHECKING:
+    from minisgl.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 REPLACEMENT = "\ufffd"
@@ -112,6 +115,12 @@ class TextStream:
                  stop_regexes: list[str] | None = None):
         self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
         self.stops = StopStringFilter(stops, keep_stop, stop_regexes)
+
+    @classmethod
+    def of(cls, tokenizer: Any, params: SamplingParams) -> TextStream:
+        """The stream a request's sampling parameters ask for (stops, special tokens, trimming)."""
+        return cls(tokenizer, params.stop_strings, params.skip_special_tokens, params.no_stop_trim,
+                   params.stop_regexes)
 
     def add(self, ids: list[int], final: bool = False) -> str:
         """New text safe to show; ``final`` flushes everything held back."""

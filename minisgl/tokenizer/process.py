@@ -46,8 +46,7 @@ class RequestState:
         self.tokenizer = tokenizer
         self.text = None
         if tokenizer is not None:
-            self.text = TextStream(tokenizer, req.sampling.stop_strings, req.sampling.skip_special_tokens,
-                                   req.sampling.no_stop_trim, req.sampling.stop_regexes)
+            self.text = TextStream.of(tokenizer, req.sampling)
 
     def _token_text(self, token: int) -> str:
         return decode_ids(self.tokenizer, [token], skip_special_tokens=False) if self.tokenizer is not None else ""
