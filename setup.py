@@ -7,7 +7,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["minisgl", "minisgl.*"]),
     # the JIT kernels' CUDA sources, compiled on first use: a non-editable install needs them
-    package_data={"minisgl.kernels": ["csrc/*.cu"]},
+    package_data={"minisgl.kernels": ["csrc/*.cu", "configs/*.json"]},
     # torch is deliberately not pinned to a CUDA build: install the torch you need first.
     install_requires=[
         "torch>=2.4",

@@ -6,6 +6,8 @@ rope_store kernel's fp8 store and the attention kernels' fp8 reads against it.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -16,8 +18,8 @@ from minisgl.kernels.rope_store import from_cache
 from minisgl.kvcache import MHAKVCache
 from minisgl.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from minisgl.layers.quantization import (
-    FP8, Fp8Scheme, dequantize, fp8_linear, quantization_scheme, quantize, quantize_blocks, quantize_torch,
-    quantize_weight, row_scales,
+    FP8, GEMM_CONFIGS_PATH, GEMM_ROW_BUCKETS, Fp8Scheme, dequantize, fp8_linear, quantization_scheme, quantize,
+    quantize_blocks, quantize_torch, quantize_weight, row_scales, tuned_gemm,
 )
 from minisgl.worker import ModelRunner
 from scripts.make_tiny_model import make_tiny_model
@@ -261,6 +263,37 @@ def test_fp8_gemms_match_the_dequantized_product(block, m, n, k):
 
         got = block_matmul(act.data, act.scale, wq, ws, None, torch.bfloat16).float()
         torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-2)  # outputs near 1: half a bf16 step is 0.004
+        for config in tuned_configs():  # every tile the tuned tables may pick
+            got = block_matmul(act.data, act.scale, wq, ws, None, torch.bfloat16, config).float()
+            torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-2, msg=str(config))
+
+
+def tuned_configs() -> set[tuple[int, ...]]:
+    tables = json.loads(GEMM_CONFIGS_PATH.read_text())
+    return {tuple(c) for shapes in tables.values() for by_rows in shapes.values() for c in by_rows.values() if c}
+
+
+def test_tuned_gemm_table_lookup():
+    """The shipped table covers every row bucket of each shape with a Triton tile or cuBLAS
+    (null); lookups take the smallest bucket holding the rows and leave other shapes, GPUs and
+    batches past the last bucket to the size rule."""
+    tables = json.loads(GEMM_CONFIGS_PATH.read_text())
+    assert "NVIDIA H100 80GB HBM3" in tables
+    for gpu, shapes in tables.items():
+        for shape, by_rows in shapes.items():
+            assert sorted(map(int, by_rows)) == list(GEMM_ROW_BUCKETS), shape
+            for config in filter(None, by_rows.values()):
+                bm, bn, warps, stages = config
+                assert bm in (16, 32, 64, 128) and bn in (64, 128) and warps in (4, 8) and stages >= 2
+    gpu = "NVIDIA H100 80GB HBM3"
+    n, k = 4096, 14336  # the 8B's down_proj
+    by_rows = tables[gpu][f"{n}x{k}"]
+    for rows, bucket in ((1, 16), (16, 16), (17, 32), (200, 256), (512, 512)):
+        config = by_rows[str(bucket)]
+        assert tuned_gemm(rows, n, k, gpu) == (True, tuple(config) if config else None)
+    assert tuned_gemm(513, n, k, gpu) == (False, None)
+    assert tuned_gemm(64, 4096, 4095, gpu) == (False, None)
+    assert tuned_gemm(64, n, k, "another GPU") == (False, None)
 
 
 @pytest.mark.cuda

@@ -16,7 +16,10 @@ the torch functions here are the reference: the same rounding, dequantized produ
 
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -30,7 +33,8 @@ FP8_MAX = 448.0
 MIN_SCALE = 1e-12  # an all-zero row (padding) still gets a finite scale
 
 
-# Per-channel GEMMs of small weights at decode sizes take our Triton kernel in 64 x 64 tiles: cuBLAS
+# Per-channel GEMMs on a GPU and shape that the tuned table below lacks: small weights at decode
+# sizes take our Triton kernel in 64 x 64 tiles: cuBLAS
 # picks one 128 x 128 row-scaled kernel for every shape, slower than bf16 on Qwen3-0.6B's layer
 # (qkv + o + gate_up + down: 29.8 / 30.2 / 31.6 us at batch 16 / 64 / 256, against bf16's 20.8 /
 # 24.9 / 34.5 and Triton's 18.7 / 18.7 / 24.9). On the 8B's large weights cuBLAS is as fast or
@@ -38,6 +42,39 @@ MIN_SCALE = 1e-12  # an all-zero row (padding) still gets a finite scale
 SMALL_GEMM_ROWS = 512
 SMALL_GEMM_WEIGHTS = 8 << 20
 SMALL_GEMM_CONFIG = (64, 64, 4, 4)  # BM, BN, warps, stages
+# Per-channel GEMMs at decode sizes pick their kernel from a table tuned per GPU
+# (benchmarks/fp8_gemm_tune.py): for weights [N, K] and the smallest bucket holding the rows, a
+# Triton tile (BM, BN, warps, stages) or null for cuBLAS; larger batches are cuBLAS's. On the
+# H100 the 8B's four GEMMs at 64 rows take 103.5 us against cuBLAS's 117, at 256 129.7 against
+# 134; offline 8B random with fp8 weights + KV went from 12.06 to 11.67 s (fp8_2026-11-24.md).
+GEMM_CONFIGS_PATH = Path(__file__).parents[1] / "kernels" / "configs" / "fp8_gemm.json"
+GEMM_ROW_BUCKETS = (16, 32, 64, 128, 192, 256, 384, 512)
+
+
+@functools.cache
+def _gemm_table(gpu: str) -> dict[str, dict[str, list[int] | None]]:
+    tables = json.loads(GEMM_CONFIGS_PATH.read_text()) if GEMM_CONFIGS_PATH.exists() else {}
+    return tables.get(gpu, {})
+
+
+@functools.cache
+def gpu_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def tuned_gemm(rows: int, n: int, k: int, gpu: str) -> tuple[bool, tuple[int, int, int, int] | None]:
+    """Whether ``gpu`` has a tuned kernel for ``rows`` x weights [n, k], and which: a Triton
+    config for ``kernels.fp8.block_matmul``, or None for cuBLAS."""
+    by_rows = _gemm_table(gpu).get(f"{n}x{k}")
+    if by_rows is None or rows > GEMM_ROW_BUCKETS[-1]:
+        return False, None
+    bucket = next(b for b in GEMM_ROW_BUCKETS if b >= rows)
+    if str(bucket) not in by_rows:
+        return False, None
+    config = by_rows[str(bucket)]
+    return True, None if config is None else tuple(config)
+
+
 # The fp8 LM head (8B's 128256 x 4096, us with quantization, float32 logits; lm_head_*_h100.json):
 # our Triton kernel below this many rows (139 rows: 268 against cuBLAS's 374; bf16 418), cuBLAS
 # from it on (256: 274 against 307; bf16 458).
@@ -229,10 +266,15 @@ def fp8_linear(
     if act.data.is_cuda and act.dtype in (torch.float16, torch.bfloat16) and act.data.shape[0] > 0:
         from minisgl.kernels.fp8 import block_matmul
 
+        rows = act.data.shape[0]
+        tuned, config = (False, None) if block is not None else tuned_gemm(
+            rows, *weight.shape, gpu_name(act.data.device.index or 0))
+        if not tuned and rows <= SMALL_GEMM_ROWS and weight.numel() <= SMALL_GEMM_WEIGHTS:
+            config = SMALL_GEMM_CONFIG
         if block is not None:
             out = block_matmul(act.data, act.scale, weight, scale, block, act.dtype)
-        elif act.data.shape[0] <= SMALL_GEMM_ROWS and weight.numel() <= SMALL_GEMM_WEIGHTS:
-            out = block_matmul(act.data, act.scale, weight, scale, None, act.dtype, SMALL_GEMM_CONFIG)
+        elif config is not None:
+            out = block_matmul(act.data, act.scale, weight, scale, None, act.dtype, config)
         else:
             # Row-wise scaling writes bf16 (or float32, as fp8_logits asks), not fp16: fp16 models take one cast.
             out = torch._scaled_mm(act.data, weight.t(), scale_a=act.scale, scale_b=scale.view(1, -1),
