@@ -99,6 +99,8 @@ def main() -> None:
     ap.add_argument("--context-length", type=int, default=4096)
     ap.add_argument("--variants", nargs="+", default=["radix-on", "cascade-off", "radix-off"],
                     choices=list(VARIANTS), help="radix-on has radix cache and cascade attention on")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="timed runs per workload and variant; rows report the median (and every time)")
     ap.add_argument("--ablations", action="store_true",
                     help="also run each workload (radix on) without CUDA graphs and without overlap")
     ap.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/offline_<model>.json)")
@@ -186,14 +188,20 @@ def run_workloads(llm: LLM, args: argparse.Namespace, mode: dict[str, str], rows
             llm.args.disable_overlap_schedule = not overlap
             llm.args.disable_cascade_attention = cascade_off
             llm.args.enable_hierarchical_cache = variant == "hicache"
-            llm.reset_scheduler(disable_radix_cache=radix_off)  # empty cache per run
-            result = run(llm, wl.prompts, wl.output_lens, temperature)
+            results = []
+            for _ in range(args.repeats):
+                llm.reset_scheduler(disable_radix_cache=radix_off)  # empty cache per run
+                results.append(run(llm, wl.prompts, wl.output_lens, temperature))
+            result = sorted(results, key=lambda r: r["seconds"])[len(results) // 2]  # the median run
+            result["seconds_all"] = [r["seconds"] for r in results]
             result["distinct_prompt_tokens"] = distinct
             rows.append({"workload": wl.name, "variant": variant, "temperature": temperature, **mode, **result})
             print(f"{wl.name:14s} {variant:14s} T={temperature:<4} {result['seconds']:8.2f} s  "
                   f"{result['output_tok_per_s']:9.0f} out tok/s  hit rate {result['cache_hit_rate']:.2f}  "
                   f"prefill {result['prefill_tokens'] / distinct:.3f}x distinct  "
-                  f"cascade steps {result['cascade_steps']}/{result['decode_steps']}", flush=True)
+                  f"cascade steps {result['cascade_steps']}/{result['decode_steps']}"
+                  + (f"  (runs {', '.join(f'{t:.2f}' for t in result['seconds_all'])})" if args.repeats > 1 else ""),
+                  flush=True)
         if args.tp_size == 1:
             llm.runner.graphs = graphs
         for temperature in args.temperature:
