@@ -185,3 +185,36 @@ def test_triton_interpreter_matches_reference(graph):
 @pytest.mark.parametrize("graph", [False, True])
 def test_triton_cascade_cuda(graph):
     check("cuda", torch.bfloat16, graph)
+
+
+@pytest.mark.cuda
+def test_fp8_cascade_steps_in_their_own_stages_give_the_plain_bits():
+    """fp8 pages with the engine's fp8 options (128-key tiles, cascade steps in two pipeline
+    stages, plain steps in five, tiles widened in registers): a cascade step returns the plain
+    step's bits, and both the torch reference's values."""
+    from minisgl.attention import create_backend
+    from minisgl.attention.cascade_triton import TritonCascade
+
+    torch.manual_seed(0)
+    hq, hk, dim, page_size, scales, fp8 = 32, 8, 128, 16, (0.7, 1.3), torch.float8_e4m3fn
+    groups, loose = [(16, [300, 400, 257]), (24, [390, 385]), (8, [130] * 9)], [700, 33]
+    cache = MHAKVCache(4096 // page_size, page_size, 1, hk, dim, fp8, torch.device("cuda"))
+    cache.buffer.copy_(torch.randn(cache.buffer.shape, device="cuda").to(fp8))
+    cache.scales = [scales]
+    k, v = cache.k_cache(0), cache.v_cache(0)
+    plain_meta = decode_metadata(page_size, groups, loose, "cuda", cascade=False)
+    meta = decode_metadata(page_size, groups, loose, "cuda")
+    q = torch.randn(meta.num_reqs, hq, dim, dtype=torch.bfloat16, device="cuda")
+    ref_backend = create_backend("torch", cache, hq, hk, dim, dtype=torch.bfloat16)
+    ref_backend.prepare(plain_meta)
+    ref = ref_backend.forward(q, 0).float()
+    level = TritonCascade(hq, hk, dim, torch.device("cuda"), block_n=128, cascade_num_stages=2)
+    level.plan(*plan_args(plain_meta, page_size, []), None)
+    plain = level.forward(q, k, v, ref_backend.scale, ("own", "combine"), scales)
+    group_pages = [level.shared_pages(p, page_size) for p in meta.group_pages]
+    assert all(group_pages)  # every group has a shared level
+    level.plan(*plan_args(meta, page_size, group_pages), None)
+    out = level.forward(q, k, v, ref_backend.scale, kv_scales=scales)
+    assert level.own.launch["num_stages"] == 2 and level.own_launches[False]["num_stages"] == 5
+    assert torch.equal(out, plain)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)

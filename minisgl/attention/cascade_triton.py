@@ -130,7 +130,7 @@ class TritonCascade:
         self, num_qo_heads: int, num_kv_heads: int, head_dim: int, device: torch.device, block_n: int = 64,
         num_warps: int = 4, num_stages: int = 5, items_per_sm: int = 8, programs_per_sm: int = 8,
         min_segment_tokens: int = MIN_SEGMENT_TOKENS, shared_rows: int | None = None, own_num_warps: int | None = None,
-        own_num_stages: int | None = None,
+        own_num_stages: int | None = None, cascade_num_stages: int | None = None,
     ):
         # Defaults from benchmarks/decode_bench.py part 3 on the H100 (gpu_2026-11-22.md, session 12).
         # Stages: the page-index load is a pipeline stage of its own, so Triton double-buffers the
@@ -159,12 +159,15 @@ class TritonCascade:
         self.target_items = max(1, items_per_sm * sms // model_kv_heads)
         self.min_segment_tokens = min_segment_tokens
         programs = max(1, programs_per_sm * sms // num_kv_heads)
-        self.shared = _Level(device, dict(launch, block_m=shared_m), programs)
         # The own level may launch otherwise (its items are short runs of one request's keys); the
-        # tiles stay the same, so a row's arithmetic does too.
+        # tiles stay the same, so a row's arithmetic does too. So may both levels of cascade steps
+        # (``cascade_num_stages``): plain and cascade steps replay graphs of their own.
         own_launch = dict(launch, block_m=own_m, num_warps=own_num_warps or num_warps,
                           num_stages=own_num_stages or num_stages)
+        cascade_stages = dict(num_stages=cascade_num_stages) if cascade_num_stages else {}
+        self.shared = _Level(device, dict(launch, block_m=shared_m, **cascade_stages), programs)
         self.own = _Level(device, own_launch, programs)
+        self.own_launches = {False: own_launch, True: dict(own_launch, **cascade_stages)}  # by cascade step
 
     def unit(self, page_size: int) -> int:
         """Tokens that segment and shared-part boundaries are multiples of: whole pages and tiles."""
@@ -214,6 +217,7 @@ class TritonCascade:
         work = shared_work(sizes, group_tokens, page_size, segment, self.members_per_item)
         self.shared.plan(work, shared_indices, graph)
         work, counts = own_work(lens, shared, page_size, segment)
+        self.own.launch = self.own_launches[bool(sizes)]
         self.own.plan(work, own_indices, graph)
         base = np.cumsum(counts) - counts
         folds = np.where(counts > 1, counts, 0)  # rows of one segment are written by their item

@@ -41,6 +41,17 @@ WORK_COLUMNS = 6
 
 
 @triton.jit
+def _widen(x):
+    """e4m3 to fp16 in registers, four at a time (two cvt.f16x2 per 32-bit word): Triton's own
+    cast keeps fp8 in shared memory and widens each mma operand as it loads it, with byte-wise
+    loads and shuffles; widened here, tiles reach shared memory as fp16 and load with ldmatrix
+    (8B cascade step 0.186 -> 0.171 ms a layer with two stages; the same bits)."""
+    return tl.inline_asm_elementwise(
+        asm="{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+        constraints="=r,=r,r", args=[x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=True, pack=4)
+
+
+@triton.jit
 def _partial_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, indices_ptr, work_ptr, n_work_ptr, row_base_ptr, acc_ptr, m_ptr, l_ptr,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_kp, stride_kt, stride_kh, stride_as, stride_ah, stride_ms,
@@ -96,7 +107,7 @@ def _partial_attention_kernel(
             offset = page * stride_kp + (tok % PAGE) * stride_kt + kv_head * stride_kh
             k = tl.load(k_ptr + offset[:, None] + dim[None, :], mask=ok[:, None], other=0.0)
             if KV_FP8:  # K / k_scale: the scale is in scale_log2
-                k = k.to(tl.float16)
+                k = _widen(k)
             s = tl.dot(q, tl.trans(k)) * scale_log2
             s = tl.where(ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))  # a maximum is exact in any order
@@ -104,7 +115,7 @@ def _partial_attention_kernel(
             p = tl.exp2(s - m_new[:, None]).to(q.dtype)
             v = tl.load(v_ptr + offset[:, None] + dim[None, :], mask=ok[:, None], other=0.0)
             if KV_FP8:  # V / v_scale: the scale is applied to the output
-                v = v.to(tl.float16)
+                v = _widen(v)
             l_i = l_i * alpha[:, None] + tl.dot(p, ones)
             acc = acc * alpha[:, None] + tl.dot(p, v)
             m_i = m_new
