@@ -190,8 +190,9 @@ def test_triton_cascade_cuda(graph):
 @pytest.mark.cuda
 def test_fp8_cascade_steps_in_their_own_stages_give_the_plain_bits():
     """fp8 pages with the engine's fp8 options (128-key tiles, cascade steps in two pipeline
-    stages, plain steps in five, tiles widened in registers): a cascade step returns the plain
-    step's bits, and both the torch reference's values."""
+    stages with the own level capped at 128 registers, plain steps in five, tiles widened in
+    registers): a cascade step returns the plain step's bits, and both the torch reference's
+    values."""
     from minisgl.attention import create_backend
     from minisgl.attention.cascade_triton import TritonCascade
 
@@ -208,13 +209,14 @@ def test_fp8_cascade_steps_in_their_own_stages_give_the_plain_bits():
     ref_backend = create_backend("torch", cache, hq, hk, dim, dtype=torch.bfloat16)
     ref_backend.prepare(plain_meta)
     ref = ref_backend.forward(q, 0).float()
-    level = TritonCascade(hq, hk, dim, torch.device("cuda"), block_n=128, cascade_num_stages=2)
+    level = TritonCascade(hq, hk, dim, torch.device("cuda"), block_n=128, cascade_num_stages=2, cascade_own_maxnreg=128)
     level.plan(*plan_args(plain_meta, page_size, []), None)
     plain = level.forward(q, k, v, ref_backend.scale, ("own", "combine"), scales)
     group_pages = [level.shared_pages(p, page_size) for p in meta.group_pages]
     assert all(group_pages)  # every group has a shared level
     level.plan(*plan_args(meta, page_size, group_pages), None)
     out = level.forward(q, k, v, ref_backend.scale, kv_scales=scales)
-    assert level.own.launch["num_stages"] == 2 and level.own_launches[False]["num_stages"] == 5
+    assert level.own.launch["num_stages"] == 2 and level.own.launch["maxnreg"] == 128
+    assert level.own_launches[False]["num_stages"] == 5 and "maxnreg" not in level.own_launches[False]
     assert torch.equal(out, plain)
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)

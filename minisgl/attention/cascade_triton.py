@@ -131,6 +131,7 @@ class TritonCascade:
         num_warps: int = 4, num_stages: int = 5, items_per_sm: int = 8, programs_per_sm: int = 8,
         min_segment_tokens: int = MIN_SEGMENT_TOKENS, shared_rows: int | None = None, own_num_warps: int | None = None,
         own_num_stages: int | None = None, cascade_num_stages: int | None = None,
+        cascade_own_maxnreg: int | None = None,
     ):
         # Defaults from benchmarks/decode_bench.py part 3 on the H100 (gpu_2026-11-22.md, session 12).
         # Stages: the page-index load is a pipeline stage of its own, so Triton double-buffers the
@@ -161,13 +162,17 @@ class TritonCascade:
         programs = max(1, programs_per_sm * sms // num_kv_heads)
         # The own level may launch otherwise (its items are short runs of one request's keys); the
         # tiles stay the same, so a row's arithmetic does too. So may both levels of cascade steps
-        # (``cascade_num_stages``): plain and cascade steps replay graphs of their own.
+        # (``cascade_num_stages``, and ``cascade_own_maxnreg`` registers per thread for the own
+        # level): plain and cascade steps replay graphs of their own.
         own_launch = dict(launch, block_m=own_m, num_warps=own_num_warps or num_warps,
                           num_stages=own_num_stages or num_stages)
         cascade_stages = dict(num_stages=cascade_num_stages) if cascade_num_stages else {}
         self.shared = _Level(device, dict(launch, block_m=shared_m, **cascade_stages), programs)
         self.own = _Level(device, own_launch, programs)
-        self.own_launches = {False: own_launch, True: dict(own_launch, **cascade_stages)}  # by cascade step
+        cascade_own = dict(own_launch, **cascade_stages)
+        if cascade_own_maxnreg:
+            cascade_own["maxnreg"] = cascade_own_maxnreg
+        self.own_launches = {False: own_launch, True: cascade_own}  # by cascade step
 
     def unit(self, page_size: int) -> int:
         """Tokens that segment and shared-part boundaries are multiples of: whole pages and tiles."""

@@ -113,8 +113,12 @@ class FlashInferBackend(AttentionBackend):
             # Cascade steps (short own items, a shared level that widens every tile) in two stages:
             # 8B, 16 groups of 16 sharing 2048 + 257 own tokens: 0.174 against 0.184 ms a layer with
             # five; plain steps keep five (256 x 2305: 0.496 against 0.505 with two).
-            # decode_fp8_asm_stages_h100.json.
+            # decode_fp8_asm_stages_h100.json. Their own level capped at 128 registers a thread
+            # runs four CTAs per SM instead of two (24 registers spill): 0.157 against 0.174; the
+            # shared level capped loses (0.087 against 0.073), and so do plain steps.
+            # decode_fp8_maxnreg_h100.json.
             options.setdefault("cascade_num_stages", 2)
+            options.setdefault("cascade_own_maxnreg", 128)
         self.cascade = TritonCascade(num_qo_heads, num_kv_heads, head_dim, device, **options)
         self.wrapper = self.prefill
         self.step = "flashinfer"  # this step's attention: "flashinfer", "cascade" or "triton" (own items only)

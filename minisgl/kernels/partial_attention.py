@@ -184,7 +184,7 @@ def partial_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, indices: torch.Tensor,
     work: torch.Tensor, n_work: torch.Tensor, row_base: torch.Tensor, acc: torch.Tensor, m: torch.Tensor,
     l: torch.Tensor, programs: int, scale: float, block_m: int, block_n: int = 64, num_warps: int = 4,
-    num_stages: int = 5, kv_scales: tuple[float, float] = (1.0, 1.0),
+    num_stages: int = 5, kv_scales: tuple[float, float] = (1.0, 1.0), maxnreg: int | None = None,
 ) -> None:
     """q, out [B, Hq, D]; caches [pages, page_size, Hk, D]; ``work`` int32 [items, 6] rows of
     (first query row, members, first entry of ``indices``, tokens from the first page on, slot,
@@ -194,7 +194,8 @@ def partial_attention(
     token must be the start of a page, and, when its rows' results must not depend on which items
     computed them, of a ``block_n`` tile of the row's keys. An fp8 (e4m3) cache holds K / k_scale
     and V / v_scale (``kv_scales``): its tiles widen to fp16 as they load (q too), k_scale joins
-    the softmax scale and v_scale multiplies the output (``combine`` takes it too)."""
+    the softmax scale and v_scale multiplies the output (``combine`` takes it too). ``maxnreg``
+    caps registers per thread (more CTAs per SM, some spilled; a row's arithmetic is the same)."""
     page_size, kv_heads, head_dim = k_cache.shape[1:]
     gqa = q.shape[1] // kv_heads
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1 and q.stride(2) == 1
@@ -207,7 +208,7 @@ def partial_attention(
             k_cache.stride(2), acc.stride(0), acc.stride(1), m.stride(0),
             scale * LOG2E * kv_scales[0], kv_scales[1], PAGE=page_size, GQA=gqa, HEAD_DIM=head_dim,
             BLOCK_M=block_m, BLOCK_N=block_n, WIDE=wide, KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
-            num_warps=num_warps, num_stages=num_stages,
+            num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}),
         )
 
 
