@@ -72,6 +72,19 @@ def tune(n: int, k: int) -> tuple[dict[str, list[int] | None], list[dict]]:
     return best, rows
 
 
+def table_text(table: dict[str, dict[str, dict[str, list[int] | None]]]) -> str:
+    """The table as JSON, one line per GPU and weight shape (buckets in row order)."""
+    def shape_key(shape: str) -> tuple[int, ...]:
+        return tuple(map(int, shape.split("x")))
+
+    gpus = []
+    for gpu in sorted(table):
+        lines = [f"  {json.dumps(shape)}: {json.dumps(dict(sorted(rows.items(), key=lambda kv: int(kv[0]))))}"
+                 for shape, rows in sorted(table[gpu].items(), key=lambda kv: shape_key(kv[0]))]
+        gpus.append(f" {json.dumps(gpu)}: {{\n" + ",\n".join(lines) + "\n }")
+    return "{\n" + ",\n".join(gpus) + "\n}\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", required=True, help="folders with config.json")
@@ -88,7 +101,7 @@ def main() -> None:
         ours[f"{n}x{k}"], rows = tune(n, k)
         timings += rows
     table_path.parent.mkdir(parents=True, exist_ok=True)
-    table_path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    table_path.write_text(table_text(table))
     print(f"wrote {table_path}")
     save_result({"gpu": gpu, "models": args.models, "rows": timings}, args.out,
                 f"fp8_gemm_tune_{gpu.split()[1].lower() if ' ' in gpu else gpu}")
