@@ -194,10 +194,12 @@ def test_fp8_cascade_steps_in_their_own_stages_give_the_plain_bits():
     registers): a cascade step returns the plain step's bits, and both the torch reference's
     values."""
     from minisgl.attention import create_backend
-    from minisgl.attention.cascade_triton import TritonCascade
+    from minisgl.attention.cascade_triton import TritonCascade, fp8_page_options
 
     torch.manual_seed(0)
     hq, hk, dim, page_size, scales, fp8 = 32, 8, 128, 16, (0.7, 1.3), torch.float8_e4m3fn
+    options = fp8_page_options(hq, hk)
+    assert options == dict(block_n=128, cascade_num_stages=2, cascade_own_maxnreg=128)
     groups, loose = [(16, [300, 400, 257]), (24, [390, 385]), (8, [130] * 9)], [700, 33]
     cache = MHAKVCache(4096 // page_size, page_size, 1, hk, dim, fp8, torch.device("cuda"))
     cache.buffer.copy_(torch.randn(cache.buffer.shape, device="cuda").to(fp8))
@@ -209,7 +211,7 @@ def test_fp8_cascade_steps_in_their_own_stages_give_the_plain_bits():
     ref_backend = create_backend("torch", cache, hq, hk, dim, dtype=torch.bfloat16)
     ref_backend.prepare(plain_meta)
     ref = ref_backend.forward(q, 0).float()
-    level = TritonCascade(hq, hk, dim, torch.device("cuda"), block_n=128, cascade_num_stages=2, cascade_own_maxnreg=128)
+    level = TritonCascade(hq, hk, dim, torch.device("cuda"), **options)
     level.plan(*plan_args(plain_meta, page_size, []), None)
     plain = level.forward(q, k, v, ref_backend.scale, ("own", "combine"), scales)
     group_pages = [level.shared_pages(p, page_size) for p in meta.group_pages]

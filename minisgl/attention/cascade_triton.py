@@ -92,6 +92,24 @@ def own_work(lens: np.ndarray, shared: np.ndarray, page_size: int, segment: int)
     return _work(row, np.ones_like(row), entry, end - start, seg, flags), segments
 
 
+def fp8_page_options(num_qo_heads: int, num_kv_heads: int) -> dict:
+    """``TritonCascade`` options the engine uses on an fp8 (e4m3) cache, measured on the H100."""
+    if num_qo_heads < 4 * num_kv_heads:
+        # With two query heads per KV head (Qwen3-0.6B) the defaults: 64-key tiles are faster on
+        # every shape measured (256 x 2304: 0.532 against 0.546 ms a layer; 256 x 512: 0.150 /
+        # 0.169; cascade 0.185 / 0.198; decode_kernels_qwen3-0.6b_{fp8,bf16}_knobs_h100.json).
+        return {}
+    # Four or more: 128-key tiles (8B, 256 x 2304 keys: 0.48 against 0.54 ms a layer with 64; 16
+    # groups of 16 sharing 2048: 0.185 against 0.184; decode_kernels_fp8_knobs_*.json). Cascade
+    # steps (short own items, a shared level that widens every tile) in two stages: 8B, 16 groups
+    # of 16 sharing 2048 + 257 own tokens: 0.174 against 0.184 with five; plain steps keep five
+    # (256 x 2305: 0.496 against 0.505 with two; decode_fp8_asm_stages_h100.json). Their own level
+    # capped at 128 registers a thread runs four CTAs per SM instead of two (24 registers spill):
+    # 0.157 against 0.174; the shared level capped loses (0.087 against 0.073), and so do plain
+    # steps (decode_fp8_maxnreg_h100.json).
+    return dict(block_n=128, cascade_num_stages=2, cascade_own_maxnreg=128)
+
+
 class _Level:
     """One launch of the kernel: its work list and page list (fixed buffers under graphs)."""
 

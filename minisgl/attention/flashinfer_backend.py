@@ -86,7 +86,7 @@ class FlashInferBackend(AttentionBackend):
     ):
         import flashinfer
 
-        from minisgl.attention.cascade_triton import TritonCascade
+        from minisgl.attention.cascade_triton import TritonCascade, fp8_page_options
 
         super().__init__(kv_cache, num_qo_heads, num_kv_heads, head_dim)
         self._graph_wrappers: dict[int, flashinfer.BatchDecodeWithPagedKVCacheWrapper] = {}
@@ -103,22 +103,8 @@ class FlashInferBackend(AttentionBackend):
             raise ValueError(f"unknown decode attention backend {decode_backend!r} (flashinfer, triton)")
         self.triton_decode = decode_backend == "triton"  # plain decode steps on our kernel too
         options = dict(cascade_options or {})
-        if self.kv_dtype == torch.float8_e4m3fn and num_qo_heads >= 4 * num_kv_heads:
-            # fp8 pages with four or more query heads per KV head: 128-key tiles (8B, 256 x 2304 keys:
-            # 0.48 against 0.54 ms a layer with 64; 16 groups of 16 sharing 2048: 0.185 against 0.184;
-            # decode_kernels_fp8_knobs_*.json). With two (Qwen3-0.6B) 64 keys are faster on every
-            # shape measured (256 x 2304: 0.532 against 0.546; 256 x 512: 0.150 / 0.169; cascade
-            # 0.185 / 0.198; decode_kernels_qwen3-0.6b_{fp8,bf16}_knobs_h100.json).
-            options.setdefault("block_n", 128)
-            # Cascade steps (short own items, a shared level that widens every tile) in two stages:
-            # 8B, 16 groups of 16 sharing 2048 + 257 own tokens: 0.174 against 0.184 ms a layer with
-            # five; plain steps keep five (256 x 2305: 0.496 against 0.505 with two).
-            # decode_fp8_asm_stages_h100.json. Their own level capped at 128 registers a thread
-            # runs four CTAs per SM instead of two (24 registers spill): 0.157 against 0.174; the
-            # shared level capped loses (0.087 against 0.073), and so do plain steps.
-            # decode_fp8_maxnreg_h100.json.
-            options.setdefault("cascade_num_stages", 2)
-            options.setdefault("cascade_own_maxnreg", 128)
+        if self.kv_dtype == torch.float8_e4m3fn:
+            options = {**fp8_page_options(num_qo_heads, num_kv_heads), **options}
         self.cascade = TritonCascade(num_qo_heads, num_kv_heads, head_dim, device, **options)
         self.wrapper = self.prefill
         self.step = "flashinfer"  # this step's attention: "flashinfer", "cascade" or "triton" (own items only)

@@ -34,11 +34,11 @@ MIN_SCALE = 1e-12  # an all-zero row (padding) still gets a finite scale
 
 
 # Per-channel GEMMs on a GPU and shape that the tuned table below lacks: small weights at decode
-# sizes take our Triton kernel in 64 x 64 tiles: cuBLAS
-# picks one 128 x 128 row-scaled kernel for every shape, slower than bf16 on Qwen3-0.6B's layer
-# (qkv + o + gate_up + down: 29.8 / 30.2 / 31.6 us at batch 16 / 64 / 256, against bf16's 20.8 /
-# 24.9 / 34.5 and Triton's 18.7 / 18.7 / 24.9). On the 8B's large weights cuBLAS is as fast or
-# faster (134 against 159 us at 256). fp8_layer_triton_*_h100.json.
+# sizes take our Triton kernel in 64 x 64 tiles: cuBLAS picks one 128 x 128 row-scaled kernel for
+# every shape, slower than bf16 on Qwen3-0.6B's layer (qkv + o + gate_up + down: 29.8 / 30.2 /
+# 31.6 us at batch 16 / 64 / 256, against bf16's 20.8 / 24.9 / 34.5 and Triton's 18.7 / 18.7 /
+# 24.9). On the 8B's large weights cuBLAS is as fast or faster (134 against 159 us at 256).
+# fp8_layer_triton_*_h100.json.
 SMALL_GEMM_ROWS = 512
 SMALL_GEMM_WEIGHTS = 8 << 20
 SMALL_GEMM_CONFIG = (64, 64, 4, 4)  # BM, BN, warps, stages
@@ -266,19 +266,19 @@ def fp8_linear(
     if act.data.is_cuda and act.dtype in (torch.float16, torch.bfloat16) and act.data.shape[0] > 0:
         from minisgl.kernels.fp8 import block_matmul
 
-        rows = act.data.shape[0]
-        tuned, config = (False, None) if block is not None else tuned_gemm(
-            rows, *weight.shape, gpu_name(act.data.device.index or 0))
-        if not tuned and rows <= SMALL_GEMM_ROWS and weight.numel() <= SMALL_GEMM_WEIGHTS:
-            config = SMALL_GEMM_CONFIG
         if block is not None:
             out = block_matmul(act.data, act.scale, weight, scale, block, act.dtype)
-        elif config is not None:
-            out = block_matmul(act.data, act.scale, weight, scale, None, act.dtype, config)
         else:
-            # Row-wise scaling writes bf16 (or float32, as fp8_logits asks), not fp16: fp16 models take one cast.
-            out = torch._scaled_mm(act.data, weight.t(), scale_a=act.scale, scale_b=scale.view(1, -1),
-                                   out_dtype=torch.bfloat16).to(act.dtype)
+            rows = act.data.shape[0]
+            tuned, config = tuned_gemm(rows, *weight.shape, gpu_name(act.data.device.index))
+            if not tuned and rows <= SMALL_GEMM_ROWS and weight.numel() <= SMALL_GEMM_WEIGHTS:
+                config = SMALL_GEMM_CONFIG
+            if config is not None:
+                out = block_matmul(act.data, act.scale, weight, scale, None, act.dtype, config)
+            else:
+                # Row-wise scaling writes bf16 (or float32, as fp8_logits asks), not fp16: fp16 models take one cast.
+                out = torch._scaled_mm(act.data, weight.t(), scale_a=act.scale, scale_b=scale.view(1, -1),
+                                       out_dtype=torch.bfloat16).to(act.dtype)
     else:
         out = (dequantize(act.data, act.scale, block) @ dequantize(weight, scale, block).t()).to(act.dtype)
     if bias is not None:
