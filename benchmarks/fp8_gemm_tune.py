@@ -28,7 +28,7 @@ from benchmarks.fp8_layer_bench import layer_shapes  # noqa: E402
 from benchmarks.workloads import save_result  # noqa: E402
 from minisgl.config import ModelConfig  # noqa: E402
 from minisgl.kernels.fp8 import block_matmul  # noqa: E402
-from minisgl.layers.quantization import GEMM_CONFIGS_PATH, GEMM_ROW_BUCKETS  # noqa: E402
+from minisgl.layers.quantization import GEMM_CONFIGS_PATH, GEMM_ROW_BUCKETS, scaled_mm  # noqa: E402
 
 CANDIDATES = [  # BM, BN, warps, stages
     (16, 64, 4, 6), (32, 64, 4, 6), (64, 64, 4, 4), (64, 64, 4, 6), (64, 128, 4, 4), (128, 64, 4, 4),
@@ -54,9 +54,8 @@ def tune(n: int, k: int) -> tuple[dict[str, list[int] | None], list[dict]]:
     for m in GEMM_ROW_BUCKETS:
         x = (torch.randn(m, k, device="cuda") * 0.5).to(torch.float8_e4m3fn)
         x_scale = torch.rand(m, 1, device="cuda") + 0.5
-        ref = torch._scaled_mm(x, w.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1), out_dtype=torch.bfloat16)
-        times = {"cublas": replay_ms(lambda: torch._scaled_mm(x, w.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1),
-                                                              out_dtype=torch.bfloat16)) * 1e3}
+        ref = scaled_mm(x, x_scale, w, w_scale, torch.bfloat16)
+        times = {"cublas": replay_ms(lambda: scaled_mm(x, x_scale, w, w_scale, torch.bfloat16)) * 1e3}
         for config in CANDIDATES:
             if config[0] > 2 * m and config[0] > 16:  # tiles mostly empty rows
                 continue

@@ -39,7 +39,7 @@ def replay_us(fn, iters: int = 50) -> float:
 def main() -> None:
     from minisgl.kernels.fp8 import block_matmul, quantize_rows
     from minisgl.layers.linear import linear_fp32
-    from minisgl.layers.quantization import quantize_torch
+    from minisgl.layers.quantization import quantize_torch, scaled_mm
 
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--shapes", nargs="+", default=["128256x4096", "151936x1024"], metavar="VOCABxHIDDEN")
@@ -58,7 +58,7 @@ def main() -> None:
 
             def cublas(dtype):
                 q, s = quantize_rows(x, None)
-                return torch._scaled_mm(q, wq.t(), scale_a=s, scale_b=ws.view(1, -1), out_dtype=dtype)
+                return scaled_mm(q, s, wq, ws, dtype)
 
             for name, dtype in (("fp8_cublas_fp32_us", torch.float32), ("fp8_cublas_bf16_us", torch.bfloat16)):
                 try:
