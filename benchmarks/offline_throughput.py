@@ -48,9 +48,10 @@ def run(llm: LLM, prompts: list[list[int]], output_lens: list[int], temperature:
     }
 
 
-def profile(llm: LLM, wl: Workload) -> None:
-    """Kernel time by kernel over one run and how much of the wall time the GPU was busy; then
-    the host side of a second run by Python function (cProfile)."""
+def profile(llm: LLM, wl: Workload, host_ops: bool = False) -> None:
+    """Kernel time by kernel over one run and how much of the wall time the GPU was busy (with
+    ``host_ops``, also the host calls under the longest idle gaps; slower); then the host side of
+    a second run by Python function (cProfile)."""
     import cProfile
     import pstats
 
@@ -59,18 +60,56 @@ def profile(llm: LLM, wl: Workload) -> None:
 
     run(llm, wl.prompts[:8], [8] * 8)  # warm up outside the trace
     llm.reset_scheduler(disable_radix_cache=False)
-    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if host_ops else [])
+    with torch_profile(activities=activities, with_stack=host_ops) as prof:
         result = run(llm, wl.prompts, wl.output_lens)
     events = prof.key_averages()
     busy = sum(e.self_device_time_total for e in events) / 1e6
     print(events.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=90))
     print(f"{wl.name}: wall {result['seconds']:.2f} s (profiled), kernels {busy:.2f} s, "
           f"GPU idle {result['seconds'] - busy:.2f} s")
+    idle_gaps(prof.events())
     llm.reset_scheduler(disable_radix_cache=False)
     with cProfile.Profile() as host:
         result = run(llm, wl.prompts, wl.output_lens)
     print(f"host profile of a second run ({result['seconds']:.2f} s under cProfile):")
     pstats.Stats(host).sort_stats("tottime").print_stats(30)
+
+
+def idle_gaps(events: list, top: int = 15) -> None:
+    """Where the GPU waited between kernels: idle time by gap length, and the longest gaps with
+    the kernels either side, their time from the first kernel (prefill, decode or the end) and,
+    where the trace has host events, the host calls that were running meanwhile."""
+    from torch.autograd import DeviceType
+
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events if e.device_type == DeviceType.CUDA)
+    host = [e for e in events if e.device_type == DeviceType.CPU]
+    if not spans:
+        return
+    gaps, end, last = [], spans[0][1], spans[0][2]
+    for start, stop, name in spans[1:]:
+        if start > end:
+            gaps.append((start - end, end - spans[0][0], last[:40], name[:40], end, start))
+        if stop > end:
+            end, last = stop, name
+    first_decode = next((s for s in spans if s[2] == "_partial_attention_kernel"), spans[-1])[0]
+    busy = sum(stop - start for start, stop, _ in spans if stop <= first_decode)
+    print(f"kernels from first to last: {(end - spans[0][0]) / 1e6:.3f} s; until the first decode attention "
+          f"kernel {(first_decode - spans[0][0]) / 1e6:.3f} s, kernels in it {busy / 1e6:.3f} s")
+    bounds = [10, 100, 1000, 10000, float("inf")]  # us
+    for lo, hi in zip([0] + bounds, bounds):
+        sel = [g[0] for g in gaps if lo <= g[0] < hi]
+        print(f"gaps {lo:>6}-{hi:<6} us: {len(sel):6d}, {sum(sel) / 1e6:.3f} s")
+    for gap, at, before, after, t0, t1 in sorted(gaps, reverse=True)[:top]:
+        print(f"  {gap / 1e3:8.2f} ms at {at / 1e6:7.3f} s  after {before}  before {after}")
+        # The innermost host calls that span most of the gap (outer frames span all of it), then
+        # the longest of those that span less: what the host was doing instead of launching.
+        during = [(min(e.time_range.end, t1) - max(e.time_range.start, t0), e.time_range.elapsed_us(), e.name)
+                  for e in host if e.time_range.start < t1 and e.time_range.end > t0]
+        spanning = sorted((d for d in during if d[0] >= gap / 2), key=lambda d: d[1])[:6]
+        partial = sorted((d for d in during if d[0] < gap / 2), reverse=True)[:6]
+        for overlap, _, name in spanning + partial:
+            print(f"      host {overlap / 1e3:7.2f} ms  {name[:90]}")
 
 
 VARIANTS = {  # name: (radix cache off, cascade off, CUDA graphs, overlap)
@@ -104,8 +143,9 @@ def main() -> None:
     ap.add_argument("--ablations", action="store_true",
                     help="also run each workload (radix on) without CUDA graphs and without overlap")
     ap.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/offline_<model>.json)")
-    ap.add_argument("--profile", action="store_true",
-                    help="profile the first workload (radix on): GPU kernels and idle time, then the host by function")
+    ap.add_argument("--profile", nargs="?", const="gpu", choices=["gpu", "host"],
+                    help="profile the first workload (radix on): GPU kernels and idle time, then the host by "
+                         "function; 'host' also traces host calls (with Python stacks) to show what ran in idle gaps")
     ap.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "fp8", "fp8-head"],
                     help="linear layers per mode (paired with --kv-cache-dtype; one value applies to all); "
                          "fp8-head: fp8 with the LM head quantized too (--quantize-lm-head)")
@@ -146,7 +186,7 @@ def main() -> None:
                   quantize_lm_head=quantization == "fp8-head",
                   enable_hierarchical_cache=args.hicache > 0, hicache_size=args.hicache)
         if args.profile:
-            profile(llm, WORKLOADS[args.workloads[0]](llm.runner.vocab_size))
+            profile(llm, WORKLOADS[args.workloads[0]](llm.runner.vocab_size), args.profile == "host")
             return
         mode = {"quantization": quantization, "kv_cache_dtype": kv_dtype}
         if len(pairs) > 1:

@@ -188,18 +188,21 @@ def test_triton_cascade_cuda(graph):
 
 
 @pytest.mark.cuda
-def test_fp8_cascade_steps_in_their_own_stages_give_the_plain_bits():
-    """fp8 pages with the engine's fp8 options (128-key tiles, cascade steps in two pipeline
-    stages with the own level capped at 128 registers, plain steps in five, tiles widened in
-    registers): a cascade step returns the plain step's bits, and both the torch reference's
-    values."""
+@pytest.mark.parametrize("hq", [32, 16])  # GQA 4 (the 8B) and 2 (Qwen3-0.6B)
+def test_fp8_cascade_steps_in_their_own_stages_give_the_plain_bits(hq):
+    """fp8 pages with the engine's fp8 options (GQA 4: 128-key tiles, cascade steps in two
+    pipeline stages, plain steps in five; both: cascade steps' own level capped at 128 registers;
+    tiles widened in registers): a cascade step returns the plain step's bits, and both the torch
+    reference's values."""
     from minisgl.attention import create_backend
     from minisgl.attention.cascade_triton import TritonCascade, fp8_page_options
 
     torch.manual_seed(0)
-    hq, hk, dim, page_size, scales, fp8 = 32, 8, 128, 16, (0.7, 1.3), torch.float8_e4m3fn
+    hk, dim, page_size, scales, fp8 = 8, 128, 16, (0.7, 1.3), torch.float8_e4m3fn
     options = fp8_page_options(hq, hk)
-    assert options == dict(block_n=128, cascade_num_stages=2, cascade_own_maxnreg=128)
+    stages = 2 if hq == 32 else 5
+    assert options == (dict(block_n=128, cascade_num_stages=2, cascade_own_maxnreg=128) if hq == 32
+                       else dict(cascade_own_maxnreg=128))
     groups, loose = [(16, [300, 400, 257]), (24, [390, 385]), (8, [130] * 9)], [700, 33]
     cache = MHAKVCache(4096 // page_size, page_size, 1, hk, dim, fp8, torch.device("cuda"))
     cache.buffer.copy_(torch.randn(cache.buffer.shape, device="cuda").to(fp8))
@@ -218,7 +221,7 @@ def test_fp8_cascade_steps_in_their_own_stages_give_the_plain_bits():
     assert all(group_pages)  # every group has a shared level
     level.plan(*plan_args(meta, page_size, group_pages), None)
     out = level.forward(q, k, v, ref_backend.scale, kv_scales=scales)
-    assert level.own.launch["num_stages"] == 2 and level.own.launch["maxnreg"] == 128
+    assert level.own.launch["num_stages"] == stages and level.own.launch["maxnreg"] == 128
     assert level.own_launches[False]["num_stages"] == 5 and "maxnreg" not in level.own_launches[False]
     assert torch.equal(out, plain)
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)

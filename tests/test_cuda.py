@@ -309,6 +309,10 @@ def test_lm_head_returns_float32_logits_from_half_weights(dtype):
     assert (logits - exact).abs().max() < 1e-3 * exact.abs().max()
     assert (logits - exact).abs().max() < (exact.to(dtype).float() - exact).abs().max() / 10
     assert head(hidden[:0, 0]).shape == (0, 1000)  # a step whose rows sample nothing
+    # A CUDA graph's fixed buffer: the GEMM writes it in place, the same bits.
+    buf = torch.full((5, 1000), float("nan"), device="cuda")
+    got = head(hidden[0, :4], gather=False, out=buf[:4])
+    assert got.data_ptr() == buf.data_ptr() and torch.equal(buf[:4], logits[0, :4]) and buf[4].isnan().all()
 
 
 @pytest.mark.parametrize("page_size", [1, 16])

@@ -171,6 +171,9 @@ def test_quantized_lm_head(tiny_models, arch):
     got = head(hidden)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want[:, : runner.vocab_size], atol=0, rtol=0)
+    buf = torch.empty(5, head.qweight.shape[0])  # a CUDA graph's fixed buffer (the slice, padded rows too)
+    assert head(hidden, gather=False, out=buf).data_ptr() == buf.data_ptr()
+    torch.testing.assert_close(buf[:, : runner.vocab_size], got, atol=0, rtol=0)
     float_head = ModelRunner(EngineArgs(model=str(tiny_models[arch]), device="cpu", quantization="fp8")).model.lm_head
     torch.testing.assert_close(got, float_head(hidden), atol=0.05 * float_head(hidden).abs().max().item(), rtol=0.1)
     with pytest.raises(ValueError, match="--quantize-lm-head goes with fp8 linear layers"):

@@ -95,10 +95,13 @@ def own_work(lens: np.ndarray, shared: np.ndarray, page_size: int, segment: int)
 def fp8_page_options(num_qo_heads: int, num_kv_heads: int) -> dict:
     """``TritonCascade`` options the engine uses on an fp8 (e4m3) cache, measured on the H100."""
     if num_qo_heads < 4 * num_kv_heads:
-        # With two query heads per KV head (Qwen3-0.6B) the defaults: 64-key tiles are faster on
+        # With two query heads per KV head (Qwen3-0.6B) 64-key tiles, five stages: faster on
         # every shape measured (256 x 2304: 0.532 against 0.546 ms a layer; 256 x 512: 0.150 /
         # 0.169; cascade 0.185 / 0.198; decode_kernels_qwen3-0.6b_{fp8,bf16}_knobs_h100.json).
-        return {}
+        # Cascade steps' own level capped at 128 registers (two live rows per item; more CTAs per
+        # SM): 256 in 16 groups sharing 2048 + 257 own tokens 0.163 -> 0.147 ms a layer (bf16
+        # pages 0.155), 64 groups sharing 512 0.141 -> 0.124 (decode_kernels_qwen3-0.6b_s22_h100.json).
+        return dict(cascade_own_maxnreg=128)
     # Four or more: 128-key tiles (8B, 256 x 2304 keys: 0.48 against 0.54 ms a layer with 64; 16
     # groups of 16 sharing 2048: 0.185 against 0.184; decode_kernels_fp8_knobs_*.json). Cascade
     # steps (short own items, a shared level that widens every tile) in two stages: 8B, 16 groups

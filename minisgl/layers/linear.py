@@ -20,10 +20,13 @@ from minisgl.layers.quantization import FP8, Fp8Act, Fp8Scheme, fp8_linear, quan
 from minisgl.utils import cdiv, divide
 
 
-def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x W^T kept in the GEMM's float32 accumulator (CUDA half dtypes), not rounded to x's dtype."""
-    out = torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=torch.float32)
-    return out.view(*x.shape[:-1], weight.shape[0])  # explicit sizes: zero-row batches happen
+def linear_fp32(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T kept in the GEMM's float32 accumulator (CUDA half dtypes), not rounded to x's dtype;
+    written into ``out`` (float32 [T, N], contiguous) when given."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if out is not None:
+        return torch.mm(x2, weight.t(), out_dtype=torch.float32, out=out)
+    return torch.mm(x2, weight.t(), out_dtype=torch.float32).view(*x.shape[:-1], weight.shape[0])  # zero rows happen
 
 
 class ColumnParallelLinear(nn.Module):

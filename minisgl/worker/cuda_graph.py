@@ -81,9 +81,9 @@ class CudaGraphRunner:
         self.runner.attn.prepare(meta, graph_batch_size=size)
         set_attention_backend(self.runner.attn)
 
-    def _run_model(self, size: int) -> torch.Tensor:
+    def _run_model(self, size: int, out: torch.Tensor | None = None) -> torch.Tensor:
         model = self.runner.model
-        return model.compute_logits(model(self.input_ids[:size], self.positions[:size]), gather=False)
+        return model.compute_logits(model(self.input_ids[:size], self.positions[:size]), gather=False, out=out)
 
     def _capture_batch(self, size: int, cascade: bool) -> ForwardBatch:
         """A padding batch that plans what the graph must hold: for cascade, as many groups as
@@ -113,7 +113,7 @@ class CudaGraphRunner:
             del warm
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self.logits[:size].copy_(self._run_model(size))
+                self._run_model(size, out=self.logits[:size])  # the head writes the fixed buffer itself
             pool = graph.pool()
             self.graphs[size, cascade] = graph
         torch.cuda.synchronize()
