@@ -35,12 +35,12 @@ class AttentionMetadata:
     cached_lens: list[int]
     new_lens: list[int]
     page_table: torch.Tensor  # [max_slots, max_pages_per_req] int32, on the device
+    page_table_host: np.ndarray  # the same on the host: page lists are cut here, not by kernels
     slots_t: torch.Tensor  # [B] int64, on the device
     positions: torch.Tensor  # [T] int64
     out_loc: torch.Tensor  # [T] int64
     group_sizes: list[int] = field(default_factory=list)
     group_pages: list[int] = field(default_factory=list)
-    page_table_host: np.ndarray | None = None  # the page table's host copy, where the runner keeps one
 
     @property
     def num_reqs(self) -> int:

@@ -128,7 +128,7 @@ class _Level:
 
     def plan(self, work: np.ndarray, indices: torch.Tensor, graph: bool) -> None:
         if not graph:
-            self.programs, self.indices = len(work), indices
+            self.programs, self.indices = len(work), indices.to(self.device, non_blocking=True)
             self.work = torch.from_numpy(work).to(self.device, non_blocking=True)
             self.n_work = torch.tensor([len(work)], dtype=torch.int32).to(self.device, non_blocking=True)
             return
@@ -227,9 +227,10 @@ class TritonCascade:
         own_tokens: list[int], own_indices: torch.Tensor, graph_batch_size: int | None,
     ) -> None:
         """``sizes`` and ``pages``: the groups (their rows first, in order) and the shared pages
-        each reads, as ``shared_pages`` gives them; ``shared_indices``: those pages in group order,
-        on the device. ``own_tokens``: per request of the batch (graph padding included) its
-        tokens past the shared part, on its pages ``own_indices`` (concatenated, on the device)."""
+        each reads, as ``shared_pages`` gives them; ``shared_indices``: those pages in group order.
+        ``own_tokens``: per request of the batch (graph padding included) its tokens past the
+        shared part, on its pages ``own_indices`` (concatenated). Page lists int32, on the host or
+        the device."""
         hq, _, dim = self.heads
         graph = graph_batch_size is not None
         group_tokens = np.asarray(pages, dtype=np.int64) * page_size

@@ -34,12 +34,12 @@ def decode_metadata(
     table = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.int32)
     for i, r in enumerate(rows):
         table[i, : len(r)] = torch.tensor(r, dtype=torch.int32)
-    table = table.to(device)
+    table_host, table = table.numpy(), table.to(device)
     positions = torch.tensor([n - 1 for n in seq_lens], device=device)
     slots = torch.arange(len(rows), device=device)
     out_loc = table[slots, positions // page_size].long() * page_size + positions % page_size
     return AttentionMetadata(
         slots=list(range(len(rows))), cached_lens=[n - 1 for n in seq_lens], new_lens=[1] * len(rows),
-        page_table=table, slots_t=slots, positions=positions, out_loc=out_loc,
+        page_table=table, page_table_host=table_host, slots_t=slots, positions=positions, out_loc=out_loc,
         group_sizes=sizes if cascade else [], group_pages=shared if cascade else [],
     )

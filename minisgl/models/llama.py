@@ -128,7 +128,9 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [T, hidden] for the packed new tokens of every request in the step."""
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden: torch.Tensor, gather: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
+    def compute_logits(
+        self, hidden: torch.Tensor, gather: bool = True, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Logits [N, vocab], or with ``gather=False`` this rank's vocabulary slice, into ``out``
         if given (``ParallelLMHead``)."""
         return self.lm_head(hidden, gather, out)

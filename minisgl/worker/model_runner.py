@@ -272,16 +272,18 @@ class ModelRunner:
         starts = np.cumsum(new_lens) - new_lens
         positions = np.arange(len(req_of_token), dtype=np.int64) - starts[req_of_token] + cached[req_of_token]
         slots = np.asarray(batch.slots, dtype=np.int64)
-        host = torch.from_numpy(np.stack([positions, slots[req_of_token], np.asarray(batch.input_ids, np.int64)]))
-        positions_t, token_slots, input_ids = host.to(dev, non_blocking=True)
-        input_ids = torch.where(input_ids < 0, self.last_token[token_slots], input_ids)
-        pages = self.page_table[token_slots, positions_t // self.page_size].to(torch.int64)
-        out_loc = pages * self.page_size + positions_t % self.page_size
+        token_slots = slots[req_of_token]
+        # KV slots from the host copy of the page table: one copy up instead of kernels per step.
+        pages = self.page_table_host[token_slots, positions // self.page_size].astype(np.int64)
+        out_loc = pages * self.page_size + positions % self.page_size
+        host = torch.from_numpy(np.stack([positions, token_slots, np.asarray(batch.input_ids, np.int64), out_loc]))
+        positions_t, token_slots_t, input_ids, out_loc_t = host.to(dev, non_blocking=True)
+        input_ids = torch.where(input_ids < 0, self.last_token[token_slots_t], input_ids)
         meta = AttentionMetadata(
             slots=batch.slots, cached_lens=batch.cached_lens, new_lens=batch.new_lens,
-            page_table=self.page_table, slots_t=torch.from_numpy(slots).to(dev, non_blocking=True),
-            positions=positions_t, out_loc=out_loc, group_sizes=batch.group_sizes, group_pages=batch.group_pages,
-            page_table_host=self.page_table_host,
+            page_table=self.page_table, page_table_host=self.page_table_host,
+            slots_t=torch.from_numpy(slots).to(dev, non_blocking=True), positions=positions_t, out_loc=out_loc_t,
+            group_sizes=batch.group_sizes, group_pages=batch.group_pages,
         )
         return meta, input_ids
 
