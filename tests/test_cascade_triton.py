@@ -191,9 +191,9 @@ def test_triton_cascade_cuda(graph):
 @pytest.mark.parametrize("hq", [32, 16])  # GQA 4 (the 8B) and 2 (Qwen3-0.6B)
 def test_fp8_cascade_steps_in_their_own_stages_give_the_plain_bits(hq):
     """fp8 pages with the engine's fp8 options (GQA 4: 128-key tiles, cascade steps in two
-    pipeline stages, plain steps in five; both: cascade steps' own level capped at 128 registers;
-    tiles widened in registers): a cascade step returns the plain step's bits, and both the torch
-    reference's values."""
+    pipeline stages, plain steps in five; GQA 2: plain steps in two warps; both: cascade steps'
+    own level capped at 128 registers; tiles widened in registers): a cascade step returns the
+    plain step's bits, and both the torch reference's values."""
     from minisgl.attention import create_backend
     from minisgl.attention.cascade_triton import TritonCascade, fp8_page_options
 
@@ -202,7 +202,7 @@ def test_fp8_cascade_steps_in_their_own_stages_give_the_plain_bits(hq):
     options = fp8_page_options(hq, hk)
     stages = 2 if hq == 32 else 5
     assert options == (dict(block_n=128, cascade_num_stages=2, cascade_own_maxnreg=128) if hq == 32
-                       else dict(cascade_own_maxnreg=128))
+                       else dict(cascade_own_maxnreg=128, plain_num_warps=2))
     groups, loose = [(16, [300, 400, 257]), (24, [390, 385]), (8, [130] * 9)], [700, 33]
     cache = MHAKVCache(4096 // page_size, page_size, 1, hk, dim, fp8, torch.device("cuda"))
     cache.buffer.copy_(torch.randn(cache.buffer.shape, device="cuda").to(fp8))
@@ -223,5 +223,6 @@ def test_fp8_cascade_steps_in_their_own_stages_give_the_plain_bits(hq):
     out = level.forward(q, k, v, ref_backend.scale, kv_scales=scales)
     assert level.own.launch["num_stages"] == stages and level.own.launch["maxnreg"] == 128
     assert level.own_launches[False]["num_stages"] == 5 and "maxnreg" not in level.own_launches[False]
+    assert level.own_launches[False]["num_warps"] == (4 if hq == 32 else 2)
     assert torch.equal(out, plain)
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)

@@ -100,8 +100,10 @@ def fp8_page_options(num_qo_heads: int, num_kv_heads: int) -> dict:
         # 0.169; cascade 0.185 / 0.198; decode_kernels_qwen3-0.6b_{fp8,bf16}_knobs_h100.json).
         # Cascade steps' own level capped at 128 registers (two live rows per item; more CTAs per
         # SM): 256 in 16 groups sharing 2048 + 257 own tokens 0.163 -> 0.147 ms a layer (bf16
-        # pages 0.155), 64 groups sharing 512 0.141 -> 0.124 (decode_kernels_qwen3-0.6b_s22_h100.json).
-        return dict(cascade_own_maxnreg=128)
+        # pages 0.155), 64 groups sharing 512 0.141 -> 0.124. Plain steps in two warps (their items
+        # are whole rows of two query heads): 256 x 2305 0.531 -> 0.447
+        # (decode_kernels_qwen3-0.6b_s22_h100.json).
+        return dict(cascade_own_maxnreg=128, plain_num_warps=2)
     # Four or more: 128-key tiles (8B, 256 x 2304 keys: 0.48 against 0.54 ms a layer with 64; 16
     # groups of 16 sharing 2048: 0.185 against 0.184; decode_kernels_fp8_knobs_*.json). Cascade
     # steps (short own items, a shared level that widens every tile) in two stages: 8B, 16 groups
@@ -152,7 +154,7 @@ class TritonCascade:
         num_warps: int = 4, num_stages: int = 5, items_per_sm: int = 8, programs_per_sm: int = 8,
         min_segment_tokens: int = MIN_SEGMENT_TOKENS, shared_rows: int | None = None, own_num_warps: int | None = None,
         own_num_stages: int | None = None, cascade_num_stages: int | None = None,
-        cascade_own_maxnreg: int | None = None,
+        cascade_own_maxnreg: int | None = None, plain_num_warps: int | None = None,
     ):
         # Defaults from benchmarks/decode_bench.py part 3 on the H100 (gpu_2026-11-22.md, session 12).
         # Stages: the page-index load is a pipeline stage of its own, so Triton double-buffers the
@@ -184,7 +186,8 @@ class TritonCascade:
         # The own level may launch otherwise (its items are short runs of one request's keys); the
         # tiles stay the same, so a row's arithmetic does too. So may both levels of cascade steps
         # (``cascade_num_stages``, and ``cascade_own_maxnreg`` registers per thread for the own
-        # level): plain and cascade steps replay graphs of their own.
+        # level) and plain steps (``plain_num_warps``): plain and cascade steps replay graphs of
+        # their own.
         own_launch = dict(launch, block_m=own_m, num_warps=own_num_warps or num_warps,
                           num_stages=own_num_stages or num_stages)
         cascade_stages = dict(num_stages=cascade_num_stages) if cascade_num_stages else {}
@@ -193,7 +196,8 @@ class TritonCascade:
         cascade_own = dict(own_launch, **cascade_stages)
         if cascade_own_maxnreg:
             cascade_own["maxnreg"] = cascade_own_maxnreg
-        self.own_launches = {False: own_launch, True: cascade_own}  # by cascade step
+        plain = dict(own_launch, num_warps=plain_num_warps) if plain_num_warps else own_launch
+        self.own_launches = {False: plain, True: cascade_own}  # by cascade step
 
     def unit(self, page_size: int) -> int:
         """Tokens that segment and shared-part boundaries are multiples of: whole pages and tiles."""
