@@ -226,3 +226,20 @@ def test_fp8_cascade_steps_in_their_own_stages_give_the_plain_bits(hq):
     assert level.own_launches[False]["num_warps"] == (4 if hq == 32 else 2)
     assert torch.equal(out, plain)
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_page_lists_are_cut_on_the_host_like_slices():
+    """The backend's page lists (``FlashInferBackend._page_indices``, numpy on the page table's
+    host copy) equal the rows' slices concatenated, empty runs and all."""
+    from minisgl.attention.flashinfer_backend import FlashInferBackend
+
+    rng = np.random.default_rng(0)
+    table = rng.integers(0, 1 << 20, size=(40, 30), dtype=np.int32)
+    rows = rng.permutation(40)[:25]
+    first = rng.integers(0, 10, size=25)
+    counts = rng.integers(0, 21, size=25)
+    counts[[0, 7]] = 0
+    got = FlashInferBackend._page_indices(table, rows, first, counts)
+    want = np.concatenate([table[r, f : f + c] for r, f, c in zip(rows, first, counts)])
+    assert got.dtype == np.int32 and np.array_equal(got, want)
+    assert FlashInferBackend._page_indices(table, [], [], []).shape == (0,)

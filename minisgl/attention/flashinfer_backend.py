@@ -133,11 +133,15 @@ class FlashInferBackend(AttentionBackend):
     ) -> np.ndarray:
         """``table[rows[i], first[i] : first[i] + counts[i]]`` concatenated over i, on the host:
         cut by kernels it took ~20 small launches a decode step (~0.1 ms of an 8B step at 256
-        requests on the H100, with the gaps between them), before the step's graph could run."""
+        requests on the H100, with the gaps between them), before the step's graph could run.
+        Each entry is its run's start in the flattened table plus its place in the output, less
+        the run's first place: 256 runs of 152 pages ~0.1 ms, 4096 of 128 ~1 ms (this VM)."""
         counts = np.asarray(counts, dtype=np.int64)
-        owner = np.repeat(np.arange(len(counts)), counts)
-        cols = np.arange(len(owner)) - (np.cumsum(counts) - counts)[owner] + np.asarray(first, dtype=np.int64)[owner]
-        return table.ravel().take(np.asarray(rows, dtype=np.int64)[owner] * table.shape[1] + cols)
+        ends = np.cumsum(counts)
+        starts = np.asarray(rows, dtype=np.int64) * table.shape[1] + np.asarray(first, dtype=np.int64) - (ends - counts)
+        flat = np.repeat(starts, counts)
+        flat += np.arange(len(flat))
+        return table.ravel().take(flat)
 
     def prepare(self, meta: AttentionMetadata, graph_batch_size: int | None = None) -> None:
         super().prepare(meta)
