@@ -12,6 +12,7 @@ generates exactly its output length.
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
 from functools import partial
@@ -33,9 +34,22 @@ def run(llm: LLM, prompts: list[list[int]], output_lens: list[int], temperature:
         import torch
 
         torch.cuda.synchronize()
+    pauses: list[tuple[int, float]] = []  # Python's garbage collections inside the timed run
+
+    def on_gc(phase: str, info: dict) -> None:
+        now = time.perf_counter()
+        if phase == "start":
+            pauses.append((info["generation"], now))
+        elif pauses:
+            pauses[-1] = (pauses[-1][0], now - pauses[-1][1])
+
+    gc.callbacks.append(on_gc)
     start = time.perf_counter()
-    results = llm.generate(prompts, params)
-    elapsed = time.perf_counter() - start
+    try:
+        results = llm.generate(prompts, params)
+    finally:
+        elapsed = time.perf_counter() - start
+        gc.callbacks.remove(on_gc)
     out_tokens = sum(len(r["output_ids"]) for r in results)
     in_tokens = sum(len(p) for p in prompts)
     stats = llm.scheduler.stats()
@@ -45,6 +59,7 @@ def run(llm: LLM, prompts: list[list[int]], output_lens: list[int], temperature:
         "cache_hit_rate": stats["cache_hit_rate"], "retractions": stats["retractions"],
         "prefill_tokens": stats["prefill_tokens"], "cascade_steps": stats["cascade_steps"],
         "decode_steps": stats["decode_steps"],
+        "gc_ms": 1e3 * sum(t for _, t in pauses), "gc_full_collections": sum(g == 2 for g, _ in pauses),
     }
 
 
@@ -172,8 +187,6 @@ def main() -> None:
     llm = None
     for quantization, kv_dtype in pairs:
         if llm is not None:  # free the last engine's weights, pool and graphs first
-            import gc
-
             import torch
 
             del llm
@@ -239,7 +252,8 @@ def run_workloads(llm: LLM, args: argparse.Namespace, mode: dict[str, str], rows
             print(f"{wl.name:14s} {variant:14s} T={temperature:<4} {result['seconds']:8.2f} s  "
                   f"{result['output_tok_per_s']:9.0f} out tok/s  hit rate {result['cache_hit_rate']:.2f}  "
                   f"prefill {result['prefill_tokens'] / distinct:.3f}x distinct  "
-                  f"cascade steps {result['cascade_steps']}/{result['decode_steps']}"
+                  f"cascade steps {result['cascade_steps']}/{result['decode_steps']}  "
+                  f"gc {result['gc_ms']:.1f} ms ({result['gc_full_collections']} full)"
                   + (f"  (runs {', '.join(f'{t:.2f}' for t in result['seconds_all'])})" if args.repeats > 1 else ""),
                   flush=True)
         if args.tp_size == 1:

@@ -8,6 +8,7 @@ import pytest
 
 from minisgl.llm import LLM
 from minisgl.sampling import SamplingParams
+from minisgl.scheduler.scheduler import ids_in_range
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
 
@@ -144,7 +145,8 @@ def test_text_prompts_stop_strings_and_logprobs(tiny_llama):
 @pytest.mark.parametrize(
     "prompt,params,match",
     [([], SamplingParams(), "empty"), ([1] * 2000, SamplingParams(), "context length"),
-     ([5, 99999], SamplingParams(), "input_ids"), ([1], SamplingParams(top_p=2.0), "top_p"),
+     ([5, 99999], SamplingParams(), "input_ids"), ([5, -1], SamplingParams(), "input_ids"),
+     ([2**40, 5], SamplingParams(), "input_ids"), ([1], SamplingParams(top_p=2.0), "top_p"),
      ([1], SamplingParams(stop_token_ids=[-3]), "stop_token_ids")],
 )
 def test_bad_requests_are_rejected(tiny_llama, prompt, params, match):
@@ -153,6 +155,16 @@ def test_bad_requests_are_rejected(tiny_llama, prompt, params, match):
         llm.generate([[7, 8, 9], prompt], [SamplingParams(), params])
     assert not llm.scheduler.has_work
     assert llm.generate([[7, 8, 9]], GREEDY)[0]["meta_info"]["completion_tokens"] == 12
+
+
+def test_ids_in_range():
+    """The packed check agrees with 0 <= id < bound, and refuses what is not an integer."""
+    rng = random.Random(0)
+    for _ in range(200):
+        ids = [rng.randint(-3, 1003) for _ in range(rng.randint(1, 40))]
+        assert ids_in_range(ids, 1000) == all(0 <= i < 1000 for i in ids)
+    assert ids_in_range([], 10) and ids_in_range([0, 9], 10) and not ids_in_range([10], 10)
+    assert not ids_in_range([2**32 + 1], 10) and not ids_in_range([1.0], 10) and not ids_in_range(["1"], 10)
 
 
 def test_request_larger_than_the_pool_is_rejected(tiny_llama):
