@@ -194,7 +194,9 @@ CASCADE_VARIANTS = [  # (name, step kind, FlashInferBackend options); knob varia
     "stages4": dict(num_stages=4),  # pipeline depth (4 and fewer: one K/V buffer)
     "stages6": dict(num_stages=6),
     "warps8": dict(num_warps=8),
-    "own_warps2": dict(own_num_warps=2),  # the own level alone (its items are short and many)
+    "own_warps2": dict(own_num_warps=2),
+    "plain_warps2": dict(plain_num_warps=2),  # plain steps alone (fp8 pages with GQA 2 default to 2)
+    "plain_warps4": dict(plain_num_warps=4),  # the own level alone (its items are short and many)
     "own_warps8": dict(own_num_warps=8),
     "own_stages3": dict(own_num_stages=3),
     "own_stages2": dict(own_num_stages=2),
@@ -230,7 +232,7 @@ def cascade_kernels(
         grouped = batch - len(loose)
         per = [grouped // groups + (g < grouped % groups) for g in range(groups)]
         layout = [(shared_pages, [shared + own_len + 1] * n) for n in per]
-        total_pages = int(decode_metadata(page_size, layout, loose, "cpu").page_table.max()) + 1
+        total_pages = int(decode_metadata(page_size, layout, loose, "cpu").page_table_host.max()) + 1
         cache = MHAKVCache(total_pages, page_size, 1, kv_heads, head_dim, kv_dtype, torch.device("cuda"))
         cache.buffer.copy_(torch.randn(cache.buffer.shape, device="cuda").to(kv_dtype))
         q = torch.randn(batch, qo_heads, head_dim, dtype=torch.bfloat16, device="cuda")
@@ -244,7 +246,7 @@ def cascade_kernels(
                 continue
             backend = FlashInferBackend(cache, qo_heads, kv_heads, head_dim, dtype=torch.bfloat16, **kw)
             meta = decode_metadata(page_size, layout, loose, "cuda", cascade=cascade)
-            backend.init_cuda_graph(batch, meta.page_table.shape[1])
+            backend.init_cuda_graph(batch, meta.page_table_host.shape[1])
             backend.prepare(meta, graph_batch_size=batch)
             row[f"{name}_ms"] = replay_ms(lambda: backend.forward(q, 0))
             kv = (cache.k_cache(0), cache.v_cache(0))

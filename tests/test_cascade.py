@@ -172,8 +172,7 @@ def test_flashinfer_cascade_matches_plain(page_size, layout, graph, heads):
             size = n + 3  # three padding rows reading page 0
             pad = dict(slots=meta.slots + [0] * 3, cached_lens=meta.cached_lens + [0] * 3, new_lens=[1] * size)
             meta.slots, meta.cached_lens, meta.new_lens = pad["slots"], pad["cached_lens"], pad["new_lens"]
-            meta.slots_t = torch.tensor(meta.slots, device="cuda")
-            backend.init_cuda_graph(size, meta.page_table.shape[1])
+            backend.init_cuda_graph(size, meta.page_table_host.shape[1])
         backend.prepare(meta, graph_batch_size=size)
         qq = torch.cat([q, torch.randn(3, hq, dim, dtype=q.dtype, device="cuda")]) if size else q
         outs[name, two_level] = backend.forward(qq, 1)[:n].float()

@@ -32,11 +32,11 @@ def plan_args(meta: AttentionMetadata, page_size: int, group_pages: list[int], p
     lens = meta.seq_lens.tolist() + [1] * pad
     slots = meta.slots + [0] * pad
     pages = [cdiv(n, page_size) - k for n, k in zip(lens, skip)]
-    own = torch.cat([meta.page_table[s, k : k + p] if i < meta.num_reqs else meta.page_table[0, :1] * 0
+    table = torch.from_numpy(meta.page_table_host).to(meta.positions.device)
+    own = torch.cat([table[s, k : k + p] if i < meta.num_reqs else table[0, :1] * 0
                      for i, (s, k, p) in enumerate(zip(slots, skip, pages))])
     leaders = [sum(meta.group_sizes[:g]) for g in range(len(group_pages))]
-    shared = torch.cat([meta.page_table[meta.slots[r], :p] for r, p in zip(leaders, group_pages)]
-                       + [meta.page_table[0, :0]])
+    shared = torch.cat([table[meta.slots[r], :p] for r, p in zip(leaders, group_pages)] + [table[0, :0]])
     tokens = [n - k * page_size for n, k in zip(lens, skip)]
     return list(meta.group_sizes), list(group_pages), page_size, shared, tokens, own
 
@@ -96,7 +96,7 @@ def check(device: str, dtype: torch.dtype, graph: bool) -> None:
                     same(out, plain, "a cascade step returns what a plain one does")
                     continue
                 size = n + 3
-                level.init_cuda_graph(size, meta.page_table.shape[1])
+                level.init_cuda_graph(size, meta.page_table_host.shape[1])
                 for stale in (level._acc, level._m, level._l):
                     stale.fill_(float("nan"))  # stale partial states must not leak into rows
                 q_buf = torch.cat([q, q[:3]])

@@ -77,9 +77,8 @@ def _random_batch(page_size: int, cached: list[int], new: list[int], pages: int,
     req = torch.repeat_interleave(torch.arange(len(seq)), torch.tensor(new)).to(device)
     out_loc = table[req, positions // page_size].long() * page_size + positions % page_size
     return AttentionMetadata(
-        slots=list(range(len(seq))), cached_lens=cached, new_lens=new, page_table=table,
-        page_table_host=table.cpu().numpy(), slots_t=torch.arange(len(seq), device=device), positions=positions,
-        out_loc=out_loc,
+        slots=list(range(len(seq))), cached_lens=cached, new_lens=new, page_table_host=table.cpu().numpy(),
+        positions=positions, out_loc=out_loc,
     )
 
 

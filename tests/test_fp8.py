@@ -347,11 +347,10 @@ def test_attention_kernels_read_fp8_like_the_reference(mode):
         meta = _random_batch(page_size, cached, new, pages, "cuda")
         if mode == "cascade":  # two groups of two sharing their first 8 and 4 pages
             meta.group_sizes, meta.group_pages = [2, 2], [8, 4]
-            meta.page_table[1, :8] = meta.page_table[0, :8]
-            meta.page_table[3, :4] = meta.page_table[2, :4]
+            meta.page_table_host[1, :8] = meta.page_table_host[0, :8]
+            meta.page_table_host[3, :4] = meta.page_table_host[2, :4]
         if mode == "prefill_wide":
-            meta.page_table[1, :64] = meta.page_table[0, :64]  # a shared cached prefix
-        meta.page_table_host = meta.page_table.cpu().numpy()
+            meta.page_table_host[1, :64] = meta.page_table_host[0, :64]  # a shared cached prefix
         backend = create_backend(name, cache, hq, hk, dim, dtype=torch.bfloat16)
         outs.append(backend_outputs(backend, cache, meta, hq, new, scales))
         if name == "flashinfer" and mode.startswith("prefill"):

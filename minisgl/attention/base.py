@@ -25,7 +25,7 @@ def graph_groups(batch_size: int) -> int:
 class AttentionMetadata:
     """What one forward step attends over, built once per step by the model runner.
 
-    Request i owns row ``slots[i]`` of ``page_table``; it has ``cached_lens[i]`` tokens already
+    Request i owns row ``slots[i]`` of ``page_table_host``; it has ``cached_lens[i]`` tokens already
     in the cache and computes ``new_lens[i]`` new ones this step. New tokens appear in
     request order in q/k/v; ``out_loc`` holds their cache slot ids. ``group_sizes`` and
     ``group_pages`` describe a cascade decode step (see ``ForwardBatch``); empty otherwise.
@@ -34,9 +34,9 @@ class AttentionMetadata:
     slots: list[int]
     cached_lens: list[int]
     new_lens: list[int]
-    page_table: torch.Tensor  # [max_slots, max_pages_per_req] int32, on the device
-    page_table_host: np.ndarray  # the same on the host: page lists are cut here, not by kernels
-    slots_t: torch.Tensor  # [B] int64, on the device
+    # [max_slots, max_pages_per_req] int32 page ids, on the host: backends cut each step's page
+    # lists here and copy them up, rather than keep a device copy and run kernels to cut it.
+    page_table_host: np.ndarray
     positions: torch.Tensor  # [T] int64
     out_loc: torch.Tensor  # [T] int64
     group_sizes: list[int] = field(default_factory=list)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from minisgl.attention.base import AttentionMetadata
@@ -31,15 +32,14 @@ def decode_metadata(
         rows.append(list(range(page, page + cdiv(n, page_size))))
         page += len(rows[-1])
     seq_lens = [n for _, lens in groups for n in lens] + list(loose)
-    table = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.int32)
+    table = np.zeros((len(rows), max(map(len, rows))), dtype=np.int32)
     for i, r in enumerate(rows):
-        table[i, : len(r)] = torch.tensor(r, dtype=torch.int32)
-    table_host, table = table.numpy(), table.to(device)
-    positions = torch.tensor([n - 1 for n in seq_lens], device=device)
-    slots = torch.arange(len(rows), device=device)
-    out_loc = table[slots, positions // page_size].long() * page_size + positions % page_size
+        table[i, : len(r)] = r
+    positions = np.array([n - 1 for n in seq_lens], dtype=np.int64)
+    out_loc = table[np.arange(len(rows)), positions // page_size].astype(np.int64) * page_size + positions % page_size
     return AttentionMetadata(
         slots=list(range(len(rows))), cached_lens=[n - 1 for n in seq_lens], new_lens=[1] * len(rows),
-        page_table=table, page_table_host=table_host, slots_t=slots, positions=positions, out_loc=out_loc,
+        page_table_host=table, positions=torch.from_numpy(positions).to(device),
+        out_loc=torch.from_numpy(out_loc).to(device),
         group_sizes=sizes if cascade else [], group_pages=shared if cascade else [],
     )

@@ -8,6 +8,7 @@ partial results merge by their log-sum-exp. Tests compare it with the single-lev
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -32,6 +33,10 @@ class TorchBackend(AttentionBackend):
         CPU decode step of SmolLM2)."""
         super().prepare(meta, graph_batch_size)
         self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
+        # The batch's page-table rows, in request order (a copy: the runner edits its table).
+        cols = cdiv(int(meta.seq_lens.max(initial=0)), self.kv_cache.page_size)
+        rows = meta.page_table_host[np.asarray(meta.slots, dtype=np.int64), :cols]
+        self._pages = torch.from_numpy(rows).to(self.kv_cache.buffer.device).long()
         self._decode = self._plan_decode(meta) if meta.is_decode and not meta.cascade else None
 
     def _plan_decode(self, meta: AttentionMetadata) -> tuple[torch.Tensor, int, torch.Tensor | None]:
@@ -39,10 +44,10 @@ class TorchBackend(AttentionBackend):
         the shorter ones' padding (None when there is none)."""
         lens = meta.seq_lens
         longest = max(lens)
-        pages = meta.page_table[meta.slots_t, : cdiv(longest, self.kv_cache.page_size)].long()
+        pages = self._pages[:, : cdiv(longest, self.kv_cache.page_size)]
         if min(lens) == longest:
             return pages, longest, None
-        device = meta.page_table.device
+        device = pages.device
         seen = torch.arange(longest, device=device)[None, :] < torch.tensor(lens, device=device)[:, None]
         return pages, longest, seen[:, None, None, :]
 
@@ -58,11 +63,11 @@ class TorchBackend(AttentionBackend):
                                 self.kv_cache.v_cache(layer_id), self.meta.out_loc, norm, self._rows,
                                 self.kv_cache.scales[layer_id])
 
-    def _gather(self, layer_id: int, slot: int, first_page: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of tokens [first_page * page_size, end) of the request in ``slot``, GQA-expanded."""
-        meta, page_size = self.meta, self.kv_cache.page_size
+    def _gather(self, layer_id: int, req: int, first_page: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of tokens [first_page * page_size, end) of the batch's request ``req``, GQA-expanded."""
+        page_size = self.kv_cache.page_size
         group = self.num_qo_heads // self.num_kv_heads
-        pages = meta.page_table[slot, first_page : cdiv(end, page_size)].long()
+        pages = self._pages[req, first_page : cdiv(end, page_size)]
         count = end - first_page * page_size
         k_scale, v_scale = self.kv_cache.scales[layer_id]
         keys = self.kv_cache.k_cache(layer_id)[pages].flatten(0, 1)[:count].repeat_interleave(group, dim=1)
@@ -93,9 +98,9 @@ class TorchBackend(AttentionBackend):
         meta = self.meta
         out = torch.empty_like(q)
         start = 0
-        for slot, cached, new in zip(meta.slots, meta.cached_lens, meta.new_lens):
+        for i, (cached, new) in enumerate(zip(meta.cached_lens, meta.new_lens)):
             total = cached + new
-            keys, values = self._gather(layer_id, slot, 0, total)
+            keys, values = self._gather(layer_id, i, 0, total)
             # New token j sits at position cached + j and sees keys 0..cached + j.
             q_pos = torch.arange(cached, total, device=q.device)[:, None]
             k_pos = torch.arange(total, device=q.device)[None, :]
@@ -126,14 +131,14 @@ class TorchBackend(AttentionBackend):
         """Decode only (one query per request): every key a query sees precedes it, so no mask."""
         meta = self.meta
         skip = meta.skip_pages()
-        own = [self._attend(q[i : i + 1], *self._gather(layer_id, slot, skip[i], total), None)
-               for i, (slot, total) in enumerate(zip(meta.slots, meta.seq_lens))]
+        own = [self._attend(q[i : i + 1], *self._gather(layer_id, i, skip[i], total), None)
+               for i, total in enumerate(meta.seq_lens)]
         out = torch.cat([o for o, _ in own])
         lse = torch.cat([s for _, s in own])
         start = 0
         for size, pages in zip(meta.group_sizes, meta.group_pages):
             rows = slice(start, start + size)
-            keys, values = self._gather(layer_id, meta.slots[start], 0, pages * self.kv_cache.page_size)
+            keys, values = self._gather(layer_id, start, 0, pages * self.kv_cache.page_size)
             shared, shared_lse = self._attend(q[rows], keys, values, None)
             out[rows], lse[rows] = merge_partials(shared, shared_lse, out[rows], lse[rows])
             start += size

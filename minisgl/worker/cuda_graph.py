@@ -57,7 +57,7 @@ class CudaGraphRunner:
         # own output held size x vocab float32 per graph: 27 GB for a ladder to 1024 at a
         # 128k vocabulary, out of memory on the H100. The price is one more [size, vocab] copy.)
         self.logits: torch.Tensor | None = None
-        runner.attn.init_cuda_graph(max_bs, runner.page_table.shape[1])
+        runner.attn.init_cuda_graph(max_bs, runner.page_table_host.shape[1])
         self._capture()
 
     def _pad(self, batch: ForwardBatch, size: int) -> ForwardBatch:

@@ -96,7 +96,7 @@ class ModelRunner:
         self._slots(args.derive_max_running_requests(self.num_pages * self.page_size, self.device.type == "cuda"))
         self.kv_cache = self._make_cache(self.num_pages + 1)
         self._set_kv_scales()
-        self.page_table[self.pad_slot] = self.page_table_host[self.pad_slot] = self.num_pages
+        self.page_table_host[self.pad_slot] = self.num_pages
         self.attn = create_backend(
             args.attention_backend, self.kv_cache, self.num_qo_heads, self.num_kv_heads, self.config.head_dim,
             args.decode_attention_backend, self.dtype,
@@ -120,11 +120,8 @@ class ModelRunner:
         """Page-table rows, last sampled tokens and sampling state for ``n`` requests, plus the
         padding row of CUDA-graph batches (it points at the scratch page)."""
         self.max_slots = self.pad_slot = n
-        self.page_table = torch.zeros(
-            (n + 1, cdiv(self.context_len, self.page_size)), dtype=torch.int32, device=self.device
-        )
-        # The same on the host, for attention plans that read page ids (fp8 prefill widening).
-        self.page_table_host = np.zeros(tuple(self.page_table.shape), dtype=np.int32)
+        # On the host only: attention backends cut their page lists from it (AttentionMetadata).
+        self.page_table_host = np.zeros((n + 1, cdiv(self.context_len, self.page_size)), dtype=np.int32)
         self.last_token = torch.zeros(n + 1, dtype=torch.int64, device=self.device)
         self.sampler = Sampler(n, self.vocab_size, self.device)
 
@@ -262,10 +259,7 @@ class ModelRunner:
         """Apply page-table writes and build positions, inputs and KV slots for the new tokens."""
         dev = self.device
         if batch.table_slots:
-            host_upd = np.array([batch.table_slots, batch.table_cols, batch.table_pages], dtype=np.int64)
-            self.page_table_host[host_upd[0], host_upd[1]] = host_upd[2]
-            upd = torch.from_numpy(host_upd).to(dev, non_blocking=True)
-            self.page_table[upd[0], upd[1]] = upd[2].to(torch.int32)
+            self.page_table_host[batch.table_slots, batch.table_cols] = batch.table_pages
         new_lens = np.asarray(batch.new_lens, dtype=np.int64)
         cached = np.asarray(batch.cached_lens, dtype=np.int64)
         req_of_token = np.repeat(np.arange(len(new_lens)), new_lens)
@@ -281,8 +275,7 @@ class ModelRunner:
         input_ids = torch.where(input_ids < 0, self.last_token[token_slots_t], input_ids)
         meta = AttentionMetadata(
             slots=batch.slots, cached_lens=batch.cached_lens, new_lens=batch.new_lens,
-            page_table=self.page_table, page_table_host=self.page_table_host,
-            slots_t=torch.from_numpy(slots).to(dev, non_blocking=True), positions=positions_t, out_loc=out_loc_t,
+            page_table_host=self.page_table_host, positions=positions_t, out_loc=out_loc_t,
             group_sizes=batch.group_sizes, group_pages=batch.group_pages,
         )
         return meta, input_ids
