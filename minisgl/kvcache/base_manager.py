@@ -15,7 +15,8 @@ def common_pages(key: list[int], ids: list[int], start: int, page_size: int, end
     """How many whole pages of ``key`` equal ``ids[start:end]``. List compares run in C: it
     bisects on pages rather than looping over tokens."""
     whole = min(len(key), (len(ids) if end is None else end) - start) // page_size
-    if key[: whole * page_size] == ids[start : start + whole * page_size]:
+    n = whole * page_size
+    if (key if n == len(key) else key[:n]) == ids[start : start + n]:
         return whole
     lo, hi = 0, whole - 1
     while lo < hi:

@@ -62,9 +62,11 @@ def gpu_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
 
 
+@functools.lru_cache(maxsize=1 << 14)
 def tuned_gemm(rows: int, n: int, k: int, gpu: str) -> tuple[bool, tuple[int, int, int, int] | None]:
     """Whether ``gpu`` has a tuned kernel for ``rows`` x weights [n, k], and which: a Triton
-    config for ``kernels.fp8.block_matmul``, or None for cuBLAS."""
+    config for ``kernels.fp8.block_matmul``, or None for cuBLAS. Cached: every GEMM of every
+    step asks (eager prefill chunks are host-bound on small models)."""
     by_rows = _gemm_table(gpu).get(f"{n}x{k}")
     if by_rows is None or rows > GEMM_ROW_BUCKETS[-1]:
         return False, None
@@ -289,9 +291,11 @@ def fp8_linear(
                 out = block_matmul(act.data, act.scale, weight, scale, None, act.dtype, config)
             else:
                 # Row-wise scaling writes bf16 (or float32, as fp8_logits asks), not fp16: fp16 models take one cast.
-                out = scaled_mm(act.data, act.scale, weight, scale, torch.bfloat16).to(act.dtype)
+                out = scaled_mm(act.data, act.scale, weight, scale, torch.bfloat16)
+                if act.dtype != torch.bfloat16:
+                    out = out.to(act.dtype)
     else:
         out = (dequantize(act.data, act.scale, block) @ dequantize(weight, scale, block).t()).to(act.dtype)
     if bias is not None:
         out = out + bias
-    return out.view(*lead, weight.shape[0])
+    return out if len(lead) == 1 else out.view(*lead, weight.shape[0])

@@ -40,12 +40,15 @@ def prefill_batch(entries: list[Entry], eos_ids: set[int]) -> tuple[ForwardBatch
 
 
 def write_table(batch: ForwardBatch, req: Req) -> None:
-    """Add the request's pages not yet in the worker's page table to the batch's writes."""
-    for col in range(req.table_len, len(req.pages)):
-        batch.table_slots.append(req.slot)
-        batch.table_cols.append(col)
-        batch.table_pages.append(req.pages[col])
-    req.table_len = len(req.pages)
+    """Add the request's pages not yet in the worker's page table to the batch's writes (list
+    operations in C: a request's first chunk writes its whole prompt's pages, 8192 tokens' worth
+    per step, a quarter of a prefill step's host time as a Python loop)."""
+    first, end = req.table_len, len(req.pages)
+    if end > first:
+        batch.table_slots += [req.slot] * (end - first)
+        batch.table_cols += range(first, end)
+        batch.table_pages += req.pages[first:]
+    req.table_len = end
 
 
 def new_request(req: Req, eos_ids: set[int]) -> NewRequest:

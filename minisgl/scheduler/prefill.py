@@ -51,10 +51,11 @@ class PrefillPlanner:
             req.cached_tokens += tokens
             self.counters.prefix_hit_tokens += tokens
 
-    def chunk_of(self, req: Req, budget: int) -> Entry | None:
-        """Reserve pages for the request's next prefill chunk (at most ``budget`` tokens)."""
+    def chunk_of(self, req: Req, budget: int, admitted: bool = False) -> Entry | None:
+        """Reserve pages for the request's next prefill chunk (at most ``budget`` tokens).
+        ``admitted``: it was matched against the cache just now (nothing to take up since)."""
         memory = self.memory
-        if memory.cache.reuses_prefixes:
+        if memory.cache.reuses_prefixes and not admitted:
             self.count_hit(req, memory.rematch(req, reusable(req, req.prefill_target - 1)))
         target = req.prefill_target
         end = min(target, req.kv_len + budget)
@@ -109,7 +110,7 @@ class PrefillPlanner:
             # against 50.4 s when the prefill waited beside decode steps until they were done).
             loaded = memory.admit(req, reusable(req, len(req.all_ids) - 1))
             matched = req.kv_len
-            entry = self.chunk_of(req, min(budget, self.chunk))
+            entry = self.chunk_of(req, min(budget, self.chunk), admitted=True)
             if entry is None:
                 memory.release(req)  # not enough pages now: try again after others finish
                 break
