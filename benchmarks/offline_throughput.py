@@ -30,10 +30,12 @@ from minisgl.utils import init_logging  # noqa: E402
 def run(llm: LLM, prompts: list[list[int]], output_lens: list[int], temperature: float = 0.0) -> dict[str, float]:
     params = [SamplingParams(temperature=temperature, max_new_tokens=n, ignore_eos=True) for n in output_lens]
     device = getattr(llm.runner, "device", None)  # none at tp > 1: the ranks are other processes, idle here
-    if device is not None and device.type == "cuda":
+    cuda = device is not None and device.type == "cuda"
+    if cuda:
         import torch
 
         torch.cuda.synchronize()
+        before = torch.cuda.memory_stats(device)
     pauses: list[tuple[int, float]] = []  # Python's garbage collections inside the timed run
 
     def on_gc(phase: str, info: dict) -> None:
@@ -53,7 +55,7 @@ def run(llm: LLM, prompts: list[list[int]], output_lens: list[int], temperature:
     out_tokens = sum(len(r["output_ids"]) for r in results)
     in_tokens = sum(len(p) for p in prompts)
     stats = llm.scheduler.stats()
-    return {
+    out = {
         "seconds": elapsed, "requests": len(prompts), "input_tokens": in_tokens, "output_tokens": out_tokens,
         "output_tok_per_s": out_tokens / elapsed, "total_tok_per_s": (in_tokens + out_tokens) / elapsed,
         "cache_hit_rate": stats["cache_hit_rate"], "retractions": stats["retractions"],
@@ -61,6 +63,11 @@ def run(llm: LLM, prompts: list[list[int]], output_lens: list[int], temperature:
         "decode_steps": stats["decode_steps"],
         "gc_ms": 1e3 * sum(t for _, t in pauses), "gc_full_collections": sum(g == 2 for g, _ in pauses),
     }
+    if cuda:  # cudaMalloc calls and out-of-memory retries (each frees cached blocks: a device sync)
+        after = torch.cuda.memory_stats(device)
+        for key in ("num_device_alloc", "num_alloc_retries"):
+            out[key] = after.get(key, 0) - before.get(key, 0)
+    return out
 
 
 def profile(llm: LLM, wl: Workload, host_ops: bool = False) -> None:
@@ -254,6 +261,8 @@ def run_workloads(llm: LLM, args: argparse.Namespace, mode: dict[str, str], rows
                   f"prefill {result['prefill_tokens'] / distinct:.3f}x distinct  "
                   f"cascade steps {result['cascade_steps']}/{result['decode_steps']}  "
                   f"gc {result['gc_ms']:.1f} ms ({result['gc_full_collections']} full)"
+                  + (f"  cudaMalloc {result['num_device_alloc']}, retries {result['num_alloc_retries']}"
+                     if "num_device_alloc" in result else "")
                   + (f"  (runs {', '.join(f'{t:.2f}' for t in result['seconds_all'])})" if args.repeats > 1 else ""),
                   flush=True)
         if args.tp_size == 1:
