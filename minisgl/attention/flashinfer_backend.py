@@ -184,8 +184,8 @@ class FlashInferBackend(AttentionBackend):
 
     def _wide_indices(self, meta: AttentionMetadata, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor] | None:
         """For a prefill chunk on an fp8 cache that pays for widening: the distinct pool pages of
-        its page list ``indices`` (int64, on the device) and the list as positions among them;
-        else None."""
+        its page list ``indices`` (host) and the list as positions among them, both on the device
+        (pages int64); else None."""
         new = np.asarray(meta.new_lens)
         if self.prefill_wide is None or new.sum() < WIDE_MIN_CHUNK_TOKENS or new.sum() < WIDE_MIN_NEW_TOKENS * len(new):
             return None
