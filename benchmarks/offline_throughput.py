@@ -2,8 +2,8 @@
 
     python benchmarks/offline_throughput.py --model benchmarks/configs/llama3.1-8b --load-format dummy
 
-Variants: radix-on (everything on), cascade-off, radix-off, and with --ablations no-cuda-graph
-and no-overlap. ``--quantization none fp8 --kv-cache-dtype auto fp8_e4m3`` runs every workload
+Variants: radix-on (everything on), cascade-off, radix-off, and with --ablations no-cuda-graph,
+no-piecewise (decode graphs, eager prefill) and no-overlap. ``--quantization none fp8 --kv-cache-dtype auto fp8_e4m3`` runs every workload
 once per (quantization, KV dtype) pair, each on a fresh engine, in the same process. Prints a table (with prefill tokens computed against the workload's distinct
 prompt tokens) and writes JSON to benchmarks/results/. Outputs ignore EOS so every request
 generates exactly its output length.
@@ -134,13 +134,14 @@ def idle_gaps(events: list, top: int = 15) -> None:
             print(f"      host {overlap / 1e3:7.2f} ms  {name[:90]}")
 
 
-VARIANTS = {  # name: (radix cache off, cascade off, CUDA graphs, overlap)
-    "radix-on": (False, False, True, True),
-    "hicache": (False, False, True, True),  # radix-on plus the host tier (the engine built with --hicache)
-    "cascade-off": (False, True, True, True),
-    "radix-off": (True, True, True, True),
-    "no-cuda-graph": (False, False, False, True),
-    "no-overlap": (False, False, True, False),
+VARIANTS = {  # name: (radix cache off, cascade off, CUDA graphs (decode, prefill pieces), overlap)
+    "radix-on": (False, False, (True, True), True),
+    "hicache": (False, False, (True, True), True),  # radix-on plus the host tier (the engine built with --hicache)
+    "cascade-off": (False, True, (True, True), True),
+    "radix-off": (True, True, (True, True), True),
+    "no-cuda-graph": (False, False, (False, False), True),
+    "no-piecewise": (False, False, (True, False), True),  # decode graphs, eager prefill
+    "no-overlap": (False, False, (True, True), False),
 }
 
 
@@ -163,7 +164,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1,
                     help="timed runs per workload and variant; rows report the median (and every time)")
     ap.add_argument("--ablations", action="store_true",
-                    help="also run each workload (radix on) without CUDA graphs and without overlap")
+                    help="also run each workload (radix on) without CUDA graphs, without prefill graphs and without "
+                         "overlap")
     ap.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/offline_<model>.json)")
     ap.add_argument("--profile", nargs="?", const="gpu", choices=["gpu", "host"],
                     help="profile the first workload (radix on): GPU kernels and idle time, then the host by "
@@ -232,7 +234,8 @@ def main() -> None:
 def run_workloads(llm: LLM, args: argparse.Namespace, mode: dict[str, str], rows: list[dict]) -> None:
     """Every workload under every variant (and temperature) on one engine; rows are appended."""
     graphs = getattr(llm.runner, "graphs", None)
-    variants = args.variants + (["no-cuda-graph", "no-overlap"] if args.ablations else [])
+    pieces = getattr(llm.runner, "piecewise", None)
+    variants = args.variants + (["no-cuda-graph", "no-piecewise", "no-overlap"] if args.ablations else [])
     start = len(rows)
     for name in args.workloads:
         wl = WORKLOADS[name](llm.runner.vocab_size)
@@ -242,9 +245,10 @@ def run_workloads(llm: LLM, args: argparse.Namespace, mode: dict[str, str], rows
         llm.reset_scheduler(disable_radix_cache=False)
         run(llm, wl.prompts[:16], [4] * 16)
         for temperature, variant in [(t, v) for t in args.temperature for v in variants]:
-            radix_off, cascade_off, use_graphs, overlap = VARIANTS[variant]
+            radix_off, cascade_off, (use_graphs, use_pieces), overlap = VARIANTS[variant]
             if args.tp_size == 1:
                 llm.runner.graphs = graphs if use_graphs else None
+                llm.runner.piecewise = pieces if use_pieces else None
             llm.args.disable_overlap_schedule = not overlap
             llm.args.disable_cascade_attention = cascade_off
             llm.args.enable_hierarchical_cache = variant == "hicache"

@@ -45,6 +45,11 @@ class EngineArgs:
     disable_cascade_attention: bool = False  # decode reads shared prefixes once per group (radix cache only)
     cuda_graph_max_bs: int | None = None  # None: max_running_requests; 0 disables graphs
     disable_cuda_graph: bool = False
+    # Prefill steps of up to this many tokens replay CUDA graphs of the layers' pieces between
+    # attentions (worker/piecewise_graph.py), padded to the next size captured.
+    disable_piecewise_cuda_graph: bool = False
+    piecewise_cuda_graph_max_tokens: int = 8192
+    piecewise_cuda_graph_tokens: list[int] | None = None  # the sizes captured (default: a ladder to the maximum)
     disable_custom_all_reduce: bool = False  # tp on GPUs: NCCL for every all-reduce, not the one-shot kernels
     enable_fp32_all_reduce: bool = False  # tp: partial sums all-reduced in fp32 (tp=2 tokens closer to tp=1's)
     max_prefill_tokens: int | None = None  # tokens of one prefill step (None: chunked_prefill_size)
@@ -138,6 +143,11 @@ class EngineArgs:
             raise ValueError(f"--quantization {self.quantization!r} is not supported ({', '.join(QUANTIZATIONS)})")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r} is not supported ({', '.join(KV_CACHE_DTYPES)})")
+        if self.piecewise_cuda_graph_max_tokens < 1:
+            raise ValueError(f"piecewise_cuda_graph_max_tokens must be >= 1, got {self.piecewise_cuda_graph_max_tokens}")
+        if self.piecewise_cuda_graph_tokens is not None and not all(
+                isinstance(n, int) and n >= 1 for n in self.piecewise_cuda_graph_tokens):
+            raise ValueError(f"piecewise_cuda_graph_tokens must be token counts >= 1, got {self.piecewise_cuda_graph_tokens}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ValueError(f"max_total_tokens must hold at least one page, got {self.max_total_tokens}")
         if self.enable_hierarchical_cache:
@@ -273,6 +283,13 @@ def add_engine_args(ap: argparse.ArgumentParser) -> dict[str, argparse._Argument
     device.add_argument("--cuda-graph-max-bs", type=int, default=None,
                     help="largest decode batch run from a CUDA graph (default: max-running-requests; 0: off)")
     device.add_argument("--disable-cuda-graph", action="store_true", help="run every step eagerly")
+    device.add_argument("--disable-piecewise-cuda-graph", action="store_true",
+                    help="run prefill steps eagerly instead of replaying CUDA graphs of the layers' pieces between "
+                         "attentions (on by default with CUDA graphs, one GPU)")
+    device.add_argument("--piecewise-cuda-graph-max-tokens", type=int, default=d.piecewise_cuda_graph_max_tokens,
+                    help="largest prefill step (in tokens) run from piecewise CUDA graphs")
+    device.add_argument("--piecewise-cuda-graph-tokens", type=int, nargs="+", default=None,
+                    help="the token counts captured (default: 16 to 1024 by doubling, then steps of 1/8)")
     parallel.add_argument("--disable-custom-all-reduce", action="store_true",
                     help="tensor parallelism on GPUs: NCCL for every all-reduce instead of the one-shot "
                          "symmetric-memory kernels for small (decode) tensors, the one fused with the "

@@ -92,17 +92,26 @@ class AttentionBackend(ABC):
 
     def rope_store(
         self, qkv: torch.Tensor, positions: torch.Tensor, layer_id: int, cos_sin: torch.Tensor,
-        norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+        norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """From a layer's qkv projection [T, (Hq + 2 Hk) * D]: per-head q/k norm (``norm``),
-        rotary, K/V written to the new tokens' slots. Returns q [T, Hq, D] for ``forward``."""
+        rotary, K/V written to the new tokens' slots. Returns q [T, Hq, D] for ``forward``
+        (``out`` if given)."""
         self.kv_cache.wait_layer(layer_id)  # host-tier copies into (or out of) this layer's pages
         return rope_store(
             qkv, self.num_qo_heads, positions, cos_sin, self.kv_cache.k_cache(layer_id),
-            self.kv_cache.v_cache(layer_id), self.meta.out_loc, norm, self.kv_cache.scales[layer_id],
+            self.kv_cache.v_cache(layer_id), self.meta.out_loc, norm, self.kv_cache.scales[layer_id], out,
         )
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, layer_id: int) -> torch.Tensor:
-        """q: [T, Hq, D] of the new tokens, whose K/V ``rope_store`` has written; returns [T, Hq, D]."""
+    def forward(self, q: torch.Tensor, layer_id: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """q: [T, Hq, D] of the new tokens, whose K/V ``rope_store`` has written; returns [T, Hq, D]
+        (``out`` if given: piecewise CUDA graphs read it from a fixed buffer)."""
+
+
+def into(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """``result``, copied into ``out`` when the caller gave one."""
+    if out is None:
+        return result
+    return out.copy_(result)
 

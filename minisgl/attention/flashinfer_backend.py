@@ -25,7 +25,7 @@ import functools
 import numpy as np
 import torch
 
-from minisgl.attention.base import AttentionBackend, AttentionMetadata
+from minisgl.attention.base import AttentionBackend, AttentionMetadata, into
 from minisgl.kvcache import BaseKVCache
 
 # Split-KV scratch of the prefill and decode wrappers.
@@ -197,13 +197,14 @@ class FlashInferBackend(AttentionBackend):
         return (torch.from_numpy(pages.astype(np.int64)).to(device, non_blocking=True),
                 torch.from_numpy(positions.astype(np.int32)).to(device, non_blocking=True))
 
-    def forward(self, q: torch.Tensor, layer_id: int) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, layer_id: int, out: torch.Tensor | None = None) -> torch.Tensor:
         cache = (self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id))
         k_scale, v_scale = self.kv_cache.scales[layer_id]
         if self.step == "flashinfer":
             # Every row is written: without ``out`` FlashInfer zero-fills a fresh one (an 8B
             # layer's 8192-token chunk: 22 us of 67 MB of writes).
-            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            if out is None:
+                out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
             if self.wide_pages is not None:
                 from minisgl.kernels.fp8 import widen_pages
 
@@ -217,4 +218,4 @@ class FlashInferBackend(AttentionBackend):
                 return self.wrapper.run(q, cache, k_scale=k_scale, v_scale=v_scale, out=out)
             return self.wrapper.run(q, cache, out=out)
         levels = ("shared", "own", "combine") if self.step == "cascade" else ("own", "combine")
-        return self.cascade.forward(q, *cache, self.scale, levels, (k_scale, v_scale))
+        return into(self.cascade.forward(q, *cache, self.scale, levels, (k_scale, v_scale)), out)

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from minisgl.attention.base import AttentionBackend, AttentionMetadata
+from minisgl.attention.base import AttentionBackend, AttentionMetadata, into
 from minisgl.kernels.rope_store import from_cache, rope_rows, rope_store_torch
 from minisgl.utils import cdiv
 
@@ -53,15 +53,15 @@ class TorchBackend(AttentionBackend):
 
     def rope_store(
         self, qkv: torch.Tensor, positions: torch.Tensor, layer_id: int, cos_sin: torch.Tensor,
-        norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+        norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if qkv.is_cuda:  # the CUDA kernel, as on the other backends
-            return super().rope_store(qkv, positions, layer_id, cos_sin, norm)
+            return super().rope_store(qkv, positions, layer_id, cos_sin, norm, out)
         if self._rows is None:
             self._rows = rope_rows(cos_sin, positions, qkv.dtype)
-        return rope_store_torch(qkv, self.num_qo_heads, positions, cos_sin, self.kv_cache.k_cache(layer_id),
-                                self.kv_cache.v_cache(layer_id), self.meta.out_loc, norm, self._rows,
-                                self.kv_cache.scales[layer_id])
+        return into(rope_store_torch(qkv, self.num_qo_heads, positions, cos_sin, self.kv_cache.k_cache(layer_id),
+                                     self.kv_cache.v_cache(layer_id), self.meta.out_loc, norm, self._rows,
+                                     self.kv_cache.scales[layer_id]), out)
 
     def _gather(self, layer_id: int, req: int, first_page: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of tokens [first_page * page_size, end) of the batch's request ``req``, GQA-expanded."""
@@ -86,17 +86,17 @@ class TorchBackend(AttentionBackend):
         out = torch.einsum("hqk,khd->qhd", (scores - lse[..., None]).exp(), values)
         return out, lse.transpose(0, 1)
 
-    def forward(self, q: torch.Tensor, layer_id: int) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, layer_id: int, out: torch.Tensor | None = None) -> torch.Tensor:
         if self._decode is not None:
-            return self._forward_decode(q, layer_id)
+            return into(self._forward_decode(q, layer_id), out)
         if self.meta.cascade:
-            return self._forward_cascade(q, layer_id)
-        return self._forward_each(q, layer_id)
+            return into(self._forward_cascade(q, layer_id), out)
+        return self._forward_each(q, layer_id, out)
 
-    def _forward_each(self, q: torch.Tensor, layer_id: int) -> torch.Tensor:
+    def _forward_each(self, q: torch.Tensor, layer_id: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """One request at a time, causal within its new tokens."""
         meta = self.meta
-        out = torch.empty_like(q)
+        out = torch.empty_like(q) if out is None else out
         start = 0
         for i, (cached, new) in enumerate(zip(meta.cached_lens, meta.new_lens)):
             total = cached + new

@@ -79,17 +79,18 @@ def rope_store(
     qkv: torch.Tensor, num_q_heads: int, positions: torch.Tensor, cos_sin: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, out_loc: torch.Tensor,
     norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, scales: tuple[float, float] = (1.0, 1.0),
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotate q and k of ``qkv`` [T, (Hq + 2 Hk) * D] by ``positions`` (rotate-half layout,
     ``cos_sin`` = [max_pos, D] float32 cos | sin), after a per-head RMSNorm when ``norm`` =
     (q_weight, k_weight, eps) is given. K and V go to slots ``out_loc`` of the [pages,
     page_size, Hk, D] cache views (an fp8 cache stores K / scales[0] and V / scales[1]); returns q
-    as a contiguous [T, Hq, D]."""
+    as a contiguous [T, Hq, D], written into ``out`` (contiguous) if given."""
     head_dim = k_cache.shape[3]
     if not qkv.is_cuda or head_dim not in KERNEL_HEAD_DIMS:
-        return rope_store_torch(qkv, num_q_heads, positions, cos_sin, k_cache, v_cache, out_loc, norm,
-                                scales=scales)
-    q = torch.empty(qkv.shape[0], num_q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+        q = rope_store_torch(qkv, num_q_heads, positions, cos_sin, k_cache, v_cache, out_loc, norm, scales=scales)
+        return q if out is None else out.copy_(q)
+    q = out if out is not None else torch.empty(qkv.shape[0], num_q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     empty = qkv.new_empty(0)
     q_weight, k_weight, eps = norm if norm is not None else (empty, empty, 0.0)
     load_module("rope_store").rope_store(

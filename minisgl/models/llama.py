@@ -38,11 +38,12 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor | Fp8Act, positions: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+    def project(self, x: torch.Tensor | Fp8Act, positions: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The query [T, Hq, D] of the qkv projection (written into ``out`` if given), with K and V
+        stored in the cache: everything before attention that the step's metadata decides."""
         backend = get_attention_backend()
         norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if hasattr(self, "q_norm") else None
-        q = backend.rope_store(self.qkv_proj(x), positions, self.layer_id, self.rotary.cos_sin, norm)
-        return self.o_proj(backend.forward(q, self.layer_id).flatten(1), reduce)
+        return backend.rope_store(self.qkv_proj(x), positions, self.layer_id, self.rotary.cos_sin, norm, out)
 
 
 class MLP(nn.Module):
@@ -67,18 +68,30 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.quant)
         self.defer = defers_reduce(config)
 
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor
+    def attention_input(
+        self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, out: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the embeddings (``residual`` None) or the last layer's MLP output, as partial sums
-        when ``defer``; returns this layer's MLP output the same way, and the residual stream."""
+        when ``defer``; returns the query for attention (see ``Attention.project``) and the
+        residual stream."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual, self.defer)
-        x = self.self_attn(x, positions, not self.defer)
+        return self.self_attn.project(x, positions, out), residual
+
+    def attention_output(self, attn: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """From attention's output [T, Hq, D]: this layer's MLP output (partial sums when
+        ``defer``) and the residual stream."""
+        x = self.self_attn.o_proj(attn.flatten(1), not self.defer)
         x, residual = self.post_attention_layernorm(x, residual, self.defer)
         return self.mlp(x, not self.defer), residual
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        q, residual = self.attention_input(x, residual, positions)
+        return self.attention_output(get_attention_backend().forward(q, self.self_attn.layer_id), residual)
 
 
 def defers_reduce(config: ModelConfig) -> bool:
@@ -104,6 +117,30 @@ class DecoderModel(nn.Module):
             x, residual = layer(x, residual, positions)
         x, _ = self.norm(x, residual, self.defer)
         return x
+
+    @property
+    def num_pieces(self) -> int:
+        return len(self.layers) + 1
+
+    def piece(
+        self, i: int, input_ids: torch.Tensor, positions: torch.Tensor, attn: torch.Tensor, residual: torch.Tensor,
+        q_out: torch.Tensor, hidden_out: torch.Tensor,
+    ) -> None:
+        """Piece ``i`` of ``forward`` cut at attention (piecewise CUDA graphs): from layer i-1's
+        attention output ``attn`` (piece 0: from the embeddings of ``input_ids``) through layer
+        i's query, written to ``q_out`` with its K/V stored (the last piece: the final norm,
+        written to ``hidden_out``). The residual stream lives in ``residual`` between pieces.
+        Running every piece with each layer's attention between them is ``forward``."""
+        if i == 0:
+            x, stream = self.embed_tokens(input_ids), None
+        else:
+            x, stream = self.layers[i - 1].attention_output(attn, residual)
+        if i < len(self.layers):
+            _, stream = self.layers[i].attention_input(x, stream, positions, q_out)
+        else:
+            hidden_out.copy_(self.norm(x, stream, self.defer)[0])
+        if stream.data_ptr() != residual.data_ptr():  # the fused norms update it in place; the torch ones do not
+            residual.copy_(stream)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -90,6 +90,7 @@ class ModelRunner:
         self.pending: deque[_Pending] = deque()
         self._parked: tuple[ForwardBatch, torch.Tensor] | None = None  # forward done, waiting for masks
         self.graphs = None
+        self.piecewise = None
         self._slots(WARMUP_ROWS)
         self.num_pages = self._profile_num_pages()
         # Slots (page-table rows, sampling state) once the pool size says how many may run.
@@ -109,12 +110,32 @@ class ModelRunner:
             from minisgl.worker.cuda_graph import CudaGraphRunner
 
             self.graphs = CudaGraphRunner(self, args.graph_batch_size)
+        self.piecewise = None
+        if self._piecewise_sizes():
+            from minisgl.worker.piecewise_graph import PiecewiseGraphRunner
+
+            self.piecewise = PiecewiseGraphRunner(self, self._piecewise_sizes())
         logger.info(
             "KV cache: %d pages x %d tokens (%.2f GiB, %s) on %s",
             self.num_pages, self.page_size, self.kv_cache.buffer.nbytes / 2**30, self.kv_dtype, self.device,
         )
 
     # ---- set-up -------------------------------------------------------------------------------
+
+    def _piecewise_sizes(self) -> list[int]:
+        """Token counts of the prefill steps replayed from piecewise CUDA graphs: none without
+        CUDA graphs, on several GPUs (not measured there yet) or on another attention backend;
+        at most the largest prefill step."""
+        args = self.args
+        if (self.device.type != "cuda" or args.disable_cuda_graph or args.cuda_graph_max_bs == 0
+                or args.disable_piecewise_cuda_graph or get_tp_info().size > 1
+                or not type(self.attn).supports_cuda_graph):
+            return []
+        from minisgl.worker.piecewise_graph import token_sizes
+
+        limit = min(args.piecewise_cuda_graph_max_tokens, args.prefill_budget(self.context_len))
+        sizes = args.piecewise_cuda_graph_tokens or token_sizes(limit)
+        return sorted({n for n in sizes if n <= limit})
 
     def _slots(self, n: int) -> None:
         """Page-table rows, last sampled tokens and sampling state for ``n`` requests, plus the
@@ -195,10 +216,14 @@ class ModelRunner:
             self.args.attention_backend, self.kv_cache, self.num_qo_heads, self.num_kv_heads, self.config.head_dim,
             dtype=self.dtype,
         )
-        if self.device.type == "cuda":
+        cuda = self.device.type == "cuda"
+        if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-        self._warmup(tokens)
+        before = torch.cuda.memory_allocated() if cuda else 0
+        prefill_peak = self._warmup(tokens)
+        # Piecewise prefill graphs keep a pool of their own, as large as a prefill's activations.
+        graph_pool = prefill_peak - before if cuda and self._piecewise_sizes() else 0
         del self.kv_cache, self.attn
         set_attention_backend(None)
         if self.args.max_total_tokens is not None:
@@ -208,7 +233,7 @@ class ModelRunner:
             torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info()
             activations = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
-            budget = free - total * (1 - self.args.mem_fraction_static) - activations
+            budget = free - total * (1 - self.args.mem_fraction_static) - activations - graph_pool
         else:
             # On CPU, more than every slot at full context is never useful, and a laptop should
             # not give gigabytes to it by default (--max-total-tokens asks for more).
@@ -227,7 +252,9 @@ class ModelRunner:
             )
         return num_pages
 
-    def _warmup(self, tokens: int) -> None:
+    def _warmup(self, tokens: int) -> int:
+        """Run a prefill of ``tokens``, a short one and the sampler's worst case; returns the
+        allocator's peak after the prefill (CUDA; 0 elsewhere)."""
         pages = cdiv(tokens, self.page_size)
         rows = self.max_slots  # the sampler works in blocks of at most this many rows
         batch = ForwardBatch(
@@ -235,6 +262,7 @@ class ModelRunner:
             table_slots=[0] * pages, table_cols=list(range(pages)), table_pages=list(range(pages)),
         )
         self.forward(batch)
+        peak = torch.cuda.max_memory_allocated() if self.device.type == "cuda" else 0
         # A short chunk too: on an fp8 cache short and long chunks take different prefill kernels
         # (attention.flashinfer_backend), and a kernel's first use compiles it (up to a minute).
         short = min(tokens, 16)
@@ -247,6 +275,7 @@ class ModelRunner:
         self.sampler.sample(logits, list(range(rows)), [1] * rows)
         for slot in range(rows):  # leave every slot greedy, as a fresh runner has them
             self.sampler.set_request(slot, SamplingParams(temperature=0.0), [], [], seed=0)
+        return peak
 
     # ---- one step -----------------------------------------------------------------------------
 
@@ -306,10 +335,13 @@ class ModelRunner:
                 torch.cuda.current_stream().wait_event(self.kv_cache.layer_events[-1])
             logits = self.graphs.forward(batch)
             return self.model.lm_head.gather(logits) if gather else logits
-        meta, input_ids = self._metadata(batch)
-        self.attn.prepare(meta)
-        set_attention_backend(self.attn)
-        hidden = self.model(input_ids, meta.positions)
+        if self.piecewise is not None and self.piecewise.can_run(batch):
+            hidden = self.piecewise.forward(batch)
+        else:
+            meta, input_ids = self._metadata(batch)
+            self.attn.prepare(meta)
+            set_attention_backend(self.attn)
+            hidden = self.model(input_ids, meta.positions)
         self._scores = self._score(hidden, batch) if batch.score_rows else {}
         last = np.cumsum(batch.new_lens) - 1
         rows = torch.from_numpy(last[np.asarray(batch.sample, dtype=bool)]).to(self.device, non_blocking=True)
