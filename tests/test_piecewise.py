@@ -104,3 +104,22 @@ def test_piecewise_graphs_keep_greedy_tokens_on_cuda(tmp_path, quant):
     same = sum(a == b for a, b in zip(*outs))
     # bf16 GEMMs over a padded row count may round differently: nearly every request agrees.
     assert same >= len(prompts) - 2, f"{same} of {len(prompts)} requests agree"
+
+
+@pytest.mark.cuda
+def test_piecewise_graphs_wait_for_host_tier_loads(tmp_path):
+    """Conversations that outgrow a small device pool come back through the host tier, loaded
+    layer by layer beside the forward: replayed pieces wait for each layer's copies as the eager
+    forward does (same tokens with the pieces off, loads really happened)."""
+    from tests.test_hicache import multi_turn
+
+    path = make_tiny_model("llama", tmp_path / "llama-hd128", overrides={"head_dim": 128})
+    outs = []
+    for piecewise in (True, False):
+        llm = LLM(str(path), device="cuda", dtype="bfloat16", max_total_tokens=1200, enable_hierarchical_cache=True,
+                  hicache_ratio=4, hicache_io_backend="kernel", disable_piecewise_cuda_graph=not piecewise)
+        assert (llm.runner.piecewise is not None) == piecewise
+        outs.append(multi_turn(llm))
+        assert llm.scheduler.stats()["host_loaded_pages"] > 0
+        llm.runner.host_pool.close()
+    assert outs[0] == outs[1]

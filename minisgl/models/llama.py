@@ -132,15 +132,15 @@ class DecoderModel(nn.Module):
         written to ``hidden_out``). The residual stream lives in ``residual`` between pieces.
         Running every piece with each layer's attention between them is ``forward``."""
         if i == 0:
-            x, stream = self.embed_tokens(input_ids), None
+            x, res = self.embed_tokens(input_ids), None
         else:
-            x, stream = self.layers[i - 1].attention_output(attn, residual)
+            x, res = self.layers[i - 1].attention_output(attn, residual)
         if i < len(self.layers):
-            _, stream = self.layers[i].attention_input(x, stream, positions, q_out)
+            _, res = self.layers[i].attention_input(x, res, positions, q_out)
         else:
-            hidden_out.copy_(self.norm(x, stream, self.defer)[0])
-        if stream.data_ptr() != residual.data_ptr():  # the fused norms update it in place; the torch ones do not
-            residual.copy_(stream)
+            hidden_out.copy_(self.norm(x, res, self.defer)[0])
+        if res.data_ptr() != residual.data_ptr():  # the fused norms update it in place; the torch ones do not
+            residual.copy_(res)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -110,11 +110,11 @@ class ModelRunner:
             from minisgl.worker.cuda_graph import CudaGraphRunner
 
             self.graphs = CudaGraphRunner(self, args.graph_batch_size)
-        self.piecewise = None
-        if self._piecewise_sizes():
+        sizes = self._piecewise_sizes()
+        if sizes:
             from minisgl.worker.piecewise_graph import PiecewiseGraphRunner
 
-            self.piecewise = PiecewiseGraphRunner(self, self._piecewise_sizes())
+            self.piecewise = PiecewiseGraphRunner(self, sizes)
         logger.info(
             "KV cache: %d pages x %d tokens (%.2f GiB, %s) on %s",
             self.num_pages, self.page_size, self.kv_cache.buffer.nbytes / 2**30, self.kv_dtype, self.device,
