@@ -33,11 +33,11 @@ def shared_prefix_workload(
     return Workload(name, prompts, [output_len] * len(prompts))
 
 
-def generated_shared_prefix(vocab: int, shuffle: bool) -> Workload:
+def generated_shared_prefix(vocab: int, shuffle: bool, groups: int = 64) -> Workload:
     """SGLang's bench_serving default generated-shared-prefix shape: 64 groups of 16 prompts,
-    2048-token system prompt, 128-token question, 256 output tokens."""
-    name = "gsp-shuffled" if shuffle else "gsp"
-    return shared_prefix_workload(vocab, groups=64, per_group=16, shuffle=shuffle, seed=2, name=name)
+    2048-token system prompt, 128-token question, 256 output tokens (``groups`` scales it)."""
+    name = ("gsp-shuffled" if shuffle else "gsp") + ("" if groups == 64 else f"-{groups * 16}")
+    return shared_prefix_workload(vocab, groups=groups, per_group=16, shuffle=shuffle, seed=2, name=name)
 
 
 def multi_turn_workload(
@@ -95,6 +95,7 @@ WORKLOADS = {
     "random": random_workload, "shared-prefix": shared_prefix_workload,
     "gsp": lambda vocab: generated_shared_prefix(vocab, shuffle=False),
     "gsp-shuffled": lambda vocab: generated_shared_prefix(vocab, shuffle=True),
+    "gsp-4096": lambda vocab: generated_shared_prefix(vocab, shuffle=False, groups=256),  # 16x shared-prefix's requests
     "multi-turn": multi_turn_workload,
     "repeated": repeated_sampling,
 }
