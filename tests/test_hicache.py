@@ -385,8 +385,9 @@ def test_cuda_page_copies_equal_the_torch_reference(io_backend, dtype):
 @pytest.mark.parametrize("io_backend", ["direct", "kernel"])
 @pytest.mark.parametrize("policy", POLICIES)
 def test_cuda_engine_with_host_tier_gives_the_tokens_of_one_big_pool(tiny_llama, policy, io_backend):
-    """On the GPU (FlashInfer prefill, CUDA graphs, overlap, copies on their own stream): a small
-    device pool plus the host tier gives the greedy tokens of one big pool."""
+    """On the GPU (torch attention in fp32, overlap, copies on their own stream): a small device
+    pool plus the host tier gives the greedy tokens of one big pool. FlashInfer with CUDA graphs
+    and the host tier: test_piecewise.test_piecewise_graphs_wait_for_host_tier_loads."""
     from minisgl.llm import LLM
 
     common = dict(device="cuda", dtype="float32", attention_backend="torch", cuda_graph_max_bs=16)
