@@ -70,6 +70,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def into(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """``result``, copied into ``out`` when the caller gave one (a fixed buffer)."""
+    return result if out is None else out.copy_(result)
+
+
 def divide(a: int, b: int) -> int:
     if a % b:
         raise ValueError(f"{a} is not divisible by {b}")

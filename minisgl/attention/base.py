@@ -107,11 +107,3 @@ class AttentionBackend(ABC):
     def forward(self, q: torch.Tensor, layer_id: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """q: [T, Hq, D] of the new tokens, whose K/V ``rope_store`` has written; returns [T, Hq, D]
         (``out`` if given: piecewise CUDA graphs read it from a fixed buffer)."""
-
-
-def into(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    """``result``, copied into ``out`` when the caller gave one."""
-    if out is None:
-        return result
-    return out.copy_(result)
-

@@ -25,8 +25,9 @@ import functools
 import numpy as np
 import torch
 
-from minisgl.attention.base import AttentionBackend, AttentionMetadata, into
+from minisgl.attention.base import AttentionBackend, AttentionMetadata
 from minisgl.kvcache import BaseKVCache
+from minisgl.utils import into
 
 # Split-KV scratch of the prefill and decode wrappers.
 WORKSPACE_BYTES = 256 * 1024 * 1024

@@ -12,9 +12,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from minisgl.attention.base import AttentionBackend, AttentionMetadata, into
+from minisgl.attention.base import AttentionBackend, AttentionMetadata
 from minisgl.kernels.rope_store import from_cache, rope_rows, rope_store_torch
-from minisgl.utils import cdiv
+from minisgl.utils import cdiv, into
 
 
 def merge_partials(

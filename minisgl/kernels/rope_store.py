@@ -13,6 +13,7 @@ import torch
 from minisgl.kernels.fused import rmsnorm_torch
 from minisgl.kernels.jit import load_module
 from minisgl.layers.quantization import FP8, to_fp8
+from minisgl.utils import into
 
 KERNEL_HEAD_DIMS = (32, 64, 128, 256)
 
@@ -89,7 +90,7 @@ def rope_store(
     head_dim = k_cache.shape[3]
     if not qkv.is_cuda or head_dim not in KERNEL_HEAD_DIMS:
         q = rope_store_torch(qkv, num_q_heads, positions, cos_sin, k_cache, v_cache, out_loc, norm, scales=scales)
-        return q if out is None else out.copy_(q)
+        return into(q, out)
     q = out if out is not None else torch.empty(qkv.shape[0], num_q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     empty = qkv.new_empty(0)
     q_weight, k_weight, eps = norm if norm is not None else (empty, empty, 0.0)

@@ -20,7 +20,7 @@ import msgspec
 import torch
 from tqdm import tqdm
 
-from minisgl.attention.base import graph_groups
+from minisgl.attention.base import AttentionMetadata, graph_groups
 from minisgl.attention.context import set_attention_backend
 from minisgl.messages import ForwardBatch
 
@@ -41,15 +41,41 @@ def batch_sizes(max_bs: int) -> list[int]:
     return [s for s in sizes if s < max_bs] + [max_bs]
 
 
+def with_requests(batch: ForwardBatch, extra: ForwardBatch) -> ForwardBatch:
+    """``batch`` with ``extra``'s requests after its own (the padding of a captured size)."""
+    return msgspec.structs.replace(
+        batch, slots=batch.slots + extra.slots, cached_lens=batch.cached_lens + extra.cached_lens,
+        new_lens=batch.new_lens + extra.new_lens, input_ids=batch.input_ids + extra.input_ids,
+        sample=batch.sample + extra.sample,
+    )
+
+
+class StepInputs:
+    """The fixed buffers a captured step reads its token ids, positions and KV slots from."""
+
+    def __init__(self, tokens: int, device: torch.device):
+        self.input_ids = torch.zeros(tokens, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(tokens, dtype=torch.int64, device=device)
+        self.out_loc = torch.zeros(tokens, dtype=torch.int64, device=device)
+
+    def load(self, runner: ModelRunner, batch: ForwardBatch) -> AttentionMetadata:
+        """The batch's metadata (``ModelRunner._metadata``), its token ids, positions and KV slots
+        copied into the buffers, which the metadata then points at."""
+        meta, input_ids = runner._metadata(batch)
+        n = len(input_ids)
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(meta.positions)
+        self.out_loc[:n].copy_(meta.out_loc)
+        meta.positions, meta.out_loc = self.positions[:n], self.out_loc[:n]
+        return meta
+
+
 class CudaGraphRunner:
     def __init__(self, runner: ModelRunner, max_bs: int):
         self.runner = runner
         self.sizes = batch_sizes(max_bs)
         self.max_bs = max_bs
-        dev = runner.device
-        self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(max_bs, dtype=torch.int64, device=dev)
-        self.out_loc = torch.zeros(max_bs, dtype=torch.int64, device=dev)
+        self.inputs = StepInputs(max_bs, runner.device)
         # Groups come from the radix tree: without it no step carries any.
         self.cascade = not (runner.args.disable_cascade_attention or runner.args.disable_radix_cache)
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # by (size, cascade)
@@ -64,26 +90,18 @@ class CudaGraphRunner:
         n = size - len(batch.slots)
         if n == 0:
             return batch
-        return msgspec.structs.replace(
-            batch, slots=batch.slots + [self.runner.pad_slot] * n, cached_lens=batch.cached_lens + [0] * n,
-            new_lens=batch.new_lens + [1] * n, input_ids=batch.input_ids + [0] * n,
-            sample=batch.sample + [False] * n,
-        )
+        return with_requests(batch, ForwardBatch([self.runner.pad_slot] * n, [0] * n, [1] * n, [0] * n, [False] * n))
 
     def _load(self, batch: ForwardBatch) -> None:
         """Copy the padded batch's inputs into the static buffers and plan attention."""
-        size = len(batch.slots)
-        meta, input_ids = self.runner._metadata(batch)
-        self.input_ids[:size].copy_(input_ids)
-        self.positions[:size].copy_(meta.positions)
-        self.out_loc[:size].copy_(meta.out_loc)
-        meta.positions, meta.out_loc = self.positions[:size], self.out_loc[:size]
-        self.runner.attn.prepare(meta, graph_batch_size=size)
+        meta = self.inputs.load(self.runner, batch)
+        self.runner.attn.prepare(meta, graph_batch_size=len(batch.slots))
         set_attention_backend(self.runner.attn)
 
     def _run_model(self, size: int, out: torch.Tensor | None = None) -> torch.Tensor:
         model = self.runner.model
-        return model.compute_logits(model(self.input_ids[:size], self.positions[:size]), gather=False, out=out)
+        inputs = self.inputs
+        return model.compute_logits(model(inputs.input_ids[:size], inputs.positions[:size]), gather=False, out=out)
 
     def _capture_batch(self, size: int, cascade: bool) -> ForwardBatch:
         """A padding batch that plans what the graph must hold: for cascade, as many groups as

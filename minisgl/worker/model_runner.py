@@ -106,7 +106,7 @@ class ModelRunner:
         self.num_host_pages = self.host_pool.num_pages if self.host_pool is not None else 0
         self._io_event: torch.cuda.Event | None = None
         self._events: list[torch.cuda.Event] = []  # the latest host-tier copies, per layer
-        if self.device.type == "cuda" and args.cuda_graph_max_bs != 0 and not args.disable_cuda_graph and self.attn.supports_cuda_graph:
+        if self._graphs_enabled():
             from minisgl.worker.cuda_graph import CudaGraphRunner
 
             self.graphs = CudaGraphRunner(self, args.graph_batch_size)
@@ -122,14 +122,18 @@ class ModelRunner:
 
     # ---- set-up -------------------------------------------------------------------------------
 
+    def _graphs_enabled(self) -> bool:
+        """Whether steps may replay CUDA graphs: on a GPU, unless turned off, with a backend that
+        can be captured."""
+        args = self.args
+        return (self.device.type == "cuda" and args.cuda_graph_max_bs != 0 and not args.disable_cuda_graph
+                and self.attn.supports_cuda_graph)
+
     def _piecewise_sizes(self) -> list[int]:
         """Token counts of the prefill steps replayed from piecewise CUDA graphs: none without
-        CUDA graphs, on several GPUs (not measured there yet) or on another attention backend;
-        at most the largest prefill step."""
+        CUDA graphs or on several GPUs (not measured there yet); at most the largest prefill step."""
         args = self.args
-        if (self.device.type != "cuda" or args.disable_cuda_graph or args.cuda_graph_max_bs == 0
-                or args.disable_piecewise_cuda_graph or get_tp_info().size > 1
-                or not type(self.attn).supports_cuda_graph):
+        if not self._graphs_enabled() or args.disable_piecewise_cuda_graph or get_tp_info().size > 1:
             return []
         from minisgl.worker.piecewise_graph import token_sizes
 

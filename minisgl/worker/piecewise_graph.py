@@ -14,17 +14,17 @@ CUDA graphs do the same through torch.compile; the model's own split keeps this 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING
 
-import msgspec
 import torch
 from tqdm import tqdm
 
-from minisgl.attention.base import AttentionMetadata
 from minisgl.attention.context import set_attention_backend
 from minisgl.messages import ForwardBatch
+from minisgl.worker.cuda_graph import StepInputs, with_requests
 
 if TYPE_CHECKING:
     from minisgl.worker.model_runner import ModelRunner
@@ -53,9 +53,7 @@ class PiecewiseGraphRunner:
         self.max_tokens = self.sizes[-1]
         n, dev, dtype = self.max_tokens, runner.device, runner.dtype
         heads, head_dim, hidden = runner.num_qo_heads, runner.config.head_dim, runner.config.hidden_size
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.out_loc = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.inputs = StepInputs(n, dev)
         self.q = torch.zeros(n, heads, head_dim, dtype=dtype, device=dev)
         self.attn = torch.zeros(n, heads, head_dim, dtype=dtype, device=dev)
         self.residual = torch.zeros(n, hidden, dtype=dtype, device=dev)
@@ -79,32 +77,19 @@ class PiecewiseGraphRunner:
         n = len(lens)
         return ForwardBatch([self.runner.pad_slot] * n, [0] * n, lens, [0] * tokens, [False] * n)
 
-    def _load(self, batch: ForwardBatch, size: int) -> None:
-        """Inputs of the batch padded to ``size`` tokens into the static buffers; attention
-        planned over the real requests."""
-        tokens = sum(batch.new_lens)
-        padded = batch
-        if size > tokens:
-            pad = self._padding(size - tokens)
-            padded = msgspec.structs.replace(
-                batch, slots=batch.slots + pad.slots, cached_lens=batch.cached_lens + pad.cached_lens,
-                new_lens=batch.new_lens + pad.new_lens, input_ids=batch.input_ids + pad.input_ids,
-                sample=batch.sample + pad.sample,
-            )
-        meta, input_ids = self.runner._metadata(padded)
-        self.input_ids[:size].copy_(input_ids)
-        self.positions[:size].copy_(meta.positions)
-        self.out_loc[:size].copy_(meta.out_loc)
-        real = AttentionMetadata(
-            slots=batch.slots, cached_lens=batch.cached_lens, new_lens=batch.new_lens,
-            page_table_host=meta.page_table_host, positions=self.positions[:size], out_loc=self.out_loc[:size],
-        )
+    def _load(self, batch: ForwardBatch, tokens: int, size: int) -> None:
+        """Inputs of the batch (``tokens`` new tokens) padded to ``size`` tokens into the static
+        buffers; attention planned over the real requests."""
+        padded = batch if size == tokens else with_requests(batch, self._padding(size - tokens))
+        meta = self.inputs.load(self.runner, padded)
+        real = dataclasses.replace(meta, slots=batch.slots, cached_lens=batch.cached_lens, new_lens=batch.new_lens)
         self.runner.attn.prepare(real)
         set_attention_backend(self.runner.attn)
 
     def _piece(self, i: int, size: int) -> None:
-        self.model.piece(i, self.input_ids[:size], self.positions[:size], self.attn[:size], self.residual[:size],
-                         self.q[:size], self.hidden[:size])
+        inputs = self.inputs
+        self.model.piece(i, inputs.input_ids[:size], inputs.positions[:size], self.attn[:size],
+                         self.residual[:size], self.q[:size], self.hidden[:size])
 
     def _run(self, tokens: int, size: int, graphs: list[torch.cuda.CUDAGraph] | None) -> None:
         """Every piece (replayed, or run eagerly without ``graphs``) with each layer's attention
@@ -126,7 +111,7 @@ class PiecewiseGraphRunner:
         until the next step)."""
         tokens = sum(batch.new_lens)
         size = self._size(tokens)
-        self._load(batch, size)
+        self._load(batch, tokens, size)
         self._run(tokens, size, self.graphs.get(size))
         return self.hidden[:tokens]
 
@@ -137,7 +122,7 @@ class PiecewiseGraphRunner:
         stream = torch.cuda.Stream()
         pieces = self.model.num_pieces
         for size in tqdm(sorted(self.sizes, reverse=True), desc="Capturing prefill CUDA graphs", unit="size"):
-            self._load(self._padding(size), size)  # tokens whose K/V go to the scratch page
+            self._load(self._padding(size), size, size)  # tokens whose K/V go to the scratch page
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 self._run(size, size, None)  # warm-up outside the graphs (lazy inits, first compiles)
