@@ -70,6 +70,7 @@ class EngineArgs:
     hicache_io_backend: str = "kernel"
     hicache_storage_backend: str | None = None  # "file": a disk tier under the host tier
     hicache_storage_dir: str | None = None  # its folder ($SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, /tmp/hicache)
+    weight_version: str = "default"  # the name of the weights served first (outputs carry it)
 
     @property
     def storage_dir(self) -> str:
@@ -193,6 +194,9 @@ class ServerArgs(EngineArgs):
     max_stop_length: int = 1024  # characters of one stop string
     tool_call_parser: str | None = None  # llama3, qwen25 (None: read from the chat template)
     reasoning_parser: str | None = None  # qwen3, qwen3-thinking, deepseek-r1
+    # /update_weights_from_tensor unpickles its payload (restricted to torch's shared-tensor
+    # rebuilders): off unless asked for.
+    enable_weight_update_from_tensor: bool = False
     dp_size: int = 1  # replicas behind the smg router
     router_policy: str = "cache_aware"
 
@@ -320,6 +324,9 @@ def add_engine_args(ap: argparse.ArgumentParser) -> dict[str, argparse._Argument
     hicache.add_argument("--hicache-storage-backend", default=None, choices=["file"],
                     help="file: a disk tier under the host tier; pages are written behind, keyed by a hash of their "
                          "token prefix, and found again by later requests, a restarted server or another replica")
+    model.add_argument("--weight-version", default=d.weight_version,
+                       help="the name of the weights served at start; outputs carry it in meta_info.weight_version "
+                            "and weight updates may rename it (SGLang's flag)")
     hicache.add_argument("--hicache-storage-dir", default=None,
                     help="the file backend's folder (default $SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR or /tmp/hicache)")
     return {"model": model, "device": device, "scheduling": sched, "hicache": hicache, "parallelism": parallel}

@@ -89,6 +89,10 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     server.add_argument("--skip-tokenizer-init", action="store_true",
                     help="load no tokenizer: prompts are token ids (input_ids), outputs are token ids (output_ids, "
                          "no text)")
+    server.add_argument("--enable-weight-update-from-tensor", action="store_true",
+                        help="accept /update_weights_from_tensor, whose payload is a pickle of torch shared-tensor "
+                             "handles (decoded by a restricted unpickler; needs --api-key unless the server binds a "
+                             "loopback address)")
     server.add_argument("--stream-output", action="store_true",
                     help="streamed /generate events carry only their new text, ids and logprobs (default: all so far)")
     server.add_argument("--tool-call-parser", default=None, choices=TOOL_PARSERS,
@@ -113,6 +117,8 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     if ns.dp_size > 1 and ns.nnodes > 1:
         ap.error("--dp-size starts replicas on this host only; for replicas on several hosts, start one server "
                  "per host and one smg router over them (README: scale-out)")
+    if ns.enable_weight_update_from_tensor and not ns.api_key and ns.host not in ("127.0.0.1", "localhost", "::1"):
+        ap.error(f"--enable-weight-update-from-tensor on {ns.host} needs --api-key: its payload is unpickled")
     for name in ("trust_remote_code", "enable_metrics", "enable_cache_report", "skip_server_warmup"):
         delattr(ns, name)
     normalize_engine_args(ns)

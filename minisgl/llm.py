@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import base64
 import logging
 from typing import Any
 
 import msgspec
 
 from minisgl.args import EngineArgs
+from minisgl.messages import LoadWeights, MemoryOccupation, TensorWeights, WorkerTask
 from minisgl.sampling import SamplingParams
 from minisgl.scheduler import Req, Scheduler
+from minisgl.scheduler.control import ControlError
 from minisgl.scheduler.grammar import GrammarBackend
 from minisgl.scheduler.output import prompt_scores
 from minisgl.scheduler.workers import WorkerGroup
@@ -51,6 +54,53 @@ class LLM:
             self.eos_ids, self.runner, self.grammar, self.runner.num_host_pages, self.runner.storage_fingerprint,
             self.runner.kv_bytes_per_page,
         )
+
+    # ---- the RL control plane, under SGLang's Engine method names -------------------------------
+
+    def _task(self, task: WorkerTask, flush_cache: bool = True) -> tuple[bool, str]:
+        try:
+            reply = self.scheduler.run_task(task, flush_cache)
+        except ControlError as e:
+            return False, str(e)
+        return reply.ok, reply.message
+
+    def update_weights_from_disk(self, model_path: str, load_format: str | None = None,
+                                 flush_cache: bool = True) -> tuple[bool, str]:
+        """Load a checkpoint of the same architecture into the live weights; (success, message)."""
+        return self._task(LoadWeights(model_path, load_format or "auto"), flush_cache)
+
+    def update_weights_from_tensor(self, named_tensors: list[tuple[str, Any]], load_format: str | None = None,
+                                   flush_cache: bool = True) -> tuple[bool, str]:
+        """Load (name, full tensor) pairs, any subset of the weights; (success, message)."""
+        if isinstance(self.runner, ModelRunner):  # this process holds the weights: no handles to pass
+            self.scheduler.collect_inflight()
+            try:
+                message = self.runner.updater().load_named(list(named_tensors))
+            except ValueError as e:
+                return False, str(e)
+            self.scheduler.new_weights(flush_cache)
+            return True, message
+        from minisgl.worker.tensor_payload import encode_named_tensors
+
+        payload = base64.b64decode(encode_named_tensors(named_tensors, load_format == "flattened_bucket"))
+        return self._task(TensorWeights([payload] * self.args.tp_size, load_format or "direct"), flush_cache)
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> tuple[bool, str]:
+        """Give the device memory of ``tags`` (weights, kv_cache, cuda_graph; default all) back."""
+        return self._task(MemoryOccupation(True) if tags is None else MemoryOccupation(True, tags))
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> tuple[bool, str]:
+        return self._task(MemoryOccupation(False) if tags is None else MemoryOccupation(False, tags))
+
+    def flush_cache(self) -> bool:
+        return self.scheduler.flush_cache()
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        """Hold generation (``generate`` refuses to run until ``continue_generation``)."""
+        self.scheduler.pause(mode)
+
+    def continue_generation(self) -> None:
+        self.scheduler.resume()
 
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -111,6 +161,9 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
         params = [p if isinstance(p, SamplingParams) else msgspec.convert(p or {}, SamplingParams) for p in params]
+        if self.scheduler.held:
+            raise ValueError("generation is paused or its memory released: continue_generation / "
+                             "resume_memory_occupation first")
         self.scheduler.take_events()  # (those of earlier calls)
         reqs: list[Req] = []
         try:

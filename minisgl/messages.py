@@ -93,10 +93,72 @@ class ProfileReq(msgspec.Struct, array_like=True, tag=True):
     activities: list[str] = []  # "CPU", "GPU"
 
 
-ToWorker = ForwardBatch | SampleMasks | ProfileReq
+# ---- the RL control plane: weights and memory, scheduler -> every worker --------------------------
+# The scheduler sends one of these only with no step in flight; every rank answers with a
+# WorkerReply, and none changes its weights unless every rank checked the new ones.
 
 
-class StepOutput(msgspec.Struct, array_like=True):
+class LoadWeights(msgspec.Struct, tag=True):
+    """Copy a checkpoint (a folder, hub id or .gguf file) of the same architecture into the
+    live weights."""
+
+    model_path: str
+    load_format: str = "auto"
+
+
+class TensorWeights(msgspec.Struct, tag=True):
+    """SGLang's serialized named tensors (torch's multiprocessing pickle: CUDA IPC or shared
+    memory handles), one payload per tensor-parallel rank; decoded by a restricted unpickler."""
+
+    payloads: list[bytes]
+    load_format: str = "direct"  # or "flattened_bucket"
+
+
+class JoinWeightGroup(msgspec.Struct, tag=True):
+    """Join a process group with a trainer, whose rank 0 broadcasts new weights; this rank is
+    ``rank_offset + tp_rank`` of ``world_size``."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+class BroadcastWeights(msgspec.Struct, tag=True):
+    """Receive these tensors from the trainer's rank 0 over the joined group, then load them."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+
+
+class LeaveWeightGroup(msgspec.Struct, tag=True):
+    group_name: str = "weight_update_group"
+
+
+class MemoryOccupation(msgspec.Struct, tag=True):
+    """Give the device memory behind ``tags`` back (``release``), or take it again."""
+
+    release: bool
+    tags: list[str] = msgspec.field(default_factory=lambda: ["weights", "kv_cache", "cuda_graph"])
+
+
+WorkerTask = LoadWeights | TensorWeights | JoinWeightGroup | BroadcastWeights | LeaveWeightGroup | MemoryOccupation
+ToWorker = ForwardBatch | SampleMasks | ProfileReq | WorkerTask
+
+
+class WorkerReply(msgspec.Struct, tag=True):
+    """A rank's answer to a WorkerTask (rank 0 speaks for all: the ranks agreed first)."""
+
+    ok: bool
+    message: str = ""
+    seconds: float = 0.0
+
+
+class StepOutput(msgspec.Struct, array_like=True, tag=True):
     """Sampled tokens of the requests with sample=True, in batch order (worker -> scheduler)."""
 
     tokens: list[int]
@@ -177,18 +239,27 @@ class AbortReq(msgspec.Struct, tag=True):
 
 
 class ControlReq(msgspec.Struct, tag=True):
-    """A question for the scheduler (op: "stats", "flush_cache", or "profile", which hands
-    ``profile`` to every worker); answered by ControlReply."""
+    """A question for the scheduler, answered by ControlReply. op: "stats", "flush_cache",
+    "profile" (hands ``profile`` to every worker), "pause" (``mode``), "continue", "weights"
+    (runs ``task`` on every worker; ``abort_all``, ``flush_cache``, ``weight_version`` say what
+    it means for requests and the cache), "weight_version" (``weight_version`` None: read it)."""
 
     cid: int
     op: str
     profile: ProfileReq | None = None
+    task: WorkerTask | None = None
+    mode: str = "abort"  # pause: abort, retract or in_place
+    abort_all: bool = False
+    flush_cache: bool = True
+    weight_version: str | None = None
+    keep_pause: bool = False  # stay paused after the update
 
 
 class ControlReply(msgspec.Struct, tag=True):
     cid: int
     ok: bool
     data: dict[str, float | int | str | bool]
+    status: int = 400  # the HTTP status of a refusal (ok False)
 
 
 class TokenOut(msgspec.Struct, array_like=True):
@@ -262,6 +333,7 @@ class EngineInfo(msgspec.Struct, tag=True):
     quantization: str | None = None  # where the fp8 linear weights came from (online, or the checkpoint format)
     num_host_pages: int = 0  # the hierarchical cache's host pool (0: off)
     storage_fingerprint: str = ""  # what the KV bytes mean (model, layout, dtype): the disk tier's folder
+    weight_version: str = "default"  # of the weights serving now (--weight-version, then each update's)
 
 
 ToTokenizer = GenerateBatch | AbortReq | ControlReq | ControlReply | TokenBatch | EngineInfo

@@ -176,6 +176,7 @@ class ApiBase:
         self.metrics = Metrics(args.model_name)
         self.created = int(time.time())
         self.generation = uuid.uuid4().hex  # tells a router this process from a restarted one
+        self.weight_version = info.weight_version  # stamped on every output (updates change it)
 
     # ---- starting and finishing requests --------------------------------------------------------
 

@@ -11,6 +11,7 @@ import asyncio
 import itertools
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 
 import msgspec
 import zmq
@@ -163,13 +164,15 @@ class EngineClient:
     def abort_uid(self, uid: str) -> None:
         self._sender.send(AbortReq(uid))
 
-    async def control(self, op: str, timeout: float = 30.0, profile: ProfileReq | None = None) -> ControlReply:
-        """The scheduler's reply to ``op``; a 503 naming it when none comes within ``timeout``
-        (a scheduler stuck in a step, or a worker that stopped)."""
+    async def control(self, op: str, timeout: float = 30.0, profile: ProfileReq | None = None,
+                      **fields: Any) -> ControlReply:
+        """The scheduler's reply to ``op`` (``fields``: the rest of its ControlReq); a 503 naming
+        it when none comes within ``timeout`` (a scheduler stuck in a step, or a worker that
+        stopped)."""
         cid = next(self._cids)
         fut: asyncio.Future[ControlReply] = asyncio.get_running_loop().create_future()
         self._replies[cid] = fut
-        self._sender.send(ControlReq(cid, op, profile))
+        self._sender.send(ControlReq(cid, op, profile, **fields))
         try:
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:

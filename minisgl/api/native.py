@@ -38,6 +38,7 @@ class NativeRoutes(ApiBase):
         meta: dict[str, Any] = {
             "id": run.rid, "prompt_tokens": run.prompt_tokens, "completion_tokens": len(run.token_ids),
             "cached_tokens": run.cached_tokens, "finish_reason": run.finish_info(), "e2e_latency": run.e2e_latency,
+            "weight_version": self.weight_version,
         }
         if top_logprobs >= 0:
             for kind, lps in (("input", run.input_logprobs), ("output", run.logprobs)):
@@ -151,8 +152,8 @@ class NativeRoutes(ApiBase):
 
     async def flush_cache(self, request: Request) -> Response:
         reply = await self.client.control("flush_cache")
-        if not reply.ok:
-            return error_response(409, str(reply.data.get("error", "flush refused")))
+        if not reply.ok:  # (SGLang answers 400 too; RL clients poll until it succeeds)
+            return error_response(400, str(reply.data.get("error", "flush refused")))
         return JSONResponse({"success": True})
 
     async def start_profile(self, request: Request) -> Response:

@@ -99,7 +99,8 @@ class OpenAIRoutes(ApiBase):
                 choices.append({"index": i, "text": echoed + r.text, "finish_reason": r.finish_reason,
                                 "matched_stop": r.matched_stop,
                                 "logprobs": _completion_logprobs(lps, 0) if body.logprobs is not None else None})
-            return JSONResponse({**head, "choices": choices, "usage": _usage(runs, body.n)})
+            return JSONResponse({**head, "choices": choices, "usage": _usage(runs, body.n),
+                                 "metadata": {"weight_version": self.weight_version}})
 
         offsets, echoed = [0] * len(runs), [not body.echo] * len(runs)
 
@@ -132,7 +133,8 @@ class OpenAIRoutes(ApiBase):
                     "index": i, "message": out.message(r.text),
                     "logprobs": {"content": [_openai_logprob(lp) for lp in r.logprobs]} if body.logprobs else None,
                     "finish_reason": out.finish_reason(r.finish_reason), "matched_stop": r.matched_stop})
-            return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": _usage(runs, body.n)})
+            return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": _usage(runs, body.n),
+                                 "metadata": {"weight_version": self.weight_version}})
 
         head["object"] = "chat.completion.chunk"
 

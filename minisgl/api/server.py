@@ -23,6 +23,7 @@ from minisgl.api.base import error_response
 from minisgl.api.client import EngineClient, EngineError
 from minisgl.api.native import NativeRoutes
 from minisgl.api.responses import ResponsesRoutes
+from minisgl.api.rl import RlRoutes
 from minisgl.api.protocol import BadRequest
 from minisgl.args import ServerArgs
 from minisgl.messages import EngineInfo
@@ -30,7 +31,7 @@ from minisgl.messages import EngineInfo
 OPEN_PATHS = {"/health"}  # reachable without the API key (liveness probes)
 
 
-class Api(NativeRoutes, ResponsesRoutes):
+class Api(NativeRoutes, ResponsesRoutes, RlRoutes):
     """Every route's handler, on one shared state."""
 
 
@@ -95,11 +96,22 @@ def create_app(client: EngineClient, info: EngineInfo, args: ServerArgs, pids: d
         ("/v1/loads", api.loads, ["GET"]),
         ("/get_loads", api.loads, ["GET"]),
         ("/metrics", api.metrics_route, ["GET"]),
-        ("/flush_cache", api.flush_cache, ["POST"]),
+        ("/flush_cache", api.flush_cache, ["GET", "POST"]),
         ("/reset_prefix_cache", api.flush_cache, ["POST"]),
         ("/abort_request", api.abort_request, ["POST"]),
         ("/start_profile", api.start_profile, ["POST"]),
         ("/stop_profile", api.stop_profile, ["POST"]),
+        ("/update_weights_from_disk", api.update_weights_from_disk, ["POST"]),
+        ("/update_weights_from_tensor", api.update_weights_from_tensor, ["POST"]),
+        ("/update_weights_from_distributed", api.update_weights_from_distributed, ["POST"]),
+        ("/init_weights_update_group", api.init_weights_update_group, ["POST"]),
+        ("/destroy_weights_update_group", api.destroy_weights_update_group, ["POST"]),
+        ("/pause_generation", api.pause_generation, ["POST"]),
+        ("/continue_generation", api.continue_generation, ["POST"]),
+        ("/get_weight_version", api.get_weight_version, ["GET"]),
+        ("/update_weight_version", api.update_weight_version, ["POST"]),
+        ("/release_memory_occupation", api.release_memory_occupation, ["POST"]),
+        ("/resume_memory_occupation", api.resume_memory_occupation, ["POST"]),
     ]
 
     @asynccontextmanager

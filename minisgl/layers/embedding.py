@@ -22,6 +22,10 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.shard, hidden_size), requires_grad=False)
         self.weight.weight_loader = self.load_weight
 
+    def checkpoint_shape(self, attr: str, part: None = None) -> tuple[int, ...]:
+        """The full checkpoint tensor: every vocabulary row."""
+        return self.vocab_size, self.weight.shape[1]
+
     def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, part: None = None) -> None:
         rows = loaded[self.start : self.start + self.shard]
         param.data[: rows.shape[0]].copy_(rows)
@@ -51,11 +55,16 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def quantize(self, keep_float: bool, rows_per_pass: int = 8192) -> None:
         """Hold the head in fp8 with one scale per vocabulary row; the float weight is freed
-        unless the embedding shares it (``keep_float``)."""
+        unless the embedding shares it or updates will come (``keep_float``). Again after new
+        weights: into the same tensors, which CUDA graphs read."""
         w = self.weight.data
         parts = [quantize_weight(w[i : i + rows_per_pass], None) for i in range(0, w.shape[0], rows_per_pass)]
-        self.qweight = torch.cat([q for q, _ in parts])
-        self.qscale = torch.cat([s for _, s in parts])
+        qweight, qscale = torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts])
+        if self.qweight is None:
+            self.qweight, self.qscale = qweight, qscale
+        else:
+            self.qweight.copy_(qweight)
+            self.qscale.copy_(qscale)
         if not keep_float:
             del self.weight
 

@@ -39,6 +39,7 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         tp = get_tp_info()
         self.quant = quant
+        self.input_size = input_size
         self.output_sizes = output_sizes
         self.local_sizes = [self._local_size(i, s, tp.size) for i, s in enumerate(output_sizes)]
         self.offsets = [sum(self.local_sizes[:i]) for i in range(len(output_sizes))]
@@ -67,6 +68,12 @@ class ColumnParallelLinear(nn.Module):
             loaded, scale = quantize_weight(loaded, self.quant.block)
             self.weight_scale.data.narrow(0, self.offsets[idx], size).copy_(scale.narrow(0, start, size))
         param.data.narrow(0, self.offsets[idx], size).copy_(loaded.narrow(0, start, size))
+
+    def checkpoint_shape(self, attr: str, part: int | str | None) -> tuple[int, ...] | None:
+        """The full checkpoint tensor ``attr`` (of ``part``) loads from; None for fp8 scales,
+        whose shape depends on the checkpoint's scheme."""
+        rows = self.output_sizes[self._part_index(part)]
+        return {"weight": (rows, self.input_size), "bias": (rows,)}.get(attr)
 
     def _part_index(self, part: int | str | None) -> int:
         if part is None:
@@ -127,6 +134,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         tp = get_tp_info()
         self.quant = quant
+        self.input_size = input_size
         self.local_input = divide(input_size, tp.size)
         if quant is not None and quant.block is not None and tp.size > 1 and self.local_input % quant.block:
             raise ValueError(f"a row-parallel layer's {self.local_input} input columns per rank do not hold whole "
@@ -138,6 +146,11 @@ class RowParallelLinear(nn.Module):
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+
+    def checkpoint_shape(self, attr: str, part: None = None) -> tuple[int, ...] | None:
+        """The full checkpoint tensor ``attr`` loads from; None for fp8 scales."""
+        rows = self.weight.shape[0]
+        return {"weight": (rows, self.input_size), "bias": (rows,)}.get(attr)
 
     def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, part: None = None) -> None:
         start = get_tp_info().rank * self.local_input

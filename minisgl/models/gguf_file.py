@@ -203,6 +203,17 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def iter_gguf_shapes(folder: Path) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """Each tensor's Hugging Face name and shape, from the .gguf file's header."""
+    import gguf
+
+    path = gguf_source(folder)
+    if path is None or not path.is_file():
+        raise FileNotFoundError(f"{folder} loads its weights from {path}, which is gone; pass the .gguf file again")
+    for t in gguf.GGUFReader(str(path)).tensors:
+        yield _hf_name(t.name), tuple(int(d) for d in reversed(t.shape))
+
+
 def iter_gguf_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """The weights of a converted ``folder``, dequantized from its .gguf file one tensor at a
     time, under Hugging Face names and in float32."""

@@ -23,7 +23,7 @@ from tqdm import tqdm
 from minisgl.config import ModelConfig
 from minisgl.layers.quantization import FP8, FP8_MAX, quantization_scheme, to_fp8
 from minisgl.models import get_model_class
-from minisgl.models.gguf_file import converted_checkpoint, find_gguf, gguf_source, iter_gguf_weights
+from minisgl.models.gguf_file import converted_checkpoint, find_gguf, gguf_source, iter_gguf_shapes, iter_gguf_weights
 
 logger = logging.getLogger(__name__)
 
@@ -94,44 +94,121 @@ def iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
 KV_SCALE = re.compile(r"layers\.(\d+)\.self_attn\.(?:attn\.)?(?:(k|v)_scale|(k|v)_proj\.output_scale)$")
 
 
-def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
-    """Copy checkpoint tensors into (possibly fused, possibly sharded) parameters. KV cache
-    scales go to ``model.kv_scales`` ({layer: {"k": s, "v": s}}), read by the model runner."""
-    params = dict(model.named_parameters(remove_duplicate=False))
-    packed: dict[str, tuple[str, int | str]] = getattr(model, "packed_modules", {})
-    tied = getattr(model.config, "tie_word_embeddings", False)
-    online = getattr(model.config, "quant", None) is not None and model.config.quant.source == "online"
-    # Quantized at load, a float weight brings its own scales.
-    expected = {n for n in params if not (tied and n == "lm_head.weight") and not (online and n.endswith("weight_scale"))}
-    seen: set[str] = set()
-    model.kv_scales = {}
-    for name, tensor in weights:
-        if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
-            continue
-        kv = KV_SCALE.search(name)
-        if kv is not None:
-            model.kv_scales.setdefault(int(kv.group(1)), {})[kv.group(2) or kv.group(3)] = float(tensor.float().max())
-            continue
+def checkpoint_shapes(model_dir: Path) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """Every tensor's name and shape, read from the files' headers (nothing is loaded)."""
+    if gguf_source(model_dir) is not None:
+        yield from iter_gguf_shapes(model_dir)
+        return
+    for f in safetensors_files(model_dir):
+        with safe_open(f, framework="pt") as sf:
+            for name in sf.keys():
+                yield name, tuple(sf.get_slice(name).get_shape())
+
+
+class WeightMap:
+    """Where each checkpoint tensor goes in a model: the parameter, the fused part it fills,
+    and the full (unsharded) shape it must have, so a whole update can be checked before any
+    parameter changes."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.params = dict(model.named_parameters(remove_duplicate=False))
+        self.packed: dict[str, tuple[str, int | str]] = getattr(model, "packed_modules", {})
+        self.tied = getattr(model.config, "tie_word_embeddings", False)
+        quant = getattr(model.config, "quant", None)
+        # Quantized at load, a float weight brings its own scales.
+        online = quant is not None and quant.source == "online"
+        self.expected = {n for n in self.params
+                         if not (self.tied and n == "lm_head.weight") and not (online and n.endswith("weight_scale"))}
+
+    def target(self, name: str) -> tuple[str, int | str | None] | None:
+        """(parameter name, part) of checkpoint tensor ``name``; None for tensors that are not
+        weights (rotary tables, a tied head, KV cache scales). Raises ValueError for a name the
+        model has no place for."""
+        if "rotary_emb.inv_freq" in name or (self.tied and name == "lm_head.weight") or KV_SCALE.search(name):
+            return None
         if name.endswith(".weight_scale_inv"):  # block-wise checkpoints: a multiplier, despite the name
             name = name[: -len("_inv")]
         part = None
-        for ckpt_name, (ours, shard) in packed.items():
+        for ckpt_name, (ours, shard) in self.packed.items():
             if f".{ckpt_name}." in name:
                 name, part = name.replace(f".{ckpt_name}.", f".{ours}."), shard
                 break
-        if name not in params:
-            raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
-        param = params[name]
-        loader = getattr(param, "weight_loader", None)
-        if loader is not None:
-            loader(param, tensor, part)
-        else:
-            param.data.copy_(tensor)
-        seen.add(name)
-    missing = sorted(expected - seen)
-    if missing:
-        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
-        raise ValueError(f"checkpoint lacks {len(missing)} weights: {shown}")
+        if name not in self.params:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self.model).__name__}")
+        return name, part
+
+    def full_shape(self, param_name: str, part: int | str | None) -> tuple[int, ...] | None:
+        """The checkpoint shape a parameter (part) takes: its layer's ``checkpoint_shape`` where
+        it shards or fuses, else its own; None where the shape depends on the checkpoint's
+        format (fp8 scales)."""
+        module_name, _, attr = param_name.rpartition(".")
+        module = self.model.get_submodule(module_name)
+        shape_of = getattr(module, "checkpoint_shape", None)
+        if shape_of is not None:
+            return shape_of(attr, part)
+        return tuple(self.params[param_name].shape)
+
+    def check(self, shapes: Iterator[tuple[str, tuple[int, ...]]], complete: bool) -> list[str]:
+        """Raise ValueError naming the first tensor with no place or the wrong shape (and, when
+        ``complete``, the weights none of them fills); returns the parameters they fill."""
+        seen: list[str] = []
+        for name, shape in shapes:
+            found = self.target(name)
+            if found is None:
+                continue
+            want = self.full_shape(*found)
+            if want is not None and tuple(shape) != want:
+                raise ValueError(f"tensor {name!r} has shape {list(shape)}; the served model's is {list(want)}")
+            seen.append(found[0])
+        if complete:
+            self.require(set(seen))
+        return seen
+
+    def require(self, seen: set[str]) -> None:
+        """Raise ValueError naming the weights ``seen`` lacks."""
+        missing = sorted(self.expected - seen)
+        if missing:
+            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise ValueError(f"checkpoint lacks {len(missing)} weights: {shown}")
+
+    def load(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        """Copy tensors into their (possibly fused, possibly sharded) parameters, in place.
+        KV cache scales go to ``model.kv_scales`` ({layer: {"k": s, "v": s}})."""
+        kv_scales = self.model.__dict__.setdefault("kv_scales", {})
+        for name, tensor in weights:
+            kv = KV_SCALE.search(name)
+            if kv is not None:
+                kv_scales.setdefault(int(kv.group(1)), {})[kv.group(2) or kv.group(3)] = float(tensor.float().max())
+                continue
+            found = self.target(name)
+            if found is None:
+                continue
+            param_name, part = found
+            param = self.params[param_name]
+            loader = getattr(param, "weight_loader", None)
+            if loader is not None:
+                loader(param, tensor, part)
+            else:
+                param.data.copy_(tensor)
+
+
+def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Fill every weight of a freshly built model from checkpoint tensors; raises ValueError for
+    a tensor with no place and for weights none of them fills."""
+    wmap = WeightMap(model)
+    model.kv_scales = {}
+    seen: set[str] = set()
+
+    def tracked() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            found = wmap.target(name)
+            if found is not None:
+                seen.add(found[0])
+            yield name, tensor
+
+    wmap.load(tracked())
+    wmap.require(seen)
 
 
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:

@@ -34,7 +34,7 @@ class Memory:
     def admit(self, req: Req, reusable: int) -> int:
         """Give a request a slot and lock the longest cached prefix of its first ``reusable``
         tokens; returns how many of them came from the host tier."""
-        ids, salt = req.all_ids[:reusable], req.cache_salt
+        ids, salt = req.all_ids[:reusable], req.kv_salt
         handle, pages = self.cache.match_prefix(ids, salt)
         loaded = 0
         if self.host is not None:
@@ -86,7 +86,7 @@ class Memory:
     def rematch(self, req: Req, reusable: int) -> int:
         """Take up pages another request cached since this one's last chunk; returns how many
         tokens it gained."""
-        handle, pages = self.cache.match_prefix(req.all_ids[:reusable], req.cache_salt)
+        handle, pages = self.cache.match_prefix(req.all_ids[:reusable], req.kv_salt)
         gained = handle.cached_len - req.kv_len
         if gained > 0:
             self.cache.lock_handle(handle)
@@ -97,13 +97,13 @@ class Memory:
     def publish(self, req: Req, upto: int) -> None:
         """Put the request's whole pages of its first ``upto`` tokens in the cache now, so that
         requests scheduled after it reuse them."""
-        req.handle, _, duplicates = self.cache.commit(req.all_ids[:upto], req.pages, req.handle, True, req.cache_salt)
+        req.handle, _, duplicates = self.cache.commit(req.all_ids[:upto], req.pages, req.handle, True, req.kv_salt)
         assert not duplicates, "pages were cached between a match and its commit"
 
     def release(self, req: Req) -> None:
         """Cache the request's computed whole pages, free the rest and its slot."""
         computed = req.all_ids[: req.kv_len]
-        handle, _, duplicates = self.cache.commit(computed, req.pages, req.handle, salt=req.cache_salt)
+        handle, _, duplicates = self.cache.commit(computed, req.pages, req.handle, salt=req.kv_salt)
         self.cache.lock_handle(handle, unlock=True)
         tail = req.pages[self.cache.aligned(len(computed)) // self.page_size :]
         self.allocator.free(duplicates + tail)

@@ -20,6 +20,7 @@ from minisgl.messages import (
     AbortReq, ControlReply, ControlReq, EngineInfo, TokenBatch, TokenizedBatch,
     TokenizedReq, TokenOut, ToScheduler,
 )
+from minisgl.scheduler.control import UPDATES, ControlError
 from minisgl.scheduler.grammar import GrammarBackend
 from minisgl.scheduler.request import Req, ReqEvent
 from minisgl.scheduler.output import prompt_scores
@@ -44,6 +45,7 @@ class SchedulerProcess:
         tokenizer_path = args.tokenizer or info.model_path
         info.eos_ids = eos_ids(info.model_path, tokenizer_dir=tokenizer_path)
         args.max_running_requests = info.max_running_requests  # derived from the pool unless given
+        info.weight_version = args.weight_version
         self.info = info
         # The tokenizer itself is loaded with the first grammar: this process stays torch-free.
         grammar = GrammarBackend(lambda: load_tokenizer(tokenizer_path), info.vocab_size, info.eos_ids)
@@ -56,6 +58,7 @@ class SchedulerProcess:
         self._aborted: list[Req] = []
         self._last_log, self._tokens_since_log, self._logged_steps = time.monotonic(), 0, 0
         self._turned = time.monotonic()  # when the main loop last came round
+        self._in_control = False  # a control task (new weights, memory) runs: not a hung step
         self.tokenizer.send(info)
 
     # ---- messages ------------------------------------------------------------------------------
@@ -70,7 +73,11 @@ class SchedulerProcess:
                 self.sched.finish(req, msg.reason)
                 self._aborted.append(req)  # forgotten once its queued events (its acceptance) are out
         elif isinstance(msg, ControlReq):
-            self.tokenizer.send(self._control(msg))
+            self._in_control = True
+            try:
+                self.tokenizer.send(self._control(msg))
+            finally:
+                self._in_control, self._turned = False, time.monotonic()
 
     def _add(self, msg: TokenizedReq) -> None:
         try:
@@ -82,15 +89,50 @@ class SchedulerProcess:
         self.by_rid[msg.rid], self.rid_of[req.rid] = req, msg.rid
 
     def _control(self, msg: ControlReq) -> ControlReply:
-        if msg.op == "stats":
-            return ControlReply(msg.cid, True, self.sched.stats())
-        if msg.op == "flush_cache":
-            ok = self.sched.flush_cache()
-            return ControlReply(msg.cid, ok, {} if ok else {"error": "requests are running; flush when idle"})
-        if msg.op == "profile" and msg.profile is not None:
-            self.workers.broadcast(msg.profile)
-            return ControlReply(msg.cid, True, {})
-        return ControlReply(msg.cid, False, {"error": f"unknown control op {msg.op!r}"})
+        cid, sched = msg.cid, self.sched
+        try:
+            if msg.op == "stats":
+                return ControlReply(cid, True, sched.stats())
+            if msg.op == "flush_cache":
+                ok = sched.flush_cache()
+                return ControlReply(cid, ok, {} if ok else {"error": "requests are queued or running; flush when "
+                                                                       "idle (or pause_generation with mode abort)"})
+            if msg.op == "profile" and msg.profile is not None:
+                self.workers.broadcast(msg.profile)
+                return ControlReply(cid, True, {})
+            if msg.op == "pause":
+                return ControlReply(cid, True, {"num_paused_requests": sched.pause(msg.mode)})
+            if msg.op == "continue":
+                sched.resume()
+                return ControlReply(cid, True, {})
+            if msg.op == "weight_version":
+                if msg.weight_version is not None:
+                    if msg.abort_all:
+                        sched.abort_all()
+                    self.info.weight_version = msg.weight_version
+                return ControlReply(cid, True, {"weight_version": self.info.weight_version})
+            if msg.op == "weights" and msg.task is not None:
+                return self._weights(msg)
+        except ControlError as e:
+            return ControlReply(cid, False, {"error": str(e)})
+        return ControlReply(cid, False, {"error": f"unknown control op {msg.op!r}"})
+
+    def _weights(self, msg: ControlReq) -> ControlReply:
+        """A worker task (an update, a memory release or resume) between steps."""
+        sched = self.sched
+        held = len(sched.running) + len(sched.waiting)
+        if msg.abort_all:
+            sched.abort_all()
+        reply = sched.run_task(msg.task, msg.flush_cache)
+        update = isinstance(msg.task, UPDATES)
+        if reply.ok and update:
+            if msg.weight_version is not None:
+                self.info.weight_version = msg.weight_version
+            if msg.keep_pause:
+                sched.pause("in_place")
+        data = {"message": reply.message, "seconds": reply.seconds, "weight_version": self.info.weight_version,
+                "num_paused_requests": held}
+        return ControlReply(msg.cid, reply.ok, data if reply.ok else {**data, "error": reply.message})
 
     def _events(self, events: list[ReqEvent]) -> None:
         """Each request event as its message to the tokenizer process, in order: the first one
@@ -99,6 +141,11 @@ class SchedulerProcess:
             if kind == "accepted":
                 self.outbox.append(TokenOut(self.rid_of[req.rid], finish_reason=req.finish_reason if ended else None,
                                             error=req.error))
+            elif kind == "aborted":  # the engine ended it: nothing new, just the finish
+                if req.rid in self.rid_of:
+                    self.outbox.append(TokenOut(self.rid_of[req.rid], finish_reason=req.finish_reason,
+                                                cached_tokens=req.cached_tokens))
+                ended = True
             else:
                 self.outbox.append(self._token_out(req))
                 self._tokens_since_log += 1
@@ -139,7 +186,7 @@ class SchedulerProcess:
         while True:
             time.sleep(min(timeout / 4, 5.0))
             stalled = time.monotonic() - self._turned
-            if self.sched.has_work and stalled > timeout:
+            if self.sched.has_work and stalled > timeout and not self._in_control:
                 logger.error("no model step finished in %.0f s (--watchdog-timeout): exiting", stalled)
                 os._exit(1)
 

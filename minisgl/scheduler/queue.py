@@ -103,8 +103,8 @@ _NEVER = 1 << 62
 
 class _Trie:
     """Waiting prompts by their whole pages (each request's last token excluded: it is always
-    computed, so it is never a cache hit). A salted prompt (``cache_salt``) starts with a page
-    of its salt, so its hit is read in that salt's tree of the cache, as admission matches it."""
+    computed, so it is never a cache hit). A salted prompt (``kv_salt``) starts with a page of
+    its salt, so its hit is read in that salt's tree of the cache, as admission matches it."""
 
     def __init__(self, page_size: int):
         self.page_size = page_size
@@ -130,8 +130,8 @@ class _Trie:
         ids = req.all_ids
         n = len(ids) - 1
         ids, node, at = ids[: n - n % self.page_size], self.root, 0
-        if req.cache_salt is not None:  # a salt's prompts share a subtree, under a page of the salt
-            mark = [req.cache_salt] * self.page_size
+        if req.kv_salt is not None:  # a salt's prompts share a subtree, under a page of the salt
+            mark = [req.kv_salt] * self.page_size
             node = self.root.children.get(tuple(mark))
             if node is None:
                 node = self.root.children[tuple(mark)] = _Node(mark, self.root)
@@ -284,6 +284,27 @@ class WaitingQueue:
         if not front:
             self._arrival_steps.append(step)
             self._arrival_seqs.append(seq)
+
+    def rekey(self, req: Req, kv_salt: str | None) -> None:
+        """Give a queued request another tree of the cache (``Req.kv_salt``), keeping its place."""
+        if self.policy == "lpm" and req.queue_seq is not None and kv_salt != req.kv_salt:
+            self._trie.remove(req, req.queue_seq)
+            req.kv_salt = kv_salt
+            self._trie.insert(req, req.queue_seq)
+        req.kv_salt = kv_salt
+
+    def requests(self) -> list[Req]:
+        """Every queued request (in no particular order)."""
+        if self.policy == "fcfs":
+            return [r for seq, r in self._fifo if r.queue_seq == seq]
+        if self.policy == "random":
+            return [r for _, seq, r in self._shuffled if r.queue_seq == seq]
+        found, todo = [], [self._trie.root]
+        while todo:
+            node = todo.pop()
+            found += [r for _, r in node.own]
+            todo += node.children.values()
+        return found
 
     def remove(self, req: Req) -> None:
         if req.queue_seq is None:

@@ -28,6 +28,9 @@ class Req:
     finish_reason: str | None = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache instead of computed
     cache_salt: str | None = None  # shares cached pages only with requests of the same salt
+    # The tree of the prefix cache it reads and fills: its salt's, under the weights current when
+    # it was queued (KV of older weights is never matched; ``Scheduler.new_weights``).
+    kv_salt: str | None = None
     queued_step: int = 0  # the scheduler step at which it last came to the queue (for aging)
     retracted: bool = False  # re-prefills its own tokens: no longer counts cache hits
     # Prompt logprobs from this position (-1: none): position j's logprob given tokens < j, with
@@ -82,7 +85,8 @@ class ReqEvent(NamedTuple):
     reader (the scheduler process, the offline API) sees one request's events in this order.
 
     ``accepted``: queued, or ended at once (``ended``: nothing to generate, or its grammar did not
-    compile, ``req.error``); ``output``: a step gave it a token or finished it."""
+    compile, ``req.error``); ``output``: a step gave it a token or finished it; ``aborted``: the
+    engine ended it with no new token (a pause or weight update that aborts everything)."""
 
     kind: str
     req: Req

@@ -17,6 +17,7 @@ from __future__ import annotations
 import array
 import gc
 import logging
+import os
 import random
 import time
 from concurrent import futures
@@ -28,10 +29,11 @@ import numpy as np
 
 from minisgl.args import EngineArgs
 from minisgl.kvcache.disk_store import DiskStore
-from minisgl.messages import ForwardBatch, StepOutput
+from minisgl.messages import ForwardBatch, StepOutput, WorkerReply, WorkerTask
 from minisgl.sampling import SamplingParams
 from minisgl.scheduler import cascade
 from minisgl.scheduler.batch import prefill_batch
+from minisgl.scheduler.control import ControlPlane
 from minisgl.scheduler.decode import DecodePlanner
 from minisgl.scheduler.grammar import GrammarBackend
 from minisgl.scheduler.memory import Memory
@@ -73,6 +75,9 @@ class Executor(Protocol):
     def sample_masked(self, bitmask: bytes) -> None:
         """Allowed tokens for the last launched batch's ``mask_rows``; it samples once they come."""
 
+    def run_task(self, task: WorkerTask) -> WorkerReply:
+        """A control-plane task on every rank, with no step in flight (``scheduler.control``)."""
+
 
 @dataclass
 class Counters:
@@ -91,7 +96,7 @@ class Counters:
 Inflight = tuple[list[Req], list[tuple[Req, int]], list[int], int]
 
 
-class Scheduler:
+class Scheduler(ControlPlane):
     def __init__(
         self, args: EngineArgs, num_pages: int, context_len: int, vocab_size: int,
         eos_ids: list[int], executor: Executor, grammar: GrammarBackend | None = None, num_host_pages: int = 0,
@@ -129,6 +134,13 @@ class Scheduler:
         self._retracted_tokens: list[int] = []  # this step's retractions (logged together)
         self._unfrozen = 0  # requests queued since the last gc.freeze()
         self._frozen = False
+        # The RL control plane: a pause holds every request where it is; released memory
+        # ("weights", "kv_cache") holds them too. Each weight update starts a new epoch of the
+        # prefix cache (``kv_salt``), tagged per process so the disk tier never mixes them.
+        self.paused = False
+        self.released: set[str] = set()
+        self.weights_epoch = 0
+        self._epoch_tag = os.urandom(4).hex()
 
     # ---- requests in and out -------------------------------------------------------------------
 
@@ -177,7 +189,7 @@ class Scheduler:
             req.grammar_deadline = time.monotonic() + self.args.grammar_compile_timeout_secs
             self.compiling.append(req)
         else:  # max_new_tokens 0 with prompt logprobs: a prefill that scores the prompt, no token
-            self.waiting.push(req, self.counters.steps)
+            self._queue(req)
         if req.grammar_future is None:  # else accepted (or refused) once its grammar compiles
             self.events.append(ReqEvent("accepted", req, req.finished))
         return req
@@ -210,8 +222,14 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        """Requests, or host-tier copies and disk writes still to send (a few steps after them)."""
-        return self.has_requests or self.memory.io_pending
+        """Requests that may run, steps in flight, or host-tier copies and disk writes still to
+        send (a few steps after them)."""
+        return (self.has_requests and not self.held) or bool(self.inflight) or self.memory.io_pending
+
+    @property
+    def held(self) -> bool:
+        """No request may run: paused, or the weights or KV pool are released."""
+        return self.paused or bool(self.released & {"weights", "kv_cache"})
 
     @property
     def settled(self) -> bool:
@@ -270,7 +288,7 @@ class Scheduler:
                 except ValueError as e:
                     req.error, req.finish_reason = str(e), "abort"
                 else:
-                    self.waiting.push(req, self.counters.steps)
+                    self._queue(req)
             self.events.append(ReqEvent("accepted", req, req.finished))
 
     # ---- one step ------------------------------------------------------------------------------
@@ -320,6 +338,8 @@ class Scheduler:
         """The next batch (prefill chunks if any can run, else a decode step), the requests it
         samples for, the prompt positions it scores, and whether it decodes."""
         c = self.counters
+        if self.held:
+            return None, [], [], False
         while True:
             entries, admitted = self.prefill.schedule(self.prefilling, self.waiting, c.steps, len(self.decoding))
             for req in admitted:
@@ -364,7 +384,7 @@ class Scheduler:
         self._retracted_tokens.append(req.kv_len)
         self._release(req)
         req.retracted = True
-        self.waiting.push(req, self.counters.steps, front=True)
+        self._queue(req, front=True)
         self.counters.retractions += 1
 
     # ---- introspection -------------------------------------------------------------------------

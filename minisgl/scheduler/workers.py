@@ -15,7 +15,7 @@ import zmq
 
 from minisgl.args import EngineArgs
 from minisgl.ipc import Addresses, ChildDied, Receiver, Sender, stop_processes, wait_ready
-from minisgl.messages import EngineInfo, ForwardBatch, SampleMasks, StepOutput, ToWorker
+from minisgl.messages import EngineInfo, ForwardBatch, SampleMasks, StepOutput, ToWorker, WorkerReply, WorkerTask
 
 
 class WorkerLink:
@@ -24,7 +24,7 @@ class WorkerLink:
 
     def __init__(self, addrs: Addresses, tp_size: int):
         ctx = zmq.Context.instance()
-        self.results: Receiver[StepOutput] = Receiver(ctx, addrs.worker_out, StepOutput)
+        self.results: Receiver[StepOutput | WorkerReply] = Receiver(ctx, addrs.worker_out, StepOutput | WorkerReply)
         self.ranks = [Sender(ctx, addrs.worker(r), bind=addrs.is_remote(r)) for r in range(tp_size)]
 
     def broadcast(self, msg: ToWorker) -> None:
@@ -39,8 +39,15 @@ class WorkerLink:
 
     def collect(self) -> StepOutput:
         out = self.results.recv()
-        assert out is not None
+        assert isinstance(out, StepOutput)
         return out
+
+    def run_task(self, task: WorkerTask) -> WorkerReply:
+        """Every rank runs the task (no step may be in flight); rank 0 answers for all."""
+        self.broadcast(task)
+        reply = self.results.recv()
+        assert isinstance(reply, WorkerReply)
+        return reply
 
 
 def run_worker_process(args: EngineArgs, rank: int, addrs: Addresses, level: str) -> None:

@@ -11,9 +11,11 @@ padding rows of CUDA-graph batches.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -26,12 +28,15 @@ from minisgl.config import ModelConfig
 from minisgl.distributed import get_tp_info, init_fused_all_reduce_norm, init_one_shot_all_reduce
 from minisgl.kvcache import HostKVPool, MHAKVCache
 from minisgl.kvcache.disk_store import DiskStore, fingerprint
-from minisgl.messages import ForwardBatch, NewRequest, StepOutput
+from minisgl.messages import ForwardBatch, MemoryOccupation, NewRequest, StepOutput, WorkerReply, WorkerTask
 from minisgl.models.loader import load_model, resolve_model_path
 from minisgl.sampling import SampleOutput, Sampler, SamplingParams
 from minisgl.sampling.sampler import SAMPLE_BLOCK
 from minisgl.layers.quantization import FP8, parse_kv_cache_dtype
 from minisgl.utils import cdiv, resolve_device, resolve_dtype
+
+if TYPE_CHECKING:
+    from minisgl.worker.weight_update import WeightUpdater
 
 logger = logging.getLogger(__name__)
 
@@ -106,15 +111,10 @@ class ModelRunner:
         self.num_host_pages = self.host_pool.num_pages if self.host_pool is not None else 0
         self._io_event: torch.cuda.Event | None = None
         self._events: list[torch.cuda.Event] = []  # the latest host-tier copies, per layer
-        if self._graphs_enabled():
-            from minisgl.worker.cuda_graph import CudaGraphRunner
-
-            self.graphs = CudaGraphRunner(self, args.graph_batch_size)
-        sizes = self._piecewise_sizes()
-        if sizes:
-            from minisgl.worker.piecewise_graph import PiecewiseGraphRunner
-
-            self.piecewise = PiecewiseGraphRunner(self, sizes)
+        self.graph_capture_s = 0.0
+        self.capture_graphs()
+        self.weight_updater: WeightUpdater | None = None  # made with the first control task
+        self.memory_saver = None
         logger.info(
             "KV cache: %d pages x %d tokens (%.2f GiB, %s) on %s",
             self.num_pages, self.page_size, self.kv_cache.buffer.nbytes / 2**30, self.kv_dtype, self.device,
@@ -128,6 +128,27 @@ class ModelRunner:
         args = self.args
         return (self.device.type == "cuda" and args.cuda_graph_max_bs != 0 and not args.disable_cuda_graph
                 and self.attn.supports_cuda_graph)
+
+    def capture_graphs(self) -> bool:
+        """Capture the decode graphs and the piecewise prefill graphs (where enabled); returns
+        whether any were captured."""
+        start = time.perf_counter()
+        if self._graphs_enabled():
+            from minisgl.worker.cuda_graph import CudaGraphRunner
+
+            self.graphs = CudaGraphRunner(self, self.args.graph_batch_size)
+        sizes = self._piecewise_sizes()
+        if sizes:
+            from minisgl.worker.piecewise_graph import PiecewiseGraphRunner
+
+            self.piecewise = PiecewiseGraphRunner(self, sizes)
+        self.graph_capture_s = time.perf_counter() - start
+        return self.graphs is not None or self.piecewise is not None
+
+    def drop_graphs(self) -> None:
+        """Forget the captured graphs (their pools go with them): they read the addresses of
+        memory about to be released."""
+        self.graphs = self.piecewise = None
 
     def _piecewise_sizes(self) -> list[int]:
         """Token counts of the prefill steps replayed from piecewise CUDA graphs: none without
@@ -464,6 +485,32 @@ class ModelRunner:
             column = {t: c for c, t in enumerate(p.id_union)}
             msg.id_logprobs = [[row[column[t]] for t in ids] for row, ids in zip(h["id_logprobs"].tolist(), p.ids)]
         return msg
+
+    def run_task(self, task: WorkerTask) -> WorkerReply:
+        """A control-plane task (new weights, memory release or resume), run between steps."""
+        assert not self.pending and self._parked is None, "a control task came with steps in flight"
+        if isinstance(task, MemoryOccupation):
+            if self.memory_saver is None:
+                from minisgl.worker.memory_saver import MemorySaver
+
+                self.memory_saver = MemorySaver(self)
+            saver = self.memory_saver
+            start = time.perf_counter()
+            message = saver.release(task.tags) if task.release else saver.resume(task.tags)
+            logger.info("%s", message)
+            return WorkerReply(True, message, time.perf_counter() - start)
+        if self.memory_saver is not None and "weights" in self.memory_saver.released:
+            return WorkerReply(False, "the weights are released: resume_memory_occupation first")
+        reply = self.updater().run(task)
+        logger.info("%s (%.2f s)", reply.message, reply.seconds)
+        return reply
+
+    def updater(self) -> WeightUpdater:
+        if self.weight_updater is None:
+            from minisgl.worker.weight_update import WeightUpdater
+
+            self.weight_updater = WeightUpdater(self)
+        return self.weight_updater
 
     def step(self, batch: ForwardBatch) -> StepOutput:
         """launch + collect: one synchronous step (tests and simple drivers)."""

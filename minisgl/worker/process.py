@@ -19,7 +19,7 @@ import zmq
 from minisgl.args import EngineArgs
 from minisgl.distributed import set_tp_info
 from minisgl.ipc import Addresses, Receiver, Sender, become_child, cpu_worker_threads
-from minisgl.messages import EngineInfo, ForwardBatch, ProfileReq, SampleMasks, ToWorker
+from minisgl.messages import EngineInfo, ForwardBatch, ProfileReq, SampleMasks, ToWorker, WorkerTask
 from minisgl.utils import init_logging
 from minisgl.worker.model_runner import ModelRunner
 from minisgl.worker.profiler import StepProfiler
@@ -76,6 +76,10 @@ def run_worker(args: EngineArgs, rank: int, addrs: Addresses, log_level: str) ->
             runner.sample_masked(msg.bitmask)
         elif isinstance(msg, ProfileReq):
             profiler.handle(msg)
+        elif isinstance(msg, WorkerTask):  # (the scheduler sends one only with no step in flight)
+            reply = runner.run_task(msg)
+            if outbox is not None:
+                outbox.send(reply)
         elif runner.oldest_done():
             result = runner.collect()
             if outbox is not None:
