@@ -98,7 +98,7 @@ class ProfileReq(msgspec.Struct, array_like=True, tag=True):
 # WorkerReply, and none changes its weights unless every rank checked the new ones.
 
 
-class LoadWeights(msgspec.Struct, tag=True):
+class LoadWeights(msgspec.Struct, array_like=True, tag=True):
     """Copy a checkpoint (a folder, hub id or .gguf file) of the same architecture into the
     live weights."""
 
@@ -106,7 +106,7 @@ class LoadWeights(msgspec.Struct, tag=True):
     load_format: str = "auto"
 
 
-class TensorWeights(msgspec.Struct, tag=True):
+class TensorWeights(msgspec.Struct, array_like=True, tag=True):
     """SGLang's serialized named tensors (torch's multiprocessing pickle: CUDA IPC or shared
     memory handles), one payload per tensor-parallel rank; decoded by a restricted unpickler."""
 
@@ -114,7 +114,7 @@ class TensorWeights(msgspec.Struct, tag=True):
     load_format: str = "direct"  # or "flattened_bucket"
 
 
-class JoinWeightGroup(msgspec.Struct, tag=True):
+class JoinWeightGroup(msgspec.Struct, array_like=True, tag=True):
     """Join a process group with a trainer, whose rank 0 broadcasts new weights; this rank is
     ``rank_offset + tp_rank`` of ``world_size``."""
 
@@ -126,20 +126,21 @@ class JoinWeightGroup(msgspec.Struct, tag=True):
     backend: str = "nccl"
 
 
-class BroadcastWeights(msgspec.Struct, tag=True):
+class BroadcastWeights(msgspec.Struct, array_like=True, tag=True):
     """Receive these tensors from the trainer's rank 0 over the joined group, then load them."""
 
     names: list[str]
     dtypes: list[str]
     shapes: list[list[int]]
     group_name: str = "weight_update_group"
+    load_format: str = "direct"  # or "flattened_bucket": one uint8 tensor of them all, back to back
 
 
-class LeaveWeightGroup(msgspec.Struct, tag=True):
+class LeaveWeightGroup(msgspec.Struct, array_like=True, tag=True):
     group_name: str = "weight_update_group"
 
 
-class MemoryOccupation(msgspec.Struct, tag=True):
+class MemoryOccupation(msgspec.Struct, array_like=True, tag=True):
     """Give the device memory behind ``tags`` back (``release``), or take it again."""
 
     release: bool
@@ -150,7 +151,7 @@ WorkerTask = LoadWeights | TensorWeights | JoinWeightGroup | BroadcastWeights | 
 ToWorker = ForwardBatch | SampleMasks | ProfileReq | WorkerTask
 
 
-class WorkerReply(msgspec.Struct, tag=True):
+class WorkerReply(msgspec.Struct, array_like=True, tag=True):
     """A rank's answer to a WorkerTask (rank 0 speaks for all: the ranks agreed first)."""
 
     ok: bool

@@ -18,7 +18,7 @@ from tests.test_scheduler import make_llm
 
 
 def make_req(rid: int, ids: list[int], queued_step: int = 0, salt: str | None = None) -> Req:
-    return Req(rid, ids, SamplingParams(), 0, len(ids) + 8, queued_step=queued_step, cache_salt=salt)
+    return Req(rid, ids, SamplingParams(), 0, len(ids) + 8, queued_step=queued_step, cache_salt=salt, kv_salt=salt)
 
 
 def fill_cache(cache: RadixCacheManager, prompts: list[list[int]]) -> None:

@@ -152,9 +152,11 @@ class RlRoutes(ApiBase):
 
     async def update_weights_from_distributed(self, request: Request) -> Response:
         body: FromDistributed = await self._body(request, FromDistributed, FROM_DISTRIBUTED)
-        if body.load_format not in (None, "direct"):
-            raise BadRequest(f"load_format {body.load_format!r} is not supported here (direct)", param="load_format")
-        return await self._weights(BroadcastWeights(body.names, body.dtypes, body.shapes, body.group_name), body)
+        if body.load_format not in (None, "direct", "flattened_bucket"):
+            raise BadRequest(f"load_format must be direct or flattened_bucket, got {body.load_format!r}",
+                             param="load_format")
+        return await self._weights(BroadcastWeights(body.names, body.dtypes, body.shapes, body.group_name,
+                                                    body.load_format or "direct"), body)
 
     async def init_weights_update_group(self, request: Request) -> Response:
         b: InitGroup = await self._body(request, InitGroup, INIT_GROUP)

@@ -113,6 +113,7 @@ class FlashInferBackend(AttentionBackend):
 
     def init_cuda_graph(self, max_bs: int, max_pages_per_req: int) -> None:
         device = self.workspace.device
+        self._graph_wrappers = {}  # (graphs captured again: wrappers bind the new buffers)
         self._g_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=device)
         self._g_indices = torch.zeros(max_bs * max_pages_per_req, dtype=torch.int32, device=device)
         self._g_last_page_len = torch.zeros(max_bs, dtype=torch.int32, device=device)

@@ -12,6 +12,7 @@ tensors with fresh scales as they land), so CUDA graphs stay valid.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -148,16 +149,22 @@ class WeightUpdater:
         if not len(task.names) == len(task.dtypes) == len(task.shapes):
             raise ValueError(f"names, dtypes and shapes differ in length ({len(task.names)}, {len(task.dtypes)}, "
                              f"{len(task.shapes)})")
+        if task.load_format not in ("direct", "flattened_bucket"):
+            raise ValueError(f"load_format must be direct or flattened_bucket, got {task.load_format!r}")
         dtypes = [parse_dtype(d) for d in task.dtypes]
         problem = None
         try:
             WeightMap(self.runner.model).check(zip(task.names, map(tuple, task.shapes)), complete=False)
         except ValueError as e:
             problem = str(e)
-        # The trainer broadcasts whatever we say: receive every tensor, so it never hangs, and
-        # load them only if all ranks accepted the list.
+        # The trainer broadcasts whatever the request lists: receive it all whatever happens, so
+        # it never hangs, and load it only if every rank accepted the list.
         problem = self._agree(problem, raise_=False)
-        received = self._receive(group, task.names, dtypes, task.shapes)
+        if task.load_format == "flattened_bucket":
+            received: Iterator[tuple[str, torch.Tensor]] = iter(self._receive_bucket(group, task.names, dtypes,
+                                                                                     task.shapes))
+        else:
+            received = self._receive(group, task.names, dtypes, task.shapes)
         if problem is not None:
             for _ in received:
                 pass
@@ -172,6 +179,18 @@ class WeightUpdater:
             tensor = torch.empty(shape, dtype=dtype, device=self.runner.device)
             dist.broadcast(tensor, src=0, group=group)
             yield name, tensor
+
+    def _receive_bucket(self, group: dist.ProcessGroup, names: list[str], dtypes: list[torch.dtype],
+                        shapes: list[list[int]]) -> list[tuple[str, torch.Tensor]]:
+        """One uint8 tensor holding every tensor's bytes in list order (SGLang's flattened bucket)."""
+        sizes = [math.prod(shape) * dtype.itemsize for dtype, shape in zip(dtypes, shapes)]
+        flat = torch.empty(sum(sizes), dtype=torch.uint8, device=self.runner.device)
+        dist.broadcast(flat, src=0, group=group)
+        out, at = [], 0
+        for name, dtype, shape, size in zip(names, dtypes, shapes, sizes):
+            out.append((name, flat[at : at + size].view(dtype).view(shape)))
+            at += size
+        return out
 
     # ---- agreement and fix-ups ---------------------------------------------------------------
 

@@ -1,0 +1,213 @@
+"""The RL control plane in one process: weight updates from each source, pause modes, memory
+release, the cache epochs after an update, and the restricted unpickler of tensor payloads."""
+
+from __future__ import annotations
+
+import base64
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from minisgl.llm import LLM
+from minisgl.messages import TensorWeights
+from minisgl.sampling import SamplingParams
+from minisgl.worker.tensor_payload import decode_named_tensors, encode_named_tensors
+from scripts.make_tiny_model import make_tiny_model
+from tests.test_scheduler import CheckedLLM, shared_prefix_prompts, tokens
+
+GREEDY = {"max_new_tokens": 10, "temperature": 0.0, "ignore_eos": True}
+ENGINE = {"device": "cpu", "max_total_tokens": 8192, "page_size": 4}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A and B: one architecture, other weights; Q: another architecture."""
+    root = tmp_path_factory.mktemp("rl")
+    return {"A": make_tiny_model("llama", root / "A", seed=0), "B": make_tiny_model("llama", root / "B", seed=1),
+            "Q": make_tiny_model("qwen3", root / "Q", seed=0)}
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return shared_prefix_prompts(groups=3, per_group=3, prefix_len=24, seed=3)
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoints, prompts) -> dict[str, list[list[int]]]:
+    """Greedy tokens of a fresh engine on each checkpoint."""
+    return {name: tokens(LLM(str(checkpoints[name]), **ENGINE).generate(prompts, GREEDY)) for name in ("A", "B")}
+
+
+def state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def test_each_update_path_gives_the_new_checkpoints_tokens(checkpoints, prompts, reference):
+    llm = CheckedLLM(str(checkpoints["A"]), **ENGINE)
+    assert tokens(llm.generate(prompts, GREEDY)) == reference["A"]
+    assert llm.update_weights_from_disk(str(checkpoints["B"]))[0]
+    assert tokens(llm.generate(prompts, GREEDY)) == reference["B"]
+    ok, message = llm.update_weights_from_tensor(list(state_dict(checkpoints["A"]).items()))
+    assert ok, message
+    assert tokens(llm.generate(prompts, GREEDY)) == reference["A"]
+    # Through the serialized payload the server's workers decode (shared memory on CPU), bucketed.
+    payload = base64.b64decode(encode_named_tensors(state_dict(checkpoints["B"]).items(), flattened=True))
+    reply = llm.scheduler.run_task(TensorWeights([payload], "flattened_bucket"))
+    assert reply.ok, reply.message
+    assert tokens(llm.generate(prompts, GREEDY)) == reference["B"]
+    llm.scheduler.check_integrity()
+
+
+def test_an_update_never_serves_kv_of_older_weights(checkpoints, prompts, reference):
+    """The prompts are cached under A; after the update the same prompts hit nothing (new epoch)
+    and give B's tokens, then hit B's own cached prefixes."""
+    llm = CheckedLLM(str(checkpoints["A"]), **ENGINE)
+    llm.generate(prompts, GREEDY)
+    assert llm.update_weights_from_disk(str(checkpoints["B"]), flush_cache=False)[0]
+    assert llm.scheduler.stats()["evictable_pages"] > 0  # A's pages stay until evicted
+    first = llm.generate(prompts, GREEDY)
+    assert tokens(first) == reference["B"]
+    assert sum(r["meta_info"]["cached_tokens"] for r in first) == sum(  # only B's own group prefixes
+        r["meta_info"]["cached_tokens"] for r in LLM(str(checkpoints["B"]), **ENGINE).generate(prompts, GREEDY))
+    assert llm.update_weights_from_disk(str(checkpoints["A"]))[0]  # flush_cache: every unheld page freed
+    stats = llm.scheduler.stats()
+    assert stats["free_pages"] == stats["total_pages"]
+
+
+def test_refused_updates_leave_the_old_weights(checkpoints, prompts, reference, tmp_path):
+    llm = CheckedLLM(str(checkpoints["A"]), **ENGINE)
+    ok, message = llm.update_weights_from_disk(str(checkpoints["Q"]))
+    assert not ok and "architecture" in message
+    ok, message = llm.update_weights_from_disk(str(tmp_path / "missing"))
+    assert not ok and "missing" in message
+    sd = state_dict(checkpoints["B"])
+    name = "model.layers.0.mlp.down_proj.weight"
+    bad_shape = {**sd, name: sd[name][:, :-1]}
+    ok, message = llm.update_weights_from_tensor(list(bad_shape.items()))
+    assert not ok and name in message and "shape" in message
+    ok, message = llm.update_weights_from_tensor([*sd.items(), ("model.layers.9.nonsense.weight", sd[name])])
+    assert not ok and "no place" in message
+    # A partial update that passes changes only its tensors: none of these were loaded.
+    assert tokens(llm.generate(prompts, GREEDY)) == reference["A"]
+
+
+class _Evil:
+    def __reduce__(self):
+        return os.system, ("touch /tmp/minisgl-pwned",)
+
+
+def test_the_tensor_payload_decoder_imports_nothing_else(tmp_path):
+    marker = Path("/tmp/minisgl-pwned")
+    marker.unlink(missing_ok=True)
+    for obj in ([("w", _Evil())], _Evil()):
+        with pytest.raises(ValueError, match="posix.system|os.system"):
+            decode_named_tensors(pickle.dumps(obj))
+    assert not marker.exists()
+    with pytest.raises(ValueError, match="base64"):
+        decode_named_tensors("not base64 at all!")
+    with pytest.raises(ValueError, match="load_format"):
+        decode_named_tensors(encode_named_tensors([("w", torch.ones(2))]), "safetensors")
+    with pytest.raises(ValueError, match="pairs"):
+        decode_named_tensors(base64.b64encode(pickle.dumps({"a": 1})))
+    named = [("a", torch.arange(6, dtype=torch.float32).view(2, 3)), ("b", torch.ones(4, dtype=torch.bfloat16))]
+    for flattened in (False, True):
+        out = decode_named_tensors(encode_named_tensors(named, flattened),
+                                   "flattened_bucket" if flattened else "direct")
+        assert [n for n, _ in out] == ["a", "b"] and all(torch.equal(x, y) for (_, x), (_, y) in zip(out, named))
+
+
+@pytest.mark.parametrize("mode", ["abort", "retract", "in_place"])
+def test_pause_modes_keep_every_page_and_request(checkpoints, prompts, reference, mode):
+    """Pause with requests mid-decode, update the weights, continue: abort ends them with their
+    partial tokens; retract recomputes them under the new weights, so each continues as B would
+    from its partial output; in_place keeps their KV. The integrity check runs after every step."""
+    llm = CheckedLLM(str(checkpoints["A"]), **ENGINE)
+    sched = llm.scheduler
+    params = SamplingParams(**{**GREEDY, "max_new_tokens": 12})
+    reqs = [sched.add_request(p, params) for p in prompts]
+    while min(len(r.output_ids) for r in reqs) < 4:
+        sched.step()
+    held = sched.pause(mode)
+    assert held == len(prompts) and sched.held
+    sched.check_integrity()
+    partial = [list(r.output_ids) for r in reqs]
+    assert all(p == ref[: len(p)] for p, ref in zip(partial, reference["A"]))
+    assert llm.update_weights_from_disk(str(checkpoints["B"]))[0]
+    sched.check_integrity()
+    for _ in range(3):  # nothing runs while paused
+        sched.step()
+    assert [r.output_ids for r in reqs] == partial
+    sched.resume()
+    while sched.has_work:
+        sched.step()
+    sched.check_integrity()
+    if mode == "abort":
+        assert all(r.finish_reason == "abort" and r.output_ids == p for r, p in zip(reqs, partial))
+        return
+    assert all(r.finish_reason == "length" and len(r.output_ids) == 12 for r in reqs)
+    if mode == "retract":  # recomputed under B: B's greedy continuation of prompt + partial output
+        fresh_b = LLM(str(checkpoints["B"]), **ENGINE)
+        rest = fresh_b.generate([p + out for p, out in zip(prompts, partial)],
+                                [{**GREEDY, "max_new_tokens": 12 - len(out)} for out in partial])
+        assert [r.output_ids[len(p):] for r, p in zip(reqs, partial)] == tokens(rest)
+    stats = sched.stats()
+    assert stats["free_pages"] + stats["evictable_pages"] == stats["total_pages"]
+
+
+def test_release_and_resume_give_the_same_tokens(checkpoints, prompts, reference):
+    llm = CheckedLLM(str(checkpoints["A"]), **ENGINE)
+    llm.generate(prompts, GREEDY)
+    sched = llm.scheduler
+    reqs = [sched.add_request(p, SamplingParams(**{**GREEDY, "max_new_tokens": 12})) for p in prompts[:2]]
+    sched.step()
+    ok, message = llm.release_memory_occupation()
+    assert not ok and "pause_generation" in message  # requests hold pages
+    sched.pause("retract")
+    ok, message = llm.release_memory_occupation(["kv_cache", "weights"])
+    assert ok, message
+    assert all(s.nbytes() == 0 for s in (p.untyped_storage() for p in llm.runner.model.parameters()))
+    assert llm.runner.kv_cache.buffer.untyped_storage().nbytes() == 0
+    ok, message = llm.update_weights_from_disk(str(checkpoints["B"]))
+    assert not ok and "released" in message
+    sched.resume()  # not paused any more, but the memory is still out: nothing runs
+    sched.step()
+    assert not sched.running
+    assert llm.resume_memory_occupation()[0]
+    while sched.has_work:
+        sched.step()
+    assert [r.output_ids for r in reqs] == [ref[:12] for ref in tokens(
+        LLM(str(checkpoints["A"]), **ENGINE).generate(prompts[:2], {**GREEDY, "max_new_tokens": 12}))]
+    assert tokens(llm.generate(prompts, GREEDY)) == reference["A"]
+    sched.check_integrity()
+
+
+@pytest.mark.cuda
+def test_on_cuda_updates_and_memory_release_keep_graphs_right(tmp_path, prompts):
+    """With CUDA graphs (decode and piecewise prefill): an update copied in place is what the
+    replayed graphs compute (same tokens as a fresh engine on B), and after a release and
+    resume (graphs captured again) the same prompts give the same tokens."""
+    a, b = (make_tiny_model("llama", tmp_path / name, seed=seed, overrides={"head_dim": 128})
+            for name, seed in (("A", 0), ("B", 1)))
+    cuda = {"device": "cuda", "dtype": "bfloat16", "max_total_tokens": 8192, "page_size": 16}
+    fresh_b = tokens(LLM(str(b), **cuda).generate(prompts, GREEDY))
+    llm = LLM(str(a), **cuda)
+    assert llm.runner.graphs is not None and llm.runner.piecewise is not None
+    before = tokens(llm.generate(prompts, GREEDY))
+    assert llm.update_weights_from_disk(str(b))[0]
+    assert tokens(llm.generate(prompts, GREEDY)) == fresh_b
+    held = sum(p.nbytes for p in llm.runner.model.parameters()) + llm.runner.kv_cache.buffer.nbytes
+    allocated = torch.cuda.memory_allocated()
+    ok, message = llm.release_memory_occupation()
+    assert ok, message
+    assert llm.runner.graphs is None and allocated - torch.cuda.memory_allocated() >= held
+    assert llm.resume_memory_occupation()[0] and llm.runner.graphs is not None
+    assert tokens(llm.generate(prompts, GREEDY)) == fresh_b
+    assert llm.update_weights_from_tensor(list(state_dict(a).items()))[0]
+    assert tokens(llm.generate(prompts, GREEDY)) == before

@@ -1,0 +1,281 @@
+"""The RL control plane over HTTP, as SGLang's RL clients drive it: each update route against
+a fresh engine on the new checkpoint, pause modes with requests in flight, weight versions,
+memory release, and refused payloads that leave the old weights serving."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import pickle
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+import torch.distributed as dist
+
+from minisgl.distributed.weight_group import destroy_weight_group, init_weight_group
+from minisgl.llm import LLM
+from minisgl.worker.tensor_payload import encode_named_tensors
+from tests.server_utils import ServerProcess, free_port
+from tests.test_rl import ENGINE, checkpoints, state_dict  # noqa: F401  (fixture)
+from tests.test_server import idle_and_clean, sse_events
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [5, 6, 7, 8, 9, 10, 11, 99], [40, 41, 42]]
+GREEDY = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def server(checkpoints):
+    srv = ServerProcess(checkpoints["A"], "--page-size", "4", "--max-total-tokens", "8192",
+                        "--enable-weight-update-from-tensor", "--weight-version", "v0")
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoints) -> dict[str, list[list[int]]]:
+    return {name: [r["output_ids"] for r in LLM(str(checkpoints[name]), **ENGINE).generate(PROMPTS, GREEDY)]
+            for name in ("A", "B")}
+
+
+def post(srv: ServerProcess, path: str, body: dict | None = None, timeout: float = 120) -> httpx.Response:
+    return httpx.post(f"{srv.url}{path}", json=body if body is not None else {}, timeout=timeout)
+
+
+def generate(srv: ServerProcess) -> list[dict]:
+    out = post(srv, "/generate", {"input_ids": PROMPTS, "sampling_params": GREEDY})
+    assert out.status_code == 200, out.text
+    return out.json()
+
+
+def outputs(srv: ServerProcess) -> list[list[int]]:
+    return [r["output_ids"] for r in generate(srv)]
+
+
+def to_a(srv: ServerProcess, checkpoints) -> None:
+    r = post(srv, "/update_weights_from_disk", {"model_path": str(checkpoints["A"]), "weight_version": "A"})
+    assert r.status_code == 200 and r.json()["success"], r.text
+
+
+def test_update_from_disk_with_the_body_rl_clients_send(server, checkpoints, reference):
+    first = generate(server)
+    assert [r["output_ids"] for r in first] == reference["A"]
+    assert all(r["meta_info"]["weight_version"] == "v0" for r in first)
+    # AReaL's and slime's bodies: abort_all_requests, weight_version, SGLang's own knobs
+    body = {"model_path": str(checkpoints["B"]), "load_format": None, "abort_all_requests": True,
+            "weight_version": "B", "flush_cache": True, "is_async": False, "keep_pause": False,
+            "recapture_cuda_graph": False, "token_step": 3}
+    r = post(server, "/update_weights_from_disk", body)
+    assert r.status_code == 200, r.text
+    assert r.json()["success"] is True and r.json()["message"]
+    after = generate(server)
+    assert [x["output_ids"] for x in after] == reference["B"]
+    assert {x["meta_info"]["weight_version"] for x in after} == {"B"}
+    assert httpx.get(f"{server.url}/get_weight_version", timeout=10).json() == {"weight_version": "B"}
+    chat = post(server, "/v1/completions", {"model": "x", "prompt": PROMPTS[0], "max_tokens": 2})
+    assert chat.json()["metadata"] == {"weight_version": "B"}
+    to_a(server, checkpoints)
+    assert outputs(server) == reference["A"]
+    idle_and_clean(server)
+
+
+def test_update_from_tensor_direct_and_bucketed(server, checkpoints, reference):
+    sd = list(state_dict(checkpoints["B"]).items())
+    body = {"serialized_named_tensors": [encode_named_tensors(sd)], "load_format": None, "flush_cache": True,
+            "weight_version": "B-tensor"}
+    r = post(server, "/update_weights_from_tensor", body)
+    assert r.status_code == 200 and r.json()["success"], r.text
+    assert outputs(server) == reference["B"]
+    # slime's colocated body: one flattened bucket per rank, a string weight version, no flush field
+    sd_a = list(state_dict(checkpoints["A"]).items())
+    body = {"serialized_named_tensors": [encode_named_tensors(sd_a, flattened=True)],
+            "load_format": "flattened_bucket", "weight_version": "7"}
+    r = post(server, "/update_weights_from_tensor", body)
+    assert r.status_code == 200 and r.json()["success"], r.text
+    assert outputs(server) == reference["A"]
+    assert generate(server)[0]["meta_info"]["weight_version"] == "7"
+
+
+class _Evil:
+    def __reduce__(self):
+        return os.system, ("touch /tmp/minisgl-pwned-http",)
+
+
+def test_bad_payloads_get_4xx_and_the_old_weights_serve(server, checkpoints, reference):
+    marker = Path("/tmp/minisgl-pwned-http")
+    marker.unlink(missing_ok=True)
+    sd = state_dict(checkpoints["B"])
+    name = "model.layers.1.mlp.down_proj.weight"  # (not square: its transpose is the wrong shape)
+    cases = [
+        ("/update_weights_from_disk", {"model_path": str(checkpoints["Q"])}, "architecture"),
+        ("/update_weights_from_disk", {"model_path": "/nonexistent/ckpt"}, "does not exist"),
+        ("/update_weights_from_disk", {}, "model_path"),
+        ("/update_weights_from_tensor", {"serialized_named_tensors": [base64.b64encode(pickle.dumps(
+            [("w", _Evil())])).decode()]}, "system"),
+        ("/update_weights_from_tensor", {"serialized_named_tensors": ["@@not base64@@"]}, "base64"),
+        ("/update_weights_from_tensor", {"serialized_named_tensors": [encode_named_tensors(
+            [(name, sd[name].t().contiguous())])]}, "shape"),
+        ("/update_weights_from_tensor", {"serialized_named_tensors": [encode_named_tensors(
+            [("model.no.such.weight", sd[name])])]}, "no place"),
+        ("/update_weights_from_tensor", {"serialized_named_tensors": [encode_named_tensors([(name, sd[name])])] * 2},
+         "ranks"),
+        ("/update_weights_from_tensor", {"serialized_named_tensors": "x"}, "serialized_named_tensors"),
+        ("/update_weights_from_distributed", {"names": ["a"], "dtypes": ["bfloat16"], "shapes": [[2]]}, "group"),
+        ("/pause_generation", {"mode": "sideways"}, "mode"),
+        ("/release_memory_occupation", {"tags": ["gpu"]}, "tags"),
+    ]
+    for path, body, words in cases:
+        r = post(server, path, body)
+        assert r.status_code in (400, 422), (path, body, r.status_code, r.text)
+        text = r.text
+        assert words in text, (path, words, text)
+    assert not marker.exists()
+    assert outputs(server) == reference["A"]
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+    idle_and_clean(server)
+
+
+def test_update_from_distributed_broadcast(server, checkpoints, reference):
+    """The test process is the trainer's rank 0; the engine's one rank joins as rank 1 (gloo)."""
+    port, group_name = free_port(), "trainer_group"
+    with ThreadPoolExecutor(2) as pool:
+        joined = pool.submit(post, server, "/init_weights_update_group", {
+            "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+            "group_name": group_name, "backend": "nccl"})
+        group = init_weight_group("gloo", "127.0.0.1", port, 0, 2, group_name)
+        assert joined.result().json()["success"], joined.result().text
+        try:
+            for load_format, ckpt in (("direct", "B"), ("flattened_bucket", "A")):
+                sd = state_dict(checkpoints[ckpt])
+                body = {"names": list(sd), "dtypes": [str(t.dtype).removeprefix("torch.") for t in sd.values()],
+                        "shapes": [list(t.shape) for t in sd.values()], "group_name": group_name,
+                        "load_format": load_format, "flush_cache": True, "weight_version": ckpt}
+                done = pool.submit(post, server, "/update_weights_from_distributed", body)
+                if load_format == "direct":
+                    for t in sd.values():
+                        dist.broadcast(t.contiguous(), src=0, group=group)
+                else:
+                    flat = torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in sd.values()])
+                    dist.broadcast(flat, src=0, group=group)
+                assert done.result().json()["success"], done.result().text
+                assert outputs(server) == reference[ckpt]
+            # A list the engine refuses is still received (the trainer never hangs), then refused.
+            t = torch.zeros(3, 3)
+            done = pool.submit(post, server, "/update_weights_from_distributed", {
+                "names": ["model.nothing.weight"], "dtypes": ["float32"], "shapes": [[3, 3]], "group_name": group_name})
+            dist.broadcast(t, src=0, group=group)
+            assert done.result().status_code == 400 and "no place" in done.result().text
+            assert outputs(server) == reference["A"]
+        finally:
+            r = post(server, "/destroy_weights_update_group", {"group_name": group_name})
+            destroy_weight_group(group)
+        assert r.json()["success"], r.text
+
+
+def _stream(srv: ServerProcess, prompt: list[int], n: int, out: list) -> None:
+    with httpx.stream("POST", f"{srv.url}/generate", json={
+            "input_ids": prompt, "stream": True, "sampling_params": {**GREEDY, "max_new_tokens": n}}, timeout=120) as r:
+        out.append(sse_events(r.iter_lines()))
+
+
+def _wait_running(srv: ServerProcess, n: int) -> None:
+    deadline = time.monotonic() + 30
+    while srv.server_info()["scheduler"]["running_requests"] < n:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+def test_pause_abort_ends_requests_with_their_tokens(server):
+    results: list = []
+    threads = [threading.Thread(target=_stream, args=(server, [3 + i, 4, 5, 6], 900, results)) for i in range(6)]
+    for t in threads:
+        t.start()
+    _wait_running(server, 6)
+    time.sleep(0.05)
+    r = post(server, "/pause_generation", {"mode": "abort"})
+    assert r.json()["status"] == "ok" and r.json()["num_paused_requests"] == 6
+    for t in threads:
+        t.join(60)
+    assert len(results) == 6
+    for events in results:
+        last = events[-2]
+        assert last["meta_info"]["finish_reason"] == {"type": "abort"} and 0 < len(last["output_ids"]) < 900
+        assert events[-1] == "[DONE]"
+    # queued while paused, run after continue
+    later = ThreadPoolExecutor(1).submit(generate, server)
+    time.sleep(0.5)
+    assert not later.done() and server.server_info()["scheduler"]["queued_requests"] == 3
+    assert post(server, "/flush_cache").status_code == 400  # SGLang's answer while requests are queued
+    assert post(server, "/continue_generation").json()["status"] == "ok"
+    assert len(later.result(60)) == 3
+    idle_and_clean(server)
+    assert post(server, "/flush_cache").json() == {"success": True}
+
+
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_pause_then_update_then_continue(server, checkpoints, reference, mode):
+    """Requests in flight survive a pause, an update and continue; with ``retract`` they
+    recompute under B, so each finishes with all its tokens and no page is lost."""
+    results: list = []
+    threads = [threading.Thread(target=_stream, args=(server, p, 600, results)) for p in PROMPTS]
+    for t in threads:
+        t.start()
+    _wait_running(server, len(PROMPTS))
+    r = post(server, "/pause_generation", {"mode": mode})
+    assert r.status_code == 200
+    s = server.server_info()["scheduler"]
+    assert (s["queued_requests"], s["running_requests"]) == ((3, 0) if mode == "retract" else (0, 3))
+    r = post(server, "/update_weights_from_disk", {"model_path": str(checkpoints["B"]), "weight_version": "B"})
+    assert r.json()["success"], r.text
+    assert post(server, "/continue_generation").status_code == 200
+    for t in threads:
+        t.join(60)
+    for events in results:
+        final = events[-2]
+        assert final["meta_info"]["finish_reason"]["type"] == "length" and len(final["output_ids"]) == 600
+        assert final["meta_info"]["weight_version"] == "B"
+    assert outputs(server) == reference["B"]
+    to_a(server, checkpoints)
+    idle_and_clean(server)
+
+
+def test_updates_never_interleave(server, checkpoints, reference):
+    """Two updates at once: the scheduler runs them one after the other; the version it reports
+    is the last one applied, and the tokens are that checkpoint's."""
+    with ThreadPoolExecutor(2) as pool:
+        futs = [pool.submit(post, server, "/update_weights_from_disk",
+                            {"model_path": str(checkpoints[name]), "weight_version": name}) for name in ("B", "A")]
+        assert all(f.result().json()["success"] for f in futs)
+    version = httpx.get(f"{server.url}/get_weight_version", timeout=10).json()["weight_version"]
+    assert outputs(server) == reference[version]
+    to_a(server, checkpoints)
+
+
+def test_release_and_resume_memory(server, reference):
+    r = post(server, "/release_memory_occupation", {"tags": ["kv_cache", "weights"]})
+    assert r.json()["success"], r.text
+    waiting = ThreadPoolExecutor(1).submit(outputs, server)  # queued until the memory is back
+    time.sleep(0.5)
+    assert not waiting.done()
+    assert post(server, "/resume_memory_occupation", {}).json()["success"]
+    assert waiting.result(60) == reference["A"]
+    r = post(server, "/update_weight_version", {"new_version": "renamed"})
+    assert r.json() == {"success": True, "message": "weight version is renamed", "new_version": "renamed"}
+    assert generate(server)[0]["meta_info"]["weight_version"] == "renamed"
+    idle_and_clean(server)
+
+
+def test_tensor_route_needs_its_flag(tiny_llama):
+    from tests.server_utils import running_server
+
+    with running_server(tiny_llama, "--max-total-tokens", "4096") as srv:
+        r = post(srv, "/update_weights_from_tensor", {"serialized_named_tensors": [json.dumps("x")]})
+        assert r.status_code == 403 and "--enable-weight-update-from-tensor" in r.text
