@@ -279,3 +279,34 @@ def test_tensor_route_needs_its_flag(tiny_llama):
     with running_server(tiny_llama, "--max-total-tokens", "4096") as srv:
         r = post(srv, "/update_weights_from_tensor", {"serialized_named_tensors": [json.dumps("x")]})
         assert r.status_code == 403 and "--enable-weight-update-from-tensor" in r.text
+
+
+def test_bodies_rl_frameworks_send_are_accepted(server, checkpoints, reference):
+    """Bodies as AReaL's and verl's/slime's SGLang clients build them, unchanged (fields this
+    server has no use for, such as verl's ``selector``, are ignored with a warning)."""
+    areal_disk = {"model_path": str(checkpoints["B"]), "abort_all_requests": True}
+    assert post(server, "/update_weights_from_disk", areal_disk).json()["success"]
+    assert outputs(server) == reference["B"]
+    verl_tensor = {"serialized_named_tensors": [encode_named_tensors(state_dict(checkpoints["A"]).items())],
+                   "load_format": "direct", "flush_cache": True, "selector": "all"}
+    assert post(server, "/update_weights_from_tensor", verl_tensor).json()["success"]
+    assert post(server, "/update_weight_version", {"new_version": "run-0001", "abort_all_requests": True}).json()[
+        "new_version"] == "run-0001"
+    assert outputs(server) == reference["A"]
+    for path, body in (("/pause_generation", {}), ("/continue_generation", {}),
+                       ("/release_memory_occupation", {"tags": ["weights", "kv_cache"]}),
+                       ("/resume_memory_occupation", {"tags": ["weights", "kv_cache"]})):
+        assert post(server, path, body).status_code == 200, path
+    assert httpx.get(f"{server.url}/flush_cache", timeout=10).status_code == 200  # SGLang's tests call it by GET
+    assert outputs(server) == reference["A"]
+
+
+def test_rl_loop_runs_every_update_path_on_cpu(checkpoints, tmp_path):
+    """benchmarks/rl_loop.py end to end: rollout, a trainer step, each update path in turn."""
+    from benchmarks.rl_loop import main
+
+    rows = main(["--model", str(checkpoints["A"]), "--steps", "3", "--prompts", "2", "--samples", "4",
+                 "--max-new-tokens", "8", "--release-memory", "--port", str(free_port()),
+                 "--group-port", str(free_port()), "--out", str(tmp_path / "rows.json")])
+    assert [r["path"] for r in rows] == ["tensor", "disk", "distributed"]
+    assert all(r["samples"] == 8 and r["output_tokens"] == 64 for r in rows)
