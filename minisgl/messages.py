@@ -114,9 +114,8 @@ class TensorWeights(msgspec.Struct, array_like=True, tag=True):
     load_format: str = "direct"  # or "flattened_bucket"
 
 
-class JoinWeightGroup(msgspec.Struct, array_like=True, tag=True):
-    """Join a process group with a trainer, whose rank 0 broadcasts new weights; this rank is
-    ``rank_offset + tp_rank`` of ``world_size``."""
+class WeightGroupSpec(msgspec.Struct, kw_only=True):
+    """Where a trainer's weight group meets (SGLang's /init_weights_update_group body)."""
 
     master_address: str
     master_port: int
@@ -124,6 +123,11 @@ class JoinWeightGroup(msgspec.Struct, array_like=True, tag=True):
     world_size: int
     group_name: str = "weight_update_group"
     backend: str = "nccl"
+
+
+class JoinWeightGroup(WeightGroupSpec, array_like=True, tag=True, kw_only=True):
+    """Join a process group with a trainer, whose rank 0 broadcasts new weights; this rank is
+    ``rank_offset + tp_rank`` of ``world_size``."""
 
 
 class BroadcastWeights(msgspec.Struct, array_like=True, tag=True):
@@ -260,7 +264,6 @@ class ControlReply(msgspec.Struct, tag=True):
     cid: int
     ok: bool
     data: dict[str, float | int | str | bool]
-    status: int = 400  # the HTTP status of a refusal (ok False)
 
 
 class TokenOut(msgspec.Struct, array_like=True):

@@ -98,6 +98,40 @@ def test_refused_updates_leave_the_old_weights(checkpoints, prompts, reference, 
     assert tokens(llm.generate(prompts, GREEDY)) == reference["A"]
 
 
+@pytest.mark.parametrize("scheme", ["online", "block"])
+def test_fp8_engines_take_float_and_fp8_updates(checkpoints, prompts, tmp_path, scheme):
+    """--quantization fp8 quantizes pushed float weights with fresh scales; an engine started
+    from a block-wise FP8 checkpoint takes another one: both give a fresh engine's tokens."""
+    from scripts.quantize_checkpoint import convert
+
+    if scheme == "online":
+        start, new, kw = checkpoints["A"], checkpoints["B"], {"quantization": "fp8"}
+    else:
+        start, new, kw = convert(checkpoints["A"], tmp_path / "A", "block"), convert(checkpoints["B"], tmp_path / "B",
+                                                                                    "block"), {}
+    want = tokens(LLM(str(new), **ENGINE, **kw).generate(prompts, GREEDY))
+    llm = CheckedLLM(str(start), **ENGINE, **kw)
+    assert tokens(llm.generate(prompts, GREEDY)) != want
+    assert llm.update_weights_from_disk(str(new))[0]
+    assert tokens(llm.generate(prompts, GREEDY)) == want
+    if scheme == "online":
+        assert llm.update_weights_from_tensor(list(state_dict(checkpoints["A"]).items()))[0]
+        assert tokens(llm.generate(prompts, GREEDY)) == tokens(LLM(str(start), **ENGINE, **kw).generate(prompts, GREEDY))
+
+
+def test_a_gguf_engine_takes_its_gguf_file_again(smollm2_gguf, checkpoints):
+    """The real model, loaded from its GGUF file, updated from the same file: same tokens;
+    a checkpoint of another shape is refused."""
+    llm = LLM(str(smollm2_gguf), device="cpu", max_total_tokens=4096)
+    prompt = [[1, 504, 3458, 282, 4649, 314]]
+    before = tokens(llm.generate(prompt, GREEDY))
+    ok, message = llm.update_weights_from_disk(str(smollm2_gguf))
+    assert ok, message
+    assert tokens(llm.generate(prompt, GREEDY)) == before
+    ok, message = llm.update_weights_from_disk(str(checkpoints["A"]))
+    assert not ok and "vocab_size" in message
+
+
 class _Evil:
     def __reduce__(self):
         return os.system, ("touch /tmp/minisgl-pwned",)

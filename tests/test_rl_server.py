@@ -21,7 +21,7 @@ import torch.distributed as dist
 from minisgl.distributed.weight_group import destroy_weight_group, init_weight_group
 from minisgl.llm import LLM
 from minisgl.worker.tensor_payload import encode_named_tensors
-from tests.server_utils import ServerProcess, free_port
+from tests.server_utils import ServerProcess, free_port, running_server
 from tests.test_rl import ENGINE, checkpoints, state_dict  # noqa: F401  (fixture)
 from tests.test_server import idle_and_clean, sse_events
 
@@ -31,13 +31,9 @@ GREEDY = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def server(checkpoints):
-    srv = ServerProcess(checkpoints["A"], "--page-size", "4", "--max-total-tokens", "8192",
-                        "--enable-weight-update-from-tensor", "--weight-version", "v0")
-    try:
-        srv.wait_ready()
+    with running_server(checkpoints["A"], "--page-size", "4", "--max-total-tokens", "8192",
+                        "--enable-weight-update-from-tensor", "--weight-version", "v0") as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")
@@ -274,8 +270,6 @@ def test_release_and_resume_memory(server, reference):
 
 
 def test_tensor_route_needs_its_flag(tiny_llama):
-    from tests.server_utils import running_server
-
     with running_server(tiny_llama, "--max-total-tokens", "4096") as srv:
         r = post(srv, "/update_weights_from_tensor", {"serialized_named_tensors": [json.dumps("x")]})
         assert r.status_code == 403 and "--enable-weight-update-from-tensor" in r.text

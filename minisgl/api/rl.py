@@ -22,7 +22,7 @@ from minisgl.api.fields import Schema
 from minisgl.api.protocol import BadRequest
 from minisgl.messages import (
     BroadcastWeights, ControlReply, JoinWeightGroup, LeaveWeightGroup, LoadWeights, MemoryOccupation, TensorWeights,
-    WorkerTask,
+    WeightGroupSpec, WorkerTask,
 )
 
 # A weight update may load a checkpoint or wait for a trainer's broadcast: no 30 s limit.
@@ -59,15 +59,6 @@ class FromDistributed(UpdateCommon, kw_only=True):
     shapes: list[list[Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]]]
     group_name: str = "weight_update_group"
     load_format: str | None = None
-
-
-class InitGroup(msgspec.Struct, kw_only=True):
-    master_address: str
-    master_port: int
-    rank_offset: int
-    world_size: int
-    group_name: str = "weight_update_group"
-    backend: str = "nccl"
 
 
 class DestroyGroup(msgspec.Struct, kw_only=True):
@@ -109,7 +100,7 @@ def _answer(reply: ControlReply, **extra: Any) -> Response:
     for key in ("num_paused_requests", "weight_version"):
         if key in data:
             body[key] = data[key]
-    return JSONResponse(body, status_code=200 if reply.ok else reply.status)
+    return JSONResponse(body, status_code=200 if reply.ok else 400)
 
 
 class RlRoutes(ApiBase):
@@ -159,11 +150,10 @@ class RlRoutes(ApiBase):
                                                     body.load_format or "direct"), body)
 
     async def init_weights_update_group(self, request: Request) -> Response:
-        b: InitGroup = await self._body(request, InitGroup, INIT_GROUP)
+        b: WeightGroupSpec = await self._body(request, WeightGroupSpec, INIT_GROUP)
         if not 0 < b.master_port < 65536 or b.world_size < 2 or b.rank_offset < 1:
             raise BadRequest("master_port must be a port, world_size >= 2 and rank_offset >= 1 (the trainer is rank 0)")
-        return await self._weights(JoinWeightGroup(b.master_address, b.master_port, b.rank_offset, b.world_size,
-                                                   b.group_name, b.backend))
+        return await self._weights(JoinWeightGroup(**msgspec.structs.asdict(b)))
 
     async def destroy_weights_update_group(self, request: Request) -> Response:
         b: DestroyGroup = await self._body(request, DestroyGroup, DESTROY_GROUP)

@@ -76,7 +76,11 @@ def run_worker(args: EngineArgs, rank: int, addrs: Addresses, log_level: str) ->
             runner.sample_masked(msg.bitmask)
         elif isinstance(msg, ProfileReq):
             profiler.handle(msg)
-        elif isinstance(msg, WorkerTask):  # (the scheduler sends one only with no step in flight)
+        elif isinstance(msg, WorkerTask):
+            # The scheduler sends one once it has every step's tokens; ranks past 0 may not
+            # have collected their last steps yet.
+            while runner.pending:
+                runner.collect()
             reply = runner.run_task(msg)
             if outbox is not None:
                 outbox.send(reply)
