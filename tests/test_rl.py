@@ -245,3 +245,19 @@ def test_on_cuda_updates_and_memory_release_keep_graphs_right(tmp_path, prompts)
     assert tokens(llm.generate(prompts, GREEDY)) == fresh_b
     assert llm.update_weights_from_tensor(list(state_dict(a).items()))[0]
     assert tokens(llm.generate(prompts, GREEDY)) == before
+
+
+def test_updates_and_release_at_tp2(checkpoints, prompts, reference):
+    """Two ranks (worker processes, gloo): each update path reaches both shards (the tensor
+    payload once per rank), a refusal on the ranks leaves both old, and release/resume works."""
+    llm = LLM(str(checkpoints["A"]), tp_size=2, **ENGINE)
+    assert tokens(llm.generate(prompts, GREEDY)) == reference["A"]
+    assert llm.update_weights_from_disk(str(checkpoints["B"]))[0]
+    assert tokens(llm.generate(prompts, GREEDY)) == reference["B"]
+    ok, message = llm.update_weights_from_disk(str(checkpoints["Q"]))
+    assert not ok and "architecture" in message
+    assert llm.update_weights_from_tensor(list(state_dict(checkpoints["A"]).items()), "flattened_bucket")[0]
+    assert tokens(llm.generate(prompts, GREEDY)) == reference["A"]
+    assert llm.release_memory_occupation()[0] and llm.resume_memory_occupation()[0]
+    assert tokens(llm.generate(prompts, GREEDY)) == reference["A"]
+    llm.runner.close()
