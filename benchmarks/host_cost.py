@@ -31,6 +31,7 @@ from benchmarks.workloads import save_result  # noqa: E402
 from minisgl.args import EngineArgs  # noqa: E402
 from minisgl.messages import ForwardBatch, StepOutput  # noqa: E402
 from minisgl.sampling import SamplingParams  # noqa: E402
+from minisgl.utils import resolve_device  # noqa: E402
 from minisgl.scheduler import Scheduler  # noqa: E402
 
 VOCAB, TOKEN = 128256, 7
@@ -75,7 +76,7 @@ def measure(running: int, waiting: int, steps: int, args: argparse.Namespace) ->
     engine = EngineArgs(model="", page_size=16, max_running_requests=running, chunked_prefill_size=8192)
     context = 4096
     pages = running * (args.prompt_len + 448 + 32) // 16 + 8192  # every slot full, plus cache
-    sched = Scheduler(engine, pages, context, VOCAB, [0], FakeExecutor())
+    sched = Scheduler(engine, pages, context, VOCAB, [0], FakeExecutor(), on_gpu=resolve_device().type == "cuda")
     wl = Workload(args.shape, args.prompt_len, args.samples)
 
     def top_up() -> None:

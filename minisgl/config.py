@@ -10,9 +10,10 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from minisgl.layers.quantization import Fp8Scheme
+if TYPE_CHECKING:  # (the tokenizer and scheduler read configs too, and never load torch)
+    from minisgl.layers.quantization import Fp8Scheme
 
 logger = logging.getLogger(__name__)
 

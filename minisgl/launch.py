@@ -37,7 +37,7 @@ from minisgl.args import HelpFormatter, ServerArgs, add_engine_args, normalize_e
 from minisgl.data_parallel import ROUTER_POLICIES, DataParallelLauncher
 from minisgl.ipc import Addresses, ChildDied, Receiver, stop_processes, wait_ready
 from minisgl.messages import EngineInfo
-from minisgl.models.loader import resolve_model_path
+from minisgl.models.locate import resolve_model_path
 from minisgl.scheduler.process import run_scheduler
 from minisgl.scheduler.workers import run_worker_process
 from minisgl.tokenizer import read_chat_template

@@ -41,6 +41,11 @@ class LLM:
         self.grammar = GrammarBackend(lambda: self.tokenizer, self.runner.vocab_size, self.eos_ids)
         self.reset_scheduler()
 
+    @property
+    def _on_gpu(self) -> bool:
+        runner = self.runner
+        return runner.device.type == "cuda" if isinstance(runner, ModelRunner) else runner.on_gpu
+
     def reset_scheduler(self, disable_radix_cache: bool | None = None) -> None:
         """A fresh scheduler (empty prefix cache) over the same model and KV pool, optionally
         switching the radix cache on or off; used to compare both in one process."""
@@ -52,7 +57,7 @@ class LLM:
         self.scheduler = Scheduler(
             self.args, self.runner.num_pages, self.runner.context_len, self.runner.vocab_size,
             self.eos_ids, self.runner, self.grammar, self.runner.num_host_pages, self.runner.storage_fingerprint,
-            self.runner.kv_bytes_per_page,
+            self.runner.kv_bytes_per_page, on_gpu=self._on_gpu,
         )
 
     # ---- the RL control plane, under SGLang's Engine method names -------------------------------

@@ -338,6 +338,7 @@ class EngineInfo(msgspec.Struct, tag=True):
     num_host_pages: int = 0  # the hierarchical cache's host pool (0: off)
     storage_fingerprint: str = ""  # what the KV bytes mean (model, layout, dtype): the disk tier's folder
     weight_version: str = "default"  # of the weights serving now (--weight-version, then each update's)
+    device: str = "cpu"  # the workers' device type (the scheduler itself never loads torch)
 
 
 ToTokenizer = GenerateBatch | AbortReq | ControlReq | ControlReply | TokenBatch | EngineInfo

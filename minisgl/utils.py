@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import sys
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -15,6 +16,19 @@ if TYPE_CHECKING:
     import torch
 
 _DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16", "half": "float16"}
+
+
+def keep_torch_out() -> None:
+    """In a process that never runs a model (tokenizer, scheduler): transformers imports torch
+    whenever it is installed, for tokenizers too (0.7 s and ~100 MB a process); with None for
+    it in ``sys.modules``, transformers finds no torch and any other import of it fails loudly.
+    ``allow_torch`` lets a library that needs it (the grammar backend) load it after all."""
+    sys.modules.setdefault("torch", None)  # type: ignore[arg-type]
+
+
+def allow_torch() -> None:
+    if "torch" in sys.modules and sys.modules["torch"] is None:
+        del sys.modules["torch"]
 
 
 def resolve_device(device: str = "auto") -> torch.device:

@@ -10,7 +10,8 @@ import torch
 
 from minisgl.args import EngineArgs
 from minisgl.config import ModelConfig
-from minisgl.models.loader import resolve_model_path, safetensors_files
+from minisgl.models.loader import safetensors_files
+from minisgl.models.locate import resolve_model_path
 from minisgl.worker import ModelRunner
 from scripts.make_tiny_model import make_tiny_model
 from tests.helpers import prefill_batch

@@ -1,22 +1,21 @@
-"""Architecture registry: config.json's ``architectures`` entry -> model class."""
+"""Architecture registry: config.json's ``architectures`` entry -> model class (imported when
+asked for, so the processes that only read configs never load torch)."""
 
 from __future__ import annotations
 
-from torch import nn
+from typing import TYPE_CHECKING
 
-from minisgl.config import ModelConfig
-from minisgl.models.llama import LlamaForCausalLM
+from minisgl.config import SUPPORTED_ARCHITECTURES, ModelConfig
 
-# Mistral, Qwen2 and Qwen3 are Llama with switches that ModelConfig derives from the architecture.
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-    "Qwen3ForCausalLM": LlamaForCausalLM,
-}
+if TYPE_CHECKING:
+    from torch import nn
 
 
 def get_model_class(config: ModelConfig) -> type[nn.Module]:
-    if config.architecture not in MODEL_REGISTRY:
+    """Mistral, Qwen2 and Qwen3 are Llama with switches that ModelConfig derives from the
+    architecture: one class serves them all."""
+    if config.architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"unsupported architecture {config.architecture!r}")
-    return MODEL_REGISTRY[config.architecture]
+    from minisgl.models.llama import LlamaForCausalLM
+
+    return LlamaForCausalLM

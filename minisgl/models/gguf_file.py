@@ -21,10 +21,12 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 import numpy as np
-import torch
 
 logger = logging.getLogger(__name__)
 
@@ -218,6 +220,7 @@ def iter_gguf_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """The weights of a converted ``folder``, dequantized from its .gguf file one tensor at a
     time, under Hugging Face names and in float32."""
     import gguf
+    import torch
     from gguf import GGMLQuantizationType, quants
     from tqdm import tqdm
 

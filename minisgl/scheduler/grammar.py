@@ -22,6 +22,8 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
+from minisgl.utils import allow_torch
+
 CACHE_SIZE = 256  # compiled grammars kept (by kind and text)
 MAX_GRAMMAR_BYTES = 256 << 10  # a longer schema, regex or grammar is refused (a 1 MB regex compiled for minutes)
 SMALL_GRAMMAR_BYTES = 8 << 10  # texts up to this compile on the small pool
@@ -46,6 +48,7 @@ class GrammarBackend:
     def _get_compiler(self) -> Any:
         with self._lock:
             if self._compiler is None:
+                allow_torch()  # xgrammar needs it: the scheduler loads torch with its first grammar
                 import xgrammar
 
                 tokenizer = self._load_tokenizer()

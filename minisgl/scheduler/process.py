@@ -26,7 +26,7 @@ from minisgl.scheduler.request import Req, ReqEvent
 from minisgl.scheduler.output import prompt_scores
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.tokenizer import eos_ids, load_tokenizer
-from minisgl.utils import init_logging
+from minisgl.utils import init_logging, keep_torch_out
 from minisgl.scheduler.workers import WorkerLink
 
 logger = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ class SchedulerProcess:
         grammar = GrammarBackend(lambda: load_tokenizer(tokenizer_path), info.vocab_size, info.eos_ids)
         self.sched = Scheduler(args, info.num_pages, info.context_len, info.vocab_size, info.eos_ids, self.workers,
                                grammar, info.num_host_pages, info.storage_fingerprint,
-                               info.kv_bytes_per_token * info.page_size)
+                               info.kv_bytes_per_token * info.page_size, on_gpu=info.device == "cuda")
         self.by_rid: dict[str, Req] = {}
         self.rid_of: dict[int, str] = {}
         self.outbox: list[TokenOut] = []
@@ -240,6 +240,7 @@ class SchedulerProcess:
 def run_scheduler(args: EngineArgs, addrs: Addresses, log_level: str, watchdog_timeout: float) -> None:
     """Process entry point (spawned by the launcher)."""
     become_child()
+    keep_torch_out()
     init_logging(log_level)
     proc = SchedulerProcess(args, addrs)
     threading.Thread(target=proc.watchdog, args=(watchdog_timeout,), daemon=True, name="watchdog").start()

@@ -41,7 +41,7 @@ from minisgl.scheduler.output import apply_output
 from minisgl.scheduler.prefill import Entry, PrefillPlanner
 from minisgl.scheduler.queue import WaitingQueue
 from minisgl.scheduler.request import Req, ReqEvent
-from minisgl.utils import cdiv, context_overflow, resolve_device
+from minisgl.utils import cdiv, context_overflow
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class Scheduler(ControlPlane):
     def __init__(
         self, args: EngineArgs, num_pages: int, context_len: int, vocab_size: int,
         eos_ids: list[int], executor: Executor, grammar: GrammarBackend | None = None, num_host_pages: int = 0,
-        storage_fingerprint: str = "", page_bytes: int = 0,
+        storage_fingerprint: str = "", page_bytes: int = 0, on_gpu: bool = False,
     ):
         self.args = args
         self.page_size = args.page_size
@@ -123,7 +123,6 @@ class Scheduler(ControlPlane):
         self.waiting = WaitingQueue(policy, args.page_size)
         self.counters = Counters()
         self.prefill = PrefillPlanner(args, context_len, self.memory, self.counters)
-        on_gpu = resolve_device(args.device).type == "cuda"
         self.decode = DecodePlanner(self.memory, not args.disable_cascade_attention and (on_gpu or cascade.ON_CPU))
         self.grammar = grammar
         self.compiling: list[Req] = []  # waiting for their grammar; others are scheduled meanwhile

@@ -22,7 +22,7 @@ from minisgl.messages import (
 from minisgl.tokenizer import load_tokenizer
 from minisgl.tokenizer.chat import detect_tool_parser, encode_chat
 from minisgl.tokenizer.detokenizer import TextStream, decode_ids
-from minisgl.utils import context_overflow, init_logging
+from minisgl.utils import context_overflow, init_logging, keep_torch_out
 
 logger = logging.getLogger(__name__)
 
@@ -235,5 +235,6 @@ def run_tokenizer(
 ) -> None:
     """Process entry point (spawned by the launcher)."""
     become_child()
+    keep_torch_out()
     init_logging(log_level)
     TokenizerProcess(addrs, tokenizer_path, chat_template, stream_interval, tool_call_parser, skip_init).run()

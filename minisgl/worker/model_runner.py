@@ -29,7 +29,8 @@ from minisgl.distributed import get_tp_info, init_fused_all_reduce_norm, init_on
 from minisgl.kvcache import HostKVPool, MHAKVCache
 from minisgl.kvcache.disk_store import DiskStore, fingerprint
 from minisgl.messages import ForwardBatch, MemoryOccupation, NewRequest, StepOutput, WorkerReply, WorkerTask
-from minisgl.models.loader import load_model, resolve_model_path
+from minisgl.models.loader import load_model
+from minisgl.models.locate import resolve_model_path
 from minisgl.sampling import SampleOutput, Sampler, SamplingParams
 from minisgl.sampling.sampler import SAMPLE_BLOCK
 from minisgl.layers.quantization import FP8, parse_kv_cache_dtype

@@ -57,6 +57,7 @@ def run_worker(args: EngineArgs, rank: int, addrs: Addresses, log_level: str) ->
             kv_bytes_per_token=runner.kv_bytes_per_page // runner.page_size,
             quantization=runner.config.quant.source if runner.config.quant is not None else None,
             num_host_pages=runner.num_host_pages, storage_fingerprint=runner.storage_fingerprint,
+            device=runner.device.type,
         ))
     profiler = StepProfiler(rank, runner.device)
     while True:

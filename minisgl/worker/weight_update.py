@@ -26,7 +26,8 @@ from minisgl.distributed.weight_group import destroy_weight_group, init_weight_g
 from minisgl.messages import (
     BroadcastWeights, JoinWeightGroup, LeaveWeightGroup, LoadWeights, TensorWeights, WorkerReply, WorkerTask,
 )
-from minisgl.models.loader import WeightMap, checkpoint_shapes, iter_weights, resolve_model_path
+from minisgl.models.loader import WeightMap, checkpoint_shapes, iter_weights
+from minisgl.models.locate import resolve_model_path
 from minisgl.worker.tensor_payload import decode_named_tensors
 
 if TYPE_CHECKING:
