@@ -253,7 +253,7 @@ def cascade_kernels(
             if name != "plain":
                 for part in ("shared", "own", "combine") if cascade else ("own", "combine"):
                     row[f"{name}_{part}_ms"] = replay_ms(lambda: backend.cascade.forward(q, *kv, backend.scale, (part,)))
-            del backend
+            backend = None  # (its buffers go before the next variant's)
         rows.append(row)
         del cache
         torch.cuda.empty_cache()

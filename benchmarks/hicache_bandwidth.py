@@ -76,7 +76,7 @@ def main() -> None:
     h2d = size / timed(lambda: dev.copy_(pinned, non_blocking=True)) / 1e9
     d2h = size / timed(lambda: pinned.copy_(dev, non_blocking=True)) / 1e9
     print(f"pinned contiguous copy of {size / 1e9:.2f} GB: H2D {h2d:.1f} GB/s, D2H {d2h:.1f} GB/s")
-    del pinned, dev
+    pinned = dev = None  # (freed before the page copies)
     rng = random.Random(0)
     a = torch.randn(4096, 4096, dtype=torch.bfloat16, device="cuda")
     b = torch.randn(4096, 14336, dtype=torch.bfloat16, device="cuda")

@@ -30,6 +30,7 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.server import start_server  # noqa: E402
 from benchmarks.workloads import WORKLOADS, save_result  # noqa: E402
 
 

@@ -47,7 +47,8 @@ from minisgl.utils import init_logging
 logger = logging.getLogger("minisgl.launch")
 
 
-def parse_args(argv: list[str] | None = None) -> ServerArgs:
+def build_parser() -> argparse.ArgumentParser:
+    """Every flag of the server, in groups (``docs/flags.md`` is generated from it)."""
     d = ServerArgs(model="")
     ap = argparse.ArgumentParser(prog="python -m minisgl.launch", description="Serve a model over HTTP.",
                                  formatter_class=HelpFormatter)
@@ -109,6 +110,11 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
                     help="replicas (each with --tp-size GPUs) behind the smg router on --host/--port")
     groups["parallelism"].add_argument("--router-policy", default=d.router_policy, choices=ROUTER_POLICIES,
                     help="how the smg router picks a replica with --dp-size (default %(default)s)")
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> ServerArgs:
+    ap = build_parser()
     ns = ap.parse_args(argv)
     if ns.stream_interval < 1:
         ap.error(f"--stream-interval must be >= 1, got {ns.stream_interval}")

@@ -152,3 +152,18 @@ def test_a_slow_template_render_is_refused_and_the_server_stays_up(tiny_llama, t
         assert time.monotonic() - start < RENDER_TIMEOUT_S + 10
         r = httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
+
+
+def test_the_flags_page_is_generated_from_the_parser():
+    """docs/flags.md is what scripts/flags_doc.py writes now, and names every flag of --help."""
+    import re
+    from pathlib import Path
+
+    from scripts.flags_doc import DOC, render
+
+    assert DOC.read_text() == render(), "docs/flags.md is stale: run python scripts/flags_doc.py"
+    from minisgl.launch import build_parser
+
+    flags = {o for a in build_parser()._actions for o in a.option_strings if o.startswith("--")}
+    documented = set(re.findall(r"`(--[a-z0-9-]+)`", Path(DOC).read_text()))
+    assert flags - {"--help"} <= documented

@@ -1,4 +1,8 @@
-"""Compile the CUDA sources under minisgl/kernels/csrc (shipped in the package) at run time with tvm-ffi and cache them on disk.
+"""Compile the CUDA sources of ``kernels/csrc`` at run time with tvm-ffi and cache them on disk.
+
+The sources live in the repository's top-level ``kernels/csrc``; an installed package carries
+them as ``minisgl.kernels.csrc`` (the build maps that folder there), and a source checkout
+reads them where they are.
 
 tvm-ffi builds a small kernel in seconds (torch's cpp_extension takes about a minute) and keeps
 the shared library under ``~/.cache/tvm-ffi`` (or ``$TVM_FFI_CACHE_DIR``), so later runs only load it.
@@ -14,7 +18,12 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-CSRC = Path(__file__).resolve().parent / "csrc"
+
+
+def csrc_dir() -> Path:
+    """The CUDA sources: the installed package's copy, else the checkout's top-level folder."""
+    installed = Path(__file__).resolve().parent / "csrc"
+    return installed if installed.is_dir() else Path(__file__).resolve().parents[2] / "kernels" / "csrc"
 
 
 @functools.cache
@@ -22,7 +31,7 @@ def load_module(name: str) -> Any:
     """Load ``csrc/<name>.cu`` (compiling it if its cached build is missing or stale)."""
     import tvm_ffi.cpp
 
-    source = CSRC / f"{name}.cu"
+    source = csrc_dir() / f"{name}.cu"
     if not source.is_file():
         raise FileNotFoundError(f"CUDA source {source} not found (the package was installed without it)")
     start = time.perf_counter()

@@ -3,7 +3,7 @@
 Between the qkv GEMM and attention a layer normalizes q and k per head (Qwen3), rotates them,
 and writes k and v into their cache slots. Done as separate torch or FlashInfer ops that is
 four to twelve launches per layer, each reading and writing the activations; the JIT kernel in
-csrc/rope_store.cu does it in one. The torch version is the reference (CPU, tests).
+kernels/csrc/rope_store.cu does it in one. The torch version is the reference (CPU, tests).
 """
 
 from __future__ import annotations
