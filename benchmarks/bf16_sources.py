@@ -18,8 +18,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.gguf_bf16_vs_fp32 import ASKS, TOPICS  # noqa: E402
 from benchmarks.agreement import agreement  # noqa: E402
+from benchmarks.gguf_bf16_vs_fp32 import ASKS, TOPICS  # noqa: E402
 from minisgl.llm import LLM  # noqa: E402
 from minisgl.sampling import SamplingParams  # noqa: E402
 
@@ -43,11 +43,14 @@ def main() -> None:
             p.data.copy_(exact[name].to(dtype).float())
         llm.reset_scheduler()
         report[f"fp32 arithmetic, weights rounded to {dtype}"] = agreement(
-            [r["output_ids"] for r in llm.chat(chats, params)], ref)
+            [r["output_ids"] for r in llm.chat(chats, params)], ref
+        )
     del llm, exact
     for dtype in ("bfloat16", "float16"):
         llm = LLM(args.model, device="cpu", dtype=dtype)
-        report[f"all {dtype} (CPU, torch attention)"] = agreement([r["output_ids"] for r in llm.chat(chats, params)], ref)
+        report[f"all {dtype} (CPU, torch attention)"] = agreement(
+            [r["output_ids"] for r in llm.chat(chats, params)], ref
+        )
         del llm
     for k, v in report.items():
         print(f"{v['identical']:3d}/{v['of']}  {k}")

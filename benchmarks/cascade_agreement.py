@@ -29,14 +29,35 @@ from benchmarks.agreement import agreement  # noqa: E402
 from minisgl.llm import LLM  # noqa: E402
 from minisgl.sampling import SamplingParams  # noqa: E402
 
-RULES = ["Answer in plain English.", "Be brief and precise.", "Never invent facts.", "Use short sentences.",
-         "Explain terms a child would not know.", "Prefer examples to abstractions.", "Stay polite.",
-         "If unsure, say so."]
+RULES = [
+    "Answer in plain English.",
+    "Be brief and precise.",
+    "Never invent facts.",
+    "Use short sentences.",
+    "Explain terms a child would not know.",
+    "Prefer examples to abstractions.",
+    "Stay polite.",
+    "If unsure, say so.",
+]
 ROLES = ["a patient science teacher", "a ship's navigator", "a museum guide", "a friendly librarian"]
-QUESTIONS = ["Why is the sky blue?", "How do tides work?", "What is a star?", "Why do leaves fall?",
-             "How does a compass work?", "What is rain made of?", "How do birds fly?", "What is a volcano?",
-             "Why is the sea salty?", "How do plants eat?", "What causes wind?", "What is an eclipse?",
-             "How do fish breathe?", "Why do we sleep?", "What is thunder?", "How big is the moon?"]
+QUESTIONS = [
+    "Why is the sky blue?",
+    "How do tides work?",
+    "What is a star?",
+    "Why do leaves fall?",
+    "How does a compass work?",
+    "What is rain made of?",
+    "How do birds fly?",
+    "What is a volcano?",
+    "Why is the sea salty?",
+    "How do plants eat?",
+    "What causes wind?",
+    "What is an eclipse?",
+    "How do fish breathe?",
+    "Why do we sleep?",
+    "What is thunder?",
+    "How big is the moon?",
+]
 
 
 def chats() -> list[list[dict]]:
@@ -53,13 +74,19 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--page-size", type=int, default=16)
     args = ap.parse_args()
-    readings = {"answers": SamplingParams(temperature=0.0, max_new_tokens=args.tokens),
-                "forced": SamplingParams(temperature=0.0, max_new_tokens=args.tokens, ignore_eos=True)}
+    readings = {
+        "answers": SamplingParams(temperature=0.0, max_new_tokens=args.tokens),
+        "forced": SamplingParams(temperature=0.0, max_new_tokens=args.tokens, ignore_eos=True),
+    }
     outs, cascade_steps = {}, 0
     plain = dict(dtype="bfloat16", disable_cascade_attention=True)
-    for name, kw in {"cascade": dict(dtype="bfloat16"), "plain": plain, "plain again": plain,
-                     "plain fp16": dict(dtype="float16", disable_cascade_attention=True),
-                     "plain, flashinfer decode": dict(plain, decode_attention_backend="flashinfer")}.items():
+    for name, kw in {
+        "cascade": dict(dtype="bfloat16"),
+        "plain": plain,
+        "plain again": plain,
+        "plain fp16": dict(dtype="float16", disable_cascade_attention=True),
+        "plain, flashinfer decode": dict(plain, decode_attention_backend="flashinfer"),
+    }.items():
         llm = LLM(args.model, device="cuda", page_size=args.page_size, max_running_requests=64, **kw)
         launch = llm.runner.launch
 
@@ -77,12 +104,15 @@ def main() -> None:
     assert cascade_steps > args.tokens, f"only {cascade_steps} cascade steps"
     report: dict = {"cascade_steps": cascade_steps, "tokens": args.tokens}
     for reading in readings:
-        report[reading] = {"cascade vs plain (bf16)": agreement(outs["cascade", reading], outs["plain", reading]),
-                           "plain: flashinfer vs our decode": agreement(outs["plain, flashinfer decode", reading],
-                                                                        outs["plain", reading]),
-                           "plain vs plain again": agreement(outs["plain again", reading], outs["plain", reading]),
-                           "plain fp16 vs plain bf16": agreement(outs["plain fp16", reading], outs["plain", reading]),
-                           "mean_tokens": sum(map(len, outs["plain", reading])) / 64}
+        report[reading] = {
+            "cascade vs plain (bf16)": agreement(outs["cascade", reading], outs["plain", reading]),
+            "plain: flashinfer vs our decode": agreement(
+                outs["plain, flashinfer decode", reading], outs["plain", reading]
+            ),
+            "plain vs plain again": agreement(outs["plain again", reading], outs["plain", reading]),
+            "plain fp16 vs plain bf16": agreement(outs["plain fp16", reading], outs["plain", reading]),
+            "mean_tokens": sum(map(len, outs["plain", reading])) / 64,
+        }
     print(json.dumps(report))
 
 

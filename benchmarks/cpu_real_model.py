@@ -31,9 +31,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from local_server import wait_ready  # noqa: E402
 
 PROMPTS = [
-    "The history of the printing press", "Explain how a bicycle stays upright", "Write a haiku about rain",
-    "List three uses of copper", "Why is the sky blue?", "Describe a busy market in the morning",
-    "What makes a good password?", "Summarize the water cycle",
+    "The history of the printing press",
+    "Explain how a bicycle stays upright",
+    "Write a haiku about rain",
+    "List three uses of copper",
+    "Why is the sky blue?",
+    "Describe a busy market in the morning",
+    "What makes a good password?",
+    "Summarize the water cycle",
 ]
 
 
@@ -51,12 +56,18 @@ def _memory(pid: int) -> dict[str, float]:
         name = Path(f"/proc/{p}/cmdline").read_text().replace("\0", " ")[:60]
         fields = dict(line.split(":", 1) for line in Path(f"/proc/{p}/smaps_rollup").read_text().splitlines()[1:])
         per[f"{p} {name}"] = {k: int(fields[k].split()[0]) / 1024 for k in ("Rss", "Pss")}
-    return {"rss_mb": sum(v["Rss"] for v in per.values()), "pss_mb": sum(v["Pss"] for v in per.values()),
-            "processes": per}
+    return {
+        "rss_mb": sum(v["Rss"] for v in per.values()),
+        "pss_mb": sum(v["Pss"] for v in per.values()),
+        "processes": per,
+    }
 
 
 def _server_run(url: str, batch: int, tokens: int) -> float:
-    body = {"text": PROMPTS[:batch], "sampling_params": {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}}
+    body = {
+        "text": PROMPTS[:batch],
+        "sampling_params": {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True},
+    }
     start = time.perf_counter()
     out = httpx.post(f"{url}/generate", json=body, timeout=600).json()
     return sum(r["meta_info"]["completion_tokens"] for r in out) / (time.perf_counter() - start)
@@ -77,8 +88,9 @@ def _transformers_runner(model_dir: str) -> Callable[[int, int], float]:
         enc = tok(PROMPTS[:batch], return_tensors="pt", padding=True)
         start = time.perf_counter()
         with torch.inference_mode():
-            model.generate(**enc, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
-                           pad_token_id=tok.pad_token_id)
+            model.generate(
+                **enc, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=tok.pad_token_id
+            )
         return batch * tokens / (time.perf_counter() - start)
 
     return run
@@ -97,8 +109,9 @@ def main() -> None:
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
     start = time.perf_counter()
-    server = subprocess.Popen([sys.executable, "-m", "minisgl.launch", "--model", args.model, "--port", str(port),
-                               "--log-level", "warning"])
+    server = subprocess.Popen(
+        [sys.executable, "-m", "minisgl.launch", "--model", args.model, "--port", str(port), "--log-level", "warning"]
+    )
     result: dict = {"model": args.model, "tokens": args.tokens, "cpus": os.cpu_count()}
     try:
         wait_ready(url, server, timeout=600)

@@ -56,14 +56,23 @@ def step_times(runner: ModelRunner, bs: int, context: int, iters: int) -> tuple[
     """(sync, pipelined) seconds per decode step for ``bs`` requests of ``context`` tokens."""
     pages_per_req = cdiv(context + 1, runner.page_size)
     first = ForwardBatch(
-        slots=list(range(bs)), cached_lens=[context] * bs, new_lens=[1] * bs, input_ids=[1] * bs,
-        sample=[True] * bs, table_slots=[s for s in range(bs) for _ in range(pages_per_req)],
+        slots=list(range(bs)),
+        cached_lens=[context] * bs,
+        new_lens=[1] * bs,
+        input_ids=[1] * bs,
+        sample=[True] * bs,
+        table_slots=[s for s in range(bs) for _ in range(pages_per_req)],
         table_cols=[c for _ in range(bs) for c in range(pages_per_req)],
         table_pages=list(range(bs * pages_per_req)),
     )
     runner.step(first)
-    batch = ForwardBatch(slots=first.slots, cached_lens=first.cached_lens, new_lens=first.new_lens,
-                         input_ids=[-1] * bs, sample=first.sample)
+    batch = ForwardBatch(
+        slots=first.slots,
+        cached_lens=first.cached_lens,
+        new_lens=first.new_lens,
+        input_ids=[-1] * bs,
+        sample=first.sample,
+    )
     for _ in range(3):
         runner.step(batch)
     t = time.perf_counter()
@@ -85,8 +94,9 @@ def profile(runner: ModelRunner, bs: int, context: int) -> None:
     from torch.profiler import profile as torch_profile
 
     step_times(runner, bs, context, iters=3)
-    batch = ForwardBatch(slots=list(range(bs)), cached_lens=[context] * bs, new_lens=[1] * bs,
-                         input_ids=[-1] * bs, sample=[True] * bs)
+    batch = ForwardBatch(
+        slots=list(range(bs)), cached_lens=[context] * bs, new_lens=[1] * bs, input_ids=[-1] * bs, sample=[True] * bs
+    )
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
             runner.launch(batch)
@@ -127,15 +137,25 @@ def attention_kernels(
         # page-first, where a token's K for one layer sits among those of the others.
         layer_first = torch.randn(2, total_pages, page_size, kv_heads, head_dim, dtype=torch.bfloat16, device="cuda")
         caches = {"layer-first": (layer_first[0], layer_first[1])}
-        page_first = torch.randn(2, total_pages, PAGE_FIRST_LAYERS, page_size, kv_heads, head_dim,
-                                 dtype=torch.bfloat16, device="cuda")
+        page_first = torch.randn(
+            2, total_pages, PAGE_FIRST_LAYERS, page_size, kv_heads, head_dim, dtype=torch.bfloat16, device="cuda"
+        )
         caches["page-first"] = (page_first[0, :, 0], page_first[1, :, 0])
         for storage, kv in caches.items():
             for tensor_cores in (True, False):
                 ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
                 w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=tensor_cores)
-                w.plan(indptr, flat, last, qo_heads, kv_heads, head_dim, page_size, q_data_type=torch.bfloat16,
-                       kv_data_type=torch.bfloat16)
+                w.plan(
+                    indptr,
+                    flat,
+                    last,
+                    qo_heads,
+                    kv_heads,
+                    head_dim,
+                    page_size,
+                    q_data_type=torch.bfloat16,
+                    kv_data_type=torch.bfloat16,
+                )
                 w.run(q, kv)
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
@@ -145,8 +165,15 @@ def attention_kernels(
                 end.synchronize()
                 ms = start.elapsed_time(end) / iters
                 distinct = total_pages * page_size * 2 * kv_heads * head_dim * 2
-                rows.append({"batch": layout, "cache": storage, "path": "tensor-core" if tensor_cores else "cuda-core",
-                             "ms": ms, "distinct_kv_floor_ms": distinct / bandwidth * 1e3})
+                rows.append(
+                    {
+                        "batch": layout,
+                        "cache": storage,
+                        "path": "tensor-core" if tensor_cores else "cuda-core",
+                        "ms": ms,
+                        "distinct_kv_floor_ms": distinct / bandwidth * 1e3,
+                    }
+                )
         del caches, layer_first, page_first  # free before the next layout's tensors
     return rows
 
@@ -173,11 +200,26 @@ def replay_ms(fn, iters: int = 20) -> float:
 
 
 CASCADE_CASES = [  # (batch, groups, shared tokens); every request also has 256 tokens of its own
-    (256, 16, 2048), (256, 1, 2048), (256, 4, 2048), (256, 64, 2048), (64, 1, 2048), (64, 4, 2048), (64, 16, 2048),
-    (128, 64, 2048), (128, 64, 256), (128, 64, 512),  # pairs
-    (256, 16, 256), (256, 64, 256), (256, 16, 512), (256, 64, 512), (64, 16, 256), (64, 32, 512),
-    (256, 0, 0), (64, 0, 0),  # no sharing: 2304 tokens of its own each
-    (64, 8, 2048, 32), (256, 16, 2048, 64),  # groups and loose requests of 2304 tokens
+    (256, 16, 2048),
+    (256, 1, 2048),
+    (256, 4, 2048),
+    (256, 64, 2048),
+    (64, 1, 2048),
+    (64, 4, 2048),
+    (64, 16, 2048),
+    (128, 64, 2048),
+    (128, 64, 256),
+    (128, 64, 512),  # pairs
+    (256, 16, 256),
+    (256, 64, 256),
+    (256, 16, 512),
+    (256, 64, 512),
+    (64, 16, 256),
+    (64, 32, 512),
+    (256, 0, 0),
+    (64, 0, 0),  # no sharing: 2304 tokens of its own each
+    (64, 8, 2048, 32),
+    (256, 16, 2048, 64),  # groups and loose requests of 2304 tokens
 ]
 
 
@@ -186,42 +228,50 @@ CASCADE_VARIANTS = [  # (name, step kind, FlashInferBackend options); knob varia
     ("plain", "plain", {"decode_backend": "flashinfer"}),  # FlashInfer's tensor-core decode
     ("plain_triton", "plain", {}),  # our kernel, the default
     ("cascade", "cascade", {}),  # the engine's cascade step: equal to plain_triton bit for bit
-] + [(name, "auto", {"cascade_options": options}) for name, options in {  # the kernel's knobs
-    "bn128_stages3": dict(block_n=128, num_stages=3),  # session 11's default: single-buffered tiles
-    "bn32": dict(block_n=32),  # keys per tile
-    "bn64": dict(block_n=64),  # (fp8 pages default to 128)
-    "bn128": dict(block_n=128),  # (two 128-key buffers leave room for one program per SM)
-    "stages4": dict(num_stages=4),  # pipeline depth (4 and fewer: one K/V buffer)
-    "stages6": dict(num_stages=6),
-    "warps8": dict(num_warps=8),
-    "own_warps2": dict(own_num_warps=2),  # the own level alone (its items are short and many)
-    "plain_warps2": dict(plain_num_warps=2),  # plain steps alone (fp8 pages with GQA 2 default to 2)
-    "plain_warps4": dict(plain_num_warps=4),
-    "own_warps8": dict(own_num_warps=8),
-    "own_stages3": dict(own_num_stages=3),
-    "own_stages2": dict(own_num_stages=2),
-    "rows16": dict(shared_rows=16),  # query rows a shared item packs
-    "rows32": dict(shared_rows=32),
-    "own_maxnreg128": dict(cascade_own_maxnreg=128),  # cascade steps' own level capped (more CTAs per SM)
-    "cascade_stages2": dict(cascade_num_stages=2),  # both levels of cascade steps
-    "cascade_stages3": dict(cascade_num_stages=3),
-    "rows64": dict(shared_rows=64),
-    "items4": dict(items_per_sm=4),  # items per SM that segment lengths aim at
-    "items16": dict(items_per_sm=16),
-    "items32": dict(items_per_sm=32),
-    "items64": dict(items_per_sm=64),
-    "programs4": dict(programs_per_sm=4),  # CTAs per SM under graphs
-    "programs16": dict(programs_per_sm=16),
-}.items()]
+] + [
+    (name, "auto", {"cascade_options": options})
+    for name, options in {  # the kernel's knobs
+        "bn128_stages3": dict(block_n=128, num_stages=3),  # session 11's default: single-buffered tiles
+        "bn32": dict(block_n=32),  # keys per tile
+        "bn64": dict(block_n=64),  # (fp8 pages default to 128)
+        "bn128": dict(block_n=128),  # (two 128-key buffers leave room for one program per SM)
+        "stages4": dict(num_stages=4),  # pipeline depth (4 and fewer: one K/V buffer)
+        "stages6": dict(num_stages=6),
+        "warps8": dict(num_warps=8),
+        "own_warps2": dict(own_num_warps=2),  # the own level alone (its items are short and many)
+        "plain_warps2": dict(plain_num_warps=2),  # plain steps alone (fp8 pages with GQA 2 default to 2)
+        "plain_warps4": dict(plain_num_warps=4),
+        "own_warps8": dict(own_num_warps=8),
+        "own_stages3": dict(own_num_stages=3),
+        "own_stages2": dict(own_num_stages=2),
+        "rows16": dict(shared_rows=16),  # query rows a shared item packs
+        "rows32": dict(shared_rows=32),
+        "own_maxnreg128": dict(cascade_own_maxnreg=128),  # cascade steps' own level capped (more CTAs per SM)
+        "cascade_stages2": dict(cascade_num_stages=2),  # both levels of cascade steps
+        "cascade_stages3": dict(cascade_num_stages=3),
+        "rows64": dict(shared_rows=64),
+        "items4": dict(items_per_sm=4),  # items per SM that segment lengths aim at
+        "items16": dict(items_per_sm=16),
+        "items32": dict(items_per_sm=32),
+        "items64": dict(items_per_sm=64),
+        "programs4": dict(programs_per_sm=4),  # CTAs per SM under graphs
+        "programs16": dict(programs_per_sm=16),
+    }.items()
+]
 
 
 def cascade_kernels(
-    qo_heads: int, kv_heads: int, head_dim: int, page_size: int, bandwidth: float,
-    cases: list[tuple[int, int, int]] = CASCADE_CASES, variants: list[str] | None = None,
+    qo_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    bandwidth: float,
+    cases: list[tuple[int, int, int]] = CASCADE_CASES,
+    variants: list[str] | None = None,
     kv_dtype: torch.dtype = torch.bfloat16,
 ) -> list[dict]:
-    from minisgl.attention.synthetic import decode_metadata
     from minisgl.attention.flashinfer_backend import FlashInferBackend
+    from minisgl.attention.synthetic import decode_metadata
     from minisgl.kvcache import MHAKVCache
 
     own_len, rows = 256, []
@@ -236,10 +286,21 @@ def cascade_kernels(
         cache = MHAKVCache(total_pages, page_size, 1, kv_heads, head_dim, kv_dtype, torch.device("cuda"))
         cache.buffer.copy_(torch.randn(cache.buffer.shape, device="cuda").to(kv_dtype))
         q = torch.randn(batch, qo_heads, head_dim, dtype=torch.bfloat16, device="cuda")
-        row = {"batch": batch, "groups": groups, "shared_tokens": shared, "own_tokens": own_len if groups else loose_len,
-               "loose_requests": len(loose),
-               "distinct_kv_floor_ms": total_pages * page_size * 2 * kv_heads * head_dim * kv_dtype.itemsize
-               / bandwidth * 1e3}
+        row = {
+            "batch": batch,
+            "groups": groups,
+            "shared_tokens": shared,
+            "own_tokens": own_len if groups else loose_len,
+            "loose_requests": len(loose),
+            "distinct_kv_floor_ms": total_pages
+            * page_size
+            * 2
+            * kv_heads
+            * head_dim
+            * kv_dtype.itemsize
+            / bandwidth
+            * 1e3,
+        }
         for name, kind, kw in CASCADE_VARIANTS:
             cascade = kind == "cascade" or (kind == "auto" and groups > 0)
             if (cascade and not groups) or (variants and name not in variants):
@@ -252,7 +313,9 @@ def cascade_kernels(
             kv = (cache.k_cache(0), cache.v_cache(0))
             if name != "plain":
                 for part in ("shared", "own", "combine") if cascade else ("own", "combine"):
-                    row[f"{name}_{part}_ms"] = replay_ms(lambda: backend.cascade.forward(q, *kv, backend.scale, (part,)))
+                    row[f"{name}_{part}_ms"] = replay_ms(
+                        lambda: backend.cascade.forward(q, *kv, backend.scale, (part,))
+                    )
             backend = None  # (its buffers go before the next variant's)
         rows.append(row)
         del cache
@@ -269,44 +332,75 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--page-size", type=int, default=EngineArgs.page_size)
-    ap.add_argument("--profile", type=int, default=0, metavar="BS",
-                    help="print a torch-profiler table of 5 pipelined steps at this batch size and exit")
+    ap.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="BS",
+        help="print a torch-profiler table of 5 pipelined steps at this batch size and exit",
+    )
     ap.add_argument("--out", default=None)
     ap.add_argument("--quantization", default=None, choices=["fp8"], help="fp8: W8A8 linear layers")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"])
     ap.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3], help="which parts to run")
-    ap.add_argument("--cascade-cases", nargs="+", default=None, metavar="BxGxS",
-                    help="part 3 cases as batch x groups x shared tokens [x loose requests among the batch "
-                         "[x their tokens, 2304]], e.g. 256x16x2048, 64x8x2048x32 or 64x0x0x64x1024 (default: all)")
-    ap.add_argument("--cascade-variants", nargs="+", default=None,
-                    help=f"part 3 variants (default: all of {', '.join(v[0] for v in CASCADE_VARIANTS)})")
+    ap.add_argument(
+        "--cascade-cases",
+        nargs="+",
+        default=None,
+        metavar="BxGxS",
+        help="part 3 cases as batch x groups x shared tokens [x loose requests among the batch "
+        "[x their tokens, 2304]], e.g. 256x16x2048, 64x8x2048x32 or 64x0x0x64x1024 (default: all)",
+    )
+    ap.add_argument(
+        "--cascade-variants",
+        nargs="+",
+        default=None,
+        help=f"part 3 variants (default: all of {', '.join(v[0] for v in CASCADE_VARIANTS)})",
+    )
     args = ap.parse_args()
 
     bw = copy_bandwidth()
     cfg = ModelConfig.from_path(Path(args.model))
-    result = {"model": args.model, "gpu": torch.cuda.get_device_name(), "copy_bandwidth": bw, "context": args.context,
-              "page_size": args.page_size}
+    result = {
+        "model": args.model,
+        "gpu": torch.cuda.get_device_name(),
+        "copy_bandwidth": bw,
+        "context": args.context,
+        "page_size": args.page_size,
+    }
     if 3 in args.parts:
-        print(f"one layer of decode attention, {cfg.num_heads} q / {cfg.num_kv_heads} kv heads, page size "
-              f"{args.page_size}: plain vs cascade (CUDA-graph replays, ms)")
+        print(
+            f"one layer of decode attention, {cfg.num_heads} q / {cfg.num_kv_heads} kv heads, page size "
+            f"{args.page_size}: plain vs cascade (CUDA-graph replays, ms)"
+        )
         cases = [tuple(map(int, c.split("x"))) for c in args.cascade_cases] if args.cascade_cases else CASCADE_CASES
         kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8_e4m3" else torch.bfloat16
-        result["cascade"] = cascade_kernels(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, args.page_size, bw,
-                                            cases, args.cascade_variants, kv_dtype)
+        result["cascade"] = cascade_kernels(
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, args.page_size, bw, cases, args.cascade_variants, kv_dtype
+        )
     if 1 not in args.parts and 2 not in args.parts:
         save_result(result, args.out, f"decode_{Path(args.model).name}")
         return
     max_bs = max(args.batch_sizes)
-    runner = ModelRunner(EngineArgs(
-        model=args.model, load_format="dummy", device="cuda", context_length=args.context + 64,
-        page_size=args.page_size, max_running_requests=max_bs,
-        max_total_tokens=max_bs * cdiv(args.context + 1, args.page_size) * args.page_size,
-        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-    ))
+    runner = ModelRunner(
+        EngineArgs(
+            model=args.model,
+            load_format="dummy",
+            device="cuda",
+            context_length=args.context + 64,
+            page_size=args.page_size,
+            max_running_requests=max_bs,
+            max_total_tokens=max_bs * cdiv(args.context + 1, args.page_size) * args.page_size,
+            quantization=args.quantization,
+            kv_cache_dtype=args.kv_cache_dtype,
+        )
+    )
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     kv_per_token = runner.kv_cache.buffer.nbytes // ((runner.num_pages + 1) * args.page_size)
-    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; weights {weight_bytes / 2**30:.2f} GiB; "
-          f"KV {kv_per_token / 1024:.0f} KiB/token; page size {args.page_size}; {torch.cuda.get_device_name()}")
+    print(
+        f"copy bandwidth {bw / 1e12:.2f} TB/s; weights {weight_bytes / 2**30:.2f} GiB; "
+        f"KV {kv_per_token / 1024:.0f} KiB/token; page size {args.page_size}; {torch.cuda.get_device_name()}"
+    )
     if args.profile:
         profile(runner, args.profile, args.context)
         return
@@ -325,8 +419,10 @@ def main() -> None:
         kernels = attention_kernels(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, args.page_size, bw)
         print(f"\none layer of decode attention, {cfg.num_heads} q / {cfg.num_kv_heads} kv heads, 256 requests:")
         for k in kernels:
-            print(f"  {k['batch']:14s} {k['cache']:12s} {k['path']:12s} {k['ms']:7.3f} ms  (distinct KV read once: "
-                  f"{k['distinct_kv_floor_ms']:.3f} ms)")
+            print(
+                f"  {k['batch']:14s} {k['cache']:12s} {k['path']:12s} {k['ms']:7.3f} ms  (distinct KV read once: "
+                f"{k['distinct_kv_floor_ms']:.3f} ms)"
+            )
         result["attention"] = kernels
     save_result(result, args.out, f"decode_{Path(args.model).name}")
 

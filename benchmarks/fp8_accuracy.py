@@ -31,11 +31,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.workloads import save_result  # noqa: E402
 from scripts.local_server import serving  # noqa: E402
 
-MODES = {"base": [], "fp8-w8a8": ["--quantization", "fp8"], "fp8-kv": ["--kv-cache-dtype", "fp8_e4m3"],
-         "fp8-both": ["--quantization", "fp8", "--kv-cache-dtype", "fp8_e4m3"],
-         "fp8-both-head": ["--quantization", "fp8", "--kv-cache-dtype", "fp8_e4m3", "--quantize-lm-head"]}
-TOPICS = ("assignment", "exceptions", "execmodel", "import", "types", "compound", "naming", "numbers",
-          "attribute-access", "specialnames", "datamodel", "function", "class", "typesseq", "typesmapping")
+MODES = {
+    "base": [],
+    "fp8-w8a8": ["--quantization", "fp8"],
+    "fp8-kv": ["--kv-cache-dtype", "fp8_e4m3"],
+    "fp8-both": ["--quantization", "fp8", "--kv-cache-dtype", "fp8_e4m3"],
+    "fp8-both-head": ["--quantization", "fp8", "--kv-cache-dtype", "fp8_e4m3", "--quantize-lm-head"],
+}
+TOPICS = (
+    "assignment",
+    "exceptions",
+    "execmodel",
+    "import",
+    "types",
+    "compound",
+    "naming",
+    "numbers",
+    "attribute-access",
+    "specialnames",
+    "datamodel",
+    "function",
+    "class",
+    "typesseq",
+    "typesmapping",
+)
 ENDING_WORDS = 4
 
 
@@ -71,8 +90,14 @@ def score(client: httpx.Client, url: str, prompts: list[str], batch: int = 64) -
     """Each prompt's tokens, logprobs and text offsets (echo, nothing generated)."""
     out = []
     for i in range(0, len(prompts), batch):
-        body = {"model": "m", "prompt": prompts[i : i + batch], "max_tokens": 0, "echo": True, "logprobs": 1,
-                "temperature": 0.0}
+        body = {
+            "model": "m",
+            "prompt": prompts[i : i + batch],
+            "max_tokens": 0,
+            "echo": True,
+            "logprobs": 1,
+            "temperature": 0.0,
+        }
         r = client.post(f"{url}/v1/completions", json=body)
         r.raise_for_status()
         out += [c["logprobs"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
@@ -98,15 +123,21 @@ def windows(text: str, chars: int) -> list[str]:
 def evaluate(url: str, greedy_texts: list[str], continuations: list[str], ppl_texts: list[str], items) -> dict:
     with httpx.Client(timeout=600) as client:
         scored = score(client, url, [p + c for p, c in zip(greedy_texts, continuations)])
-        greedy = [[x for x, off in zip(lp["token_logprobs"], lp["text_offset"]) if off >= len(p)]
-                  for lp, p in zip(scored, greedy_texts)]
+        greedy = [
+            [x for x, off in zip(lp["token_logprobs"], lp["text_offset"]) if off >= len(p)]
+            for lp, p in zip(scored, greedy_texts)
+        ]
         ppl_lps = [x for lp in score(client, url, ppl_texts, batch=8) for x in lp["token_logprobs"][1:]]
         flat = [(ctx, opt) for ctx, opts, _ in items for opt in opts]
         mc = score(client, url, [ctx + opt for ctx, opt in flat])
         picks = [max(range(4), key=lambda k: tail_logprob(mc[4 * i + k], len(items[i][0]))) for i in range(len(items))]
-    return {"perplexity": math.exp(-sum(ppl_lps) / len(ppl_lps)), "ppl_tokens": len(ppl_lps),
-            "mc_accuracy": sum(p == it[2] for p, it in zip(picks, items)) / len(items), "mc_items": len(items),
-            "greedy_logprobs": greedy}
+    return {
+        "perplexity": math.exp(-sum(ppl_lps) / len(ppl_lps)),
+        "ppl_tokens": len(ppl_lps),
+        "mc_accuracy": sum(p == it[2] for p, it in zip(picks, items)) / len(items),
+        "mc_items": len(items),
+        "greedy_logprobs": greedy,
+    }
 
 
 def main() -> None:
@@ -123,7 +154,16 @@ def main() -> None:
     text = corpus()
     items = choice_items(text, args.items, args.seed)
     prompts = [s for s in re.split(r"\n\n", text)[:64:4]][:16]
-    extra = ["--dtype", args.dtype, "--max-running-requests", "64", "--cuda-graph-max-bs", "16", "--served-model-name", "m"]
+    extra = [
+        "--dtype",
+        args.dtype,
+        "--max-running-requests",
+        "64",
+        "--cuda-graph-max-bs",
+        "16",
+        "--served-model-name",
+        "m",
+    ]
     if args.device == "cpu":
         extra = ["--dtype", args.dtype, "--max-running-requests", "64", "--served-model-name", "m"]
     rows, continuations, ppl_texts = {}, None, None
@@ -144,13 +184,26 @@ def main() -> None:
         diffs = [abs(a - b) for x, y in zip(base, got) for a, b in zip(x, y)]
         rows[mode]["greedy_logprob_mad"] = sum(diffs) / max(len(diffs), 1)
         r = rows[mode]
-        print(f"{mode:10s} perplexity {r['perplexity']:.4f}  mc accuracy {r['mc_accuracy']:.4f} "
-              f"({r['mc_items']} items)  greedy logprob MAD vs {args.modes[0]} {r['greedy_logprob_mad']:.4f}",
-              flush=True)
+        print(
+            f"{mode:10s} perplexity {r['perplexity']:.4f}  mc accuracy {r['mc_accuracy']:.4f} "
+            f"({r['mc_items']} items)  greedy logprob MAD vs {args.modes[0]} {r['greedy_logprob_mad']:.4f}",
+            flush=True,
+        )
     for r in rows.values():
         r.pop("greedy_logprobs")
-    save_result({"model": args.model, "device": args.device, "dtype": args.dtype, "text": "pydoc_data.topics",
-                 "python": sys.version.split()[0], "topics": TOPICS, "rows": rows}, args.out, "fp8_accuracy")
+    save_result(
+        {
+            "model": args.model,
+            "device": args.device,
+            "dtype": args.dtype,
+            "text": "pydoc_data.topics",
+            "python": sys.version.split()[0],
+            "topics": TOPICS,
+            "rows": rows,
+        },
+        args.out,
+        "fp8_accuracy",
+    )
 
 
 if __name__ == "__main__":

@@ -31,8 +31,15 @@ from minisgl.kernels.fp8 import block_matmul  # noqa: E402
 from minisgl.layers.quantization import GEMM_CONFIGS_PATH, GEMM_ROW_BUCKETS, scaled_mm  # noqa: E402
 
 CANDIDATES = [  # BM, BN, warps, stages
-    (16, 64, 4, 6), (32, 64, 4, 6), (64, 64, 4, 4), (64, 64, 4, 6), (64, 128, 4, 4), (128, 64, 4, 4),
-    (128, 64, 4, 6), (128, 128, 8, 3), (128, 128, 8, 4),
+    (16, 64, 4, 6),
+    (32, 64, 4, 6),
+    (64, 64, 4, 4),
+    (64, 64, 4, 6),
+    (64, 128, 4, 4),
+    (128, 64, 4, 4),
+    (128, 64, 4, 6),
+    (128, 128, 8, 3),
+    (128, 128, 8, 4),
 ]
 
 
@@ -61,25 +68,31 @@ def tune(n: int, k: int) -> tuple[dict[str, list[int] | None], list[dict]]:
                 continue
             out = block_matmul(x, x_scale, w, w_scale, None, torch.bfloat16, config)
             torch.testing.assert_close(out.float(), ref.float(), atol=0.05 * ref.abs().max().item(), rtol=0.02)
-            times[str(list(config))] = replay_ms(lambda: block_matmul(x, x_scale, w, w_scale, None, torch.bfloat16,
-                                                                      config)) * 1e3
+            times[str(list(config))] = (
+                replay_ms(lambda: block_matmul(x, x_scale, w, w_scale, None, torch.bfloat16, config)) * 1e3
+            )
         fastest = min(times, key=times.get)
         best[str(m)] = None if fastest == "cublas" else json.loads(fastest)
         rows.append({"n": n, "k": k, "m": m, "us": times, "fastest": fastest})
-        print(f"  {n} x {k}, {m} rows: cuBLAS {times['cublas']:.1f} us, fastest {fastest} {times[fastest]:.1f} us",
-              flush=True)
+        print(
+            f"  {n} x {k}, {m} rows: cuBLAS {times['cublas']:.1f} us, fastest {fastest} {times[fastest]:.1f} us",
+            flush=True,
+        )
     return best, rows
 
 
 def table_text(table: dict[str, dict[str, dict[str, list[int] | None]]]) -> str:
     """The table as JSON, one line per GPU and weight shape (buckets in row order)."""
+
     def shape_key(shape: str) -> tuple[int, ...]:
         return tuple(map(int, shape.split("x")))
 
     gpus = []
     for gpu in sorted(table):
-        lines = [f"  {json.dumps(shape)}: {json.dumps(dict(sorted(rows.items(), key=lambda kv: int(kv[0]))))}"
-                 for shape, rows in sorted(table[gpu].items(), key=lambda kv: shape_key(kv[0]))]
+        lines = [
+            f"  {json.dumps(shape)}: {json.dumps(dict(sorted(rows.items(), key=lambda kv: int(kv[0]))))}"
+            for shape, rows in sorted(table[gpu].items(), key=lambda kv: shape_key(kv[0]))
+        ]
         gpus.append(f" {json.dumps(gpu)}: {{\n" + ",\n".join(lines) + "\n }")
     return "{\n" + ",\n".join(gpus) + "\n}\n"
 
@@ -102,8 +115,11 @@ def main() -> None:
     table_path.parent.mkdir(parents=True, exist_ok=True)
     table_path.write_text(table_text(table))
     print(f"wrote {table_path}")
-    save_result({"gpu": gpu, "models": args.models, "rows": timings}, args.out,
-                f"fp8_gemm_tune_{gpu.split()[1].lower() if ' ' in gpu else gpu}")
+    save_result(
+        {"gpu": gpu, "models": args.models, "rows": timings},
+        args.out,
+        f"fp8_gemm_tune_{gpu.split()[1].lower() if ' ' in gpu else gpu}",
+    )
 
 
 if __name__ == "__main__":

@@ -25,21 +25,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.decode_bench import replay_ms  # noqa: E402
 from benchmarks.workloads import save_result  # noqa: E402
 from minisgl.config import ModelConfig  # noqa: E402
-from minisgl.kernels.fused import add_rmsnorm, silu_and_mul  # noqa: E402
-from minisgl.layers.quantization import Fp8Scheme, fp8_linear, quantize, quantize_weight  # noqa: E402
-from minisgl.layers.norm import RMSNorm  # noqa: E402
 from minisgl.kernels.fp8 import quantize_rows  # noqa: E402
+from minisgl.kernels.fused import add_rmsnorm, silu_and_mul  # noqa: E402
+from minisgl.layers.norm import RMSNorm  # noqa: E402
+from minisgl.layers.quantization import Fp8Scheme, fp8_linear, quantize, quantize_weight  # noqa: E402
 
-
-TRITON_CONFIGS = [(16, 64, 4, 3), (32, 64, 4, 4), (64, 64, 4, 4), (64, 128, 4, 4), (128, 128, 8, 3),
-                  (128, 256, 8, 3), (64, 256, 8, 4)]  # (BM, BN, warps, stages)
+TRITON_CONFIGS = [
+    (16, 64, 4, 3),
+    (32, 64, 4, 4),
+    (64, 64, 4, 4),
+    (64, 128, 4, 4),
+    (128, 128, 8, 3),
+    (128, 256, 8, 3),
+    (64, 256, 8, 4),
+]  # (BM, BN, warps, stages)
 
 
 def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     i = cfg.intermediate_size
-    return {"qkv": (qkv, cfg.hidden_size), "o": (cfg.hidden_size, cfg.num_heads * cfg.head_dim),
-            "gate_up": (2 * i, cfg.hidden_size), "down": (cfg.hidden_size, i)}
+    return {
+        "qkv": (qkv, cfg.hidden_size),
+        "o": (cfg.hidden_size, cfg.num_heads * cfg.head_dim),
+        "gate_up": (2 * i, cfg.hidden_size),
+        "down": (cfg.hidden_size, i),
+    }
 
 
 def run(cfg: ModelConfig, batch: int) -> dict:
@@ -71,8 +81,12 @@ def run(cfg: ModelConfig, batch: int) -> dict:
         qw = {n: quantize_weight(t, block) for n, t in w.items()}
         norm = RMSNorm(h, 1e-5, scheme).to(dev)
         norm.weight.data = norm_w
-        acts = {"qkv": quantize(x, block), "o": quantize(attn, block), "gate_up": quantize(x, block),
-                "down": quantize(torch.randn(batch, shapes["down"][1], dtype=bf16, device=dev), block)}
+        acts = {
+            "qkv": quantize(x, block),
+            "o": quantize(attn, block),
+            "gate_up": quantize(x, block),
+            "down": quantize(torch.randn(batch, shapes["down"][1], dtype=bf16, device=dev), block),
+        }
 
         def gemms():
             for n, (wq, ws) in qw.items():
@@ -91,9 +105,11 @@ def run(cfg: ModelConfig, batch: int) -> dict:
             from minisgl.kernels.fp8 import block_matmul
 
             for config in TRITON_CONFIGS:
+
                 def triton_gemms(config=config):
                     for n, (wq, ws) in qw.items():
                         block_matmul(acts[n].data, acts[n].scale, wq, ws, None, bf16, config)
+
                 try:
                     out[f"fp8_triton_{'x'.join(map(str, config))}_us"] = replay_ms(triton_gemms) * 1e3
                 except Exception as e:  # noqa: BLE001 - a configuration that does not fit is skipped
@@ -105,9 +121,12 @@ def run(cfg: ModelConfig, batch: int) -> dict:
             out["bf16_silu_and_mul_us"] = replay_ms(lambda: silu_and_mul(gate_up)) * 1e3
             out["fp8_add_rmsnorm_quant_us"] = replay_ms(lambda: norm(x, res)) * 1e3
             for chunk, warps in ((None, None), (1024, 4), (2048, 8), (16384, 8), (16384, 32)):
-                out[f"fp8_silu_quant_{chunk}_{warps}_us"] = replay_ms(
-                    lambda: quantize_rows(gate_up, None, True, chunk, warps)) * 1e3
-                out[f"fp8_quant_{chunk}_{warps}_us"] = replay_ms(lambda: quantize_rows(attn, None, False, chunk, warps)) * 1e3
+                out[f"fp8_silu_quant_{chunk}_{warps}_us"] = (
+                    replay_ms(lambda: quantize_rows(gate_up, None, True, chunk, warps)) * 1e3
+                )
+                out[f"fp8_quant_{chunk}_{warps}_us"] = (
+                    replay_ms(lambda: quantize_rows(attn, None, False, chunk, warps)) * 1e3
+                )
         # Accuracy of the whole chain against bf16 on the same inputs (relative error of qkv).
         ref = F.linear(x, w["qkv"]).float()
         got = fp8_linear(quantize(x, block), *qw["qkv"], None, block).float()
@@ -127,8 +146,11 @@ def main() -> None:
         row = run(cfg, batch)
         rows.append(row)
         print(" ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
-    save_result({"model": args.model, "gpu": torch.cuda.get_device_name(), "rows": rows}, args.out,
-                f"fp8_layer_{Path(args.model).name}")
+    save_result(
+        {"model": args.model, "gpu": torch.cuda.get_device_name(), "rows": rows},
+        args.out,
+        f"fp8_layer_{Path(args.model).name}",
+    )
 
 
 if __name__ == "__main__":

@@ -56,9 +56,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--heads", type=int, nargs=3, default=[32, 8, 128], metavar=("HQ", "HK", "D"))
     ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--cases", nargs="+", default=["64x128x2048x4", "1x8192x0x1", "1x8192x24576x1", "4x512x0x4",
-                                                   "1x128x0x1", "1x128x4096x1", "256x32x2048x16"],
-                    metavar="RxNxPxG", help="requests x new tokens x prefix tokens x groups")
+    ap.add_argument(
+        "--cases",
+        nargs="+",
+        default=[
+            "64x128x2048x4",
+            "1x8192x0x1",
+            "1x8192x24576x1",
+            "4x512x0x4",
+            "1x128x0x1",
+            "1x128x4096x1",
+            "256x32x2048x16",
+        ],
+        metavar="RxNxPxG",
+        help="requests x new tokens x prefix tokens x groups",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     hq, hk, dim = args.heads
@@ -78,8 +90,18 @@ def main() -> None:
         uniq, inverse = np.unique(indices, return_inverse=True)
         uniq_d = t(uniq.astype(np.int64)).to(dev)
         wide = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
-        wide.plan(t(qo), t(indptr), t(inverse.astype(np.int32)).to(dev), t(last), hq, hk, dim, page,
-                  kv_data_type=torch.bfloat16, **common)
+        wide.plan(
+            t(qo),
+            t(indptr),
+            t(inverse.astype(np.int32)).to(dev),
+            t(last),
+            hq,
+            hk,
+            dim,
+            page,
+            kv_data_type=torch.bfloat16,
+            **common,
+        )
         kb = torch.empty(len(uniq), page, hk, dim, dtype=torch.bfloat16, device=dev)
         vb = torch.empty_like(kb)
 
@@ -89,15 +111,23 @@ def main() -> None:
 
         ref = fp8.run(q, (k8, v8), k_scale=1.0, v_scale=1.0)
         diff = (widened().float() - ref.float()).abs().max().item()
-        row = {"case": case, "pages_read": len(indices), "distinct_pages": len(uniq),
-               "fp8_fa2_ms": timed(lambda: fp8.run(q, (k8, v8), k_scale=1.0, v_scale=1.0)),
-               "widen_ms": timed(lambda: widen_pages(k8, v8, uniq_d, kb, vb)),
-               "widened_bf16_ms": timed(widened), "max_abs_diff": diff,
-               "backend": getattr(wide, "_backend", "?")}
+        row = {
+            "case": case,
+            "pages_read": len(indices),
+            "distinct_pages": len(uniq),
+            "fp8_fa2_ms": timed(lambda: fp8.run(q, (k8, v8), k_scale=1.0, v_scale=1.0)),
+            "widen_ms": timed(lambda: widen_pages(k8, v8, uniq_d, kb, vb)),
+            "widened_bf16_ms": timed(widened),
+            "max_abs_diff": diff,
+            "backend": getattr(wide, "_backend", "?"),
+        }
         rows.append(row)
         print("  ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
-    save_result({"gpu": torch.cuda.get_device_name(), "heads": args.heads, "page_size": page, "rows": rows},
-                args.out, "fp8_prefill")
+    save_result(
+        {"gpu": torch.cuda.get_device_name(), "heads": args.heads, "page_size": page, "rows": rows},
+        args.out,
+        "fp8_prefill",
+    )
 
 
 if __name__ == "__main__":

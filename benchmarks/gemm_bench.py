@@ -44,12 +44,16 @@ def _matmul(a_ptr, b_ptr, c_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr, BK
         acc = tl.dot(x, tl.trans(w), acc)
         a += BK
         b += BK
-    tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc.to(c_ptr.dtype.element_ty),
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
+    tl.store(
+        c_ptr + rm[:, None] * N + rn[None, :],
+        acc.to(c_ptr.dtype.element_ty),
+        mask=(rm[:, None] < M) & (rn[None, :] < N),
+    )
 
 
-def triton_linear(x: torch.Tensor, w: torch.Tensor, BM: int, BN: int, BK: int, warps: int, stages: int,
-                  group: int = 8) -> torch.Tensor:
+def triton_linear(
+    x: torch.Tensor, w: torch.Tensor, BM: int, BN: int, BK: int, warps: int, stages: int, group: int = 8
+) -> torch.Tensor:
     M, K = x.shape
     N = w.shape[0]
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
@@ -86,14 +90,30 @@ def main() -> None:
                     best = (t, (BM, BN, BK, warps, stages))
             ref = F.linear(x, w).float()
             err = (triton_linear(x, w, *best[1]).float() - ref).abs().max().item()
-            print(f"batch {bs:4d} {name:8s} N {n:6d} K {k:6d}: cuBLAS {t_cublas * 1e3:7.1f} us "
-                  f"({flop / t_cublas / 1e9:5.0f} TFLOP/s); triton best {best[0] * 1e3:7.1f} us "
-                  f"({flop / best[0] / 1e9:5.0f} TFLOP/s) {best[1]} max err {err:.3g}; "
-                  f"weights at 3 TB/s {n * k * 2 / 3e12 * 1e6:.1f} us", flush=True)
-            rows.append({"batch": bs, "gemm": name, "n": n, "k": k, "cublas_us": t_cublas * 1e3,
-                         "triton_us": best[0] * 1e3, "triton_config": best[1], "weights_3tbs_us": n * k * 2 / 3e6})
-    save_result({"model": args.model, "gpu": torch.cuda.get_device_name(), "gemms": rows}, args.out,
-                f"gemm_{Path(args.model).name}")
+            print(
+                f"batch {bs:4d} {name:8s} N {n:6d} K {k:6d}: cuBLAS {t_cublas * 1e3:7.1f} us "
+                f"({flop / t_cublas / 1e9:5.0f} TFLOP/s); triton best {best[0] * 1e3:7.1f} us "
+                f"({flop / best[0] / 1e9:5.0f} TFLOP/s) {best[1]} max err {err:.3g}; "
+                f"weights at 3 TB/s {n * k * 2 / 3e12 * 1e6:.1f} us",
+                flush=True,
+            )
+            rows.append(
+                {
+                    "batch": bs,
+                    "gemm": name,
+                    "n": n,
+                    "k": k,
+                    "cublas_us": t_cublas * 1e3,
+                    "triton_us": best[0] * 1e3,
+                    "triton_config": best[1],
+                    "weights_3tbs_us": n * k * 2 / 3e6,
+                }
+            )
+    save_result(
+        {"model": args.model, "gpu": torch.cuda.get_device_name(), "gemms": rows},
+        args.out,
+        f"gemm_{Path(args.model).name}",
+    )
 
 
 if __name__ == "__main__":

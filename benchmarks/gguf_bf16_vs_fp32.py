@@ -21,7 +21,12 @@ from minisgl.llm import LLM  # noqa: E402
 from minisgl.sampling import SamplingParams  # noqa: E402
 
 TOPICS = ["the ocean", "a small town", "machine learning", "coffee", "the moon", "music", "rain", "bicycles"]
-ASKS = ["Write a short poem about {}.", "Explain {} to a child.", "List three facts about {}.", "Tell a story about {}."]
+ASKS = [
+    "Write a short poem about {}.",
+    "Explain {} to a child.",
+    "List three facts about {}.",
+    "Tell a story about {}.",
+]
 
 
 def main() -> None:
@@ -43,9 +48,19 @@ def main() -> None:
     llm = LLM(args.model, device="cuda", dtype=args.dtype, attention_backend=args.attention_backend)
     got = [r["output_ids"] for r in llm.chat(chats, params)]
     match = agreement(got, ref)
-    print(json.dumps({"dtype": args.dtype, "attention": type(llm.runner.attn).__name__, "prompts": len(ref),
-                      "identical": match["identical"], "share": match["identical"] / len(ref),
-                      "first_divergences": match["first_divergences"], "graphs": llm.runner.graphs is not None}))
+    print(
+        json.dumps(
+            {
+                "dtype": args.dtype,
+                "attention": type(llm.runner.attn).__name__,
+                "prompts": len(ref),
+                "identical": match["identical"],
+                "share": match["identical"] / len(ref),
+                "first_divergences": match["first_divergences"],
+                "graphs": llm.runner.graphs is not None,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -21,13 +21,17 @@ from pathlib import Path
 from minisgl.llm import LLM
 from minisgl.sampling import SamplingParams
 
+
 def _records(bounded: bool) -> str:
     """A list of records, as structured-output users ask for; ``bounded`` caps the name's length
     (xgrammar expands bounded repetition, which makes its masks far costlier to fill)."""
     name = {"type": "string", "maxLength": 16} if bounded else {"type": "string"}
-    item = {"type": "object", "properties": {"name": name, "age": {"type": "integer"},
-                                             "city": {"enum": ["Paris", "Lima", "Oslo", "Kyoto"]}},
-            "required": ["name", "age", "city"], "additionalProperties": False}
+    item = {
+        "type": "object",
+        "properties": {"name": name, "age": {"type": "integer"}, "city": {"enum": ["Paris", "Lima", "Oslo", "Kyoto"]}},
+        "required": ["name", "age", "city"],
+        "additionalProperties": False,
+    }
     return json.dumps({"type": "array", "items": item})
 
 
@@ -77,8 +81,15 @@ def main() -> None:
         for name in args.grammar:
             grammar = {**GRAMMARS[name], "logit_bias": bias}
             constrained = min(_run(llm, batch, args.tokens, grammar) for _ in range(args.repeats))
-            rows.append({"batch": batch, "grammar": name, "free_step_ms": round(free * 1e3, 3),
-                         "constrained_step_ms": round(constrained * 1e3, 3), "ratio": round(constrained / free, 3)})
+            rows.append(
+                {
+                    "batch": batch,
+                    "grammar": name,
+                    "free_step_ms": round(free * 1e3, 3),
+                    "constrained_step_ms": round(constrained * 1e3, 3),
+                    "ratio": round(constrained / free, 3),
+                }
+            )
             print(json.dumps(rows[-1]), flush=True)
     result = {"model": args.model, "tokenizer": args.tokenizer, "tokens": args.tokens, "rows": rows}
     if args.out:

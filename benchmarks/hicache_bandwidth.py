@@ -61,13 +61,25 @@ def main() -> None:
     ap.add_argument("--device-pages", type=int, default=8192)
     ap.add_argument("--host-pages", type=int, default=16384)
     ap.add_argument("--pages", type=int, nargs="+", default=[64, 256, 1024, 4096])
-    ap.add_argument("--ctas", type=int, nargs="+", default=[8, 16, 32, 64, 1 << 20],
-                    help="CTAs of the copy kernel (1<<20: one per block, as many as there are)")
+    ap.add_argument(
+        "--ctas",
+        type=int,
+        nargs="+",
+        default=[8, 16, 32, 64, 1 << 20],
+        help="CTAs of the copy kernel (1<<20: one per block, as many as there are)",
+    )
     ap.add_argument("--overlap-pages", type=int, default=2048)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    cache = MHAKVCache(args.device_pages, args.page_size, args.layers, args.kv_heads, args.head_dim,
-                       torch.bfloat16, torch.device("cuda"))
+    cache = MHAKVCache(
+        args.device_pages,
+        args.page_size,
+        args.layers,
+        args.kv_heads,
+        args.head_dim,
+        torch.bfloat16,
+        torch.device("cuda"),
+    )
     page_bytes = MHAKVCache.bytes_per_page(args.page_size, args.layers, args.kv_heads, args.head_dim, torch.bfloat16)
     rows = []
     size = max(args.pages) * page_bytes
@@ -99,24 +111,55 @@ def main() -> None:
             for kind, w, ld, ref in jobs:  # (writes always take the DMA engines: measured once)
                 rate = n * page_bytes / timed(lambda: pool.transfer(cache, w, ld)) / 1e9
                 issue = issue_time(lambda: pool.transfer(cache, w, ld))
-                rows.append({"backend": backend, "ctas": ctas, "direction": kind, "pages": n,
-                             "bytes": n * page_bytes, "gb_per_s": rate, "share_of_pinned": rate / ref,
-                             "issue_ms": 1e3 * issue})
-                print(f"{name:13s} {kind:6s} {n:5d} pages ({n * page_bytes / 1e6:7.1f} MB): {rate:6.1f} GB/s "
-                      f"= {100 * rate / ref:5.1f}% of pinned; the host thread held {1e3 * issue:.2f} ms")
+                rows.append(
+                    {
+                        "backend": backend,
+                        "ctas": ctas,
+                        "direction": kind,
+                        "pages": n,
+                        "bytes": n * page_bytes,
+                        "gb_per_s": rate,
+                        "share_of_pinned": rate / ref,
+                        "issue_ms": 1e3 * issue,
+                    }
+                )
+                print(
+                    f"{name:13s} {kind:6s} {n:5d} pages ({n * page_bytes / 1e6:7.1f} MB): {rate:6.1f} GB/s "
+                    f"= {100 * rate / ref:5.1f}% of pinned; the host thread held {1e3 * issue:.2f} ms"
+                )
         n = args.overlap_pages
         dpages, hpages = rng.sample(range(args.device_pages), n), rng.sample(range(args.host_pages), n)
         loads = [x for pair in zip(hpages, dpages) for x in pair]
         copy = timed(lambda: pool.transfer(cache, [], loads))
         both = timed(lambda: (pool.transfer(cache, [], loads), gemms()))
-        overlap.append({"backend": backend, "ctas": ctas, "pages": n, "copy_ms": 1e3 * copy,
-                        "gemms_ms": 1e3 * compute, "both_ms": 1e3 * both,
-                        "hidden": (copy + compute - both) / min(copy, compute)})
-        print(f"{name:13s} overlap: load {1e3 * copy:.1f} ms, GEMMs {1e3 * compute:.1f} ms, both {1e3 * both:.1f} ms "
-              f"({100 * overlap[-1]['hidden']:.0f}% of the shorter hidden)")
+        overlap.append(
+            {
+                "backend": backend,
+                "ctas": ctas,
+                "pages": n,
+                "copy_ms": 1e3 * copy,
+                "gemms_ms": 1e3 * compute,
+                "both_ms": 1e3 * both,
+                "hidden": (copy + compute - both) / min(copy, compute),
+            }
+        )
+        print(
+            f"{name:13s} overlap: load {1e3 * copy:.1f} ms, GEMMs {1e3 * compute:.1f} ms, both {1e3 * both:.1f} ms "
+            f"({100 * overlap[-1]['hidden']:.0f}% of the shorter hidden)"
+        )
         pool.close()
-    save_result({"args": vars(args), "pinned_h2d": h2d, "pinned_d2h": d2h, "page_bytes": page_bytes, "rows": rows,
-                 "overlap": overlap}, args.out, "hicache_bandwidth")
+    save_result(
+        {
+            "args": vars(args),
+            "pinned_h2d": h2d,
+            "pinned_d2h": d2h,
+            "page_bytes": page_bytes,
+            "rows": rows,
+            "overlap": overlap,
+        },
+        args.out,
+        "hicache_bandwidth",
+    )
 
 
 if __name__ == "__main__":

@@ -31,8 +31,8 @@ from benchmarks.workloads import save_result  # noqa: E402
 from minisgl.args import EngineArgs  # noqa: E402
 from minisgl.messages import ForwardBatch, StepOutput  # noqa: E402
 from minisgl.sampling import SamplingParams  # noqa: E402
-from minisgl.utils import resolve_device  # noqa: E402
 from minisgl.scheduler import Scheduler  # noqa: E402
+from minisgl.utils import resolve_device  # noqa: E402
 
 VOCAB, TOKEN = 128256, 7
 
@@ -111,9 +111,15 @@ def measure(running: int, waiting: int, steps: int, args: argparse.Namespace) ->
         return 1000 * sum(xs) / len(xs) if xs else 0.0
 
     return {
-        "running": running, "waiting": waiting, "steps": steps, "decode_steps": len(times["decode"]),
-        "decode_ms": ms(times["decode"]), "prefill_ms": ms(times["prefill"]), "all_ms": ms(every),
-        "running_at_end": len(sched.running), "waiting_at_end": len(sched.waiting),
+        "running": running,
+        "waiting": waiting,
+        "steps": steps,
+        "decode_steps": len(times["decode"]),
+        "decode_ms": ms(times["decode"]),
+        "prefill_ms": ms(times["prefill"]),
+        "all_ms": ms(every),
+        "running_at_end": len(sched.running),
+        "waiting_at_end": len(sched.waiting),
     }
 
 
@@ -135,10 +141,16 @@ def main() -> None:
         for waiting in args.waiting:
             r = measure(running, waiting, args.steps, args)
             rows.append(r)
-            print(f"{running:8d} {waiting:8d} {r['decode_ms']:10.3f} {r['prefill_ms']:11.3f} {r['all_ms']:8.3f} "
-                  f"{r['decode_steps']:8d}/{r['steps']}", flush=True)
-    save_result({"machine": platform.node(), "python": platform.python_version(), "args": vars(args), "rows": rows},
-                args.out, f"host_cost_{args.shape}")
+            print(
+                f"{running:8d} {waiting:8d} {r['decode_ms']:10.3f} {r['prefill_ms']:11.3f} {r['all_ms']:8.3f} "
+                f"{r['decode_steps']:8d}/{r['steps']}",
+                flush=True,
+            )
+    save_result(
+        {"machine": platform.node(), "python": platform.python_version(), "args": vars(args), "rows": rows},
+        args.out,
+        f"host_cost_{args.shape}",
+    )
 
 
 if __name__ == "__main__":

@@ -67,9 +67,11 @@ def main() -> None:
                     row[name] = None
                     print(f"  {name}: {str(e).splitlines()[0]}")
             for cfg in (None, (64, 64, 4, 4), (64, 128, 4, 4), (128, 128, 8, 3), (128, 256, 8, 3)):
+
                 def triton_head():
                     q, s = quantize_rows(x, None)
                     return block_matmul(q, s, wq, ws, None, torch.float32, cfg)
+
                 row[f"fp8_triton_{'auto' if cfg is None else 'x'.join(map(str, cfg))}_us"] = replay_us(triton_head)
             rows.append(row)
             print("  ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)

@@ -51,8 +51,10 @@ def histories(args: argparse.Namespace, vocab: int) -> list[list[int]]:
 def turns(args: argparse.Namespace, vocab: int) -> list[list[list[int]]]:
     """turns[r][c]: conversation c's user message in round r."""
     rng = random.Random(args.seed + 1)
-    return [[[rng.randrange(vocab) for _ in range(args.turn_len)] for _ in range(args.conversations)]
-            for _ in range(args.rounds)]
+    return [
+        [[rng.randrange(vocab) for _ in range(args.turn_len)] for _ in range(args.conversations)]
+        for _ in range(args.rounds)
+    ]
 
 
 def working_set(args: argparse.Namespace) -> int:
@@ -65,8 +67,9 @@ def engine_flags(args: argparse.Namespace, mode: str) -> dict:
     small = args.max_total_tokens or int(total // args.oversubscribe)
     flags = {"max_total_tokens": int(total * 1.25) if mode == "big" else small}
     if mode == "hicache":
-        flags.update(enable_hierarchical_cache=True, hicache_ratio=1.25 * total / small,
-                     hicache_write_policy=args.write_policy)
+        flags.update(
+            enable_hierarchical_cache=True, hicache_ratio=1.25 * total / small, hicache_write_policy=args.write_policy
+        )
     return flags
 
 
@@ -105,9 +108,15 @@ def run_offline(args: argparse.Namespace, mode: str) -> dict:
                 prompt_tokens += len(prompts[c - at])
                 out_tokens += len(res["output_ids"])
     seconds = time.perf_counter() - start
-    result = {"mode": mode, "seconds": seconds, "prompt_tokens": prompt_tokens, "output_tokens": out_tokens,
-              "total_tok_per_s": (prompt_tokens + out_tokens) / seconds,
-              **tier_stats(llm.scheduler.stats()), **engine_flags(args, mode)}
+    result = {
+        "mode": mode,
+        "seconds": seconds,
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": out_tokens,
+        "total_tok_per_s": (prompt_tokens + out_tokens) / seconds,
+        **tier_stats(llm.scheduler.stats()),
+        **engine_flags(args, mode),
+    }
     if getattr(llm.runner, "host_pool", None) is not None:
         llm.runner.host_pool.close()
     del llm
@@ -117,8 +126,11 @@ def run_offline(args: argparse.Namespace, mode: str) -> dict:
 
 
 async def one_turn(client: httpx.AsyncClient, url: str, prompt: list[int], n: int) -> tuple[dict, list[int]]:
-    body = {"input_ids": prompt, "stream": True,
-            "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}}
+    body = {
+        "input_ids": prompt,
+        "stream": True,
+        "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True},
+    }
     start, first, ids, cached = time.perf_counter(), None, [], 0
     async with client.stream("POST", f"{url}/generate", json=body) as r:
         r.raise_for_status()
@@ -169,11 +181,18 @@ def run_online(args: argparse.Namespace, mode: str) -> dict:
     ttft = summary([r["ttft"] for r in results])
     ttft_sorted = sorted(r["ttft"] for r in results)
     prompt_tokens = sum(r["prompt"] for r in results)
-    return {"mode": mode, "seconds": seconds, "turns_per_s": len(results) / seconds,
-            "total_tok_per_s": (prompt_tokens + len(results) * args.answer_len) / seconds,
-            "ttft_p50": ttft["p50"], "ttft_p90": ttft_sorted[int(0.9 * (len(ttft_sorted) - 1))],
-            "ttft_mean": ttft["mean"], "client_hit_rate": sum(r["cached"] for r in results) / prompt_tokens,
-            **tier_stats(stats), **engine_flags(args, mode)}
+    return {
+        "mode": mode,
+        "seconds": seconds,
+        "turns_per_s": len(results) / seconds,
+        "total_tok_per_s": (prompt_tokens + len(results) * args.answer_len) / seconds,
+        "ttft_p50": ttft["p50"],
+        "ttft_p90": ttft_sorted[int(0.9 * (len(ttft_sorted) - 1))],
+        "ttft_mean": ttft["mean"],
+        "client_hit_rate": sum(r["cached"] for r in results) / prompt_tokens,
+        **tier_stats(stats),
+        **engine_flags(args, mode),
+    }
 
 
 def main() -> None:
@@ -207,14 +226,21 @@ def main() -> None:
         keys += ["ttft_p50", "ttft_p90"]
     print(f"{'mode':10s}" + "".join(f"{k:>17s}" for k in keys))
     for row in rows:
-        print(f"{row['mode']:10s}" + "".join(f"{row[k]:17.3f}" if isinstance(row[k], float) else f"{row[k]:17d}"
-                                             for k in keys))
+        print(
+            f"{row['mode']:10s}"
+            + "".join(f"{row[k]:17.3f}" if isinstance(row[k], float) else f"{row[k]:17d}" for k in keys)
+        )
     by = {r["mode"]: r for r in rows}
     if "device" in by and "hicache" in by:
-        print(f"hicache / device: throughput {by['hicache']['total_tok_per_s'] / by['device']['total_tok_per_s']:.2f}x"
-              + (f", TTFT p50 {by['hicache']['ttft_p50'] / by['device']['ttft_p50']:.2f}x" if args.online else ""))
-    save_result({"args": {k: v for k, v in vars(args).items()}, "results": rows}, args.out,
-                f"multi_turn_{'online' if args.online else 'offline'}")
+        print(
+            f"hicache / device: throughput {by['hicache']['total_tok_per_s'] / by['device']['total_tok_per_s']:.2f}x"
+            + (f", TTFT p50 {by['hicache']['ttft_p50'] / by['device']['ttft_p50']:.2f}x" if args.online else "")
+        )
+    save_result(
+        {"args": {k: v for k, v in vars(args).items()}, "results": rows},
+        args.out,
+        f"multi_turn_{'online' if args.online else 'offline'}",
+    )
 
 
 if __name__ == "__main__":

@@ -3,10 +3,11 @@
     python benchmarks/offline_throughput.py --model benchmarks/configs/llama3.1-8b --load-format dummy
 
 Variants: radix-on (everything on), cascade-off, radix-off, and with --ablations no-cuda-graph,
-no-piecewise (decode graphs, eager prefill) and no-overlap. ``--quantization none fp8 --kv-cache-dtype auto fp8_e4m3`` runs every workload
-once per (quantization, KV dtype) pair, each on a fresh engine, in the same process. Prints a table (with prefill tokens computed against the workload's distinct
-prompt tokens) and writes JSON to benchmarks/results/. Outputs ignore EOS so every request
-generates exactly its output length.
+no-piecewise (decode graphs, eager prefill) and no-overlap. ``--quantization none fp8
+--kv-cache-dtype auto fp8_e4m3`` runs every workload once per (quantization, KV dtype) pair, each on
+a fresh engine, in the same process. Prints a table (with prefill tokens computed against the
+workload's distinct prompt tokens) and writes JSON to benchmarks/results/. Outputs ignore EOS so
+every request generates exactly its output length.
 """
 
 from __future__ import annotations
@@ -56,12 +57,19 @@ def run(llm: LLM, prompts: list[list[int]], output_lens: list[int], temperature:
     in_tokens = sum(len(p) for p in prompts)
     stats = llm.scheduler.stats()
     out = {
-        "seconds": elapsed, "requests": len(prompts), "input_tokens": in_tokens, "output_tokens": out_tokens,
-        "output_tok_per_s": out_tokens / elapsed, "total_tok_per_s": (in_tokens + out_tokens) / elapsed,
-        "cache_hit_rate": stats["cache_hit_rate"], "retractions": stats["retractions"],
-        "prefill_tokens": stats["prefill_tokens"], "cascade_steps": stats["cascade_steps"],
+        "seconds": elapsed,
+        "requests": len(prompts),
+        "input_tokens": in_tokens,
+        "output_tokens": out_tokens,
+        "output_tok_per_s": out_tokens / elapsed,
+        "total_tok_per_s": (in_tokens + out_tokens) / elapsed,
+        "cache_hit_rate": stats["cache_hit_rate"],
+        "retractions": stats["retractions"],
+        "prefill_tokens": stats["prefill_tokens"],
+        "cascade_steps": stats["cascade_steps"],
         "decode_steps": stats["decode_steps"],
-        "gc_ms": 1e3 * sum(t for _, t in pauses), "gc_full_collections": sum(g == 2 for g, _ in pauses),
+        "gc_ms": 1e3 * sum(t for _, t in pauses),
+        "gc_full_collections": sum(g == 2 for g, _ in pauses),
     }
     if cuda:  # cudaMalloc calls and out-of-memory retries (each frees cached blocks: a device sync)
         after = torch.cuda.memory_stats(device)
@@ -88,8 +96,10 @@ def profile(llm: LLM, wl: Workload, host_ops: bool = False) -> None:
     events = prof.key_averages()
     busy = sum(e.self_device_time_total for e in events) / 1e6
     print(events.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=90))
-    print(f"{wl.name}: wall {result['seconds']:.2f} s (profiled), kernels {busy:.2f} s, "
-          f"GPU idle {result['seconds'] - busy:.2f} s")
+    print(
+        f"{wl.name}: wall {result['seconds']:.2f} s (profiled), kernels {busy:.2f} s, "
+        f"GPU idle {result['seconds'] - busy:.2f} s"
+    )
     idle_gaps(prof.events())
     llm.reset_scheduler(disable_radix_cache=False)
     with cProfile.Profile() as host:
@@ -116,8 +126,10 @@ def idle_gaps(events: list, top: int = 15) -> None:
             end, last = stop, name
     first_decode = next((s for s in spans if s[2] == "_partial_attention_kernel"), spans[-1])[0]
     busy = sum(stop - start for start, stop, _ in spans if stop <= first_decode)
-    print(f"kernels from first to last: {(end - spans[0][0]) / 1e6:.3f} s; until the first decode attention "
-          f"kernel {(first_decode - spans[0][0]) / 1e6:.3f} s, kernels in it {busy / 1e6:.3f} s")
+    print(
+        f"kernels from first to last: {(end - spans[0][0]) / 1e6:.3f} s; until the first decode attention "
+        f"kernel {(first_decode - spans[0][0]) / 1e6:.3f} s, kernels in it {busy / 1e6:.3f} s"
+    )
     bounds = [10, 100, 1000, 10000, float("inf")]  # us
     for lo, hi in zip([0] + bounds, bounds):
         sel = [g[0] for g in gaps if lo <= g[0] < hi]
@@ -126,8 +138,11 @@ def idle_gaps(events: list, top: int = 15) -> None:
         print(f"  {gap / 1e3:8.2f} ms at {at / 1e6:7.3f} s  after {before}  before {after}")
         # The innermost host calls that span most of the gap (outer frames span all of it), then
         # the longest of those that span less: what the host was doing instead of launching.
-        during = [(min(e.time_range.end, t1) - max(e.time_range.start, t0), e.time_range.elapsed_us(), e.name)
-                  for e in host if e.time_range.start < t1 and e.time_range.end > t0]
+        during = [
+            (min(e.time_range.end, t1) - max(e.time_range.start, t0), e.time_range.elapsed_us(), e.name)
+            for e in host
+            if e.time_range.start < t1 and e.time_range.end > t0
+        ]
         spanning = sorted((d for d in during if d[0] >= gap / 2), key=lambda d: d[1])[:6]
         partial = sorted((d for d in during if d[0] < gap / 2), reverse=True)[:6]
         for overlap, _, name in spanning + partial:
@@ -153,33 +168,68 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=EngineArgs.page_size)
     ap.add_argument("--max-running-requests", type=int, default=256)
     ap.add_argument("--cuda-graph-max-bs", type=int, default=None, help="default: max-running-requests")
-    ap.add_argument("--temperature", type=float, nargs="+", default=[0.0],
-                    help="run each workload at each of these temperatures (0: greedy)")
+    ap.add_argument(
+        "--temperature",
+        type=float,
+        nargs="+",
+        default=[0.0],
+        help="run each workload at each of these temperatures (0: greedy)",
+    )
     ap.add_argument("--problems", type=int, default=8, help="repeated workload: prompts")
     ap.add_argument("--samples", type=int, default=1024, help="repeated workload: samples per prompt")
     ap.add_argument("--chunked-prefill-size", type=int, default=8192)
     ap.add_argument("--context-length", type=int, default=4096)
-    ap.add_argument("--variants", nargs="+", default=["radix-on", "cascade-off", "radix-off"],
-                    choices=list(VARIANTS), help="radix-on has radix cache and cascade attention on")
-    ap.add_argument("--repeats", type=int, default=1,
-                    help="timed runs per workload and variant; rows report the median (and every time)")
-    ap.add_argument("--ablations", action="store_true",
-                    help="also run each workload (radix on) without CUDA graphs, without prefill graphs and without "
-                         "overlap")
+    ap.add_argument(
+        "--variants",
+        nargs="+",
+        default=["radix-on", "cascade-off", "radix-off"],
+        choices=list(VARIANTS),
+        help="radix-on has radix cache and cascade attention on",
+    )
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="timed runs per workload and variant; rows report the median (and every time)",
+    )
+    ap.add_argument(
+        "--ablations",
+        action="store_true",
+        help="also run each workload (radix on) without CUDA graphs, without prefill graphs and without overlap",
+    )
     ap.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/offline_<model>.json)")
-    ap.add_argument("--profile", nargs="?", const="gpu", choices=["gpu", "host"],
-                    help="profile the first workload (radix on): GPU kernels and idle time, then the host by "
-                         "function; 'host' also traces host calls (with Python stacks) to show what ran in idle gaps")
-    ap.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "fp8", "fp8-head"],
-                    help="linear layers per mode (paired with --kv-cache-dtype; one value applies to all); "
-                         "fp8-head: fp8 with the LM head quantized too (--quantize-lm-head)")
+    ap.add_argument(
+        "--profile",
+        nargs="?",
+        const="gpu",
+        choices=["gpu", "host"],
+        help="profile the first workload (radix on): GPU kernels and idle time, then the host by "
+        "function; 'host' also traces host calls (with Python stacks) to show what ran in idle gaps",
+    )
+    ap.add_argument(
+        "--quantization",
+        nargs="+",
+        default=["none"],
+        choices=["none", "fp8", "fp8-head"],
+        help="linear layers per mode (paired with --kv-cache-dtype; one value applies to all); "
+        "fp8-head: fp8 with the LM head quantized too (--quantize-lm-head)",
+    )
     ap.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=["auto", "fp8_e4m3"])
-    ap.add_argument("--hicache", type=float, default=0.0, metavar="GB",
-                    help="build the engine with a host tier of this many GB (--enable-hierarchical-cache "
-                         "--hicache-size); the hicache variant runs with it, the others without (its cost when "
-                         "everything fits on the device)")
-    ap.add_argument("--tp-size", type=int, default=1,
-                    help="tensor-parallel ranks (worker processes; the in-process ablations and --profile need 1)")
+    ap.add_argument(
+        "--hicache",
+        type=float,
+        default=0.0,
+        metavar="GB",
+        help="build the engine with a host tier of this many GB (--enable-hierarchical-cache "
+        "--hicache-size); the hicache variant runs with it, the others without (its cost when "
+        "everything fits on the device)",
+    )
+    ap.add_argument(
+        "--tp-size",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks (worker processes; the in-process ablations and --profile need 1)",
+    )
     args = ap.parse_args()
     init_logging("info")  # pool size, derived limits, CUDA-graph capture time
     if ("hicache" in args.variants) != (args.hicache > 0):
@@ -201,12 +251,21 @@ def main() -> None:
             del llm
             gc.collect()
             torch.cuda.empty_cache()
-        llm = LLM(args.model, load_format=args.load_format, page_size=args.page_size,
-                  max_running_requests=args.max_running_requests, chunked_prefill_size=args.chunked_prefill_size,
-                  context_length=args.context_length, tp_size=args.tp_size, cuda_graph_max_bs=args.cuda_graph_max_bs,
-                  quantization=None if quantization == "none" else "fp8", kv_cache_dtype=kv_dtype,
-                  quantize_lm_head=quantization == "fp8-head",
-                  enable_hierarchical_cache=args.hicache > 0, hicache_size=args.hicache)
+        llm = LLM(
+            args.model,
+            load_format=args.load_format,
+            page_size=args.page_size,
+            max_running_requests=args.max_running_requests,
+            chunked_prefill_size=args.chunked_prefill_size,
+            context_length=args.context_length,
+            tp_size=args.tp_size,
+            cuda_graph_max_bs=args.cuda_graph_max_bs,
+            quantization=None if quantization == "none" else "fp8",
+            kv_cache_dtype=kv_dtype,
+            quantize_lm_head=quantization == "fp8-head",
+            enable_hierarchical_cache=args.hicache > 0,
+            hicache_size=args.hicache,
+        )
         if args.profile:
             profile(llm, WORKLOADS[args.workloads[0]](llm.runner.vocab_size), args.profile == "host")
             return
@@ -223,12 +282,17 @@ def main() -> None:
     save_result(info, args.out, f"offline_{Path(args.model).name}")
     if len(pairs) > 1:
         first = [r for r in rows if (r["quantization"], r["kv_cache_dtype"]) == pairs[0]]
-        for r in rows[len(first):]:
-            base = next(b for b in first if (b["workload"], b["variant"], b["temperature"])
-                        == (r["workload"], r["variant"], r["temperature"]))
-            print(f"{r['workload']} {r['variant']} T={r['temperature']}: {r['quantization']}/{r['kv_cache_dtype']} "
-                  f"{r['seconds']:.2f} s vs {pairs[0][0]}/{pairs[0][1]} {base['seconds']:.2f} s = "
-                  f"{base['seconds'] / r['seconds']:.2f}x throughput")
+        for r in rows[len(first) :]:
+            base = next(
+                b
+                for b in first
+                if (b["workload"], b["variant"], b["temperature"]) == (r["workload"], r["variant"], r["temperature"])
+            )
+            print(
+                f"{r['workload']} {r['variant']} T={r['temperature']}: {r['quantization']}/{r['kv_cache_dtype']} "
+                f"{r['seconds']:.2f} s vs {pairs[0][0]}/{pairs[0][1]} {base['seconds']:.2f} s = "
+                f"{base['seconds'] / r['seconds']:.2f}x throughput"
+            )
 
 
 def run_workloads(llm: LLM, args: argparse.Namespace, mode: dict[str, str], rows: list[dict]) -> None:
@@ -260,22 +324,29 @@ def run_workloads(llm: LLM, args: argparse.Namespace, mode: dict[str, str], rows
             result["seconds_all"] = [r["seconds"] for r in results]
             result["distinct_prompt_tokens"] = distinct
             rows.append({"workload": wl.name, "variant": variant, "temperature": temperature, **mode, **result})
-            print(f"{wl.name:14s} {variant:14s} T={temperature:<4} {result['seconds']:8.2f} s  "
-                  f"{result['output_tok_per_s']:9.0f} out tok/s  hit rate {result['cache_hit_rate']:.2f}  "
-                  f"prefill {result['prefill_tokens'] / distinct:.3f}x distinct  "
-                  f"cascade steps {result['cascade_steps']}/{result['decode_steps']}  "
-                  f"gc {result['gc_ms']:.1f} ms ({result['gc_full_collections']} full)"
-                  + (f"  cudaMalloc {result['num_device_alloc']}, retries {result['num_alloc_retries']}"
-                     if "num_device_alloc" in result else "")
-                  + (f"  (runs {', '.join(f'{t:.2f}' for t in result['seconds_all'])})" if args.repeats > 1 else ""),
-                  flush=True)
+            print(
+                f"{wl.name:14s} {variant:14s} T={temperature:<4} {result['seconds']:8.2f} s  "
+                f"{result['output_tok_per_s']:9.0f} out tok/s  hit rate {result['cache_hit_rate']:.2f}  "
+                f"prefill {result['prefill_tokens'] / distinct:.3f}x distinct  "
+                f"cascade steps {result['cascade_steps']}/{result['decode_steps']}  "
+                f"gc {result['gc_ms']:.1f} ms ({result['gc_full_collections']} full)"
+                + (
+                    f"  cudaMalloc {result['num_device_alloc']}, retries {result['num_alloc_retries']}"
+                    if "num_device_alloc" in result
+                    else ""
+                )
+                + (f"  (runs {', '.join(f'{t:.2f}' for t in result['seconds_all'])})" if args.repeats > 1 else ""),
+                flush=True,
+            )
         if args.tp_size == 1:
             llm.runner.graphs = graphs
         for temperature in args.temperature:
             same = [r for r in rows[start:] if r["workload"] == wl.name and r["temperature"] == temperature]
             for r in same[1:]:
-                print(f"{wl.name} T={temperature}: {r['variant']} / {same[0]['variant']} = "
-                      f"{r['seconds'] / same[0]['seconds']:.2f}x")
+                print(
+                    f"{wl.name} T={temperature}: {r['variant']} / {same[0]['variant']} = "
+                    f"{r['seconds'] / same[0]['seconds']:.2f}x"
+                )
 
 
 if __name__ == "__main__":

@@ -61,8 +61,11 @@ def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
 
 
 async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], output_len: int) -> dict:
-    body = {"input_ids": prompt, "stream": True,
-            "sampling_params": {"max_new_tokens": output_len, "temperature": 0.0, "ignore_eos": True}}
+    body = {
+        "input_ids": prompt,
+        "stream": True,
+        "sampling_params": {"max_new_tokens": output_len, "temperature": 0.0, "ignore_eos": True},
+    }
     start = time.perf_counter()
     arrivals, tokens, cached = [], 0, 0
     async with client.stream("POST", f"{url}/generate", json=body) as r:
@@ -77,15 +80,23 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], ou
             cached = meta.cached_tokens
     end = time.perf_counter()
     itl = [b - a for a, b in zip(arrivals, arrivals[1:])]
-    return {"ttft": arrivals[0] - start, "e2e": end - start, "itl": itl, "tokens": tokens, "cached": cached,
-            "prompt": len(prompt)}
+    return {
+        "ttft": arrivals[0] - start,
+        "e2e": end - start,
+        "itl": itl,
+        "tokens": tokens,
+        "cached": cached,
+        "prompt": len(prompt),
+    }
 
 
-async def run(url: str, prompts: list[list[int]], output_lens: list[int], rate: float | None,
-              concurrency: int | None, seed: int) -> tuple[list[dict], float]:
+async def run(
+    url: str, prompts: list[list[int]], output_lens: list[int], rate: float | None, concurrency: int | None, seed: int
+) -> tuple[list[dict], float]:
     rng = random.Random(seed)
     limit = asyncio.Semaphore(concurrency or len(prompts))
     async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None)) as client:
+
         async def gated(p: list[int], n: int) -> dict:
             async with limit:
                 return await one_request(client, url, p, n)
@@ -100,8 +111,15 @@ async def run(url: str, prompts: list[list[int]], output_lens: list[int], rate: 
     return results, time.perf_counter() - start
 
 
-def _client_slice(url: str, prompts: list[list[int]], output_lens: list[int], rate: float | None,
-                  concurrency: int | None, seed: int, start_at: float) -> tuple[list[dict], float, float]:
+def _client_slice(
+    url: str,
+    prompts: list[list[int]],
+    output_lens: list[int],
+    rate: float | None,
+    concurrency: int | None,
+    seed: int,
+    start_at: float,
+) -> tuple[list[dict], float, float]:
     """One client process's share: from the common start time; returns its results, end time
     (epoch seconds) and CPU seconds."""
     time.sleep(max(0.0, start_at - time.time()))
@@ -109,8 +127,9 @@ def _client_slice(url: str, prompts: list[list[int]], output_lens: list[int], ra
     return results, time.time(), time.process_time()
 
 
-def run_clients(url: str, prompts: list[list[int]], output_lens: list[int], rate: float | None,
-                concurrency: int | None, procs: int) -> tuple[list[dict], float, float]:
+def run_clients(
+    url: str, prompts: list[list[int]], output_lens: list[int], rate: float | None, concurrency: int | None, procs: int
+) -> tuple[list[dict], float, float]:
     """The requests dealt round-robin over ``procs`` client processes (one Python process
     streaming hundreds of requests saturates its core before a fast server does), each with
     its share of the rate and concurrency. Returns results, elapsed seconds, client CPU seconds."""
@@ -120,9 +139,19 @@ def run_clients(url: str, prompts: list[list[int]], output_lens: list[int], rate
         return results, elapsed, time.process_time() - before
     start_at = time.time() + 2.0  # every process ready before the first request
     with ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = [pool.submit(_client_slice, url, prompts[i::procs], output_lens[i::procs],
-                               rate / procs if rate else None, -(-concurrency // procs) if concurrency else None,
-                               i, start_at) for i in range(procs)]
+        futures = [
+            pool.submit(
+                _client_slice,
+                url,
+                prompts[i::procs],
+                output_lens[i::procs],
+                rate / procs if rate else None,
+                -(-concurrency // procs) if concurrency else None,
+                i,
+                start_at,
+            )
+            for i in range(procs)
+        ]
         parts = [f.result() for f in futures]
     return [r for part in parts for r in part[0]], max(p[1] for p in parts) - start_at, sum(p[2] for p in parts)
 
@@ -143,8 +172,12 @@ def main() -> None:
     ap.add_argument("--request-rate", type=float, default=None, help="requests/s (Poisson); default all at once")
     ap.add_argument("--max-concurrency", type=int, default=None)
     ap.add_argument("--num-prompts", type=int, default=None, help="only the first N requests of the workload")
-    ap.add_argument("--client-procs", type=int, default=1,
-                    help="client processes sharing the requests (when one client core saturates)")
+    ap.add_argument(
+        "--client-procs",
+        type=int,
+        default=1,
+        help="client processes sharing the requests (when one client core saturates)",
+    )
     ap.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="passed to minisgl.launch")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -159,8 +192,9 @@ def main() -> None:
         n = args.num_prompts or len(wl.prompts)
         pids = httpx.get(f"{url}/get_server_info", timeout=30).json()["processes"]
         cpu_before = cpu_seconds(pids)
-        results, elapsed, client_cpu = run_clients(url, wl.prompts[:n], wl.output_lens[:n], args.request_rate,
-                                                   args.max_concurrency, args.client_procs)
+        results, elapsed, client_cpu = run_clients(
+            url, wl.prompts[:n], wl.output_lens[:n], args.request_rate, args.max_concurrency, args.client_procs
+        )
         cpu = {k: (v - cpu_before[k]) / elapsed for k, v in cpu_seconds(pids).items() if k in cpu_before}
         cpu["benchmark client"] = client_cpu / elapsed
         sched = httpx.get(f"{url}/get_server_info", timeout=30).json()["scheduler"]
@@ -170,9 +204,14 @@ def main() -> None:
             proc.wait(30)
     out_tokens = sum(r["tokens"] for r in results)
     report = {
-        "workload": args.workload, "requests": len(results), "seconds": elapsed,
-        "request_rate": args.request_rate, "max_concurrency": args.max_concurrency, "client_procs": args.client_procs,
-        "request_throughput": len(results) / elapsed, "output_tok_per_s": out_tokens / elapsed,
+        "workload": args.workload,
+        "requests": len(results),
+        "seconds": elapsed,
+        "request_rate": args.request_rate,
+        "max_concurrency": args.max_concurrency,
+        "client_procs": args.client_procs,
+        "request_throughput": len(results) / elapsed,
+        "output_tok_per_s": out_tokens / elapsed,
         "total_tok_per_s": (out_tokens + sum(r["prompt"] for r in results)) / elapsed,
         "ttft_s": summary([r["ttft"] for r in results]),
         "itl_s": summary([x for r in results for x in r["itl"]]),
@@ -183,12 +222,15 @@ def main() -> None:
         "server_args": args.server_args,
         "cpu_busy": cpu,
     }
-    print(f"{args.workload}: {len(results)} requests in {elapsed:.2f} s, {report['request_throughput']:.2f} req/s, "
-          f"{report['output_tok_per_s']:.0f} out tok/s, cache hit rate {report['cache_hit_rate']:.3f} "
-          f"(client {report['client_cache_hit_rate']:.3f})")
+    print(
+        f"{args.workload}: {len(results)} requests in {elapsed:.2f} s, {report['request_throughput']:.2f} req/s, "
+        f"{report['output_tok_per_s']:.0f} out tok/s, cache hit rate {report['cache_hit_rate']:.3f} "
+        f"(client {report['client_cache_hit_rate']:.3f})"
+    )
     for key in ("ttft_s", "itl_s", "e2e_s"):
         s = report[key]
-        print(f"  {key[:-2]:5s} mean {s['mean'] * 1e3:9.1f} ms  p50 {s['p50'] * 1e3:9.1f} ms  p99 {s['p99'] * 1e3:9.1f} ms")
+        ms = {q: s[q] * 1e3 for q in ("mean", "p50", "p99")}
+        print(f"  {key[:-2]:5s} mean {ms['mean']:9.1f} ms  p50 {ms['p50']:9.1f} ms  p99 {ms['p99']:9.1f} ms")
     print("  CPU busy (share of one core): " + ", ".join(f"{k} {v:.0%}" for k, v in cpu.items()))
     name = Path(args.model).name if args.model else "server"
     save_result(report, args.out, f"online_{name}")

@@ -33,8 +33,11 @@ def main() -> None:
             ax.set_ylabel("seconds")
         elif "steps" in data:  # decode
             bs = [s["batch"] for s in data["steps"]]
-            for key, label in [("sync_ms", "step (sync)"), ("pipelined_ms", "step (pipelined)"),
-                               ("floor_ms", "bandwidth floor")]:
+            for key, label in [
+                ("sync_ms", "step (sync)"),
+                ("pipelined_ms", "step (pipelined)"),
+                ("floor_ms", "bandwidth floor"),
+            ]:
                 ax.plot(bs, [s[key] for s in data["steps"]], marker="o", label=label)
             ax.set_xlabel("batch size")
             ax.set_ylabel("ms per decode step")

@@ -43,8 +43,13 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     init_logging("warning")
-    llm = LLM(args.model, load_format=args.load_format, context_length=max(args.lengths) + 64,
-              quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+    llm = LLM(
+        args.model,
+        load_format=args.load_format,
+        context_length=max(args.lengths) + 64,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
     pieces = llm.runner.piecewise
     if pieces is None:
         ap.error("this engine has no piecewise prefill graphs (a GPU, CUDA graphs and one rank are needed)")
@@ -61,13 +66,25 @@ def main() -> None:
                     times[mode].append(ms)
         row = {"tokens": length, **{f"{m}_ms": statistics.median(t) for m, t in times.items()}}
         rows.append(row)
-        print(f"{length:6d} tokens: graphs {row['graphs_ms']:7.2f} ms, eager {row['eager_ms']:7.2f} ms "
-              f"({row['eager_ms'] / row['graphs_ms']:.2f}x)", flush=True)
+        print(
+            f"{length:6d} tokens: graphs {row['graphs_ms']:7.2f} ms, eager {row['eager_ms']:7.2f} ms "
+            f"({row['eager_ms'] / row['graphs_ms']:.2f}x)",
+            flush=True,
+        )
     llm.runner.piecewise = pieces
     import torch
 
-    save_result({"model": args.model, "gpu": torch.cuda.get_device_name(), "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
-                 "rows": rows}, args.out, f"prefill_latency_{Path(args.model).name}")
+    save_result(
+        {
+            "model": args.model,
+            "gpu": torch.cuda.get_device_name(),
+            "quantization": args.quantization,
+            "kv_cache_dtype": args.kv_cache_dtype,
+            "rows": rows,
+        },
+        args.out,
+        f"prefill_latency_{Path(args.model).name}",
+    )
 
 
 if __name__ == "__main__":

@@ -142,8 +142,10 @@ class Loop:
         named = self.trainer.named()
         if path == "tensor":
             payload = encode_named_tensors(named, flattened=True)
-            self.post("/update_weights_from_tensor", {**body, "serialized_named_tensors": [payload] * self.args.tp_size,
-                                                      "load_format": "flattened_bucket"})
+            self.post(
+                "/update_weights_from_tensor",
+                {**body, "serialized_named_tensors": [payload] * self.args.tp_size, "load_format": "flattened_bucket"},
+            )
         elif path == "disk":
             from safetensors.torch import save_file
 
@@ -153,8 +155,12 @@ class Loop:
         else:
             if self.group is None:
                 self._join()
-            spec = {"names": [n for n, _ in named], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in named],
-                    "shapes": [list(t.shape) for _, t in named], "group_name": "rl_loop"}
+            spec = {
+                "names": [n for n, _ in named],
+                "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in named],
+                "shapes": [list(t.shape) for _, t in named],
+                "group_name": "rl_loop",
+            }
             with ThreadPoolExecutor(1) as pool:
                 done = pool.submit(self.post, "/update_weights_from_distributed", {**body, **spec})
                 for _, t in named:
@@ -170,9 +176,18 @@ class Loop:
         port = self.args.group_port
         backend = "nccl" if self.trainer.device.type == "cuda" else "gloo"
         with ThreadPoolExecutor(1) as pool:
-            joined = pool.submit(self.post, "/init_weights_update_group", {
-                "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
-                "world_size": 1 + self.args.tp_size, "group_name": "rl_loop", "backend": backend})
+            joined = pool.submit(
+                self.post,
+                "/init_weights_update_group",
+                {
+                    "master_address": "127.0.0.1",
+                    "master_port": port,
+                    "rank_offset": 1,
+                    "world_size": 1 + self.args.tp_size,
+                    "group_name": "rl_loop",
+                    "backend": backend,
+                },
+            )
             self.group = init_weight_group(backend, "127.0.0.1", port, 0, 1 + self.args.tp_size, "rl_loop")
             joined.result()
 
@@ -202,19 +217,34 @@ class Loop:
             self.post("/continue_generation", {})
             t5 = time.perf_counter()
             sync = (t3 - t2) + (t4 - t3) + (t5 - t4b)
-            rows.append({"step": step + 1, "path": path, "samples": len(samples),
-                         "output_tokens": sum(len(c) for _, c, _ in samples),
-                         "mean_reward": sum(toy_reward(c, self.vocab) for _, c, _ in samples) / len(samples),
-                         "rollout_s": t1 - t0, "train_s": train_s, "loss": train,
-                         "release_s": release, "resume_s": resume, "pause_s": t3 - t2,
-                         "update_s": t4 - t3, "continue_s": t5 - t4b, "sync_s": sync,
-                         "sync_share_of_rollout": sync / (t1 - t0), "paused_requests": paused["num_paused_requests"]})
+            rows.append(
+                {
+                    "step": step + 1,
+                    "path": path,
+                    "samples": len(samples),
+                    "output_tokens": sum(len(c) for _, c, _ in samples),
+                    "mean_reward": sum(toy_reward(c, self.vocab) for _, c, _ in samples) / len(samples),
+                    "rollout_s": t1 - t0,
+                    "train_s": train_s,
+                    "loss": train,
+                    "release_s": release,
+                    "resume_s": resume,
+                    "pause_s": t3 - t2,
+                    "update_s": t4 - t3,
+                    "continue_s": t5 - t4b,
+                    "sync_s": sync,
+                    "sync_share_of_rollout": sync / (t1 - t0),
+                    "paused_requests": paused["num_paused_requests"],
+                }
+            )
             r = rows[-1]
-            print(f"step {r['step']} [{path}] rollout {r['rollout_s']:.2f} s ({r['output_tokens'] / r['rollout_s']:.0f} "
-                  f"tok/s), train {r['train_s']:.2f} s, sync {sync:.3f} s (pause {r['pause_s']:.3f}, update "
-                  f"{r['update_s']:.3f}, continue {r['continue_s']:.3f}) = {100 * r['sync_share_of_rollout']:.1f}% "
-                  f"of rollout; release {release:.2f} s, resume {resume:.2f} s; reward {r['mean_reward']:.3f}",
-                  flush=True)
+            print(
+                f"step {r['step']} [{path}] rollout {r['rollout_s']:.2f} s ({r['output_tokens'] / r['rollout_s']:.0f} "
+                f"tok/s), train {r['train_s']:.2f} s, sync {sync:.3f} s (pause {r['pause_s']:.3f}, update "
+                f"{r['update_s']:.3f}, continue {r['continue_s']:.3f}) = {100 * r['sync_share_of_rollout']:.1f}% "
+                f"of rollout; release {release:.2f} s, resume {resume:.2f} s; reward {r['mean_reward']:.3f}",
+                flush=True,
+            )
         return rows
 
 
@@ -228,8 +258,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS, help="update paths, in turn")
-    ap.add_argument("--release-memory", action="store_true",
-                    help="release the engine's GPU memory while the trainer trains (colocated), resume after")
+    ap.add_argument(
+        "--release-memory",
+        action="store_true",
+        help="release the engine's GPU memory while the trainer trains (colocated), resume after",
+    )
     ap.add_argument("--train-samples", type=int, default=64, help="samples of a step the trainer learns from")
     ap.add_argument("--micro-batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=1e-4)
@@ -252,8 +285,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     finally:
         proc.terminate()
         proc.wait(30)
-    summary = {"args": vars(args), "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-               "rows": rows}
+    summary = {
+        "args": vars(args),
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "rows": rows,
+    }
     if args.out:
         Path(args.out).write_text(json.dumps(summary, indent=1))
     return rows

@@ -10,8 +10,20 @@ import threading
 def start_server(model: str, port: int, flags: list[str], load_format: str = "auto") -> tuple[subprocess.Popen, str]:
     """``python -m minisgl.launch`` with ``flags``; returns the process and its URL once it says
     it is ready (its output goes on to ours)."""
-    cmd = [sys.executable, "-m", "minisgl.launch", "--model", model, "--load-format", load_format,
-           "--port", str(port), "--log-level", "warning", *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "minisgl.launch",
+        "--model",
+        model,
+        "--load-format",
+        load_format,
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        *flags,
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in proc.stdout:
         print(line, end="")

@@ -45,15 +45,28 @@ def main() -> None:
     proc, url = start_server(args.model, args.port, shlex.split(args.server_args), args.load_format)
     try:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(COMPAT), os.environ.get("PYTHONPATH", "")])}
-        cmd = [sys.executable, args.script, "--port", str(args.port), "--host", "127.0.0.1",
-               "--model-path", args.tokenizer or args.model, "--disable-auto-run", "--disable-random-sample", *rest]
+        cmd = [
+            sys.executable,
+            args.script,
+            "--port",
+            str(args.port),
+            "--host",
+            "127.0.0.1",
+            "--model-path",
+            args.tokenizer or args.model,
+            "--disable-auto-run",
+            "--disable-random-sample",
+            *rest,
+        ]
         code = subprocess.run(cmd, env=env).returncode
         with urllib.request.urlopen(f"{url}/get_server_info", timeout=30) as r:
             stats = json.load(r)["scheduler"]
         queried = max(stats["prefix_queried_tokens"], 1)
-        print(f"our server: prefix hit rate {stats['prefix_hit_tokens'] / queried:.3f} "
-              f"(host tier {stats.get('prefix_host_hit_tokens', 0) / queried:.3f}), "
-              f"prefill tokens {stats['prefill_tokens']}")
+        print(
+            f"our server: prefix hit rate {stats['prefix_hit_tokens'] / queried:.3f} "
+            f"(host tier {stats.get('prefix_host_hit_tokens', 0) / queried:.3f}), "
+            f"prefill tokens {stats['prefill_tokens']}"
+        )
     finally:
         proc.terminate()
         proc.wait(30)

@@ -37,8 +37,9 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
-from benchmarks.agreement import agreement  # noqa: E402
 from local_server import serving  # noqa: E402
+
+from benchmarks.agreement import agreement  # noqa: E402
 
 
 def generate(url: str, prompts: list[list[int]], max_new: int) -> tuple[list[list[int]], float]:
@@ -67,29 +68,44 @@ def run_agreement(variants: list[str], extra: list[str] = ()) -> dict:
         with serving(str(model), "--device", "cuda", "--dtype", dtype, *extra, timeout=600) as url:
             reference = generate(url, prompts, 48)[0]
         for name in variants:
-            with serving(str(model), "--device", "cuda", "--dtype", dtype, "--tp-size", "2", *VARIANTS[name],
-                         *extra, timeout=600) as url:
+            with serving(
+                str(model), "--device", "cuda", "--dtype", dtype, "--tp-size", "2", *VARIANTS[name], *extra, timeout=600
+            ) as url:
                 report[f"{dtype} {name}"] = agreement(generate(url, prompts, 48)[0], reference)
     return report
 
 
-def warmed_servers(model: str, batch: int, prompt_len: int, variants: list[str],
-                   extra: list[str] = ()) -> Iterator[tuple[str, str, list]]:
+def warmed_servers(
+    model: str, batch: int, prompt_len: int, variants: list[str], extra: list[str] = ()
+) -> Iterator[tuple[str, str, list]]:
     """For tp=1 and then each tp=2 variant: a dummy-weight server whose ``batch`` random prompts
     are already cached and whose decode shapes are warm; yields (variant, url, prompts)."""
     rng = random.Random(0)
     prompts = [[rng.randrange(1000, 100000) for _ in range(prompt_len)] for _ in range(batch)]
     for name in ["tp1", *variants]:
         tp = "1" if name == "tp1" else "2"
-        with serving(model, "--device", "cuda", "--load-format", "dummy", "--tp-size", tp,
-                     "--context-length", "4096", *VARIANTS.get(name, []), *extra, timeout=900) as url:
+        with serving(
+            model,
+            "--device",
+            "cuda",
+            "--load-format",
+            "dummy",
+            "--tp-size",
+            tp,
+            "--context-length",
+            "4096",
+            *VARIANTS.get(name, []),
+            *extra,
+            timeout=900,
+        ) as url:
             generate(url, prompts, 1)  # prefill once; later runs read the prompts from the cache
             generate(url, prompts, 8)  # warm
             yield name, url, prompts
 
 
-def run_throughput(model: str, batch: int, prompt_len: int, new_tokens: int, variants: list[str],
-                   extra: list[str] = ()) -> dict:
+def run_throughput(
+    model: str, batch: int, prompt_len: int, new_tokens: int, variants: list[str], extra: list[str] = ()
+) -> dict:
     """Per variant: one request batch of ``new_tokens`` tokens end to end (its one-token prefill
     and the HTTP round trip included), and the decode rate alone: the extra tokens of a batch
     ``new_tokens`` longer than a 32-token one over its extra time."""
@@ -99,8 +115,11 @@ def run_throughput(model: str, batch: int, prompt_len: int, new_tokens: int, var
         _, seconds = generate(url, prompts, new_tokens)
         _, base = generate(url, prompts, short)
         _, longer = generate(url, prompts, short + new_tokens)
-        report[name] = {"seconds": seconds, "decode_tok_per_s": batch * new_tokens / seconds,
-                        "decode_only_tok_per_s": batch * new_tokens / (longer - base)}
+        report[name] = {
+            "seconds": seconds,
+            "decode_tok_per_s": batch * new_tokens / seconds,
+            "decode_only_tok_per_s": batch * new_tokens / (longer - base),
+        }
         if name != "tp1":
             for key in ("decode_tok_per_s", "decode_only_tok_per_s"):
                 report[name][key.replace("tok_per_s", "speedup")] = report[name][key] / report["tp1"][key]
@@ -113,8 +132,9 @@ def run_profile(model: str, batch: int, prompt_len: int, variants: list[str], ou
     report = {}
     for name, url, prompts in warmed_servers(model, batch, prompt_len, variants):
         where = out_dir / name
-        httpx.post(f"{url}/start_profile", json={"output_dir": str(where), "num_steps": 40, "activities": ["GPU"]},
-                   timeout=30)
+        httpx.post(
+            f"{url}/start_profile", json={"output_dir": str(where), "num_steps": 40, "activities": ["GPU"]}, timeout=30
+        )
         generate(url, prompts, 48)
         deadline = time.monotonic() + 60
         while not (tables := sorted(where.glob("*/rank*.txt"))) and time.monotonic() < deadline:
@@ -124,29 +144,48 @@ def run_profile(model: str, batch: int, prompt_len: int, variants: list[str], ou
     return report
 
 
-def _step_rank(rank: int, world: int, model: str, batch: int, prompt_len: int, steps: int, flags: list[str],
-               init: str, out: Path, profile_steps: int, items_per_sm: int) -> None:
+def _step_rank(
+    rank: int,
+    world: int,
+    model: str,
+    batch: int,
+    prompt_len: int,
+    steps: int,
+    flags: list[str],
+    init: str,
+    out: Path,
+    profile_steps: int,
+    items_per_sm: int,
+) -> None:
     """One rank of ``step``: rank 0 writes the timings to ``out``."""
+    import torch
+    import torch.distributed as dist
+
     from minisgl.args import EngineArgs
     from minisgl.distributed import set_tp_info
     from minisgl.messages import ForwardBatch
     from minisgl.worker.model_runner import ModelRunner
 
-    import torch
-    import torch.distributed as dist
-
     if world > 1:
         torch.cuda.set_device(rank)
         dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world)
         set_tp_info(rank, world, "--enable-fp32-all-reduce" in flags)
-    args = EngineArgs(model=model, load_format="dummy", device=f"cuda:{rank}", tp_size=world, context_length=4096,
-                      disable_custom_all_reduce="--disable-custom-all-reduce" in flags, cuda_graph_max_bs=batch)
+    args = EngineArgs(
+        model=model,
+        load_format="dummy",
+        device=f"cuda:{rank}",
+        tp_size=world,
+        context_length=4096,
+        disable_custom_all_reduce="--disable-custom-all-reduce" in flags,
+        cuda_graph_max_bs=batch,
+    )
     runner = ModelRunner(args)
     runner.kv_cache.buffer.zero_()  # the prompts' K/V are never written: keep NaNs out of attention
     if items_per_sm:  # fewer (longer) decode attention items than the default; planned per step
         sms = torch.cuda.get_device_properties(rank).multi_processor_count
-        runner.attn.cascade.target_items = min(runner.attn.cascade.target_items,
-                                               items_per_sm * sms // runner.num_kv_heads)
+        runner.attn.cascade.target_items = min(
+            runner.attn.cascade.target_items, items_per_sm * sms // runner.num_kv_heads
+        )
     page = runner.page_size
     per_req = -(-(prompt_len + 3 * steps + 8) // page)
     pages = {slot: list(range(slot * per_req, (slot + 1) * per_req)) for slot in range(batch)}
@@ -155,8 +194,13 @@ def _step_rank(rank: int, world: int, model: str, batch: int, prompt_len: int, s
         """Step k of every request: its cached length grows by one per step; a page-table write
         for each request that starts a new page (all of them at k = 0)."""
         length = prompt_len + k
-        b = ForwardBatch(slots=list(range(batch)), cached_lens=[length] * batch, new_lens=[1] * batch,
-                         input_ids=[-1] * batch, sample=[True] * batch)
+        b = ForwardBatch(
+            slots=list(range(batch)),
+            cached_lens=[length] * batch,
+            new_lens=[1] * batch,
+            input_ids=[-1] * batch,
+            sample=[True] * batch,
+        )
         cols = range(per_req) if k == 0 else [length // page] if length % page == 0 else []
         for slot in range(batch):
             for col in cols:
@@ -206,16 +250,25 @@ def _step_rank(rank: int, world: int, model: str, batch: int, prompt_len: int, s
         x.add_(1)
     op = (time.perf_counter() - start) / 1000
     if rank == 0:
-        out.write_text(json.dumps({"gpu_ms": replay * 1e3, "worker_loop_ms": loop * 1e3,
-                                   "launch_host_ms": 1e3 * sum(host[steps:]) / steps, "small_op_us": op * 1e6}))
+        out.write_text(
+            json.dumps(
+                {
+                    "gpu_ms": replay * 1e3,
+                    "worker_loop_ms": loop * 1e3,
+                    "launch_host_ms": 1e3 * sum(host[steps:]) / steps,
+                    "small_op_us": op * 1e6,
+                }
+            )
+        )
     if world > 1:
         dist.barrier()
     torch.cuda.synchronize()
     os._exit(0)  # a symmetric-memory group's teardown can hang at exit; the timings are written
 
 
-def run_step(model: str, batch: int, prompt_len: int, steps: int, variants: list[str], profile_steps: int,
-             items_per_sm: int) -> dict:
+def run_step(
+    model: str, batch: int, prompt_len: int, steps: int, variants: list[str], profile_steps: int, items_per_sm: int
+) -> dict:
     import torch.multiprocessing as mp
 
     report = {}
@@ -223,8 +276,23 @@ def run_step(model: str, batch: int, prompt_len: int, steps: int, variants: list
         world = 1 if name == "tp1" else 2
         out = Path(tempfile.mkdtemp()) / "step.json"
         init = f"file://{out.parent / 'init'}"
-        mp.start_processes(_step_rank, args=(world, model, batch, prompt_len, steps, VARIANTS.get(name, []), init,
-                                             out, profile_steps, items_per_sm), nprocs=world, start_method="spawn")
+        mp.start_processes(
+            _step_rank,
+            args=(
+                world,
+                model,
+                batch,
+                prompt_len,
+                steps,
+                VARIANTS.get(name, []),
+                init,
+                out,
+                profile_steps,
+                items_per_sm,
+            ),
+            nprocs=world,
+            start_method="spawn",
+        )
         report[name] = json.loads(out.read_text())
         print(name, report[name], flush=True)
         for table in sorted(out.parent.glob("kernels_rank*.txt")):
@@ -243,16 +311,20 @@ def main() -> None:
     ap.add_argument("--profile-steps", type=int, default=0, help="step mode: kernel tables of this many replays")
     ap.add_argument("--items-per-sm", type=int, default=0, help="step mode: decode attention items per SM")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    ap.add_argument("--server-args", default="",
-                    help="more flags for every server (tp=1 too), e.g. '--quantization fp8 --kv-cache-dtype fp8_e4m3'")
+    ap.add_argument(
+        "--server-args",
+        default="",
+        help="more flags for every server (tp=1 too), e.g. '--quantization fp8 --kv-cache-dtype fp8_e4m3'",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     extra = args.server_args.split()
     if args.mode == "agreement":
         report = run_agreement(args.variants, extra)
     elif args.mode == "step":
-        report = run_step(args.model, args.batch, args.prompt_len, args.steps, args.variants, args.profile_steps,
-                          args.items_per_sm)
+        report = run_step(
+            args.model, args.batch, args.prompt_len, args.steps, args.variants, args.profile_steps, args.items_per_sm
+        )
     elif args.mode == "throughput":
         report = run_throughput(args.model, args.batch, args.prompt_len, args.new_tokens, args.variants, extra)
     else:

@@ -46,11 +46,19 @@ def hf_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
     for n in range(config["num_hidden_layers"]):
         p = f"model.layers.{n}."
-        shapes.update({p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                       p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
-                       p + "mlp.down_proj.weight": (h, i), p + "input_layernorm.weight": (h,),
-                       p + "post_attention_layernorm.weight": (h,)})
+        shapes.update(
+            {
+                p + "self_attn.q_proj.weight": (q, h),
+                p + "self_attn.k_proj.weight": (kv, h),
+                p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.o_proj.weight": (h, q),
+                p + "mlp.gate_proj.weight": (i, h),
+                p + "mlp.up_proj.weight": (i, h),
+                p + "mlp.down_proj.weight": (h, i),
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+            }
+        )
     if not config.get("tie_word_embeddings"):
         shapes["lm_head.weight"] = (v, h)
     return shapes
@@ -112,9 +120,18 @@ def read_rate(files: list[Path]) -> float:
 
 
 def gpu_used_mib() -> int:
-    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i",
-                          os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [
+            "nvidia-smi",
+            "--query-gpu=memory.used",
+            "--format=csv,noheader,nounits",
+            "-i",
+            os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0],
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return int(out.stdout.strip().splitlines()[0])
 
 
@@ -136,8 +153,9 @@ class Server:
         return time.perf_counter() - start
 
     def tokens(self, prompts: list[list[int]]) -> list[list[int]]:
-        out = self.post("/generate", {"input_ids": prompts, "sampling_params": {"max_new_tokens": 32,
-                                                                                   "temperature": 0.0}})
+        out = self.post(
+            "/generate", {"input_ids": prompts, "sampling_params": {"max_new_tokens": 32, "temperature": 0.0}}
+        )
         return [o["output_ids"] for o in out]
 
     def stop(self) -> None:
@@ -209,16 +227,19 @@ def main() -> None:
         start = time.perf_counter()
         payload = encode_named_tensors(weights.items())
         res["tensor_direct_encode_s"] = time.perf_counter() - start
-        res["update_from_tensor_direct_s"] = srv.timed("/update_weights_from_tensor", {
-            "serialized_named_tensors": [payload], "weight_version": "tensor"})
+        res["update_from_tensor_direct_s"] = srv.timed(
+            "/update_weights_from_tensor", {"serialized_named_tensors": [payload], "weight_version": "tensor"}
+        )
         res["tokens_after_tensor"] = srv.tokens(prompts)
         start = time.perf_counter()
         payload, flat = flattened_payload(weights)
         res["tensor_bucket_encode_s"] = time.perf_counter() - start
         del weights  # (the bucket holds a copy)
         torch.cuda.empty_cache()
-        res["update_from_tensor_bucket_s"] = srv.timed("/update_weights_from_tensor", {
-            "serialized_named_tensors": [payload], "load_format": "flattened_bucket", "weight_version": "bucket"})
+        res["update_from_tensor_bucket_s"] = srv.timed(
+            "/update_weights_from_tensor",
+            {"serialized_named_tensors": [payload], "load_format": "flattened_bucket", "weight_version": "bucket"},
+        )
         assert srv.tokens(prompts) == res["tokens_after_tensor"], "the bucket gave other tokens than the same tensors"
         del flat, payload
         torch.cuda.empty_cache()
@@ -229,9 +250,13 @@ def main() -> None:
         time.sleep(1)
         after = gpu_used_mib()
         res["resume_s"] = srv.timed("/resume_memory_occupation", {})
-        res.update(gpu_mib_baseline=baseline_mib, gpu_mib_before_release=before, gpu_mib_after_release=after,
-                   engine_mib=before - baseline_mib,
-                   released_share=(before - after) / max(before - baseline_mib, 1))
+        res.update(
+            gpu_mib_baseline=baseline_mib,
+            gpu_mib_before_release=before,
+            gpu_mib_after_release=after,
+            engine_mib=before - baseline_mib,
+            released_share=(before - after) / max(before - baseline_mib, 1),
+        )
         res["same_tokens_after_resume"] = srv.tokens(prompts) == res["tokens_after_tensor"]
         res["server_log_hint"] = "the server logs release/resume and graph capture times"
     finally:

@@ -20,8 +20,15 @@ def random_workload(vocab: int, num: int = 256, low: int = 100, high: int = 1024
 
 
 def shared_prefix_workload(
-    vocab: int, groups: int = 16, per_group: int = 16, system_len: int = 2048, question_len: int = 128,
-    output_len: int = 256, seed: int = 1, shuffle: bool = True, name: str = "shared-prefix",
+    vocab: int,
+    groups: int = 16,
+    per_group: int = 16,
+    system_len: int = 2048,
+    question_len: int = 128,
+    output_len: int = 256,
+    seed: int = 1,
+    shuffle: bool = True,
+    name: str = "shared-prefix",
 ) -> Workload:
     rng = random.Random(seed)
     prompts = []
@@ -92,7 +99,8 @@ def distinct_tokens(prompts: list[list[int]]) -> int:
 
 
 WORKLOADS = {
-    "random": random_workload, "shared-prefix": shared_prefix_workload,
+    "random": random_workload,
+    "shared-prefix": shared_prefix_workload,
     "gsp": lambda vocab: generated_shared_prefix(vocab, shuffle=False),
     "gsp-shuffled": lambda vocab: generated_shared_prefix(vocab, shuffle=True),
     "gsp-4096": lambda vocab: generated_shared_prefix(vocab, shuffle=False, groups=256),  # 16x shared-prefix's requests

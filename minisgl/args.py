@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
-
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 HICACHE_IO_BACKENDS = ("direct", "kernel")
 QUANTIZATIONS = ("fp8",)  # --quantization values (FP8 checkpoints need none)
@@ -120,10 +119,14 @@ class EngineArgs:
             raise ValueError(f"max_running_requests must be >= 1, got {self.max_running_requests}")
         if 0 < self.chunked_prefill_size < self.page_size or self.chunked_prefill_size < -1:
             # chunks end on page boundaries
-            raise ValueError(f"chunked_prefill_size must be -1 (no chunking) or >= page_size ({self.page_size}), "
-                             f"got {self.chunked_prefill_size}")
+            raise ValueError(
+                f"chunked_prefill_size must be -1 (no chunking) or >= page_size ({self.page_size}), "
+                f"got {self.chunked_prefill_size}"
+            )
         if self.max_prefill_tokens is not None and self.max_prefill_tokens < self.page_size:
-            raise ValueError(f"max_prefill_tokens must be >= page_size ({self.page_size}), got {self.max_prefill_tokens}")
+            raise ValueError(
+                f"max_prefill_tokens must be >= page_size ({self.page_size}), got {self.max_prefill_tokens}"
+            )
         if not self.grammar_compile_timeout_secs > 0:
             raise ValueError(f"grammar_compile_timeout_secs must be > 0, got {self.grammar_compile_timeout_secs}")
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
@@ -135,7 +138,9 @@ class EngineArgs:
             if not host or not port.isdigit():
                 raise ValueError(f"nnodes > 1 needs dist_init_addr as host:port, got {self.dist_init_addr!r}")
         if self.decode_attention_backend not in ("flashinfer", "triton"):
-            raise ValueError(f"decode_attention_backend must be flashinfer or triton, got {self.decode_attention_backend!r}")
+            raise ValueError(
+                f"decode_attention_backend must be flashinfer or triton, got {self.decode_attention_backend!r}"
+            )
         if self.schedule_policy not in ("fcfs", "lpm", "random"):
             raise ValueError(f"schedule_policy must be lpm, fcfs or random, got {self.schedule_policy!r}")
         if self.decode_log_interval is not None and self.decode_log_interval < 1:
@@ -143,30 +148,42 @@ class EngineArgs:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"--quantization {self.quantization!r} is not supported ({', '.join(QUANTIZATIONS)})")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r} is not supported ({', '.join(KV_CACHE_DTYPES)})")
+            raise ValueError(
+                f"--kv-cache-dtype {self.kv_cache_dtype!r} is not supported ({', '.join(KV_CACHE_DTYPES)})"
+            )
         if self.piecewise_cuda_graph_max_tokens < 1:
-            raise ValueError(f"piecewise_cuda_graph_max_tokens must be >= 1, got {self.piecewise_cuda_graph_max_tokens}")
+            raise ValueError(
+                f"piecewise_cuda_graph_max_tokens must be >= 1, got {self.piecewise_cuda_graph_max_tokens}"
+            )
         if self.piecewise_cuda_graph_tokens is not None and not all(
-                isinstance(n, int) and n >= 1 for n in self.piecewise_cuda_graph_tokens):
-            raise ValueError(f"piecewise_cuda_graph_tokens must be token counts >= 1, got {self.piecewise_cuda_graph_tokens}")
+            isinstance(n, int) and n >= 1 for n in self.piecewise_cuda_graph_tokens
+        ):
+            raise ValueError(
+                f"piecewise_cuda_graph_tokens must be token counts >= 1, got {self.piecewise_cuda_graph_tokens}"
+            )
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ValueError(f"max_total_tokens must hold at least one page, got {self.max_total_tokens}")
         if self.enable_hierarchical_cache:
             if self.disable_radix_cache:
                 raise ValueError("--enable-hierarchical-cache needs the radix cache (drop --disable-radix-cache)")
             if self.hicache_size < 0 or (self.hicache_size == 0 and self.hicache_ratio <= 0):
-                raise ValueError(f"the host pool must be > 0: --hicache-size {self.hicache_size}, "
-                                 f"--hicache-ratio {self.hicache_ratio}")
+                raise ValueError(
+                    f"the host pool must be > 0: --hicache-size {self.hicache_size}, "
+                    f"--hicache-ratio {self.hicache_ratio}"
+                )
         if self.hicache_storage_backend not in (None, "file"):
             raise ValueError(f"--hicache-storage-backend {self.hicache_storage_backend!r} is not supported (file)")
         if self.hicache_storage_backend and not self.enable_hierarchical_cache:
             raise ValueError("--hicache-storage-backend needs --enable-hierarchical-cache")
         if self.hicache_write_policy not in HICACHE_WRITE_POLICIES:
-            raise ValueError(f"--hicache-write-policy must be one of {', '.join(HICACHE_WRITE_POLICIES)}, "
-                             f"got {self.hicache_write_policy!r}")
+            raise ValueError(
+                f"--hicache-write-policy must be one of {', '.join(HICACHE_WRITE_POLICIES)}, "
+                f"got {self.hicache_write_policy!r}"
+            )
         if self.hicache_io_backend not in HICACHE_IO_BACKENDS:
-            raise ValueError(f"--hicache-io-backend must be one of {', '.join(HICACHE_IO_BACKENDS)}, "
-                             f"got {self.hicache_io_backend!r}")
+            raise ValueError(
+                f"--hicache-io-backend must be one of {', '.join(HICACHE_IO_BACKENDS)}, got {self.hicache_io_backend!r}"
+            )
 
 
 @dataclass
@@ -224,111 +241,249 @@ def add_engine_args(ap: argparse.ArgumentParser) -> dict[str, argparse._Argument
     sched = ap.add_argument_group("scheduling and prefix cache")
     hicache = ap.add_argument_group("hierarchical cache (host memory and disk under the prefix cache)")
     parallel = ap.add_argument_group("parallelism")
-    model.add_argument("--model", "--model-path", dest="model", required=True,
-                    help="local checkpoint folder, .gguf file, or Hugging Face hub id")
-    model.add_argument("--tokenizer", "--tokenizer-path", dest="tokenizer", default=None,
-                    help="tokenizer folder or hub id (default: the model's)")
+    model.add_argument(
+        "--model",
+        "--model-path",
+        dest="model",
+        required=True,
+        help="local checkpoint folder, .gguf file, or Hugging Face hub id",
+    )
+    model.add_argument(
+        "--tokenizer",
+        "--tokenizer-path",
+        dest="tokenizer",
+        default=None,
+        help="tokenizer folder or hub id (default: the model's)",
+    )
     model.add_argument("--revision", default=None, help="branch, tag or commit of a hub model")
     model.add_argument("--chat-template", default=None, help="Jinja chat template file to use instead of the model's")
-    model.add_argument("--trust-remote-code", action="store_true",
-                    help="accepted for SGLang's command lines; minisgl never runs code from a checkpoint")
-    parallel.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=d.tp_size,
-                    help="tensor-parallel ranks (GPUs)")
+    model.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="accepted for SGLang's command lines; minisgl never runs code from a checkpoint",
+    )
+    parallel.add_argument(
+        "--tp-size",
+        "--tensor-parallel-size",
+        dest="tp_size",
+        type=int,
+        default=d.tp_size,
+        help="tensor-parallel ranks (GPUs)",
+    )
     model.add_argument("--dtype", default=d.dtype, help="auto, bfloat16, float16 or float32")
-    sched.add_argument("--decode-log-interval", type=int, default=None,
-                    help="log the stats line every N decode steps (SGLang's flag; default: every 10 s while busy)")
-    model.add_argument("--quantization", default=None,
-                    help="fp8: linear weights quantized to FP8 e4m3 at load (per output channel) with per-token "
-                         "FP8 activations; FP8 checkpoints (compressed-tensors, block-wise) need no flag")
-    model.add_argument("--quantize-lm-head", action="store_true",
-                    help="with fp8 linear layers (--quantization fp8 or an FP8 checkpoint): the LM head in fp8 "
-                         "too, one scale per vocabulary row (8B decode: 0.46 -> 0.27 ms a step at batch 256; "
-                         "SmolLM2's perplexity +6.1%% against +3.3%% without; benchmarks/results/fp8_*.md)")
-    model.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype,
-                    help="auto (the model dtype), fp8_e4m3 (twice the tokens per GB, per-tensor scales from the "
-                         "checkpoint or 1.0) or bf16")
-    model.add_argument("--load-format", default=d.load_format, choices=["auto", "safetensors", "gguf", "dummy"],
-                    help="auto: safetensors, or GGUF for a .gguf file; dummy: random weights in the real shapes")
+    sched.add_argument(
+        "--decode-log-interval",
+        type=int,
+        default=None,
+        help="log the stats line every N decode steps (SGLang's flag; default: every 10 s while busy)",
+    )
+    model.add_argument(
+        "--quantization",
+        default=None,
+        help="fp8: linear weights quantized to FP8 e4m3 at load (per output channel) with per-token "
+        "FP8 activations; FP8 checkpoints (compressed-tensors, block-wise) need no flag",
+    )
+    model.add_argument(
+        "--quantize-lm-head",
+        action="store_true",
+        help="with fp8 linear layers (--quantization fp8 or an FP8 checkpoint): the LM head in fp8 "
+        "too, one scale per vocabulary row (8B decode: 0.46 -> 0.27 ms a step at batch 256; "
+        "SmolLM2's perplexity +6.1%% against +3.3%% without; benchmarks/results/fp8_*.md)",
+    )
+    model.add_argument(
+        "--kv-cache-dtype",
+        default=d.kv_cache_dtype,
+        help="auto (the model dtype), fp8_e4m3 (twice the tokens per GB, per-tensor scales from the "
+        "checkpoint or 1.0) or bf16",
+    )
+    model.add_argument(
+        "--load-format",
+        default=d.load_format,
+        choices=["auto", "safetensors", "gguf", "dummy"],
+        help="auto: safetensors, or GGUF for a .gguf file; dummy: random weights in the real shapes",
+    )
     device.add_argument("--device", default=d.device, help="auto (cuda if present, else cpu), cuda or cpu")
-    device.add_argument("--attention-backend", default=d.attention_backend,
-                    choices=["auto", "torch", "torch_native", "flashinfer"],
-                    help="auto: FlashInfer (with our Triton decode kernel) on CUDA, torch elsewhere; torch_native "
-                         "is SGLang's name for torch")
-    sched.add_argument("--grammar-backend", default="xgrammar", choices=["xgrammar"],
-                    help="structured output through xgrammar (the one backend here)")
-    sched.add_argument("--grammar-compile-timeout-secs", type=float, default=d.grammar_compile_timeout_secs,
-                    help="a request whose json_schema / regex / ebnf has not compiled after this many seconds "
-                         "ends with an error naming this flag (a compile cannot be stopped; later requests with "
-                         "the same text wait for the same compile)")
-    device.add_argument("--decode-attention-backend", default=d.decode_attention_backend, choices=["flashinfer", "triton"],
-                    help="plain decode steps with the flashinfer backend: triton (default), the kernel cascade steps "
-                         "run on, so a request's tokens are bit-identical with cascade attention on or off; or "
-                         "flashinfer, FlashInfer's decode kernel (faster on grouped batches with cascade off)")
+    device.add_argument(
+        "--attention-backend",
+        default=d.attention_backend,
+        choices=["auto", "torch", "torch_native", "flashinfer"],
+        help="auto: FlashInfer (with our Triton decode kernel) on CUDA, torch elsewhere; torch_native "
+        "is SGLang's name for torch",
+    )
+    sched.add_argument(
+        "--grammar-backend",
+        default="xgrammar",
+        choices=["xgrammar"],
+        help="structured output through xgrammar (the one backend here)",
+    )
+    sched.add_argument(
+        "--grammar-compile-timeout-secs",
+        type=float,
+        default=d.grammar_compile_timeout_secs,
+        help="a request whose json_schema / regex / ebnf has not compiled after this many seconds "
+        "ends with an error naming this flag (a compile cannot be stopped; later requests with "
+        "the same text wait for the same compile)",
+    )
+    device.add_argument(
+        "--decode-attention-backend",
+        default=d.decode_attention_backend,
+        choices=["flashinfer", "triton"],
+        help="plain decode steps with the flashinfer backend: triton (default), the kernel cascade steps "
+        "run on, so a request's tokens are bit-identical with cascade attention on or off; or "
+        "flashinfer, FlashInfer's decode kernel (faster on grouped batches with cascade off)",
+    )
     sched.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page")
-    device.add_argument("--mem-fraction-static", type=float, default=d.mem_fraction_static,
-                    help="fraction of GPU memory for weights and KV cache")
-    device.add_argument("--max-total-tokens", type=int, default=None, help="KV cache size in tokens (overrides memory sizing)")
-    sched.add_argument("--max-running-requests", type=int, default=None,
-                    help="most requests decoding at once (default: on a GPU one per 512 tokens of KV pool, "
-                         "256 to 4096; on a CPU 256)")
-    sched.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size,
-                    help="most prompt tokens of one request per step (-1: no chunking)")
-    sched.add_argument("--max-prefill-tokens", type=int, default=None,
-                    help="most prompt tokens of one prefill step (default: --chunked-prefill-size)")
-    model.add_argument("--context-length", type=int, default=None,
-                       help="longest prompt + output (default: the model's max_position_embeddings)")
-    sched.add_argument("--disable-radix-cache", action="store_true",
-                       help="no prefix cache: every prompt is computed in full")
-    sched.add_argument("--schedule-policy", default=d.schedule_policy, choices=["lpm", "fcfs", "random"],
-                    help="admission order: lpm (longest cached prefix first, shared prefixes together), fcfs "
-                         "(arrival), random")
-    model.add_argument("--seed", "--random-seed", dest="seed", type=int, default=d.seed,
-                       help="seed of sampling without a per-request seed, and of dummy weights")
-    device.add_argument("--cuda-graph-max-bs", type=int, default=None,
-                    help="largest decode batch run from a CUDA graph (default: max-running-requests; 0: off)")
+    device.add_argument(
+        "--mem-fraction-static",
+        type=float,
+        default=d.mem_fraction_static,
+        help="fraction of GPU memory for weights and KV cache",
+    )
+    device.add_argument(
+        "--max-total-tokens", type=int, default=None, help="KV cache size in tokens (overrides memory sizing)"
+    )
+    sched.add_argument(
+        "--max-running-requests",
+        type=int,
+        default=None,
+        help="most requests decoding at once (default: on a GPU one per 512 tokens of KV pool, "
+        "256 to 4096; on a CPU 256)",
+    )
+    sched.add_argument(
+        "--chunked-prefill-size",
+        type=int,
+        default=d.chunked_prefill_size,
+        help="most prompt tokens of one request per step (-1: no chunking)",
+    )
+    sched.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=None,
+        help="most prompt tokens of one prefill step (default: --chunked-prefill-size)",
+    )
+    model.add_argument(
+        "--context-length",
+        type=int,
+        default=None,
+        help="longest prompt + output (default: the model's max_position_embeddings)",
+    )
+    sched.add_argument(
+        "--disable-radix-cache", action="store_true", help="no prefix cache: every prompt is computed in full"
+    )
+    sched.add_argument(
+        "--schedule-policy",
+        default=d.schedule_policy,
+        choices=["lpm", "fcfs", "random"],
+        help="admission order: lpm (longest cached prefix first, shared prefixes together), fcfs (arrival), random",
+    )
+    model.add_argument(
+        "--seed",
+        "--random-seed",
+        dest="seed",
+        type=int,
+        default=d.seed,
+        help="seed of sampling without a per-request seed, and of dummy weights",
+    )
+    device.add_argument(
+        "--cuda-graph-max-bs",
+        type=int,
+        default=None,
+        help="largest decode batch run from a CUDA graph (default: max-running-requests; 0: off)",
+    )
     device.add_argument("--disable-cuda-graph", action="store_true", help="run every step eagerly")
-    device.add_argument("--disable-piecewise-cuda-graph", action="store_true",
-                    help="run prefill steps eagerly instead of replaying CUDA graphs of the layers' pieces between "
-                         "attentions (on by default with CUDA graphs, one GPU)")
-    device.add_argument("--piecewise-cuda-graph-max-tokens", type=int, default=d.piecewise_cuda_graph_max_tokens,
-                    help="largest prefill step (in tokens) run from piecewise CUDA graphs")
-    device.add_argument("--piecewise-cuda-graph-tokens", type=int, nargs="+", default=None,
-                    help="the token counts captured (default: 16 to 1024 by doubling, then steps of 1/8)")
-    parallel.add_argument("--disable-custom-all-reduce", action="store_true",
-                    help="tensor parallelism on GPUs: NCCL for every all-reduce instead of the one-shot "
-                         "symmetric-memory kernels for small (decode) tensors, the one fused with the "
-                         "residual add and RMSNorm included")
-    parallel.add_argument("--enable-fp32-all-reduce", action="store_true",
-                    help="tensor parallelism in bf16/fp16: all-reduce the row-parallel partial sums in float32 and "
-                         "round once, as tp=1 does (greedy tokens at tp=2 matched tp=1 on 56/64 instead of 27/64 "
-                         "requests; decode ~5%% slower)")
-    sched.add_argument("--disable-overlap-schedule", action="store_true",
-                    help="wait for each step's tokens before scheduling the next")
-    sched.add_argument("--disable-cascade-attention", action="store_true",
-                    help="decode every request over all its pages, even those it shares with others")
-    hicache.add_argument("--enable-hierarchical-cache", action="store_true",
-                    help="keep prefixes evicted from the device pool in a host-memory pool under the radix tree, "
-                         "and load them back when a request matches them")
-    hicache.add_argument("--hicache-ratio", type=float, default=d.hicache_ratio,
-                    help="host pool size as a multiple of the device KV pool")
-    hicache.add_argument("--hicache-size", type=float, default=d.hicache_size,
-                    help="host pool size in GB (overrides --hicache-ratio when > 0)")
-    hicache.add_argument("--hicache-write-policy", default=d.hicache_write_policy, choices=HICACHE_WRITE_POLICIES,
-                    help="write_through: every cached prefix is copied to host as it is computed; "
-                         "write_through_selective: once it has been matched twice; write_back: when evicted")
-    hicache.add_argument("--hicache-io-backend", default=d.hicache_io_backend, choices=HICACHE_IO_BACKENDS,
-                    help="kernel (default): loads through our JIT page-copy kernel on 32 CTAs reading pinned host "
-                         "memory, layer by layer beside the forward (87%% of the pinned copy rate on an H100); "
-                         "direct: loads through the DMA engines, all layers at once (84%%). Writes to host always "
-                         "take the DMA engines")
-    hicache.add_argument("--hicache-storage-backend", default=None, choices=["file"],
-                    help="file: a disk tier under the host tier; pages are written behind, keyed by a hash of their "
-                         "token prefix, and found again by later requests, a restarted server or another replica")
-    model.add_argument("--weight-version", default=d.weight_version,
-                       help="the name of the weights served at start; outputs carry it in meta_info.weight_version "
-                            "and weight updates may rename it (SGLang's flag)")
-    hicache.add_argument("--hicache-storage-dir", default=None,
-                    help="the file backend's folder (default $SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR or /tmp/hicache)")
+    device.add_argument(
+        "--disable-piecewise-cuda-graph",
+        action="store_true",
+        help="run prefill steps eagerly instead of replaying CUDA graphs of the layers' pieces between "
+        "attentions (on by default with CUDA graphs, one GPU)",
+    )
+    device.add_argument(
+        "--piecewise-cuda-graph-max-tokens",
+        type=int,
+        default=d.piecewise_cuda_graph_max_tokens,
+        help="largest prefill step (in tokens) run from piecewise CUDA graphs",
+    )
+    device.add_argument(
+        "--piecewise-cuda-graph-tokens",
+        type=int,
+        nargs="+",
+        default=None,
+        help="the token counts captured (default: 16 to 1024 by doubling, then steps of 1/8)",
+    )
+    parallel.add_argument(
+        "--disable-custom-all-reduce",
+        action="store_true",
+        help="tensor parallelism on GPUs: NCCL for every all-reduce instead of the one-shot "
+        "symmetric-memory kernels for small (decode) tensors, the one fused with the "
+        "residual add and RMSNorm included",
+    )
+    parallel.add_argument(
+        "--enable-fp32-all-reduce",
+        action="store_true",
+        help="tensor parallelism in bf16/fp16: all-reduce the row-parallel partial sums in float32 and "
+        "round once, as tp=1 does (greedy tokens at tp=2 matched tp=1 on 56/64 instead of 27/64 "
+        "requests; decode ~5%% slower)",
+    )
+    sched.add_argument(
+        "--disable-overlap-schedule", action="store_true", help="wait for each step's tokens before scheduling the next"
+    )
+    sched.add_argument(
+        "--disable-cascade-attention",
+        action="store_true",
+        help="decode every request over all its pages, even those it shares with others",
+    )
+    hicache.add_argument(
+        "--enable-hierarchical-cache",
+        action="store_true",
+        help="keep prefixes evicted from the device pool in a host-memory pool under the radix tree, "
+        "and load them back when a request matches them",
+    )
+    hicache.add_argument(
+        "--hicache-ratio",
+        type=float,
+        default=d.hicache_ratio,
+        help="host pool size as a multiple of the device KV pool",
+    )
+    hicache.add_argument(
+        "--hicache-size",
+        type=float,
+        default=d.hicache_size,
+        help="host pool size in GB (overrides --hicache-ratio when > 0)",
+    )
+    hicache.add_argument(
+        "--hicache-write-policy",
+        default=d.hicache_write_policy,
+        choices=HICACHE_WRITE_POLICIES,
+        help="write_through: every cached prefix is copied to host as it is computed; "
+        "write_through_selective: once it has been matched twice; write_back: when evicted",
+    )
+    hicache.add_argument(
+        "--hicache-io-backend",
+        default=d.hicache_io_backend,
+        choices=HICACHE_IO_BACKENDS,
+        help="kernel (default): loads through our JIT page-copy kernel on 32 CTAs reading pinned host "
+        "memory, layer by layer beside the forward (87%% of the pinned copy rate on an H100); "
+        "direct: loads through the DMA engines, all layers at once (84%%). Writes to host always "
+        "take the DMA engines",
+    )
+    hicache.add_argument(
+        "--hicache-storage-backend",
+        default=None,
+        choices=["file"],
+        help="file: a disk tier under the host tier; pages are written behind, keyed by a hash of their "
+        "token prefix, and found again by later requests, a restarted server or another replica",
+    )
+    model.add_argument(
+        "--weight-version",
+        default=d.weight_version,
+        help="the name of the weights served at start; outputs carry it in meta_info.weight_version "
+        "and weight updates may rename it (SGLang's flag)",
+    )
+    hicache.add_argument(
+        "--hicache-storage-dir",
+        default=None,
+        help="the file backend's folder (default $SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR or /tmp/hicache)",
+    )
     return {"model": model, "device": device, "scheduling": sched, "hicache": hicache, "parallelism": parallel}
 
 

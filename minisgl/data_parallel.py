@@ -26,8 +26,15 @@ from pathlib import Path
 from minisgl.args import ServerArgs
 
 logger = logging.getLogger("minisgl.launch")
-ROUTER_POLICIES = ("cache_aware", "round_robin", "random", "power_of_two", "least_load", "consistent_hashing",
-                   "prefix_hash")
+ROUTER_POLICIES = (
+    "cache_aware",
+    "round_robin",
+    "random",
+    "power_of_two",
+    "least_load",
+    "consistent_hashing",
+    "prefix_hash",
+)
 # Flags the data-parallel launcher handles itself; the rest go to every replica unchanged.
 OWN_FLAGS = {"--dp-size", "--data-parallel-size", "--router-policy", "--host", "--port"}
 
@@ -76,10 +83,12 @@ def replica_envs(args: ServerArgs) -> list[dict[str, str]]:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     ids = visible.split(",") if visible else [str(i) for i in range(gpus)]
     if len(ids) < args.dp_size * args.tp_size:
-        raise ValueError(f"--dp-size {args.dp_size} x --tp-size {args.tp_size} needs "
-                         f"{args.dp_size * args.tp_size} GPUs; {len(ids)} are visible")
+        raise ValueError(
+            f"--dp-size {args.dp_size} x --tp-size {args.tp_size} needs "
+            f"{args.dp_size * args.tp_size} GPUs; {len(ids)} are visible"
+        )
     tp = args.tp_size
-    return [{"CUDA_VISIBLE_DEVICES": ",".join(ids[i * tp:(i + 1) * tp])} for i in range(args.dp_size)]
+    return [{"CUDA_VISIBLE_DEVICES": ",".join(ids[i * tp : (i + 1) * tp])} for i in range(args.dp_size)]
 
 
 def _cuda_count() -> int:
@@ -136,8 +145,11 @@ class DataParallelLauncher:
             public = f"http://{self.args.host}:{self.args.port}"
             if not self._wait([public], [self.router], "router"):
                 return 1
-            print(f"minisgl ready: serving {self.args.model!r} at {public} ({self.args.dp_size} replicas behind "
-                  f"smg {self.args.router_policy}: {', '.join(self.urls)})", flush=True)
+            print(
+                f"minisgl ready: serving {self.args.model!r} at {public} ({self.args.dp_size} replicas behind "
+                f"smg {self.args.router_policy}: {', '.join(self.urls)})",
+                flush=True,
+            )
             self._watch()
             return 1 if self.died else 0
         finally:
@@ -148,18 +160,33 @@ class DataParallelLauncher:
             port = _free_port()
             cmd = [sys.executable, "-m", "minisgl.launch", *self.argv, "--host", "127.0.0.1", "--port", str(port)]
             env = {**os.environ, **extra}
-            proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True)
+            proc = subprocess.Popen(
+                cmd, env=env, preexec_fn=_die_with_parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
             threading.Thread(target=_relay, args=(proc, f"[replica {i}] "), daemon=True).start()
             self.replicas.append(proc)
             self.urls.append(f"http://127.0.0.1:{port}")
         logger.info("starting %d replicas at %s", len(self.urls), ", ".join(self.urls))
 
     def _start_router(self, smg: str) -> None:
-        cmd = [smg, "launch", "--worker-urls", *self.urls, "--policy", self.args.router_policy,
-               "--host", self.args.host, "--port", str(self.args.port),
-               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port()),
-               "--log-level", "warn" if self.args.log_level in ("warning", "error", "critical") else "info"]
+        cmd = [
+            smg,
+            "launch",
+            "--worker-urls",
+            *self.urls,
+            "--policy",
+            self.args.router_policy,
+            "--host",
+            self.args.host,
+            "--port",
+            str(self.args.port),
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(_free_port()),
+            "--log-level",
+            "warn" if self.args.log_level in ("warning", "error", "critical") else "info",
+        ]
         if self.args.api_key:  # the router checks clients' keys and passes the key on to the replicas
             cmd += ["--api-key", self.args.api_key]
         self.router = subprocess.Popen(cmd, preexec_fn=_die_with_parent)

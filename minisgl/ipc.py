@@ -17,10 +17,10 @@ import socket
 import sys
 import tempfile
 import threading
-from dataclasses import dataclass
-from multiprocessing.process import BaseProcess
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
 from typing import Any, Generic, TypeVar
 
 import msgspec

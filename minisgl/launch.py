@@ -5,9 +5,10 @@ until the model is loaded, then serves HTTP itself (uvicorn). It prints one line
 With ``--nnodes N``, node 0 does all that for its share of the ranks and every other node
 (``--node-rank``) runs only its workers, which stop when node 0's scheduler goes away.
 
-Exit codes: 0 after SIGINT/SIGTERM (a clean shutdown), 1 when a server process died or failed
-to start (also: the port is taken, or a step outlived ``--watchdog-timeout``), 2 for bad arguments. In every case the children are stopped before it exits, and a
-child whose launcher is killed outright dies with it (PR_SET_PDEATHSIG).
+Exit codes: 0 after SIGINT/SIGTERM (a clean shutdown), 1 when a server process died or failed to
+start (also: the port is taken, or a step outlived ``--watchdog-timeout``), 2 for bad arguments. In
+every case the children are stopped before it exits, and a child whose launcher is killed outright
+dies with it (PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -50,66 +51,143 @@ logger = logging.getLogger("minisgl.launch")
 def build_parser() -> argparse.ArgumentParser:
     """Every flag of the server, in groups (``docs/flags.md`` is generated from it)."""
     d = ServerArgs(model="")
-    ap = argparse.ArgumentParser(prog="python -m minisgl.launch", description="Serve a model over HTTP.",
-                                 formatter_class=HelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m minisgl.launch", description="Serve a model over HTTP.", formatter_class=HelpFormatter
+    )
     groups = add_engine_args(ap)
     server = ap.add_argument_group("server")
     limits = ap.add_argument_group("limits (what one request may ask for)")
     server.add_argument("--served-model-name", default=None, help="name in /v1/models and OpenAI requests")
-    server.add_argument("--check-model-name", action="store_true",
-                    help="answer 404 to OpenAI requests naming another model, as vLLM does (SGLang, and by default "
-                         "minisgl, serve any name)")
+    server.add_argument(
+        "--check-model-name",
+        action="store_true",
+        help="answer 404 to OpenAI requests naming another model, as vLLM does (SGLang, and by default "
+        "minisgl, serve any name)",
+    )
     server.add_argument("--host", default=d.host, help="address to bind (default %(default)s)")
     server.add_argument("--port", type=int, default=d.port, help="HTTP port")
-    server.add_argument("--api-key", default=os.environ.get("MINISGL_API_KEY"),
-                    help="require 'Authorization: Bearer <key>' (default: $MINISGL_API_KEY)")
-    limits.add_argument("--max-queued-requests", type=int, default=None,
-                    help="requests that may wait beyond the running ones; more get 503 (default: no limit)")
-    server.add_argument("--watchdog-timeout", type=float, default=d.watchdog_timeout,
-                    help="seconds a model step may take before the server reports itself dead and exits")
-    server.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error", "critical"],
-                        help="what the processes log (debug: one line per batch)")
+    server.add_argument(
+        "--api-key",
+        default=os.environ.get("MINISGL_API_KEY"),
+        help="require 'Authorization: Bearer <key>' (default: $MINISGL_API_KEY)",
+    )
+    limits.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=None,
+        help="requests that may wait beyond the running ones; more get 503 (default: no limit)",
+    )
+    server.add_argument(
+        "--watchdog-timeout",
+        type=float,
+        default=d.watchdog_timeout,
+        help="seconds a model step may take before the server reports itself dead and exits",
+    )
+    server.add_argument(
+        "--log-level",
+        default=d.log_level,
+        choices=["debug", "info", "warning", "error", "critical"],
+        help="what the processes log (debug: one line per batch)",
+    )
     server.add_argument("--log-requests", action="store_true", help="log one line per finished request")
-    limits.add_argument("--max-request-bytes", "--max-payload-size", dest="max_request_bytes", type=int,
-                    default=d.max_request_bytes, help="largest request body (413 above; SGLang: --max-payload-size)")
-    limits.add_argument("--request-body-timeout", type=float, default=d.request_body_timeout,
-                    help="seconds a client may take to send its body (408 after)")
-    limits.add_argument("--max-sequences-per-request", type=int, default=d.max_sequences_per_request,
-                    help="prompts x n one request may ask for")
+    limits.add_argument(
+        "--max-request-bytes",
+        "--max-payload-size",
+        dest="max_request_bytes",
+        type=int,
+        default=d.max_request_bytes,
+        help="largest request body (413 above; SGLang: --max-payload-size)",
+    )
+    limits.add_argument(
+        "--request-body-timeout",
+        type=float,
+        default=d.request_body_timeout,
+        help="seconds a client may take to send its body (408 after)",
+    )
+    limits.add_argument(
+        "--max-sequences-per-request",
+        type=int,
+        default=d.max_sequences_per_request,
+        help="prompts x n one request may ask for",
+    )
     limits.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings, help="stop strings per request")
     limits.add_argument("--max-stop-length", type=int, default=d.max_stop_length, help="characters per stop string")
     # SGLang flags whose behaviour is already minisgl's: metrics and cached-token counts are always on,
     # and the server sends no warm-up request.
     for flag in ("--enable-metrics", "--enable-cache-report", "--skip-server-warmup"):
         server.add_argument(flag, action="store_true", help="accepted for SGLang's command lines (always so here)")
-    server.add_argument("--stream-interval", type=int, default=d.stream_interval,
-                    help="tokens per streamed update (larger: fewer events, higher throughput)")
-    server.add_argument("--profile-dir", default=None,
-                    help="where /start_profile writes traces; a client's output_dir must lie inside it "
-                         "(default: $SGLANG_TORCH_PROFILER_DIR, else /tmp)")
-    server.add_argument("--skip-tokenizer-init", action="store_true",
-                    help="load no tokenizer: prompts are token ids (input_ids), outputs are token ids (output_ids, "
-                         "no text)")
-    server.add_argument("--enable-weight-update-from-tensor", action="store_true",
-                        help="accept /update_weights_from_tensor, whose payload is a pickle of torch shared-tensor "
-                             "handles (decoded by a restricted unpickler; needs --api-key unless the server binds a "
-                             "loopback address)")
-    server.add_argument("--stream-output", action="store_true",
-                    help="streamed /generate events carry only their new text, ids and logprobs (default: all so far)")
-    server.add_argument("--tool-call-parser", default=None, choices=TOOL_PARSERS,
-                    help="format of tool calls in answers (default: read from the chat template)")
-    server.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
-                    help="separate <think>...</think> into reasoning_content")
-    groups["parallelism"].add_argument("--nnodes", type=int, default=d.nnodes, help="hosts one tensor-parallel group spans")
-    groups["parallelism"].add_argument("--node-rank", type=int, default=d.node_rank,
-                    help="this host's place among --nnodes (0 serves HTTP; the others run workers only)")
-    groups["parallelism"].add_argument("--dist-init-addr", "--nccl-init-addr", dest="dist_init_addr", default=None,
-                    help="host:port of node 0 where the nodes meet (torch.distributed; ZeroMQ links to the "
-                         "other nodes' workers take the ports after it)")
-    groups["parallelism"].add_argument("--dp-size", "--data-parallel-size", dest="dp_size", type=int, default=d.dp_size,
-                    help="replicas (each with --tp-size GPUs) behind the smg router on --host/--port")
-    groups["parallelism"].add_argument("--router-policy", default=d.router_policy, choices=ROUTER_POLICIES,
-                    help="how the smg router picks a replica with --dp-size (default %(default)s)")
+    server.add_argument(
+        "--stream-interval",
+        type=int,
+        default=d.stream_interval,
+        help="tokens per streamed update (larger: fewer events, higher throughput)",
+    )
+    server.add_argument(
+        "--profile-dir",
+        default=None,
+        help="where /start_profile writes traces; a client's output_dir must lie inside it "
+        "(default: $SGLANG_TORCH_PROFILER_DIR, else /tmp)",
+    )
+    server.add_argument(
+        "--skip-tokenizer-init",
+        action="store_true",
+        help="load no tokenizer: prompts are token ids (input_ids), outputs are token ids (output_ids, no text)",
+    )
+    server.add_argument(
+        "--enable-weight-update-from-tensor",
+        action="store_true",
+        help="accept /update_weights_from_tensor, whose payload is a pickle of torch shared-tensor "
+        "handles (decoded by a restricted unpickler; needs --api-key unless the server binds a "
+        "loopback address)",
+    )
+    server.add_argument(
+        "--stream-output",
+        action="store_true",
+        help="streamed /generate events carry only their new text, ids and logprobs (default: all so far)",
+    )
+    server.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=TOOL_PARSERS,
+        help="format of tool calls in answers (default: read from the chat template)",
+    )
+    server.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=REASONING_PARSERS,
+        help="separate <think>...</think> into reasoning_content",
+    )
+    groups["parallelism"].add_argument(
+        "--nnodes", type=int, default=d.nnodes, help="hosts one tensor-parallel group spans"
+    )
+    groups["parallelism"].add_argument(
+        "--node-rank",
+        type=int,
+        default=d.node_rank,
+        help="this host's place among --nnodes (0 serves HTTP; the others run workers only)",
+    )
+    groups["parallelism"].add_argument(
+        "--dist-init-addr",
+        "--nccl-init-addr",
+        dest="dist_init_addr",
+        default=None,
+        help="host:port of node 0 where the nodes meet (torch.distributed; ZeroMQ links to the "
+        "other nodes' workers take the ports after it)",
+    )
+    groups["parallelism"].add_argument(
+        "--dp-size",
+        "--data-parallel-size",
+        dest="dp_size",
+        type=int,
+        default=d.dp_size,
+        help="replicas (each with --tp-size GPUs) behind the smg router on --host/--port",
+    )
+    groups["parallelism"].add_argument(
+        "--router-policy",
+        default=d.router_policy,
+        choices=ROUTER_POLICIES,
+        help="how the smg router picks a replica with --dp-size (default %(default)s)",
+    )
     return ap
 
 
@@ -121,8 +199,10 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     if ns.dp_size < 1:
         ap.error(f"--dp-size must be >= 1, got {ns.dp_size}")
     if ns.dp_size > 1 and ns.nnodes > 1:
-        ap.error("--dp-size starts replicas on this host only; for replicas on several hosts, start one server "
-                 "per host and one smg router over them (README: scale-out)")
+        ap.error(
+            "--dp-size starts replicas on this host only; for replicas on several hosts, start one server "
+            "per host and one smg router over them (README: scale-out)"
+        )
     if ns.enable_weight_update_from_tensor and not ns.api_key and ns.host not in ("127.0.0.1", "localhost", "::1"):
         ap.error(f"--enable-weight-update-from-tensor on {ns.host} needs --api-key: its payload is unpickled")
     for name in ("trust_remote_code", "enable_metrics", "enable_cache_report", "skip_server_warmup"):
@@ -159,11 +239,20 @@ class Launcher:
         ctx = mp.get_context("spawn")
         level = args.log_level
         self.procs: list[BaseProcess] = [
-            ctx.Process(target=run_tokenizer, name="tokenizer",
-                        args=(self.addrs, args.tokenizer, level, args.chat_template, args.stream_interval,
-                              args.tool_call_parser, args.skip_tokenizer_init)),
-            ctx.Process(target=run_scheduler, args=(args, self.addrs, level, args.watchdog_timeout),
-                        name="scheduler"),
+            ctx.Process(
+                target=run_tokenizer,
+                name="tokenizer",
+                args=(
+                    self.addrs,
+                    args.tokenizer,
+                    level,
+                    args.chat_template,
+                    args.stream_interval,
+                    args.tool_call_parser,
+                    args.skip_tokenizer_init,
+                ),
+            ),
+            ctx.Process(target=run_scheduler, args=(args, self.addrs, level, args.watchdog_timeout), name="scheduler"),
         ] + [
             ctx.Process(target=run_worker_process, args=(args, rank, self.addrs, level), name=f"worker-{rank}")
             for rank in range(args.ranks_per_node)
@@ -191,8 +280,12 @@ class Launcher:
             client = EngineClient(self.addrs)
             app = create_app(client, info, self.args, pids)
             config = uvicorn.Config(
-                app, host=self.args.host, port=self.args.port,
-                log_level=self.args.log_level, access_log=False, timeout_graceful_shutdown=3,
+                app,
+                host=self.args.host,
+                port=self.args.port,
+                log_level=self.args.log_level,
+                access_log=False,
+                timeout_graceful_shutdown=3,
                 http=HeaderTimeoutProtocol,
             )
             server = _Server(config, self.args, info, client)
@@ -239,13 +332,18 @@ def run_worker_node(args: ServerArgs) -> int:
     try:
         for p in procs:
             p.start()
-        print(f"minisgl node {args.node_rank}: ranks {first}-{first + args.ranks_per_node - 1} of {args.tp_size} "
-              f"joining node 0 at {args.dist_init_addr}", flush=True)
+        print(
+            f"minisgl node {args.node_rank}: ranks {first}-{first + args.ranks_per_node - 1} of {args.tp_size} "
+            f"joining node 0 at {args.dist_init_addr}",
+            flush=True,
+        )
         while alive := [p for p in procs if p.is_alive()]:
             wait([p.sentinel for p in alive])  # a sentinel stays readable once its process has exited
             failed = [p for p in procs if p.exitcode not in (None, 0)]
             if failed:
-                logger.error("the %s process exited with code %s; stopping this node", failed[0].name, failed[0].exitcode)
+                logger.error(
+                    "the %s process exited with code %s; stopping this node", failed[0].name, failed[0].exitcode
+                )
                 return 1
         return 0
     except KeyboardInterrupt:

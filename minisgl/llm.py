@@ -55,9 +55,17 @@ class LLM:
         while old is not None and old.has_work:  # (its steps still in flight)
             old.step()
         self.scheduler = Scheduler(
-            self.args, self.runner.num_pages, self.runner.context_len, self.runner.vocab_size,
-            self.eos_ids, self.runner, self.grammar, self.runner.num_host_pages, self.runner.storage_fingerprint,
-            self.runner.kv_bytes_per_page, on_gpu=self._on_gpu,
+            self.args,
+            self.runner.num_pages,
+            self.runner.context_len,
+            self.runner.vocab_size,
+            self.eos_ids,
+            self.runner,
+            self.grammar,
+            self.runner.num_host_pages,
+            self.runner.storage_fingerprint,
+            self.runner.kv_bytes_per_page,
+            on_gpu=self._on_gpu,
         )
 
     # ---- the RL control plane, under SGLang's Engine method names -------------------------------
@@ -69,13 +77,15 @@ class LLM:
             return False, str(e)
         return reply.ok, reply.message
 
-    def update_weights_from_disk(self, model_path: str, load_format: str | None = None,
-                                 flush_cache: bool = True) -> tuple[bool, str]:
+    def update_weights_from_disk(
+        self, model_path: str, load_format: str | None = None, flush_cache: bool = True
+    ) -> tuple[bool, str]:
         """Load a checkpoint of the same architecture into the live weights; (success, message)."""
         return self._task(LoadWeights(model_path, load_format or "auto"), flush_cache)
 
-    def update_weights_from_tensor(self, named_tensors: list[tuple[str, Any]], load_format: str | None = None,
-                                   flush_cache: bool = True) -> tuple[bool, str]:
+    def update_weights_from_tensor(
+        self, named_tensors: list[tuple[str, Any]], load_format: str | None = None, flush_cache: bool = True
+    ) -> tuple[bool, str]:
         """Load (name, full tensor) pairs, any subset of the weights; (success, message)."""
         if isinstance(self.runner, ModelRunner):  # this process holds the weights: no handles to pass
             self.scheduler.collect_inflight()
@@ -134,9 +144,11 @@ class LLM:
         return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
 
     def chat(
-        self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
         sampling_params: SamplingParams | dict | list[SamplingParams | dict] | None = None,
-        top_logprobs: int = -1, tools: list[dict[str, Any]] | None = None,
+        top_logprobs: int = -1,
+        tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[dict[str, Any]]:
         """``generate`` for conversations (one, or a list of them) through the checkpoint's chat
@@ -149,9 +161,12 @@ class LLM:
         return self.generate(prompts, sampling_params, top_logprobs)
 
     def generate(
-        self, prompts: Prompt | list[Prompt],
+        self,
+        prompts: Prompt | list[Prompt],
         sampling_params: SamplingParams | dict | list[SamplingParams | dict] | None = None,
-        top_logprobs: int = -1, logprob_start: int = -1, cache_salt: str | None = None,
+        top_logprobs: int = -1,
+        logprob_start: int = -1,
+        cache_salt: str | None = None,
     ) -> list[dict[str, Any]]:
         """Generate for every prompt (text or token ids); results come back in prompt order.
 
@@ -167,14 +182,18 @@ class LLM:
             raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
         params = [p if isinstance(p, SamplingParams) else msgspec.convert(p or {}, SamplingParams) for p in params]
         if self.scheduler.held:
-            raise ValueError("generation is paused or its memory released: continue_generation / "
-                             "resume_memory_occupation first")
+            raise ValueError(
+                "generation is paused or its memory released: continue_generation / resume_memory_occupation first"
+            )
         self.scheduler.take_events()  # (those of earlier calls)
         reqs: list[Req] = []
         try:
             for prompt, sp in zip(prompts, params):
-                reqs.append(self.scheduler.add_request(self._encode(prompt), sp, top_logprobs, logprob_start,
-                                                       cache_salt=cache_salt))
+                reqs.append(
+                    self.scheduler.add_request(
+                        self._encode(prompt), sp, top_logprobs, logprob_start, cache_salt=cache_salt
+                    )
+                )
         except ValueError:
             for req in reqs:  # all or nothing: a bad prompt leaves no queued work behind
                 self.scheduler.finish(req, "abort")
@@ -183,8 +202,11 @@ class LLM:
         # detokenized as they go so the stop can end them.
         streams = {}
         if self.tokenizer is not None:
-            streams = {r.rid: TextStream.of(self.tokenizer, r.params)
-                       for r in reqs if r.params.stop_strings or r.params.stop_regexes}
+            streams = {
+                r.rid: TextStream.of(self.tokenizer, r.params)
+                for r in reqs
+                if r.params.stop_strings or r.params.stop_regexes
+            }
         texts: dict[int, list[str]] = {rid: [] for rid in streams}
         # Done once every request is: host-tier copies still running are collected by the next
         # call's first step (the results do not wait for a cache's background copies).

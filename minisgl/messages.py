@@ -8,7 +8,6 @@ import msgspec
 
 from minisgl.sampling.params import SamplingParams
 
-
 # Most groups one cascade decode step may have: CUDA graphs plan the shared level for a fixed
 # number of groups per captured batch size (min(size // 2, this)).
 MAX_CASCADE_GROUPS = 64

@@ -103,7 +103,6 @@ def init_logging(level: str = "info") -> None:
     )
 
 
-
 def context_overflow(limit: int, prompt: int, new: int = 0) -> str:
     """The 400 text for a request over the context length, in the words SGLang's clients (and
     tools that classify provider errors) look for."""

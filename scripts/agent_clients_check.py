@@ -21,15 +21,31 @@ from typing import Any
 
 from local_server import serving
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Get today's weather for a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city", "unit"], "additionalProperties": False}}}
-CITY = {"title": "City", "description": "A city and its country.", "type": "object",
-        "properties": {"name": {"type": "string", "maxLength": 20}, "country": {"type": "string", "maxLength": 20},
-                       "population": {"type": "integer", "minimum": 0, "maximum": 99999999}},
-        "required": ["name", "country", "population"], "additionalProperties": False}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get today's weather for a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+CITY = {
+    "title": "City",
+    "description": "A city and its country.",
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "country": {"type": "string", "maxLength": 20},
+        "population": {"type": "integer", "minimum": 0, "maximum": 99999999},
+    },
+    "required": ["name", "country", "population"],
+    "additionalProperties": False,
+}
 ASK_CITY = "Describe Paris as JSON with its name, country and population."
 ASK_WEATHER = "What is the weather in Paris today? Use the tool."
 
@@ -102,8 +118,11 @@ def litellm_checks(url: str) -> dict[str, Callable[[], Any]]:
         assert calls and calls[0].function.name == "get_weather", calls
         return [{"name": c.function.name, "arguments": json.loads(c.function.arguments)} for c in calls]
 
-    return {"litellm response_format json_schema": response_format, "litellm tools required": lambda: tools(False),
-            "litellm tools required streamed": lambda: tools(True)}
+    return {
+        "litellm response_format json_schema": response_format,
+        "litellm tools required": lambda: tools(False),
+        "litellm tools required streamed": lambda: tools(True),
+    }
 
 
 def main() -> int:
@@ -116,8 +135,11 @@ def main() -> int:
             try:
                 report[name] = {"ok": True, "result": check()}
             except Exception as e:  # a failed check is reported, the others still run
-                report[name] = {"ok": False, "error": f"{type(e).__name__}: {e}",
-                                "trace": traceback.format_exc(limit=3)[-1500:]}
+                report[name] = {
+                    "ok": False,
+                    "error": f"{type(e).__name__}: {e}",
+                    "trace": traceback.format_exc(limit=3)[-1500:],
+                }
     print(json.dumps(report, default=str, indent=1))
     return 0 if all(r["ok"] for r in report.values()) else 1
 

@@ -25,8 +25,8 @@ import sys
 import tempfile
 import types
 
-
 from local_server import compare_counts, serving, token_counters
+
 
 class _Placeholder(types.ModuleType):
     """A module whose every attribute is another placeholder (and which can be called)."""
@@ -82,16 +82,31 @@ def main() -> int:
     args = ap.parse_args()
     dataset_args = {
         "random": ["--random-input-len", "128", "--random-output-len", "16", "--random-range-ratio", "0.5"],
-        "generated-shared-prefix": ["--gsp-num-groups", "4", "--gsp-prompts-per-group", str(args.num_prompts // 4),
-                                    "--gsp-system-prompt-len", "256", "--gsp-question-len", "32",
-                                    "--gsp-output-len", "16"],
+        "generated-shared-prefix": [
+            "--gsp-num-groups",
+            "4",
+            "--gsp-prompts-per-group",
+            str(args.num_prompts // 4),
+            "--gsp-system-prompt-len",
+            "256",
+            "--gsp-question-len",
+            "32",
+            "--gsp-output-len",
+            "16",
+        ],
     }
     failed = False
     rng = random.Random(0)
     words = "the of and a to in is you that it he was for on are as with his they at be this have from".split()
-    conversations = [{"conversations": [{"from": "human", "value": " ".join(rng.choices(words, k=200))},
-                                        {"from": "gpt", "value": " ".join(rng.choices(words, k=60))}]}
-                     for _ in range(64)]
+    conversations = [
+        {
+            "conversations": [
+                {"from": "human", "value": " ".join(rng.choices(words, k=200))},
+                {"from": "gpt", "value": " ".join(rng.choices(words, k=60))},
+            ]
+        }
+        for _ in range(64)
+    ]
     source = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
     json.dump(conversations, source)
     source.close()
@@ -101,10 +116,31 @@ def main() -> int:
             for dataset in args.datasets:
                 before = token_counters(url)
                 with tempfile.NamedTemporaryFile(suffix=".jsonl") as out:
-                    cmd = [sys.executable, __file__, "bench", "--backend", backend, "--base-url", url,
-                           "--model", "m", "--tokenizer", args.model, "--dataset-name", dataset,
-                           "--num-prompts", str(args.num_prompts), "--output-file", out.name,
-                           "--seed", "1", "--warmup-requests", "0", "--flush-cache", *dataset_args[dataset]]
+                    cmd = [
+                        sys.executable,
+                        __file__,
+                        "bench",
+                        "--backend",
+                        backend,
+                        "--base-url",
+                        url,
+                        "--model",
+                        "m",
+                        "--tokenizer",
+                        args.model,
+                        "--dataset-name",
+                        dataset,
+                        "--num-prompts",
+                        str(args.num_prompts),
+                        "--output-file",
+                        out.name,
+                        "--seed",
+                        "1",
+                        "--warmup-requests",
+                        "0",
+                        "--flush-cache",
+                        *dataset_args[dataset],
+                    ]
                     run = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
                     lines = open(out.name).read().splitlines()
                 row = {"backend": backend, "dataset": dataset, "rc": run.returncode}
@@ -113,8 +149,11 @@ def main() -> int:
                     failed = True
                 else:
                     res = json.loads(lines[-1])
-                    row |= {"completed": res["completed"], "output_throughput": round(res["output_throughput"], 1),
-                            **compare_counts(url, before, res["total_input_tokens"], res["total_output_tokens"])}
+                    row |= {
+                        "completed": res["completed"],
+                        "output_throughput": round(res["output_throughput"], 1),
+                        **compare_counts(url, before, res["total_input_tokens"], res["total_output_tokens"]),
+                    }
                     failed |= not (row["counts_equal"] and res["completed"] == args.num_prompts)
                 print(json.dumps(row), flush=True)
     return 1 if failed else 0

@@ -25,9 +25,13 @@ def _cell(text: str) -> str:
 
 def render() -> str:
     ap = build_parser()
-    lines = ["# Server flags", "",
-             "Generated from `python -m minisgl.launch --help` by `scripts/flags_doc.py`; do not edit by hand.",
-             "Names follow SGLang's; where SGLang spells a flag two ways, both are accepted.", ""]
+    lines = [
+        "# Server flags",
+        "",
+        "Generated from `python -m minisgl.launch --help` by `scripts/flags_doc.py`; do not edit by hand.",
+        "Names follow SGLang's; where SGLang spells a flag two ways, both are accepted.",
+        "",
+    ]
     for group in ap._action_groups:
         actions = [a for a in group._group_actions if a.option_strings and a.dest != "help"]
         if not actions:

@@ -33,24 +33,41 @@ def main() -> int:
             before = token_counters(url)
             with tempfile.TemporaryDirectory() as tmp:
                 report = os.path.join(tmp, "report.json")
-                cmd = [args.guidellm, "run",
-                       "--backend", f"kind=openai_http,target={url},model=m,request_format={request_format}",
-                       "--profile", "kind=throughput,max_concurrency=8",
-                       "--constraint", f"kind=max_requests,count={args.requests}",
-                       "--tokenizer", f"kind=huggingface_auto,model={args.model}",
-                       "--data", "kind=synthetic_text,prompt_tokens=128,output_tokens=16",
-                       "--output", f"kind=json,path={report}", "--disable-console"]
-                run = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
-                                     env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                cmd = [
+                    args.guidellm,
+                    "run",
+                    "--backend",
+                    f"kind=openai_http,target={url},model=m,request_format={request_format}",
+                    "--profile",
+                    "kind=throughput,max_concurrency=8",
+                    "--constraint",
+                    f"kind=max_requests,count={args.requests}",
+                    "--tokenizer",
+                    f"kind=huggingface_auto,model={args.model}",
+                    "--data",
+                    "kind=synthetic_text,prompt_tokens=128,output_tokens=16",
+                    "--output",
+                    f"kind=json,path={report}",
+                    "--disable-console",
+                ]
+                run = subprocess.run(
+                    cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "HF_HUB_OFFLINE": "1"}
+                )
                 row = {"request_format": request_format, "rc": run.returncode}
                 if run.returncode != 0 or not os.path.exists(report):
                     row["error"] = (run.stdout + run.stderr)[-2000:]
                     failed = True
                 else:
                     metrics = json.load(open(report))["benchmarks"][0]["metrics"]
-                    row |= {"requests": metrics["request_totals"],
-                            **compare_counts(url, before, metrics["prompt_token_count"]["successful"]["total_sum"],
-                                             metrics["output_token_count"]["successful"]["total_sum"])}
+                    row |= {
+                        "requests": metrics["request_totals"],
+                        **compare_counts(
+                            url,
+                            before,
+                            metrics["prompt_token_count"]["successful"]["total_sum"],
+                            metrics["output_token_count"]["successful"]["total_sum"],
+                        ),
+                    }
                     failed |= not (row["counts_equal"] and row["requests"]["successful"] == args.requests)
             print(json.dumps(row), flush=True)
     return 1 if failed else 0

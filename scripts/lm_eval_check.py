@@ -47,8 +47,13 @@ def evaluate(model: str, model_args: str, include: Path) -> tuple[float, list[li
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    out = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=["minisgl_mc"], log_samples=True,
-                                  task_manager=TaskManager(include_path=str(include)))
+    out = lm_eval.simple_evaluate(
+        model=model,
+        model_args=model_args,
+        tasks=["minisgl_mc"],
+        log_samples=True,
+        task_manager=TaskManager(include_path=str(include)),
+    )
     samples = sorted(out["samples"]["minisgl_mc"], key=lambda s: s["doc_id"])
     return out["results"]["minisgl_mc"]["acc,none"], [[r[0][0] for r in s["resps"]] for s in samples]
 
@@ -63,12 +68,23 @@ def main() -> int:
     data.write_text("".join(json.dumps({"question": q, "choices": c, "answer": a}) + "\n" for q, c, a in QUESTIONS))
     (work / "minisgl_mc.yaml").write_text(TASK.format(data=data))
     with serving(args.model, "--dtype", "float32", "--served-model-name", "m") as url:
-        served = evaluate("local-completions", f"base_url={url}/v1/completions,model=m,"
-                          f"tokenizer={args.model},tokenized_requests=True,num_concurrent=4", work)
+        served = evaluate(
+            "local-completions",
+            f"base_url={url}/v1/completions,model=m,tokenizer={args.model},tokenized_requests=True,num_concurrent=4",
+            work,
+        )
     reference = evaluate("hf", f"pretrained={args.model},dtype=float32,device=cpu", work)
     diff = max(abs(a - b) for x, y in zip(served[1], reference[1]) for a, b in zip(x, y))
-    print(json.dumps({"accuracy_server": served[0], "accuracy_transformers": reference[0],
-                      "max_loglikelihood_diff": diff, "questions": len(QUESTIONS)}))
+    print(
+        json.dumps(
+            {
+                "accuracy_server": served[0],
+                "accuracy_transformers": reference[0],
+                "max_loglikelihood_diff": diff,
+                "questions": len(QUESTIONS),
+            }
+        )
+    )
     return 0 if diff <= args.tol and served[0] == reference[0] else 1
 
 

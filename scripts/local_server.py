@@ -19,8 +19,22 @@ def serving(model: str, *extra: str, timeout: float = 180, device: str = "cpu") 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "minisgl.launch", "--model", model, "--port", str(port),
-                               "--device", device, "--log-level", "warning", *extra])
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "minisgl.launch",
+            "--model",
+            model,
+            "--port",
+            str(port),
+            "--device",
+            device,
+            "--log-level",
+            "warning",
+            *extra,
+        ]
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, server, timeout)
@@ -47,11 +61,15 @@ def wait_ready(url: str, server: subprocess.Popen, timeout: float = 180) -> None
 def compare_counts(url: str, before: dict[str, float], prompt_tokens: float, output_tokens: float) -> dict:
     """A client's token totals next to the server's counters' growth since ``before``."""
     after = token_counters(url)
-    row = {"client_prompt_tokens": prompt_tokens, "client_output_tokens": output_tokens,
-           "server_prompt_tokens": after[TOKEN_COUNTERS[0]] - before[TOKEN_COUNTERS[0]],
-           "server_generation_tokens": after[TOKEN_COUNTERS[1]] - before[TOKEN_COUNTERS[1]]}
-    row["counts_equal"] = (prompt_tokens == row["server_prompt_tokens"]
-                           and output_tokens == row["server_generation_tokens"])
+    row = {
+        "client_prompt_tokens": prompt_tokens,
+        "client_output_tokens": output_tokens,
+        "server_prompt_tokens": after[TOKEN_COUNTERS[0]] - before[TOKEN_COUNTERS[0]],
+        "server_generation_tokens": after[TOKEN_COUNTERS[1]] - before[TOKEN_COUNTERS[1]],
+    }
+    row["counts_equal"] = (
+        prompt_tokens == row["server_prompt_tokens"] and output_tokens == row["server_generation_tokens"]
+    )
     return row
 
 

@@ -19,9 +19,29 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 CORPUS_MODULES = (
-    "json", "collections", "functools", "itertools", "textwrap", "string", "re", "random",
-    "heapq", "bisect", "statistics", "fractions", "decimal", "pathlib", "argparse", "logging",
-    "unittest", "dataclasses", "enum", "shutil", "tempfile", "csv", "calendar",
+    "json",
+    "collections",
+    "functools",
+    "itertools",
+    "textwrap",
+    "string",
+    "re",
+    "random",
+    "heapq",
+    "bisect",
+    "statistics",
+    "fractions",
+    "decimal",
+    "pathlib",
+    "argparse",
+    "logging",
+    "unittest",
+    "dataclasses",
+    "enum",
+    "shutil",
+    "tempfile",
+    "csv",
+    "calendar",
 )
 EXTRA_TEXT = [
     "The quick brown fox jumps over the lazy dog.",
@@ -49,13 +69,19 @@ def train_tokenizer(vocab_size: int):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, min_frequency=2,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        min_frequency=2,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator(corpus(), trainer)
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>",
-        pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE,
+        tokenizer_object=tok,
+        bos_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
     )
 
 
@@ -63,14 +89,28 @@ def model_config(arch: str, vocab_size: int, bos: int, eos: int, overrides: dict
     import transformers
 
     common = dict(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        rms_norm_eps=1e-6, initializer_range=0.1, bos_token_id=bos, eos_token_id=eos,
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        initializer_range=0.1,
+        bos_token_id=bos,
+        eos_token_id=eos,
     )
     common.update(overrides or {})
     if arch == "llama":
-        rope = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 128, "rope_theta": 10000.0}
+        rope = {
+            "rope_type": "llama3",
+            "factor": 4.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 128,
+            "rope_theta": 10000.0,
+        }
         return transformers.LlamaConfig(**common, rope_scaling=rope, tie_word_embeddings=False)
     if arch == "qwen2":
         return transformers.Qwen2Config(**common, rope_theta=1e6, tie_word_embeddings=True)
@@ -81,8 +121,14 @@ def model_config(arch: str, vocab_size: int, bos: int, eos: int, overrides: dict
     raise ValueError(f"unknown arch {arch!r}; choose from {ARCHS}")
 
 
-def make_tiny_model(arch: str, out: str | Path, seed: int = 0, vocab_size: int = 1024,
-                    max_shard_size: str | None = None, overrides: dict | None = None) -> Path:
+def make_tiny_model(
+    arch: str,
+    out: str | Path,
+    seed: int = 0,
+    vocab_size: int = 1024,
+    max_shard_size: str | None = None,
+    overrides: dict | None = None,
+) -> Path:
     """``overrides`` replaces config fields, e.g. {"head_dim": 128} for FlashInfer-sized heads."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig

@@ -37,17 +37,26 @@ BLOCK = 128
 
 def quantization_config(fmt: str) -> dict:
     if fmt == "block":
-        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                "weight_block_size": [BLOCK, BLOCK]}
+        return {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [BLOCK, BLOCK],
+        }
     fp8 = {"num_bits": 8, "type": "float", "symmetric": True}
     return {
-        "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
-        "config_groups": {"group_0": {
-            "targets": ["Linear"],
-            "weights": {**fp8, "strategy": "channel", "dynamic": False, "observer": "minmax"},
-            "input_activations": {**fp8, "strategy": "token", "dynamic": True, "observer": None},
-        }},
-        "ignore": ["lm_head"], "kv_cache_scheme": None,
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {**fp8, "strategy": "channel", "dynamic": False, "observer": "minmax"},
+                "input_activations": {**fp8, "strategy": "token", "dynamic": True, "observer": None},
+            }
+        },
+        "ignore": ["lm_head"],
+        "kv_cache_scheme": None,
     }
 
 

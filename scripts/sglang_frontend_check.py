@@ -33,8 +33,12 @@ def main() -> int:
         whole = program.run(question="What is two plus two?")
         streamed = program.run(question="What is two plus two?", stream=True)
         pieces = list(streamed.text_iter())
-        report = {"answer": whole["answer"], "verdict": whole["verdict"], "streamed_pieces": len(pieces),
-                  "same_text": whole.text() == streamed.text()}
+        report = {
+            "answer": whole["answer"],
+            "verdict": whole["verdict"],
+            "streamed_pieces": len(pieces),
+            "same_text": whole.text() == streamed.text(),
+        }
     print(json.dumps(report))
     return 0 if report["verdict"] in (" yes", " no", " maybe") and report["same_text"] else 1
 

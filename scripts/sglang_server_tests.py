@@ -58,14 +58,14 @@ SKIPPED = {
 # failed on what SmolLM2-135M writes (they are reported, and do not fail the run).
 MODEL_BOUND = {
     "TestMatchedStop.test_finish_stop_str": "its chat half asks for a story and waits for a newline; SmolLM2 "
-                                            "writes 1000 tokens on one line (finish length; the completion half, "
-                                            "the same stop, passes)",
+    "writes 1000 tokens on one line (finish length; the completion half, "
+    "the same stop, passes)",
     "TestJSONConstrained.test_json_openai": "128 tokens: SmolLM2 writes the population's digits until the "
-                                            "budget ends, so the JSON is cut (the grammar held every token)",
+    "budget ends, so the JSON is cut (the grammar held every token)",
     "TestJSONConstrained.test_json_generate": "the same schema and budget through /generate",
     "TestJSONConstrained.test_mix_json_and_other": "the same schema and budget, mixed with free requests",
     "TestRegexConstrained.test_regex_generate_custom_log_format": "three samples at temperature 0.5, 128 tokens: "
-        "a sample may write [a-z] letters until the budget ends (passes in some runs)",
+    "a sample may write [a-z] letters until the budget ends (passes in some runs)",
 }
 TEST_MODULE = '''
 import os
@@ -106,8 +106,22 @@ def kits_from(source: Path | None, workdir: Path) -> Path:
     """The ``sglang/test/kits`` folder of an sdist (downloaded if ``source`` is None), an
     unpacked sdist or a checkout, copied under ``workdir/sglang``; returns ``workdir``."""
     if source is None:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", f"sglang=={SGLANG_VERSION}", "--no-deps",
-                        "--no-binary", ":all:", "-d", str(workdir / "sdist")], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                f"sglang=={SGLANG_VERSION}",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                "-d",
+                str(workdir / "sdist"),
+            ],
+            check=True,
+        )
         (source,) = (workdir / "sdist").glob("sglang-*.tar.gz")
     package = workdir / "shim" / "sglang"
     (package / "test" / "kits").mkdir(parents=True)
@@ -140,26 +154,50 @@ def run(model: str, source: Path | None, server_args: list[str], pytest_args: li
         workdir = Path(tmp)
         shim = kits_from(source, workdir)
         imports = "\n".join(f"from sglang.test.kits.{mod} import {', '.join(names)}" for mod, names in KITS.items())
-        classes = "\n\n".join(f"class Test{name.removesuffix('Mixin')}(_Server, {name}):\n    pass\n"
-                              for names in KITS.values() for name in names)
+        classes = "\n\n".join(
+            f"class Test{name.removesuffix('Mixin')}(_Server, {name}):\n    pass\n"
+            for names in KITS.values()
+            for name in names
+        )
         (workdir / "test_sglang_kits.py").write_text(TEST_MODULE.format(imports=imports, classes=classes))
         port = free_port()
         server, _ = start_server(model, port, ["--device", "cpu", *server_args])
         try:
-            env = {**os.environ, "PYTHONPATH": f"{shim}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-                   "SGLANG_KITS_URL": f"http://127.0.0.1:{port}", "SGLANG_KITS_MODEL": "default",
-                   "SGLANG_KITS_PID": str(server.pid)}
+            env = {
+                **os.environ,
+                "PYTHONPATH": f"{shim}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+                "SGLANG_KITS_URL": f"http://127.0.0.1:{port}",
+                "SGLANG_KITS_MODEL": "default",
+                "SGLANG_KITS_PID": str(server.pid),
+            }
             report = workdir / "report.xml"
-            subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
-                            str(workdir / "test_sglang_kits.py"), *pytest_args], env=env, cwd=workdir)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "pytest",
+                    "-q",
+                    "-p",
+                    "no:cacheprovider",
+                    f"--junitxml={report}",
+                    str(workdir / "test_sglang_kits.py"),
+                    *pytest_args,
+                ],
+                env=env,
+                cwd=workdir,
+            )
             outcomes = {}
             for case in ET.parse(report).iter("testcase"):
                 name = f"{case.get('classname', '').rsplit('.', 1)[-1]}.{case.get('name')}"
                 bad = case.find("failure") if case.find("failure") is not None else case.find("error")
                 skipped = case.find("skipped")
-                outcomes[name] = ("passed" if bad is None and skipped is None else
-                                  f"skipped: {skipped.get('message')}" if bad is None else
-                                  f"failed: {(bad.get('message') or '')[:300]}")
+                outcomes[name] = (
+                    "passed"
+                    if bad is None and skipped is None
+                    else f"skipped: {skipped.get('message')}"
+                    if bad is None
+                    else f"failed: {(bad.get('message') or '')[:300]}"
+                )
             return outcomes
         finally:
             server.send_signal(signal.SIGTERM)
@@ -172,9 +210,13 @@ def run(model: str, source: Path | None, server_args: list[str], pytest_args: li
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="a checkpoint folder or .gguf file (the real model: SmolLM2)")
-    ap.add_argument("--sglang-source", type=Path, default=None,
-                    help=f"an sglang sdist (.tar.gz), an unpacked one or a checkout (default: sglang=={SGLANG_VERSION} "
-                         "from the package index)")
+    ap.add_argument(
+        "--sglang-source",
+        type=Path,
+        default=None,
+        help=f"an sglang sdist (.tar.gz), an unpacked one or a checkout (default: sglang=={SGLANG_VERSION} "
+        "from the package index)",
+    )
     ap.add_argument("--server-args", default=SERVER_ARGS, help="more flags for our server")
     ap.add_argument("pytest_args", nargs="*", help="passed to pytest (after --)")
     args = ap.parse_args()
@@ -194,8 +236,10 @@ def report(outcomes: dict[str, str]) -> list[str]:
         print(f"{'left out':8s} {kit}: {why}")
     failed = [n for n, o in outcomes.items() if o.startswith("failed") and n not in MODEL_BOUND]
     passed = sum(o == "passed" for o in outcomes.values())
-    print(f"\n{passed} of {len(outcomes)} passed; {len(failed)} failed on the API; "
-          f"{sum(o.startswith('failed') for o in outcomes.values()) - len(failed)} on the model")
+    print(
+        f"\n{passed} of {len(outcomes)} passed; {len(failed)} failed on the API; "
+        f"{sum(o.startswith('failed') for o in outcomes.values()) - len(failed)} on the model"
+    )
     return failed
 
 

@@ -13,16 +13,16 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import socket
 import re
+import socket
 import subprocess
 import sys
 import time
 from contextlib import ExitStack
 
 import httpx
-
 from local_server import serving
+
 from minisgl.data_parallel import find_smg
 
 
@@ -36,9 +36,23 @@ def main() -> int:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        router = subprocess.Popen([args.smg, "launch", "--worker-urls", *workers, "--policy", "cache_aware",
-                                   "--host", "127.0.0.1", "--port", str(port)],
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        router = subprocess.Popen(
+            [
+                args.smg,
+                "launch",
+                "--worker-urls",
+                *workers,
+                "--policy",
+                "cache_aware",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         stack.callback(router.terminate)
         url = f"http://127.0.0.1:{port}"
         for _ in range(120):
@@ -52,8 +66,11 @@ def main() -> int:
         checks["generate"] = r.status_code == 200 and len(r.json()["output_ids"]) == 4
         r = httpx.post(f"{url}/v1/completions", json={"model": "m", "prompt": "Hello", "max_tokens": 4}, timeout=60)
         checks["completions"] = r.status_code == 200
-        r = httpx.post(f"{url}/v1/chat/completions", json={"model": "m", "max_tokens": 4,
-                                                           "messages": [{"role": "user", "content": "Hi"}]}, timeout=60)
+        r = httpx.post(
+            f"{url}/v1/chat/completions",
+            json={"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]},
+            timeout=60,
+        )
         checks["chat"] = r.status_code == 200
         before = [httpx.get(f"{w}/server_info").json()["scheduler"] for w in workers]
         rng = random.Random(0)
@@ -71,11 +88,18 @@ def main() -> int:
         log = router.communicate(timeout=10)[0]
     # The router's own security-posture notice (metrics port without auth) is not about the workers.
     plain = re.sub(r"\x1b\[[0-9;]*m", "", log)
-    warnings = [line for line in plain.splitlines()
-                if ("WARN" in line or "ERROR" in line) and "smg::posture" not in line]
-    report = {**checks, "hit_rate": hits / queried, "queried_tokens": queried, "hit_tokens": hits,
-              "prefill_tokens_per_worker": [a["prefill_tokens"] - b["prefill_tokens"] for a, b in zip(after, before)],
-              "loads_keys": sorted(loads[0]), "router_warnings": warnings[:10]}
+    warnings = [
+        line for line in plain.splitlines() if ("WARN" in line or "ERROR" in line) and "smg::posture" not in line
+    ]
+    report = {
+        **checks,
+        "hit_rate": hits / queried,
+        "queried_tokens": queried,
+        "hit_tokens": hits,
+        "prefill_tokens_per_worker": [a["prefill_tokens"] - b["prefill_tokens"] for a, b in zip(after, before)],
+        "loads_keys": sorted(loads[0]),
+        "router_warnings": warnings[:10],
+    }
     print(json.dumps(report))
     return 0 if all(checks.values()) else 1
 

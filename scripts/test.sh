@@ -7,4 +7,5 @@ cd "$(dirname "$0")/.."
 python -m pip install -q torch==2.13.0 --extra-index-url https://download.pytorch.org/whl/cpu
 # Installed as a user installs it (not editable), so a module left out of the package fails here.
 python -m pip install -q ".[test]"
-python -m pytest tests -q "$@"
+python -m ruff check . && python -m ruff format --check . && python scripts/flags_doc.py --check
+python -m pytest tests -q --durations=15 "$@"

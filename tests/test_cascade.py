@@ -9,8 +9,8 @@ import torch
 from minisgl.attention import create_backend
 from minisgl.attention.synthetic import decode_metadata
 from minisgl.kvcache import MHAKVCache
-from minisgl.scheduler import cascade
 from minisgl.sampling import SamplingParams
+from minisgl.scheduler import cascade
 from tests.test_scheduler import make_llm, shared_prefix_prompts, tokens
 
 LAYOUTS = {
@@ -96,8 +96,10 @@ def test_no_groups_on_cpu_by_default(tiny_llama, monkeypatch):
     monkeypatch.setattr(cascade, "MIN_BATCH", 1)
     llm = make_llm(tiny_llama, page_size=4)
     seen = spy_groups(llm)
-    llm.generate(shared_prefix_prompts(groups=2, per_group=4, prefix_len=41, seed=6),
-                 SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True))
+    llm.generate(
+        shared_prefix_prompts(groups=2, per_group=4, prefix_len=41, seed=6),
+        SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True),
+    )
     assert seen and not any(sizes for sizes, _, _ in seen)
     assert llm.scheduler.stats()["cascade_steps"] == 0
 
@@ -161,7 +163,12 @@ def test_flashinfer_cascade_matches_plain(page_size, layout, graph, heads):
     n = sum(len(lens) for _, lens in groups) + len(loose)
     q = torch.randn(n, hq, dim, dtype=torch.bfloat16, device="cuda")
     outs = {}
-    for name, two_level in (("torch", False), ("flashinfer decode", False), ("flashinfer", False), ("flashinfer", True)):
+    for name, two_level in (
+        ("torch", False),
+        ("flashinfer decode", False),
+        ("flashinfer", False),
+        ("flashinfer", True),
+    ):
         if name == "flashinfer decode":
             backend = create_backend("flashinfer", cache, hq, hk, dim, decode_backend="flashinfer")
         else:
@@ -198,13 +205,23 @@ def test_cascade_greedy_tokens_on_bf16(tmp_path, cheap_cascade, page_size):
     prompts = shared_prefix_prompts(groups=6, per_group=11, prefix_len=300, seed=7)[:64]
     params = [SamplingParams(temperature=0.0, max_new_tokens=8 + i % 9, ignore_eos=True) for i in range(64)]
     outs = {}
-    for name, kw in {"fp32": dict(dtype="float32", attention_backend="torch", disable_cascade_attention=True),
-                     "plain flashinfer": dict(dtype="bfloat16", disable_cascade_attention=True,
-                                              decode_attention_backend="flashinfer"),
-                     "plain": dict(dtype="bfloat16", disable_cascade_attention=True),
-                     "cascade": dict(dtype="bfloat16")}.items():
-        llm = LLM(str(path), device="cuda", max_total_tokens=16384, max_running_requests=64,
-                  page_size=page_size, cuda_graph_max_bs=32, **kw)
+    for name, kw in {
+        "fp32": dict(dtype="float32", attention_backend="torch", disable_cascade_attention=True),
+        "plain flashinfer": dict(
+            dtype="bfloat16", disable_cascade_attention=True, decode_attention_backend="flashinfer"
+        ),
+        "plain": dict(dtype="bfloat16", disable_cascade_attention=True),
+        "cascade": dict(dtype="bfloat16"),
+    }.items():
+        llm = LLM(
+            str(path),
+            device="cuda",
+            max_total_tokens=16384,
+            max_running_requests=64,
+            page_size=page_size,
+            cuda_graph_max_bs=32,
+            **kw,
+        )
         seen = spy_groups(llm)
         outs[name] = tokens(llm.generate(prompts, params))
         llm.scheduler.check_integrity()
@@ -214,7 +231,9 @@ def test_cascade_greedy_tokens_on_bf16(tmp_path, cheap_cascade, page_size):
 
     def agree(a: str, b: str) -> tuple[int, list[tuple[int, int]]]:
         pairs = list(zip(outs[a], outs[b]))
-        first = [(i, next(j for j, (x, y) in enumerate(zip(u, v)) if x != y)) for i, (u, v) in enumerate(pairs) if u != v]
+        first = [
+            (i, next(j for j, (x, y) in enumerate(zip(u, v)) if x != y)) for i, (u, v) in enumerate(pairs) if u != v
+        ]
         return 64 - len(first), first
 
     report = {k: agree(*k) for k in [("cascade", "plain"), ("plain flashinfer", "fp32"), ("cascade", "fp32")]}

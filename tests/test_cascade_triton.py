@@ -33,8 +33,12 @@ def plan_args(meta: AttentionMetadata, page_size: int, group_pages: list[int], p
     slots = meta.slots + [0] * pad
     pages = [cdiv(n, page_size) - k for n, k in zip(lens, skip)]
     table = torch.from_numpy(meta.page_table_host).to(meta.positions.device)
-    own = torch.cat([table[s, k : k + p] if i < meta.num_reqs else table[0, :1] * 0
-                     for i, (s, k, p) in enumerate(zip(slots, skip, pages))])
+    own = torch.cat(
+        [
+            table[s, k : k + p] if i < meta.num_reqs else table[0, :1] * 0
+            for i, (s, k, p) in enumerate(zip(slots, skip, pages))
+        ]
+    )
     leaders = [sum(meta.group_sizes[:g]) for g in range(len(group_pages))]
     shared = torch.cat([table[meta.slots[r], :p] for r, p in zip(leaders, group_pages)] + [table[0, :0]])
     tokens = [n - k * page_size for n, k in zip(lens, skip)]
@@ -70,6 +74,7 @@ def check(device: str, dtype: torch.dtype, graph: bool) -> None:
             assert torch.equal(a, b), what
         else:
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6, msg=what)
+
     for page_size in (1, 16):
         for groups, loose in LAYOUTS.values():
             groups = [(pages * (16 // page_size), lens) for pages, lens in groups]
@@ -148,8 +153,12 @@ def test_work_lists():
     assert segment_tokens(np.array([5000, 10, 10]), 16, target_items=4, min_tokens=16) == 1264
     # Groups of 3 and 1 rows sharing 64 and 160 tokens (page 16), tiles of 2 members, segments of 128.
     work = shared_work([3, 1], [64, 160], page_size=16, segment=128, members_per_item=2)
-    assert work.tolist() == [[0, 2, 0, 64, 0, 0], [2, 1, 0, 64, 0, 0],  # group 0: one segment, two tiles
-                             [3, 1, 4, 128, 0, 0], [3, 1, 12, 32, 1, 0]]  # group 1: pages 4-13, two segments
+    assert work.tolist() == [
+        [0, 2, 0, 64, 0, 0],
+        [2, 1, 0, 64, 0, 0],  # group 0: one segment, two tiles
+        [3, 1, 4, 128, 0, 0],
+        [3, 1, 12, 32, 1, 0],
+    ]  # group 1: pages 4-13, two segments
     assert len(shared_work([3], [0], 16, 128, 2)) == 0
     # Own items: rows 0-2 past 64 shared tokens, row 3 past 160, row 4 loose; segments of 128.
     lens = np.array([100, 128, 300, 200, 129])
@@ -158,9 +167,12 @@ def test_work_lists():
     assert work.tolist() == [
         [0, 1, 0, 36, 0, RESUME | FINAL],  # one segment: resumes the shared state, writes the output
         [1, 1, 3, 64, 0, RESUME | FINAL],
-        [2, 1, 7, 64, 0, RESUME], [2, 1, 11, 128, 1, 0], [2, 1, 19, 44, 2, 0],  # three segments
+        [2, 1, 7, 64, 0, RESUME],
+        [2, 1, 11, 128, 1, 0],
+        [2, 1, 19, 44, 2, 0],  # three segments
         [3, 1, 22, 40, 1, RESUME],  # segment 1 started by the shared level (tokens 128-159)
-        [4, 1, 25, 128, 0, 0], [4, 1, 33, 1, 1, 0],
+        [4, 1, 25, 128, 0, 0],
+        [4, 1, 33, 1, 1, 0],
     ]
     assert counts.tolist() == [1, 1, 3, 2, 2]
     # A shared part ending on a segment boundary: the own part starts the next segment afresh.
@@ -174,8 +186,10 @@ def test_triton_interpreter_matches_reference(graph):
     so it runs in a child process."""
     pytest.importorskip("triton")
     root = Path(__file__).resolve().parents[1]
-    code = ("from tests.test_cascade_triton import check, patch_interpreter_ranges; import torch; "
-            f"patch_interpreter_ranges(); check('cpu', torch.float32, {graph})")
+    code = (
+        "from tests.test_cascade_triton import check, patch_interpreter_ranges; import torch; "
+        f"patch_interpreter_ranges(); check('cpu', torch.float32, {graph})"
+    )
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
     done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -201,8 +215,11 @@ def test_fp8_cascade_steps_in_their_own_stages_give_the_plain_bits(hq):
     hk, dim, page_size, scales, fp8 = 8, 128, 16, (0.7, 1.3), torch.float8_e4m3fn
     options = fp8_page_options(hq, hk)
     stages = 2 if hq == 32 else 5
-    assert options == (dict(block_n=128, cascade_num_stages=2, cascade_own_maxnreg=128) if hq == 32
-                       else dict(cascade_own_maxnreg=128, plain_num_warps=2))
+    assert options == (
+        dict(block_n=128, cascade_num_stages=2, cascade_own_maxnreg=128)
+        if hq == 32
+        else dict(cascade_own_maxnreg=128, plain_num_warps=2)
+    )
     groups, loose = [(16, [300, 400, 257]), (24, [390, 385]), (8, [130] * 9)], [700, 33]
     cache = MHAKVCache(4096 // page_size, page_size, 1, hk, dim, fp8, torch.device("cuda"))
     cache.buffer.copy_(torch.randn(cache.buffer.shape, device="cuda").to(fp8))

@@ -48,10 +48,16 @@ def test_rope_store_kernel_matches_torch(dtype, heads, dim, page_size, qk_norm):
     qkv = torch.randn(tokens, width + 64, device="cuda", dtype=dtype)[:, :width]
     norm = None
     if qk_norm:
-        norm = (torch.rand(dim, device="cuda", dtype=dtype) + 0.5, torch.rand(dim, device="cuda", dtype=dtype) + 0.5, 1e-6)
+        norm = (
+            torch.rand(dim, device="cuda", dtype=dtype) + 0.5,
+            torch.rand(dim, device="cuda", dtype=dtype) + 0.5,
+            1e-6,
+        )
     layer = 1
     got = rope_store(qkv, hq, positions, cos_sin, caches[0].k_cache(layer), caches[0].v_cache(layer), slots, norm)
-    want = rope_store_torch(qkv, hq, positions, cos_sin, caches[1].k_cache(layer), caches[1].v_cache(layer), slots, norm)
+    want = rope_store_torch(
+        qkv, hq, positions, cos_sin, caches[1].k_cache(layer), caches[1].v_cache(layer), slots, norm
+    )
     torch.cuda.synchronize()
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
     assert got.is_contiguous() and got.shape == (tokens, hq, dim)
@@ -77,13 +83,23 @@ def _random_batch(page_size: int, cached: list[int], new: list[int], pages: int,
     req = torch.repeat_interleave(torch.arange(len(seq)), torch.tensor(new)).to(device)
     out_loc = table[req, positions // page_size].long() * page_size + positions % page_size
     return AttentionMetadata(
-        slots=list(range(len(seq))), cached_lens=cached, new_lens=new, page_table_host=table.cpu().numpy(),
-        positions=positions, out_loc=out_loc,
+        slots=list(range(len(seq))),
+        cached_lens=cached,
+        new_lens=new,
+        page_table_host=table.cpu().numpy(),
+        positions=positions,
+        out_loc=out_loc,
     )
 
 
-def backend_outputs(backend, cache: MHAKVCache, meta: AttentionMetadata, hq: int, new: list[int],
-                    scales: tuple[float, float] = (1.0, 1.0)) -> list[torch.Tensor]:
+def backend_outputs(
+    backend,
+    cache: MHAKVCache,
+    meta: AttentionMetadata,
+    hq: int,
+    new: list[int],
+    scales: tuple[float, float] = (1.0, 1.0),
+) -> list[torch.Tensor]:
     """Two layers of ``backend`` on random bf16 q/k/v (seeded by the caller), their K/V stored first."""
     hk, dim = cache.k_cache(0).shape[2:]
     backend.prepare(meta)
@@ -121,8 +137,15 @@ def test_tiny_model_fp32_on_cuda_matches_cpu(tiny_models):
     prompts = [[5, 6, 7, 8, 9, 10, 11], list(range(20, 77)), [42]]
     results = []
     for device in ("cpu", "cuda"):
-        runner = ModelRunner(EngineArgs(model=str(tiny_models["qwen3"]), device=device, max_total_tokens=4096,
-                                        max_running_requests=4, page_size=16))
+        runner = ModelRunner(
+            EngineArgs(
+                model=str(tiny_models["qwen3"]),
+                device=device,
+                max_total_tokens=4096,
+                max_running_requests=4,
+                page_size=16,
+            )
+        )
         results.append((runner.forward(prefill_batch(runner, prompts)).cpu(), generate(runner, prompts, 16)[0]))
     torch.testing.assert_close(results[1][0], results[0][0], atol=1e-4, rtol=0)
     assert results[1][1] == results[0][1]
@@ -134,20 +157,42 @@ def test_tiny_model_bf16_flashinfer_matches_torch_backend(tmp_path):
     prompts = [list(range(3, 40)), list(range(100, 190))]
     logits = []
     for backend in ("torch", "flashinfer"):
-        runner = ModelRunner(EngineArgs(model=str(path), device="cuda", dtype="bfloat16",
-                                        attention_backend=backend, max_total_tokens=4096, max_running_requests=4))
+        runner = ModelRunner(
+            EngineArgs(
+                model=str(path),
+                device="cuda",
+                dtype="bfloat16",
+                attention_backend=backend,
+                max_total_tokens=4096,
+                max_running_requests=4,
+            )
+        )
         logits.append(runner.forward(prefill_batch(runner, prompts)).float())
     torch.testing.assert_close(logits[1], logits[0], atol=3e-2, rtol=3e-2)
 
 
 def test_llama8b_shape_decode_step_at_batch_64():
     batch, context = 64, 1024
-    runner = ModelRunner(EngineArgs(model=str(CONFIGS / "llama3.1-8b"), load_format="dummy", device="cuda",
-                                    context_length=2048, max_running_requests=batch, page_size=16,
-                                    max_total_tokens=batch * (context + 16)))
+    runner = ModelRunner(
+        EngineArgs(
+            model=str(CONFIGS / "llama3.1-8b"),
+            load_format="dummy",
+            device="cuda",
+            context_length=2048,
+            max_running_requests=batch,
+            page_size=16,
+            max_total_tokens=batch * (context + 16),
+        )
+    )
     writes = page_table_writes(runner, [context + 1] * batch)
-    step = ForwardBatch(slots=list(range(batch)), cached_lens=[context] * batch, new_lens=[1] * batch,
-                        input_ids=list(range(batch)), sample=[True] * batch, **writes)
+    step = ForwardBatch(
+        slots=list(range(batch)),
+        cached_lens=[context] * batch,
+        new_lens=[1] * batch,
+        input_ids=list(range(batch)),
+        sample=[True] * batch,
+        **writes,
+    )
     out = runner.step(step)
     assert len(out.tokens) == batch and all(0 <= t < runner.vocab_size for t in out.tokens)
 
@@ -163,11 +208,20 @@ def test_cuda_graphs_and_overlap_keep_greedy_tokens(tmp_path):
     prompts = [prefix[: 10 + i] + torch.randint(3, 900, (1 + i % 7,), generator=rng).tolist() for i in range(37)]
     params = [{"max_new_tokens": 8 + i % 13, "temperature": 0.0, "ignore_eos": True} for i in range(37)]
     outs = {}
-    for name, kw in {"eager-sync": dict(cuda_graph_max_bs=0, disable_overlap_schedule=True),
-                     "graphs-sync": dict(cuda_graph_max_bs=24, disable_overlap_schedule=True),
-                     "graphs-overlap": dict(cuda_graph_max_bs=24)}.items():
-        llm = LLM(str(path), device="cuda", dtype="bfloat16", max_total_tokens=8192, max_running_requests=40,
-                  page_size=4, **kw)
+    for name, kw in {
+        "eager-sync": dict(cuda_graph_max_bs=0, disable_overlap_schedule=True),
+        "graphs-sync": dict(cuda_graph_max_bs=24, disable_overlap_schedule=True),
+        "graphs-overlap": dict(cuda_graph_max_bs=24),
+    }.items():
+        llm = LLM(
+            str(path),
+            device="cuda",
+            dtype="bfloat16",
+            max_total_tokens=8192,
+            max_running_requests=40,
+            page_size=4,
+            **kw,
+        )
         assert (llm.runner.graphs is not None) == (kw["cuda_graph_max_bs"] != 0)
         outs[name] = [r["output_ids"] for r in llm.generate(prompts, params)]
     assert outs["graphs-sync"] == outs["eager-sync"]
@@ -209,6 +263,7 @@ def test_fused_kernels_match_torch(dtype):
     gate, up = gu.chunk(2, dim=-1)
     torch.testing.assert_close(fused.silu_and_mul(gu), torch.nn.functional.silu(gate) * up, **tol)
 
+
 @pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype")
 def test_launch_does_not_sync_the_host(tmp_path):
     """A step's launch (page-table writes, plan, graph replay or eager forward, cascade or not,
@@ -218,17 +273,34 @@ def test_launch_does_not_sync_the_host(tmp_path):
     from minisgl.sampling import SamplingParams
 
     path = make_tiny_model("llama", tmp_path / "llama-hd128", overrides={"head_dim": 128})
-    runner = ModelRunner(EngineArgs(model=str(path), device="cuda", dtype="bfloat16", max_total_tokens=8192,
-                                    max_running_requests=8, cuda_graph_max_bs=8))
+    runner = ModelRunner(
+        EngineArgs(
+            model=str(path),
+            device="cuda",
+            dtype="bfloat16",
+            max_total_tokens=8192,
+            max_running_requests=8,
+            cuda_graph_max_bs=8,
+        )
+    )
     prompts = [list(range(3, 40)), list(range(100, 190)), [7] * 20]
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9, seed=3),
-              SamplingParams(temperature=0.0, repetition_penalty=1.2)]
-    new = [NewRequest(slot=i, sampling=p, seed=i, top_logprobs=2 if i == 0 else -1, prompt_ids=prompts[i])
-           for i, p in enumerate(params)]
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=3),
+        SamplingParams(temperature=0.0, repetition_penalty=1.2),
+    ]
+    new = [
+        NewRequest(slot=i, sampling=p, seed=i, top_logprobs=2 if i == 0 else -1, prompt_ids=prompts[i])
+        for i, p in enumerate(params)
+    ]
     lens = [len(p) for p in prompts]
     prefill = prefill_batch(runner, prompts, reserve=8, new_requests=new)
-    decode = [ForwardBatch(slots=[0, 1, 2], cached_lens=[n + i for n in lens], new_lens=[1] * 3,
-                           input_ids=[-1] * 3, sample=[True] * 3) for i in range(4)]
+    decode = [
+        ForwardBatch(
+            slots=[0, 1, 2], cached_lens=[n + i for n in lens], new_lens=[1] * 3, input_ids=[-1] * 3, sample=[True] * 3
+        )
+        for i in range(4)
+    ]
     for batch in decode[2:]:  # cascade steps: requests 0 and 1 as a group over one page
         batch.group_sizes, batch.group_pages = [2], [1]
     torch.cuda.synchronize()
@@ -251,8 +323,11 @@ def test_prompt_logprobs_on_cuda(tmp_path):
     path = make_tiny_model("llama", tmp_path / "llama-hd128", overrides={"head_dim": 128})
     prompt = list(range(3, 90))
     got = {}
-    for name, kw in {"cpu": dict(device="cpu"), "fp32": dict(device="cuda", dtype="float32"),
-                     "bf16": dict(device="cuda", dtype="bfloat16", chunked_prefill_size=32)}.items():
+    for name, kw in {
+        "cpu": dict(device="cpu"),
+        "fp32": dict(device="cuda", dtype="float32"),
+        "bf16": dict(device="cuda", dtype="bfloat16", chunked_prefill_size=32),
+    }.items():
         llm = LLM(str(path), max_total_tokens=4096, **kw)
         out = llm.generate(prompt, {"max_new_tokens": 4, "temperature": 0}, logprob_start=0)[0]
         got[name] = torch.tensor(out["meta_info"]["input_token_logprobs"][1:])
@@ -268,11 +343,16 @@ def test_constrained_decoding_on_cuda(tmp_path, dtype):
     gets the same tokens with CUDA graphs as without (the mask is applied outside the graph)."""
     prompts = shared_prefix_prompts(groups=2, per_group=8, prefix_len=24)
     shapes = schemas(len(prompts), seed=7)
-    params = [SamplingParams(max_new_tokens=64, temperature=0.0, ignore_eos=True) if i % 4 == 0 else
-              SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0 if i % 2 else 0.8, seed=i,
-                             json_schema=json.dumps(shapes[i])) if i % 4 in (1, 3)
-              else SamplingParams(max_new_tokens=MAX_NEW, temperature=0.8, seed=i, regex=REGEXES[i % 6])
-              for i in range(len(prompts))]
+    params = [
+        SamplingParams(max_new_tokens=64, temperature=0.0, ignore_eos=True)
+        if i % 4 == 0
+        else SamplingParams(
+            max_new_tokens=MAX_NEW, temperature=0.0 if i % 2 else 0.8, seed=i, json_schema=json.dumps(shapes[i])
+        )
+        if i % 4 in (1, 3)
+        else SamplingParams(max_new_tokens=MAX_NEW, temperature=0.8, seed=i, regex=REGEXES[i % 6])
+        for i in range(len(prompts))
+    ]
     path = make_tiny_model("llama", tmp_path / "llama-hd128", overrides={"head_dim": 128})
     llm = make_llm(path, device="cuda", dtype=dtype)
     assert (llm.runner.graphs is not None) == (dtype == "bfloat16")  # fp32 runs the torch attention, eager
@@ -330,10 +410,14 @@ def test_trimmed_decode_plan_equals_flashinfers(page_size):
 
     def graph_wrapper():
         return flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda"), "NHD", use_cuda_graph=True,
-            use_tensor_cores=True, paged_kv_indptr_buffer=torch.zeros(batch + 1, dtype=torch.int32, device="cuda"),
+            torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda"),
+            "NHD",
+            use_cuda_graph=True,
+            use_tensor_cores=True,
+            paged_kv_indptr_buffer=torch.zeros(batch + 1, dtype=torch.int32, device="cuda"),
             paged_kv_indices_buffer=torch.zeros(batch * max_pages, dtype=torch.int32, device="cuda"),
-            paged_kv_last_page_len_buffer=torch.zeros(batch, dtype=torch.int32, device="cuda"))
+            paged_kv_last_page_len_buffer=torch.zeros(batch, dtype=torch.int32, device="cuda"),
+        )
 
     def inputs(lens):
         pages = [cdiv(n, page_size) for n in lens]
@@ -342,7 +426,7 @@ def test_trimmed_decode_plan_equals_flashinfers(page_size):
         last = torch.tensor([n - (p - 1) * page_size for n, p in zip(lens, pages)], dtype=torch.int32)
         return indptr, indices, last
 
-    common = dict(q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, sm_scale=dim ** -0.5)
+    common = dict(q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, sm_scale=dim**-0.5)
     heads = (hq, hk, dim, page_size)
     trimmed, full = graph_wrapper(), graph_wrapper()
     for step, lens in enumerate([[40] * batch, [page_size * 3 + 1 + 5 * i for i in range(batch)], [1] * batch]):

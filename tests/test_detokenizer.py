@@ -106,7 +106,11 @@ def test_clean_up_setting_never_drops_punctuation_in_streams(tiny_llama: Path):
 
     real = load_tokenizer(tiny_llama)
     tok = Transformers4Cleanup(real)
-    ids = [t for piece in [" return", " ", ".", " value", " ,", " end", " !"] for t in real.encode(piece, add_special_tokens=False)]
+    ids = [
+        t
+        for piece in [" return", " ", ".", " value", " ,", " end", " !"]
+        for t in real.encode(piece, add_special_tokens=False)
+    ]
     whole = decode_ids(tok, ids, skip_special_tokens=True)
     assert whole == decode_ids(real, ids, skip_special_tokens=True) == " return . value , end !"
     stream = TextStream(tok, [])
@@ -149,9 +153,14 @@ def test_stop_regex_and_out_of_vocabulary_stop_ids_in_the_offline_api(tiny_llama
     target = free["text"][4:8]
     pattern = re.escape(target)
     out = llm.generate("Hello", {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True, "stop_regex": pattern})[0]
-    assert out["meta_info"]["finish_reason"] == "stop" and out["text"].endswith(target) and free["text"].startswith(out["text"])
-    far = llm.generate("Hello", {"max_new_tokens": 6, "temperature": 0, "stop_token_ids": [10**6],
-                                 "min_new_tokens": 2})[0]
+    assert (
+        out["meta_info"]["finish_reason"] == "stop"
+        and out["text"].endswith(target)
+        and free["text"].startswith(out["text"])
+    )
+    far = llm.generate(
+        "Hello", {"max_new_tokens": 6, "temperature": 0, "stop_token_ids": [10**6], "min_new_tokens": 2}
+    )[0]
     assert far["output_ids"] == free["output_ids"][: len(far["output_ids"])]
     with pytest.raises(ValueError, match="stop_regex"):
         llm.generate("Hello", {"max_new_tokens": 4, "stop_regex": "(unclosed"})

@@ -46,11 +46,15 @@ def _greedy_rank(rank: int, init: str, out: str, device: str) -> None:
     os._exit(0)  # the results are saved; a symmetric-memory group can hang in teardown
 
 
-@pytest.mark.parametrize("device", [
-    "cpu",
-    pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(torch.cuda.device_count() < 2,
-                                                                     reason="needs two GPUs")]),
-])
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")]
+        ),
+    ],
+)
 def test_greedy_over_vocab_slices_equals_argmax_of_gathered_rows(device: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         init = f"file://{os.path.join(tmp, 'rendezvous')}"
@@ -70,9 +74,11 @@ def test_offline_api_at_tp2_equals_tp1(tiny_llama: Path) -> None:
     from minisgl.llm import LLM
 
     prompts = [[1, 5, 9, 200, 31], [7] * 40, list(range(3, 90))]
-    params = [{"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True},
-              {"max_new_tokens": 12, "temperature": 0.8, "top_p": 0.9, "seed": 4, "ignore_eos": True},
-              {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}]
+    params = [
+        {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True},
+        {"max_new_tokens": 12, "temperature": 0.8, "top_p": 0.9, "seed": 4, "ignore_eos": True},
+        {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True},
+    ]
     kw = dict(device="cpu", dtype="float32", max_running_requests=8)
     want = LLM(str(tiny_llama), **kw).generate(prompts, params, top_logprobs=2)
     llm = LLM(str(tiny_llama), tp_size=2, **kw)
@@ -85,11 +91,13 @@ def test_offline_api_at_tp2_equals_tp1(tiny_llama: Path) -> None:
     assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
     assert alone[0]["output_ids"] == want[0]["output_ids"]
     for g, w in zip(got, want):
-        torch.testing.assert_close(g["meta_info"]["output_token_logprobs"], w["meta_info"]["output_token_logprobs"],
-                                   atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            g["meta_info"]["output_token_logprobs"], w["meta_info"]["output_token_logprobs"], atol=1e-4, rtol=0
+        )
         assert g["meta_info"]["output_top_logprobs"] == w["meta_info"]["output_top_logprobs"] or all(
             torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-4)
-            for a, b in zip(g["meta_info"]["output_top_logprobs"], w["meta_info"]["output_top_logprobs"]))
+            for a, b in zip(g["meta_info"]["output_top_logprobs"], w["meta_info"]["output_top_logprobs"])
+        )
 
 
 def test_fp8_checkpoint_and_kv_at_tp2_stay_close_to_tp1(tmp_path: Path) -> None:

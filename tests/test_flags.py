@@ -13,13 +13,36 @@ from tests.test_scheduler import make_llm
 
 
 def test_sglang_flag_names():
-    args = parse_args([
-        "--model-path", "m", "--tokenizer-path", "t", "--tensor-parallel-size", "1", "--random-seed", "7",
-        "--trust-remote-code", "--revision", "main", "--enable-metrics", "--enable-cache-report",
-        "--chunked-prefill-size", "-1", "--max-prefill-tokens", "4096", "--disable-cuda-graph",
-        "--skip-server-warmup", "--log-requests", "--stream-interval", "1", "--log-level", "critical",
-        "--chat-template", "tpl.jinja",
-    ])
+    args = parse_args(
+        [
+            "--model-path",
+            "m",
+            "--tokenizer-path",
+            "t",
+            "--tensor-parallel-size",
+            "1",
+            "--random-seed",
+            "7",
+            "--trust-remote-code",
+            "--revision",
+            "main",
+            "--enable-metrics",
+            "--enable-cache-report",
+            "--chunked-prefill-size",
+            "-1",
+            "--max-prefill-tokens",
+            "4096",
+            "--disable-cuda-graph",
+            "--skip-server-warmup",
+            "--log-requests",
+            "--stream-interval",
+            "1",
+            "--log-level",
+            "critical",
+            "--chat-template",
+            "tpl.jinja",
+        ]
+    )
     assert (args.model, args.tokenizer, args.tp_size, args.seed, args.revision) == ("m", "t", 1, 7, "main")
     assert (args.chunked_prefill_size, args.max_prefill_tokens, args.disable_cuda_graph) == (-1, 4096, True)
     assert args.log_requests and args.log_level == "critical" and args.chat_template == "tpl.jinja"
@@ -39,8 +62,11 @@ def test_chunking_flags(tiny_llama):
     prompts = [[rng.randrange(3, 1000) for _ in range(300)] for _ in range(3)]
     params = SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)
     outs = {}
-    for name, kw in {"whole": dict(chunked_prefill_size=-1), "capped": dict(max_prefill_tokens=64),
-                     "default": {}}.items():
+    for name, kw in {
+        "whole": dict(chunked_prefill_size=-1),
+        "capped": dict(max_prefill_tokens=64),
+        "default": {},
+    }.items():
         llm = make_llm(tiny_llama, page_size=4, **kw)
         steps, launch = [], llm.runner.launch
         llm.runner.launch = lambda batch, launch=launch: (steps.append(list(batch.new_lens)), launch(batch))
@@ -59,7 +85,8 @@ def test_chat_template_flag(tiny_llama, tmp_path):
         (tmp_path / "t.jinja").write_text(template)
         llm = make_llm(tiny_llama, chat_template=value)
         assert encode_chat(llm.tokenizer, [{"role": "user", "content": "hi"}]) == llm.tokenizer.encode(
-            "[hi]", add_special_tokens=False)
+            "[hi]", add_special_tokens=False
+        )
     with pytest.raises(FileNotFoundError):
         make_llm(tiny_llama, chat_template="no-such-template")
 
@@ -73,8 +100,9 @@ def test_min_new_tokens_bans_what_would_end_the_request(tiny_llama):
     stop = free[0]
     ended = llm.generate(prompt, SamplingParams(temperature=0.0, max_new_tokens=8, stop_token_ids=[stop]))[0]
     assert ended["output_ids"] == [stop]
-    held = llm.generate(prompt, SamplingParams(temperature=0.0, max_new_tokens=8, stop_token_ids=[stop],
-                                               min_new_tokens=3))[0]["output_ids"]
+    held = llm.generate(
+        prompt, SamplingParams(temperature=0.0, max_new_tokens=8, stop_token_ids=[stop], min_new_tokens=3)
+    )[0]["output_ids"]
     assert stop not in held[:3] and len(held) >= 3
     with pytest.raises(ValueError, match="min_new_tokens"):
         SamplingParams(max_new_tokens=2, min_new_tokens=5).validate()
@@ -97,8 +125,22 @@ def test_check_model_name_refuses_other_models_only_when_asked():
 
 
 def test_sglang_spellings_of_backends_and_limits():
-    args = parse_args(["--model", "m", "--attention-backend", "torch_native", "--grammar-backend", "xgrammar",
-                       "--max-payload-size", "1000", "--schedule-policy", "random", "--kv-cache-dtype", "auto"])
+    args = parse_args(
+        [
+            "--model",
+            "m",
+            "--attention-backend",
+            "torch_native",
+            "--grammar-backend",
+            "xgrammar",
+            "--max-payload-size",
+            "1000",
+            "--schedule-policy",
+            "random",
+            "--kv-cache-dtype",
+            "auto",
+        ]
+    )
     assert (args.attention_backend, args.max_request_bytes, args.schedule_policy) == ("torch", 1000, "random")
     args.validate()
     for flag, value in (("--grammar-backend", "outlines"), ("--attention-backend", "fa3")):
@@ -117,8 +159,9 @@ def test_decode_log_interval_logs_every_n_decode_steps(caplog):
     proc = object.__new__(SchedulerProcess)
     proc.args = EngineArgs(model="m", decode_log_interval=3)
     stats = dict(running_requests=1, queued_requests=0, kv_usage=0.5, total_pages=10, cache_hit_rate=0.25)
-    proc.sched = types.SimpleNamespace(counters=types.SimpleNamespace(decode_steps=0), stats=lambda: stats,
-                                       has_work=True)
+    proc.sched = types.SimpleNamespace(
+        counters=types.SimpleNamespace(decode_steps=0), stats=lambda: stats, has_work=True
+    )
     proc._last_log, proc._tokens_since_log, proc._logged_steps = 0.0, 0, 0
     lines = []
     with caplog.at_level(logging.INFO, logger="minisgl.scheduler.process"):
@@ -140,14 +183,17 @@ def test_a_slow_template_render_is_refused_and_the_server_stays_up(tiny_llama, t
     from minisgl.tokenizer.chat import RENDER_TIMEOUT_S
     from tests.server_utils import running_server
 
-    template = ("{% for i in range(n | default(1)) %}{% for j in range(n | default(1)) %}{% endfor %}{% endfor %}"
-                "{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
+    template = (
+        "{% for i in range(n | default(1)) %}{% for j in range(n | default(1)) %}{% endfor %}{% endfor %}"
+        "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    )
     (tmp_path / "slow.jinja").write_text(template)
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     with running_server(tiny_llama, "--chat-template", str(tmp_path / "slow.jinja")) as srv:
         start = time.monotonic()
-        r = httpx.post(f"{srv.url}/v1/chat/completions", json={**body, "chat_template_kwargs": {"n": 100000}},
-                       timeout=120)
+        r = httpx.post(
+            f"{srv.url}/v1/chat/completions", json={**body, "chat_template_kwargs": {"n": 100000}}, timeout=120
+        )
         assert r.status_code == 400 and "chat template took longer than" in r.text, r.text
         assert time.monotonic() - start < RENDER_TIMEOUT_S + 10
         r = httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=60)

@@ -18,8 +18,19 @@ from minisgl.kernels.rope_store import from_cache
 from minisgl.kvcache import MHAKVCache
 from minisgl.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from minisgl.layers.quantization import (
-    FP8, GEMM_CONFIGS_PATH, GEMM_ROW_BUCKETS, Fp8Scheme, dequantize, fp8_linear, quantization_scheme, quantize,
-    quantize_blocks, quantize_torch, quantize_weight, row_scales, tuned_gemm,
+    FP8,
+    GEMM_CONFIGS_PATH,
+    GEMM_ROW_BUCKETS,
+    Fp8Scheme,
+    dequantize,
+    fp8_linear,
+    quantization_scheme,
+    quantize,
+    quantize_blocks,
+    quantize_torch,
+    quantize_weight,
+    row_scales,
+    tuned_gemm,
 )
 from minisgl.worker import ModelRunner
 from scripts.make_tiny_model import make_tiny_model
@@ -124,8 +135,11 @@ def test_quantization_schemes_and_refusals():
 def fp8_checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("fp8")
     src = make_tiny_model("llama", root / "float", seed=0)
-    return {"float": src, "compressed-tensors": convert(src, root / "ct", "compressed-tensors"),
-            "block": convert(src, root / "block", "block", kv_scale=0.5)}
+    return {
+        "float": src,
+        "compressed-tensors": convert(src, root / "ct", "compressed-tensors"),
+        "block": convert(src, root / "block", "block", kv_scale=0.5),
+    }
 
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], list(range(20, 77)), [42, 43]]
@@ -160,8 +174,9 @@ def test_quantized_lm_head(tiny_models, arch):
     freed, a tied one's stays for the embedding; refused without fp8 linear layers."""
     from minisgl.layers.quantization import dequantize, quantize_torch
 
-    runner = ModelRunner(EngineArgs(model=str(tiny_models[arch]), device="cpu", quantization="fp8",
-                                    quantize_lm_head=True))
+    runner = ModelRunner(
+        EngineArgs(model=str(tiny_models[arch]), device="cpu", quantization="fp8", quantize_lm_head=True)
+    )
     head, tied = runner.model.lm_head, runner.config.tie_word_embeddings
     assert head.qweight.dtype == FP8 and head.qscale.shape == (head.qweight.shape[0],)
     assert ("weight" in dict(head.named_parameters())) == tied
@@ -182,8 +197,10 @@ def test_quantized_lm_head(tiny_models, arch):
 
 def test_fp8_kv_cache_holds_more_tokens_and_round_trips(tiny_llama):
     # Enough requests that memory (256 MB on CPU), not slots x context, bounds the pool.
-    runners = {kv: ModelRunner(EngineArgs(model=str(tiny_llama), device="cpu", kv_cache_dtype=kv,
-                                          max_running_requests=4096)) for kv in ("auto", "fp8_e4m3")}
+    runners = {
+        kv: ModelRunner(EngineArgs(model=str(tiny_llama), device="cpu", kv_cache_dtype=kv, max_running_requests=4096))
+        for kv in ("auto", "fp8_e4m3")
+    }
     assert runners["fp8_e4m3"].kv_cache.buffer.dtype == FP8
     # fp32 model: a quarter of the bytes per token, four times the pages in the same budget
     assert runners["fp8_e4m3"].kv_bytes_per_page * 4 == runners["auto"].kv_bytes_per_page
@@ -203,8 +220,13 @@ def test_fp8_engine_radix_and_cascade_agree(tiny_llama, monkeypatch):
     """With fp8 weights and KV: radix on and off, cascade on and off give the same tokens."""
     from minisgl.scheduler import cascade
 
-    for name, value in (("MIN_GROUP_SIZE", 2), ("MIN_SHARED_TOKENS", 1), ("MIN_SAVED_SHARE", 0), ("MIN_BATCH", 1),
-                        ("ON_CPU", True)):
+    for name, value in (
+        ("MIN_GROUP_SIZE", 2),
+        ("MIN_SHARED_TOKENS", 1),
+        ("MIN_SAVED_SHARE", 0),
+        ("MIN_BATCH", 1),
+        ("ON_CPU", True),
+    ):
         monkeypatch.setattr(cascade, name, value)
     prompts = shared_prefix_prompts(groups=3, per_group=4, prefix_len=40)
     kw = dict(quantization="fp8", kv_cache_dtype="fp8_e4m3")
@@ -238,8 +260,11 @@ def test_triton_quantizers_match_torch(dtype, block, cols):
     _close_fp8(quantize_rows(x, block), quantize_torch(x, block), block)
     gate_up = torch.randn(37, 2 * cols, device="cuda", dtype=dtype)
     gate, up = gate_up.chunk(2, -1)
-    _close_fp8(quantize_rows(gate_up, block, silu=True),
-               quantize_torch(torch.nn.functional.silu(gate.float()).mul(up.float()).to(dtype), block), block)
+    _close_fp8(
+        quantize_rows(gate_up, block, silu=True),
+        quantize_torch(torch.nn.functional.silu(gate.float()).mul(up.float()).to(dtype), block),
+        block,
+    )
     _close_fp8(rmsnorm_quant(x, None, w, 1e-6, block), quantize_torch(rmsnorm_torch(x, w, 1e-6), block), block)
     res2 = res.clone()
     got = rmsnorm_quant(x, res2, w, 1e-6, block)
@@ -313,8 +338,9 @@ def test_rope_store_writes_fp8_like_the_reference(qk_norm):
     qkv = torch.randn(tokens_, (hq + 2 * hk) * dim, device="cuda", dtype=torch.bfloat16) * 4
     norm = (torch.rand(dim, device="cuda", dtype=torch.bfloat16) + 0.5,) * 2 + (1e-6,) if qk_norm else None
     got = rope_store(qkv, hq, positions, cos_sin, caches[0].k_cache(1), caches[0].v_cache(1), slots, norm, scales)
-    want = rope_store_torch(qkv, hq, positions, cos_sin, caches[1].k_cache(1), caches[1].v_cache(1), slots, norm,
-                            scales=scales)
+    want = rope_store_torch(
+        qkv, hq, positions, cos_sin, caches[1].k_cache(1), caches[1].v_cache(1), slots, norm, scales=scales
+    )
     torch.testing.assert_close(got, want, atol=6e-2, rtol=2e-2)  # q of |x| up to ~20 in bf16
     for layer in range(2):
         for view in ("k_cache", "v_cache"):
@@ -357,8 +383,11 @@ def test_attention_kernels_read_fp8_like_the_reference(mode):
             widened = backend.wide_pages
             assert (widened is not None) == (mode == "prefill_wide")
             if widened is not None:  # every page read, once
-                read = {int(p) for row, (c, n) in enumerate(zip(cached, new))
-                        for p in meta.page_table_host[row, : -(-(c + n) // page_size)]}
+                read = {
+                    int(p)
+                    for row, (c, n) in enumerate(zip(cached, new))
+                    for p in meta.page_table_host[row, : -(-(c + n) // page_size)]
+                }
                 assert sorted(widened.tolist()) == sorted(read)
     for ref, got in zip(*outs):
         torch.testing.assert_close(got.float(), ref.float(), atol=3e-2, rtol=3e-2)
@@ -393,8 +422,17 @@ def test_fp8_prefill_widened_or_not_gives_the_same_logits(tmp_path, monkeypatch)
     from tests.helpers import prefill_batch
 
     path = make_tiny_model("llama", tmp_path / "llama-hd128", overrides={"head_dim": 128})
-    runner = ModelRunner(EngineArgs(model=str(path), device="cuda", dtype="bfloat16", max_total_tokens=16384,
-                                    page_size=16, kv_cache_dtype="fp8_e4m3", cuda_graph_max_bs=0))
+    runner = ModelRunner(
+        EngineArgs(
+            model=str(path),
+            device="cuda",
+            dtype="bfloat16",
+            max_total_tokens=16384,
+            page_size=16,
+            kv_cache_dtype="fp8_e4m3",
+            cuda_graph_max_bs=0,
+        )
+    )
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 1000, (n,), generator=gen).tolist() for n in (900, 700, 1000, 300)]
     logits = {}
@@ -416,10 +454,21 @@ def test_fp8_engine_on_cuda_graphs_overlap_and_cascade(tmp_path):
     prompts = shared_prefix_prompts(groups=4, per_group=6, prefix_len=48)
     params = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
     outs = {}
-    for name, kw in {"eager": dict(cuda_graph_max_bs=0, disable_overlap_schedule=True, disable_cascade_attention=True),
-                     "graphs": dict(cuda_graph_max_bs=32)}.items():
-        llm = LLM(str(path), device="cuda", dtype="bfloat16", max_total_tokens=8192, max_running_requests=32,
-                  page_size=16, quantization="fp8", kv_cache_dtype="fp8_e4m3", **kw)
+    for name, kw in {
+        "eager": dict(cuda_graph_max_bs=0, disable_overlap_schedule=True, disable_cascade_attention=True),
+        "graphs": dict(cuda_graph_max_bs=32),
+    }.items():
+        llm = LLM(
+            str(path),
+            device="cuda",
+            dtype="bfloat16",
+            max_total_tokens=8192,
+            max_running_requests=32,
+            page_size=16,
+            quantization="fp8",
+            kv_cache_dtype="fp8_e4m3",
+            **kw,
+        )
         outs[name] = [r["output_ids"] for r in llm.generate(prompts, params)]
     assert outs["graphs"] == outs["eager"]
 

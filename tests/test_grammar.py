@@ -17,7 +17,6 @@ from tests.test_scheduler import make_llm, shared_prefix_prompts, tokens
 from tests.test_server import idle_and_clean, server  # noqa: F401 (fixture)
 
 
-
 @pytest.fixture(scope="module")
 def llm(tiny_llama):
     return make_llm(tiny_llama)
@@ -30,8 +29,11 @@ def test_json_schemas_regexes_and_ebnf_hold(llm):
     prompts, params, checks = [], [], []
     for i, schema in enumerate(schemas(50)):
         prompts.append(f"Record {i}:")
-        params.append(SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0 if i % 2 else 0.9, seed=i,
-                                     json_schema=json.dumps(schema)))
+        params.append(
+            SamplingParams(
+                max_new_tokens=MAX_NEW, temperature=0.0 if i % 2 else 0.9, seed=i, json_schema=json.dumps(schema)
+            )
+        )
         checks.append(lambda text, s=schema: jsonschema.validate(json.loads(text), s))
     for i, pattern in enumerate(REGEXES):
         prompts.append(f"Answer {i}:")
@@ -53,10 +55,14 @@ def test_mixed_batches_with_retraction_match_each_request_alone(tiny_llama):
     gives the same tokens."""
     prompts = shared_prefix_prompts(groups=4, per_group=6, prefix_len=40)
     shapes = schemas(len(prompts), seed=3)
-    params = [SamplingParams(max_new_tokens=48, temperature=0.0, ignore_eos=True) if i % 3 == 0 else
-              SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, json_schema=json.dumps(shapes[i]))
-              if i % 3 == 1 else SamplingParams(max_new_tokens=MAX_NEW, temperature=0.7, seed=i, regex=REGEXES[i % 6])
-              for i in range(len(prompts))]
+    params = [
+        SamplingParams(max_new_tokens=48, temperature=0.0, ignore_eos=True)
+        if i % 3 == 0
+        else SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, json_schema=json.dumps(shapes[i]))
+        if i % 3 == 1
+        else SamplingParams(max_new_tokens=MAX_NEW, temperature=0.7, seed=i, regex=REGEXES[i % 6])
+        for i in range(len(prompts))
+    ]
     alone = make_llm(tiny_llama)
     ref = [alone.generate([p], [sp])[0]["output_ids"] for p, sp in zip(prompts, params)]
     small = make_llm(tiny_llama, max_total_tokens=480, page_size=4, chunked_prefill_size=96)
@@ -72,10 +78,13 @@ def test_mixed_batches_with_retraction_match_each_request_alone(tiny_llama):
 def test_grammar_with_penalties(llm):
     """A constrained request with repetition, frequency or presence penalties (the sampler
     updates its counts when the masked batch samples), next to a free one with a penalty."""
-    params = [SamplingParams(max_new_tokens=8, temperature=0.0, regex="[a-z]+", repetition_penalty=1.2),
-              SamplingParams(max_new_tokens=8, temperature=0.7, seed=1, regex="[a-z]+", frequency_penalty=0.5,
-                             presence_penalty=0.3),
-              SamplingParams(max_new_tokens=8, temperature=0.0, repetition_penalty=1.3, ignore_eos=True)]
+    params = [
+        SamplingParams(max_new_tokens=8, temperature=0.0, regex="[a-z]+", repetition_penalty=1.2),
+        SamplingParams(
+            max_new_tokens=8, temperature=0.7, seed=1, regex="[a-z]+", frequency_penalty=0.5, presence_penalty=0.3
+        ),
+        SamplingParams(max_new_tokens=8, temperature=0.0, repetition_penalty=1.3, ignore_eos=True),
+    ]
     results = llm.generate([[5, 6, 7]] * 3, params)
     for r in results[:2]:
         assert re.fullmatch("[a-z]+", r["text"]), r
@@ -85,9 +94,13 @@ def test_grammar_with_penalties(llm):
 
 
 def test_bad_grammars_are_refused_offline(llm):
-    for field, text in (("json_schema", "{not json"), ("regex", "(unclosed"), ("ebnf", "root ::= missing_rule"),
-                        ("json_schema", '{"$ref": "#"}'),  # no value satisfies it: not an empty "success"
-                        ("json_schema", '{"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}')):
+    for field, text in (
+        ("json_schema", "{not json"),
+        ("regex", "(unclosed"),
+        ("ebnf", "root ::= missing_rule"),
+        ("json_schema", '{"$ref": "#"}'),  # no value satisfies it: not an empty "success"
+        ("json_schema", '{"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}'),
+    ):
         with pytest.raises(ValueError, match=field):
             llm.generate("Hi", SamplingParams(max_new_tokens=4, **{field: text}))
     with pytest.raises(ValueError, match="cannot be combined"):
@@ -104,37 +117,62 @@ def test_structured_output_over_http(server):  # noqa: F811
     import openai
 
     schema = schemas(1, seed=5)[0]
-    r = httpx.post(f"{server.url}/generate", json={"text": "Data:", "sampling_params": {
-        "max_new_tokens": MAX_NEW, "temperature": 0, "json_schema": json.dumps(schema)}}, timeout=60).json()
+    r = httpx.post(
+        f"{server.url}/generate",
+        json={
+            "text": "Data:",
+            "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0, "json_schema": json.dumps(schema)},
+        },
+        timeout=60,
+    ).json()
     jsonschema.validate(json.loads(r["text"]), schema)
     assert r["meta_info"]["finish_reason"] == {"type": "stop", "matched": r["meta_info"]["finish_reason"]["matched"]}
-    r = httpx.post(f"{server.url}/generate", json={"text": ["a", "b"], "sampling_params": {
-        "max_new_tokens": 32, "temperature": 1.0, "regex": REGEXES[0]}}, timeout=60).json()
+    r = httpx.post(
+        f"{server.url}/generate",
+        json={"text": ["a", "b"], "sampling_params": {"max_new_tokens": 32, "temperature": 1.0, "regex": REGEXES[0]}},
+        timeout=60,
+    ).json()
     assert all(re.fullmatch(REGEXES[0], x["text"]) for x in r)
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
-    out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "JSON please"}],
-                                         max_tokens=MAX_NEW, temperature=0, response_format={"type": "json_object"})
+    out = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "JSON please"}],
+        max_tokens=MAX_NEW,
+        temperature=0,
+        response_format={"type": "json_object"},
+    )
     assert isinstance(json.loads(out.choices[0].message.content), dict)
     fmt = {"type": "json_schema", "json_schema": {"name": "rec", "schema": schema, "strict": True}}
-    streamed = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "JSON"}],
-                                              max_tokens=MAX_NEW, temperature=0, response_format=fmt, stream=True)
+    streamed = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "JSON"}],
+        max_tokens=MAX_NEW,
+        temperature=0,
+        response_format=fmt,
+        stream=True,
+    )
     text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
     jsonschema.validate(json.loads(text), schema)
-    done = client.completions.create(model="tiny", prompt="x", max_tokens=32, temperature=0,
-                                     extra_body={"regex": REGEXES[1]})
+    done = client.completions.create(
+        model="tiny", prompt="x", max_tokens=32, temperature=0, extra_body={"regex": REGEXES[1]}
+    )
     assert re.fullmatch(REGEXES[1], done.choices[0].text)
-    bad = [("/generate", {"text": "x", "sampling_params": {"regex": "(unclosed"}}, "regex"),
-           ("/generate", {"text": "x", "sampling_params": {"json_schema": "{oops"}}, "json_schema"),
-           ("/v1/chat/completions", {**BASES["/v1/chat/completions"], "ebnf": "root ::= nothing_here"}, "ebnf"),
-           ("/v1/completions", {**BASES["/v1/completions"], "regex": "a", "json_schema": "{}"}, "regex"),
-           ("/v1/chat/completions", {**BASES["/v1/chat/completions"], "response_format": {"type": "json_schema"}},
-            "response_format")]
+    bad = [
+        ("/generate", {"text": "x", "sampling_params": {"regex": "(unclosed"}}, "regex"),
+        ("/generate", {"text": "x", "sampling_params": {"json_schema": "{oops"}}, "json_schema"),
+        ("/v1/chat/completions", {**BASES["/v1/chat/completions"], "ebnf": "root ::= nothing_here"}, "ebnf"),
+        ("/v1/completions", {**BASES["/v1/completions"], "regex": "a", "json_schema": "{}"}, "regex"),
+        (
+            "/v1/chat/completions",
+            {**BASES["/v1/chat/completions"], "response_format": {"type": "json_schema"}},
+            "response_format",
+        ),
+    ]
     for route, body, field in bad:
         for stream in (False, True):
             resp = httpx.post(f"{server.url}{route}", json={**body, "stream": stream}, timeout=60)
             assert resp.status_code == 400 and field in resp.json()["error"]["message"], (route, resp.text)
     idle_and_clean(server)
-
 
 
 def test_constrained_request_done_in_its_first_step_without_overlap(tiny_llama):
@@ -144,8 +182,14 @@ def test_constrained_request_done_in_its_first_step_without_overlap(tiny_llama):
 
     with running_server(tiny_llama, "--disable-overlap-schedule") as srv:
         for _ in range(3):
-            r = httpx.post(f"{srv.url}/generate", json={"input_ids": [5, 6, 7], "sampling_params": {
-                "max_new_tokens": 1, "temperature": 0, "regex": "(yes|no)"}}, timeout=60)
+            r = httpx.post(
+                f"{srv.url}/generate",
+                json={
+                    "input_ids": [5, 6, 7],
+                    "sampling_params": {"max_new_tokens": 1, "temperature": 0, "regex": "(yes|no)"},
+                },
+                timeout=60,
+            )
             assert r.status_code == 200, r.text
             assert r.json()["meta_info"]["completion_tokens"] == 1
         assert httpx.get(f"{srv.url}/health", timeout=10).status_code == 200
@@ -170,8 +214,9 @@ def _mixed_bodies(count: int, seed: int) -> list[dict]:
                 sp["logit_bias"] = {str(rng.randrange(3, 900)): 5.0, str(rng.randrange(3, 900)): -100.0}
             else:
                 sp.update(temperature=0.8, seed=rng.randrange(1000))
-        bodies.append({"text": f"Request {i} asks about {rng.choice(['rivers', 'trees', 'stars'])}:",
-                       "sampling_params": sp})
+        bodies.append(
+            {"text": f"Request {i} asks about {rng.choice(['rivers', 'trees', 'stars'])}:", "sampling_params": sp}
+        )
     return bodies
 
 
@@ -187,6 +232,7 @@ def test_mixed_features_under_load_equal_each_request_alone(tiny_llama, overlap)
     bodies = _mixed_bodies(24, seed=5)
     extra = () if overlap else ("--disable-overlap-schedule",)
     with running_server(tiny_llama, "--max-total-tokens", "8192", *extra) as srv:
+
         def post(body: dict) -> dict:
             r = httpx.post(f"{srv.url}/generate", json=body, timeout=120)
             assert r.status_code == 200, r.text

@@ -40,8 +40,10 @@ class ContentExecutor:
         self.checked = 0
 
     def _copies(self, batch: ForwardBatch) -> None:
-        for pages, pool in ((batch.kv_writes[0::2] + batch.kv_loads[1::2], self.device),
-                            (batch.kv_writes[1::2] + batch.kv_loads[0::2], self.host)):
+        for pages, pool in (
+            (batch.kv_writes[0::2] + batch.kv_loads[1::2], self.device),
+            (batch.kv_writes[1::2] + batch.kv_loads[0::2], self.host),
+        ):
             assert all(0 <= p < len(pool) for p in pages), "a copy names a page outside its pool"
         for i in range(0, len(batch.kv_writes), 2):
             self.host[batch.kv_writes[i + 1]] = list(self.device[batch.kv_writes[i]])
@@ -99,9 +101,13 @@ def run_fuzz(seed: int, policy: str, host_pages: int, num_pages: int) -> list[li
     rng = random.Random(seed)
     page = rng.choice([1, 4, 16])
     args = EngineArgs(
-        model="", page_size=page, max_running_requests=rng.choice([3, 16, 64]),
-        chunked_prefill_size=rng.choice([page * 4, 64, 256]), schedule_policy=rng.choice(["lpm", "fcfs"]),
-        disable_overlap_schedule=seed % 2 == 1, enable_hierarchical_cache=host_pages > 0,
+        model="",
+        page_size=page,
+        max_running_requests=rng.choice([3, 16, 64]),
+        chunked_prefill_size=rng.choice([page * 4, 64, 256]),
+        schedule_policy=rng.choice(["lpm", "fcfs"]),
+        disable_overlap_schedule=seed % 2 == 1,
+        enable_hierarchical_cache=host_pages > 0,
         hicache_write_policy=policy,
     )
     num_pages //= page
@@ -119,7 +125,9 @@ def run_fuzz(seed: int, policy: str, host_pages: int, num_pages: int) -> list[li
     for step in range(250):
         arrivals = []
         for _ in range(rng.choice([0, 0, 1, 2])):
-            prompt = rng.choice(stems)[: rng.randint(1, 200)] + [rng.randrange(2, VOCAB) for _ in range(rng.randint(0, 40))]
+            prompt = rng.choice(stems)[: rng.randint(1, 200)] + [
+                rng.randrange(2, VOCAB) for _ in range(rng.randint(0, 40))
+            ]
             params = SamplingParams(max_new_tokens=rng.randint(1, 60), temperature=0.0, ignore_eos=rng.random() < 0.5)
             arrivals += [(prompt, params)] * rng.choice([1, 1, 3])
         plan.append((arrivals, rng.randrange(10**6) if rng.random() < 0.03 else None, rng.random() < 0.2))
@@ -163,8 +171,9 @@ def test_host_tier_is_used_by_the_fuzz():
     rng_seed, loaded = 1, 0
     for seed in range(rng_seed, rng_seed + 3):
         ref: list = []
-        args = EngineArgs(model="", page_size=4, max_running_requests=16, chunked_prefill_size=64,
-                          enable_hierarchical_cache=True)
+        args = EngineArgs(
+            model="", page_size=4, max_running_requests=16, chunked_prefill_size=64, enable_hierarchical_cache=True
+        )
         executor = ContentExecutor(ref, 4, 150, 400)
         sched = Scheduler(args, 150, 512, VOCAB, [EOS], executor, None, 400)
         ref.append(sched)
@@ -307,8 +316,9 @@ def multi_turn(llm, rounds: int = 3, convs: int = 8) -> list[list[int]]:
     for _ in range(rounds):
         for h in histories:
             h += [rng.randrange(5, 500) for _ in range(40)]
-        results = llm.generate([list(h) for h in histories],
-                               SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True))
+        results = llm.generate(
+            [list(h) for h in histories], SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+        )
         for h, r in zip(histories, results):
             h += r["output_ids"]
             outs.append(r["output_ids"])
@@ -326,8 +336,15 @@ def test_engine_with_host_tier_gives_the_tokens_of_one_big_pool(tiny_llama):
     llm = LLM(str(tiny_llama), device="cpu", dtype="float32", max_total_tokens=100000)
     reference = multi_turn(llm)
     for policy in POLICIES:
-        llm = LLM(str(tiny_llama), device="cpu", dtype="float32", max_total_tokens=1200,
-                  enable_hierarchical_cache=True, hicache_ratio=4, hicache_write_policy=policy)
+        llm = LLM(
+            str(tiny_llama),
+            device="cpu",
+            dtype="float32",
+            max_total_tokens=1200,
+            enable_hierarchical_cache=True,
+            hicache_ratio=4,
+            hicache_write_policy=policy,
+        )
         assert multi_turn(llm) == reference, policy
         stats = llm.scheduler.stats()
         if policy == "write_through":
@@ -395,8 +412,15 @@ def test_cuda_engine_with_host_tier_gives_the_tokens_of_one_big_pool(tiny_llama,
     llm = LLM(str(tiny_llama), max_total_tokens=100000, **common)
     reference = multi_turn(llm)
     del llm
-    llm = LLM(str(tiny_llama), max_total_tokens=1200, enable_hierarchical_cache=True, hicache_ratio=4,
-              hicache_write_policy=policy, hicache_io_backend=io_backend, **common)
+    llm = LLM(
+        str(tiny_llama),
+        max_total_tokens=1200,
+        enable_hierarchical_cache=True,
+        hicache_ratio=4,
+        hicache_write_policy=policy,
+        hicache_io_backend=io_backend,
+        **common,
+    )
     assert multi_turn(llm) == reference
     assert llm.scheduler.stats()["host_loaded_pages"] > 0 or policy == "write_through_selective"
     llm.runner.host_pool.close()
@@ -412,8 +436,15 @@ def test_a_restarted_engine_finds_the_prompt_on_disk_and_skips_a_corrupt_file(ti
     found, counted and removed, and the pages from there on are computed again."""
     from minisgl.llm import LLM
 
-    engine = dict(device=device, dtype="float32", max_total_tokens=4000, enable_hierarchical_cache=True,
-                  hicache_storage_backend="file", hicache_storage_dir=str(tmp_path), attention_backend="torch")
+    engine = dict(
+        device=device,
+        dtype="float32",
+        max_total_tokens=4000,
+        enable_hierarchical_cache=True,
+        hicache_storage_backend="file",
+        hicache_storage_dir=str(tmp_path),
+        attention_backend="torch",
+    )
     prompt = [random.Random(5).randrange(5, 500) for _ in range(900)]
     params = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
     first = LLM(str(tiny_llama), **engine)
@@ -451,8 +482,15 @@ def test_tp2_engine_with_host_tier_gives_the_tokens_of_one_big_pool(tiny_llama):
     from minisgl.llm import LLM
 
     reference = multi_turn(LLM(str(tiny_llama), device="cpu", dtype="float32", max_total_tokens=100000))
-    llm = LLM(str(tiny_llama), device="cpu", dtype="float32", max_total_tokens=1200, tp_size=2,
-              enable_hierarchical_cache=True, hicache_ratio=4)
+    llm = LLM(
+        str(tiny_llama),
+        device="cpu",
+        dtype="float32",
+        max_total_tokens=1200,
+        tp_size=2,
+        enable_hierarchical_cache=True,
+        hicache_ratio=4,
+    )
     try:
         assert multi_turn(llm) == reference
         assert llm.scheduler.stats()["prefix_host_hit_tokens"] > 0
@@ -484,4 +522,4 @@ def test_disk_keys_are_kept_per_node_and_equal_the_path_hash():
             path[:0] = up.key
             up = up.parent
         salt = cache._salt_of[up]
-        assert cache._disk_keys(node) == page_keys(path, 2, cache._first_key(salt))[-len(node.key) // 2:]
+        assert cache._disk_keys(node) == page_keys(path, 2, cache._first_key(salt))[-len(node.key) // 2 :]

@@ -16,15 +16,42 @@ from tests.test_server import idle_and_clean
 
 ROUTES = ["/generate", "/v1/completions", "/v1/chat/completions", "/abort_request", "/flush_cache"]
 FIELDS = [
-    "text", "input_ids", "sampling_params", "stream", "rid", "return_logprob", "top_logprobs_num", "model",
-    "prompt", "messages", "max_tokens", "n", "temperature", "top_p", "top_k", "seed", "stop", "logprobs",
-    "top_logprobs", "max_new_tokens", "stop_token_ids", "min_p", "abort_all", "role", "content", "echo",
+    "text",
+    "input_ids",
+    "sampling_params",
+    "stream",
+    "rid",
+    "return_logprob",
+    "top_logprobs_num",
+    "model",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "logprobs",
+    "top_logprobs",
+    "max_new_tokens",
+    "stop_token_ids",
+    "min_p",
+    "abort_all",
+    "role",
+    "content",
+    "echo",
 ]
 
 HUGE_INTS = st.sampled_from([2**31, 2**63, 2**64 - 1, 2**64 + 7, -(2**63) - 1, 10**40, -1, 0])
 scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(-5, 3000), HUGE_INTS,
-    st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=30),
+    st.none(),
+    st.booleans(),
+    st.integers(-5, 3000),
+    HUGE_INTS,
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=30),
 )
 values = st.recursive(
     scalars,
@@ -35,16 +62,27 @@ bodies = st.dictionaries(st.sampled_from(FIELDS), values, max_size=8)
 # Bodies that are valid but for a field or two, so the fuzz also reaches the engine.
 near_valid = st.fixed_dictionaries(
     {"text": st.text(min_size=1, max_size=20)},
-    optional={"sampling_params": st.dictionaries(st.sampled_from(FIELDS[13:23]), scalars, max_size=3),
-              "rid": st.text(max_size=8), "return_logprob": st.booleans(), "top_logprobs_num": scalars},
+    optional={
+        "sampling_params": st.dictionaries(st.sampled_from(FIELDS[13:23]), scalars, max_size=3),
+        "rid": st.text(max_size=8),
+        "return_logprob": st.booleans(),
+        "top_logprobs_num": scalars,
+    },
 )
 STATUSES: list[int] = []
 
 # Bytes JSON cannot carry as text: invalid UTF-8, lone surrogates, deep nesting, NaN, truncation.
 RAW = [
-    b'{"text": "\xff\xfe"}', b'{"text": "\\ud800"}', b'{"model": "tiny", "prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}",
-    b'{"text": "a", "sampling_params": {"temperature": NaN}}', b'{"text": "a"', b"\x00\x01", b"null", b"[]",
-    b'{"input_ids": [1e400]}', b'{"text": "a", "sampling_params": {"max_new_tokens": 1e3}}',
+    b'{"text": "\xff\xfe"}',
+    b'{"text": "\\ud800"}',
+    b'{"model": "tiny", "prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+    b'{"text": "a", "sampling_params": {"temperature": NaN}}',
+    b'{"text": "a"',
+    b"\x00\x01",
+    b"null",
+    b"[]",
+    b'{"input_ids": [1e400]}',
+    b'{"text": "a", "sampling_params": {"max_new_tokens": 1e3}}',
 ]
 
 

@@ -34,8 +34,12 @@ def test_sigterm_stops_everything(tiny_llama: Path):
         r = httpx.get(f"{srv.url}/v1/models", headers={"Authorization": "Bearer wrong"}, timeout=10)
         assert r.status_code == 401
         auth = {"Authorization": "Bearer s3cret"}
-        r = httpx.post(f"{srv.url}/generate", headers=auth, timeout=30,
-                       json={"text": "hi", "sampling_params": {"max_new_tokens": 2}})
+        r = httpx.post(
+            f"{srv.url}/generate",
+            headers=auth,
+            timeout=30,
+            json={"text": "hi", "sampling_params": {"max_new_tokens": 2}},
+        )
         assert r.status_code == 200
         procs = srv.server_info(**auth)["processes"]
         children = descendants(srv.proc.pid)
@@ -70,17 +74,20 @@ def test_dead_worker_stops_everything(tiny_llama: Path):
 
 def test_failed_start_and_bad_arguments(tmp_path: Path):
     run = [sys.executable, "-m", "minisgl.launch", "--device", "cpu"]
-    bad = subprocess.run(run + ["--model", str(tmp_path), "--page-size", "0"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        run + ["--model", str(tmp_path), "--page-size", "0"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert bad.returncode == 2 and "page_size must be >= 1" in bad.stderr
-    missing = subprocess.run(run + ["--model", str(tmp_path / "nope")], cwd=ROOT,
-                             capture_output=True, text=True, timeout=120)
+    missing = subprocess.run(
+        run + ["--model", str(tmp_path / "nope")], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert missing.returncode == 1 and "does not exist" in missing.stderr
     assert "Traceback" not in missing.stderr and len(missing.stderr.strip().splitlines()) == 1  # the launcher says it
     # A relative path whose first folder exists is a missing folder, never a hub id.
     (tmp_path / "checkpoints").mkdir()
-    relative = subprocess.run(run + ["--model", "checkpoints/nope"], cwd=tmp_path, capture_output=True, text=True,
-                              timeout=120)
+    relative = subprocess.run(
+        run + ["--model", "checkpoints/nope"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
     assert relative.returncode == 1 and "is not a hub id" in relative.stderr, relative.stderr
     # A port in use: one line, no traceback (an AssertionError from stopping unstarted children before).
     import socket
@@ -88,9 +95,21 @@ def test_failed_start_and_bad_arguments(tmp_path: Path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
-        taken = subprocess.run(run + ["--model", str(ROOT / "benchmarks/configs/qwen3-0.6b"), "--load-format", "dummy",
-                                      "--port", str(s.getsockname()[1])], cwd=ROOT, capture_output=True, text=True,
-                               timeout=120)
+        taken = subprocess.run(
+            run
+            + [
+                "--model",
+                str(ROOT / "benchmarks/configs/qwen3-0.6b"),
+                "--load-format",
+                "dummy",
+                "--port",
+                str(s.getsockname()[1]),
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert taken.returncode == 1 and "Address already in use" in taken.stderr and "Traceback" not in taken.stderr
 
 
@@ -103,8 +122,11 @@ def test_tensor_parallel_on_cpu_matches_one_rank(tiny_llama: Path):
     try:
         srv.wait_ready()
         assert set(srv.server_info()["processes"]) == {"api", "tokenizer", "scheduler", "worker-0", "worker-1"}
-        r = httpx.post(f"{srv.url}/generate", timeout=60,
-                       json={"text": "Hello world", "sampling_params": {"max_new_tokens": 16, "temperature": 0}})
+        r = httpx.post(
+            f"{srv.url}/generate",
+            timeout=60,
+            json={"text": "Hello world", "sampling_params": {"max_new_tokens": 16, "temperature": 0}},
+        )
         assert r.json()["output_ids"] == want[0]["output_ids"]
         assert srv.stop() == 0
     finally:
@@ -119,9 +141,24 @@ def test_tensor_parallel_over_two_nodes_on_one_host(tiny_llama: Path):
     prompt = {"text": "Hello world", "sampling_params": {"max_new_tokens": 16, "temperature": 0}}
     want = LLM(str(tiny_llama), device="cpu").generate(prompt["text"], prompt["sampling_params"])
     base = ["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{free_port()}"]
-    node1 = subprocess.Popen([sys.executable, "-m", "minisgl.launch", "--model", str(tiny_llama), "--device", "cpu",
-                              *base, "--node-rank", "1"], cwd=ROOT, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
+    node1 = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "minisgl.launch",
+            "--model",
+            str(tiny_llama),
+            "--device",
+            "cpu",
+            *base,
+            "--node-rank",
+            "1",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     node0 = ServerProcess(tiny_llama, *base, "--node-rank", "0")
     try:
         node0.wait_ready()
@@ -144,11 +181,15 @@ def test_tensor_parallel_over_two_nodes_on_one_host(tiny_llama: Path):
 
 def test_multi_node_arguments_are_checked(tmp_path: Path):
     run = [sys.executable, "-m", "minisgl.launch", "--device", "cpu", "--model", str(tmp_path)]
-    for extra, message in [(["--tp-size", "2", "--nnodes", "2"], "needs dist_init_addr as host:port"),
-                           (["--tp-size", "3", "--nnodes", "2", "--dist-init-addr", "h:1"], "multiple of nnodes"),
-                           (["--nnodes", "2", "--node-rank", "2", "--tp-size", "2", "--dist-init-addr", "h:1"],
-                            "node_rank must be in [0, nnodes)"),
-                           (["--dp-size", "2", "--nnodes", "2"], "one smg router over them")]:
+    for extra, message in [
+        (["--tp-size", "2", "--nnodes", "2"], "needs dist_init_addr as host:port"),
+        (["--tp-size", "3", "--nnodes", "2", "--dist-init-addr", "h:1"], "multiple of nnodes"),
+        (
+            ["--nnodes", "2", "--node-rank", "2", "--tp-size", "2", "--dist-init-addr", "h:1"],
+            "node_rank must be in [0, nnodes)",
+        ),
+        (["--dp-size", "2", "--nnodes", "2"], "one smg router over them"),
+    ]:
         bad = subprocess.run(run + extra, cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert bad.returncode == 2 and message in bad.stderr, (extra, bad.stderr)
 
@@ -160,8 +201,9 @@ def test_hung_worker_trips_the_watchdog(tiny_llama: Path):
         children = descendants(srv.proc.pid)
         os.kill(worker, signal.SIGSTOP)
         try:
-            r = httpx.post(f"{srv.url}/generate", timeout=30,
-                           json={"text": "hi", "sampling_params": {"max_new_tokens": 50}})
+            r = httpx.post(
+                f"{srv.url}/generate", timeout=30, json={"text": "hi", "sampling_params": {"max_new_tokens": 50}}
+            )
             assert r.status_code != 200
         except httpx.HTTPError:
             pass  # the server went away mid-request: also an error for the client
@@ -180,8 +222,23 @@ def test_port_in_use_fails_before_loading_and_api_key_from_env(tiny_llama: Path)
         taken.listen()
         port = taken.getsockname()[1]
         start = time.monotonic()
-        res = subprocess.run([sys.executable, "-m", "minisgl.launch", "--model", str(tiny_llama), "--device", "cpu",
-                              "--port", str(port)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        res = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "minisgl.launch",
+                "--model",
+                str(tiny_llama),
+                "--device",
+                "cpu",
+                "--port",
+                str(port),
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert res.returncode == 1 and f"cannot serve at 127.0.0.1:{port}" in res.stderr
         assert "Loading" not in res.stderr and time.monotonic() - start < 30
     os.environ["MINISGL_API_KEY"] = "from-env"
@@ -199,8 +256,9 @@ def test_port_in_use_fails_before_loading_and_api_key_from_env(tiny_llama: Path)
 
 
 def test_queue_limit_answers_503(tiny_llama: Path):
-    with running_server(tiny_llama, "--max-queued-requests", "0", "--max-running-requests", "2",
-                        "--max-total-tokens", "256") as srv:
+    with running_server(
+        tiny_llama, "--max-queued-requests", "0", "--max-running-requests", "2", "--max-total-tokens", "256"
+    ) as srv:
         body = {"model": str(tiny_llama), "prompt": "hi", "max_tokens": 4, "n": 3}
         r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=30)
         assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
@@ -217,15 +275,21 @@ def test_queue_limit_answers_503(tiny_llama: Path):
 
 def test_shutdown_ends_open_streams_with_an_error_event(tiny_llama: Path):
     with running_server(tiny_llama) as srv:
-        body = {"model": str(tiny_llama), "prompt": "Once", "max_tokens": 1000, "stream": True, "ignore_eos": True,
-                "logprobs": 20}
+        body = {
+            "model": str(tiny_llama),
+            "prompt": "Once",
+            "max_tokens": 1000,
+            "stream": True,
+            "ignore_eos": True,
+            "logprobs": 20,
+        }
         with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()
             next(x for x in lines if x.startswith("data: "))
             srv.proc.send_signal(signal.SIGTERM)
             rest = [x for x in lines if x.startswith("data: ")]
         assert rest[-1] == "data: [DONE]"
-        error = json.loads(rest[-2][len("data: "):])["error"]
+        error = json.loads(rest[-2][len("data: ") :])["error"]
         assert error["code"] == 503 and "shutting down" in error["message"]
         assert srv.proc.wait(20) == 0
 
@@ -240,6 +304,12 @@ def test_installed_package_has_every_module(tmp_path: Path):
     names = [m.name for m in pkgutil.walk_packages(minisgl.__path__, "minisgl.")]
     code = "import importlib, sys; [importlib.import_module(n) for n in sys.argv[1:]]; print('ok')"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    res = subprocess.run([sys.executable, "-c", code, "minisgl.launch", *names], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-c", code, "minisgl.launch", *names],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.stdout.strip() == "ok", res.stderr[-2000:]

@@ -30,8 +30,15 @@ def test_token_sizes_pad_little_above_1024():
 def test_pieces_with_padding_match_the_plain_forward(tiny_models, arch, quant):
     """Three prompts (65 tokens) padded to 128: same logits, same KV in the requests' pages,
     same greedy tokens through decode."""
-    kw = dict(model=str(tiny_models[arch]), device="cpu", max_total_tokens=4096, max_running_requests=4,
-              page_size=16, quantization=quant, kv_cache_dtype="fp8_e4m3" if quant else "auto")
+    kw = dict(
+        model=str(tiny_models[arch]),
+        device="cpu",
+        max_total_tokens=4096,
+        max_running_requests=4,
+        page_size=16,
+        quantization=quant,
+        kv_cache_dtype="fp8_e4m3" if quant else "auto",
+    )
     prompts = [[5, 6, 7, 8, 9, 10, 11], list(range(20, 77)), [42]]
     plain, pieces = ModelRunner(EngineArgs(**kw)), ModelRunner(EngineArgs(**kw))
     pieces.piecewise = PiecewiseGraphRunner(pieces, [16, 32, 64, 128], capture=False)
@@ -65,8 +72,14 @@ def test_pieces_under_the_scheduler_keep_tokens(tiny_models):
 def test_padding_longer_than_a_context(tiny_models):
     """A step padded by more than a context: the padding goes as several requests on the
     padding slot, and the real rows are what the plain forward gives."""
-    kw = dict(model=str(tiny_models["llama"]), device="cpu", max_total_tokens=4096, max_running_requests=4,
-              page_size=16, context_length=64)
+    kw = dict(
+        model=str(tiny_models["llama"]),
+        device="cpu",
+        max_total_tokens=4096,
+        max_running_requests=4,
+        page_size=16,
+        context_length=64,
+    )
     plain, pieces = ModelRunner(EngineArgs(**kw)), ModelRunner(EngineArgs(**kw))
     pieces.piecewise = PiecewiseGraphRunner(pieces, [16, 256], capture=False)
     assert pieces.piecewise._padding(200).new_lens == [64, 64, 64, 8]
@@ -86,8 +99,16 @@ def test_piecewise_graphs_keep_greedy_tokens_on_cuda(tmp_path, quant):
     """Captured pieces against the eager prefill, bf16 (and fp8 weights + KV): logits of one
     padded step close, greedy tokens of a shared-prefix run under the scheduler equal."""
     path = make_tiny_model("qwen3", tmp_path / "qwen3-hd128", overrides={"head_dim": 128})
-    kw = dict(device="cuda", dtype="bfloat16", max_total_tokens=16384, max_running_requests=64, page_size=16,
-              chunked_prefill_size=512, quantization=quant, kv_cache_dtype="fp8_e4m3" if quant else "auto")
+    kw = dict(
+        device="cuda",
+        dtype="bfloat16",
+        max_total_tokens=16384,
+        max_running_requests=64,
+        page_size=16,
+        chunked_prefill_size=512,
+        quantization=quant,
+        kv_cache_dtype="fp8_e4m3" if quant else "auto",
+    )
     prompts = [list(range(3, 40)), list(range(100, 190)), [7] * 300]
     logits, llms = [], []
     for piecewise in (False, True):
@@ -116,8 +137,16 @@ def test_piecewise_graphs_wait_for_host_tier_loads(tmp_path):
     path = make_tiny_model("llama", tmp_path / "llama-hd128", overrides={"head_dim": 128})
     outs = []
     for piecewise in (True, False):
-        llm = LLM(str(path), device="cuda", dtype="bfloat16", max_total_tokens=1200, enable_hierarchical_cache=True,
-                  hicache_ratio=4, hicache_io_backend="kernel", disable_piecewise_cuda_graph=not piecewise)
+        llm = LLM(
+            str(path),
+            device="cuda",
+            dtype="bfloat16",
+            max_total_tokens=1200,
+            enable_hierarchical_cache=True,
+            hicache_ratio=4,
+            hicache_io_backend="kernel",
+            disable_piecewise_cuda_graph=not piecewise,
+        )
         assert (llm.runner.piecewise is not None) == piecewise
         outs.append(multi_turn(llm))
         assert llm.scheduler.stats()["host_loaded_pages"] > 0

@@ -208,12 +208,19 @@ def test_a_shared_prefix_is_computed_once(tiny_llama, policy, chunk, page_size, 
         prompts += [prefix + [rng.randrange(3, 1000) for _ in range(rng.randint(1, 12))] for _ in range(6)]
     prompts += [[rng.randrange(3, 1000) for _ in range(rng.randint(20, 90))] for _ in range(6)]
     rng.shuffle(prompts)
-    llm = make_llm(tiny_llama, page_size=page_size, chunked_prefill_size=chunk, schedule_policy=policy,
-                   max_running_requests=running)
+    llm = make_llm(
+        tiny_llama,
+        page_size=page_size,
+        chunked_prefill_size=chunk,
+        schedule_policy=policy,
+        max_running_requests=running,
+    )
     llm.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=3, ignore_eos=True))
     computed = llm.scheduler.stats()["prefill_tokens"]
     # A request recomputes at most the partial page its cached prefix ends in.
-    assert distinct_tokens(prompts) <= computed <= distinct_tokens(prompts) + len(prompts) * (page_size - 1) + len(prompts)
+    assert (
+        distinct_tokens(prompts) <= computed <= distinct_tokens(prompts) + len(prompts) * (page_size - 1) + len(prompts)
+    )
 
 
 def test_random_policy_is_a_stable_permutation_with_retractions_in_front():
@@ -239,6 +246,11 @@ def test_random_policy_is_a_stable_permutation_with_retractions_in_front():
 def test_random_policy_engine_tokens_match_fcfs(tiny_llama):
     prompts = [[5 + i, 17, 23, 42 + i, 7] for i in range(12)]
     params = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
-    outs = [[r["output_ids"] for r in make_llm(tiny_llama, schedule_policy=p, max_running_requests=3).generate(
-        prompts, params)] for p in ("fcfs", "random")]
+    outs = [
+        [
+            r["output_ids"]
+            for r in make_llm(tiny_llama, schedule_policy=p, max_running_requests=3).generate(prompts, params)
+        ]
+        for p in ("fcfs", "random")
+    ]
     assert outs[0] == outs[1]

@@ -18,15 +18,23 @@ from tests.grammar_cases import EBNF, EBNF_REGEX, MAX_NEW, REGEXES, schemas
 from tests.helpers import prefill_batch
 
 PROMPTS = [
-    "The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
-    "List three colors:", "1, 2, 3, 4,", "Translate to French: good morning", "Q: What is 12 * 12?\nA:",
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "List three colors:",
+    "1, 2, 3, 4,",
+    "Translate to French: good morning",
+    "Q: What is 12 * 12?\nA:",
     "The quick brown fox",
 ]
 CHATS = [
     [{"role": "user", "content": "What is the capital of Italy?"}],
     [{"role": "system", "content": "You answer in one word."}, {"role": "user", "content": "Name a fruit."}],
-    [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello! How can I help?"},
-     {"role": "user", "content": "Tell me a fun fact about cats."}],
+    [
+        {"role": "user", "content": "Hi!"},
+        {"role": "assistant", "content": "Hello! How can I help?"},
+        {"role": "user", "content": "Tell me a fun fact about cats."},
+    ],
 ]
 
 
@@ -66,7 +74,7 @@ def test_greedy_tokens_equal_transformers(smollm2_gguf: Path, llm: LLM, hf, radi
     for ids, res in zip(prompts, got):
         with torch.no_grad():
             out = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, pad_token_id=0)
-        assert res["output_ids"] == out[0, len(ids):].tolist()
+        assert res["output_ids"] == out[0, len(ids) :].tolist()
     engine.scheduler.check_integrity()
 
 
@@ -77,12 +85,14 @@ def test_chat_stops_at_end_of_turn_without_special_tokens(llm: LLM, hf):
     end = tok.convert_tokens_to_ids("<|im_end|>")
     for chat in CHATS:
         res = llm.chat(chat, SamplingParams(temperature=0.0, max_new_tokens=200))[0]
-        ids = tok.encode(tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True),
-                         add_special_tokens=False)
+        ids = tok.encode(
+            tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True), add_special_tokens=False
+        )
         assert res["meta_info"]["prompt_tokens"] == len(ids)
         with torch.no_grad():
-            want = model.generate(torch.tensor([ids]), max_new_tokens=200, do_sample=False, eos_token_id=end,
-                                  pad_token_id=0)[0, len(ids):].tolist()
+            want = model.generate(
+                torch.tensor([ids]), max_new_tokens=200, do_sample=False, eos_token_id=end, pad_token_id=0
+            )[0, len(ids) :].tolist()
         assert res["output_ids"] == want
         assert res["meta_info"]["finish_reason"] == "stop" and res["output_ids"][-1] == end
         assert "<|im_" not in res["text"] and res["text"].strip()
@@ -91,7 +101,9 @@ def test_chat_stops_at_end_of_turn_without_special_tokens(llm: LLM, hf):
 def test_conversion_is_cached(smollm2_gguf: Path, llm: LLM):
     folder = converted_checkpoint(smollm2_gguf)
     assert folder == llm.runner.model_dir and (folder / "tokenizer.json").is_file()
-    assert (folder / "chat_template.jinja").is_file() or "chat_template" in (folder / "tokenizer_config.json").read_text()
+    assert (folder / "chat_template.jinja").is_file() or "chat_template" in (
+        folder / "tokenizer_config.json"
+    ).read_text()
 
 
 def test_eos_ids_read_from_files_equal_the_loaded_tokenizers(smollm2_gguf: Path, llm: LLM, tiny_models):
@@ -109,8 +121,10 @@ def test_structured_output_on_the_real_model(llm: LLM):
     import jsonschema
 
     shapes = schemas(50, seed=11)
-    chats = [[{"role": "user", "content": f"Give record {i} as JSON matching this schema: {json.dumps(s)}"}]
-             for i, s in enumerate(shapes)]
+    chats = [
+        [{"role": "user", "content": f"Give record {i} as JSON matching this schema: {json.dumps(s)}"}]
+        for i, s in enumerate(shapes)
+    ]
     chats += [[{"role": "user", "content": f"Give one example string matching {p}"}] for p in REGEXES]
     chats.append([{"role": "user", "content": "Greet someone in a few words."}])
     params = [SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, json_schema=json.dumps(s)) for s in shapes]

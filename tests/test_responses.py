@@ -14,8 +14,12 @@ import pytest
 from tests.server_utils import running_server
 from tests.test_server import idle_and_clean
 
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
-           "additionalProperties": False}
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 12}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
 TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather in a city.", "parameters": WEATHER}]
 
 
@@ -45,12 +49,21 @@ def _items(output) -> list[dict]:
 def test_text_whole_and_streamed_equal_the_chat_route(server, client):
     messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Name a color."}]
     text, prompt_tokens = _chat(client, messages, max_tokens=12)
-    r = client.responses.create(model="default", instructions="Answer briefly.", input="Name a color.",
-                                max_output_tokens=12, temperature=0)
+    r = client.responses.create(
+        model="default", instructions="Answer briefly.", input="Name a color.", max_output_tokens=12, temperature=0
+    )
     assert r.output_text == text and r.usage.input_tokens == prompt_tokens
     assert r.status in ("completed", "incomplete") and r.output[0].type == "message"
-    events = list(client.responses.create(model="default", instructions="Answer briefly.", input="Name a color.",
-                                          max_output_tokens=12, temperature=0, stream=True))
+    events = list(
+        client.responses.create(
+            model="default",
+            instructions="Answer briefly.",
+            input="Name a color.",
+            max_output_tokens=12,
+            temperature=0,
+            stream=True,
+        )
+    )
     kinds = [e.type for e in events]
     assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
     assert kinds[-1] == f"response.{r.status}" and [e.sequence_number for e in events] == list(range(len(events)))
@@ -63,17 +76,25 @@ def test_previous_response_id_continues_the_conversation(server, client):
     """The second turn sees the first turn's input and answer (not its instructions): the same
     text and prompt as the chat route given the whole history; stored responses can be read back
     and deleted; store=false keeps nothing."""
-    first = client.responses.create(model="default", instructions="Be terse.", input="Say hello.",
-                                    max_output_tokens=10, temperature=0)
-    second = client.responses.create(model="default", input="Now say goodbye.", previous_response_id=first.id,
-                                     max_output_tokens=10, temperature=0)
-    history = [{"role": "user", "content": "Say hello."}, {"role": "assistant", "content": first.output_text},
-               {"role": "user", "content": "Now say goodbye."}]
+    first = client.responses.create(
+        model="default", instructions="Be terse.", input="Say hello.", max_output_tokens=10, temperature=0
+    )
+    second = client.responses.create(
+        model="default", input="Now say goodbye.", previous_response_id=first.id, max_output_tokens=10, temperature=0
+    )
+    history = [
+        {"role": "user", "content": "Say hello."},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "Now say goodbye."},
+    ]
     assert (second.output_text, second.usage.input_tokens) == _chat(client, history, max_tokens=10)
     assert client.responses.retrieve(first.id).output_text == first.output_text
     client.responses.delete(first.id)
-    r = httpx.post(f"{server.url}/v1/responses", timeout=30, json={
-        "model": "default", "input": "x", "previous_response_id": first.id, "max_output_tokens": 2})
+    r = httpx.post(
+        f"{server.url}/v1/responses",
+        timeout=30,
+        json={"model": "default", "input": "x", "previous_response_id": first.id, "max_output_tokens": 2},
+    )
     assert r.status_code == 404 and "previous_response_id" in r.text
     unstored = client.responses.create(model="default", input="x", max_output_tokens=2, store=False)
     assert httpx.get(f"{server.url}/v1/responses/{unstored.id}", timeout=10).status_code == 404
@@ -84,8 +105,15 @@ def test_function_calls_forced_whole_and_streamed(server, client):
     import jsonschema
 
     for choice in ("required", {"type": "function", "name": "get_weather"}):
-        kw = dict(model="default", input="What is the weather in Lima?", tools=TOOLS, tool_choice=choice,
-                  parallel_tool_calls=False, max_output_tokens=60, temperature=0)
+        kw = dict(
+            model="default",
+            input="What is the weather in Lima?",
+            tools=TOOLS,
+            tool_choice=choice,
+            parallel_tool_calls=False,
+            max_output_tokens=60,
+            temperature=0,
+        )
         r = client.responses.create(**kw)
         calls = [o for o in r.output if o.type == "function_call"]
         assert r.status == "completed" and len(calls) == 1 and calls[0].name == "get_weather", r
@@ -115,11 +143,16 @@ def test_the_agents_sdk_runs_a_tool_round_trip(server):
         cities.append(city)
         return f"It is sunny in {city}."
 
-    model = OpenAIResponsesModel(model="default",
-                                 openai_client=AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused"))
-    agent = Agent(name="weather", instructions="You are a helpful assistant.", tools=[get_weather], model=model,
-                  model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=64,
-                                               temperature=0))
+    model = OpenAIResponsesModel(
+        model="default", openai_client=AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    )
+    agent = Agent(
+        name="weather",
+        instructions="You are a helpful assistant.",
+        tools=[get_weather],
+        model=model,
+        model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=64, temperature=0),
+    )
 
     async def both():
         whole = await Runner.run(agent, "What is the weather in Lima?", max_turns=3)
@@ -136,20 +169,26 @@ def test_the_agents_sdk_runs_a_tool_round_trip(server):
     idle_and_clean(server)
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"tools": [{"type": "web_search"}]}, "tools"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input"),
-    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input"),
-    ({"input": [{"role": "robot", "content": "hi"}]}, "input"),
-    ({"background": True}, "background"),
-    ({"conversation": "conv_1"}, "conversation"),
-    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
-    ({"tool_choice": {"type": "file_search"}, "tools": TOOLS}, "tool_choice"),
-    ({"max_output_tokens": 0}, "max_output_tokens"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"tools": [{"type": "web_search"}]}, "tools"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input"),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input"),
+        ({"input": [{"role": "robot", "content": "hi"}]}, "input"),
+        ({"background": True}, "background"),
+        ({"conversation": "conv_1"}, "conversation"),
+        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
+        ({"tool_choice": {"type": "file_search"}, "tools": TOOLS}, "tool_choice"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+    ],
+)
 def test_bad_bodies_are_refused_by_name(server, body, param):
-    r = httpx.post(f"{server.url}/v1/responses", timeout=30, json={"model": "default", "input": "hi",
-                                                                   "max_output_tokens": 4, **body})
+    r = httpx.post(
+        f"{server.url}/v1/responses",
+        timeout=30,
+        json={"model": "default", "input": "hi", "max_output_tokens": 4, **body},
+    )
     assert r.status_code == 400 and param in r.text, r.text
 
 

@@ -27,8 +27,11 @@ ENGINE = {"device": "cpu", "max_total_tokens": 8192, "page_size": 4}
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A and B: one architecture, other weights; Q: another architecture."""
     root = tmp_path_factory.mktemp("rl")
-    return {"A": make_tiny_model("llama", root / "A", seed=0), "B": make_tiny_model("llama", root / "B", seed=1),
-            "Q": make_tiny_model("qwen3", root / "Q", seed=0)}
+    return {
+        "A": make_tiny_model("llama", root / "A", seed=0),
+        "B": make_tiny_model("llama", root / "B", seed=1),
+        "Q": make_tiny_model("qwen3", root / "Q", seed=0),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +78,8 @@ def test_an_update_never_serves_kv_of_older_weights(checkpoints, prompts, refere
     first = llm.generate(prompts, GREEDY)
     assert tokens(first) == reference["B"]
     assert sum(r["meta_info"]["cached_tokens"] for r in first) == sum(  # only B's own group prefixes
-        r["meta_info"]["cached_tokens"] for r in LLM(str(checkpoints["B"]), **ENGINE).generate(prompts, GREEDY))
+        r["meta_info"]["cached_tokens"] for r in LLM(str(checkpoints["B"]), **ENGINE).generate(prompts, GREEDY)
+    )
     assert llm.update_weights_from_disk(str(checkpoints["A"]))[0]  # flush_cache: every unheld page freed
     stats = llm.scheduler.stats()
     assert stats["free_pages"] == stats["total_pages"]
@@ -107,8 +111,11 @@ def test_fp8_engines_take_float_and_fp8_updates(checkpoints, prompts, tmp_path, 
     if scheme == "online":
         start, new, kw = checkpoints["A"], checkpoints["B"], {"quantization": "fp8"}
     else:
-        start, new, kw = convert(checkpoints["A"], tmp_path / "A", "block"), convert(checkpoints["B"], tmp_path / "B",
-                                                                                    "block"), {}
+        start, new, kw = (
+            convert(checkpoints["A"], tmp_path / "A", "block"),
+            convert(checkpoints["B"], tmp_path / "B", "block"),
+            {},
+        )
     want = tokens(LLM(str(new), **ENGINE, **kw).generate(prompts, GREEDY))
     llm = CheckedLLM(str(start), **ENGINE, **kw)
     assert tokens(llm.generate(prompts, GREEDY)) != want
@@ -116,7 +123,9 @@ def test_fp8_engines_take_float_and_fp8_updates(checkpoints, prompts, tmp_path, 
     assert tokens(llm.generate(prompts, GREEDY)) == want
     if scheme == "online":
         assert llm.update_weights_from_tensor(list(state_dict(checkpoints["A"]).items()))[0]
-        assert tokens(llm.generate(prompts, GREEDY)) == tokens(LLM(str(start), **ENGINE, **kw).generate(prompts, GREEDY))
+        assert tokens(llm.generate(prompts, GREEDY)) == tokens(
+            LLM(str(start), **ENGINE, **kw).generate(prompts, GREEDY)
+        )
 
 
 def test_a_gguf_engine_takes_its_gguf_file_again(smollm2_gguf, checkpoints):
@@ -152,8 +161,9 @@ def test_the_tensor_payload_decoder_imports_nothing_else(tmp_path):
         decode_named_tensors(base64.b64encode(pickle.dumps({"a": 1})))
     named = [("a", torch.arange(6, dtype=torch.float32).view(2, 3)), ("b", torch.ones(4, dtype=torch.bfloat16))]
     for flattened in (False, True):
-        out = decode_named_tensors(encode_named_tensors(named, flattened),
-                                   "flattened_bucket" if flattened else "direct")
+        out = decode_named_tensors(
+            encode_named_tensors(named, flattened), "flattened_bucket" if flattened else "direct"
+        )
         assert [n for n, _ in out] == ["a", "b"] and all(torch.equal(x, y) for (_, x), (_, y) in zip(out, named))
 
 
@@ -188,9 +198,11 @@ def test_pause_modes_keep_every_page_and_request(checkpoints, prompts, reference
     assert all(r.finish_reason == "length" and len(r.output_ids) == 12 for r in reqs)
     if mode == "retract":  # recomputed under B: B's greedy continuation of prompt + partial output
         fresh_b = LLM(str(checkpoints["B"]), **ENGINE)
-        rest = fresh_b.generate([p + out for p, out in zip(prompts, partial)],
-                                [{**GREEDY, "max_new_tokens": 12 - len(out)} for out in partial])
-        assert [r.output_ids[len(p):] for r, p in zip(reqs, partial)] == tokens(rest)
+        rest = fresh_b.generate(
+            [p + out for p, out in zip(prompts, partial)],
+            [{**GREEDY, "max_new_tokens": 12 - len(out)} for out in partial],
+        )
+        assert [r.output_ids[len(p) :] for r, p in zip(reqs, partial)] == tokens(rest)
     stats = sched.stats()
     assert stats["free_pages"] + stats["evictable_pages"] == stats["total_pages"]
 
@@ -216,8 +228,10 @@ def test_release_and_resume_give_the_same_tokens(checkpoints, prompts, reference
     assert llm.resume_memory_occupation()[0]
     while sched.has_work:
         sched.step()
-    assert [r.output_ids for r in reqs] == [ref[:12] for ref in tokens(
-        LLM(str(checkpoints["A"]), **ENGINE).generate(prompts[:2], {**GREEDY, "max_new_tokens": 12}))]
+    assert [r.output_ids for r in reqs] == [
+        ref[:12]
+        for ref in tokens(LLM(str(checkpoints["A"]), **ENGINE).generate(prompts[:2], {**GREEDY, "max_new_tokens": 12}))
+    ]
     assert tokens(llm.generate(prompts, GREEDY)) == reference["A"]
     sched.check_integrity()
 
@@ -227,8 +241,10 @@ def test_on_cuda_updates_and_memory_release_keep_graphs_right(tmp_path, prompts)
     """With CUDA graphs (decode and piecewise prefill): an update copied in place is what the
     replayed graphs compute (same tokens as a fresh engine on B), and after a release and
     resume (graphs captured again) the same prompts give the same tokens."""
-    a, b = (make_tiny_model("llama", tmp_path / name, seed=seed, overrides={"head_dim": 128})
-            for name, seed in (("A", 0), ("B", 1)))
+    a, b = (
+        make_tiny_model("llama", tmp_path / name, seed=seed, overrides={"head_dim": 128})
+        for name, seed in (("A", 0), ("B", 1))
+    )
     cuda = {"device": "cuda", "dtype": "bfloat16", "max_total_tokens": 8192, "page_size": 16}
     fresh_b = tokens(LLM(str(b), **cuda).generate(prompts, GREEDY))
     llm = LLM(str(a), **cuda)

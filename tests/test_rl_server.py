@@ -31,15 +31,25 @@ GREEDY = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def server(checkpoints):
-    with running_server(checkpoints["A"], "--page-size", "4", "--max-total-tokens", "8192",
-                        "--enable-weight-update-from-tensor", "--weight-version", "v0") as srv:
+    with running_server(
+        checkpoints["A"],
+        "--page-size",
+        "4",
+        "--max-total-tokens",
+        "8192",
+        "--enable-weight-update-from-tensor",
+        "--weight-version",
+        "v0",
+    ) as srv:
         yield srv
 
 
 @pytest.fixture(scope="module")
 def reference(checkpoints) -> dict[str, list[list[int]]]:
-    return {name: [r["output_ids"] for r in LLM(str(checkpoints[name]), **ENGINE).generate(PROMPTS, GREEDY)]
-            for name in ("A", "B")}
+    return {
+        name: [r["output_ids"] for r in LLM(str(checkpoints[name]), **ENGINE).generate(PROMPTS, GREEDY)]
+        for name in ("A", "B")
+    }
 
 
 def post(srv: ServerProcess, path: str, body: dict | None = None, timeout: float = 120) -> httpx.Response:
@@ -66,9 +76,17 @@ def test_update_from_disk_with_the_body_rl_clients_send(server, checkpoints, ref
     assert [r["output_ids"] for r in first] == reference["A"]
     assert all(r["meta_info"]["weight_version"] == "v0" for r in first)
     # AReaL's and slime's bodies: abort_all_requests, weight_version, SGLang's own knobs
-    body = {"model_path": str(checkpoints["B"]), "load_format": None, "abort_all_requests": True,
-            "weight_version": "B", "flush_cache": True, "is_async": False, "keep_pause": False,
-            "recapture_cuda_graph": False, "token_step": 3}
+    body = {
+        "model_path": str(checkpoints["B"]),
+        "load_format": None,
+        "abort_all_requests": True,
+        "weight_version": "B",
+        "flush_cache": True,
+        "is_async": False,
+        "keep_pause": False,
+        "recapture_cuda_graph": False,
+        "token_step": 3,
+    }
     r = post(server, "/update_weights_from_disk", body)
     assert r.status_code == 200, r.text
     assert r.json()["success"] is True and r.json()["message"]
@@ -85,15 +103,22 @@ def test_update_from_disk_with_the_body_rl_clients_send(server, checkpoints, ref
 
 def test_update_from_tensor_direct_and_bucketed(server, checkpoints, reference):
     sd = list(state_dict(checkpoints["B"]).items())
-    body = {"serialized_named_tensors": [encode_named_tensors(sd)], "load_format": None, "flush_cache": True,
-            "weight_version": "B-tensor"}
+    body = {
+        "serialized_named_tensors": [encode_named_tensors(sd)],
+        "load_format": None,
+        "flush_cache": True,
+        "weight_version": "B-tensor",
+    }
     r = post(server, "/update_weights_from_tensor", body)
     assert r.status_code == 200 and r.json()["success"], r.text
     assert outputs(server) == reference["B"]
     # slime's colocated body: one flattened bucket per rank, a string weight version, no flush field
     sd_a = list(state_dict(checkpoints["A"]).items())
-    body = {"serialized_named_tensors": [encode_named_tensors(sd_a, flattened=True)],
-            "load_format": "flattened_bucket", "weight_version": "7"}
+    body = {
+        "serialized_named_tensors": [encode_named_tensors(sd_a, flattened=True)],
+        "load_format": "flattened_bucket",
+        "weight_version": "7",
+    }
     r = post(server, "/update_weights_from_tensor", body)
     assert r.status_code == 200 and r.json()["success"], r.text
     assert outputs(server) == reference["A"]
@@ -114,15 +139,27 @@ def test_bad_payloads_get_4xx_and_the_old_weights_serve(server, checkpoints, ref
         ("/update_weights_from_disk", {"model_path": str(checkpoints["Q"])}, "architecture"),
         ("/update_weights_from_disk", {"model_path": "/nonexistent/ckpt"}, "does not exist"),
         ("/update_weights_from_disk", {}, "model_path"),
-        ("/update_weights_from_tensor", {"serialized_named_tensors": [base64.b64encode(pickle.dumps(
-            [("w", _Evil())])).decode()]}, "system"),
+        (
+            "/update_weights_from_tensor",
+            {"serialized_named_tensors": [base64.b64encode(pickle.dumps([("w", _Evil())])).decode()]},
+            "system",
+        ),
         ("/update_weights_from_tensor", {"serialized_named_tensors": ["@@not base64@@"]}, "base64"),
-        ("/update_weights_from_tensor", {"serialized_named_tensors": [encode_named_tensors(
-            [(name, sd[name].t().contiguous())])]}, "shape"),
-        ("/update_weights_from_tensor", {"serialized_named_tensors": [encode_named_tensors(
-            [("model.no.such.weight", sd[name])])]}, "no place"),
-        ("/update_weights_from_tensor", {"serialized_named_tensors": [encode_named_tensors([(name, sd[name])])] * 2},
-         "ranks"),
+        (
+            "/update_weights_from_tensor",
+            {"serialized_named_tensors": [encode_named_tensors([(name, sd[name].t().contiguous())])]},
+            "shape",
+        ),
+        (
+            "/update_weights_from_tensor",
+            {"serialized_named_tensors": [encode_named_tensors([("model.no.such.weight", sd[name])])]},
+            "no place",
+        ),
+        (
+            "/update_weights_from_tensor",
+            {"serialized_named_tensors": [encode_named_tensors([(name, sd[name])])] * 2},
+            "ranks",
+        ),
         ("/update_weights_from_tensor", {"serialized_named_tensors": "x"}, "serialized_named_tensors"),
         ("/update_weights_from_distributed", {"names": ["a"], "dtypes": ["bfloat16"], "shapes": [[2]]}, "group"),
         ("/pause_generation", {"mode": "sideways"}, "mode"),
@@ -143,17 +180,33 @@ def test_update_from_distributed_broadcast(server, checkpoints, reference):
     """The test process is the trainer's rank 0; the engine's one rank joins as rank 1 (gloo)."""
     port, group_name = free_port(), "trainer_group"
     with ThreadPoolExecutor(2) as pool:
-        joined = pool.submit(post, server, "/init_weights_update_group", {
-            "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
-            "group_name": group_name, "backend": "nccl"})
+        joined = pool.submit(
+            post,
+            server,
+            "/init_weights_update_group",
+            {
+                "master_address": "127.0.0.1",
+                "master_port": port,
+                "rank_offset": 1,
+                "world_size": 2,
+                "group_name": group_name,
+                "backend": "nccl",
+            },
+        )
         group = init_weight_group("gloo", "127.0.0.1", port, 0, 2, group_name)
         assert joined.result().json()["success"], joined.result().text
         try:
             for load_format, ckpt in (("direct", "B"), ("flattened_bucket", "A")):
                 sd = state_dict(checkpoints[ckpt])
-                body = {"names": list(sd), "dtypes": [str(t.dtype).removeprefix("torch.") for t in sd.values()],
-                        "shapes": [list(t.shape) for t in sd.values()], "group_name": group_name,
-                        "load_format": load_format, "flush_cache": True, "weight_version": ckpt}
+                body = {
+                    "names": list(sd),
+                    "dtypes": [str(t.dtype).removeprefix("torch.") for t in sd.values()],
+                    "shapes": [list(t.shape) for t in sd.values()],
+                    "group_name": group_name,
+                    "load_format": load_format,
+                    "flush_cache": True,
+                    "weight_version": ckpt,
+                }
                 done = pool.submit(post, server, "/update_weights_from_distributed", body)
                 if load_format == "direct":
                     for t in sd.values():
@@ -165,8 +218,17 @@ def test_update_from_distributed_broadcast(server, checkpoints, reference):
                 assert outputs(server) == reference[ckpt]
             # A list the engine refuses is still received (the trainer never hangs), then refused.
             t = torch.zeros(3, 3)
-            done = pool.submit(post, server, "/update_weights_from_distributed", {
-                "names": ["model.nothing.weight"], "dtypes": ["float32"], "shapes": [[3, 3]], "group_name": group_name})
+            done = pool.submit(
+                post,
+                server,
+                "/update_weights_from_distributed",
+                {
+                    "names": ["model.nothing.weight"],
+                    "dtypes": ["float32"],
+                    "shapes": [[3, 3]],
+                    "group_name": group_name,
+                },
+            )
             dist.broadcast(t, src=0, group=group)
             assert done.result().status_code == 400 and "no place" in done.result().text
             assert outputs(server) == reference["A"]
@@ -177,8 +239,12 @@ def test_update_from_distributed_broadcast(server, checkpoints, reference):
 
 
 def _stream(srv: ServerProcess, prompt: list[int], n: int, out: list) -> None:
-    with httpx.stream("POST", f"{srv.url}/generate", json={
-            "input_ids": prompt, "stream": True, "sampling_params": {**GREEDY, "max_new_tokens": n}}, timeout=120) as r:
+    with httpx.stream(
+        "POST",
+        f"{srv.url}/generate",
+        json={"input_ids": prompt, "stream": True, "sampling_params": {**GREEDY, "max_new_tokens": n}},
+        timeout=120,
+    ) as r:
         out.append(sse_events(r.iter_lines()))
 
 
@@ -247,8 +313,15 @@ def test_updates_never_interleave(server, checkpoints, reference):
     """Two updates at once: the scheduler runs them one after the other; the version it reports
     is the last one applied, and the tokens are that checkpoint's."""
     with ThreadPoolExecutor(2) as pool:
-        futs = [pool.submit(post, server, "/update_weights_from_disk",
-                            {"model_path": str(checkpoints[name]), "weight_version": name}) for name in ("B", "A")]
+        futs = [
+            pool.submit(
+                post,
+                server,
+                "/update_weights_from_disk",
+                {"model_path": str(checkpoints[name]), "weight_version": name},
+            )
+            for name in ("B", "A")
+        ]
         assert all(f.result().json()["success"] for f in futs)
     version = httpx.get(f"{server.url}/get_weight_version", timeout=10).json()["weight_version"]
     assert outputs(server) == reference[version]
@@ -281,15 +354,26 @@ def test_bodies_rl_frameworks_send_are_accepted(server, checkpoints, reference):
     areal_disk = {"model_path": str(checkpoints["B"]), "abort_all_requests": True}
     assert post(server, "/update_weights_from_disk", areal_disk).json()["success"]
     assert outputs(server) == reference["B"]
-    verl_tensor = {"serialized_named_tensors": [encode_named_tensors(state_dict(checkpoints["A"]).items())],
-                   "load_format": "direct", "flush_cache": True, "selector": "all"}
+    verl_tensor = {
+        "serialized_named_tensors": [encode_named_tensors(state_dict(checkpoints["A"]).items())],
+        "load_format": "direct",
+        "flush_cache": True,
+        "selector": "all",
+    }
     assert post(server, "/update_weights_from_tensor", verl_tensor).json()["success"]
-    assert post(server, "/update_weight_version", {"new_version": "run-0001", "abort_all_requests": True}).json()[
-        "new_version"] == "run-0001"
+    assert (
+        post(server, "/update_weight_version", {"new_version": "run-0001", "abort_all_requests": True}).json()[
+            "new_version"
+        ]
+        == "run-0001"
+    )
     assert outputs(server) == reference["A"]
-    for path, body in (("/pause_generation", {}), ("/continue_generation", {}),
-                       ("/release_memory_occupation", {"tags": ["weights", "kv_cache"]}),
-                       ("/resume_memory_occupation", {"tags": ["weights", "kv_cache"]})):
+    for path, body in (
+        ("/pause_generation", {}),
+        ("/continue_generation", {}),
+        ("/release_memory_occupation", {"tags": ["weights", "kv_cache"]}),
+        ("/resume_memory_occupation", {"tags": ["weights", "kv_cache"]}),
+    ):
         assert post(server, path, body).status_code == 200, path
     assert httpx.get(f"{server.url}/flush_cache", timeout=10).status_code == 200  # SGLang's tests call it by GET
     assert outputs(server) == reference["A"]
@@ -299,8 +383,26 @@ def test_rl_loop_runs_every_update_path_on_cpu(checkpoints, tmp_path):
     """benchmarks/rl_loop.py end to end: rollout, a trainer step, each update path in turn."""
     from benchmarks.rl_loop import main
 
-    rows = main(["--model", str(checkpoints["A"]), "--steps", "3", "--prompts", "2", "--samples", "4",
-                 "--max-new-tokens", "8", "--release-memory", "--port", str(free_port()),
-                 "--group-port", str(free_port()), "--out", str(tmp_path / "rows.json")])
+    rows = main(
+        [
+            "--model",
+            str(checkpoints["A"]),
+            "--steps",
+            "3",
+            "--prompts",
+            "2",
+            "--samples",
+            "4",
+            "--max-new-tokens",
+            "8",
+            "--release-memory",
+            "--port",
+            str(free_port()),
+            "--group-port",
+            str(free_port()),
+            "--out",
+            str(tmp_path / "rows.json"),
+        ]
+    )
     assert [r["path"] for r in rows] == ["tensor", "disk", "distributed"]
     assert all(r["samples"] == 8 and r["output_tokens"] == 64 for r in rows)

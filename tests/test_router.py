@@ -19,8 +19,12 @@ pytestmark = pytest.mark.skipif(find_smg() is None, reason="the smg router is no
 
 
 def test_smg_cache_aware_router_over_two_servers(tiny_llama):
-    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "smg_check.py"), "--model", str(tiny_llama)],
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "smg_check.py"), "--model", str(tiny_llama)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     report = json.loads(run.stdout.strip().splitlines()[-1])
     assert report["generate"] and report["completions"] and report["chat"]
@@ -50,10 +54,14 @@ def test_dp_size_two_behind_the_router(tiny_llama):
         srv.wait_ready(timeout=240)
         replicas = re.search(r"smg cache_aware: (.*)\)", srv.output).group(1).split(", ")
         assert len(replicas) == 2
-        r = httpx.post(f"{srv.url}/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 4}}, timeout=60)
+        r = httpx.post(
+            f"{srv.url}/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 4}}, timeout=60
+        )
         assert r.status_code == 200 and len(r.json()["output_ids"]) == 4, r.text
-        for route, body in [("/v1/completions", {"prompt": "Hello", "max_tokens": 4}),
-                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})]:
+        for route, body in [
+            ("/v1/completions", {"prompt": "Hello", "max_tokens": 4}),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}),
+        ]:
             r = httpx.post(f"{srv.url}{route}", json={"model": str(tiny_llama), **body}, timeout=60)
             assert r.status_code == 200, r.text
 
@@ -63,8 +71,9 @@ def test_dp_size_two_behind_the_router(tiny_llama):
         prefixes = [" ".join(rng.choice(words) for _ in range(150)) for _ in range(4)]
         prompts = [f"{p} question {g}.{m}:" for m in range(8) for g, p in enumerate(prefixes)]
         for text in prompts:
-            r = httpx.post(f"{srv.url}/generate", json={"text": text, "sampling_params": {"max_new_tokens": 1}},
-                           timeout=60)
+            r = httpx.post(
+                f"{srv.url}/generate", json={"text": text, "sampling_params": {"max_new_tokens": 1}}, timeout=60
+            )
             assert r.status_code == 200, r.text
         after = [httpx.get(f"{u}/server_info").json()["scheduler"] for u in replicas]
         computed = sum(a["prefill_tokens"] - b["prefill_tokens"] for a, b in zip(after, before))
@@ -90,8 +99,11 @@ def test_dp_size_two_behind_the_router(tiny_llama):
         served = 0
         for k in range(8):  # the router marks the dead replica unhealthy; the other answers
             for _ in range(20):
-                r = httpx.post(f"{srv.url}/generate", json={"text": f"after {k}", "sampling_params": {"max_new_tokens": 2}},
-                               timeout=60)
+                r = httpx.post(
+                    f"{srv.url}/generate",
+                    json={"text": f"after {k}", "sampling_params": {"max_new_tokens": 2}},
+                    timeout=60,
+                )
                 if r.status_code == 200:
                     served += 1
                     break

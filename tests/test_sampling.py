@@ -119,9 +119,18 @@ def test_logprobs_and_top_logprobs():
 
 @pytest.mark.parametrize(
     "field,value",
-    [("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", 0), ("min_p", 1.5),
-     ("repetition_penalty", 0.0), ("frequency_penalty", 3.0), ("presence_penalty", -2.5),
-     ("max_new_tokens", -1), ("seed", -1)],
+    [
+        ("temperature", -0.1),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", 0),
+        ("min_p", 1.5),
+        ("repetition_penalty", 0.0),
+        ("frequency_penalty", 3.0),
+        ("presence_penalty", -2.5),
+        ("max_new_tokens", -1),
+        ("seed", -1),
+    ],
 )
 def test_out_of_range_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -143,8 +152,12 @@ def test_filtered_tokens_are_never_sampled_over_two_million_draws():
     vocab, rows = 256, 8192
     torch.manual_seed(0)
     logits = torch.randn(rows, vocab) * 4
-    params = [SamplingParams(top_k=5), SamplingParams(top_p=0.3), SamplingParams(min_p=0.5),
-              SamplingParams(temperature=0.05)]
+    params = [
+        SamplingParams(top_k=5),
+        SamplingParams(top_p=0.3),
+        SamplingParams(min_p=0.5),
+        SamplingParams(temperature=0.05),
+    ]
     s = Sampler(max_slots=rows, vocab_size=vocab, device=torch.device("cpu"))
     for slot in range(rows):
         s.set_request(slot, params[slot % 4], [], [], seed=slot)
@@ -225,6 +238,12 @@ def test_race_sampling_kernel_under_the_interpreter():
     pytest.importorskip("triton")
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
-    done = subprocess.run([sys.executable, "-c", "from tests.test_sampling import race_check; race_check('cpu')"],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, "-c", "from tests.test_sampling import race_check; race_check('cpu')"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]

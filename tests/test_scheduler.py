@@ -83,7 +83,9 @@ def test_cached_tokens_are_what_the_tree_could_serve(tiny_llama, policy, page_si
     assert stats["prefix_queried_tokens"] == sum(len(p) for p in prompts)
     # Asking again: everything but the last token of each prompt is cached, page-aligned.
     again = llm.generate(prompts, GREEDY)
-    assert [r["meta_info"]["cached_tokens"] for r in again] == [(len(p) - 1) - (len(p) - 1) % page_size for p in prompts]
+    assert [r["meta_info"]["cached_tokens"] for r in again] == [
+        (len(p) - 1) - (len(p) - 1) % page_size for p in prompts
+    ]
     assert tokens(again) == tokens(results)
 
 
@@ -97,8 +99,17 @@ def test_chunk_smaller_than_shared_prefix(tiny_llama):
 
 def test_retraction_keeps_seeded_sampling_identical(tiny_llama):
     prompts = shared_prefix_prompts(groups=4, per_group=6, prefix_len=30, seed=3)
-    params = [SamplingParams(temperature=0.9, top_p=0.9, seed=i, max_new_tokens=16, ignore_eos=True,
-                             repetition_penalty=1.2 if i % 2 else 1.0) for i in range(len(prompts))]
+    params = [
+        SamplingParams(
+            temperature=0.9,
+            top_p=0.9,
+            seed=i,
+            max_new_tokens=16,
+            ignore_eos=True,
+            repetition_penalty=1.2 if i % 2 else 1.0,
+        )
+        for i in range(len(prompts))
+    ]
     ref = tokens(make_llm(tiny_llama).generate(prompts, params))
     small = make_llm(tiny_llama, max_total_tokens=260, page_size=2)
     assert tokens(small.generate(prompts, params)) == ref
@@ -134,8 +145,9 @@ def test_text_prompts_stop_strings_and_logprobs(tiny_llama):
     res = llm.generate("Hello world", SamplingParams(temperature=0.0, max_new_tokens=16, stop=stop))[0]
     assert res["meta_info"]["finish_reason"] == "stop"
     assert stop not in res["text"] and base["text"].startswith(res["text"])
-    kept = llm.generate("Hello world", SamplingParams(temperature=0.0, max_new_tokens=16, stop=stop,
-                                                      no_stop_trim=True))[0]
+    kept = llm.generate(
+        "Hello world", SamplingParams(temperature=0.0, max_new_tokens=16, stop=stop, no_stop_trim=True)
+    )[0]
     assert kept["text"] == res["text"] + stop  # SGLang's no_stop_trim, as the server does
     lp = llm.generate([[5, 6, 7]], GREEDY, top_logprobs=2)[0]["meta_info"]
     assert len(lp["output_token_logprobs"]) == 12 and all(x <= 0 for x in lp["output_token_logprobs"])
@@ -144,10 +156,15 @@ def test_text_prompts_stop_strings_and_logprobs(tiny_llama):
 
 @pytest.mark.parametrize(
     "prompt,params,match",
-    [([], SamplingParams(), "empty"), ([1] * 2000, SamplingParams(), "context length"),
-     ([5, 99999], SamplingParams(), "input_ids"), ([5, -1], SamplingParams(), "input_ids"),
-     ([2**40, 5], SamplingParams(), "input_ids"), ([1], SamplingParams(top_p=2.0), "top_p"),
-     ([1], SamplingParams(stop_token_ids=[-3]), "stop_token_ids")],
+    [
+        ([], SamplingParams(), "empty"),
+        ([1] * 2000, SamplingParams(), "context length"),
+        ([5, 99999], SamplingParams(), "input_ids"),
+        ([5, -1], SamplingParams(), "input_ids"),
+        ([2**40, 5], SamplingParams(), "input_ids"),
+        ([1], SamplingParams(top_p=2.0), "top_p"),
+        ([1], SamplingParams(stop_token_ids=[-3]), "stop_token_ids"),
+    ],
 )
 def test_bad_requests_are_rejected(tiny_llama, prompt, params, match):
     llm = make_llm(tiny_llama)
@@ -177,7 +194,9 @@ def test_overlap_schedule_matches_synchronous(tiny_llama):
     """Launching step N+1 before step N's tokens are known changes nothing about the tokens,
     also when requests stop early (EOS, stop strings, short max_new_tokens) and get retracted."""
     prompts = shared_prefix_prompts(groups=4, per_group=6, prefix_len=30, seed=3)
-    params = [SamplingParams(temperature=0.0, max_new_tokens=1 + i % 9, ignore_eos=i % 2 == 0) for i in range(len(prompts))]
+    params = [
+        SamplingParams(temperature=0.0, max_new_tokens=1 + i % 9, ignore_eos=i % 2 == 0) for i in range(len(prompts))
+    ]
     kw = {"max_total_tokens": 300, "page_size": 4, "chunked_prefill_size": 64}
     sync = make_llm(tiny_llama, disable_overlap_schedule=True, **kw)
     overlap = make_llm(tiny_llama, **kw)
@@ -231,8 +250,10 @@ def test_child_processes_use_one_thread():
     import subprocess
     import sys
 
-    code = ("import torch; from minisgl.ipc import become_child, cpu_worker_threads; become_child(); "
-            "print(torch.get_num_threads(), cpu_worker_threads())")
+    code = (
+        "import torch; from minisgl.ipc import become_child, cpu_worker_threads; become_child(); "
+        "print(torch.get_num_threads(), cpu_worker_threads())"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out[0] == "1" and int(out[1]) >= 1
 

@@ -104,9 +104,13 @@ def test_fuzzed_scheduler_stays_consistent_and_leaks_nothing(seed):
     rng = random.Random(seed)
     page = rng.choice([1, 4, 16])
     args = EngineArgs(
-        model="", page_size=page, max_running_requests=rng.choice([3, 16, 64]),
-        chunked_prefill_size=rng.choice([page * 4, 64, 256]), schedule_policy=rng.choice(["lpm", "fcfs"]),
-        disable_overlap_schedule=seed % 2 == 1, disable_radix_cache=seed % 4 == 3,
+        model="",
+        page_size=page,
+        max_running_requests=rng.choice([3, 16, 64]),
+        chunked_prefill_size=rng.choice([page * 4, 64, 256]),
+        schedule_policy=rng.choice(["lpm", "fcfs"]),
+        disable_overlap_schedule=seed % 2 == 1,
+        disable_radix_cache=seed % 4 == 3,
     )
     num_pages = 600 // page  # room for a few requests of up to ~280 tokens: eviction and retraction
     grammars = FakeGrammars(rng)
@@ -115,10 +119,13 @@ def test_fuzzed_scheduler_stays_consistent_and_leaks_nothing(seed):
     reqs = []
     for step in range(300):
         for _ in range(rng.choice([0, 0, 1, 2])):
-            prompt = rng.choice(stems)[: rng.randint(1, 120)] + [rng.randrange(2, VOCAB) for _ in range(rng.randint(0, 40))]
+            prompt = rng.choice(stems)[: rng.randint(1, 120)] + [
+                rng.randrange(2, VOCAB) for _ in range(rng.randint(0, 40))
+            ]
             regex = rng.choice([None, None, None, "a" * rng.randint(1, 30), "bad("])
-            params = SamplingParams(max_new_tokens=rng.randint(0, 100), temperature=0.0, ignore_eos=rng.random() < 0.5,
-                                    regex=regex)
+            params = SamplingParams(
+                max_new_tokens=rng.randint(0, 100), temperature=0.0, ignore_eos=rng.random() < 0.5, regex=regex
+            )
             for _ in range(rng.choice([1, 1, 4, 8])):  # identical prompts together, as n > 1 sends them
                 reqs.append(sched.add_request(prompt, params))
         grammars.tick()
@@ -158,7 +165,9 @@ def test_fuzzing_reaches_retraction():
     args = EngineArgs(model="", page_size=4, max_running_requests=64, chunked_prefill_size=64)
     sched = Scheduler(args, 150, 512, VOCAB, [EOS], FakeExecutor(rng), FakeGrammars(rng))
     for _ in range(40):
-        sched.add_request([rng.randrange(2, VOCAB) for _ in range(40)], SamplingParams(max_new_tokens=100, ignore_eos=True))
+        sched.add_request(
+            [rng.randrange(2, VOCAB) for _ in range(40)], SamplingParams(max_new_tokens=100, ignore_eos=True)
+        )
     while sched.has_work:
         sched.step()
         sched.check_integrity()

@@ -25,8 +25,9 @@ SYSTEM = "You are a careful assistant. Answer briefly and cite the standard libr
 
 @pytest.fixture(scope="module")
 def server(tiny_llama: Path):
-    srv = ServerProcess(tiny_llama, "--page-size", str(PAGE_SIZE), "--max-total-tokens", "16384",
-                        "--served-model-name", "tiny")
+    srv = ServerProcess(
+        tiny_llama, "--page-size", str(PAGE_SIZE), "--max-total-tokens", "16384", "--served-model-name", "tiny"
+    )
     try:
         srv.wait_ready()
         yield srv
@@ -61,7 +62,7 @@ def sse_events(lines) -> list:
     out = []
     for line in lines:
         if line.startswith("data: "):
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             out.append(data if data == "[DONE]" else json.loads(data))
     return out
 
@@ -72,9 +73,14 @@ def sse_events(lines) -> list:
 def test_generate_matches_offline(server: ServerProcess, offline: LLM):
     for prompt in ["Hello world", "The quick brown fox"]:
         want = greedy(offline, prompt, 24, ignore_eos=True)
-        r = httpx.post(f"{server.url}/generate", json={
-            "text": prompt, "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True},
-        }, timeout=60)
+        r = httpx.post(
+            f"{server.url}/generate",
+            json={
+                "text": prompt,
+                "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True},
+            },
+            timeout=60,
+        )
         assert r.status_code == 200, r.text
         got = r.json()
         assert got["output_ids"] == want["output_ids"]
@@ -89,10 +95,18 @@ def test_generate_matches_offline(server: ServerProcess, offline: LLM):
 def test_generate_stream_and_input_ids(server: ServerProcess, offline: LLM):
     ids = offline.tokenizer.encode("Streaming with token ids")
     want = greedy(offline, ids, 16, ignore_eos=True)
-    with httpx.stream("POST", f"{server.url}/generate", json={
-        "input_ids": ids, "stream": True, "return_logprob": True, "top_logprobs_num": 2,
-        "sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True},
-    }, timeout=60) as r:
+    with httpx.stream(
+        "POST",
+        f"{server.url}/generate",
+        json={
+            "input_ids": ids,
+            "stream": True,
+            "return_logprob": True,
+            "top_logprobs_num": 2,
+            "sampling_params": {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True},
+        },
+        timeout=60,
+    ) as r:
         assert r.status_code == 200
         events = sse_events(r.iter_lines())
     assert events[-1] == "[DONE]"
@@ -111,13 +125,20 @@ def test_openai_client_completions_and_chat(server: ServerProcess, offline: LLM)
     assert [m.id for m in client.models.list().data] == ["tiny"]
 
     want = greedy(offline, "Once upon a time", 20, ignore_eos=True)
-    out = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=20, temperature=0,
-                                    extra_body={"ignore_eos": True})
+    out = client.completions.create(
+        model="tiny", prompt="Once upon a time", max_tokens=20, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert out.choices[0].text == want["text"] and out.choices[0].finish_reason == "length"
     assert out.usage.completion_tokens == 20
     assert out.usage.prompt_tokens == want["meta_info"]["prompt_tokens"]
-    stream = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=20, temperature=0,
-                                       stream=True, extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model="tiny",
+        prompt="Once upon a time",
+        max_tokens=20,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     assert "".join(c.choices[0].text for c in stream) == want["text"]
 
     messages = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "What is a list?"}]
@@ -128,10 +149,16 @@ def test_openai_client_completions_and_chat(server: ServerProcess, offline: LLM)
     assert chat.choices[0].message.content == want["text"]
     assert chat.choices[0].message.role == "assistant"
     assert chat.usage.prompt_tokens == len(ids)
-    chunks = list(client.chat.completions.create(
-        model="tiny", messages=messages, max_tokens=20, temperature=0, stream=True,
-        stream_options={"include_usage": True},
-    ))
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            max_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want["text"]
     usage = chunks[-1].usage
     assert usage.completion_tokens == len(want["output_ids"])
@@ -142,8 +169,15 @@ def test_openai_client_completions_and_chat(server: ServerProcess, offline: LLM)
 
 def test_n_choices_logprobs_and_batch_prompts(server: ServerProcess, offline: LLM):
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
-    out = client.completions.create(model="tiny", prompt=["Alpha", "Beta"], n=2, max_tokens=8,
-                                    temperature=0, logprobs=3, extra_body={"ignore_eos": True})
+    out = client.completions.create(
+        model="tiny",
+        prompt=["Alpha", "Beta"],
+        n=2,
+        max_tokens=8,
+        temperature=0,
+        logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
     assert len(out.choices) == 4 and [c.index for c in out.choices] == [0, 1, 2, 3]
     for i, prompt in enumerate(["Alpha", "Beta"]):
         want = greedy(offline, prompt, 8, ignore_eos=True)["text"]
@@ -153,8 +187,14 @@ def test_n_choices_logprobs_and_batch_prompts(server: ServerProcess, offline: LL
     assert "".join(lp.tokens) == out.choices[0].text
 
     chat = client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "hi"}], n=3, max_tokens=6, temperature=1.0,
-        seed=7, logprobs=True, top_logprobs=2,
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        n=3,
+        max_tokens=6,
+        temperature=1.0,
+        seed=7,
+        logprobs=True,
+        top_logprobs=2,
     )
     assert len(chat.choices) == 3
     assert all(len(c.logprobs.content) == len(c.logprobs.content) and c.logprobs.content for c in chat.choices)
@@ -233,8 +273,11 @@ def _split_stop(offline: LLM, prompt: str, n: int) -> tuple[str, str]:
 
 def test_stop_string_across_tokens(server: ServerProcess, offline: LLM):
     stop, expected = _split_stop(offline, "Hello world", 40)
-    body = {"text": "Hello world", "stream": True,
-            "sampling_params": {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True, "stop": [stop]}}
+    body = {
+        "text": "Hello world",
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True, "stop": [stop]},
+    }
     with httpx.stream("POST", f"{server.url}/generate", json=body, timeout=60) as r:
         events = sse_events(r.iter_lines())
     texts = [e["text"] for e in events[:-1]]
@@ -247,21 +290,33 @@ def test_stop_string_across_tokens(server: ServerProcess, offline: LLM):
     assert kept["text"] == expected + stop and kept["meta_info"]["finish_reason"]["matched"] == stop
 
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
-    chunks = list(client.completions.create(model="tiny", prompt="Hello world", max_tokens=40, temperature=0,
-                                            stop=stop, stream=True, extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.completions.create(
+            model="tiny",
+            prompt="Hello world",
+            max_tokens=40,
+            temperature=0,
+            stop=stop,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
     streamed = "".join(c.choices[0].text for c in chunks)
     assert streamed == expected and chunks[-1].choices[0].finish_reason == "stop"
     # SGLang's matched_stop on OpenAI choices: the stop string, a stop token's id, or null.
     assert chunks[-1].choices[0].model_extra["matched_stop"] == stop
-    whole = client.completions.create(model="tiny", prompt="Hello world", max_tokens=40, temperature=0, stop=stop,
-                                      extra_body={"ignore_eos": True})
+    whole = client.completions.create(
+        model="tiny", prompt="Hello world", max_tokens=40, temperature=0, stop=stop, extra_body={"ignore_eos": True}
+    )
     assert whole.choices[0].model_extra["matched_stop"] == stop
-    length = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
-                                            max_tokens=2, extra_body={"ignore_eos": True})
+    length = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=2, extra_body={"ignore_eos": True}
+    )
     assert length.choices[0].finish_reason == "length" and length.choices[0].model_extra["matched_stop"] is None
     first = offline.generate("Hello world", {"max_new_tokens": 1, "temperature": 0})[0]["output_ids"][0]
-    by_id = client.completions.create(model="tiny", prompt="Hello world", max_tokens=8, temperature=0,
-                                      extra_body={"stop_token_ids": [first]})
+    by_id = client.completions.create(
+        model="tiny", prompt="Hello world", max_tokens=8, temperature=0, extra_body={"stop_token_ids": [first]}
+    )
     assert by_id.choices[0].model_extra["matched_stop"] == first
     idle_and_clean(server)
 
@@ -299,16 +354,36 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": "tiny", "prompt": "a", "presence_penalty": 5}, 400, "presence_penalty"),
     ("/v1/completions", {"model": "tiny", "prompt": "a", "best_of": 2}, 400, "best_of"),
     ("/v1/chat/completions", {"model": "tiny", "messages": []}, 400, "messages must not be empty"),
-    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, 400,
-     "$.messages[0].role"),
-    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
-                              "temperature": 3}, 400, "temperature"),
-    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
-                              "top_logprobs": 2}, 400, "needs logprobs"),
-    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": [
-        {"type": "image_url"}]}]}, 400, "not supported"),
-    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
-                              "max_completion_tokens": 4096}, 400, "context length"),
+    (
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]},
+        400,
+        "$.messages[0].role",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "temperature": 3},
+        400,
+        "temperature",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+        400,
+        "needs logprobs",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        400,
+        "not supported",
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 4096},
+        400,
+        "context length",
+    ),
     ("/abort_request", {"rid": "nobody"}, 404, "no running request"),
     # Hostile values: integers past every width, invalid UTF-8, deep nesting, huge inputs.
     ("/generate", {"text": "hello", "sampling_params": {"top_k": 2**63, "max_new_tokens": 4}}, 400, "top_k"),
@@ -319,8 +394,12 @@ BAD_REQUESTS = [
     ("/generate", {"text": "a", "sampling_params": {"seed": 2**80}}, 400, "seed"),
     ("/v1/completions", {"model": "tiny", "prompt": [2**64 + 1]}, 400, "prompt must be"),
     ("/v1/completions", {"model": "tiny", "prompt": "a", "max_tokens": 2**64}, 400, "max_tokens"),
-    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_k": 2**63},
-     400, "top_k"),
+    (
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_k": 2**63},
+        400,
+        "top_k",
+    ),
     ("/generate", b'{"text": "\xff\xfe bad"}'.replace(b"\\x", b"\\x"), 400, "malformed JSON"),
     ("/generate", b'{"text": "' + bytes([0xFF, 0xFE]) + b'"}', 400, "not valid UTF-8"),
     ("/v1/completions", b'{"model": "tiny", "prompt": ' + b"[" * 1000 + b"]" * 1000 + b"}", 400, "nested too deeply"),
@@ -332,7 +411,9 @@ BAD_REQUESTS = [
 ]
 
 
-@pytest.mark.parametrize("path,body,status,words", BAD_REQUESTS, ids=[f"{i}:{b[0]}" for i, b in enumerate(BAD_REQUESTS)])
+@pytest.mark.parametrize(
+    "path,body,status,words", BAD_REQUESTS, ids=[f"{i}:{b[0]}" for i, b in enumerate(BAD_REQUESTS)]
+)
 def test_bad_request(server: ServerProcess, path: str, body, status: int, words: str):
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     r = httpx.post(f"{server.url}{path}", content=content, headers={"content-type": "application/json"}, timeout=30)
@@ -364,8 +445,11 @@ def _metric(text: str, name: str) -> float:
 def test_disconnect_mid_stream_frees_pages(server: ServerProcess):
     aborted = 'minisgl_requests_total{finish_reason="abort"}'
     before = _metric(httpx.get(f"{server.url}/metrics", timeout=10).text, aborted)
-    body = {"text": "A long story", "stream": True,
-            "sampling_params": {"max_new_tokens": 1000, "temperature": 0, "ignore_eos": True}}
+    body = {
+        "text": "A long story",
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 1000, "temperature": 0, "ignore_eos": True},
+    }
     with httpx.stream("POST", f"{server.url}/generate", json=body, timeout=60) as r:
         lines = r.iter_lines()
         seen = 0
@@ -391,8 +475,12 @@ def test_disconnect_non_streaming_frees_pages(server: ServerProcess):
 
 
 def test_abort_request_by_id(server: ServerProcess):
-    body = {"text": "Abort me", "rid": "victim", "stream": True,
-            "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}}
+    body = {
+        "text": "Abort me",
+        "rid": "victim",
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True},
+    }
     with httpx.stream("POST", f"{server.url}/generate", json=body, timeout=60) as r:
         events = []
         for line in r.iter_lines():
@@ -401,7 +489,7 @@ def test_abort_request_by_id(server: ServerProcess):
                 assert r2.json() == {"aborted": ["victim"]}
             if line.startswith("data: "):
                 events.append(line)
-        final = json.loads(events[-2][len("data: "):])
+        final = json.loads(events[-2][len("data: ") :])
     assert final["meta_info"]["finish_reason"] == {"type": "abort"}
     assert final["meta_info"]["completion_tokens"] < 1000
     idle_and_clean(server)
@@ -413,8 +501,11 @@ def test_hostile_requests_leave_no_registration(server: ServerProcess):
     for _ in range(2):
         r = httpx.post(f"{server.url}/generate", json={"input_ids": [2**64 + 5], "rid": "once"}, timeout=10)
         assert r.status_code == 400
-        r = httpx.post(f"{server.url}/generate", json={"text": "a", "rid": "once",
-                                                       "sampling_params": {"max_new_tokens": 5000}}, timeout=10)
+        r = httpx.post(
+            f"{server.url}/generate",
+            json={"text": "a", "rid": "once", "sampling_params": {"max_new_tokens": 5000}},
+            timeout=10,
+        )
         assert r.status_code == 400
     assert server.server_info()["active_requests"] == 0
     r = httpx.post(f"{server.url}/abort_request", json={"abort_all": True}, timeout=10)
@@ -425,14 +516,14 @@ def test_hostile_requests_leave_no_registration(server: ServerProcess):
 def test_reused_rid_never_gets_earlier_tokens(server: ServerProcess):
     """A client rid is only a name: after a stop string or an abort ends a request, the next
     request with the same rid must see only its own tokens."""
+
     def run(text: str, **params) -> dict:
         body = {"text": text, "rid": "same", "sampling_params": {"temperature": 0, **params}}
         return httpx.post(f"{server.url}/generate", json=body, timeout=60).json()
 
     ref = run("Tell me about the sea", max_new_tokens=12, ignore_eos=True)
     for trial in range(6):
-        stopped = run("Count with me: one two three", max_new_tokens=200, ignore_eos=True,
-                      stop=ref["text"][:1] or "e")
+        stopped = run("Count with me: one two three", max_new_tokens=200, ignore_eos=True, stop=ref["text"][:1] or "e")
         assert stopped["meta_info"]["finish_reason"] is not None
         again = run("Tell me about the sea", max_new_tokens=12, ignore_eos=True)
         assert again["output_ids"] == ref["output_ids"], trial
@@ -440,19 +531,32 @@ def test_reused_rid_never_gets_earlier_tokens(server: ServerProcess):
 
 
 def test_abort_by_prefix_names_nobody(server: ServerProcess):
-    """"chatcmpl" is a prefix of every chat id, not an id: it aborts nothing. The chat's own id
+    """ "chatcmpl" is a prefix of every chat id, not an id: it aborts nothing. The chat's own id
     aborts its choices."""
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "Go on"}], "max_tokens": 900,
-            "stream": True, "ignore_eos": True, "logprobs": True, "top_logprobs": 20, "n": 2}
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Go on"}],
+        "max_tokens": 900,
+        "stream": True,
+        "ignore_eos": True,
+        "logprobs": True,
+        "top_logprobs": 20,
+        "n": 2,
+    }
     with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
-        cid = next(json.loads(x[len("data: "):])["id"] for x in lines if x.startswith("data: "))
+        cid = next(json.loads(x[len("data: ") :])["id"] for x in lines if x.startswith("data: "))
         assert server.server_info()["active_requests"] == 2
         assert httpx.post(f"{server.url}/abort_request", json={"rid": "chatcmpl"}, timeout=10).status_code == 404
         r2 = httpx.post(f"{server.url}/abort_request", json={"rid": cid}, timeout=10).json()
         assert r2 == {"aborted": [f"{cid}-0", f"{cid}-1"]}
-        finals = [c["finish_reason"] for x in lines if x.startswith("data: {")
-                  for c in json.loads(x[len("data: "):])["choices"] if c["finish_reason"]]
+        finals = [
+            c["finish_reason"]
+            for x in lines
+            if x.startswith("data: {")
+            for c in json.loads(x[len("data: ") :])["choices"]
+            if c["finish_reason"]
+        ]
     assert finals == ["abort", "abort"]
     idle_and_clean(server)
 
@@ -483,12 +587,24 @@ def test_info_metrics_and_flush(server: ServerProcess):
     assert set(sinfo["processes"]) == {"api", "tokenizer", "scheduler", "worker-0"}
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
     # SGLang's names and model_name label, as its Grafana dashboard and the smg router read them.
-    for name in ["sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage", "sglang:cache_hit_rate",
-                 "sglang:gen_throughput", "sglang:time_to_first_token_seconds_bucket",
-                 "sglang:inter_token_latency_seconds_bucket", "sglang:e2e_request_latency_seconds_bucket",
-                 "sglang:time_per_output_token_seconds_bucket", "sglang:num_requests_total",
-                 "sglang:prompt_tokens_total", "sglang:generation_tokens_total", "sglang:cached_tokens_total",
-                 "sglang:num_retracted_requests_total", "minisgl_requests_total", "minisgl_free_pages"]:
+    for name in [
+        "sglang:num_running_reqs",
+        "sglang:num_queue_reqs",
+        "sglang:token_usage",
+        "sglang:cache_hit_rate",
+        "sglang:gen_throughput",
+        "sglang:time_to_first_token_seconds_bucket",
+        "sglang:inter_token_latency_seconds_bucket",
+        "sglang:e2e_request_latency_seconds_bucket",
+        "sglang:time_per_output_token_seconds_bucket",
+        "sglang:num_requests_total",
+        "sglang:prompt_tokens_total",
+        "sglang:generation_tokens_total",
+        "sglang:cached_tokens_total",
+        "sglang:num_retracted_requests_total",
+        "minisgl_requests_total",
+        "minisgl_free_pages",
+    ]:
         assert name in text, name
     assert 'sglang:num_running_reqs{model_name="tiny"}' in text
     assert _metric(text, "sglang:generation_tokens_total") > 0
@@ -504,7 +620,10 @@ def test_start_and_stop_profile(server: ServerProcess, tmp_path: Path):
     r = httpx.post(f"{server.url}/start_profile", json={"output_dir": str(tmp_path / "a"), "num_steps": 3}, timeout=10)
     assert r.status_code == 200, r.text
     httpx.post(f"{server.url}/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 6}}, timeout=30)
-    assert httpx.post(f"{server.url}/start_profile", json={"output_dir": str(tmp_path / "b")}, timeout=10).status_code == 200
+    assert (
+        httpx.post(f"{server.url}/start_profile", json={"output_dir": str(tmp_path / "b")}, timeout=10).status_code
+        == 200
+    )
     httpx.post(f"{server.url}/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}}, timeout=30)
     assert httpx.post(f"{server.url}/stop_profile", timeout=10).status_code == 200
     deadline = time.monotonic() + 20
@@ -518,8 +637,11 @@ def test_start_and_stop_profile(server: ServerProcess, tmp_path: Path):
     r = httpx.post(f"{server.url}/start_profile", json={"activities": ["TPU"]}, timeout=10)
     assert r.status_code == 400 and r.json()["error"]["param"] == "activities"
     # Traces stay under the server's profile directory (/tmp here): no writing elsewhere.
-    for body, param in (({"output_dir": "/etc/minisgl"}, "output_dir"), ({"output_dir": "../../etc"}, "output_dir"),
-                        ({"output_dir": str(tmp_path), "profile_prefix": "../../etc/x"}, "profile_prefix")):
+    for body, param in (
+        ({"output_dir": "/etc/minisgl"}, "output_dir"),
+        ({"output_dir": "../../etc"}, "output_dir"),
+        ({"output_dir": str(tmp_path), "profile_prefix": "../../etc/x"}, "profile_prefix"),
+    ):
         r = httpx.post(f"{server.url}/start_profile", json=body, timeout=10)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
     idle_and_clean(server)
@@ -530,8 +652,19 @@ def test_limit_flags(tiny_llama: Path):
     limits: lowered here, each refusal names its flag; a slow body gets a 408 in time."""
     import socket
 
-    with running_server(tiny_llama, "--max-request-bytes", "2000", "--request-body-timeout", "1",
-                        "--max-sequences-per-request", "4", "--max-stop-strings", "2", "--max-stop-length", "8") as srv:
+    with running_server(
+        tiny_llama,
+        "--max-request-bytes",
+        "2000",
+        "--request-body-timeout",
+        "1",
+        "--max-sequences-per-request",
+        "4",
+        "--max-stop-strings",
+        "2",
+        "--max-stop-length",
+        "8",
+    ) as srv:
         big = httpx.post(f"{srv.url}/generate", json={"text": "a" * 3000}, timeout=30)
         assert big.status_code == 413 and "--max-request-bytes" in big.text
         many = httpx.post(f"{srv.url}/generate", json={"text": ["a"] * 5}, timeout=30)
@@ -539,15 +672,21 @@ def test_limit_flags(tiny_llama: Path):
         for stop in (["a", "b", "c"], "x" * 9):
             r = httpx.post(f"{srv.url}/generate", json={"text": "a", "sampling_params": {"stop": stop}}, timeout=30)
             assert r.status_code == 400 and "--max-stop" in r.text
-        ok = httpx.post(f"{srv.url}/generate", json={"text": ["a"] * 4, "sampling_params": {
-            "stop": ["a", "b"], "max_new_tokens": 2}}, timeout=30)
+        ok = httpx.post(
+            f"{srv.url}/generate",
+            json={"text": ["a"] * 4, "sampling_params": {"stop": ["a", "b"], "max_new_tokens": 2}},
+            timeout=30,
+        )
         assert ok.status_code == 200, ok.text
+
         def partial_body(length: int, sent: bytes) -> tuple[str, float]:
             """The status line of a reply to a body declared ``length`` bytes of which only ``sent``
             arrives, and how long it took."""
             with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
-                s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                          b"Content-Length: %d\r\n\r\n%s" % (length, sent))
+                s.sendall(
+                    b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\n\r\n%s" % (length, sent)
+                )
                 start = time.monotonic()
                 return s.recv(4096).decode().splitlines()[0], time.monotonic() - start
 
@@ -561,8 +700,12 @@ def test_limit_flags(tiny_llama: Path):
 def test_stream_output_sends_disjoint_segments(tiny_llama):
     """--stream-output (SGLang's): each streamed /generate event carries only its new text, ids and
     logprobs; put together they are the whole answer."""
-    body = {"text": "Hello world", "stream": True, "return_logprob": True,
-            "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}}
+    body = {
+        "text": "Hello world",
+        "stream": True,
+        "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True},
+    }
     with running_server(tiny_llama, "--max-total-tokens", "4096", "--stream-output") as srv:
         whole = httpx.post(f"{srv.url}/generate", json={**body, "stream": False}, timeout=60).json()
         with httpx.stream("POST", f"{srv.url}/generate", json=body, timeout=60) as r:
@@ -577,8 +720,10 @@ def test_stream_output_sends_disjoint_segments(tiny_llama):
 def test_huge_batches_are_counted_before_they_are_built(server: ServerProcess):
     """100,000 prompts in a 0.6 MB body get their 400 at once (they took 13.8 s, while other
     clients waited): sequences are counted before any request is built."""
-    for route, body in (("/generate", {"text": ["hi"] * 100_000}),
-                        ("/v1/completions", {"model": "tiny", "prompt": ["hi"] * 100_000, "max_tokens": 2})):
+    for route, body in (
+        ("/generate", {"text": ["hi"] * 100_000}),
+        ("/v1/completions", {"model": "tiny", "prompt": ["hi"] * 100_000, "max_tokens": 2}),
+    ):
         start = time.monotonic()
         r = httpx.post(f"{server.url}{route}", content=json.dumps(body), timeout=30)
         assert r.status_code == 400 and "--max-sequences-per-request" in r.text, (route, r.text[:200])
@@ -604,7 +749,9 @@ def test_monitoring_answers_503_when_the_scheduler_is_stuck(tiny_llama):
         finally:
             os.kill(pid, signal.SIGCONT)
         assert httpx.get(f"{srv.url}/get_server_info", timeout=30).status_code == 200
-        ok = httpx.post(f"{srv.url}/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}}, timeout=30)
+        ok = httpx.post(
+            f"{srv.url}/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}}, timeout=30
+        )
         assert ok.status_code == 200
 
 
@@ -637,8 +784,10 @@ def test_skip_tokenizer_init_serves_token_ids_only(tiny_llama, offline):
     prompt = [5 + (i * 13) % 300 for i in range(40)]
     want = offline.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=6))[0]["output_ids"]
     with running_server(tiny_llama, "--skip-tokenizer-init") as srv:
-        r = httpx.post(f"{srv.url}/generate", json={"input_ids": prompt,
-                                                     "sampling_params": {"max_new_tokens": 6, "temperature": 0}})
+        r = httpx.post(
+            f"{srv.url}/generate",
+            json={"input_ids": prompt, "sampling_params": {"max_new_tokens": 6, "temperature": 0}},
+        )
         assert r.status_code == 200 and r.json()["output_ids"] == want and not r.json()["text"]
         r = httpx.post(f"{srv.url}/generate", json={"text": "hello"})
         assert r.status_code == 400 and "--skip-tokenizer-init" in r.text

@@ -16,38 +16,79 @@ from tests.server_utils import ServerProcess
 from tests.test_server import idle_and_clean
 
 TOOLS = [
-    {"type": "function", "function": {
-        "name": "get_weather", "description": "Today's weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
-                                                        "unit": {"enum": ["C", "F"]}},
-                       "required": ["city", "unit"], "additionalProperties": False}}},
-    {"type": "function", "function": {
-        "name": "add", "parameters": {"type": "object", "properties": {"a": {"enum": [1, 2, 3]}, "b": {"enum": [4, 5]}},
-                                      "required": ["a", "b"], "additionalProperties": False}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Today's weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]}, "unit": {"enum": ["C", "F"]}},
+                "required": ["city", "unit"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"enum": [1, 2, 3]}, "b": {"enum": [4, 5]}},
+                "required": ["a", "b"],
+                "additionalProperties": False,
+            },
+        },
+    },
 ]
 PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 ANSWERS = [  # (format, text, content, [(name, arguments)])
-    ("qwen25", 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "n": [1, {"a": "}"}]}}'
-     '\n</tool_call>\n<tool_call>\n{"name": "add", "arguments": {}}\n</tool_call>',
-     "Let me look.", [("get_weather", '{"city": "Paris", "n": [1, {"a": "}"}]}'), ("add", "{}")]),
-    ("qwen25", "A plain answer that mentions <tool and <tool_ca but calls nothing.  ",
-     "A plain answer that mentions <tool and <tool_ca but calls nothing.  ", []),
+    (
+        "qwen25",
+        'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "n": [1, {"a": "}"}]}}'
+        '\n</tool_call>\n<tool_call>\n{"name": "add", "arguments": {}}\n</tool_call>',
+        "Let me look.",
+        [("get_weather", '{"city": "Paris", "n": [1, {"a": "}"}]}'), ("add", "{}")],
+    ),
+    (
+        "qwen25",
+        "A plain answer that mentions <tool and <tool_ca but calls nothing.  ",
+        "A plain answer that mentions <tool and <tool_ca but calls nothing.  ",
+        [],
+    ),
     ("qwen25", "<tool_call>\nnot a call</tool_call> after", "<tool_call>\nnot a call</tool_call> after", []),
     # A stray tag that fails to parse does not hide a real call after it (whole answers hid it).
-    ("qwen25", '<tool_call>\nnot a call</tool_call> then <tool_call>\n{"name": "add", "arguments": {"a": 1}}\n'
-     '</tool_call>', "<tool_call>\nnot a call</tool_call> then", [("add", '{"a": 1}')]),
+    (
+        "qwen25",
+        '<tool_call>\nnot a call</tool_call> then <tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>',
+        "<tool_call>\nnot a call</tool_call> then",
+        [("add", '{"a": 1}')],
+    ),
     ("qwen25", '<tool_call>\n{"name": "add", "arguments": {"a": 1', "", [("add", '{"a": 1')]),  # cut by max_tokens
-    ("hermes", '<tool_call>{"name": "add", "arguments": {"a": "x\\"}"}}</tool_call>\n\nDone.',
-     "Done.", [("add", '{"a": "x\\"}"}')]),
-    ("llama3", '<|python_tag|>{"name": "f", "parameters": {"x": "a\\"b"}}; {"name": "g", "parameters": {"y": 2}}',
-     "", [("f", '{"x": "a\\"b"}'), ("g", '{"y": 2}')]),
+    (
+        "hermes",
+        '<tool_call>{"name": "add", "arguments": {"a": "x\\"}"}}</tool_call>\n\nDone.',
+        "Done.",
+        [("add", '{"a": "x\\"}"}')],
+    ),
+    (
+        "llama3",
+        '<|python_tag|>{"name": "f", "parameters": {"x": "a\\"b"}}; {"name": "g", "parameters": {"y": 2}}',
+        "",
+        [("f", '{"x": "a\\"b"}'), ("g", '{"y": 2}')],
+    ),
     ("llama3", '{"name": "f", "arguments": {}}', "", [("f", "{}")]),
     ("llama3", 'Hello {"name": 1}', 'Hello {"name": 1}', []),
     ("llama3", '{"answer": 42}', '{"answer": 42}', []),
     ("array", '[{"name":"f","parameters":{"a":1}},{"name":"g","parameters":{}}]', "", [("f", '{"a":1}'), ("g", "{}")]),
-    ("mistral", 'Sure. [TOOL_CALLS] [{"name": "add", "arguments": {"a": 1}}, {"name": "f", "arguments": {}}]',
-     "Sure.", [("add", '{"a": 1}'), ("f", "{}")]),
+    (
+        "mistral",
+        'Sure. [TOOL_CALLS] [{"name": "add", "arguments": {"a": 1}}, {"name": "f", "arguments": {}}]',
+        "Sure.",
+        [("add", '{"a": 1}'), ("f", "{}")],
+    ),
     ("mistral", '[TOOL_CALLS][{"name": "add", "arguments": {"b": "]"}}]', "", [("add", '{"b": "]"}')]),
     ("mistral", "No calls [TOOL here.  ", "No calls [TOOL here.  ", []),
     ("named", '{"a": 1}', "", [("fn", '{"a": 1}')]),
@@ -71,13 +112,21 @@ def test_tool_call_parsers_read_the_same_calls_however_the_text_is_split(fmt, te
     assert _parse(fmt, text, list(range(1, len(text)))) == (content, calls)
 
 
-@pytest.mark.parametrize("name,text,reasoning,content", [
-    ("qwen3", "<think>\nhmm, 2+2 </thin is 4\n</think>\n\nThe answer is 4.", "\nhmm, 2+2 </thin is 4\n", "The answer is 4."),
-    ("qwen3", "No thinking here.", "", "No thinking here."),
-    ("qwen3", "<think>cut short", "cut short", ""),
-    ("deepseek-r1", "reasoning</think>\nanswer", "reasoning", "answer"),
-    ("qwen3-thinking", "<think>x</think>y", "x", "y"),
-])
+@pytest.mark.parametrize(
+    "name,text,reasoning,content",
+    [
+        (
+            "qwen3",
+            "<think>\nhmm, 2+2 </thin is 4\n</think>\n\nThe answer is 4.",
+            "\nhmm, 2+2 </thin is 4\n",
+            "The answer is 4.",
+        ),
+        ("qwen3", "No thinking here.", "", "No thinking here."),
+        ("qwen3", "<think>cut short", "cut short", ""),
+        ("deepseek-r1", "reasoning</think>\nanswer", "reasoning", "answer"),
+        ("qwen3-thinking", "<think>x</think>y", "x", "y"),
+    ],
+)
 def test_reasoning_parser_splits_the_same_however_the_text_is_split(name, text, reasoning, content):
     for stream_reasoning in (True, False):
         for cuts in [[], *([k] for k in range(len(text) + 1)), list(range(1, len(text)))]:
@@ -91,21 +140,26 @@ def test_reasoning_parser_splits_the_same_however_the_text_is_split(name, text, 
 
 QWEN_LIKE = (
     "{%- if tools %}<|im_start|>system\nTools:\n{%- for t in tools %}\n{{ t | tojson }}{%- endfor %}\n"
-    "Call them as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n{% endif %}"
+    'Call them as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>\n{% endif %}'
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content %}{{ m.content }}{% endif %}"
     "{% if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>\n"
     "{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}\n</tool_call>{% endfor %}{% endif %}"
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 LLAMA_LIKE = (
-    "{% if tools %}Respond with {\"name\": function name, \"parameters\": arguments} or <|python_tag|>.\n"
+    '{% if tools %}Respond with {"name": function name, "parameters": arguments} or <|python_tag|>.\n'
     "{% for t in tools %}{{ t | tojson }}\n{% endfor %}{% endif %}"
     "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
 )
 HISTORY = [
     {"role": "user", "content": "Weather in Oslo?"},
-    {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+        ],
+    },
     {"role": "tool", "tool_call_id": "call_1", "content": "-3 C, snow"},
 ]
 
@@ -128,9 +182,11 @@ def test_chat_templates_render_tools_natively_or_in_the_system_message(tiny_llam
 
 def test_mistral_templates_are_read_with_the_mistral_parser(tiny_llama):
     tok = load_tokenizer(tiny_llama)
-    tok.chat_template = ("{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
-                         "{% for m in messages %}{% if m.tool_calls %}[TOOL_CALLS]{{ m.tool_calls | tojson }}"
-                         "{% else %}[INST]{{ m.content }}[/INST]{% endif %}{% endfor %}")
+    tok.chat_template = (
+        "{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+        "{% for m in messages %}{% if m.tool_calls %}[TOOL_CALLS]{{ m.tool_calls | tojson }}"
+        "{% else %}[INST]{{ m.content }}[/INST]{% endif %}{% endfor %}"
+    )
     assert detect_tool_parser(tok) == "mistral"
 
 
@@ -138,8 +194,12 @@ def test_chat_template_kwargs_are_template_variables_only(tiny_llama):
     """A client may set template variables, never the template itself or how it is applied."""
     tok = load_tokenizer(tiny_llama)
     assert encode_chat(tok, HISTORY, None, {"enable_thinking": False}) == encode_chat(tok, HISTORY)
-    for key, value in (("chat_template", "{% for i in range(10**9) %}x{% endfor %}"), ("tokenize", False),
-                       ("add_generation_prompt", False), ("tools", [])):
+    for key, value in (
+        ("chat_template", "{% for i in range(10**9) %}x{% endfor %}"),
+        ("tokenize", False),
+        ("add_generation_prompt", False),
+        ("tools", []),
+    ):
         with pytest.raises(ValueError, match=key):
             encode_chat(tok, HISTORY, None, {key: value})
 
@@ -170,8 +230,10 @@ def test_reasoning_effort_reaches_templates_that_take_it(tiny_llama):
 
     from minisgl.api.protocol import ChatCompletionRequest
 
-    body = msgspec.json.decode(b'{"model": "m", "messages": [{"role": "user", "content": "x"}], '
-                               b'"reasoning_effort": "high"}', type=ChatCompletionRequest)
+    body = msgspec.json.decode(
+        b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "reasoning_effort": "high"}',
+        type=ChatCompletionRequest,
+    )
     assert body.template_kwargs() == {"reasoning_effort": "high"}
     tok = load_tokenizer(tiny_llama)
     assert encode_chat(tok, HISTORY, None, body.template_kwargs()) == encode_chat(tok, HISTORY)
@@ -208,9 +270,13 @@ def _streamed(client, **kw) -> tuple[dict, str | None]:
 
 
 def _whole(message) -> dict:
-    return {"content": message.content or "", "reasoning": getattr(message, "reasoning_content", None) or "",
-            "calls": [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
-                      for c in message.tool_calls or []]}
+    return {
+        "content": message.content or "",
+        "reasoning": getattr(message, "reasoning_content", None) or "",
+        "calls": [
+            {"id": c.id, "name": c.function.name, "arguments": c.function.arguments} for c in message.tool_calls or []
+        ],
+    }
 
 
 def test_forced_tool_calls_over_the_openai_client(server):
@@ -223,8 +289,15 @@ def test_forced_tool_calls_over_the_openai_client(server):
     messages = [{"role": "user", "content": "What is the weather in Lima, in C?"}]
     for choice, finish in [("required", "tool_calls"), ({"type": "function", "function": {"name": "add"}}, "stop")]:
         for parallel in (True, False):
-            kw = dict(model="default", messages=messages, tools=TOOLS, tool_choice=choice, max_tokens=120,
-                      temperature=0, parallel_tool_calls=parallel)
+            kw = dict(
+                model="default",
+                messages=messages,
+                tools=TOOLS,
+                tool_choice=choice,
+                max_tokens=120,
+                temperature=0,
+                parallel_tool_calls=parallel,
+            )
             r = client.chat.completions.create(**kw)
             whole = _whole(r.choices[0].message)
             assert r.choices[0].finish_reason == finish, r
@@ -243,14 +316,31 @@ def test_forced_tool_calls_over_the_openai_client(server):
 
 
 # A parameter schema as pydantic writes it: models under $defs, referenced by $ref, one recursive.
-PYDANTIC_TOOL = {"type": "function", "function": {"name": "book", "parameters": {
-    "type": "object", "title": "Booking",
-    "properties": {"guest": {"$ref": "#/$defs/Person"}, "nights": {"type": "integer", "minimum": 1, "maximum": 9}},
-    "required": ["guest", "nights"],
-    "$defs": {"Person": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                                          "friend": {"anyOf": [{"$ref": "#/$defs/Person"},
-                                                                               {"type": "null"}]}},
-                         "required": ["name", "friend"]}}}}}
+PYDANTIC_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "book",
+        "parameters": {
+            "type": "object",
+            "title": "Booking",
+            "properties": {
+                "guest": {"$ref": "#/$defs/Person"},
+                "nights": {"type": "integer", "minimum": 1, "maximum": 9},
+            },
+            "required": ["guest", "nights"],
+            "$defs": {
+                "Person": {
+                    "type": "object",
+                    "properties": {
+                        "name": {"type": "string", "maxLength": 12},
+                        "friend": {"anyOf": [{"$ref": "#/$defs/Person"}, {"type": "null"}]},
+                    },
+                    "required": ["name", "friend"],
+                }
+            },
+        },
+    },
+}
 
 
 def test_required_schema_rebases_pydantic_references():
@@ -263,8 +353,10 @@ def test_required_schema_rebases_pydantic_references():
     from minisgl.api.tool_calls import required_schema
 
     schema = required_schema([TOOLS[0], PYDANTIC_TOOL], parallel=True)
-    call = {"name": "book", "parameters": {"guest": {"name": "Ana", "friend": {"name": "Bo", "friend": None}},
-                                           "nights": 2}}
+    call = {
+        "name": "book",
+        "parameters": {"guest": {"name": "Ana", "friend": {"name": "Bo", "friend": None}}, "nights": 2},
+    }
     jsonschema.validate([call], schema)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate([{**call, "parameters": {"guest": {"name": 3, "friend": None}, "nights": 2}}], schema)
@@ -279,16 +371,26 @@ def test_forced_choice_with_pydantic_parameters(server):
 
     params = json.loads(json.dumps(PYDANTIC_TOOL["function"]["parameters"]))
     params["$defs"]["Person"]["properties"]["friend"] = {"anyOf": [{"$ref": "#/$defs/Pet"}, {"type": "null"}]}
-    params["$defs"]["Pet"] = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}}, "required": ["kind"],
-                              "additionalProperties": False}
+    params["$defs"]["Pet"] = {
+        "type": "object",
+        "properties": {"kind": {"enum": ["cat", "dog"]}},
+        "required": ["kind"],
+        "additionalProperties": False,
+    }
     params["$defs"]["Person"]["additionalProperties"] = False
     params["additionalProperties"] = False
     tool = {"type": "function", "function": {"name": "book", "parameters": params}}
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
     for choice in ("required", {"type": "function", "function": {"name": "book"}}):
-        r = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "Book a room"}],
-                                           tools=[tool], tool_choice=choice, max_tokens=300, temperature=0,
-                                           parallel_tool_calls=False)  # one call: a bounded answer
+        r = client.chat.completions.create(
+            model="default",
+            messages=[{"role": "user", "content": "Book a room"}],
+            tools=[tool],
+            tool_choice=choice,
+            max_tokens=300,
+            temperature=0,
+            parallel_tool_calls=False,
+        )  # one call: a bounded answer
         assert r.choices[0].finish_reason != "length", r
         calls = r.choices[0].message.tool_calls
         assert calls and calls[0].function.name == "book"
@@ -302,8 +404,9 @@ def test_tools_in_the_history_and_auto_choice(server):
     base = {"model": "default", "messages": HISTORY, "max_tokens": 8, "temperature": 0}
     usage = {}
     for choice in ("auto", "none"):
-        r = httpx.post(f"{server.url}/v1/chat/completions", json={**base, "tools": TOOLS, "tool_choice": choice},
-                       timeout=60)
+        r = httpx.post(
+            f"{server.url}/v1/chat/completions", json={**base, "tools": TOOLS, "tool_choice": choice}, timeout=60
+        )
         assert r.status_code == 200, r.text
         msg = r.json()["choices"][0]["message"]
         assert msg.get("tool_calls") is None and isinstance(msg["content"], str)
@@ -312,17 +415,23 @@ def test_tools_in_the_history_and_auto_choice(server):
     idle_and_clean(server)
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
-    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "name"),
-    ({"functions": [{"name": "f"}]}, "functions"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "name"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+    ],
+)
 def test_bad_tool_requests_are_refused_by_name(server, body, param):
-    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=30, json={
-        "model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **body})
+    r = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        timeout=30,
+        json={"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **body},
+    )
     assert r.status_code == 400 and param in r.text, r.text
 
 
@@ -332,8 +441,13 @@ def test_reasoning_parser_separates_thinking(server):
     import openai
 
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
-    kw = dict(model="default", messages=[{"role": "user", "content": "Think first."}], max_tokens=40, temperature=0,
-              extra_body={"regex": "<think>[a-z]{2,8}</think>[a-z]{2,8}"})
+    kw = dict(
+        model="default",
+        messages=[{"role": "user", "content": "Think first."}],
+        max_tokens=40,
+        temperature=0,
+        extra_body={"regex": "<think>[a-z]{2,8}</think>[a-z]{2,8}"},
+    )
     whole = _whole(client.chat.completions.create(**kw).choices[0].message)
     assert whole["reasoning"] and whole["content"] and "<think>" not in whole["content"] + whole["reasoning"]
     assert _streamed(client, **kw)[0] == whole

@@ -32,13 +32,22 @@ def test_a_serving_server_loads_torch_in_its_workers_only(tiny_llama: Path):
     config and EOS ids read) only the worker has torch; a grammar request then brings it into
     the scheduler, whose grammar backend needs it."""
     with running_server(tiny_llama, "--max-total-tokens", "4096") as srv:
-        r = httpx.post(f"{srv.url}/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 4}, timeout=60)
+        r = httpx.post(
+            f"{srv.url}/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 4}, timeout=60
+        )
         assert r.status_code == 200
         pids = srv.server_info()["processes"]
         assert {name: _has_torch(pid) for name, pid in pids.items()} == {
-            "api": False, "tokenizer": False, "scheduler": False, "worker-0": True}
-        r = httpx.post(f"{srv.url}/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 3,
-                                                                                    "regex": "[ab]+"}}, timeout=120)
+            "api": False,
+            "tokenizer": False,
+            "scheduler": False,
+            "worker-0": True,
+        }
+        r = httpx.post(
+            f"{srv.url}/generate",
+            json={"text": "x", "sampling_params": {"max_new_tokens": 3, "regex": "[ab]+"}},
+            timeout=120,
+        )
         if r.status_code == 200:  # (xgrammar installed)
             assert set(r.json()["text"]) <= {"a", "b"}
             assert _has_torch(pids["scheduler"]) and not _has_torch(pids["tokenizer"])

@@ -23,19 +23,23 @@ from minisgl.messages import EngineInfo, GenerateReq, ReqUpdate, TokenLogprob
 
 logger = logging.getLogger("minisgl.api")
 
+
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
     kind = {401: "authentication_error", 404: "not_found_error", 503: "server_busy_error"}.get(
-        status, "invalid_request_error")
+        status, "invalid_request_error"
+    )
     headers = {"Retry-After": "1"} if status == 503 else None
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status,
-                        headers=headers)
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "param": param, "code": status}}, status, headers=headers
+    )
 
 
 class Run:
     """One request in flight: what it produced so far, and its latency bookkeeping."""
 
-    def __init__(self, stream: RequestStream, first: ReqUpdate, metrics: Metrics, timer: RequestTimer,
-                 log: bool = False):
+    def __init__(
+        self, stream: RequestStream, first: ReqUpdate, metrics: Metrics, timer: RequestTimer, log: bool = False
+    ):
         self.stream, self.metrics, self.timer, self.log = stream, metrics, timer, log
         self.rid = stream.rid
         self.text, self.token_ids, self.logprobs = "", [], []
@@ -60,9 +64,15 @@ class Run:
             self.finish_reason = upd.finish_reason
             self.e2e_latency = self.timer.finished(upd.finish_reason, self.prompt_tokens, self.cached_tokens)
             if self.log:  # --log-requests
-                logger.info("request %s: %s after %d prompt tokens (%d cached) and %d generated, %.3f s",
-                            self.rid, upd.finish_reason, self.prompt_tokens, self.cached_tokens, len(self.token_ids),
-                            self.e2e_latency)
+                logger.info(
+                    "request %s: %s after %d prompt tokens (%d cached) and %d generated, %.3f s",
+                    self.rid,
+                    upd.finish_reason,
+                    self.prompt_tokens,
+                    self.cached_tokens,
+                    len(self.token_ids),
+                    self.e2e_latency,
+                )
 
     def finish_info(self) -> dict[str, Any] | None:
         """SGLang's meta_info finish_reason: what stopped it ("matched" stop string or token id)."""
@@ -112,23 +122,28 @@ async def read_body(request: Request, kind: type, args: ServerArgs, schema: Sche
     limit = args.max_request_bytes
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:  # refused at once, before waiting for the body
-        raise BadRequest(f"Payload Too Large: the request body has {declared} bytes, more than {limit} "
-                         "(--max-request-bytes)", status=413)
+        raise BadRequest(
+            f"Payload Too Large: the request body has {declared} bytes, more than {limit} (--max-request-bytes)",
+            status=413,
+        )
 
     async def receive() -> bytes:
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                raise BadRequest(f"Payload Too Large: the request body has more than {limit} bytes (--max-request-bytes)",
-                                 status=413)
+                raise BadRequest(
+                    f"Payload Too Large: the request body has more than {limit} bytes (--max-request-bytes)", status=413
+                )
             chunks.append(chunk)
         return b"".join(chunks)
 
     try:
         body = await asyncio.wait_for(receive(), args.request_body_timeout)
     except asyncio.TimeoutError:
-        raise BadRequest(f"the request body did not arrive within {args.request_body_timeout:g} s", status=408) from None
+        raise BadRequest(
+            f"the request body did not arrive within {args.request_body_timeout:g} s", status=408
+        ) from None
     return decode(body, kind, schema)
 
 
@@ -188,15 +203,19 @@ class ApiBase:
         for req in reqs:
             for name, stops in (("stop", req.sampling.stop_strings), ("stop_regex", req.sampling.stop_regexes)):
                 if len(stops) > args.max_stop_strings or any(len(s) > args.max_stop_length for s in stops):
-                    raise BadRequest(f"{name} takes at most {args.max_stop_strings} strings of at most "
-                                     f"{args.max_stop_length} characters (--max-stop-strings, --max-stop-length)",
-                                     param=name)
+                    raise BadRequest(
+                        f"{name} takes at most {args.max_stop_strings} strings of at most "
+                        f"{args.max_stop_length} characters (--max-stop-strings, --max-stop-length)",
+                        param=name,
+                    )
         limit = self.args.max_queued_requests
         if limit is not None and len(self.client.active_rids) + len(reqs) > limit + self.info.max_running_requests:
             raise BadRequest(f"the server is at capacity ({limit} queued requests); retry later", status=503)
         results = await self.client.open(reqs)
-        return [Run(stream, first, self.metrics, RequestTimer(self.metrics), self.args.log_requests)
-                for stream, first in results]
+        return [
+            Run(stream, first, self.metrics, RequestTimer(self.metrics), self.args.log_requests)
+            for stream, first in results
+        ]
 
     async def _collect(self, runs: list[Run], request: Request) -> bool:
         """Wait for every run to finish; False (and all aborted) if the client left first."""
@@ -226,6 +245,8 @@ class ApiBase:
         if not (always or self.args.check_model_name):
             return
         if model not in (self.args.model_name, self.args.model, "default"):
-            raise BadRequest(f"model {model!r} does not exist; this server serves {self.args.model_name!r}",
-                             status=404, param="model")
-
+            raise BadRequest(
+                f"model {model!r} does not exist; this server serves {self.args.model_name!r}",
+                status=404,
+                param="model",
+            )

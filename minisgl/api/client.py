@@ -19,7 +19,15 @@ import zmq.asyncio
 
 from minisgl.ipc import Addresses, AsyncReceiver, Sender
 from minisgl.messages import (
-    AbortReq, ControlReply, ControlReq, GenerateBatch, GenerateReq, ProfileReq, ReqUpdate, ToApi, UpdateBatch,
+    AbortReq,
+    ControlReply,
+    ControlReq,
+    GenerateBatch,
+    GenerateReq,
+    ProfileReq,
+    ReqUpdate,
+    ToApi,
+    UpdateBatch,
 )
 
 logger = logging.getLogger(__name__)
@@ -130,8 +138,9 @@ class EngineClient:
             raise EngineError(f"request id {taken!r} is already in use")
         uids = [str(next(self._next_uid)) for _ in reqs]
         try:
-            payload = self._sender.encode(GenerateBatch(
-                [msgspec.structs.replace(r, rid=uid) for r, uid in zip(reqs, uids)]))
+            payload = self._sender.encode(
+                GenerateBatch([msgspec.structs.replace(r, rid=uid) for r, uid in zip(reqs, uids)])
+            )
         except (OverflowError, TypeError, ValueError) as e:  # e.g. an integer msgpack cannot carry
             raise EngineError(f"the request cannot be encoded: {e}") from None
         streams = []
@@ -164,8 +173,9 @@ class EngineClient:
     def abort_uid(self, uid: str) -> None:
         self._sender.send(AbortReq(uid))
 
-    async def control(self, op: str, timeout: float = 30.0, profile: ProfileReq | None = None,
-                      **fields: Any) -> ControlReply:
+    async def control(
+        self, op: str, timeout: float = 30.0, profile: ProfileReq | None = None, **fields: Any
+    ) -> ControlReply:
         """The scheduler's reply to ``op`` (``fields``: the rest of its ControlReq); a 503 naming
         it when none comes within ``timeout`` (a scheduler stuck in a step, or a worker that
         stopped)."""
@@ -176,7 +186,9 @@ class EngineClient:
         try:
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
-            raise EngineError(f"the scheduler did not answer {op!r} within {timeout:g} s (it may be stuck in a "
-                              "model step)", status=503) from None
+            raise EngineError(
+                f"the scheduler did not answer {op!r} within {timeout:g} s (it may be stuck in a model step)",
+                status=503,
+            ) from None
         finally:
             self._replies.pop(cid, None)

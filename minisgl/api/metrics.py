@@ -31,8 +31,10 @@ class Metrics:
         self.ttft = histogram("sglang:time_to_first_token_seconds", "Time to first token")
         self.itl = histogram("sglang:inter_token_latency_seconds", "Time between output tokens")
         self.e2e = histogram("sglang:e2e_request_latency_seconds", "Request latency, arrival to last token")
-        self.tpot = histogram("sglang:time_per_output_token_seconds",
-                              "Per request, time from its first to its last output token per token after the first")
+        self.tpot = histogram(
+            "sglang:time_per_output_token_seconds",
+            "Per request, time from its first to its last output token per token after the first",
+        )
         self.finished = counter("sglang:num_requests", "Finished requests")
         self.gauges = {
             name: Gauge(name, doc, model, registry=r).labels(model_name)
@@ -41,13 +43,17 @@ class Metrics:
                 ("sglang:num_queue_reqs", "Requests waiting to be scheduled"),
                 ("sglang:token_usage", "Fraction of KV pages that cannot be reclaimed now"),
                 ("sglang:cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens looked up"),
-                ("sglang:hicache_host_hit_rate",
-                 "Prompt tokens served from the hierarchical cache's host tier / prompt tokens looked up"),
+                (
+                    "sglang:hicache_host_hit_rate",
+                    "Prompt tokens served from the hierarchical cache's host tier / prompt tokens looked up",
+                ),
                 ("sglang:gen_throughput", "Generated tokens per second since the previous scrape"),
             ]
         }
         self.requests = Counter("minisgl_requests", "Finished requests by finish reason", ["finish_reason"], registry=r)
-        self.errors = Counter("minisgl_http_errors", "Requests answered with an error, by status", ["status"], registry=r)
+        self.errors = Counter(
+            "minisgl_http_errors", "Requests answered with an error, by status", ["status"], registry=r
+        )
         self.pages = {
             name: Gauge(f"minisgl_{name}", doc, registry=r)
             for name, doc in [
@@ -75,7 +81,8 @@ class Metrics:
             "sglang:num_queue_reqs": stats.get("queued_requests", 0),
             "sglang:token_usage": stats.get("kv_usage", 0),
             "sglang:cache_hit_rate": stats.get("cache_hit_rate", 0),
-            "sglang:hicache_host_hit_rate": stats.get("prefix_host_hit_tokens", 0) / max(stats.get("prefix_queried_tokens", 0), 1),
+            "sglang:hicache_host_hit_rate": stats.get("prefix_host_hit_tokens", 0)
+            / max(stats.get("prefix_queried_tokens", 0), 1),
             "sglang:gen_throughput": (generated - last_generated) / max(now - last_time, 1e-9),
         }
         for name, gauge in self.gauges.items():

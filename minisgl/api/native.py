@@ -36,31 +36,48 @@ def _logprob_entry(logprob: float | None, token: int, text: str, with_text: bool
 class NativeRoutes(ApiBase):
     def _generate_body(self, run: Run, top_logprobs: int, with_text: bool, logprob_ids: bool) -> dict[str, Any]:
         meta: dict[str, Any] = {
-            "id": run.rid, "prompt_tokens": run.prompt_tokens, "completion_tokens": len(run.token_ids),
-            "cached_tokens": run.cached_tokens, "finish_reason": run.finish_info(), "e2e_latency": run.e2e_latency,
+            "id": run.rid,
+            "prompt_tokens": run.prompt_tokens,
+            "completion_tokens": len(run.token_ids),
+            "cached_tokens": run.cached_tokens,
+            "finish_reason": run.finish_info(),
+            "e2e_latency": run.e2e_latency,
             "weight_version": self.weight_version,
         }
         if top_logprobs >= 0:
             for kind, lps in (("input", run.input_logprobs), ("output", run.logprobs)):
-                meta[f"{kind}_token_logprobs"] = [_logprob_entry(lp.logprob, lp.token_id, lp.text, with_text)
-                                                  for lp in lps]
+                meta[f"{kind}_token_logprobs"] = [
+                    _logprob_entry(lp.logprob, lp.token_id, lp.text, with_text) for lp in lps
+                ]
                 meta[f"{kind}_top_logprobs"] = [
                     None if lp.logprob is None else [_logprob_entry(p, t, s, with_text) for t, s, p in lp.top]
-                    for lp in lps]
+                    for lp in lps
+                ]
                 if logprob_ids:
                     meta[f"{kind}_token_ids_logprobs"] = [
                         None if lp.logprob is None else [_logprob_entry(p, t, s, with_text) for t, s, p in lp.ids]
-                        for lp in lps]
+                        for lp in lps
+                    ]
         return {"text": run.text, "output_ids": run.token_ids, "meta_info": meta}
 
     async def generate(self, request: Request) -> Response:
         body: GenerateRequest = await read_body(request, GenerateRequest, self.args, GENERATE)
         items = body.items(self.args.max_sequences_per_request)  # counted before any is built
-        runs = await self._start([
-            GenerateReq(it.rid, it.sampling, text=it.text, input_ids=it.input_ids, top_logprobs=it.top_logprobs,
-                        logprob_start=it.logprob_start, logprob_ids=it.logprob_ids, cache_salt=it.cache_salt)
-            for it in items
-        ])
+        runs = await self._start(
+            [
+                GenerateReq(
+                    it.rid,
+                    it.sampling,
+                    text=it.text,
+                    input_ids=it.input_ids,
+                    top_logprobs=it.top_logprobs,
+                    logprob_start=it.logprob_start,
+                    logprob_ids=it.logprob_ids,
+                    cache_salt=it.cache_salt,
+                )
+                for it in items
+            ]
+        )
         with_text, batch = body.return_text_in_logprobs, len(items) > 1 or body.is_batch
 
         def result(i: int) -> dict[str, Any]:
@@ -79,10 +96,10 @@ class NativeRoutes(ApiBase):
                 if upd.token_ids or upd.finish_reason is not None:
                     out = result(i)
                     if self.args.stream_output:  # SGLang's disjoint segments: only what is new
-                        out["text"], out["output_ids"] = upd.text, out["output_ids"][sent[i]:]
+                        out["text"], out["output_ids"] = upd.text, out["output_ids"][sent[i] :]
                         for key in ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs"):
                             if key in out["meta_info"]:
-                                out["meta_info"][key] = out["meta_info"][key][sent[i]:]
+                                out["meta_info"][key] = out["meta_info"][key][sent[i] :]
                         sent[i] = len(runs[i].token_ids)
                     yield sse(out)
             yield SSE_DONE
@@ -93,8 +110,9 @@ class NativeRoutes(ApiBase):
         return JSONResponse({"status": "ok"})
 
     async def health_generate(self, request: Request) -> Response:
-        req = GenerateReq(f"health-{uuid.uuid4().hex}", SamplingParams(max_new_tokens=1, temperature=0.0),
-                          input_ids=[0])
+        req = GenerateReq(
+            f"health-{uuid.uuid4().hex}", SamplingParams(max_new_tokens=1, temperature=0.0), input_ids=[0]
+        )
         try:
             runs = await asyncio.wait_for(self._start([req]), 20)
             await asyncio.wait_for(runs[0].wait(), 20)
@@ -114,38 +132,56 @@ class NativeRoutes(ApiBase):
         used = total - int(stats.get("free_pages", 0)) - int(stats.get("evictable_pages", 0))
         running, waiting = int(stats.get("running_requests", 0)), int(stats.get("queued_requests", 0))
         load = {
-            "dp_rank": 0, "worker_generation": self.generation, "num_running_reqs": running,
-            "num_waiting_reqs": waiting, "num_total_reqs": running + waiting, "num_used_tokens": used * page,
-            "max_total_num_tokens": total * page, "token_usage": stats.get("kv_usage", 0.0),
-            "cache_hit_rate": stats.get("cache_hit_rate", 0.0), "max_running_requests": self.info.max_running_requests,
+            "dp_rank": 0,
+            "worker_generation": self.generation,
+            "num_running_reqs": running,
+            "num_waiting_reqs": waiting,
+            "num_total_reqs": running + waiting,
+            "num_used_tokens": used * page,
+            "max_total_num_tokens": total * page,
+            "token_usage": stats.get("kv_usage", 0.0),
+            "cache_hit_rate": stats.get("cache_hit_rate", 0.0),
+            "max_running_requests": self.info.max_running_requests,
             "utilization": running / max(self.info.max_running_requests, 1),
         }
-        return JSONResponse({"timestamp": time.time(), "version": minisgl.__version__, "dp_rank_count": 1,
-                             "loads": [load]})
+        return JSONResponse(
+            {"timestamp": time.time(), "version": minisgl.__version__, "dp_rank_count": 1, "loads": [load]}
+        )
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": minisgl.__version__})
 
     async def model_info(self, request: Request) -> Response:
-        return JSONResponse({
-            "model_path": self.info.model_path, "tokenizer_path": self.args.tokenizer or self.info.model_path,
-            "served_model_name": self.args.model_name, "is_generation": True,
-            "context_length": self.info.context_len, "vocab_size": self.info.vocab_size,
-        })
+        return JSONResponse(
+            {
+                "model_path": self.info.model_path,
+                "tokenizer_path": self.args.tokenizer or self.info.model_path,
+                "served_model_name": self.args.model_name,
+                "is_generation": True,
+                "context_length": self.info.context_len,
+                "vocab_size": self.info.vocab_size,
+            }
+        )
 
     async def server_info(self, request: Request) -> Response:
         server_args = {k: v for k, v in asdict(self.args).items() if k != "api_key"}
         server_args["max_running_requests"] = self.info.max_running_requests  # as derived, if not given
         # SGLang's shape: the server args at the top level (model_path its name for --model), then
         # what the engine measured; ours under their own keys too.
-        return JSONResponse({
-            **server_args, "model_path": self.args.model,
-            "max_total_num_tokens": self.info.num_pages * self.info.page_size,
-            "kv_cache_dtype": self.info.kv_cache_dtype, "version": minisgl.__version__,
-            "server_args": server_args, "engine": msgspec.to_builtins(self.info),
-            "scheduler": await self._stats(), "active_requests": len(self.client.active_rids),
-            "processes": self.pids,
-        })
+        return JSONResponse(
+            {
+                **server_args,
+                "model_path": self.args.model,
+                "max_total_num_tokens": self.info.num_pages * self.info.page_size,
+                "kv_cache_dtype": self.info.kv_cache_dtype,
+                "version": minisgl.__version__,
+                "server_args": server_args,
+                "engine": msgspec.to_builtins(self.info),
+                "scheduler": await self._stats(),
+                "active_requests": len(self.client.active_rids),
+                "processes": self.pids,
+            }
+        )
 
     async def metrics_route(self, request: Request) -> Response:
         return Response(self.metrics.render(await self._stats()), media_type="text/plain; version=0.0.4")
@@ -173,13 +209,17 @@ class NativeRoutes(ApiBase):
         root = os.path.realpath(self.args.profile_dir or os.environ.get("SGLANG_TORCH_PROFILER_DIR", "/tmp"))
         output_dir = os.path.realpath(os.path.join(root, body.output_dir or ""))
         if os.path.commonpath([root, output_dir]) != root:
-            return error_response(400, f"output_dir must be inside the server's profile directory {root} "
-                                       "(--profile-dir)", param="output_dir")
+            return error_response(
+                400,
+                f"output_dir must be inside the server's profile directory {root} (--profile-dir)",
+                param="output_dir",
+            )
         if body.profile_prefix and (os.sep in body.profile_prefix or body.profile_prefix.startswith(".")):
             return error_response(400, "profile_prefix must be a plain name", param="profile_prefix")
         prefix = f"{body.profile_prefix}-" if body.profile_prefix else ""
-        profile = ProfileReq(True, os.path.join(output_dir, f"{prefix}minisgl-{int(time.time())}"),
-                             body.num_steps or 0, activities)
+        profile = ProfileReq(
+            True, os.path.join(output_dir, f"{prefix}minisgl-{int(time.time())}"), body.num_steps or 0, activities
+        )
         await self.client.control("profile", profile=profile)
         return Response(f"Start profiling (traces go to {profile.output_dir}).\n")
 
@@ -208,5 +248,3 @@ class NativeRoutes(ApiBase):
 def _choice_of(rid: str, request_id: str) -> bool:
     base, _, choice = rid.rpartition("-")
     return base == request_id and choice.isdigit()
-
-

@@ -20,7 +20,9 @@ from minisgl.messages import GenerateReq, ReqUpdate, TokenLogprob
 
 def _openai_logprob(lp: TokenLogprob) -> dict[str, Any]:
     return {
-        "token": lp.text, "logprob": lp.logprob, "bytes": list(lp.text.encode()),
+        "token": lp.text,
+        "logprob": lp.logprob,
+        "bytes": list(lp.text.encode()),
         "top_logprobs": [{"token": t, "logprob": p, "bytes": list(t.encode())} for _, t, p in lp.top],
     }
 
@@ -31,7 +33,8 @@ def _completion_logprobs(lps: list[TokenLogprob], offset: int) -> dict[str, Any]
         offsets.append(pos)
         pos += len(lp.text)
     return {
-        "tokens": [lp.text for lp in lps], "token_logprobs": [lp.logprob for lp in lps],
+        "tokens": [lp.text for lp in lps],
+        "token_logprobs": [lp.logprob for lp in lps],
         "top_logprobs": [None if lp.logprob is None else {t: p for _, t, p in lp.top} for lp in lps],
         "text_offset": offsets,
     }
@@ -50,7 +53,9 @@ def _usage(runs: list[Run], n: int = 1) -> dict[str, Any]:
     cached = sum(min(r.cached_tokens for r in runs[i : i + n]) for i in range(0, len(runs), n))
     completion = sum(len(r.token_ids) for r in runs)
     return {
-        "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
 
@@ -81,11 +86,18 @@ class OpenAIRoutes(ApiBase):
         cid, prompts = f"cmpl-{uuid.uuid4().hex}", body.prompts()
         check_sequences(len(prompts) * body.n, self.args.max_sequences_per_request)  # before any is built
         reqs = [  # echo with max_tokens 0 scores the prompt and generates nothing
-            GenerateReq(f"{cid}-{i * body.n + j}", body.sampling(body.max_tokens, j),
-                        text=p if isinstance(p, str) else None, input_ids=None if isinstance(p, str) else p,
-                        top_logprobs=body.top_logprobs, cache_salt=body.cache_salt,
-                        fill_context=body.max_tokens is None, logprob_start=0 if body.echo else -1)
-            for i, p in enumerate(prompts) for j in range(body.n)
+            GenerateReq(
+                f"{cid}-{i * body.n + j}",
+                body.sampling(body.max_tokens, j),
+                text=p if isinstance(p, str) else None,
+                input_ids=None if isinstance(p, str) else p,
+                top_logprobs=body.top_logprobs,
+                cache_salt=body.cache_salt,
+                fill_context=body.max_tokens is None,
+                logprob_start=0 if body.echo else -1,
+            )
+            for i, p in enumerate(prompts)
+            for j in range(body.n)
         ]
         runs = await self._start(reqs)
         head = {"id": cid, "object": "text_completion", "created": int(time.time()), "model": body.model}
@@ -96,11 +108,23 @@ class OpenAIRoutes(ApiBase):
             for i, r in enumerate(runs):
                 echoed = _echo(prompts[i // body.n], r.input_logprobs) if body.echo else ""
                 lps = (r.input_logprobs if body.echo else []) + r.logprobs
-                choices.append({"index": i, "text": echoed + r.text, "finish_reason": r.finish_reason,
-                                "matched_stop": r.matched_stop,
-                                "logprobs": _completion_logprobs(lps, 0) if body.logprobs is not None else None})
-            return JSONResponse({**head, "choices": choices, "usage": _usage(runs, body.n),
-                                 "metadata": {"weight_version": self.weight_version}})
+                choices.append(
+                    {
+                        "index": i,
+                        "text": echoed + r.text,
+                        "finish_reason": r.finish_reason,
+                        "matched_stop": r.matched_stop,
+                        "logprobs": _completion_logprobs(lps, 0) if body.logprobs is not None else None,
+                    }
+                )
+            return JSONResponse(
+                {
+                    **head,
+                    "choices": choices,
+                    "usage": _usage(runs, body.n),
+                    "metadata": {"weight_version": self.weight_version},
+                }
+            )
 
         offsets, echoed = [0] * len(runs), [not body.echo] * len(runs)
 
@@ -113,8 +137,13 @@ class OpenAIRoutes(ApiBase):
             if body.logprobs is not None:  # one entry per token, also while its text is held back
                 logprobs = _completion_logprobs(lps, offsets[i])
             offsets[i] += len(text)
-            return {"index": i, "text": text, "logprobs": logprobs, "finish_reason": upd.finish_reason,
-                    "matched_stop": runs[i].matched_stop if upd.finish_reason else None}
+            return {
+                "index": i,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": upd.finish_reason,
+                "matched_stop": runs[i].matched_stop if upd.finish_reason else None,
+            }
 
         events = _chunks(runs, head, body, choice)
         return self._stream(runs, events)
@@ -129,12 +158,24 @@ class OpenAIRoutes(ApiBase):
                 return Response(status_code=499)
             choices = []
             for i, (r, out) in enumerate(zip(runs, outputs)):
-                choices.append({
-                    "index": i, "message": out.message(r.text),
-                    "logprobs": {"content": [_openai_logprob(lp) for lp in r.logprobs]} if body.logprobs else None,
-                    "finish_reason": out.finish_reason(r.finish_reason), "matched_stop": r.matched_stop})
-            return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": _usage(runs, body.n),
-                                 "metadata": {"weight_version": self.weight_version}})
+                choices.append(
+                    {
+                        "index": i,
+                        "message": out.message(r.text),
+                        "logprobs": {"content": [_openai_logprob(lp) for lp in r.logprobs]} if body.logprobs else None,
+                        "finish_reason": out.finish_reason(r.finish_reason),
+                        "matched_stop": r.matched_stop,
+                    }
+                )
+            return JSONResponse(
+                {
+                    **head,
+                    "object": "chat.completion",
+                    "choices": choices,
+                    "usage": _usage(runs, body.n),
+                    "metadata": {"weight_version": self.weight_version},
+                }
+            )
 
         head["object"] = "chat.completion.chunk"
 
@@ -147,9 +188,13 @@ class OpenAIRoutes(ApiBase):
             delta = {"reasoning_content": None, **outputs[i].delta(upd.text, upd.finish_reason is not None)}
             if not started[i]:
                 delta, started[i] = {"role": "assistant", "content": "", **delta}, True
-            return {"index": i, "delta": delta, "logprobs": logprobs,
-                    "finish_reason": outputs[i].finish_reason(upd.finish_reason),
-                    "matched_stop": runs[i].matched_stop if upd.finish_reason else None}
+            return {
+                "index": i,
+                "delta": delta,
+                "logprobs": logprobs,
+                "finish_reason": outputs[i].finish_reason(upd.finish_reason),
+                "matched_stop": runs[i].matched_stop if upd.finish_reason else None,
+            }
 
         events = _chunks(runs, head, body, choice)
         return self._stream(runs, events)
@@ -166,16 +211,31 @@ class OpenAIRoutes(ApiBase):
         for j in range(body.n):
             sampling = body.sampling(max_new, j)
             sampling.json_schema = plan.schema or sampling.json_schema  # a forced call's grammar
-            reqs.append(GenerateReq(f"{rid}-{j}", sampling, messages=messages, top_logprobs=body.num_top_logprobs,
-                                    fill_context=max_new is None, tools=plan.tools, cache_salt=body.cache_salt,
-                                    chat_template_kwargs=body.template_kwargs()))
+            reqs.append(
+                GenerateReq(
+                    f"{rid}-{j}",
+                    sampling,
+                    messages=messages,
+                    top_logprobs=body.num_top_logprobs,
+                    fill_context=max_new is None,
+                    tools=plan.tools,
+                    cache_salt=body.cache_salt,
+                    chat_template_kwargs=body.template_kwargs(),
+                )
+            )
         runs = await self._start(reqs)
         reasoning = self.args.reasoning_parser if body.separate_reasoning else None
         return runs, [ChatOutput(plan, reasoning, body.stream_reasoning) for _ in runs]
 
     def _card(self) -> dict[str, Any]:
-        return {"id": self.args.model_name, "object": "model", "created": self.created, "owned_by": "minisgl",
-                "root": self.args.model_name, "max_model_len": self.info.context_len}
+        return {
+            "id": self.args.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "minisgl",
+            "root": self.args.model_name,
+            "max_model_len": self.info.context_len,
+        }
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [self._card()]})
@@ -183,4 +243,3 @@ class OpenAIRoutes(ApiBase):
     async def model(self, request: Request) -> Response:
         self._check_model(request.path_params["model"], always=True)
         return JSONResponse(self._card())
-

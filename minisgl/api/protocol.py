@@ -121,8 +121,10 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
         elif self.input_ids and all(isinstance(x, list) and x and all(map(_is_token, x)) for x in self.input_ids):
             prompts = list(self.input_ids)
         else:
-            raise BadRequest(f"input_ids must be a non-empty list of token ids in [0, {MAX_TOKEN_ID}] or a list of "
-                             "such lists", param="input_ids")
+            raise BadRequest(
+                f"input_ids must be a non-empty list of token ids in [0, {MAX_TOKEN_ID}] or a list of such lists",
+                param="input_ids",
+            )
         if not prompts:
             raise BadRequest("the batch is empty", param="text")
         return prompts
@@ -161,13 +163,22 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
                 raise BadRequest(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs_num")
             start = -1 if starts[i] is None or not want[i] else starts[i]
             if start < -1:
-                raise BadRequest(f"logprob_start_len must be -1 (outputs only) or >= 0, got {start}",
-                                 param="logprob_start_len")
+                raise BadRequest(
+                    f"logprob_start_len must be -1 (outputs only) or >= 0, got {start}", param="logprob_start_len"
+                )
             for j in range(n):
-                out.append(GenerateItem(
-                    rids[i * n + j], prompt if isinstance(prompt, str) else None,
-                    None if isinstance(prompt, str) else prompt, sampling[i].params(j), tops[i] if want[i] else -1,
-                    start, ids[i] if want[i] else [], keys[i]))
+                out.append(
+                    GenerateItem(
+                        rids[i * n + j],
+                        prompt if isinstance(prompt, str) else None,
+                        None if isinstance(prompt, str) else prompt,
+                        sampling[i].params(j),
+                        tops[i] if want[i] else -1,
+                        start,
+                        ids[i] if want[i] else [],
+                        keys[i],
+                    )
+                )
         return out
 
     def _logprob_ids(self, count: int) -> list[list[int]]:
@@ -177,11 +188,14 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
             return [[]] * count
         per_prompt = value if isinstance(value[0], list) else [value] * count
         if not all(isinstance(ids, list) and all(map(_is_token, ids)) for ids in per_prompt):
-            raise BadRequest(f"token_ids_logprob must be token ids in [0, {MAX_TOKEN_ID}] or a list of such lists",
-                             param="token_ids_logprob")
+            raise BadRequest(
+                f"token_ids_logprob must be token ids in [0, {MAX_TOKEN_ID}] or a list of such lists",
+                param="token_ids_logprob",
+            )
         if len(per_prompt) != count:
-            raise BadRequest(f"token_ids_logprob has {len(per_prompt)} lists for {count} prompts",
-                             param="token_ids_logprob")
+            raise BadRequest(
+                f"token_ids_logprob has {len(per_prompt)} lists for {count} prompts", param="token_ids_logprob"
+            )
         if any(len(ids) > MAX_LOGPROB_IDS for ids in per_prompt):
             raise BadRequest(f"token_ids_logprob may name at most {MAX_LOGPROB_IDS} ids", param="token_ids_logprob")
         return [list(ids) for ids in per_prompt]
@@ -199,8 +213,10 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
 def check_sequences(total: int, limit: int | None) -> None:
     """Refuse a request for more sequences (prompts x n) than one request may run."""
     if limit is not None and total > limit:
-        raise BadRequest(f"the request asks for {total} sequences (prompts x n); at most {limit} "
-                         "(--max-sequences-per-request)", param="n")
+        raise BadRequest(
+            f"the request asks for {total} sequences (prompts x n); at most {limit} (--max-sequences-per-request)",
+            param="n",
+        )
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -274,14 +290,26 @@ class _OpenAIBase(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def sampling(self, max_tokens: int | None, choice: int) -> SamplingParams:
         """Choice ``choice``'s parameters (a given seed is offset so the n choices differ)."""
         params = SamplingParams(
-            max_new_tokens=max_tokens or 0, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            min_p=self.min_p, repetition_penalty=self.repetition_penalty,
-            frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
-            seed=None if self.seed is None else self.seed + choice, stop=self.stop, stop_regex=self.stop_regex,
-            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-            skip_special_tokens=self.skip_special_tokens, no_stop_trim=self.no_stop_trim, logit_bias=self.logit_bias,
+            max_new_tokens=max_tokens or 0,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            seed=None if self.seed is None else self.seed + choice,
+            stop=self.stop,
+            stop_regex=self.stop_regex,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens,
+            no_stop_trim=self.no_stop_trim,
+            logit_bias=self.logit_bias,
             min_new_tokens=min(self.min_tokens, max_tokens) if max_tokens else self.min_tokens,
-            json_schema=self.json_schema, regex=self.regex, ebnf=self.ebnf,
+            json_schema=self.json_schema,
+            regex=self.regex,
+            ebnf=self.ebnf,
         )
         if self.response_format is not None and self.response_format.type != "text":
             if params.grammar is not None:
@@ -316,8 +344,10 @@ class CompletionRequest(_OpenAIBase, kw_only=True):
             return list(p)
         if isinstance(p, list) and p and all(isinstance(x, list) and x and all(_is_token(t) for t in x) for x in p):
             return list(p)
-        raise BadRequest("prompt must be a non-empty string, list of strings, list of token ids, "
-                         "or list of token-id lists", param="prompt")
+        raise BadRequest(
+            "prompt must be a non-empty string, list of strings, list of token ids, or list of token-id lists",
+            param="prompt",
+        )
 
     def check(self) -> None:
         self._check_common(self.max_tokens if not (self.echo and self.max_tokens == 0) else None)
@@ -360,9 +390,14 @@ class ChatMessageIn(msgspec.Struct, forbid_unknown_fields=True):
     def flat(self) -> ChatMessage:
         calls = None
         if self.tool_calls:
-            calls = [{"id": c.id, "type": "function",
-                      "function": {"name": c.function.name, "arguments": c.function.arguments or "{}"}}
-                     for c in self.tool_calls]
+            calls = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": c.function.arguments or "{}"},
+                }
+                for c in self.tool_calls
+            ]
         return ChatMessage(self.role, self._text(), calls, self.tool_call_id, self.name)
 
     def _text(self) -> str:
@@ -371,8 +406,7 @@ class ChatMessageIn(msgspec.Struct, forbid_unknown_fields=True):
         texts = []
         for part in self.content:
             if part.type != "text" or part.text is None:
-                raise BadRequest(f"message content of type {part.type!r} is not supported; only text",
-                                 param="messages")
+                raise BadRequest(f"message content of type {part.type!r} is not supported; only text", param="messages")
             texts.append(part.text)
         return "".join(texts)
 
@@ -439,21 +473,27 @@ class ChatCompletionRequest(_OpenAIBase, kw_only=True):
             return ToolPlan()
         tools = [msgspec.to_builtins(t) for t in self.tools]
         constrained = (self.response_format is not None and self.response_format.type != "text") or any(
-            (self.json_schema, self.regex, self.ebnf))
+            (self.json_schema, self.regex, self.ebnf)
+        )
         if choice != "auto" and constrained:
-            raise BadRequest("a forced tool_choice cannot be combined with another output constraint",
-                             param="tool_choice")
+            raise BadRequest(
+                "a forced tool_choice cannot be combined with another output constraint", param="tool_choice"
+            )
         if choice == "auto":
             if parser is None:
-                raise BadRequest("tools with tool_choice 'auto' need the server started with --tool-call-parser "
-                                 "(this chat template's format is not known)", param="tools")
+                raise BadRequest(
+                    "tools with tool_choice 'auto' need the server started with --tool-call-parser "
+                    "(this chat template's format is not known)",
+                    param="tools",
+                )
             return ToolPlan(tools, parser)
         if choice == "required":
             return ToolPlan(tools, "array", schema=json.dumps(required_schema(tools, self.parallel_tool_calls)))
         wanted = next((t for t in tools if t["function"]["name"] == choice.function.name), None)
         if wanted is None:
-            raise BadRequest(f"tool_choice names {choice.function.name!r}, which is not among the tools",
-                             param="tool_choice")
+            raise BadRequest(
+                f"tool_choice names {choice.function.name!r}, which is not among the tools", param="tool_choice"
+            )
         params = wanted["function"].get("parameters") or {"type": "object"}
         return ToolPlan(tools, "named", choice.function.name, json.dumps(params))
 

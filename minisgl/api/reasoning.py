@@ -35,16 +35,19 @@ class ReasoningParser:
             if OPEN.startswith(body) and len(body) < len(OPEN):
                 return "", ""  # may still become <think>
             if body.startswith(OPEN):
-                self.pending, self.state = body[len(OPEN):], "reasoning"
+                self.pending, self.state = body[len(OPEN) :], "reasoning"
             else:
                 self.state = "reasoning" if self.forced else "content"
         if self.state == "reasoning":
             at = self.pending.find(CLOSE)
             if at < 0:
                 keep = partial_suffix(self.pending, [CLOSE])
-                reasoning, self.pending = self.pending[: len(self.pending) - keep], self.pending[len(self.pending) - keep:]
+                reasoning, self.pending = (
+                    self.pending[: len(self.pending) - keep],
+                    self.pending[len(self.pending) - keep :],
+                )
                 return self._reasoning(reasoning, False), ""
-            reasoning, self.pending = self.pending[:at], self.pending[at + len(CLOSE):].lstrip()
+            reasoning, self.pending = self.pending[:at], self.pending[at + len(CLOSE) :].lstrip()
             self.state = "content" if self.pending else "lead"
             reasoning = self._reasoning(reasoning, True)
         if self.state == "lead":  # whitespace after </think> is not content

@@ -24,7 +24,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from minisgl.api.base import Run, merge, read_body
-from minisgl.api.chat_output import ChatOutput
 from minisgl.api.fields import RESPONSES
 from minisgl.api.openai import OpenAIRoutes, _usage
 from minisgl.api.protocol import BadRequest, ChatMessageIn, FunctionCallIn, ToolCallIn
@@ -46,25 +45,38 @@ def _id(prefix: str) -> str:
 
 
 def _message_item() -> dict[str, Any]:
-    return {"type": "message", "id": _id("msg"), "status": "in_progress", "role": "assistant",
-            "content": [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}]}
+    return {
+        "type": "message",
+        "id": _id("msg"),
+        "status": "in_progress",
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}],
+    }
 
 
 def _reasoning_item() -> dict[str, Any]:
-    return {"type": "reasoning", "id": _id("rs"), "summary": [],
-            "content": [{"type": "reasoning_text", "text": ""}]}
+    return {"type": "reasoning", "id": _id("rs"), "summary": [], "content": [{"type": "reasoning_text", "text": ""}]}
 
 
 def _call_item(call_id: str, name: str) -> dict[str, Any]:
-    return {"type": "function_call", "id": _id("fc"), "call_id": call_id, "name": name, "arguments": "",
-            "status": "in_progress"}
+    return {
+        "type": "function_call",
+        "id": _id("fc"),
+        "call_id": call_id,
+        "name": name,
+        "arguments": "",
+        "status": "in_progress",
+    }
 
 
 def _answer(items: list[dict[str, Any]]) -> ChatMessageIn:
     """The output items as the assistant message a continuation's prompt shows."""
     text = "".join(p["text"] for it in items if it["type"] == "message" for p in it["content"])
-    calls = [ToolCallIn(FunctionCallIn(it["name"], it["arguments"]), id=it["call_id"])
-             for it in items if it["type"] == "function_call"]
+    calls = [
+        ToolCallIn(FunctionCallIn(it["name"], it["arguments"]), id=it["call_id"])
+        for it in items
+        if it["type"] == "function_call"
+    ]
     return ChatMessageIn("assistant", text or None, tool_calls=calls or None)
 
 
@@ -87,8 +99,15 @@ class _Events:
         index = len(self.items)
         out.append(self.event("response.output_item.added", output_index=index, item={**item, "status": "in_progress"}))
         if item["type"] == "message":
-            out.append(self.event("response.content_part.added", item_id=item["id"], output_index=index,
-                                  content_index=0, part={**item["content"][0], "text": ""}))
+            out.append(
+                self.event(
+                    "response.content_part.added",
+                    item_id=item["id"],
+                    output_index=index,
+                    content_index=0,
+                    part={**item["content"][0], "text": ""},
+                )
+            )
         return out
 
     def delta(self, delta: dict[str, Any]) -> list[bytes]:
@@ -99,23 +118,44 @@ class _Events:
                 out += self.open_item(_reasoning_item())
             part = self.open["content"][0]
             part["text"] += delta["reasoning_content"]
-            out.append(self.event("response.reasoning_text.delta", item_id=self.open["id"],
-                                  output_index=len(self.items), content_index=0, delta=delta["reasoning_content"]))
+            out.append(
+                self.event(
+                    "response.reasoning_text.delta",
+                    item_id=self.open["id"],
+                    output_index=len(self.items),
+                    content_index=0,
+                    delta=delta["reasoning_content"],
+                )
+            )
         if delta.get("content"):
             if self.open is None or self.open["type"] != "message":
                 out += self.open_item(_message_item())
             part = self.open["content"][0]
             part["text"] += delta["content"]
-            out.append(self.event("response.output_text.delta", item_id=self.open["id"], output_index=len(self.items),
-                                  content_index=0, delta=delta["content"], logprobs=[]))
+            out.append(
+                self.event(
+                    "response.output_text.delta",
+                    item_id=self.open["id"],
+                    output_index=len(self.items),
+                    content_index=0,
+                    delta=delta["content"],
+                    logprobs=[],
+                )
+            )
         for call in delta.get("tool_calls", []):
             function = call["function"]
             if "id" in call:  # a call starts
                 out += self.open_item(_call_item(call["id"], function["name"]))
             self.open["arguments"] += function["arguments"]
             if function["arguments"]:
-                out.append(self.event("response.function_call_arguments.delta", item_id=self.open["id"],
-                                      output_index=len(self.items), delta=function["arguments"]))
+                out.append(
+                    self.event(
+                        "response.function_call_arguments.delta",
+                        item_id=self.open["id"],
+                        output_index=len(self.items),
+                        delta=function["arguments"],
+                    )
+                )
         return out
 
     def finish(self) -> list[bytes]:
@@ -132,19 +172,44 @@ class _Events:
             return []
         index, out = len(self.items), []
         if item["type"] == "reasoning":
-            out.append(self.event("response.reasoning_text.done", item_id=item["id"], output_index=index,
-                                  content_index=0, text=item["content"][0]["text"]))
+            out.append(
+                self.event(
+                    "response.reasoning_text.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    content_index=0,
+                    text=item["content"][0]["text"],
+                )
+            )
         elif item["type"] == "message":
             item["status"] = "completed"
             part = item["content"][0]
-            out.append(self.event("response.output_text.done", item_id=item["id"], output_index=index,
-                                  content_index=0, text=part["text"], logprobs=[]))
-            out.append(self.event("response.content_part.done", item_id=item["id"], output_index=index,
-                                  content_index=0, part=part))
+            out.append(
+                self.event(
+                    "response.output_text.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    content_index=0,
+                    text=part["text"],
+                    logprobs=[],
+                )
+            )
+            out.append(
+                self.event(
+                    "response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=part
+                )
+            )
         else:
             item["status"] = "completed"
-            out.append(self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                                  name=item["name"], arguments=item["arguments"]))
+            out.append(
+                self.event(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    name=item["name"],
+                    arguments=item["arguments"],
+                )
+            )
         out.append(self.event("response.output_item.done", output_index=index, item=item))
         self.items.append(item)
         return out
@@ -161,8 +226,12 @@ class ResponsesRoutes(OpenAIRoutes):
         while previous is not None:
             stored = self.stored.get(previous)
             if stored is None:
-                raise BadRequest(f"previous_response_id {previous!r} is not a stored response (this server keeps "
-                                 f"the latest {MAX_STORED})", status=404, param="previous_response_id")
+                raise BadRequest(
+                    f"previous_response_id {previous!r} is not a stored response (this server keeps "
+                    f"the latest {MAX_STORED})",
+                    status=404,
+                    param="previous_response_id",
+                )
             chain.append(stored.messages)
             previous = stored.previous
         return [m for messages in reversed(chain) for m in messages]
@@ -170,31 +239,54 @@ class ResponsesRoutes(OpenAIRoutes):
     def _head(self, body: ResponsesRequest, rid: str) -> dict[str, Any]:
         fmt = body.text.format if body.text and body.text.format else None
         return {
-            "id": rid, "object": "response", "created_at": int(time.time()), "status": "in_progress",
-            "model": body.model, "output": [], "error": None, "incomplete_details": None,
+            "id": rid,
+            "object": "response",
+            "created_at": int(time.time()),
+            "status": "in_progress",
+            "model": body.model,
+            "output": [],
+            "error": None,
+            "incomplete_details": None,
             "instructions": body.instructions,
-            "max_output_tokens": body.max_output_tokens, "parallel_tool_calls": body.parallel_tool_calls,
-            "previous_response_id": body.previous_response_id, "temperature": body.temperature,
-            "top_p": body.top_p, "tool_choice": body.tool_choice or "auto",
+            "max_output_tokens": body.max_output_tokens,
+            "parallel_tool_calls": body.parallel_tool_calls,
+            "previous_response_id": body.previous_response_id,
+            "temperature": body.temperature,
+            "top_p": body.top_p,
+            "tool_choice": body.tool_choice or "auto",
             "tools": [msgspec.to_builtins(t) for t in body.tools or []],
             "text": {"format": msgspec.to_builtins(fmt) if fmt else {"type": "text"}},
             "reasoning": msgspec.to_builtins(body.reasoning) if body.reasoning else None,
-            "metadata": body.metadata or {}, "store": body.store, "truncation": "disabled", "user": body.user,
+            "metadata": body.metadata or {},
+            "store": body.store,
+            "truncation": "disabled",
+            "user": body.user,
             "usage": None,
         }
 
-    def _finish(self, body: ResponsesRequest, response: dict[str, Any], run: Run, items: list[dict[str, Any]],
-                own: list[ChatMessageIn]) -> dict[str, Any]:
+    def _finish(
+        self,
+        body: ResponsesRequest,
+        response: dict[str, Any],
+        run: Run,
+        items: list[dict[str, Any]],
+        own: list[ChatMessageIn],
+    ) -> dict[str, Any]:
         """Fill in the finished response; store it if asked."""
         usage = _usage([run])
         incomplete = run.finish_reason == "length"
         response.update(
-            status="incomplete" if incomplete else "completed", output=items,
+            status="incomplete" if incomplete else "completed",
+            output=items,
             incomplete_details={"reason": "max_output_tokens"} if incomplete else None,
-            usage={"input_tokens": usage["prompt_tokens"],
-                   "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
-                   "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
-                   "total_tokens": usage["total_tokens"]})
+            usage={
+                "input_tokens": usage["prompt_tokens"],
+                "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
+                "output_tokens": usage["completion_tokens"],
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": usage["total_tokens"],
+            },
+        )
         if body.store:
             self.stored[response["id"]] = _Stored(response, own + [_answer(items)], body.previous_response_id)
             while len(self.stored) > MAX_STORED:

@@ -15,8 +15,17 @@ from typing import Any, Literal
 import msgspec
 
 from minisgl.api.protocol import (
-    BadRequest, ChatCompletionRequest, ChatMessageIn, FunctionCallIn, FunctionDef, JsonSchemaFormat,
-    NamedFunction, NamedToolChoice, ResponseFormat, Tool, ToolCallIn,
+    BadRequest,
+    ChatCompletionRequest,
+    ChatMessageIn,
+    FunctionCallIn,
+    FunctionDef,
+    JsonSchemaFormat,
+    NamedFunction,
+    NamedToolChoice,
+    ResponseFormat,
+    Tool,
+    ToolCallIn,
 )
 from minisgl.sampling.params import Int32, Int64
 
@@ -93,8 +102,10 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
                     raise BadRequest(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", param="input")
                 out.append(ChatMessageIn(role, _text(item.get("content"), f"{where}.content")))
             elif kind == "function_call":
-                call = ToolCallIn(FunctionCallIn(_str(item, "name", where), _str(item, "arguments", where)),
-                                  id=_str(item, "call_id", where))
+                call = ToolCallIn(
+                    FunctionCallIn(_str(item, "name", where), _str(item, "arguments", where)),
+                    id=_str(item, "call_id", where),
+                )
                 last = out[-1] if out else None
                 if last is not None and last.role == "assistant" and last.tool_calls is not None:
                     last.tool_calls.append(call)  # parallel calls: one assistant message
@@ -107,8 +118,11 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
             elif kind == "reasoning":
                 continue  # the model's earlier thinking: chat templates leave it out of the prompt
             else:
-                raise BadRequest(f"{where} has type {kind!r}, which is not supported (message, function_call, "
-                                 "function_call_output and reasoning items are)", param="input")
+                raise BadRequest(
+                    f"{where} has type {kind!r}, which is not supported (message, function_call, "
+                    "function_call_output and reasoning items are)",
+                    param="input",
+                )
         if not out:
             raise BadRequest("input has no message", param="input")
         return out
@@ -116,17 +130,29 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     def chat(self, history: list[ChatMessageIn]) -> ChatCompletionRequest:
         """The chat request this body means, after the ``history`` of the responses it continues."""
         if self.max_output_tokens is not None and self.max_output_tokens < 1:
-            raise BadRequest(f"max_output_tokens must be >= 1, got {self.max_output_tokens}",
-                             param="max_output_tokens")
+            raise BadRequest(f"max_output_tokens must be >= 1, got {self.max_output_tokens}", param="max_output_tokens")
         messages = ([ChatMessageIn("system", self.instructions)] if self.instructions else []) + history
         return ChatCompletionRequest(
-            model=self.model, messages=messages, max_completion_tokens=self.max_output_tokens,
-            temperature=self.temperature, top_p=self.top_p, stream=self.stream, tools=self._tools(),
-            tool_choice=self._tool_choice(), parallel_tool_calls=self.parallel_tool_calls,
-            response_format=self._format(), reasoning_effort=self.reasoning.effort if self.reasoning else None,
-            user=self.user, top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
-            frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty, stop=self.stop,
-            seed=self.seed, cache_salt=self.cache_salt,
+            model=self.model,
+            messages=messages,
+            max_completion_tokens=self.max_output_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            stream=self.stream,
+            tools=self._tools(),
+            tool_choice=self._tool_choice(),
+            parallel_tool_calls=self.parallel_tool_calls,
+            response_format=self._format(),
+            reasoning_effort=self.reasoning.effort if self.reasoning else None,
+            user=self.user,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            stop=self.stop,
+            seed=self.seed,
+            cache_salt=self.cache_salt,
         )
 
     def _tools(self) -> list[Tool] | None:
@@ -135,8 +161,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
         tools = []
         for i, t in enumerate(self.tools):
             if t.type != "function":
-                raise BadRequest(f"tools[{i}] has type {t.type!r}: only function tools are supported",
-                                 param="tools")
+                raise BadRequest(f"tools[{i}] has type {t.type!r}: only function tools are supported", param="tools")
             if not t.name:
                 raise BadRequest(f"tools[{i}] needs a name", param="tools")
             tools.append(Tool(FunctionDef(t.name, t.description, t.parameters, t.strict)))
@@ -147,8 +172,11 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
         if choice is None or isinstance(choice, str):
             return choice
         if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
-            raise BadRequest(f"tool_choice {choice!r} is not supported: give none, auto, required or "
-                             '{"type": "function", "name": ...}', param="tool_choice")
+            raise BadRequest(
+                f"tool_choice {choice!r} is not supported: give none, auto, required or "
+                '{"type": "function", "name": ...}',
+                param="tool_choice",
+            )
         return NamedToolChoice(NamedFunction(choice["name"]))
 
     def _format(self) -> ResponseFormat | None:
@@ -179,7 +207,10 @@ def _text(content: Any, where: str) -> str:
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
-            raise BadRequest(f"{where} has a part of type {kind!r}; only text parts are supported "
-                             "(this server serves text-only models)", param="input")
+            raise BadRequest(
+                f"{where} has a part of type {kind!r}; only text parts are supported "
+                "(this server serves text-only models)",
+                param="input",
+            )
         texts.append(part["text"])
     return "".join(texts)

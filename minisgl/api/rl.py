@@ -21,15 +21,29 @@ from minisgl.api.base import ApiBase, error_response, read_body
 from minisgl.api.fields import Schema
 from minisgl.api.protocol import BadRequest
 from minisgl.messages import (
-    BroadcastWeights, ControlReply, JoinWeightGroup, LeaveWeightGroup, LoadWeights, MemoryOccupation, TensorWeights,
-    WeightGroupSpec, WorkerTask,
+    BroadcastWeights,
+    ControlReply,
+    JoinWeightGroup,
+    LeaveWeightGroup,
+    LoadWeights,
+    MemoryOccupation,
+    TensorWeights,
+    WeightGroupSpec,
+    WorkerTask,
 )
 
 # A weight update may load a checkpoint or wait for a trainer's broadcast: no 30 s limit.
 UPDATE_TIMEOUT_S = 3600.0
 # SGLang's knobs of its own update machinery; none changes what the weights become here.
-UPDATE_INERT = {"is_async", "torch_empty_cache", "recapture_cuda_graph", "token_step", "manifest", "rid",
-                "http_worker_ipc"}
+UPDATE_INERT = {
+    "is_async",
+    "torch_empty_cache",
+    "recapture_cuda_graph",
+    "token_step",
+    "manifest",
+    "rid",
+    "http_worker_ipc",
+}
 
 
 def _schema(name: str, implemented: set[str]) -> Schema:
@@ -81,10 +95,12 @@ class MemoryTags(msgspec.Struct, kw_only=True):
 _COMMON = {"flush_cache", "abort_all_requests", "weight_version", "keep_pause"}
 FROM_DISK = _schema("update_weights_from_disk", _COMMON | {"model_path", "load_format"})
 FROM_TENSOR = _schema("update_weights_from_tensor", _COMMON | {"serialized_named_tensors", "load_format"})
-FROM_DISTRIBUTED = _schema("update_weights_from_distributed",
-                           _COMMON | {"names", "dtypes", "shapes", "group_name", "load_format"})
-INIT_GROUP = _schema("init_weights_update_group",
-                     {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"})
+FROM_DISTRIBUTED = _schema(
+    "update_weights_from_distributed", _COMMON | {"names", "dtypes", "shapes", "group_name", "load_format"}
+)
+INIT_GROUP = _schema(
+    "init_weights_update_group", {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"}
+)
 DESTROY_GROUP = _schema("destroy_weights_update_group", {"group_name"})
 PAUSE = _schema("pause_generation", {"mode"})
 CONTINUE = _schema("continue_generation", set())
@@ -119,8 +135,14 @@ class RlRoutes(ApiBase):
     async def _weights(self, task: WorkerTask, body: UpdateCommon | None = None) -> Response:
         common = body or UpdateCommon()
         reply = await self.client.control(
-            "weights", timeout=UPDATE_TIMEOUT_S, task=task, abort_all=common.abort_all_requests,
-            flush_cache=common.flush_cache, weight_version=common.weight_version, keep_pause=common.keep_pause)
+            "weights",
+            timeout=UPDATE_TIMEOUT_S,
+            task=task,
+            abort_all=common.abort_all_requests,
+            flush_cache=common.flush_cache,
+            weight_version=common.weight_version,
+            keep_pause=common.keep_pause,
+        )
         if reply.ok and "weight_version" in reply.data:
             self.weight_version = str(reply.data["weight_version"])
         return _answer(reply)
@@ -131,23 +153,30 @@ class RlRoutes(ApiBase):
 
     async def update_weights_from_tensor(self, request: Request) -> Response:
         if not self.args.enable_weight_update_from_tensor:
-            return error_response(403, "update_weights_from_tensor unpickles its payload: start the server with "
-                                       "--enable-weight-update-from-tensor (and --api-key) to accept it")
+            return error_response(
+                403,
+                "update_weights_from_tensor unpickles its payload: start the server with "
+                "--enable-weight-update-from-tensor (and --api-key) to accept it",
+            )
         body: FromTensor = await self._body(request, FromTensor, FROM_TENSOR)
         try:
             payloads = [base64.b64decode(p, validate=True) for p in body.serialized_named_tensors]
         except (binascii.Error, ValueError):
-            raise BadRequest("serialized_named_tensors must be base64 text, one per tensor-parallel rank",
-                             param="serialized_named_tensors") from None
+            raise BadRequest(
+                "serialized_named_tensors must be base64 text, one per tensor-parallel rank",
+                param="serialized_named_tensors",
+            ) from None
         return await self._weights(TensorWeights(payloads, body.load_format or "direct"), body)
 
     async def update_weights_from_distributed(self, request: Request) -> Response:
         body: FromDistributed = await self._body(request, FromDistributed, FROM_DISTRIBUTED)
         if body.load_format not in (None, "direct", "flattened_bucket"):
-            raise BadRequest(f"load_format must be direct or flattened_bucket, got {body.load_format!r}",
-                             param="load_format")
-        return await self._weights(BroadcastWeights(body.names, body.dtypes, body.shapes, body.group_name,
-                                                    body.load_format or "direct"), body)
+            raise BadRequest(
+                f"load_format must be direct or flattened_bucket, got {body.load_format!r}", param="load_format"
+            )
+        return await self._weights(
+            BroadcastWeights(body.names, body.dtypes, body.shapes, body.group_name, body.load_format or "direct"), body
+        )
 
     async def init_weights_update_group(self, request: Request) -> Response:
         b: WeightGroupSpec = await self._body(request, WeightGroupSpec, INIT_GROUP)
@@ -164,8 +193,13 @@ class RlRoutes(ApiBase):
         reply = await self.client.control("pause", mode=body.mode)
         if not reply.ok:
             return error_response(400, str(reply.data.get("error")), param="mode")
-        return JSONResponse({"message": "Generation paused successfully.", "status": "ok",
-                             "num_paused_requests": reply.data.get("num_paused_requests", 0)})
+        return JSONResponse(
+            {
+                "message": "Generation paused successfully.",
+                "status": "ok",
+                "num_paused_requests": reply.data.get("num_paused_requests", 0),
+            }
+        )
 
     async def continue_generation(self, request: Request) -> Response:
         await self.client.control("continue")
@@ -178,11 +212,13 @@ class RlRoutes(ApiBase):
 
     async def update_weight_version(self, request: Request) -> Response:
         body: WeightVersion = await self._body(request, WeightVersion, WEIGHT_VERSION)
-        reply = await self.client.control("weight_version", weight_version=body.new_version,
-                                          abort_all=body.abort_all_requests)
+        reply = await self.client.control(
+            "weight_version", weight_version=body.new_version, abort_all=body.abort_all_requests
+        )
         self.weight_version = str(reply.data["weight_version"])
-        return JSONResponse({"success": True, "message": f"weight version is {self.weight_version}",
-                             "new_version": self.weight_version})
+        return JSONResponse(
+            {"success": True, "message": f"weight version is {self.weight_version}", "new_version": self.weight_version}
+        )
 
     async def _memory(self, request: Request, release: bool) -> Response:
         body: MemoryTags = await self._body(request, MemoryTags, MEMORY)

@@ -22,9 +22,9 @@ from starlette.routing import Route
 from minisgl.api.base import error_response
 from minisgl.api.client import EngineClient, EngineError
 from minisgl.api.native import NativeRoutes
+from minisgl.api.protocol import BadRequest
 from minisgl.api.responses import ResponsesRoutes
 from minisgl.api.rl import RlRoutes
-from minisgl.api.protocol import BadRequest
 from minisgl.args import ServerArgs
 from minisgl.messages import EngineInfo
 
@@ -120,6 +120,9 @@ def create_app(client: EngineClient, info: EngineInfo, args: ServerArgs, pids: d
         yield
         await client.stop()
 
-    app = Starlette(routes=[Route(p, _with_errors(api, h), methods=m) for p, h, m in routes], lifespan=lifespan,
-                    exception_handlers={HTTPException: _http_error})
+    app = Starlette(
+        routes=[Route(p, _with_errors(api, h), methods=m) for p, h, m in routes],
+        lifespan=lifespan,
+        exception_handlers={HTTPException: _http_error},
+    )
     return ApiKeyMiddleware(app, args.api_key) if args.api_key else app

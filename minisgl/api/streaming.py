@@ -36,10 +36,13 @@ class EventStream:
         self.on_close = on_close
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        await send({
-            "type": "http.response.start", "status": 200,
-            "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")],
-        })
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")],
+            }
+        )
         gone = asyncio.ensure_future(_wait_disconnect(receive))
         try:
             while True:
@@ -55,8 +58,10 @@ class EventStream:
                 except StopAsyncIteration:
                     break
                 except Exception as e:  # the engine failed the request mid-stream: say so, then end
-                    chunk = sse({"error": {"message": str(e), "type": "server_error",
-                                           "code": getattr(e, "status", 500)}}) + SSE_DONE
+                    chunk = (
+                        sse({"error": {"message": str(e), "type": "server_error", "code": getattr(e, "status", 500)}})
+                        + SSE_DONE
+                    )
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                     break
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})

@@ -88,7 +88,7 @@ class _Call:
                 out.append(("args", self.buf[start:end]))
         if self.args_end is None:
             return "open", out
-        state = _match(_TAIL, self.buf[self.args_end:])
+        state = _match(_TAIL, self.buf[self.args_end :])
         return ("done" if state == "full" else "open" if state == "partial" else "fail"), out
 
     def _scan(self) -> None:
@@ -119,7 +119,7 @@ class _Call:
         """Text after the call's closing brace."""
         assert self.args_end is not None
         m = _TAIL.match(self.buf, self.args_end)
-        return self.buf[m.end():] if m else ""
+        return self.buf[m.end() :] if m else ""
 
 
 _TAIL = regex.compile(r"\s*\}")
@@ -177,8 +177,9 @@ class ToolCallParser:
             events.append(Event("content", self.pending))
             self.pending = ""
             return False
-        return {"qwen25": self._qwen, "llama3": self._llama, "mistral": self._mistral,
-                "array": self._array}[self.fmt](events)
+        return {"qwen25": self._qwen, "llama3": self._llama, "mistral": self._mistral, "array": self._array}[self.fmt](
+            events
+        )
 
     def _open(self, given_back: str, body: str) -> bool:
         self.call, self.given_back, self.pending, self.state = _Call(), given_back, body, "call"
@@ -210,7 +211,7 @@ class ToolCallParser:
             if state == "partial":
                 return False
             if state == "full":
-                self.pending = self.pending[_QWEN_END.match(self.pending).end():]
+                self.pending = self.pending[_QWEN_END.match(self.pending).end() :]
             self.state, self.lead = "text", True
         if self.lead:  # whitespace right after a call is not content
             self.pending = self.pending.lstrip()
@@ -229,12 +230,12 @@ class ToolCallParser:
             before = self.pending[:at].rstrip()
             if before:
                 events.append(Event("content", before))
-            return self.pending[at + len(marker):]
+            return self.pending[at + len(marker) :]
         keep = partial_suffix(self.pending, [marker])
         out = self.pending[: len(self.pending) - keep].rstrip()
         if out:
             events.append(Event("content", out))
-        self.pending, self.state = self.pending[len(out):], "text"
+        self.pending, self.state = self.pending[len(out) :], "text"
         return None
 
     def _llama(self, events: list[Event]) -> bool:
@@ -242,7 +243,7 @@ class ToolCallParser:
         if self.state == "after" and body.startswith(";"):
             body = body[1:].lstrip()
         if body.startswith("<|python_tag|>"):
-            body = body[len("<|python_tag|>"):].lstrip()
+            body = body[len("<|python_tag|>") :].lstrip()
         if not body or "<|python_tag|>".startswith(body) or (self.state == "after" and body == ";"):
             return False
         if body.startswith("{"):
@@ -291,8 +292,14 @@ def deltas(events: list[Event]) -> tuple[str, list[dict[str, Any]]]:
         if e.kind == "content":
             content += e.text
         elif e.kind == "call":
-            calls.append({"index": e.index, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                          "function": {"name": e.text, "arguments": ""}})
+            calls.append(
+                {
+                    "index": e.index,
+                    "id": f"call_{uuid.uuid4().hex[:24]}",
+                    "type": "function",
+                    "function": {"name": e.text, "arguments": ""},
+                }
+            )
         elif calls and calls[-1]["index"] == e.index:
             calls[-1]["function"]["arguments"] += e.text
         else:
@@ -313,9 +320,14 @@ def required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, An
         local = {**params.get("definitions", {}), **params.get("$defs", {})}
         params = {k: v for k, v in params.items() if k not in ("$defs", "definitions")}
         defs.update({f"t{i}_{name}": _rebase(d, i, at) for name, d in local.items()})
-        items.append({"type": "object", "properties": {"name": {"const": t["function"]["name"]},
-                                                       "parameters": _rebase(params, i, at)},
-                      "required": ["name", "parameters"], "additionalProperties": False})
+        items.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": t["function"]["name"]}, "parameters": _rebase(params, i, at)},
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+        )
     schema: dict[str, Any] = {"type": "array", "items": {"anyOf": items}, "minItems": 1}
     if defs:
         schema["$defs"] = defs
@@ -335,7 +347,7 @@ def _rebase(node: Any, tool: int, at: str) -> Any:
     if isinstance(ref, str) and ref.startswith("#"):
         for prefix in ("#/$defs/", "#/definitions/"):
             if ref.startswith(prefix):
-                out["$ref"] = f"#/$defs/t{tool}_{ref[len(prefix):]}"
+                out["$ref"] = f"#/$defs/t{tool}_{ref[len(prefix) :]}"
                 break
         else:
             out["$ref"] = at + ref[1:]

@@ -10,8 +10,13 @@ from minisgl.kvcache import BaseKVCache
 
 
 def create_backend(
-    name: str, kv_cache: BaseKVCache, num_qo_heads: int, num_kv_heads: int, head_dim: int,
-    decode_backend: str = "triton", dtype: torch.dtype | None = None,
+    name: str,
+    kv_cache: BaseKVCache,
+    num_qo_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    decode_backend: str = "triton",
+    dtype: torch.dtype | None = None,
 ) -> AttentionBackend:
     """'auto' means FlashInfer for 16-bit models on CUDA and the torch reference otherwise.
     ``decode_backend`` picks the FlashInfer backend's plain decode kernel (the torch backend has one).
@@ -26,8 +31,9 @@ def create_backend(
     if name == "flashinfer":
         from minisgl.attention.flashinfer_backend import FlashInferBackend
 
-        return FlashInferBackend(kv_cache, num_qo_heads, num_kv_heads, head_dim, decode_backend=decode_backend,
-                                 dtype=dtype)
+        return FlashInferBackend(
+            kv_cache, num_qo_heads, num_kv_heads, head_dim, decode_backend=decode_backend, dtype=dtype
+        )
     raise ValueError(f"unknown attention backend {name!r} (auto, torch, flashinfer)")
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
@@ -12,7 +11,6 @@ import torch
 
 from minisgl.kernels.rope_store import rope_store
 from minisgl.kvcache import BaseKVCache
-
 from minisgl.messages import MAX_CASCADE_GROUPS
 
 
@@ -91,16 +89,29 @@ class AttentionBackend(ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot run inside CUDA graphs")
 
     def rope_store(
-        self, qkv: torch.Tensor, positions: torch.Tensor, layer_id: int, cos_sin: torch.Tensor,
-        norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, out: torch.Tensor | None = None,
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        layer_id: int,
+        cos_sin: torch.Tensor,
+        norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """From a layer's qkv projection [T, (Hq + 2 Hk) * D]: per-head q/k norm (``norm``),
         rotary, K/V written to the new tokens' slots. Returns q [T, Hq, D] for ``forward``
         (``out`` if given)."""
         self.kv_cache.wait_layer(layer_id)  # host-tier copies into (or out of) this layer's pages
         return rope_store(
-            qkv, self.num_qo_heads, positions, cos_sin, self.kv_cache.k_cache(layer_id),
-            self.kv_cache.v_cache(layer_id), self.meta.out_loc, norm, self.kv_cache.scales[layer_id], out,
+            qkv,
+            self.num_qo_heads,
+            positions,
+            cos_sin,
+            self.kv_cache.k_cache(layer_id),
+            self.kv_cache.v_cache(layer_id),
+            self.meta.out_loc,
+            norm,
+            self.kv_cache.scales[layer_id],
+            out,
         )
 
     @abstractmethod

@@ -55,8 +55,9 @@ def _work(rows, members, entries, tokens, slots, flags) -> np.ndarray:
     return np.stack([rows, members, entries, tokens, slots, flags], axis=1).astype(np.int32).reshape(-1, 6)
 
 
-def shared_work(sizes: list[int], shared_tokens: list[int] | np.ndarray, page_size: int, segment: int,
-                members_per_item: int) -> np.ndarray:
+def shared_work(
+    sizes: list[int], shared_tokens: list[int] | np.ndarray, page_size: int, segment: int, members_per_item: int
+) -> np.ndarray:
     """Items for groups of ``sizes`` rows (consecutive, from row 0) sharing ``shared_tokens``
     tokens each (whole pages), their pages concatenated in group order: per run of up to
     ``members_per_item`` members, one item per segment the shared tokens touch, into the slot of
@@ -69,8 +70,14 @@ def shared_work(sizes: list[int], shared_tokens: list[int] | np.ndarray, page_si
     t, seg = _expand(-(-shared[group] // segment))
     start = seg * segment
     g = group[t]
-    return _work(first_row[t], members[t], group_entry[g] + start // page_size,
-                 np.minimum(segment, shared[g] - start), seg, np.zeros_like(seg))
+    return _work(
+        first_row[t],
+        members[t],
+        group_entry[g] + start // page_size,
+        np.minimum(segment, shared[g] - start),
+        seg,
+        np.zeros_like(seg),
+    )
 
 
 def own_work(lens: np.ndarray, shared: np.ndarray, page_size: int, segment: int) -> tuple[np.ndarray, np.ndarray]:
@@ -135,8 +142,10 @@ class _Level:
             self.n_work = torch.tensor([len(work)], dtype=torch.int32).to(self.device, non_blocking=True)
             return
         if len(work) > len(self._work) or len(indices) > len(self._indices):
-            raise ValueError(f"{len(work)} work items on {len(indices)} pages; the graph holds "
-                             f"{len(self._work)} on {len(self._indices)}")
+            raise ValueError(
+                f"{len(work)} work items on {len(indices)} pages; the graph holds "
+                f"{len(self._work)} on {len(self._indices)}"
+            )
         self._indices[: len(indices)].copy_(indices, non_blocking=True)
         self._work[: len(work)].copy_(torch.from_numpy(work), non_blocking=True)
         self._n_work.copy_(torch.tensor([len(work)], dtype=torch.int32), non_blocking=True)
@@ -150,11 +159,23 @@ class TritonCascade:
     reading each page once for all; an own item is one request's query heads."""
 
     def __init__(
-        self, num_qo_heads: int, num_kv_heads: int, head_dim: int, device: torch.device, block_n: int = 64,
-        num_warps: int = 4, num_stages: int = 5, items_per_sm: int = 8, programs_per_sm: int = 8,
-        min_segment_tokens: int = MIN_SEGMENT_TOKENS, shared_rows: int | None = None, own_num_warps: int | None = None,
-        own_num_stages: int | None = None, cascade_num_stages: int | None = None,
-        cascade_own_maxnreg: int | None = None, plain_num_warps: int | None = None,
+        self,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        device: torch.device,
+        block_n: int = 64,
+        num_warps: int = 4,
+        num_stages: int = 5,
+        items_per_sm: int = 8,
+        programs_per_sm: int = 8,
+        min_segment_tokens: int = MIN_SEGMENT_TOKENS,
+        shared_rows: int | None = None,
+        own_num_warps: int | None = None,
+        own_num_stages: int | None = None,
+        cascade_num_stages: int | None = None,
+        cascade_own_maxnreg: int | None = None,
+        plain_num_warps: int | None = None,
     ):
         # Defaults from benchmarks/decode_bench.py part 3 on the H100 (gpu_2026-11-22.md, session 12).
         # Stages: the page-index load is a pipeline stage of its own, so Triton double-buffers the
@@ -188,8 +209,9 @@ class TritonCascade:
         # (``cascade_num_stages``, and ``cascade_own_maxnreg`` registers per thread for the own
         # level) and plain steps (``plain_num_warps``): plain and cascade steps replay graphs of
         # their own.
-        own_launch = dict(launch, block_m=own_m, num_warps=own_num_warps or num_warps,
-                          num_stages=own_num_stages or num_stages)
+        own_launch = dict(
+            launch, block_m=own_m, num_warps=own_num_warps or num_warps, num_stages=own_num_stages or num_stages
+        )
         cascade_stages = dict(num_stages=cascade_num_stages) if cascade_num_stages else {}
         self.shared = _Level(device, dict(launch, block_m=shared_m, **cascade_stages), programs)
         self.own = _Level(device, own_launch, programs)
@@ -227,8 +249,14 @@ class TritonCascade:
         self._l = torch.zeros(states, hq, dtype=torch.float32, device=self.device)
 
     def plan(
-        self, sizes: list[int], pages: list[int], page_size: int, shared_indices: torch.Tensor,
-        own_tokens: list[int], own_indices: torch.Tensor, graph_batch_size: int | None,
+        self,
+        sizes: list[int],
+        pages: list[int],
+        page_size: int,
+        shared_indices: torch.Tensor,
+        own_tokens: list[int],
+        own_indices: torch.Tensor,
+        graph_batch_size: int | None,
     ) -> None:
         """``sizes`` and ``pages``: the groups (their rows first, in order) and the shared pages
         each reads, as ``shared_pages`` gives them; ``shared_indices``: those pages in group order.
@@ -268,17 +296,46 @@ class TritonCascade:
             self.m = torch.empty(total, hq, dtype=torch.float32, device=self.device)
             self.l = torch.empty(total, hq, dtype=torch.float32, device=self.device)
 
-    def _run(self, level: _Level, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             out: torch.Tensor, scale: float, kv_scales: tuple[float, float]) -> None:
+    def _run(
+        self,
+        level: _Level,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out: torch.Tensor,
+        scale: float,
+        kv_scales: tuple[float, float],
+    ) -> None:
         from minisgl.kernels.partial_attention import partial_attention
 
         if level.programs:
-            partial_attention(q, k_cache, v_cache, out, level.indices, level.work, level.n_work, self.row_base,
-                              self.acc, self.m, self.l, level.programs, scale, kv_scales=kv_scales, **level.launch)
+            partial_attention(
+                q,
+                k_cache,
+                v_cache,
+                out,
+                level.indices,
+                level.work,
+                level.n_work,
+                self.row_base,
+                self.acc,
+                self.m,
+                self.l,
+                level.programs,
+                scale,
+                kv_scales=kv_scales,
+                **level.launch,
+            )
 
-    def forward(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
-                levels: tuple[str, ...] = ("shared", "own", "combine"),
-                kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        levels: tuple[str, ...] = ("shared", "own", "combine"),
+        kv_scales: tuple[float, float] = (1.0, 1.0),
+    ) -> torch.Tensor:
         """The planned step's attention output for q [B, Hq, D]; ``levels`` runs only some parts
         (benchmarks time them alone); ``kv_scales`` of an fp8 cache."""
         out = torch.empty_like(q)

@@ -18,9 +18,8 @@ size under CUDA graphs, all planning into shared fixed buffers).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import functools
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -42,8 +41,15 @@ WIDE_MIN_CHUNK_TOKENS = 2048
 WIDE_MAX_BYTES = 256 << 20
 
 
-def plan_decode(wrapper, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor,
-                kv_lens: np.ndarray, heads: tuple[int, int, int, int], **common) -> None:
+def plan_decode(
+    wrapper,
+    indptr: torch.Tensor,
+    indices: torch.Tensor,
+    last_page_len: torch.Tensor,
+    kv_lens: np.ndarray,
+    heads: tuple[int, int, int, int],
+    **common,
+) -> None:
     """``wrapper.plan`` for a tensor-core decode step, trimmed on the host for CUDA-graph wrappers.
 
     FlashInfer's plan re-derives each request's KV length from the page counts and takes their
@@ -54,8 +60,12 @@ def plan_decode(wrapper, indptr: torch.Tensor, indices: torch.Tensor, last_page_
     the arguments FlashInfer 0.6's fa2 path passes; anything else takes the full plan."""
     hq, hk, head_dim, page_size = heads
     lens = torch.from_numpy(np.asarray(kv_lens, dtype=np.int32))
-    if not (wrapper.is_cuda_graph_enabled and getattr(wrapper, "_backend", None) == "fa2"
-            and getattr(wrapper, "_cached_module", None) is not None and _fast_plan_supported()):
+    if not (
+        wrapper.is_cuda_graph_enabled
+        and getattr(wrapper, "_backend", None) == "fa2"
+        and getattr(wrapper, "_cached_module", None) is not None
+        and _fast_plan_supported()
+    ):
         wrapper.plan(indptr, indices, last_page_len, *heads, seq_lens=lens, **common)
         return
     batch = len(kv_lens)
@@ -64,10 +74,25 @@ def plan_decode(wrapper, indptr: torch.Tensor, indices: torch.Tensor, last_page_
     wrapper._paged_kv_indices_buf[: len(indices)].copy_(indices, non_blocking=True)
     wrapper._max_kv_len = int(np.max(kv_lens))
     wrapper._plan_info = wrapper._cached_module.plan(
-        wrapper._float_workspace_buffer, wrapper._int_workspace_buffer, wrapper._pin_memory_int_workspace_buffer,
-        torch.arange(batch + 1, dtype=torch.int32), indptr, lens, batch, batch, hq, hk, page_size,
-        True, head_dim, head_dim, False, -1,  # graph mode, qk/vo head dims, not causal, no sliding window
-        -1, False, 0,  # fa2: no fixed split size, split-kv allowed, no colocated CTAs
+        wrapper._float_workspace_buffer,
+        wrapper._int_workspace_buffer,
+        wrapper._pin_memory_int_workspace_buffer,
+        torch.arange(batch + 1, dtype=torch.int32),
+        indptr,
+        lens,
+        batch,
+        batch,
+        hq,
+        hk,
+        page_size,
+        True,
+        head_dim,
+        head_dim,
+        False,
+        -1,  # graph mode, qk/vo head dims, not causal, no sliding window
+        -1,
+        False,
+        0,  # fa2: no fixed split size, split-kv allowed, no colocated CTAs
     )
 
 
@@ -82,8 +107,14 @@ class FlashInferBackend(AttentionBackend):
     supports_cuda_graph = True
 
     def __init__(
-        self, kv_cache: BaseKVCache, num_qo_heads: int, num_kv_heads: int, head_dim: int,
-        decode_backend: str = "triton", cascade_options: dict | None = None, dtype: torch.dtype | None = None,
+        self,
+        kv_cache: BaseKVCache,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        decode_backend: str = "triton",
+        cascade_options: dict | None = None,
+        dtype: torch.dtype | None = None,
     ):
         import flashinfer
 
@@ -124,8 +155,12 @@ class FlashInferBackend(AttentionBackend):
 
         if size not in self._graph_wrappers:
             self._graph_wrappers[size] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
-                paged_kv_indptr_buffer=self._g_indptr[: size + 1], paged_kv_indices_buffer=self._g_indices,
+                self.workspace,
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=True,
+                paged_kv_indptr_buffer=self._g_indptr[: size + 1],
+                paged_kv_indices_buffer=self._g_indices,
                 paged_kv_last_page_len_buffer=self._g_last_page_len[:size],
             )
         return self._graph_wrappers[size]
@@ -196,8 +231,10 @@ class FlashInferBackend(AttentionBackend):
         if 2 * len(pages) * page_bytes > WIDE_MAX_BYTES:
             return None
         device = self.workspace.device
-        return (torch.from_numpy(pages.astype(np.int64)).to(device, non_blocking=True),
-                torch.from_numpy(positions.astype(np.int32)).to(device, non_blocking=True))
+        return (
+            torch.from_numpy(pages.astype(np.int64)).to(device, non_blocking=True),
+            torch.from_numpy(positions.astype(np.int32)).to(device, non_blocking=True),
+        )
 
     def forward(self, q: torch.Tensor, layer_id: int, out: torch.Tensor | None = None) -> torch.Tensor:
         cache = (self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id))
@@ -212,8 +249,10 @@ class FlashInferBackend(AttentionBackend):
 
                 if self._wide is None:
                     shape = (len(self.wide_pages), *cache[0].shape[1:])
-                    self._wide = (torch.empty(shape, dtype=q.dtype, device=q.device),
-                                  torch.empty(shape, dtype=q.dtype, device=q.device))
+                    self._wide = (
+                        torch.empty(shape, dtype=q.dtype, device=q.device),
+                        torch.empty(shape, dtype=q.dtype, device=q.device),
+                    )
                 widen_pages(*cache, self.wide_pages, *self._wide)
                 return self.wrapper.run(q, self._wide, k_scale=k_scale, v_scale=v_scale, out=out)
             if self.kv_dtype != q.dtype:

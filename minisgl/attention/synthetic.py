@@ -10,8 +10,12 @@ from minisgl.utils import cdiv
 
 
 def decode_metadata(
-    page_size: int, groups: list[tuple[int, list[int]]], loose: list[int], device: torch.device | str,
-    first_page: int = 0, cascade: bool = True,
+    page_size: int,
+    groups: list[tuple[int, list[int]]],
+    loose: list[int],
+    device: torch.device | str,
+    first_page: int = 0,
+    cascade: bool = True,
 ) -> AttentionMetadata:
     """Decode metadata for synthetic batches (tests and benchmarks): ``groups`` holds (shared
     pages, sequence lengths of its members), whose page-table rows start with the same pages;
@@ -38,8 +42,12 @@ def decode_metadata(
     positions = np.array([n - 1 for n in seq_lens], dtype=np.int64)
     out_loc = table[np.arange(len(rows)), positions // page_size].astype(np.int64) * page_size + positions % page_size
     return AttentionMetadata(
-        slots=list(range(len(rows))), cached_lens=[n - 1 for n in seq_lens], new_lens=[1] * len(rows),
-        page_table_host=table, positions=torch.from_numpy(positions).to(device),
+        slots=list(range(len(rows))),
+        cached_lens=[n - 1 for n in seq_lens],
+        new_lens=[1] * len(rows),
+        page_table_host=table,
+        positions=torch.from_numpy(positions).to(device),
         out_loc=torch.from_numpy(out_loc).to(device),
-        group_sizes=sizes if cascade else [], group_pages=shared if cascade else [],
+        group_sizes=sizes if cascade else [],
+        group_pages=shared if cascade else [],
     )

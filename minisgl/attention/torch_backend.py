@@ -52,16 +52,33 @@ class TorchBackend(AttentionBackend):
         return pages, longest, seen[:, None, None, :]
 
     def rope_store(
-        self, qkv: torch.Tensor, positions: torch.Tensor, layer_id: int, cos_sin: torch.Tensor,
-        norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, out: torch.Tensor | None = None,
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        layer_id: int,
+        cos_sin: torch.Tensor,
+        norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if qkv.is_cuda:  # the CUDA kernel, as on the other backends
             return super().rope_store(qkv, positions, layer_id, cos_sin, norm, out)
         if self._rows is None:
             self._rows = rope_rows(cos_sin, positions, qkv.dtype)
-        return into(rope_store_torch(qkv, self.num_qo_heads, positions, cos_sin, self.kv_cache.k_cache(layer_id),
-                                     self.kv_cache.v_cache(layer_id), self.meta.out_loc, norm, self._rows,
-                                     self.kv_cache.scales[layer_id]), out)
+        return into(
+            rope_store_torch(
+                qkv,
+                self.num_qo_heads,
+                positions,
+                cos_sin,
+                self.kv_cache.k_cache(layer_id),
+                self.kv_cache.v_cache(layer_id),
+                self.meta.out_loc,
+                norm,
+                self._rows,
+                self.kv_cache.scales[layer_id],
+            ),
+            out,
+        )
 
     def _gather(self, layer_id: int, req: int, first_page: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of tokens [first_page * page_size, end) of the batch's request ``req``, GQA-expanded."""
@@ -123,16 +140,23 @@ class TorchBackend(AttentionBackend):
         # faster than two einsums and a softmax in SmolLM2's shape at batch 8, 200 keys (0.19 vs
         # 0.44 ms a layer), equal within 5e-7.
         out = F.scaled_dot_product_attention(
-            q.float().view(batch, heads, 1, dim), keys.transpose(1, 2), values.transpose(1, 2),
-            attn_mask=mask, scale=self.scale, enable_gqa=True)
+            q.float().view(batch, heads, 1, dim),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=mask,
+            scale=self.scale,
+            enable_gqa=True,
+        )
         return out.view(batch, heads, dim).to(q.dtype)
 
     def _forward_cascade(self, q: torch.Tensor, layer_id: int) -> torch.Tensor:
         """Decode only (one query per request): every key a query sees precedes it, so no mask."""
         meta = self.meta
         skip = meta.skip_pages()
-        own = [self._attend(q[i : i + 1], *self._gather(layer_id, i, skip[i], total), None)
-               for i, total in enumerate(meta.seq_lens)]
+        own = [
+            self._attend(q[i : i + 1], *self._gather(layer_id, i, skip[i], total), None)
+            for i, total in enumerate(meta.seq_lens)
+        ]
         out = torch.cat([o for o, _ in own])
         lse = torch.cat([s for _, s in own])
         start = 0

@@ -99,21 +99,42 @@ class FusedAllReduceNorm:
         torch.cuda.synchronize()
 
     def fits(self, x: torch.Tensor) -> bool:
-        return (x.dim() == 2 and x.is_contiguous() and x.dtype in (torch.bfloat16, torch.float16)
-                and 0 < x.shape[0] <= self.max_tokens and x.shape[1] == self.hidden)
+        return (
+            x.dim() == 2
+            and x.is_contiguous()
+            and x.dtype in (torch.bfloat16, torch.float16)
+            and 0 < x.shape[0] <= self.max_tokens
+            and x.shape[1] == self.hidden
+        )
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         from flashinfer.comm import AllReduceFusionPattern, trtllm_allreduce_fusion
 
         out = torch.empty_like(x)
         trtllm_allreduce_fusion(
-            allreduce_in=x.view(-1), world_size=_TP.size, world_rank=_TP.rank, token_num=x.shape[0],
-            hidden_dim=self.hidden, workspace_ptrs=self.workspace, launch_with_pdl=False,
-            trigger_completion_at_end=True, fp32_acc=False, pattern_code=AllReduceFusionPattern.kARResidualRMSNorm,
-            use_oneshot=True, allreduce_out=None, residual_in=residual.view(-1), residual_out=residual.view(-1),
-            norm_out=out.view(-1), quant_out=None, scale_out=None, rms_gamma=weight, rms_eps=eps,
-            scale_factor=None, layout_code=None,
+            allreduce_in=x.view(-1),
+            world_size=_TP.size,
+            world_rank=_TP.rank,
+            token_num=x.shape[0],
+            hidden_dim=self.hidden,
+            workspace_ptrs=self.workspace,
+            launch_with_pdl=False,
+            trigger_completion_at_end=True,
+            fp32_acc=False,
+            pattern_code=AllReduceFusionPattern.kARResidualRMSNorm,
+            use_oneshot=True,
+            allreduce_out=None,
+            residual_in=residual.view(-1),
+            residual_out=residual.view(-1),
+            norm_out=out.view(-1),
+            quant_out=None,
+            scale_out=None,
+            rms_gamma=weight,
+            rms_eps=eps,
+            scale_factor=None,
+            layout_code=None,
         )
         return out, residual
 
@@ -129,8 +150,7 @@ def init_one_shot_all_reduce(device: torch.device) -> None:
     try:
         _ONE_SHOT = OneShotAllReduce(device)
     except Exception as e:  # no P2P between the GPUs, or a torch built without symmetric memory
-        logger.warning("one-shot all-reduce unavailable (%s: %s); using NCCL for every all-reduce",
-                       type(e).__name__, e)
+        logger.warning("one-shot all-reduce unavailable (%s: %s); using NCCL for every all-reduce", type(e).__name__, e)
 
 
 def init_fused_all_reduce_norm(max_tokens: int, hidden: int) -> None:
@@ -141,12 +161,14 @@ def init_fused_all_reduce_norm(max_tokens: int, hidden: int) -> None:
     try:
         _FUSED_NORM = FusedAllReduceNorm(max_tokens, hidden)
     except Exception as e:  # no FlashInfer, no P2P, or its kernels do not build here
-        logger.warning("fused all-reduce + RMSNorm unavailable (%s: %s); all-reducing before each norm",
-                       type(e).__name__, e)
+        logger.warning(
+            "fused all-reduce + RMSNorm unavailable (%s: %s); all-reducing before each norm", type(e).__name__, e
+        )
 
 
-def all_reduce_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def all_reduce_add_rmsnorm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``add_rmsnorm`` of the sum of every rank's ``x`` (a row-parallel layer's partial sums):
     (rmsnorm(sum + residual), sum + residual). Inputs may be updated in place."""
     if _FUSED_NORM is not None and _FUSED_NORM.fits(x):

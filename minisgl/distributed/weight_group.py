@@ -17,17 +17,29 @@ from torch.distributed import distributed_c10d as c10d
 JOIN_TIMEOUT = timedelta(minutes=10)
 
 
-def init_weight_group(backend: str, master_address: str, master_port: int, rank: int, world_size: int,
-                      group_name: str, timeout: timedelta = JOIN_TIMEOUT) -> dist.ProcessGroup:
+def init_weight_group(
+    backend: str,
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    timeout: timedelta = JOIN_TIMEOUT,
+) -> dist.ProcessGroup:
     """Join (or, as rank 0, host) the group; blocks until all ``world_size`` ranks arrive."""
-    store, rank, world_size = next(c10d.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
-                                                   timeout=timeout))
+    store, rank, world_size = next(
+        c10d.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
+    )
     store.set_timeout(timeout)
     store = c10d.PrefixStore(group_name, store)
-    options = "backend_options" if "backend_options" in inspect.signature(c10d._new_process_group_helper).parameters \
+    options = (
+        "backend_options"
+        if "backend_options" in inspect.signature(c10d._new_process_group_helper).parameters
         else "pg_options"
-    group, _ = c10d._new_process_group_helper(world_size, rank, [], c10d.Backend(backend), store,
-                                              group_name=group_name, timeout=timeout, **{options: None})
+    )
+    group, _ = c10d._new_process_group_helper(
+        world_size, rank, [], c10d.Backend(backend), store, group_name=group_name, timeout=timeout, **{options: None}
+    )
     c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}  # group ranks are global ranks here
     return group
 

@@ -24,8 +24,7 @@ WHOLE_ROW = 16384  # per-token rows up to this many columns are quantized in one
 
 
 @triton.jit
-def _store_groups(y, out_ptr, scale_ptr, row, cols, n_cols, n_groups, col0, GROUPS: tl.constexpr,
-                  GROUP: tl.constexpr):
+def _store_groups(y, out_ptr, scale_ptr, row, cols, n_cols, n_groups, col0, GROUPS: tl.constexpr, GROUP: tl.constexpr):
     """Quantize ``y`` [GROUPS * GROUP] (columns ``cols``) with one scale per GROUP columns."""
     g = tl.reshape(tl.abs(y), (GROUPS, GROUP))
     scale = tl.maximum(tl.max(g, 1) / 448.0, 1e-12)
@@ -46,8 +45,19 @@ def _store_row(y, out_ptr, scale_ptr, row, cols, n_cols):
 
 
 @triton.jit
-def _rmsnorm_quant_kernel(x_ptr, res_ptr, w_ptr, out_ptr, scale_ptr, n_cols, n_groups, eps,
-                          HAS_RES: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr):
+def _rmsnorm_quant_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    scale_ptr,
+    n_cols,
+    n_groups,
+    eps,
+    HAS_RES: tl.constexpr,
+    BLOCK: tl.constexpr,
+    GROUP: tl.constexpr,
+):
     """One row: (x + residual, stored back to residual), RMSNorm, times the weight, quantized."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -82,8 +92,17 @@ def _value(x_ptr, row, cols, n_cols, SILU: tl.constexpr):
 
 
 @triton.jit
-def _rows_quant_kernel(x_ptr, out_ptr, scale_ptr, n_cols, n_groups, SILU: tl.constexpr, CHUNK: tl.constexpr,
-                       GROUP: tl.constexpr, WHOLE: tl.constexpr):
+def _rows_quant_kernel(
+    x_ptr,
+    out_ptr,
+    scale_ptr,
+    n_cols,
+    n_groups,
+    SILU: tl.constexpr,
+    CHUNK: tl.constexpr,
+    GROUP: tl.constexpr,
+    WHOLE: tl.constexpr,
+):
     """One row of x (or of silu(gate) * up) quantized. Per group: CHUNK columns at a time, one
     pass. Per row: the whole row in registers (WHOLE: CHUNK covers it), or two passes over
     chunks (the amax, then the values, recomputed from L2)."""
@@ -110,12 +129,15 @@ def _rows_quant_kernel(x_ptr, out_ptr, scale_ptr, n_cols, n_groups, SILU: tl.con
 
 def _outputs(rows: int, cols: int, block: int | None, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     groups = 1 if block is None else triton.cdiv(cols, block)
-    return (torch.empty(rows, cols, dtype=FP8, device=device),
-            torch.empty(rows, groups, dtype=torch.float32, device=device))
+    return (
+        torch.empty(rows, cols, dtype=FP8, device=device),
+        torch.empty(rows, groups, dtype=torch.float32, device=device),
+    )
 
 
-def quantize_rows(x: torch.Tensor, block: int | None, silu: bool = False, chunk: int | None = None,
-                  num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(
+    x: torch.Tensor, block: int | None, silu: bool = False, chunk: int | None = None, num_warps: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, K] (or silu(gate) * up of x [T, 2K] with ``silu``) to fp8 and scales. Per token, rows
     up to ``WHOLE_ROW`` columns are held whole (one pass): the 8B's 14336-wide SiLU-and-mul took
     12.2 us at batch 256 in two passes of 1024 columns, 9.6 us at best over chunk sizes and warps."""
@@ -128,21 +150,42 @@ def quantize_rows(x: torch.Tensor, block: int | None, silu: bool = False, chunk:
         elif chunk is None:
             chunk = triton.next_power_of_2(cols) if cols <= WHOLE_ROW else CHUNK
         warps = num_warps or (min(16, max(4, chunk // 1024)) if chunk >= cols else WARPS)
-        _rows_quant_kernel[(x.shape[0],)](x, q, scale, cols, scale.shape[1], SILU=silu, CHUNK=chunk,
-                                          GROUP=block or 0, WHOLE=block is None and chunk >= cols, num_warps=warps)
+        _rows_quant_kernel[(x.shape[0],)](
+            x,
+            q,
+            scale,
+            cols,
+            scale.shape[1],
+            SILU=silu,
+            CHUNK=chunk,
+            GROUP=block or 0,
+            WHOLE=block is None and chunk >= cols,
+            num_warps=warps,
+        )
     return q, scale
 
 
-def rmsnorm_quant(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                  block: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+def rmsnorm_quant(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, block: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of x (+ residual, which is updated in place) times ``weight``, quantized."""
     rows, cols = x.shape
     q, scale = _outputs(rows, cols, block, x.device)
     width = triton.next_power_of_2(max(cols, block or 1))
     if rows:
         _rmsnorm_quant_kernel[(rows,)](
-            x, residual if residual is not None else x, weight, q, scale, cols, scale.shape[1], eps,
-            HAS_RES=residual is not None, BLOCK=width, GROUP=block or 0, num_warps=min(16, max(4, width // 512)),
+            x,
+            residual if residual is not None else x,
+            weight,
+            q,
+            scale,
+            cols,
+            scale.shape[1],
+            eps,
+            HAS_RES=residual is not None,
+            BLOCK=width,
+            GROUP=block or 0,
+            num_warps=min(16, max(4, width // 512)),
         )
     return q, scale
 
@@ -158,9 +201,22 @@ def tile(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, SWIZZLE: tl.constexpr):
 
 
 @triton.jit
-def _matmul_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, n_groups,
-                   BM: tl.constexpr, BN: tl.constexpr, GROUP: tl.constexpr, SWIZZLE: tl.constexpr,
-                   PER_GROUP: tl.constexpr):
+def _matmul_kernel(
+    a_ptr,
+    as_ptr,
+    b_ptr,
+    bs_ptr,
+    c_ptr,
+    M,
+    N,
+    K,
+    n_groups,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    GROUP: tl.constexpr,
+    SWIZZLE: tl.constexpr,
+    PER_GROUP: tl.constexpr,
+):
     """C = (A * a_scale) (B * b_scale)^T with A [M, K], B [N, K] fp8, in K steps of GROUP. With
     PER_GROUP one scale per row and GROUP columns for each, every step's product scaled before
     it is added; else one per row ([M] and [N]), applied once at the end."""
@@ -180,14 +236,27 @@ def _matmul_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, n_groups,
         else:
             acc = tl.dot(a, tl.trans(b), acc)
     if not PER_GROUP:
-        acc = acc * tl.load(as_ptr + rm, mask=rm < M, other=0.0)[:, None] * tl.load(bs_ptr + rn, mask=rn < N,
-                                                                                     other=0.0)[None, :]
-    tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc.to(c_ptr.dtype.element_ty),
-             mask=(rm[:, None] < M) & (rn[None, :] < N))
+        acc = (
+            acc
+            * tl.load(as_ptr + rm, mask=rm < M, other=0.0)[:, None]
+            * tl.load(bs_ptr + rn, mask=rn < N, other=0.0)[None, :]
+        )
+    tl.store(
+        c_ptr + rm[:, None] * N + rn[None, :],
+        acc.to(c_ptr.dtype.element_ty),
+        mask=(rm[:, None] < M) & (rn[None, :] < N),
+    )
 
 
-def block_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, block: int | None,
-                 dtype: torch.dtype, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+def block_matmul(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    block: int | None,
+    dtype: torch.dtype,
+    config: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
     """A [M, K] fp8 times B [N, K] fp8 (all contiguous), with scales [M, K / block] and
     [N, K / block], or with ``block`` None per row ([M, 1] and [N]). ``config``: (BM, BN, warps,
     stages) instead of the size-based choice."""
@@ -201,9 +270,24 @@ def block_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scal
         config = (bm, bn, 4 if bm <= 64 else 8, 3)
     bm, bn, warps, stages = config
     grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
-    _matmul_kernel[grid](a, a_scale, b, b_scale, c, M, N, K, b_scale.shape[1] if block else 1, BM=bm, BN=bn,
-                         GROUP=block or 128, SWIZZLE=8, PER_GROUP=block is not None, num_warps=warps,
-                         num_stages=stages)
+    _matmul_kernel[grid](
+        a,
+        a_scale,
+        b,
+        b_scale,
+        c,
+        M,
+        N,
+        K,
+        b_scale.shape[1] if block else 1,
+        BM=bm,
+        BN=bn,
+        GROUP=block or 128,
+        SWIZZLE=8,
+        PER_GROUP=block is not None,
+        num_warps=warps,
+        num_stages=stages,
+    )
     return c
 
 
@@ -223,12 +307,14 @@ def _widen_pages_kernel(k_ptr, v_ptr, pages_ptr, k_out_ptr, v_out_ptr, page_elem
         tl.store(v_out_ptr + dst + at, v.to(v_out_ptr.dtype.element_ty), mask=ok)
 
 
-def widen_pages(k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor, k_out: torch.Tensor,
-                v_out: torch.Tensor) -> None:
+def widen_pages(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor, k_out: torch.Tensor, v_out: torch.Tensor
+) -> None:
     """k_out[i], v_out[i] = the fp8 pool's page ``pages[i]`` in the outputs' dtype; caches
     [pages, page_size, Hk, D] contiguous per page, outputs [len(pages), page_size, Hk, D]."""
     page_elems = k_cache[0].numel()
     assert k_cache.stride(0) == v_cache.stride(0) == page_elems and k_out.is_contiguous() and v_out.is_contiguous()
     if len(pages):
-        _widen_pages_kernel[(len(pages),)](k_cache, v_cache, pages, k_out, v_out, page_elems, BLOCK=4096,
-                                           num_warps=WARPS)
+        _widen_pages_kernel[(len(pages),)](
+            k_cache, v_cache, pages, k_out, v_out, page_elems, BLOCK=4096, num_warps=WARPS
+        )

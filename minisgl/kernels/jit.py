@@ -19,7 +19,6 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 
-
 def csrc_dir() -> Path:
     """The CUDA sources: the installed package's copy, else the checkout's top-level folder."""
     installed = Path(__file__).resolve().parent / "csrc"
@@ -35,8 +34,6 @@ def load_module(name: str) -> Any:
     if not source.is_file():
         raise FileNotFoundError(f"CUDA source {source} not found (the package was installed without it)")
     start = time.perf_counter()
-    module = tvm_ffi.cpp.load(
-        f"minisgl_{name}", cuda_files=[str(source)], extra_cuda_cflags=["-O3", "--use_fast_math"]
-    )
+    module = tvm_ffi.cpp.load(f"minisgl_{name}", cuda_files=[str(source)], extra_cuda_cflags=["-O3", "--use_fast_math"])
     logger.info("kernel %s ready in %.2f s", name, time.perf_counter() - start)
     return module

@@ -48,16 +48,46 @@ def _widen(x):
     (8B cascade step 0.186 -> 0.171 ms a layer with two stages; the same bits)."""
     return tl.inline_asm_elementwise(
         asm="{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
-        constraints="=r,=r,r", args=[x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=True, pack=4)
+        constraints="=r,=r,r",
+        args=[x.to(tl.uint8, bitcast=True)],
+        dtype=tl.float16,
+        is_pure=True,
+        pack=4,
+    )
 
 
 @triton.jit
 def _partial_attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, indices_ptr, work_ptr, n_work_ptr, row_base_ptr, acc_ptr, m_ptr, l_ptr,
-    stride_qb, stride_qh, stride_ob, stride_oh, stride_kp, stride_kt, stride_kh, stride_as, stride_ah, stride_ms,
-    scale_log2, v_scale,
-    PAGE: tl.constexpr, GQA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    WIDE: tl.constexpr, KV_FP8: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    indices_ptr,
+    work_ptr,
+    n_work_ptr,
+    row_base_ptr,
+    acc_ptr,
+    m_ptr,
+    l_ptr,
+    stride_qb,
+    stride_qh,
+    stride_ob,
+    stride_oh,
+    stride_kp,
+    stride_kt,
+    stride_kh,
+    stride_as,
+    stride_ah,
+    stride_ms,
+    scale_log2,
+    v_scale,
+    PAGE: tl.constexpr,
+    GQA: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    WIDE: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     # The grid is (KV heads, programs): the CTAs of one item's heads launch together and read the
     # same tokens' rows (2.5% faster than programs first on 256 plain rows of 2304 tokens).
@@ -85,8 +115,9 @@ def _partial_attention_kernel(
         state = (tl.load(row_base_ptr + q_row, mask=live, other=0) + slot).to(tl.int64)
         at_acc = acc_ptr + state[:, None] * stride_as + head[:, None] * stride_ah + dim[None, :]
         at_ml = state * stride_ms + head
-        q = tl.load(q_ptr + q_row[:, None] * stride_qb + head[:, None] * stride_qh + dim[None, :],
-                    mask=live[:, None], other=0.0)
+        q = tl.load(
+            q_ptr + q_row[:, None] * stride_qb + head[:, None] * stride_qh + dim[None, :], mask=live[:, None], other=0.0
+        )
         if KV_FP8:  # products in fp16, to which e4m3 widens in one instruction (bf16 takes three)
             q = q.to(tl.float16)
         ones = tl.full([BLOCK_N, 16], 1.0, q.dtype)
@@ -124,8 +155,11 @@ def _partial_attention_kernel(
             result = acc / l_row[:, None]
             if KV_FP8:
                 result = result * v_scale
-            tl.store(out_ptr + q_row[:, None] * stride_ob + head[:, None] * stride_oh + dim[None, :],
-                     result.to(out_ptr.dtype.element_ty), mask=live[:, None])
+            tl.store(
+                out_ptr + q_row[:, None] * stride_ob + head[:, None] * stride_oh + dim[None, :],
+                result.to(out_ptr.dtype.element_ty),
+                mask=live[:, None],
+            )
         else:
             tl.store(at_acc, acc, mask=live[:, None])
             tl.store(m_ptr + at_ml, m_i, mask=live)
@@ -134,9 +168,21 @@ def _partial_attention_kernel(
 
 @triton.jit
 def _combine_kernel(
-    out_ptr, acc_ptr, m_ptr, l_ptr, row_base_ptr, counts_ptr,
-    stride_b, stride_h, stride_as, stride_ah, stride_ms, v_scale,
-    HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+    out_ptr,
+    acc_ptr,
+    m_ptr,
+    l_ptr,
+    row_base_ptr,
+    counts_ptr,
+    stride_b,
+    stride_h,
+    stride_as,
+    stride_ah,
+    stride_ms,
+    v_scale,
+    HEADS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     count = tl.load(counts_ptr + row)
@@ -160,8 +206,11 @@ def _combine_kernel(
             acc = acc * wa[:, None] + acc_b * wb[:, None]
             l = l * wa + l_b * wb
             m = m_new
-        tl.store(out_ptr + row * stride_b + head[:, None] * stride_h + dim[None, :],
-                 (acc / l[:, None] * v_scale).to(out_ptr.dtype.element_ty), mask=hm[:, None])
+        tl.store(
+            out_ptr + row * stride_b + head[:, None] * stride_h + dim[None, :],
+            (acc / l[:, None] * v_scale).to(out_ptr.dtype.element_ty),
+            mask=hm[:, None],
+        )
 
 
 @contextlib.contextmanager
@@ -181,10 +230,25 @@ def _mma_sync():
 
 
 def partial_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor, indices: torch.Tensor,
-    work: torch.Tensor, n_work: torch.Tensor, row_base: torch.Tensor, acc: torch.Tensor, m: torch.Tensor,
-    l: torch.Tensor, programs: int, scale: float, block_m: int, block_n: int = 64, num_warps: int = 4,
-    num_stages: int = 5, kv_scales: tuple[float, float] = (1.0, 1.0), maxnreg: int | None = None,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    indices: torch.Tensor,
+    work: torch.Tensor,
+    n_work: torch.Tensor,
+    row_base: torch.Tensor,
+    acc: torch.Tensor,
+    m: torch.Tensor,
+    l: torch.Tensor,
+    programs: int,
+    scale: float,
+    block_m: int,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 5,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
+    maxnreg: int | None = None,
 ) -> None:
     """q, out [B, Hq, D]; caches [pages, page_size, Hk, D]; ``work`` int32 [items, 6] rows of
     (first query row, members, first entry of ``indices``, tokens from the first page on, slot,
@@ -203,23 +267,73 @@ def partial_attention(
     wide = sum((n - 1) * st for n, st in zip(k_cache.shape, k_cache.stride())) >= 2**31
     with _mma_sync():
         _partial_attention_kernel[(kv_heads, programs)](
-            q, k_cache, v_cache, out, indices, work, n_work, row_base, acc, m, l,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
-            k_cache.stride(2), acc.stride(0), acc.stride(1), m.stride(0),
-            scale * LOG2E * kv_scales[0], kv_scales[1], PAGE=page_size, GQA=gqa, HEAD_DIM=head_dim,
-            BLOCK_M=block_m, BLOCK_N=block_n, WIDE=wide, KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
-            num_warps=num_warps, num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}),
+            q,
+            k_cache,
+            v_cache,
+            out,
+            indices,
+            work,
+            n_work,
+            row_base,
+            acc,
+            m,
+            l,
+            q.stride(0),
+            q.stride(1),
+            out.stride(0),
+            out.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            acc.stride(0),
+            acc.stride(1),
+            m.stride(0),
+            scale * LOG2E * kv_scales[0],
+            kv_scales[1],
+            PAGE=page_size,
+            GQA=gqa,
+            HEAD_DIM=head_dim,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            WIDE=wide,
+            KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
+            num_warps=num_warps,
+            num_stages=num_stages,
+            **({"maxnreg": maxnreg} if maxnreg else {}),
         )
 
 
-def combine(out: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, l: torch.Tensor, row_base: torch.Tensor,
-            counts: torch.Tensor, block_h: int = 32, v_scale: float = 1.0) -> None:
+def combine(
+    out: torch.Tensor,
+    acc: torch.Tensor,
+    m: torch.Tensor,
+    l: torch.Tensor,
+    row_base: torch.Tensor,
+    counts: torch.Tensor,
+    block_h: int = 32,
+    v_scale: float = 1.0,
+) -> None:
     """Row r of ``out`` becomes the fold of its ``counts[r]`` states from ``row_base[r]`` on, in
-    slot order, times ``v_scale`` (an fp8 cache's); rows with none are left as they are. A program takes ``block_h`` heads of a row (all
+    slot order, times ``v_scale`` (an fp8 cache's); rows with none are left as they are. A program
+    takes ``block_h`` heads of a row (all
     of them for most models), so a row with nothing to fold costs one program that returns at once."""
     rows, heads, head_dim = out.shape
     block_h = min(block_h, triton.next_power_of_2(heads))
     _combine_kernel[(rows, triton.cdiv(heads, block_h))](
-        out, acc, m, l, row_base, counts, out.stride(0), out.stride(1), acc.stride(0), acc.stride(1), m.stride(0),
-        v_scale, HEADS=heads, BLOCK_H=block_h, HEAD_DIM=head_dim, num_warps=4,
+        out,
+        acc,
+        m,
+        l,
+        row_base,
+        counts,
+        out.stride(0),
+        out.stride(1),
+        acc.stride(0),
+        acc.stride(1),
+        m.stride(0),
+        v_scale,
+        HEADS=heads,
+        BLOCK_H=block_h,
+        HEAD_DIM=head_dim,
+        num_warps=4,
     )

@@ -29,7 +29,11 @@ def from_cache(x: torch.Tensor, scale: float) -> torch.Tensor:
 
 
 def store_kv_torch(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out_loc: torch.Tensor,
     scales: tuple[float, float] = (1.0, 1.0),
 ) -> None:
     """Caches are [pages, page_size, H, D] layer views (contiguous); ``out_loc`` holds slot ids
@@ -54,10 +58,16 @@ def rope_rows(cos_sin: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
 
 
 def rope_store_torch(
-    qkv: torch.Tensor, num_q_heads: int, positions: torch.Tensor, cos_sin: torch.Tensor,
-    k_cache: torch.Tensor, v_cache: torch.Tensor, out_loc: torch.Tensor,
+    qkv: torch.Tensor,
+    num_q_heads: int,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out_loc: torch.Tensor,
     norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-    rows: tuple[torch.Tensor, torch.Tensor] | None = None, scales: tuple[float, float] = (1.0, 1.0),
+    rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+    scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """``rope_store`` in torch ops; ``rows``: (cos, sin) [T, 1, D/2] of ``positions`` if the
     caller already has them (the same for every layer of a step)."""
@@ -77,9 +87,15 @@ def rope_store_torch(
 
 
 def rope_store(
-    qkv: torch.Tensor, num_q_heads: int, positions: torch.Tensor, cos_sin: torch.Tensor,
-    k_cache: torch.Tensor, v_cache: torch.Tensor, out_loc: torch.Tensor,
-    norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, scales: tuple[float, float] = (1.0, 1.0),
+    qkv: torch.Tensor,
+    num_q_heads: int,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out_loc: torch.Tensor,
+    norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    scales: tuple[float, float] = (1.0, 1.0),
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotate q and k of ``qkv`` [T, (Hq + 2 Hk) * D] by ``positions`` (rotate-half layout,
@@ -95,7 +111,18 @@ def rope_store(
     empty = qkv.new_empty(0)
     q_weight, k_weight, eps = norm if norm is not None else (empty, empty, 0.0)
     load_module("rope_store").rope_store(
-        qkv, q, k_cache, v_cache, positions, out_loc, cos_sin, q_weight, k_weight, eps,
-        1.0 / scales[0], 1.0 / scales[1], torch.cuda.current_stream().cuda_stream,
+        qkv,
+        q,
+        k_cache,
+        v_cache,
+        positions,
+        out_loc,
+        cos_sin,
+        q_weight,
+        k_weight,
+        eps,
+        1.0 / scales[0],
+        1.0 / scales[1],
+        torch.cuda.current_stream().cuda_stream,
     )
     return q

@@ -10,7 +10,9 @@ from minisgl.kvcache.naive_manager import NaiveCacheManager
 from minisgl.kvcache.radix_manager import RadixCacheManager
 
 
-def create_cache_manager(page_size: int, disable_radix_cache: bool = False, host: HostTier | None = None) -> BaseCacheManager:
+def create_cache_manager(
+    page_size: int, disable_radix_cache: bool = False, host: HostTier | None = None
+) -> BaseCacheManager:
     if disable_radix_cache:
         if host is not None:
             raise ValueError("the hierarchical cache needs the radix cache")
@@ -19,8 +21,17 @@ def create_cache_manager(page_size: int, disable_radix_cache: bool = False, host
 
 
 __all__ = [
-    "BaseCacheManager", "BaseKVCache", "CacheHandle", "HostKVPool", "HostTier", "MHAKVCache", "NaiveCacheManager",
-    "PageAllocator", "RadixCacheManager", "SizeInfo", "create_cache_manager",
+    "BaseCacheManager",
+    "BaseKVCache",
+    "CacheHandle",
+    "HostKVPool",
+    "HostTier",
+    "MHAKVCache",
+    "NaiveCacheManager",
+    "PageAllocator",
+    "RadixCacheManager",
+    "SizeInfo",
+    "create_cache_manager",
 ]
 
 

@@ -25,7 +25,9 @@ MAGIC = b"MSGLKV01"
 HEADER = struct.Struct("<8s32sQI")  # magic, key (sha256), payload bytes, crc32
 
 
-def page_keys(ids: list[int], page_size: int, start_key: bytes = b"", start: int = 0, end: int | None = None) -> list[bytes]:
+def page_keys(
+    ids: list[int], page_size: int, start_key: bytes = b"", start: int = 0, end: int | None = None
+) -> list[bytes]:
     """Chained keys of the whole pages of ``ids[start:end]``, ``start_key`` being the key of the
     page before ``start`` (empty at the beginning)."""
     end = len(ids) if end is None else end
@@ -63,8 +65,12 @@ class DiskStore:
         ok = len(data) == HEADER.size + page_bytes
         if ok:
             magic, stored_key, length, crc = HEADER.unpack_from(data)
-            ok = magic == MAGIC and stored_key == key and length == page_bytes and crc == zlib.crc32(
-                memoryview(data)[HEADER.size :])
+            ok = (
+                magic == MAGIC
+                and stored_key == key
+                and length == page_bytes
+                and crc == zlib.crc32(memoryview(data)[HEADER.size :])
+            )
         if not ok:
             self.corrupt += 1
             path.unlink(missing_ok=True)

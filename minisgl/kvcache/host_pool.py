@@ -40,8 +40,15 @@ class HostKVPool:
     """``disk``: the storage tier; this rank (``rank``) reads pages from it before a batch's
     copies and writes pages to it behind, on threads of its own."""
 
-    def __init__(self, num_pages: int, device_cache: MHAKVCache, io_backend: str = "kernel",
-                 disk: DiskStore | None = None, rank: int = 0, kernel_ctas: int = 32):
+    def __init__(
+        self,
+        num_pages: int,
+        device_cache: MHAKVCache,
+        io_backend: str = "kernel",
+        disk: DiskStore | None = None,
+        rank: int = 0,
+        kernel_ctas: int = 32,
+    ):
         dev = device_cache.buffer
         _, layers, _, page_size, heads, dim = dev.shape
         self.num_pages, self.num_layers, self.io_backend = num_pages, layers, io_backend
@@ -101,8 +108,14 @@ class HostKVPool:
             for key, page in zip(*disk_reads):
                 self.disk.read_into(key, self.rank, self.page_bytes(page))
 
-    def transfer(self, cache: MHAKVCache, writes: list[int], loads: list[int], disk_reads: Keyed = ([], []),
-                 disk_writes: Keyed = ([], [])) -> list[torch.cuda.Event]:
+    def transfer(
+        self,
+        cache: MHAKVCache,
+        writes: list[int],
+        loads: list[int],
+        disk_reads: Keyed = ([], []),
+        disk_writes: Keyed = ([], []),
+    ) -> list[torch.cuda.Event]:
         """Copy device pages to host pages (``writes``: flat (device, host) pairs), then host
         pages to device pages (``loads``: (host, device) pairs), after the disk reads (and
         writes) of the storage tier. On CUDA the copies are queued on the copy stream behind the
@@ -133,8 +146,18 @@ class HostKVPool:
                 pinned = torch.tensor(loads, dtype=torch.int64).pin_memory()  # (so its upload can run behind)
                 on_device = pinned.to(cache.buffer.device, non_blocking=True)
                 for layer in range(self.num_layers):
-                    self._ops.copy_pages(self.device_ptr, dev_ptr, on_device, *host, *device, layer, layer + 1,
-                                         self.block, self.kernel_ctas, self.stream.cuda_stream)
+                    self._ops.copy_pages(
+                        self.device_ptr,
+                        dev_ptr,
+                        on_device,
+                        *host,
+                        *device,
+                        layer,
+                        layer + 1,
+                        self.block,
+                        self.kernel_ctas,
+                        self.stream.cuda_stream,
+                    )
                     event = torch.cuda.Event()
                     event.record(self.stream)
                     events.append(event)
@@ -145,22 +168,37 @@ class HostKVPool:
                 events = [event] * self.num_layers
         return events
 
-    def _dma(self, pairs: list[int], src: int, dst: int, src_strides: tuple[int, int, int],
-             dst_strides: tuple[int, int, int]) -> None:
+    def _dma(
+        self, pairs: list[int], src: int, dst: int, src_strides: tuple[int, int, int], dst_strides: tuple[int, int, int]
+    ) -> None:
         """(source, destination) page pairs through the DMA engines, every layer in one 2D copy
         per pair and K/V (the pairs are read on the host, in the call)."""
-        self._ops.copy_pages_direct(src, dst, torch.tensor(pairs, dtype=torch.int64), *src_strides, *dst_strides,
-                                    self.num_layers, self.block, self.stream.cuda_stream)
+        self._ops.copy_pages_direct(
+            src,
+            dst,
+            torch.tensor(pairs, dtype=torch.int64),
+            *src_strides,
+            *dst_strides,
+            self.num_layers,
+            self.block,
+            self.stream.cuda_stream,
+        )
 
     @staticmethod
     def _check(pairs: list[int], sources: int, destinations: int, what: str) -> None:
         """Refuse a page outside either pool: the copies read and write raw addresses, so a bad
         index would corrupt memory or fault the device far from its cause."""
-        if pairs and not (0 <= min(pairs[0::2]) and max(pairs[0::2]) < sources
-                          and 0 <= min(pairs[1::2]) and max(pairs[1::2]) < destinations):
-            raise IndexError(f"a {what} page pair is outside the pools ({sources} and {destinations} pages): "
-                             f"sources {min(pairs[0::2])}..{max(pairs[0::2])}, "
-                             f"destinations {min(pairs[1::2])}..{max(pairs[1::2])}")
+        if pairs and not (
+            0 <= min(pairs[0::2])
+            and max(pairs[0::2]) < sources
+            and 0 <= min(pairs[1::2])
+            and max(pairs[1::2]) < destinations
+        ):
+            raise IndexError(
+                f"a {what} page pair is outside the pools ({sources} and {destinations} pages): "
+                f"sources {min(pairs[0::2])}..{max(pairs[0::2])}, "
+                f"destinations {min(pairs[1::2])}..{max(pairs[1::2])}"
+            )
 
     def _transfer_torch(self, cache: MHAKVCache, writes: list[int], loads: list[int]) -> None:
         """The reference: whole pages through torch indexing (bytes, so fp8 pools work too)."""

@@ -39,8 +39,14 @@ MAX_WRITES_PER_BATCH = 256  # pages: 512 DMA copies, ~1 ms of the host thread; 1
 class HostTier:
     """``disk``: the storage tier under it (``page_bytes``: one page's bytes on one rank)."""
 
-    def __init__(self, num_pages: int, write_policy: str = "write_through", disk: DiskStore | None = None,
-                 page_bytes: int = 0, max_writes: int = MAX_WRITES_PER_BATCH):
+    def __init__(
+        self,
+        num_pages: int,
+        write_policy: str = "write_through",
+        disk: DiskStore | None = None,
+        page_bytes: int = 0,
+        max_writes: int = MAX_WRITES_PER_BATCH,
+    ):
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"hicache_write_policy must be one of {', '.join(WRITE_POLICIES)}, got {write_policy!r}")
         self.allocator = PageAllocator(num_pages)
@@ -146,6 +152,13 @@ class HostTier:
             "host_written_pages": self.written_pages,
             "host_loaded_pages": self.loaded_pages,
             "host_evicted_pages": self.evicted_pages,
-            **({"disk_read_pages": self.disk_read_pages, "disk_written_pages": self.disk_written_pages,
-                "disk_corrupt_files": self.disk.corrupt} if self.disk is not None else {}),
+            **(
+                {
+                    "disk_read_pages": self.disk_read_pages,
+                    "disk_written_pages": self.disk_written_pages,
+                    "disk_corrupt_files": self.disk.corrupt,
+                }
+                if self.disk is not None
+                else {}
+            ),
         }

@@ -27,8 +27,20 @@ from minisgl.kvcache.host_tier import SELECTIVE_HITS, HostTier
 
 
 class _Node:
-    __slots__ = ("key", "pages", "children", "parent", "ref", "last_access", "depth", "_handle", "host",
-                 "io_step", "hits", "disk_keys")
+    __slots__ = (
+        "key",
+        "pages",
+        "children",
+        "parent",
+        "ref",
+        "last_access",
+        "depth",
+        "_handle",
+        "host",
+        "io_step",
+        "hits",
+        "disk_keys",
+    )
 
     def __init__(self, key: list[int], pages: list[int] | None, parent: _Node | None, tick: int):
         self.key = key
@@ -91,8 +103,9 @@ class RadixCacheManager(BaseCacheManager):
         """Cut ``node`` after ``num_pages`` pages; returns the new upper half (same locks)."""
         self.epoch += 1
         cut = num_pages * self.page_size
-        upper = _Node(node.key[:cut], None if node.pages is None else node.pages[:num_pages], node.parent,
-                      node.last_access)
+        upper = _Node(
+            node.key[:cut], None if node.pages is None else node.pages[:num_pages], node.parent, node.last_access
+        )
         upper.ref, upper.io_step, upper.hits = node.ref, node.io_step, node.hits
         node.parent.children[self._edge(upper.key, 0)] = upper
         node.key, node.parent = node.key[cut:], upper
@@ -345,7 +358,9 @@ class RadixCacheManager(BaseCacheManager):
                 start = (part.depth - len(part.key)) // self.page_size
                 self._to_device(part, pages[start : start + len(part.host)])
         if matched < n:
-            leaf = _Node(ids[matched:n], pages[matched // self.page_size : n // self.page_size], node, next(self._clock))
+            leaf = _Node(
+                ids[matched:n], pages[matched // self.page_size : n // self.page_size], node, next(self._clock)
+            )
             node.children[self._edge(leaf.key, 0)] = leaf
             self.evictable_pages += len(leaf.pages)
             self._num_nodes += 1
@@ -573,5 +588,6 @@ class RadixCacheManager(BaseCacheManager):
                 f"host pages: free {len(free)} + cached {len(seen_host)} != {self.host.num_pages}"
             )
             queued = {id(n) for _, n in self._host_leaves}
-            assert all(id(n) in queued for n in nodes if n.host is not None and (n.pages is not None or not n.children)), (
-                "a host copy is not queued")
+            assert all(
+                id(n) in queued for n in nodes if n.host is not None and (n.pages is not None or not n.children)
+            ), "a host copy is not queued"

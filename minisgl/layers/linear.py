@@ -93,8 +93,10 @@ def make_weight(rows: int, cols: int, quant: Fp8Scheme | None) -> tuple[nn.Param
     if quant is None:
         return nn.Parameter(torch.empty(rows, cols), requires_grad=False), None
     scale_shape = (rows,) if quant.block is None else (rows, cdiv(cols, quant.block))
-    return (nn.Parameter(torch.empty(rows, cols, dtype=FP8), requires_grad=False),
-            nn.Parameter(torch.ones(scale_shape, dtype=torch.float32), requires_grad=False))
+    return (
+        nn.Parameter(torch.empty(rows, cols, dtype=FP8), requires_grad=False),
+        nn.Parameter(torch.ones(scale_shape, dtype=torch.float32), requires_grad=False),
+    )
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -102,8 +104,15 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     _PARTS = {"q": 0, "k": 1, "v": 2}
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
-                 quant: Fp8Scheme | None = None):
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool,
+        quant: Fp8Scheme | None = None,
+    ):
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads
         kv_size = num_kv_heads * head_dim
@@ -137,8 +146,10 @@ class RowParallelLinear(nn.Module):
         self.input_size = input_size
         self.local_input = divide(input_size, tp.size)
         if quant is not None and quant.block is not None and tp.size > 1 and self.local_input % quant.block:
-            raise ValueError(f"a row-parallel layer's {self.local_input} input columns per rank do not hold whole "
-                             f"{quant.block}-column fp8 blocks at tp={tp.size}")
+            raise ValueError(
+                f"a row-parallel layer's {self.local_input} input columns per rank do not hold whole "
+                f"{quant.block}-column fp8 blocks at tp={tp.size}"
+            )
         self.weight, self.weight_scale = make_weight(output_size, self.local_input, quant)
         self.weight.weight_loader = self.load_weight
         if quant is not None:
@@ -179,8 +190,13 @@ class RowParallelLinear(nn.Module):
             assert self.bias is None, "a bias is added after the all-reduce"
             return self._matmul(x)
         tp = get_tp_info()
-        if (tp.reduce_fp32 and tp.size > 1 and self.quant is None and x.is_cuda
-                and x.dtype in (torch.bfloat16, torch.float16)):
+        if (
+            tp.reduce_fp32
+            and tp.size > 1
+            and self.quant is None
+            and x.is_cuda
+            and x.dtype in (torch.bfloat16, torch.float16)
+        ):
             y = all_reduce(linear_fp32(x, self.weight)).to(x.dtype)
         else:
             y = all_reduce(self._matmul(x))

@@ -77,8 +77,9 @@ def tuned_gemm(rows: int, n: int, k: int, gpu: str) -> tuple[bool, tuple[int, in
     return True, None if config is None else tuple(config)
 
 
-def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-              out_dtype: torch.dtype) -> torch.Tensor:
+def scaled_mm(
+    a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
     """cuBLAS's row-scaled fp8 GEMM: a [M, K] (scales [M, 1]) times w [N, K] (scales [N]).
 
     With fast accumulation, as vLLM's and SGLang's CUTLASS fp8 kernels and our Triton kernel
@@ -86,8 +87,9 @@ def scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: 
     the Triton kernel to three digits (0.21% of the product's norm at K = 4096, 0.33% at 14336;
     fp8 rounding of the inputs is ten times that), and the 8B's gate_up takes 57 us instead of
     67 at 256 rows, 1433 instead of 1628 at 8192 (H100, fp8_fast_accum_h100.json)."""
-    return torch._scaled_mm(a, w.t(), scale_a=a_scale, scale_b=w_scale.view(1, -1), out_dtype=out_dtype,
-                            use_fast_accum=True)
+    return torch._scaled_mm(
+        a, w.t(), scale_a=a_scale, scale_b=w_scale.view(1, -1), out_dtype=out_dtype, use_fast_accum=True
+    )
 
 
 # The fp8 LM head (8B's 128256 x 4096, us with quantization, float32 logits; lm_head_*_h100.json):
@@ -155,11 +157,13 @@ def _compressed_tensors_scheme(quant_config: dict[str, Any]) -> Fp8Scheme:
         raise ValueError(f"compressed-tensors: one config group supported, the checkpoint has {len(groups)}")
     weights, acts = groups[0].get("weights") or {}, groups[0].get("input_activations") or {}
     if weights.get("type") != "float" or weights.get("num_bits") != 8:
-        raise ValueError(f"compressed-tensors weights {weights.get('type')}{weights.get('num_bits')} are not "
-                         "supported (float 8-bit)")
+        raise ValueError(
+            f"compressed-tensors weights {weights.get('type')}{weights.get('num_bits')} are not supported (float 8-bit)"
+        )
     if weights.get("strategy") not in ("channel", "tensor"):
-        raise ValueError(f"compressed-tensors weight strategy {weights.get('strategy')!r} is not supported "
-                         "(channel, tensor)")
+        raise ValueError(
+            f"compressed-tensors weight strategy {weights.get('strategy')!r} is not supported (channel, tensor)"
+        )
     if not acts or acts.get("type") != "float" or acts.get("num_bits") != 8 or not acts.get("dynamic"):
         raise ValueError("compressed-tensors: only dynamic float 8-bit input activations are supported")
     ignored = [name for name in quant_config.get("ignore", []) if "lm_head" not in name]
@@ -271,7 +275,10 @@ def fp8_logits(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> to
 
 
 def fp8_linear(
-    x: torch.Tensor | Fp8Act, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+    x: torch.Tensor | Fp8Act,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
     block: int | None,
 ) -> torch.Tensor:
     """x W^T + b for an fp8 ``weight`` [N, K] with per-row ``scale`` ([N] or [N, K / block])."""

@@ -31,15 +31,24 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 ARCHITECTURES = {
-    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
 }
 TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
 }
 CACHE_ROOT = Path(os.environ.get("MINISGL_CACHE", Path.home() / ".cache" / "minisgl")) / "gguf"
 
@@ -172,18 +181,26 @@ def _config(reader: Any, path: Path) -> dict[str, Any]:
     vocab = meta("vocab_size", len(reader.fields["tokenizer.ggml.tokens"].data))
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     return {
-        "architectures": [ARCHITECTURES[arch]], "model_type": arch, "vocab_size": int(vocab),
-        "hidden_size": hidden, "intermediate_size": meta("feed_forward_length"),
-        "num_hidden_layers": meta("block_count"), "num_attention_heads": heads,
+        "architectures": [ARCHITECTURES[arch]],
+        "model_type": arch,
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": meta("feed_forward_length"),
+        "num_hidden_layers": meta("block_count"),
+        "num_attention_heads": heads,
         "num_key_value_heads": meta("attention.head_count_kv", heads),
         "head_dim": meta("attention.key_length", hidden // heads),
-        "rms_norm_eps": meta("attention.layer_norm_rms_epsilon"), "rope_theta": meta("rope.freq_base", 10000.0),
+        "rms_norm_eps": meta("attention.layer_norm_rms_epsilon"),
+        "rope_theta": meta("rope.freq_base", 10000.0),
         # GPU default (--dtype auto; CPU runs fp32): quantized blocks carry f16 scales, and their
         # dequantized values survive fp16 almost whole but not bf16's 8-bit mantissa. SmolLM2 Q4_1 in
         # fp32 arithmetic with its weights rounded: 31/32 greedy answers kept in fp16, 16/32 in bf16
         # (benchmarks/bf16_sources.py).
-        "max_position_embeddings": meta("context_length"), "hidden_act": "silu", "torch_dtype": "float16",
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"), "eos_token_id": eos,
+        "max_position_embeddings": meta("context_length"),
+        "hidden_act": "silu",
+        "torch_dtype": "float16",
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": eos,
         "tie_word_embeddings": False,
     }
 
@@ -234,8 +251,9 @@ def iter_gguf_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
             data = quants.dequantize(t.data, t.tensor_type)
         except NotImplementedError:
             kind = GGMLQuantizationType(t.tensor_type).name
-            raise ValueError(f"{path.name}: tensor {t.name} uses quantization {kind}, which gguf cannot "
-                             f"dequantize") from None
+            raise ValueError(
+                f"{path.name}: tensor {t.name} uses quantization {kind}, which gguf cannot dequantize"
+            ) from None
         data = np.asarray(data, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
         name = _hf_name(t.name)
         if config["model_type"] in ("llama", "mistral"):

@@ -38,7 +38,9 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
 
-    def project(self, x: torch.Tensor | Fp8Act, positions: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def project(
+        self, x: torch.Tensor | Fp8Act, positions: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The query [T, Hq, D] of the qkv projection (written into ``out`` if given), with K and V
         stored in the cache: everything before attention that the step's metadata decides."""
         backend = get_attention_backend()
@@ -123,8 +125,14 @@ class DecoderModel(nn.Module):
         return len(self.layers) + 1
 
     def piece(
-        self, i: int, input_ids: torch.Tensor, positions: torch.Tensor, attn: torch.Tensor, residual: torch.Tensor,
-        q_out: torch.Tensor, hidden_out: torch.Tensor,
+        self,
+        i: int,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: torch.Tensor,
+        residual: torch.Tensor,
+        q_out: torch.Tensor,
+        hidden_out: torch.Tensor,
     ) -> None:
         """Piece ``i`` of ``forward`` cut at attention (piecewise CUDA graphs): from layer i-1's
         attention output ``attn`` (piece 0: from the embeddings of ``input_ids``) through layer

@@ -27,6 +27,7 @@ from minisgl.models.gguf_file import gguf_source, iter_gguf_shapes, iter_gguf_we
 
 logger = logging.getLogger(__name__)
 
+
 def safetensors_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
@@ -89,8 +90,11 @@ class WeightMap:
         quant = getattr(model.config, "quant", None)
         # Quantized at load, a float weight brings its own scales.
         online = quant is not None and quant.source == "online"
-        self.expected = {n for n in self.params
-                         if not (self.tied and n == "lm_head.weight") and not (online and n.endswith("weight_scale"))}
+        self.expected = {
+            n
+            for n in self.params
+            if not (self.tied and n == "lm_head.weight") and not (online and n.endswith("weight_scale"))
+        }
 
     def target(self, name: str) -> tuple[str, int | str | None] | None:
         """(parameter name, part) of checkpoint tensor ``name``; None for tensors that are not
@@ -194,15 +198,23 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
         elif name.endswith("weight_scale"):
             param.data.fill_(scale)
         elif param.dtype == FP8:
-            values = torch.empty(param.shape, dtype=torch.bfloat16, device=param.device).normal_(0.0, 0.02, generator=gen)
+            values = torch.empty(param.shape, dtype=torch.bfloat16, device=param.device).normal_(
+                0.0, 0.02, generator=gen
+            )
             param.data.copy_(to_fp8(values, scale))
         else:
             param.data.normal_(0.0, 0.02, generator=gen)
 
 
 def load_model(
-    model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-    max_positions: int, load_format: str = "auto", seed: int = 0, quantization: str | None = None,
+    model_dir: Path,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    load_format: str = "auto",
+    seed: int = 0,
+    quantization: str | None = None,
     quantize_lm_head: bool = False,
 ) -> nn.Module:
     """``quantization``: ``--quantization`` (None or "fp8"); a checkpoint's own quantization
@@ -211,11 +223,15 @@ def load_model(
         raise ValueError(f"unsupported load format {load_format!r} (auto, safetensors, gguf, dummy)")
     config.quant = quantization_scheme(config.quantization_config, quantization)
     if quantize_lm_head and config.quant is None:
-        raise ValueError("--quantize-lm-head goes with fp8 linear layers: add --quantization fp8 or load an "
-                         "FP8 checkpoint")
+        raise ValueError(
+            "--quantize-lm-head goes with fp8 linear layers: add --quantization fp8 or load an FP8 checkpoint"
+        )
     if config.quant is not None:
-        logger.info("fp8 linear layers (%s, %s)", config.quant.source,
-                    "per channel" if config.quant.block is None else f"{config.quant.block}-column groups")
+        logger.info(
+            "fp8 linear layers (%s, %s)",
+            config.quant.source,
+            "per channel" if config.quant.block is None else f"{config.quant.block}-column groups",
+        )
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

@@ -75,8 +75,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         """Raise ValueError naming the first field that is out of range."""
         checks = [
             (self.max_new_tokens >= 0, "max_new_tokens", "must be >= 0"),
-            (0 <= self.min_new_tokens and (self.max_new_tokens == 0 or self.min_new_tokens <= self.max_new_tokens),
-             "min_new_tokens", "must be in [0, max_new_tokens]"),
+            (
+                0 <= self.min_new_tokens and (self.max_new_tokens == 0 or self.min_new_tokens <= self.max_new_tokens),
+                "min_new_tokens",
+                "must be in [0, max_new_tokens]",
+            ),
             (self.temperature >= 0.0, "temperature", "must be >= 0"),
             (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
             (self.top_k == -1 or self.top_k >= 1, "top_k", "must be -1 (disabled) or >= 1"),

@@ -90,18 +90,31 @@ class Sampler:
         return t.to(self.device, non_blocking=True)
 
     def set_request(
-        self, slot: int, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
-        seed: int, top_logprobs: int = -1, prompt_len: int = 0, ban_ids: list[int] | None = None,
+        self,
+        slot: int,
+        params: SamplingParams,
+        prompt_ids: list[int],
+        output_ids: list[int],
+        seed: int,
+        top_logprobs: int = -1,
+        prompt_len: int = 0,
+        ban_ids: list[int] | None = None,
         logprob_ids: list[int] | None = None,
     ) -> None:
         """Install a request's parameters in ``slot``; ``seed`` is used when params.seed is None.
         ``ban_ids`` are never sampled before it has ``params.min_new_tokens`` tokens past its
         ``prompt_len``-token prompt; ``logprob_ids``' logprobs come with each sampled token."""
         p = params
-        self._host_f[slot] = torch.tensor([
-            p.temperature if p.temperature > 0 else 1.0, p.top_p, p.min_p,
-            p.repetition_penalty, p.frequency_penalty, p.presence_penalty,
-        ])
+        self._host_f[slot] = torch.tensor(
+            [
+                p.temperature if p.temperature > 0 else 1.0,
+                p.top_p,
+                p.min_p,
+                p.repetition_penalty,
+                p.frequency_penalty,
+                p.presence_penalty,
+            ]
+        )
         top_k = min(p.top_k, self.vocab_size) if p.top_k > 0 else self.vocab_size
         self._host_i[slot] = torch.tensor([top_k, p.seed if p.seed is not None else seed, int(p.is_greedy)])
         self._dirty.add(slot)
@@ -123,8 +136,9 @@ class Sampler:
         if self.h_bias[slot]:
             self.bias[slot].zero_()  # the slot's previous request had a bias
         self.h_bias[slot] = bool(p.logit_bias)
-        self.h_plain[slot] = (p.is_greedy and not p.has_penalty and not p.logit_bias and not logprob_ids
-                              and top_logprobs < 0)
+        self.h_plain[slot] = (
+            p.is_greedy and not p.has_penalty and not p.logit_bias and not logprob_ids and top_logprobs < 0
+        )
         if p.logit_bias:
             if self.bias is None:
                 self.bias = torch.zeros(self._dev_f.shape[0], self.vocab_size, dtype=torch.float32, device=self.device)
@@ -169,7 +183,10 @@ class Sampler:
         return bool(self.h_plain[slots].all() and (seq_lens >= self.h_min_len[slots]).all())
 
     def sample(
-        self, logits: torch.Tensor, slots: np.ndarray, seq_lens: np.ndarray,
+        self,
+        logits: torch.Tensor,
+        slots: np.ndarray,
+        seq_lens: np.ndarray,
         masks: tuple[list[int], torch.Tensor] | None = None,
     ) -> SampleOutput:
         """logits [B, V] for requests in ``slots_list``; ``seq_lens`` give each one's position.
@@ -200,8 +217,13 @@ class Sampler:
         return joined
 
     def _sample(
-        self, logits: torch.Tensor, slots_np: np.ndarray, seq_lens: np.ndarray,
-        masks: tuple[list[int], torch.Tensor] | None, top_n: int, id_union: list[int],
+        self,
+        logits: torch.Tensor,
+        slots_np: np.ndarray,
+        seq_lens: np.ndarray,
+        masks: tuple[list[int], torch.Tensor] | None,
+        top_n: int,
+        id_union: list[int],
     ) -> SampleOutput:
         if masks is not None:
             logits = self._apply_masks(logits, *masks)

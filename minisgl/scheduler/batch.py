@@ -58,7 +58,13 @@ def new_request(req: Req, eos_ids: set[int]) -> NewRequest:
     # min_new_tokens: the tokens that would end it are banned until it has that many.
     ban = sorted(set(p.stop_token_ids or []) | (set() if p.ignore_eos else eos_ids)) if p.min_new_tokens else []
     return NewRequest(
-        slot=req.slot, sampling=p, seed=req.seed, top_logprobs=req.top_logprobs,
-        prompt_ids=req.prompt_ids if penalties else [], output_ids=req.output_ids if penalties else [],
-        prompt_len=len(req.prompt_ids), ban_ids=ban, logprob_ids=req.logprob_ids,
+        slot=req.slot,
+        sampling=p,
+        seed=req.seed,
+        top_logprobs=req.top_logprobs,
+        prompt_ids=req.prompt_ids if penalties else [],
+        output_ids=req.output_ids if penalties else [],
+        prompt_len=len(req.prompt_ids),
+        ban_ids=ban,
+        logprob_ids=req.logprob_ids,
     )

@@ -82,7 +82,8 @@ def plan_cascade(reqs: list[Req], cache: BaseCacheManager, page_size: int, enabl
     # (ungrouped ones with a common first page) sit together so their re-reads hit L2.
     return DecodeOrder(
         [r for _, m in groups for r in m] + sorted(loose, key=_first_page),
-        group_sizes=[len(m) for _, m in groups], group_pages=[t // page_size for t, _ in groups],
+        group_sizes=[len(m) for _, m in groups],
+        group_pages=[t // page_size for t, _ in groups],
     )
 
 

@@ -120,8 +120,10 @@ class ControlPlane:
         if unknown:
             raise ControlError(f"tags: unknown {unknown} ({', '.join(MEMORY_TAGS)})")
         if task.release and self.running and {"weights", "kv_cache"} & set(task.tags):
-            raise ControlError(f"{len(self.running)} requests hold KV pages: pause_generation with mode abort or "
-                               "retract (or let them finish) before releasing memory")
+            raise ControlError(
+                f"{len(self.running)} requests hold KV pages: pause_generation with mode abort or "
+                "retract (or let them finish) before releasing memory"
+            )
         if task.release and "kv_cache" in task.tags and "kv_cache" not in self.released:
             self.drop_cache()  # the pool's contents go with its memory
         reply = self.executor.run_task(task)

@@ -52,9 +52,13 @@ class DecodePlanner:
     def _batch(order: DecodeOrder, needy: list[Req]) -> ForwardBatch:
         reqs, n = order.reqs, len(order.reqs)
         batch = ForwardBatch(
-            slots=[r.slot for r in reqs], cached_lens=[r.kv_len - 1 for r in reqs], new_lens=[1] * n,
+            slots=[r.slot for r in reqs],
+            cached_lens=[r.kv_len - 1 for r in reqs],
+            new_lens=[1] * n,
             input_ids=[-1] * n,  # the worker feeds back the token each slot sampled last step
-            sample=[True] * n, group_sizes=order.group_sizes, group_pages=order.group_pages,
+            sample=[True] * n,
+            group_sizes=order.group_sizes,
+            group_pages=order.group_pages,
             mask_rows=[i for i, r in enumerate(reqs) if r.matcher is not None],
         )
         for req in needy:

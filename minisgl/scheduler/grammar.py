@@ -55,7 +55,8 @@ class GrammarBackend:
                 if tokenizer is None:
                     raise ValueError("structured output needs the checkpoint's tokenizer, and it has none")
                 info = xgrammar.TokenizerInfo.from_huggingface(
-                    tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos_ids)
+                    tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos_ids
+                )
                 self._compiler = xgrammar.GrammarCompiler(info, max_threads=2, cache_enabled=False)
                 self._json_ok = self._without_control_bytes(info.decoded_vocab)
                 self._batch = xgrammar.BatchGrammarMatcher(max_threads="auto")
@@ -67,8 +68,9 @@ class GrammarBackend:
         also ban every token holding one."""
         import torch
 
-        ok = torch.tensor([not any(b < 0x20 for b in t) for t in vocab]
-                          + [False] * (self.vocab_size - len(vocab)), dtype=torch.bool)
+        ok = torch.tensor(
+            [not any(b < 0x20 for b in t) for t in vocab] + [False] * (self.vocab_size - len(vocab)), dtype=torch.bool
+        )
         ok = torch.nn.functional.pad(ok, (0, -self.vocab_size % 32)).view(-1, 32).to(torch.int64)
         words = (ok << torch.arange(32)).sum(dim=1)
         return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)

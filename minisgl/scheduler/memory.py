@@ -12,9 +12,17 @@ from minisgl.utils import cdiv
 
 
 class Memory:
-    def __init__(self, page_size: int, num_pages: int, num_slots: int, disable_radix_cache: bool,
-                 num_host_pages: int = 0, write_policy: str = "write_through", disk: DiskStore | None = None,
-                 page_bytes: int = 0):
+    def __init__(
+        self,
+        page_size: int,
+        num_pages: int,
+        num_slots: int,
+        disable_radix_cache: bool,
+        num_host_pages: int = 0,
+        write_policy: str = "write_through",
+        disk: DiskStore | None = None,
+        page_bytes: int = 0,
+    ):
         self.page_size = page_size
         self.host = HostTier(num_host_pages, write_policy, disk, page_bytes) if num_host_pages else None
         self.cache = create_cache_manager(page_size, disable_radix_cache, self.host)
@@ -81,7 +89,8 @@ class Memory:
         if self.host.disk is not None:
             batch.disk_write_keys, batch.disk_write_pages = self.cache.disk_writes()
         batch.kv_writes, batch.kv_loads, batch.wait_kv_io, (batch.disk_read_keys, batch.disk_read_pages) = (
-            self.host.take())
+            self.host.take()
+        )
 
     def rematch(self, req: Req, reusable: int) -> int:
         """Take up pages another request cached since this one's last chunk; returns how many

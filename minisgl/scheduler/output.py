@@ -19,7 +19,10 @@ def prompt_scores(req: Req) -> tuple[int, list[PromptScore]]:
 
 
 def apply_output(
-    sampled: list[Req], scored: list[tuple[Req, int]], score_ids: list[int], out: StepOutput,
+    sampled: list[Req],
+    scored: list[tuple[Req, int]],
+    score_ids: list[int],
+    out: StepOutput,
     finish: Callable[[Req, str], None],
 ) -> list[Req]:
     """Record the step's results (``sampled``: the requests of its token rows); ``finish`` ends
@@ -57,8 +60,10 @@ def apply_output(
         if req.matcher is not None:
             if not req.matcher.accept_token(token):  # sampled under its mask, so never expected
                 kind = req.params.grammar[0] if req.params.grammar else "grammar"
-                req.error = (f"{kind}: the grammar rejected sampled token {token} after {len(req.output_ids) - 1} "
-                             f"tokens; the output cannot follow it")
+                req.error = (
+                    f"{kind}: the grammar rejected sampled token {token} after {len(req.output_ids) - 1} "
+                    f"tokens; the output cannot follow it"
+                )
                 finish(req, "abort")
                 continue
             if reason is None and req.matcher.is_terminated():

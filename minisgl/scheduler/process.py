@@ -17,17 +17,24 @@ import zmq
 from minisgl.args import EngineArgs
 from minisgl.ipc import Addresses, Receiver, Sender, become_child
 from minisgl.messages import (
-    AbortReq, ControlReply, ControlReq, EngineInfo, TokenBatch, TokenizedBatch,
-    TokenizedReq, TokenOut, ToScheduler,
+    AbortReq,
+    ControlReply,
+    ControlReq,
+    EngineInfo,
+    TokenBatch,
+    TokenizedBatch,
+    TokenizedReq,
+    TokenOut,
+    ToScheduler,
 )
 from minisgl.scheduler.control import UPDATES, ControlError
 from minisgl.scheduler.grammar import GrammarBackend
-from minisgl.scheduler.request import Req, ReqEvent
 from minisgl.scheduler.output import prompt_scores
+from minisgl.scheduler.request import Req, ReqEvent
 from minisgl.scheduler.scheduler import Scheduler
+from minisgl.scheduler.workers import WorkerLink
 from minisgl.tokenizer import eos_ids, load_tokenizer
 from minisgl.utils import init_logging, keep_torch_out
-from minisgl.scheduler.workers import WorkerLink
 
 logger = logging.getLogger(__name__)
 
@@ -49,9 +56,19 @@ class SchedulerProcess:
         self.info = info
         # The tokenizer itself is loaded with the first grammar: this process stays torch-free.
         grammar = GrammarBackend(lambda: load_tokenizer(tokenizer_path), info.vocab_size, info.eos_ids)
-        self.sched = Scheduler(args, info.num_pages, info.context_len, info.vocab_size, info.eos_ids, self.workers,
-                               grammar, info.num_host_pages, info.storage_fingerprint,
-                               info.kv_bytes_per_token * info.page_size, on_gpu=info.device == "cuda")
+        self.sched = Scheduler(
+            args,
+            info.num_pages,
+            info.context_len,
+            info.vocab_size,
+            info.eos_ids,
+            self.workers,
+            grammar,
+            info.num_host_pages,
+            info.storage_fingerprint,
+            info.kv_bytes_per_token * info.page_size,
+            on_gpu=info.device == "cuda",
+        )
         self.by_rid: dict[str, Req] = {}
         self.rid_of: dict[int, str] = {}
         self.outbox: list[TokenOut] = []
@@ -81,8 +98,9 @@ class SchedulerProcess:
 
     def _add(self, msg: TokenizedReq) -> None:
         try:
-            req = self.sched.add_request(msg.input_ids, msg.sampling, msg.top_logprobs, msg.logprob_start,
-                                         msg.logprob_ids, msg.cache_salt)
+            req = self.sched.add_request(
+                msg.input_ids, msg.sampling, msg.top_logprobs, msg.logprob_start, msg.logprob_ids, msg.cache_salt
+            )
         except ValueError as e:
             self.outbox.append(TokenOut(msg.rid, error=str(e)))
             return
@@ -95,8 +113,15 @@ class SchedulerProcess:
                 return ControlReply(cid, True, sched.stats())
             if msg.op == "flush_cache":
                 ok = sched.flush_cache()
-                return ControlReply(cid, ok, {} if ok else {"error": "requests are queued or running; flush when "
-                                                                       "idle (or pause_generation with mode abort)"})
+                return ControlReply(
+                    cid,
+                    ok,
+                    {}
+                    if ok
+                    else {
+                        "error": "requests are queued or running; flush when idle (or pause_generation with mode abort)"
+                    },
+                )
             if msg.op == "profile" and msg.profile is not None:
                 self.workers.broadcast(msg.profile)
                 return ControlReply(cid, True, {})
@@ -130,8 +155,12 @@ class SchedulerProcess:
                 self.info.weight_version = msg.weight_version
             if msg.keep_pause:
                 sched.pause("in_place")
-        data = {"message": reply.message, "seconds": reply.seconds, "weight_version": self.info.weight_version,
-                "num_paused_requests": held}
+        data = {
+            "message": reply.message,
+            "seconds": reply.seconds,
+            "weight_version": self.info.weight_version,
+            "num_paused_requests": held,
+        }
         return ControlReply(msg.cid, reply.ok, data if reply.ok else {**data, "error": reply.message})
 
     def _events(self, events: list[ReqEvent]) -> None:
@@ -139,12 +168,14 @@ class SchedulerProcess:
         says accepted (no tokens) or refused (its error), then one per step's output."""
         for kind, req, ended in events:
             if kind == "accepted":
-                self.outbox.append(TokenOut(self.rid_of[req.rid], finish_reason=req.finish_reason if ended else None,
-                                            error=req.error))
+                self.outbox.append(
+                    TokenOut(self.rid_of[req.rid], finish_reason=req.finish_reason if ended else None, error=req.error)
+                )
             elif kind == "aborted":  # the engine ended it: nothing new, just the finish
                 if req.rid in self.rid_of:
-                    self.outbox.append(TokenOut(self.rid_of[req.rid], finish_reason=req.finish_reason,
-                                                cached_tokens=req.cached_tokens))
+                    self.outbox.append(
+                        TokenOut(self.rid_of[req.rid], finish_reason=req.finish_reason, cached_tokens=req.cached_tokens)
+                    )
                 ended = True
             else:
                 self.outbox.append(self._token_out(req))
@@ -159,8 +190,13 @@ class SchedulerProcess:
             del self.by_rid[rid]
 
     def _token_out(self, req: Req) -> TokenOut:
-        out = TokenOut(self.rid_of[req.rid], req.output_ids[-1:], finish_reason=req.finish_reason,
-                       cached_tokens=req.cached_tokens, error=req.error)
+        out = TokenOut(
+            self.rid_of[req.rid],
+            req.output_ids[-1:],
+            finish_reason=req.finish_reason,
+            cached_tokens=req.cached_tokens,
+            error=req.error,
+        )
         if req.top_logprobs >= 0:
             out.logprobs = req.output_logprobs[-1:]
         if req.top_logprobs > 0 and req.output_ids:
@@ -227,12 +263,19 @@ class SchedulerProcess:
         host = ""
         if "host_total_pages" in s:  # the hierarchical cache: its share of the hits and its use
             used = s["host_total_pages"] - s["host_free_pages"]
-            host = (f" ({100 * s['prefix_host_hit_tokens'] / max(s['prefix_queried_tokens'], 1):.1f}% from host, "
-                    f"host pool {100 * used / s['host_total_pages']:.1f}% used)")
+            host = (
+                f" ({100 * s['prefix_host_hit_tokens'] / max(s['prefix_queried_tokens'], 1):.1f}% from host, "
+                f"host pool {100 * used / s['host_total_pages']:.1f}% used)"
+            )
         logger.info(
             "running %d, queued %d, KV usage %.1f%% of %d pages, cache hit rate %.1f%%%s, %.1f tokens/s",
-            s["running_requests"], s["queued_requests"], 100 * s["kv_usage"], s["total_pages"],
-            100 * s["cache_hit_rate"], host, self._tokens_since_log / (now - self._last_log),
+            s["running_requests"],
+            s["queued_requests"],
+            100 * s["kv_usage"],
+            s["total_pages"],
+            100 * s["cache_hit_rate"],
+            host,
+            self._tokens_since_log / (now - self._last_log),
         )
         self._last_log, self._tokens_since_log = now, 0
 

@@ -1,14 +1,14 @@
 """The waiting queue: which request goes next, at a cost that does not grow with the queue.
 
-``fcfs`` admits in arrival order, ``random`` in an order drawn at arrival (SGLang's policy of
-that name shuffles its queue each round; a key drawn once costs O(log n) per request). ``lpm`` puts the requests whose prompts are cached the
-furthest first and keeps requests that share a prefix next to each other: the first one
-admitted computes the prefix, and because the scheduler publishes a chunk's pages when it
-schedules it, the ones right behind it reuse them. Among equal hits, subtrees go oldest first:
-the oldest request leads, then those sharing most with it. Requests queued for ``AGING_STEPS``
-scheduler steps or more go ahead of every younger one (lpm among themselves), so newer requests
-with better hits cannot starve a prompt with none. A retracted request goes back in front of
-every other (fcfs) or into the aged tier (lpm).
+``fcfs`` admits in arrival order, ``random`` in an order drawn at arrival (SGLang's policy of that
+name shuffles its queue each round; a key drawn once costs O(log n) per request). ``lpm`` puts the
+requests whose prompts are cached the furthest first and keeps requests that share a prefix next to
+each other: the first one admitted computes the prefix, and because the scheduler publishes a
+chunk's pages when it schedules it, the ones right behind it reuse them. Among equal hits, subtrees
+go oldest first: the oldest request leads, then those sharing most with it. Requests queued for
+``AGING_STEPS`` scheduler steps or more go ahead of every younger one (lpm among themselves), so
+newer requests with better hits cannot starve a prompt with none. A retracted request goes back in
+front of every other (fcfs) or into the aged tier (lpm).
 
 lpm keeps the waiting prompts in a trie of whole pages (the unit the cache shares), kept up to
 date as requests arrive and leave: O(prompt pages) per request. Each node knows the oldest

@@ -8,7 +8,6 @@ from typing import Any, NamedTuple
 from minisgl.kvcache import CacheHandle
 from minisgl.sampling import SamplingParams
 
-
 PromptScore = tuple[float, list[tuple[int, float]], list[float]]  # (logprob, top (id, logprob), ids' logprobs)
 
 

@@ -20,8 +20,8 @@ import logging
 import os
 import random
 import time
-from concurrent import futures
 from collections import deque
+from concurrent import futures
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -38,7 +38,7 @@ from minisgl.scheduler.decode import DecodePlanner
 from minisgl.scheduler.grammar import GrammarBackend
 from minisgl.scheduler.memory import Memory
 from minisgl.scheduler.output import apply_output
-from minisgl.scheduler.prefill import Entry, PrefillPlanner
+from minisgl.scheduler.prefill import PrefillPlanner
 from minisgl.scheduler.queue import WaitingQueue
 from minisgl.scheduler.request import Req, ReqEvent
 from minisgl.utils import cdiv, context_overflow
@@ -100,9 +100,18 @@ Inflight = tuple[list[Req], list[tuple[Req, int]], list[int], int]
 
 class Scheduler(ControlPlane):
     def __init__(
-        self, args: EngineArgs, num_pages: int, context_len: int, vocab_size: int,
-        eos_ids: list[int], executor: Executor, grammar: GrammarBackend | None = None, num_host_pages: int = 0,
-        storage_fingerprint: str = "", page_bytes: int = 0, on_gpu: bool = False,
+        self,
+        args: EngineArgs,
+        num_pages: int,
+        context_len: int,
+        vocab_size: int,
+        eos_ids: list[int],
+        executor: Executor,
+        grammar: GrammarBackend | None = None,
+        num_host_pages: int = 0,
+        storage_fingerprint: str = "",
+        page_bytes: int = 0,
+        on_gpu: bool = False,
     ):
         self.args = args
         self.page_size = args.page_size
@@ -113,10 +122,21 @@ class Scheduler(ControlPlane):
         self.overlap = not args.disable_overlap_schedule
         self.inflight: deque[Inflight] = deque()  # launched steps whose tokens are not back yet
         host = num_host_pages if args.enable_hierarchical_cache else 0
-        disk = (DiskStore(args.storage_dir, storage_fingerprint, args.tp_size)
-                if host and args.hicache_storage_backend == "file" else None)
-        self.memory = Memory(args.page_size, num_pages, args.max_running_requests, args.disable_radix_cache,
-                             host, args.hicache_write_policy, disk, page_bytes)
+        disk = (
+            DiskStore(args.storage_dir, storage_fingerprint, args.tp_size)
+            if host and args.hicache_storage_backend == "file"
+            else None
+        )
+        self.memory = Memory(
+            args.page_size,
+            num_pages,
+            args.max_running_requests,
+            args.disable_radix_cache,
+            host,
+            args.hicache_write_policy,
+            disk,
+            page_bytes,
+        )
         self.cache, self.allocator = self.memory.cache, self.memory.allocator
         # lpm without a prefix cache has no hits to order by: arrival order.
         policy = "fcfs" if args.schedule_policy == "lpm" and not self.cache.reuses_prefixes else args.schedule_policy
@@ -146,8 +166,13 @@ class Scheduler(ControlPlane):
     # ---- requests in and out -------------------------------------------------------------------
 
     def add_request(
-        self, prompt_ids: list[int], params: SamplingParams, top_logprobs: int = -1, logprob_start: int = -1,
-        logprob_ids: list[int] | None = None, cache_salt: str | None = None,
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        top_logprobs: int = -1,
+        logprob_start: int = -1,
+        logprob_ids: list[int] | None = None,
+        cache_salt: str | None = None,
     ) -> Req:
         """Validate and queue a request. Raises ValueError naming what is wrong."""
         params.validate(self.vocab_size)
@@ -163,18 +188,30 @@ class Scheduler(ControlPlane):
             raise ValueError(context_overflow(self.context_len, len(prompt_ids)))
         max_len = min(len(prompt_ids) + params.max_new_tokens, self.context_len)
         if cdiv(max_len, self.page_size) > self.allocator.num_pages:
-            raise ValueError(f"the request needs {max_len} tokens of KV cache; the pool holds "
-                             f"{self.allocator.num_pages * self.page_size}")
+            raise ValueError(
+                f"the request needs {max_len} tokens of KV cache; the pool holds "
+                f"{self.allocator.num_pages * self.page_size}"
+            )
         grammar = params.grammar
         if grammar is not None and self.grammar is None:
             raise ValueError("structured output is not available in this scheduler")
         if grammar is not None and not self.grammar.available:
-            raise ValueError(f"{grammar[0]}: structured output (json_schema, regex, ebnf, response_format, a forced "
-                             "tool_choice) needs xgrammar, which this install lacks: pip install 'minisgl[grammar]'")
+            raise ValueError(
+                f"{grammar[0]}: structured output (json_schema, regex, ebnf, response_format, a forced "
+                "tool_choice) needs xgrammar, which this install lacks: pip install 'minisgl[grammar]'"
+            )
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        req = Req(self._next_rid, list(prompt_ids), params, seed, max_len, top_logprobs,
-                  logprob_start=min(logprob_start, len(prompt_ids)),
-                  logprob_ids=list(logprob_ids or []) if top_logprobs >= 0 else [], cache_salt=cache_salt or None)
+        req = Req(
+            self._next_rid,
+            list(prompt_ids),
+            params,
+            seed,
+            max_len,
+            top_logprobs,
+            logprob_start=min(logprob_start, len(prompt_ids)),
+            logprob_ids=list(logprob_ids or []) if top_logprobs >= 0 else [],
+            cache_salt=cache_salt or None,
+        )
         self._next_rid += 1
         self._unfrozen += 1
         if self._unfrozen >= GC_FREEZE_EVERY:
@@ -239,7 +276,8 @@ class Scheduler(ControlPlane):
         collects them), and what may still be queued are writes that only fill the host tier
         (the next call's batches carry them)."""
         return not (self.waiting or self.running or self.compiling or self.memory.io_urgent) and all(
-            not sampled and not scored for sampled, scored, *_ in self.inflight)
+            not sampled and not scored for sampled, scored, *_ in self.inflight
+        )
 
     def drain(self) -> None:
         """Collect the copy-only steps still in flight, once settled (request events stay for
@@ -259,8 +297,7 @@ class Scheduler(ControlPlane):
         """Block until a grammar being compiled is done, a compile's deadline, or ``timeout``
         seconds pass."""
         until = min([r.grammar_deadline for r in self.compiling], default=0.0) - time.monotonic()
-        futures.wait([r.grammar_future for r in self.compiling], max(0.0, min(timeout, until)),
-                     futures.FIRST_COMPLETED)
+        futures.wait([r.grammar_future for r in self.compiling], max(0.0, min(timeout, until)), futures.FIRST_COMPLETED)
 
     def _abandon(self, fut: futures.Future) -> None:
         """A compile's request is gone: cancel the compile unless another request waits for it."""
@@ -280,8 +317,10 @@ class Scheduler(ControlPlane):
             if not fut.done():  # (a started compile goes on; the next request with its text waits for it)
                 self._abandon(fut)
                 kind = req.params.grammar[0]
-                req.error = (f"{kind}: the grammar did not compile within --grammar-compile-timeout-secs "
-                             f"({self.args.grammar_compile_timeout_secs:g} s)")
+                req.error = (
+                    f"{kind}: the grammar did not compile within --grammar-compile-timeout-secs "
+                    f"({self.args.grammar_compile_timeout_secs:g} s)"
+                )
                 req.finish_reason = "abort"
             else:
                 try:
@@ -304,8 +343,11 @@ class Scheduler(ControlPlane):
         if batch is None and self.memory.io_pending:  # host-tier copies (or disk writes) still to send
             batch = ForwardBatch(slots=[], cached_lens=[], new_lens=[], input_ids=[], sample=[])
         if self._retracted_tokens:  # one line per step, however many went back
-            logger.info("out of KV pages: retracted %d requests (%d tokens) to the queue",
-                        len(self._retracted_tokens), sum(self._retracted_tokens))
+            logger.info(
+                "out of KV pages: retracted %d requests (%d tokens) to the queue",
+                len(self._retracted_tokens),
+                sum(self._retracted_tokens),
+            )
             self._retracted_tokens = []
         got: list[Req] = []
         if batch is not None:
@@ -319,12 +361,20 @@ class Scheduler(ControlPlane):
                 # device work is done or nearly; this batch's forward runs meanwhile).
                 while len(self.inflight) > 1:
                     got += self._process(self.inflight.popleft())
-                self.executor.sample_masked(self.grammar.bitmask(
-                    [(sampled[i].matcher, sampled[i].params.json_schema is not None) for i in batch.mask_rows]))
+                self.executor.sample_masked(
+                    self.grammar.bitmask(
+                        [(sampled[i].matcher, sampled[i].params.json_schema is not None) for i in batch.mask_rows]
+                    )
+                )
             logger.debug(
                 "step %d: %s batch of %d requests, %d tokens; %d running, %d queued, %d free pages",
-                self.counters.steps, "decode" if decode else "prefill", len(batch.slots),
-                len(batch.input_ids), len(self.running), len(self.waiting), self.allocator.num_free,
+                self.counters.steps,
+                "decode" if decode else "prefill",
+                len(batch.slots),
+                len(batch.input_ids),
+                len(self.running),
+                len(self.waiting),
+                self.allocator.num_free,
             )
             self.counters.steps += 1
         if len(self.inflight) > (1 if self.overlap and batch is not None else 0):

@@ -67,8 +67,10 @@ class WorkerGroup(WorkerLink):
         addrs = Addresses.make()
         super().__init__(addrs, args.tp_size)
         ctx = mp.get_context("spawn")
-        self.procs = [ctx.Process(target=run_worker_process, args=(args, rank, addrs, log_level), name=f"worker-{rank}")
-                      for rank in range(args.tp_size)]
+        self.procs = [
+            ctx.Process(target=run_worker_process, args=(args, rank, addrs, log_level), name=f"worker-{rank}")
+            for rank in range(args.tp_size)
+        ]
         for p in self.procs:
             p.start()
         self._stop = weakref.finalize(self, stop_processes, self.procs)  # on close, collection or exit

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from minisgl.api.tool_calls import QWEN_OPEN, QWEN_CLOSE
+from minisgl.api.tool_calls import QWEN_CLOSE, QWEN_OPEN
 
 # Seconds one conversation may take to render. The template is the checkpoint's, but clients set
 # its variables and messages, and a loop over them could hold the one process every request needs.
@@ -48,8 +48,10 @@ def _time_bound(seconds: float) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
-_PROBE_TOOL = {"type": "function", "function": {"name": "probe_tool_7f3a", "description": "d",
-                                                "parameters": {"type": "object", "properties": {}}}}
+_PROBE_TOOL = {
+    "type": "function",
+    "function": {"name": "probe_tool_7f3a", "description": "d", "parameters": {"type": "object", "properties": {}}},
+}
 
 
 def _template_text(tokenizer: Any) -> str:
@@ -62,8 +64,9 @@ def renders_tools(tokenizer: Any) -> bool:
     known = getattr(tokenizer, "_minisgl_renders_tools", None)
     if known is None:
         try:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=[_PROBE_TOOL],
-                                                 tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": "hi"}], tools=[_PROBE_TOOL], tokenize=False, add_generation_prompt=True
+            )
             known = "probe_tool_7f3a" in text
         except Exception:  # a template that chokes on tools does not render them
             known = False
@@ -92,9 +95,11 @@ def detect_tool_parser(tokenizer: Any) -> str | None:
 
 def _tools_prompt(tools: list[dict[str, Any]]) -> str:
     lines = "\n".join(json.dumps(t.get("function", t)) for t in tools)
-    return ("You can call functions to answer. They are described by these JSON schemas:\n<tools>\n"
-            f"{lines}\n</tools>\nTo call one or more, answer only with one block per call, each like this:\n"
-            f'{QWEN_OPEN}\n{{"name": "<function name>", "arguments": {{<arguments as JSON>}}}}\n{QWEN_CLOSE}')
+    return (
+        "You can call functions to answer. They are described by these JSON schemas:\n<tools>\n"
+        f"{lines}\n</tools>\nTo call one or more, answer only with one block per call, each like this:\n"
+        f'{QWEN_OPEN}\n{{"name": "<function name>", "arguments": {{<arguments as JSON>}}}}\n{QWEN_CLOSE}'
+    )
 
 
 def _spelled_out(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
@@ -105,8 +110,11 @@ def _spelled_out(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | N
         m = dict(m)
         calls = m.pop("tool_calls", None)
         if calls:
-            blocks = [f"{QWEN_OPEN}\n{json.dumps({'name': c['function']['name'], 'arguments': c['function']['arguments']})}"
-                      f"\n{QWEN_CLOSE}" for c in calls]
+            blocks = [
+                f"{QWEN_OPEN}\n{json.dumps({'name': c['function']['name'], 'arguments': c['function']['arguments']})}"
+                f"\n{QWEN_CLOSE}"
+                for c in calls
+            ]
             m["content"] = "\n".join(([m["content"]] if m.get("content") else []) + blocks)
         out.append(m)
     if tools:
@@ -117,8 +125,13 @@ def _spelled_out(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | N
     return out
 
 
-def encode_chat(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                template_kwargs: dict[str, Any] | None = None, timeout: float = RENDER_TIMEOUT_S) -> list[int]:
+def encode_chat(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+    timeout: float = RENDER_TIMEOUT_S,
+) -> list[int]:
     """Token ids of a conversation ready for the assistant's turn (the template adds any special
     tokens itself). A call's arguments are given to the template as an object, as templates
     expect; a tool message's content stays text. Rendering longer than ``timeout`` seconds raises

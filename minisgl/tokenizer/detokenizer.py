@@ -90,8 +90,12 @@ class StopStringFilter:
             try:
                 m = compiled.search(self._tail + buf, timeout=REGEX_TIMEOUT_S)
             except TimeoutError:  # a pattern that backtracks without end: it stops nothing
-                logger.warning("stop_regex %r took over %g s on %d characters: no longer searched",
-                               pattern, REGEX_TIMEOUT_S, len(self._tail) + len(buf))
+                logger.warning(
+                    "stop_regex %r took over %g s on %d characters: no longer searched",
+                    pattern,
+                    REGEX_TIMEOUT_S,
+                    len(self._tail) + len(buf),
+                )
                 self.regexes.remove((pattern, compiled))
                 continue
             if m is not None and (not hits or m.end() - len(self._tail) <= at):
@@ -111,16 +115,21 @@ class StopStringFilter:
 class TextStream:
     """One request's output text: detokenized incrementally, cut at its first stop string."""
 
-    def __init__(self, tokenizer: Any, stops: list[str], skip_special_tokens: bool = True, keep_stop: bool = False,
-                 stop_regexes: list[str] | None = None):
+    def __init__(
+        self,
+        tokenizer: Any,
+        stops: list[str],
+        skip_special_tokens: bool = True,
+        keep_stop: bool = False,
+        stop_regexes: list[str] | None = None,
+    ):
         self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
         self.stops = StopStringFilter(stops, keep_stop, stop_regexes)
 
     @classmethod
     def of(cls, tokenizer: Any, params: SamplingParams) -> TextStream:
         """The stream a request's sampling parameters ask for (stops, special tokens, trimming)."""
-        return cls(tokenizer, params.stop_strings, params.skip_special_tokens, params.no_stop_trim,
-                   params.stop_regexes)
+        return cls(tokenizer, params.stop_strings, params.skip_special_tokens, params.no_stop_trim, params.stop_regexes)
 
     def add(self, ids: list[int], final: bool = False) -> str:
         """New text safe to show; ``final`` flushes everything held back."""

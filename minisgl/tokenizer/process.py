@@ -16,8 +16,20 @@ import zmq
 
 from minisgl.ipc import Addresses, Receiver, Sender, become_child
 from minisgl.messages import (
-    AbortReq, ControlReply, ControlReq, EngineInfo, GenerateBatch, GenerateReq, ReqUpdate, TokenBatch, TokenizedBatch,
-    TokenizedReq, TokenLogprob, TokenOut, ToTokenizer, UpdateBatch,
+    AbortReq,
+    ControlReply,
+    ControlReq,
+    EngineInfo,
+    GenerateBatch,
+    GenerateReq,
+    ReqUpdate,
+    TokenBatch,
+    TokenizedBatch,
+    TokenizedReq,
+    TokenLogprob,
+    TokenOut,
+    ToTokenizer,
+    UpdateBatch,
 )
 from minisgl.tokenizer import load_tokenizer
 from minisgl.tokenizer.chat import detect_tool_parser, encode_chat
@@ -52,7 +64,11 @@ class RequestState:
         return decode_ids(self.tokenizer, [token], skip_special_tokens=False) if self.tokenizer is not None else ""
 
     def _logprob(
-        self, token: int, logprob: float | None, top_ids: list[int], top_logprobs: list[float],
+        self,
+        token: int,
+        logprob: float | None,
+        top_ids: list[int],
+        top_logprobs: list[float],
         id_logprobs: list[float] | None = None,
     ) -> TokenLogprob:
         """One position's logprob entry: its token, top tokens and requested ids with their texts."""
@@ -63,8 +79,13 @@ class RequestState:
     def update(self, out: TokenOut) -> ReqUpdate:
         """Turn the scheduler's new tokens into an update; a matched stop string finishes it."""
         final = out.finish_reason is not None
-        upd = ReqUpdate(self.rid, token_ids=out.tokens, finish_reason=out.finish_reason,
-                        prompt_tokens=self.prompt_tokens, cached_tokens=out.cached_tokens)
+        upd = ReqUpdate(
+            self.rid,
+            token_ids=out.tokens,
+            finish_reason=out.finish_reason,
+            prompt_tokens=self.prompt_tokens,
+            cached_tokens=out.cached_tokens,
+        )
         if self.text is not None:
             upd.text = self.text.add(out.tokens, final)
             if self.text.stopped:
@@ -82,10 +103,18 @@ class RequestState:
         first (the request was accepted) and the last go at once."""
         if self.held is not None:
             h = self.held
-            upd = ReqUpdate(self.rid, text=h.text + upd.text, token_ids=h.token_ids + upd.token_ids,
-                            logprobs=h.logprobs + upd.logprobs, finish_reason=upd.finish_reason,
-                            prompt_tokens=upd.prompt_tokens, cached_tokens=upd.cached_tokens, error=upd.error,
-                            matched=upd.matched, input_logprobs=h.input_logprobs + upd.input_logprobs)
+            upd = ReqUpdate(
+                self.rid,
+                text=h.text + upd.text,
+                token_ids=h.token_ids + upd.token_ids,
+                logprobs=h.logprobs + upd.logprobs,
+                finish_reason=upd.finish_reason,
+                prompt_tokens=upd.prompt_tokens,
+                cached_tokens=upd.cached_tokens,
+                error=upd.error,
+                matched=upd.matched,
+                input_logprobs=h.input_logprobs + upd.input_logprobs,
+            )
         if upd.finish_reason is None and 0 < len(upd.token_ids) < self.interval:
             self.held = upd
             return None
@@ -98,15 +127,23 @@ class RequestState:
         entries = [self._logprob(ids[0], None, [], [])] if self.logprob_start == 0 else []
         for k, lp in enumerate(out.input_logprobs):
             tops = (out.input_top_ids[k], out.input_top_logprobs[k]) if out.input_top_ids else ([], [])
-            entries.append(self._logprob(ids[first + k], lp, *tops,
-                                         out.input_id_logprobs[k] if out.input_id_logprobs else None))
+            entries.append(
+                self._logprob(ids[first + k], lp, *tops, out.input_id_logprobs[k] if out.input_id_logprobs else None)
+            )
         self.prompt_ids = []  # sent once
         return entries
 
 
 class TokenizerProcess:
-    def __init__(self, addrs: Addresses, tokenizer_path: str | None, chat_template: str | None = None,
-                 stream_interval: int = 1, tool_call_parser: str | None = None, skip_init: bool = False):
+    def __init__(
+        self,
+        addrs: Addresses,
+        tokenizer_path: str | None,
+        chat_template: str | None = None,
+        stream_interval: int = 1,
+        tool_call_parser: str | None = None,
+        skip_init: bool = False,
+    ):
         ctx = zmq.Context()
         self.inbox: Receiver[ToTokenizer] = Receiver(ctx, addrs.tokenizer, ToTokenizer)
         self.api = Sender(ctx, addrs.api)
@@ -139,8 +176,11 @@ class TokenizerProcess:
                     self.tokenizer = load_tokenizer(self.tokenizer_path or msg.model_path, self.chat_template)
                 parser = self.tool_call_parser or detect_tool_parser(self.tokenizer)
                 if parser is not None and self.tokenizer is not None:
-                    logger.info("tool calls are read in the %s format%s", parser,
-                                "" if self.tool_call_parser else " (from the chat template; --tool-call-parser sets it)")
+                    logger.info(
+                        "tool calls are read in the %s format%s",
+                        parser,
+                        "" if self.tool_call_parser else " (from the chat template; --tool-call-parser sets it)",
+                    )
                 self.info = msgspec.structs.replace(msg, tool_call_parser=parser)
                 self.launcher.send(self.info)
 
@@ -153,8 +193,10 @@ class TokenizerProcess:
         chars = len(req.text or "") + sum(len(m.content) for m in req.messages or [])
         chars += len(msgspec.json.encode(req.tools)) if req.tools else 0
         if chars > MAX_CHARS_PER_TOKEN * self.info.context_len:
-            raise ValueError(f"the prompt has {chars} characters, more than the context length of "
-                             f"{self.info.context_len} tokens can hold")
+            raise ValueError(
+                f"the prompt has {chars} characters, more than the context length of "
+                f"{self.info.context_len} tokens can hold"
+            )
         if self.tokenizer is None:
             why = "the server runs with --skip-tokenizer-init" if self.skip_init else "this model has no tokenizer"
             raise ValueError(f"{why}: send input_ids instead of text")
@@ -193,8 +235,11 @@ class TokenizerProcess:
                 refused.append(ReqUpdate(req.rid, error=f"tokenization failed: {e}"))
                 continue
             self.reqs[req.rid] = RequestState(req, ids, self.tokenizer, self.stream_interval)
-            accepted.append(TokenizedReq(req.rid, ids, req.sampling, req.top_logprobs, req.logprob_start,
-                                         req.logprob_ids, req.cache_salt))
+            accepted.append(
+                TokenizedReq(
+                    req.rid, ids, req.sampling, req.top_logprobs, req.logprob_start, req.logprob_ids, req.cache_salt
+                )
+            )
         if refused:
             self.api.send(UpdateBatch(refused))
         if accepted:
@@ -230,8 +275,13 @@ class TokenizerProcess:
 
 
 def run_tokenizer(
-    addrs: Addresses, tokenizer_path: str | None, log_level: str, chat_template: str | None = None,
-    stream_interval: int = 1, tool_call_parser: str | None = None, skip_init: bool = False,
+    addrs: Addresses,
+    tokenizer_path: str | None,
+    log_level: str,
+    chat_template: str | None = None,
+    stream_interval: int = 1,
+    tool_call_parser: str | None = None,
+    skip_init: bool = False,
 ) -> None:
     """Process entry point (spawned by the launcher)."""
     become_child()

@@ -44,8 +44,11 @@ def batch_sizes(max_bs: int) -> list[int]:
 def with_requests(batch: ForwardBatch, extra: ForwardBatch) -> ForwardBatch:
     """``batch`` with ``extra``'s requests after its own (the padding of a captured size)."""
     return msgspec.structs.replace(
-        batch, slots=batch.slots + extra.slots, cached_lens=batch.cached_lens + extra.cached_lens,
-        new_lens=batch.new_lens + extra.new_lens, input_ids=batch.input_ids + extra.input_ids,
+        batch,
+        slots=batch.slots + extra.slots,
+        cached_lens=batch.cached_lens + extra.cached_lens,
+        new_lens=batch.new_lens + extra.new_lens,
+        input_ids=batch.input_ids + extra.input_ids,
         sample=batch.sample + extra.sample,
     )
 
@@ -135,8 +138,13 @@ class CudaGraphRunner:
             pool = graph.pool()
             self.graphs[size, cascade] = graph
         torch.cuda.synchronize()
-        logger.info("captured %d CUDA graphs (batch sizes up to %d%s) in %.1f s", len(keys), self.max_bs,
-                    ", plain and cascade" if self.cascade else "", time.perf_counter() - start)
+        logger.info(
+            "captured %d CUDA graphs (batch sizes up to %d%s) in %.1f s",
+            len(keys),
+            self.max_bs,
+            ", plain and cascade" if self.cascade else "",
+            time.perf_counter() - start,
+        )
 
     def _fits(self, size: int, groups: int = 1) -> bool:
         """Whether the cascade graph of this size exists and has room for ``groups`` groups."""

@@ -86,8 +86,10 @@ class MemorySaver:
         if cuda:
             torch.cuda.empty_cache()
             freed = before - torch.cuda.memory_reserved(runner.device)
-        return f"released {', '.join(sorted(tags)) or 'nothing'} ({freed / 2**30:.2f} GiB) in " \
-               f"{time.perf_counter() - start:.2f} s"
+        return (
+            f"released {', '.join(sorted(tags)) or 'nothing'} ({freed / 2**30:.2f} GiB) in "
+            f"{time.perf_counter() - start:.2f} s"
+        )
 
     def resume(self, tags: list[str]) -> str:
         """Take the memory of ``tags`` again; graphs are captured again once nothing is left out."""

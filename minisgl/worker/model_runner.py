@@ -28,12 +28,12 @@ from minisgl.config import ModelConfig
 from minisgl.distributed import get_tp_info, init_fused_all_reduce_norm, init_one_shot_all_reduce
 from minisgl.kvcache import HostKVPool, MHAKVCache
 from minisgl.kvcache.disk_store import DiskStore, fingerprint
+from minisgl.layers.quantization import FP8, parse_kv_cache_dtype
 from minisgl.messages import ForwardBatch, MemoryOccupation, NewRequest, StepOutput, WorkerReply, WorkerTask
 from minisgl.models.loader import load_model
 from minisgl.models.locate import resolve_model_path
 from minisgl.sampling import SampleOutput, Sampler, SamplingParams
 from minisgl.sampling.sampler import SAMPLE_BLOCK
-from minisgl.layers.quantization import FP8, parse_kv_cache_dtype
 from minisgl.utils import cdiv, resolve_device, resolve_dtype
 
 if TYPE_CHECKING:
@@ -89,8 +89,15 @@ class ModelRunner:
         self.num_kv_heads = max(1, self.config.num_kv_heads // tp.size)
         self.num_qo_heads = self.config.num_heads // tp.size
         self.model = load_model(
-            self.model_dir, self.config, self.dtype, self.device, self.context_len, args.load_format, args.seed,
-            args.quantization, args.quantize_lm_head,
+            self.model_dir,
+            self.config,
+            self.dtype,
+            self.device,
+            self.context_len,
+            args.load_format,
+            args.seed,
+            args.quantization,
+            args.quantize_lm_head,
         )
         self.vocab_size = self.config.vocab_size
         self.pending: deque[_Pending] = deque()
@@ -105,8 +112,13 @@ class ModelRunner:
         self._set_kv_scales()
         self.page_table_host[self.pad_slot] = self.num_pages
         self.attn = create_backend(
-            args.attention_backend, self.kv_cache, self.num_qo_heads, self.num_kv_heads, self.config.head_dim,
-            args.decode_attention_backend, self.dtype,
+            args.attention_backend,
+            self.kv_cache,
+            self.num_qo_heads,
+            self.num_kv_heads,
+            self.config.head_dim,
+            args.decode_attention_backend,
+            self.dtype,
         )
         self.host_pool = self._make_host_pool() if args.enable_hierarchical_cache else None
         self.num_host_pages = self.host_pool.num_pages if self.host_pool is not None else 0
@@ -118,7 +130,11 @@ class ModelRunner:
         self.memory_saver = None
         logger.info(
             "KV cache: %d pages x %d tokens (%.2f GiB, %s) on %s",
-            self.num_pages, self.page_size, self.kv_cache.buffer.nbytes / 2**30, self.kv_dtype, self.device,
+            self.num_pages,
+            self.page_size,
+            self.kv_cache.buffer.nbytes / 2**30,
+            self.kv_dtype,
+            self.device,
         )
 
     # ---- set-up -------------------------------------------------------------------------------
@@ -127,8 +143,12 @@ class ModelRunner:
         """Whether steps may replay CUDA graphs: on a GPU, unless turned off, with a backend that
         can be captured."""
         args = self.args
-        return (self.device.type == "cuda" and args.cuda_graph_max_bs != 0 and not args.disable_cuda_graph
-                and self.attn.supports_cuda_graph)
+        return (
+            self.device.type == "cuda"
+            and args.cuda_graph_max_bs != 0
+            and not args.disable_cuda_graph
+            and self.attn.supports_cuda_graph
+        )
 
     def capture_graphs(self) -> bool:
         """Capture the decode graphs and the piecewise prefill graphs (where enabled); returns
@@ -174,8 +194,13 @@ class ModelRunner:
 
     def _make_cache(self, num_pages: int) -> MHAKVCache:
         return MHAKVCache(
-            num_pages, self.page_size, self.config.num_layers, self.num_kv_heads,
-            self.config.head_dim, self.kv_dtype, self.device,
+            num_pages,
+            self.page_size,
+            self.config.num_layers,
+            self.num_kv_heads,
+            self.config.head_dim,
+            self.kv_dtype,
+            self.device,
         )
 
     def _make_host_pool(self) -> HostKVPool:
@@ -198,8 +223,12 @@ class ModelRunner:
             disk = DiskStore(self.args.storage_dir, self.storage_fingerprint, get_tp_info().size)
             logger.info("hierarchical cache storage: %s", disk.folder)
         pool = HostKVPool(num_pages, self.kv_cache, self.args.hicache_io_backend, disk, get_tp_info().rank)
-        logger.info("hierarchical cache: %d host pages (%.2f GiB, %s copies)", num_pages, pool.nbytes / 2**30,
-                    self.args.hicache_io_backend if self.device.type == "cuda" else "torch")
+        logger.info(
+            "hierarchical cache: %d host pages (%.2f GiB, %s copies)",
+            num_pages,
+            pool.nbytes / 2**30,
+            self.args.hicache_io_backend if self.device.type == "cuda" else "torch",
+        )
         return pool
 
     @property
@@ -207,10 +236,19 @@ class ModelRunner:
         """What this rank's KV page bytes mean: files written under it are only read back by a
         server with the same model, weights, layout and dtype."""
         a, c = self.args, self.config
-        return fingerprint(model=str(self.model_dir), load_format=a.load_format, quantization=a.quantization,
-                           dummy_seed=a.seed if a.load_format == "dummy" else None, dtype=str(self.dtype),
-                           kv_dtype=str(self.kv_dtype), page_size=self.page_size, layers=c.num_layers,
-                           kv_heads=self.num_kv_heads, head_dim=c.head_dim, tp=get_tp_info().size)
+        return fingerprint(
+            model=str(self.model_dir),
+            load_format=a.load_format,
+            quantization=a.quantization,
+            dummy_seed=a.seed if a.load_format == "dummy" else None,
+            dtype=str(self.dtype),
+            kv_dtype=str(self.kv_dtype),
+            page_size=self.page_size,
+            layers=c.num_layers,
+            kv_heads=self.num_kv_heads,
+            head_dim=c.head_dim,
+            tp=get_tp_info().size,
+        )
 
     def _set_kv_scales(self) -> None:
         """An fp8 cache takes the checkpoint's per-layer K and V scales (1.0 where it has none)."""
@@ -219,8 +257,9 @@ class ModelRunner:
             if found:
                 logger.info("the checkpoint's KV cache scales are unused: the cache is %s", self.kv_dtype)
             return
-        self.kv_cache.scales = [(found.get(i, {}).get("k", 1.0), found.get(i, {}).get("v", 1.0))
-                                for i in range(self.config.num_layers)]
+        self.kv_cache.scales = [
+            (found.get(i, {}).get("k", 1.0), found.get(i, {}).get("v", 1.0)) for i in range(self.config.num_layers)
+        ]
         logger.info("fp8 KV cache, %s", "the checkpoint's scales" if found else "scales 1.0")
 
     @property
@@ -239,7 +278,11 @@ class ModelRunner:
             tokens = min(tokens, CPU_WARMUP_TOKENS)
         self.kv_cache = self._make_cache(cdiv(tokens, self.page_size))
         self.attn = create_backend(
-            self.args.attention_backend, self.kv_cache, self.num_qo_heads, self.num_kv_heads, self.config.head_dim,
+            self.args.attention_backend,
+            self.kv_cache,
+            self.num_qo_heads,
+            self.num_kv_heads,
+            self.config.head_dim,
             dtype=self.dtype,
         )
         cuda = self.device.type == "cuda"
@@ -265,8 +308,9 @@ class ModelRunner:
             # not give gigabytes to it by default (--max-total-tokens asks for more).
             context = cdiv(self.context_len, self.page_size) * bytes_per_page
             laptop = max(CPU_KV_BYTES, context)  # at least one full-context request fits
-            budget = min(_available_host_bytes() * self.args.mem_fraction_static * 0.5, self.args.running_limit * context,
-                         laptop)
+            budget = min(
+                _available_host_bytes() * self.args.mem_fraction_static * 0.5, self.args.running_limit * context, laptop
+            )
         num_pages = int(budget // bytes_per_page)
         if get_tp_info().size > 1:  # every rank must hold the same pages: take the smallest budget
             n = torch.tensor([num_pages], device=self.device)
@@ -284,8 +328,14 @@ class ModelRunner:
         pages = cdiv(tokens, self.page_size)
         rows = self.max_slots  # the sampler works in blocks of at most this many rows
         batch = ForwardBatch(
-            slots=[0], cached_lens=[0], new_lens=[tokens], input_ids=[0] * tokens, sample=[True],
-            table_slots=[0] * pages, table_cols=list(range(pages)), table_pages=list(range(pages)),
+            slots=[0],
+            cached_lens=[0],
+            new_lens=[tokens],
+            input_ids=[0] * tokens,
+            sample=[True],
+            table_slots=[0] * pages,
+            table_cols=list(range(pages)),
+            table_pages=list(range(pages)),
         )
         self.forward(batch)
         peak = torch.cuda.max_memory_allocated() if self.device.type == "cuda" else 0
@@ -307,8 +357,17 @@ class ModelRunner:
 
     def add_requests(self, reqs: list[NewRequest]) -> None:
         for r in reqs:
-            self.sampler.set_request(r.slot, r.sampling, r.prompt_ids, r.output_ids, r.seed, r.top_logprobs,
-                                     r.prompt_len, r.ban_ids, r.logprob_ids)
+            self.sampler.set_request(
+                r.slot,
+                r.sampling,
+                r.prompt_ids,
+                r.output_ids,
+                r.seed,
+                r.top_logprobs,
+                r.prompt_len,
+                r.ban_ids,
+                r.logprob_ids,
+            )
 
     def _metadata(self, batch: ForwardBatch) -> tuple[AttentionMetadata, torch.Tensor]:
         """Apply page-table writes and build positions, inputs and KV slots for the new tokens."""
@@ -329,9 +388,14 @@ class ModelRunner:
         positions_t, token_slots_t, input_ids, out_loc_t = host.to(dev, non_blocking=True)
         input_ids = torch.where(input_ids < 0, self.last_token[token_slots_t], input_ids)
         meta = AttentionMetadata(
-            slots=batch.slots, cached_lens=batch.cached_lens, new_lens=batch.new_lens,
-            page_table_host=self.page_table_host, positions=positions_t, out_loc=out_loc_t,
-            group_sizes=batch.group_sizes, group_pages=batch.group_pages,
+            slots=batch.slots,
+            cached_lens=batch.cached_lens,
+            new_lens=batch.new_lens,
+            page_table_host=self.page_table_host,
+            positions=positions_t,
+            out_loc=out_loc_t,
+            group_sizes=batch.group_sizes,
+            group_pages=batch.group_pages,
         )
         return meta, input_ids
 
@@ -348,9 +412,13 @@ class ModelRunner:
     def _copies(self, batch: ForwardBatch) -> None:
         """The batch's host-tier copies (and disk reads and writes), queued before its forward."""
         if batch.kv_writes or batch.kv_loads or batch.disk_read_keys or batch.disk_write_keys:
-            self._events = self.host_pool.transfer(self.kv_cache, batch.kv_writes, batch.kv_loads,
-                                                   (batch.disk_read_keys, batch.disk_read_pages),
-                                                   (batch.disk_write_keys, batch.disk_write_pages))
+            self._events = self.host_pool.transfer(
+                self.kv_cache,
+                batch.kv_writes,
+                batch.kv_loads,
+                (batch.disk_read_keys, batch.disk_read_pages),
+                (batch.disk_write_keys, batch.disk_write_pages),
+            )
             self._io_event = self._events[-1] if self._events else None
         if batch.wait_kv_io:  # (the copies may be an earlier step's: the stream runs them in order)
             self.kv_cache.layer_events = self._events
@@ -379,8 +447,12 @@ class ModelRunner:
         """Prompt logprobs: each score row's log-probability of its score id, and the top ones."""
         rows = torch.tensor(batch.score_rows, dtype=torch.int64).to(self.device, non_blocking=True)
         ids = torch.tensor(batch.score_ids, dtype=torch.int64).to(self.device, non_blocking=True)
-        parts: dict[str, list[torch.Tensor]] = {"score_logprobs": [], "score_top_logprobs": [], "score_top_ids": [],
-                                                "score_id_logprobs": []}
+        parts: dict[str, list[torch.Tensor]] = {
+            "score_logprobs": [],
+            "score_top_logprobs": [],
+            "score_top_ids": [],
+            "score_id_logprobs": [],
+        }
         wanted = None
         if batch.score_logprob_ids:
             wanted = torch.tensor(batch.score_logprob_ids, dtype=torch.int64).to(self.device, non_blocking=True)
@@ -419,13 +491,16 @@ class ModelRunner:
         words = torch.frombuffer(bytearray(bitmask), dtype=torch.int32).view(len(batch.mask_rows), -1)
         self._sample(batch, logits, (batch.mask_rows, words))
 
-    def _sample(self, batch: ForwardBatch, logits: torch.Tensor,
-                masks: tuple[list[int], torch.Tensor] | None = None) -> None:
+    def _sample(
+        self, batch: ForwardBatch, logits: torch.Tensor, masks: tuple[list[int], torch.Tensor] | None = None
+    ) -> None:
         chosen = np.asarray(batch.sample, dtype=bool)
         slots = np.asarray(batch.slots, dtype=np.int64)[chosen]
         out = SampleOutput(tokens=None)
         if len(slots):
-            seq_lens = (np.asarray(batch.cached_lens, dtype=np.int64) + np.asarray(batch.new_lens, dtype=np.int64))[chosen]
+            seq_lens = (np.asarray(batch.cached_lens, dtype=np.int64) + np.asarray(batch.new_lens, dtype=np.int64))[
+                chosen
+            ]
             head = self.model.lm_head
             if masks is None and self.sampler.plain_greedy(slots, seq_lens):
                 out = SampleOutput(tokens=head.greedy(logits))
@@ -434,7 +509,9 @@ class ModelRunner:
             self.last_token[torch.from_numpy(slots).to(self.device, non_blocking=True)] = out.tokens
         self.pending.append(self._to_host(out, slots, self._scores if batch.score_rows else {}, batch.score_top))
 
-    def _to_host(self, out: SampleOutput, slots: np.ndarray, scores: dict[str, torch.Tensor], score_top: int) -> _Pending:
+    def _to_host(
+        self, out: SampleOutput, slots: np.ndarray, scores: dict[str, torch.Tensor], score_top: int
+    ) -> _Pending:
         """Start copying the sampled values (and prompt scores) to (pinned) host memory; an
         event marks the end."""
         on_gpu = self.device.type == "cuda"
@@ -451,8 +528,9 @@ class ModelRunner:
         ids = [self.sampler.h_ids[s] for s in slots.tolist()] if out.id_union else None
         top_n = self.sampler.h_top_n[slots]
         io_event, self._io_event = self._io_event, None
-        return _Pending(top_n.tolist() if (top_n >= 0).any() else [], host, event, score_top, io_event, ids,
-                        out.id_union)
+        return _Pending(
+            top_n.tolist() if (top_n >= 0).any() else [], host, event, score_top, io_event, ids, out.id_union
+        )
 
     def oldest_done(self) -> bool:
         """Whether ``collect`` would return without waiting."""

@@ -67,8 +67,7 @@ class PiecewiseGraphRunner:
 
     def can_run(self, batch: ForwardBatch) -> bool:
         """A prefill step (some request has several new tokens) that fits the largest size."""
-        return (sum(batch.new_lens) <= self.max_tokens and max(batch.new_lens, default=1) > 1
-                and not batch.group_sizes)
+        return sum(batch.new_lens) <= self.max_tokens and max(batch.new_lens, default=1) > 1 and not batch.group_sizes
 
     def _padding(self, tokens: int) -> ForwardBatch:
         """``tokens`` tokens on the padding slot, as requests of at most a context each (the
@@ -88,8 +87,15 @@ class PiecewiseGraphRunner:
 
     def _piece(self, i: int, size: int) -> None:
         inputs = self.inputs
-        self.model.piece(i, inputs.input_ids[:size], inputs.positions[:size], self.attn[:size],
-                         self.residual[:size], self.q[:size], self.hidden[:size])
+        self.model.piece(
+            i,
+            inputs.input_ids[:size],
+            inputs.positions[:size],
+            self.attn[:size],
+            self.residual[:size],
+            self.q[:size],
+            self.hidden[:size],
+        )
 
     def _run(self, tokens: int, size: int, graphs: list[torch.cuda.CUDAGraph] | None) -> None:
         """Every piece (replayed, or run eagerly without ``graphs``) with each layer's attention
@@ -137,5 +143,11 @@ class PiecewiseGraphRunner:
                 graphs.append(graph)
             self.graphs[size] = graphs
         torch.cuda.synchronize()
-        logger.info("captured %d prefill CUDA graphs (%d pieces x %d sizes up to %d tokens) in %.1f s",
-                    pieces * len(self.sizes), pieces, len(self.sizes), self.max_tokens, time.perf_counter() - start)
+        logger.info(
+            "captured %d prefill CUDA graphs (%d pieces x %d sizes up to %d tokens) in %.1f s",
+            pieces * len(self.sizes),
+            pieces,
+            len(self.sizes),
+            self.max_tokens,
+            time.perf_counter() - start,
+        )

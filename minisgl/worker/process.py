@@ -1,11 +1,11 @@
 """GPU-worker process: one per tensor-parallel rank. Receives ForwardBatch messages from the
 scheduler, runs them on its ModelRunner, and (rank 0 only) sends back the sampled tokens.
 
-While a step runs the worker spins between its socket and the step's CUDA event, so a batch
-that arrives meanwhile is launched behind it with no gap. Sampled tokens stay on the device as each slot's ``last_token``, so the scheduler never has to
-send decode inputs back; all ranks sample identically (the same all-reduced argmax in greedy
-steps, else the same logits after the all-gather and the same counter-based noise), so only
-rank 0 reports.
+While a step runs the worker spins between its socket and the step's CUDA event, so a batch that
+arrives meanwhile is launched behind it with no gap. Sampled tokens stay on the device as each
+slot's ``last_token``, so the scheduler never has to send decode inputs back; all ranks sample
+identically (the same all-reduced argmax in greedy steps, else the same logits after the all-gather
+and the same counter-based noise), so only rank 0 reports.
 """
 
 from __future__ import annotations
@@ -50,15 +50,22 @@ def run_worker(args: EngineArgs, rank: int, addrs: Addresses, log_level: str) ->
     inbox: Receiver[ToWorker] = Receiver(ctx, addrs.worker(rank), ToWorker, bind=not remote)
     outbox = Sender(ctx, addrs.worker_out) if rank == 0 else None
     if outbox is not None:
-        outbox.send(EngineInfo(
-            model_path=str(runner.model_dir), num_pages=runner.num_pages, page_size=runner.page_size,
-            context_len=runner.context_len, vocab_size=runner.vocab_size,
-            max_running_requests=args.max_running_requests, kv_cache_dtype=str(runner.kv_dtype).removeprefix("torch."),
-            kv_bytes_per_token=runner.kv_bytes_per_page // runner.page_size,
-            quantization=runner.config.quant.source if runner.config.quant is not None else None,
-            num_host_pages=runner.num_host_pages, storage_fingerprint=runner.storage_fingerprint,
-            device=runner.device.type,
-        ))
+        outbox.send(
+            EngineInfo(
+                model_path=str(runner.model_dir),
+                num_pages=runner.num_pages,
+                page_size=runner.page_size,
+                context_len=runner.context_len,
+                vocab_size=runner.vocab_size,
+                max_running_requests=args.max_running_requests,
+                kv_cache_dtype=str(runner.kv_dtype).removeprefix("torch."),
+                kv_bytes_per_token=runner.kv_bytes_per_page // runner.page_size,
+                quantization=runner.config.quant.source if runner.config.quant is not None else None,
+                num_host_pages=runner.num_host_pages,
+                storage_fingerprint=runner.storage_fingerprint,
+                device=runner.device.type,
+            )
+        )
     profiler = StepProfiler(rank, runner.device)
     while True:
         # Launch every batch as soon as it arrives (the scheduler sends step N+1 while step N

@@ -63,7 +63,8 @@ class StepProfiler:
         busy = sum(e.self_device_time_total for e in events) / 1e6
         head = f"{self.steps} steps in {wall:.3f} s wall"
         head += f"; kernels {busy:.3f} s (device busy {busy / wall:.0%})\n" if on_gpu else "\n"
-        table = events.table(sort_by="self_cuda_time_total" if on_gpu else "self_cpu_time_total",
-                             row_limit=40, max_name_column_width=90)
+        table = events.table(
+            sort_by="self_cuda_time_total" if on_gpu else "self_cpu_time_total", row_limit=40, max_name_column_width=90
+        )
         Path(path + ".txt").write_text(head + table)
         logger.info("profile of rank %d: %s; written to %s.trace.json.gz and .txt", self.rank, head.strip(), path)

@@ -23,12 +23,21 @@ import torch
 LOAD_FORMATS = ("direct", "flattened_bucket")
 
 _REBUILDERS = {
-    "rebuild_cuda_tensor", "rebuild_tensor", "rebuild_storage_filename", "rebuild_storage_empty",
-    "rebuild_typed_storage", "rebuild_typed_storage_child",
+    "rebuild_cuda_tensor",
+    "rebuild_tensor",
+    "rebuild_storage_filename",
+    "rebuild_storage_empty",
+    "rebuild_typed_storage",
+    "rebuild_typed_storage_child",
 }
 _TYPES = {
-    ("torch", "Tensor"), ("torch", "Size"), ("torch", "UntypedStorage"), ("torch", "TypedStorage"),
-    ("torch.storage", "UntypedStorage"), ("torch.storage", "TypedStorage"), ("torch.nn.parameter", "Parameter"),
+    ("torch", "Tensor"),
+    ("torch", "Size"),
+    ("torch", "UntypedStorage"),
+    ("torch", "TypedStorage"),
+    ("torch.storage", "UntypedStorage"),
+    ("torch.storage", "TypedStorage"),
+    ("torch.nn.parameter", "Parameter"),
 }
 _BUCKET_MODULES = {"sglang.srt.weight_sync.tensor_bucket", __name__}
 
@@ -92,8 +101,9 @@ def decode_named_tensors(payload: bytes | str, load_format: str | None = "direct
 
 def _from_bucket(obj: Any) -> list[tuple[str, torch.Tensor]]:
     if not isinstance(obj, dict) or "flattened_tensor" not in obj or "metadata" not in obj:
-        raise ValueError("serialized_named_tensors: load_format flattened_bucket takes a dict of flattened_tensor "
-                         "and metadata")
+        raise ValueError(
+            "serialized_named_tensors: load_format flattened_bucket takes a dict of flattened_tensor and metadata"
+        )
     flat = _tensor(obj["flattened_tensor"], "flattened_tensor")
     if flat.dtype != torch.uint8 or flat.dim() != 1:
         raise ValueError(f"flattened_tensor must be 1-D uint8, got {flat.dtype} of {list(flat.shape)}")
@@ -106,8 +116,11 @@ def _from_bucket(obj: Any) -> list[tuple[str, torch.Tensor]]:
             start, end = int(entry.start_idx), int(entry.end_idx)
         except (AttributeError, TypeError, ValueError) as e:
             raise ValueError(f"flattened_bucket metadata: {e}") from None
-        if not isinstance(dtype, torch.dtype) or not 0 <= start <= end <= flat.numel() or (
-                end - start != shape.numel() * dtype.itemsize):
+        if (
+            not isinstance(dtype, torch.dtype)
+            or not 0 <= start <= end <= flat.numel()
+            or (end - start != shape.numel() * dtype.itemsize)
+        ):
             raise ValueError(f"flattened_bucket metadata of {entry.name!r} does not fit the flattened tensor")
         out.append((str(entry.name), flat[start:end].view(dtype).view(shape)))
     return out

@@ -24,7 +24,13 @@ from minisgl.config import ModelConfig
 from minisgl.distributed import get_tp_info
 from minisgl.distributed.weight_group import destroy_weight_group, init_weight_group
 from minisgl.messages import (
-    BroadcastWeights, JoinWeightGroup, LeaveWeightGroup, LoadWeights, TensorWeights, WorkerReply, WorkerTask,
+    BroadcastWeights,
+    JoinWeightGroup,
+    LeaveWeightGroup,
+    LoadWeights,
+    TensorWeights,
+    WorkerReply,
+    WorkerTask,
 )
 from minisgl.models.loader import WeightMap, checkpoint_shapes, iter_weights
 from minisgl.models.locate import resolve_model_path
@@ -36,8 +42,17 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # What must match between the served model and a checkpoint pushed into it.
-SAME_MODEL_FIELDS = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "tie_word_embeddings")
+SAME_MODEL_FIELDS = (
+    "architecture",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "tie_word_embeddings",
+)
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -105,8 +120,10 @@ class WeightUpdater:
         problem, named = None, []
         try:
             if len(task.payloads) != tp.size:
-                raise ValueError(f"serialized_named_tensors has {len(task.payloads)} payloads; the engine has "
-                                 f"{tp.size} tensor-parallel ranks (one each)")
+                raise ValueError(
+                    f"serialized_named_tensors has {len(task.payloads)} payloads; the engine has "
+                    f"{tp.size} tensor-parallel ranks (one each)"
+                )
             named = decode_named_tensors(task.payloads[tp.rank], task.load_format)
         except ValueError as e:
             problem = str(e)
@@ -132,8 +149,9 @@ class WeightUpdater:
         if backend == "nccl" and self.runner.device.type != "cuda":
             backend = "gloo"  # (a CPU engine; the trainer's side chooses gloo too)
         rank = task.rank_offset + get_tp_info().rank
-        self.groups[task.group_name] = init_weight_group(backend, task.master_address, task.master_port, rank,
-                                                         task.world_size, task.group_name)
+        self.groups[task.group_name] = init_weight_group(
+            backend, task.master_address, task.master_port, rank, task.world_size, task.group_name
+        )
         return f"joined {task.group_name} as rank {rank} of {task.world_size}"
 
     def _leave(self, task: LeaveWeightGroup) -> str:
@@ -148,8 +166,9 @@ class WeightUpdater:
         if group is None:
             raise ValueError(f"no weight update group named {task.group_name!r} (call /init_weights_update_group)")
         if not len(task.names) == len(task.dtypes) == len(task.shapes):
-            raise ValueError(f"names, dtypes and shapes differ in length ({len(task.names)}, {len(task.dtypes)}, "
-                             f"{len(task.shapes)})")
+            raise ValueError(
+                f"names, dtypes and shapes differ in length ({len(task.names)}, {len(task.dtypes)}, {len(task.shapes)})"
+            )
         if task.load_format not in ("direct", "flattened_bucket"):
             raise ValueError(f"load_format must be direct or flattened_bucket, got {task.load_format!r}")
         dtypes = [parse_dtype(d) for d in task.dtypes]
@@ -162,8 +181,9 @@ class WeightUpdater:
         # it never hangs, and load it only if every rank accepted the list.
         problem = self._agree(problem, raise_=False)
         if task.load_format == "flattened_bucket":
-            received: Iterator[tuple[str, torch.Tensor]] = iter(self._receive_bucket(group, task.names, dtypes,
-                                                                                     task.shapes))
+            received: Iterator[tuple[str, torch.Tensor]] = iter(
+                self._receive_bucket(group, task.names, dtypes, task.shapes)
+            )
         else:
             received = self._receive(group, task.names, dtypes, task.shapes)
         if problem is not None:
@@ -174,15 +194,17 @@ class WeightUpdater:
         self._after_load(list(task.names))
         return f"received {len(task.names)} tensors"
 
-    def _receive(self, group: dist.ProcessGroup, names: list[str], dtypes: list[torch.dtype],
-                 shapes: list[list[int]]) -> Iterator[tuple[str, torch.Tensor]]:
+    def _receive(
+        self, group: dist.ProcessGroup, names: list[str], dtypes: list[torch.dtype], shapes: list[list[int]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         for name, dtype, shape in zip(names, dtypes, shapes):
             tensor = torch.empty(shape, dtype=dtype, device=self.runner.device)
             dist.broadcast(tensor, src=0, group=group)
             yield name, tensor
 
-    def _receive_bucket(self, group: dist.ProcessGroup, names: list[str], dtypes: list[torch.dtype],
-                        shapes: list[list[int]]) -> list[tuple[str, torch.Tensor]]:
+    def _receive_bucket(
+        self, group: dist.ProcessGroup, names: list[str], dtypes: list[torch.dtype], shapes: list[list[int]]
+    ) -> list[tuple[str, torch.Tensor]]:
         """One uint8 tensor holding every tensor's bytes in list order (SGLang's flattened bucket)."""
         sizes = [math.prod(shape) * dtype.itemsize for dtype, shape in zip(dtypes, shapes)]
         flat = torch.empty(sum(sizes), dtype=torch.uint8, device=self.runner.device)

@@ -35,11 +35,19 @@ def get_tokenizer(path: str):
 
 
 def remove_prefix(text: str, prefix: str) -> str:
-    return text[len(prefix):] if text.startswith(prefix) else text
+    return text[len(prefix) :] if text.startswith(prefix) else text
 
 
-def sample_random_requests(input_len: int, output_len: int, num_prompts: int, range_ratio: float, tokenizer,
-                           dataset_path: str = "", random_sample: bool = True, **_: object) -> list[DatasetRow]:
+def sample_random_requests(
+    input_len: int,
+    output_len: int,
+    num_prompts: int,
+    range_ratio: float,
+    tokenizer,
+    dataset_path: str = "",
+    random_sample: bool = True,
+    **_: object,
+) -> list[DatasetRow]:
     """``num_prompts`` texts of random ordinary tokens, lengths drawn from
     [input_len * range_ratio, input_len] (numpy's global generator, which the script seeds)."""
     if random_sample or dataset_path:
