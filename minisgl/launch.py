@@ -52,7 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     """Every flag of the server, in groups (``docs/flags.md`` is generated from it)."""
     d = ServerArgs(model="")
     ap = argparse.ArgumentParser(
-        prog="python -m minisgl.launch", description="Serve a model over HTTP.", formatter_class=HelpFormatter
+        prog="python -m minisgl.launch",
+        usage="%(prog)s --model MODEL [options]  (--help lists every flag)",  # not 64 lines of them
+        description="Serve a model over HTTP.",
+        formatter_class=HelpFormatter,
     )
     groups = add_engine_args(ap)
     server = ap.add_argument_group("server")
@@ -284,6 +287,7 @@ class Launcher:
                 host=self.args.host,
                 port=self.args.port,
                 log_level=self.args.log_level,
+                log_config=None,  # uvicorn's lines go through our handler, in our format
                 access_log=False,
                 timeout_graceful_shutdown=3,
                 http=HeaderTimeoutProtocol,

@@ -8,14 +8,23 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
 
 _DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16", "half": "float16"}
+
+
+def progress(iterable: Any = None, primary: bool = True, **kw: Any) -> Any:
+    """A tqdm bar on a terminal only (written to a log file, its frames would be ``\r`` noise),
+    and only for the primary tensor-parallel rank (``primary``)."""
+    from tqdm import tqdm
+
+    return tqdm(iterable, disable=None if primary else True, dynamic_ncols=True, **kw)
 
 
 def keep_torch_out() -> None:
@@ -24,6 +33,7 @@ def keep_torch_out() -> None:
     it in ``sys.modules``, transformers finds no torch and any other import of it fails loudly.
     ``allow_torch`` lets a library that needs it (the grammar backend) load it after all."""
     sys.modules.setdefault("torch", None)  # type: ignore[arg-type]
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # (its "PyTorch was not found" line)
 
 
 def allow_torch() -> None:

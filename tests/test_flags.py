@@ -213,3 +213,40 @@ def test_the_flags_page_is_generated_from_the_parser():
     flags = {o for a in build_parser()._actions for o in a.option_strings if o.startswith("--")}
     documented = set(re.findall(r"`(--[a-z0-9-]+)`", Path(DOC).read_text()))
     assert flags - {"--help"} <= documented
+
+
+def test_argument_errors_print_a_short_usage():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "minisgl.launch"], capture_output=True, text=True)
+    assert out.returncode == 2 and "--model" in out.stderr
+    assert len(out.stderr.strip().splitlines()) <= 3, out.stderr  # not every flag in the usage line
+
+
+def test_a_folder_above_the_checkpoint_is_named_before_anything_starts(tmp_path):
+    """``--model checkpoints/smollm2`` (the folder the README unzips into, the model one level down)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "inner").mkdir()
+    (tmp_path / "inner" / "config.json").write_text("{}")
+    out = subprocess.run(
+        [sys.executable, "-m", "minisgl.launch", "--model", str(tmp_path), "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 1
+    assert f"did you mean {tmp_path / 'inner'}" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_wrong_type_names_its_field():
+    import pytest
+
+    from minisgl.api.fields import GENERATE
+    from minisgl.api.protocol import BadRequest, GenerateRequest, decode
+
+    with pytest.raises(BadRequest) as e:
+        decode(b'{"text": "x", "sampling_params": {"temperature": "hot"}}', GenerateRequest, GENERATE)
+    assert e.value.param == "sampling_params.temperature"

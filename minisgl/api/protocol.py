@@ -59,7 +59,13 @@ def decode(body: bytes, kind: type, schema: Schema | None = None) -> Any:
     except UnsupportedField as e:
         raise BadRequest(str(e), param=e.param) from None
     except msgspec.ValidationError as e:
-        raise BadRequest(f"invalid request: {e}") from None
+        raise BadRequest(f"invalid request: {e}", param=_error_path(str(e))) from None
+
+
+def _error_path(message: str) -> str | None:
+    """The field a msgspec error names ("... - at `$.sampling_params.temperature`")."""
+    at = message.rfind("at `$.")
+    return message[at + len("at `$.") :].rstrip("`") if at >= 0 else None
 
 
 class SamplingIn(SamplingParams, kw_only=True, forbid_unknown_fields=True):

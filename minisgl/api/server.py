@@ -10,6 +10,7 @@ requests, so their KV pages go back to the pool.
 from __future__ import annotations
 
 import hmac
+import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
@@ -27,6 +28,8 @@ from minisgl.api.responses import ResponsesRoutes
 from minisgl.api.rl import RlRoutes
 from minisgl.args import ServerArgs
 from minisgl.messages import EngineInfo
+
+logger = logging.getLogger("minisgl.api")
 
 OPEN_PATHS = {"/health"}  # reachable without the API key (liveness probes)
 
@@ -47,12 +50,11 @@ def _with_errors(api: Api, handler: Callable) -> Callable:
     async def endpoint(request: Request) -> Response:
         try:
             return await handler(request)
-        except BadRequest as e:
+        except (BadRequest, EngineError) as e:
             api.metrics.errors.labels(str(e.status)).inc()
-            return error_response(e.status, str(e), e.param)
-        except EngineError as e:
-            api.metrics.errors.labels(str(e.status)).inc()
-            return error_response(e.status, str(e))
+            if api.args.log_requests:  # --log-requests: refusals too, not only finished requests
+                logger.info("%s %s: %d %s", request.method, request.url.path, e.status, e)
+            return error_response(e.status, str(e), getattr(e, "param", None))
 
     return endpoint
 

@@ -23,10 +23,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
+from minisgl.utils import progress
+
 if TYPE_CHECKING:
     import torch
-
-import numpy as np
 
 logger = logging.getLogger(__name__)
 
@@ -239,14 +241,13 @@ def iter_gguf_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     import gguf
     import torch
     from gguf import GGMLQuantizationType, quants
-    from tqdm import tqdm
 
     path = gguf_source(folder)
     if path is None or not path.is_file():
         raise FileNotFoundError(f"{folder} loads its weights from {path}, which is gone; pass the .gguf file again")
     config = json.loads((folder / "config.json").read_text())
     reader = gguf.GGUFReader(str(path))
-    for t in tqdm(reader.tensors, desc=f"Loading weights from {path.name}", unit="tensor", dynamic_ncols=True):
+    for t in progress(reader.tensors, desc=f"Loading weights from {path.name}", unit="tensor"):
         try:
             data = quants.dequantize(t.data, t.tensor_type)
         except NotImplementedError:

@@ -18,12 +18,13 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from torch import nn
-from tqdm import tqdm
 
 from minisgl.config import ModelConfig
+from minisgl.distributed import get_tp_info
 from minisgl.layers.quantization import FP8, FP8_MAX, quantization_scheme, to_fp8
 from minisgl.models import get_model_class
 from minisgl.models.gguf_file import gguf_source, iter_gguf_shapes, iter_gguf_weights
+from minisgl.utils import progress
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ def iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     for f in files:
         with safe_open(f, framework="pt") as sf:
             total += len(list(sf.keys()))
-    with tqdm(total=total, desc="Loading weights", unit="tensor", dynamic_ncols=True) as bar:
+    with progress(total=total, primary=get_tp_info().is_primary, desc="Loading weights", unit="tensor") as bar:
         for f in files:
             with safe_open(f, framework="pt") as sf:
                 for name in sf.keys():

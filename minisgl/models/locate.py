@@ -20,6 +20,8 @@ def resolve_model_path(model: str, load_format: str = "auto", revision: str | No
         raise FileNotFoundError(f"--load-format gguf: no .gguf file at {model!r}")
     path = Path(model).expanduser()
     if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(_not_a_checkpoint(path))
         return path
     if path.exists():
         raise ValueError(f"--model {model!r} is a file; pass the checkpoint folder or a .gguf file")
@@ -34,3 +36,12 @@ def resolve_model_path(model: str, load_format: str = "auto", revision: str | No
         return Path(snapshot_download(model, allow_patterns=patterns, revision=revision))
     except Exception as e:  # offline, unknown repo, gated repo: all end here with the hub's reason
         raise FileNotFoundError(f"could not get {model!r} from the Hugging Face hub: {e}") from e
+
+
+def _not_a_checkpoint(folder: Path) -> str:
+    """What to say of a folder with no config.json: the checkpoints one level down, if any."""
+    inside = sorted(
+        p for p in folder.iterdir() if p.is_dir() and ((p / "config.json").is_file() or any(p.glob("*.gguf")))
+    )
+    hint = f"; did you mean {' or '.join(str(p) for p in inside[:3])}?" if inside else ""
+    return f"{folder} holds no config.json, .safetensors or .gguf checkpoint{hint}"

@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING
 
 import msgspec
 import torch
-from tqdm import tqdm
 
 from minisgl.attention.base import AttentionMetadata, graph_groups
 from minisgl.attention.context import set_attention_backend
+from minisgl.distributed import get_tp_info
 from minisgl.messages import ForwardBatch
+from minisgl.utils import progress
 
 if TYPE_CHECKING:
     from minisgl.worker.model_runner import ModelRunner
@@ -123,7 +124,7 @@ class CudaGraphRunner:
         pool = None
         stream = torch.cuda.Stream()
         keys = [(s, c) for s in sorted(self.sizes, reverse=True) for c in (False, True) if not c or self._fits(s)]
-        for size, cascade in tqdm(keys, desc="Capturing CUDA graphs", unit="graph"):
+        for size, cascade in progress(keys, get_tp_info().is_primary, desc="Capturing CUDA graphs", unit="graph"):
             self._load(self._capture_batch(size, cascade))
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):

@@ -20,10 +20,11 @@ import time
 from typing import TYPE_CHECKING
 
 import torch
-from tqdm import tqdm
 
 from minisgl.attention.context import set_attention_backend
+from minisgl.distributed import get_tp_info
 from minisgl.messages import ForwardBatch
+from minisgl.utils import progress
 from minisgl.worker.cuda_graph import StepInputs, with_requests
 
 if TYPE_CHECKING:
@@ -127,7 +128,12 @@ class PiecewiseGraphRunner:
         pool = None
         stream = torch.cuda.Stream()
         pieces = self.model.num_pieces
-        for size in tqdm(sorted(self.sizes, reverse=True), desc="Capturing prefill CUDA graphs", unit="size"):
+        for size in progress(
+            sorted(self.sizes, reverse=True),
+            get_tp_info().is_primary,
+            desc="Capturing prefill CUDA graphs",
+            unit="size",
+        ):
             self._load(self._padding(size), size, size)  # tokens whose K/V go to the scratch page
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
