@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 def csrc_dir() -> Path:
     """The CUDA sources: the installed package's copy, else the checkout's top-level folder."""
     installed = Path(__file__).resolve().parent / "csrc"
-    return installed if installed.is_dir() else Path(__file__).resolve().parents[2] / "kernels" / "csrc"
+    return installed if any(installed.glob("*.cu")) else Path(__file__).resolve().parents[2] / "kernels" / "csrc"
 
 
 @functools.cache
