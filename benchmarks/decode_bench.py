@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.workloads import save_result  # noqa: E402
 from minisgl.args import EngineArgs  # noqa: E402
-from minisgl.config import ModelConfig  # noqa: E402
 from minisgl.messages import ForwardBatch  # noqa: E402
+from minisgl.model_config import ModelConfig  # noqa: E402
 from minisgl.utils import cdiv  # noqa: E402
 from minisgl.worker import ModelRunner  # noqa: E402
 

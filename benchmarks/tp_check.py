@@ -58,7 +58,7 @@ VARIANTS = {  # tp=2 all-reduce variants: extra server flags
 
 
 def run_agreement(variants: list[str], extra: list[str] = ()) -> dict:
-    from scripts.make_tiny_model import make_tiny_model
+    from minisgl.tiny_model import make_tiny_model
 
     model = make_tiny_model("llama", Path(tempfile.mkdtemp()) / "tiny-hd128", overrides={"head_dim": 128})
     rng = random.Random(0)

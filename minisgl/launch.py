@@ -31,16 +31,16 @@ import zmq
 
 from minisgl.api.client import EngineClient
 from minisgl.api.connections import HeaderTimeoutProtocol
-from minisgl.api.reasoning import PARSERS as REASONING_PARSERS
 from minisgl.api.server import create_app
-from minisgl.api.tool_calls import PARSERS as TOOL_PARSERS
 from minisgl.args import HelpFormatter, ServerArgs, add_engine_args, normalize_engine_args
 from minisgl.data_parallel import ROUTER_POLICIES, DataParallelLauncher
 from minisgl.ipc import Addresses, ChildDied, Receiver, stop_processes, wait_ready
 from minisgl.messages import EngineInfo
 from minisgl.models.locate import resolve_model_path
+from minisgl.parsers.reasoning import PARSERS as REASONING_PARSERS
+from minisgl.parsers.tool_calls import PARSERS as TOOL_PARSERS
 from minisgl.scheduler.process import run_scheduler
-from minisgl.scheduler.workers import run_worker_process
+from minisgl.scheduler.worker_link import run_worker_process
 from minisgl.tokenizer import read_chat_template
 from minisgl.tokenizer.process import run_tokenizer
 from minisgl.utils import init_logging

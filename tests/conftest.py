@@ -11,7 +11,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scripts.make_tiny_model import ARCHS, make_tiny_model  # noqa: E402
+from minisgl.tiny_model import ARCHS, make_tiny_model  # noqa: E402
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -199,7 +199,7 @@ def test_cascade_greedy_tokens_on_bf16(tmp_path, cheap_cascade, page_size):
     random weights leave near-ties in its logits that bf16 rounding flips, so the bar is bf16's
     own noise: cascade must agree with fp32 about as often as the plain bf16 path does."""
     from minisgl.llm import LLM
-    from scripts.make_tiny_model import make_tiny_model
+    from minisgl.tiny_model import make_tiny_model
 
     path = make_tiny_model("llama", tmp_path / "llama-hd128", overrides={"head_dim": 128})
     prompts = shared_prefix_prompts(groups=6, per_group=11, prefix_len=300, seed=7)[:64]

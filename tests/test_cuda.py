@@ -18,9 +18,9 @@ from minisgl.kernels import rope_store, rope_store_torch, store_kv_torch
 from minisgl.kvcache import MHAKVCache
 from minisgl.messages import ForwardBatch
 from minisgl.sampling import SamplingParams
+from minisgl.tiny_model import make_tiny_model
 from minisgl.utils import cdiv
 from minisgl.worker import ModelRunner
-from scripts.make_tiny_model import make_tiny_model
 from tests.grammar_cases import MAX_NEW, REGEXES, schemas
 from tests.helpers import generate, page_table_writes, prefill_batch
 from tests.test_scheduler import make_llm, shared_prefix_prompts, tokens

@@ -108,7 +108,7 @@ def test_fp8_checkpoint_and_kv_at_tp2_stay_close_to_tp1(tmp_path: Path) -> None:
     0.059 (0.098 with the FP8 cache) at most, where FP8 itself moves them 0.091 from the float
     model (0.15 for the cache at scale 1.0, whose tiny-model values are subnormal in e4m3)."""
     from minisgl.llm import LLM
-    from scripts.make_tiny_model import make_tiny_model
+    from minisgl.tiny_model import make_tiny_model
     from scripts.quantize_checkpoint import convert
 
     fp8 = convert(make_tiny_model("llama", tmp_path / "float", seed=0), tmp_path / "ct", "compressed-tensors")

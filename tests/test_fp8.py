@@ -32,8 +32,8 @@ from minisgl.layers.quantization import (
     row_scales,
     tuned_gemm,
 )
+from minisgl.tiny_model import make_tiny_model
 from minisgl.worker import ModelRunner
-from scripts.make_tiny_model import make_tiny_model
 from scripts.quantize_checkpoint import convert, quantization_config
 from tests.test_scheduler import make_llm, shared_prefix_prompts, tokens
 

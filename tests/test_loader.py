@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from minisgl.args import EngineArgs
-from minisgl.config import ModelConfig
+from minisgl.model_config import ModelConfig
 from minisgl.models.loader import safetensors_files
 from minisgl.models.locate import resolve_model_path
+from minisgl.tiny_model import make_tiny_model
 from minisgl.worker import ModelRunner
-from scripts.make_tiny_model import make_tiny_model
 from tests.helpers import prefill_batch
 
 

@@ -8,8 +8,8 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 from minisgl.args import EngineArgs
 from minisgl.messages import ForwardBatch
+from minisgl.tiny_model import ARCHS
 from minisgl.worker import ModelRunner
-from scripts.make_tiny_model import ARCHS
 from tests.helpers import generate, page_table_writes, prefill_batch
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [100, 200, 300], list(range(20, 77)), [42]]

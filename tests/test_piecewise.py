@@ -9,9 +9,9 @@ import torch
 
 from minisgl.args import EngineArgs
 from minisgl.llm import LLM
+from minisgl.tiny_model import make_tiny_model
 from minisgl.worker import ModelRunner
 from minisgl.worker.piecewise_graph import PiecewiseGraphRunner, token_sizes
-from scripts.make_tiny_model import make_tiny_model
 from tests.helpers import generate, prefill_batch
 from tests.test_scheduler import make_llm, shared_prefix_prompts
 

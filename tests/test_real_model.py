@@ -145,7 +145,7 @@ def test_forced_tool_calls_on_the_real_model(llm: LLM):
     template ignores them), the answer constrained to calls, read back by the parser."""
     import jsonschema
 
-    from minisgl.api.tool_calls import ToolCallParser, deltas, required_schema
+    from minisgl.parsers.tool_calls import ToolCallParser, deltas, required_schema
     from tests.test_tool_calls import PARAMS, TOOLS
 
     asks = ["What is the weather in Oslo, in C?", "Add 2 and 5.", "Is it raining in Lima?"]

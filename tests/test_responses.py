@@ -195,9 +195,9 @@ def test_bad_bodies_are_refused_by_name(server, body, param):
 def test_whole_and_streamed_items_come_from_one_path():
     """A whole answer's items are those its stream ends with, however the text is split; an
     answer of reasoning only still ends with a (empty) message."""
-    from minisgl.api.chat_output import ChatOutput
     from minisgl.api.protocol import ToolPlan
     from minisgl.api.responses import _Events
+    from minisgl.parsers.chat_output import ChatOutput
 
     def items(pieces: list[str]) -> list[dict]:
         out, stream = ChatOutput(ToolPlan(), "qwen3"), _Events()

@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 from minisgl.llm import LLM
 from minisgl.messages import TensorWeights
 from minisgl.sampling import SamplingParams
+from minisgl.tiny_model import make_tiny_model
 from minisgl.worker.tensor_payload import decode_named_tensors, encode_named_tensors
-from scripts.make_tiny_model import make_tiny_model
 from tests.test_scheduler import CheckedLLM, shared_prefix_prompts, tokens
 
 GREEDY = {"max_new_tokens": 10, "temperature": 0.0, "ignore_eos": True}

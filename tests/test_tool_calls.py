@@ -8,8 +8,8 @@ import json
 import httpx
 import pytest
 
-from minisgl.api.reasoning import ReasoningParser
-from minisgl.api.tool_calls import ToolCallParser, deltas
+from minisgl.parsers.reasoning import ReasoningParser
+from minisgl.parsers.tool_calls import ToolCallParser, deltas
 from minisgl.tokenizer import load_tokenizer
 from minisgl.tokenizer.chat import detect_tool_parser, encode_chat, renders_tools
 from tests.server_utils import ServerProcess
@@ -350,7 +350,7 @@ def test_required_schema_rebases_pydantic_references():
     import jsonschema
     import xgrammar
 
-    from minisgl.api.tool_calls import required_schema
+    from minisgl.parsers.tool_calls import required_schema
 
     schema = required_schema([TOOLS[0], PYDANTIC_TOOL], parallel=True)
     call = {

@@ -11,11 +11,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from minisgl.api.base import ApiBase, Run, merge, read_body
-from minisgl.api.chat_output import ChatOutput
 from minisgl.api.fields import CHAT, COMPLETION
 from minisgl.api.protocol import ChatCompletionRequest, CompletionRequest, check_sequences
 from minisgl.api.streaming import SSE_DONE, sse
 from minisgl.messages import GenerateReq, ReqUpdate, TokenLogprob
+from minisgl.parsers.chat_output import ChatOutput
 
 
 def _openai_logprob(lp: TokenLogprob) -> dict[str, Any]:

@@ -17,8 +17,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from minisgl.api.fields import Schema, UnsupportedField
-from minisgl.api.tool_calls import required_schema
 from minisgl.messages import ChatMessage
+from minisgl.parsers.tool_calls import required_schema
 from minisgl.sampling import SamplingParams
 from minisgl.sampling.params import Int32, Int64
 

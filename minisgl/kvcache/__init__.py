@@ -37,7 +37,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name == "BaseKVCache":
-        from minisgl.kvcache.base import BaseKVCache
+        from minisgl.kvcache.kv_storage import BaseKVCache
 
         return BaseKVCache
     if name == "HostKVPool":

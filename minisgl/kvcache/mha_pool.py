@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from minisgl.kvcache.base import BaseKVCache
+from minisgl.kvcache.kv_storage import BaseKVCache
 
 
 class MHAKVCache(BaseKVCache):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from minisgl.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from minisgl.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 
 if TYPE_CHECKING:
     from torch import nn

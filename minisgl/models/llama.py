@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from minisgl.attention.context import get_attention_backend
-from minisgl.config import ModelConfig
 from minisgl.distributed import get_tp_info
 from minisgl.kernels.fused import silu_and_mul
 from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -21,6 +20,7 @@ from minisgl.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowPa
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.quantization import Fp8Act
 from minisgl.layers.rotary import RotaryEmbedding
+from minisgl.model_config import ModelConfig
 
 
 class Attention(nn.Module):

@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from minisgl.messages import ForwardBatch
-from minisgl.scheduler.batch import write_table
 from minisgl.scheduler.cascade import DecodeOrder, plan_cascade
-from minisgl.scheduler.memory import Memory
+from minisgl.scheduler.pages import Memory
+from minisgl.scheduler.prefill_batch import write_table
 from minisgl.scheduler.request import Req
 
 

@@ -9,16 +9,12 @@ all new K/V before attending.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from minisgl.args import EngineArgs
-from minisgl.scheduler.memory import Memory
+from minisgl.scheduler.counters import Counters
+from minisgl.scheduler.pages import Memory
 from minisgl.scheduler.queue import WaitingQueue
 from minisgl.scheduler.request import Req
 from minisgl.utils import cdiv
-
-if TYPE_CHECKING:
-    from minisgl.scheduler.scheduler import Counters
 
 Entry = tuple[Req, int, bool]  # request, new tokens this step, whether it samples a token
 

@@ -32,7 +32,7 @@ from minisgl.scheduler.grammar import GrammarBackend
 from minisgl.scheduler.output import prompt_scores
 from minisgl.scheduler.request import Req, ReqEvent
 from minisgl.scheduler.scheduler import Scheduler
-from minisgl.scheduler.workers import WorkerLink
+from minisgl.scheduler.worker_link import WorkerLink
 from minisgl.tokenizer import eos_ids, load_tokenizer
 from minisgl.utils import init_logging, keep_torch_out
 

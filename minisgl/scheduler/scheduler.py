@@ -4,7 +4,7 @@ Each ``step`` builds one batch: prefill chunks first (``prefill.py``: requests a
 prefilling, then new ones in queue order, ``queue.py``), otherwise one decode token for every
 running request (``decode.py``). When pages run out it evicts unlocked cache, then retracts the
 newest running requests back to the front of the queue. Outputs come back through
-``output.py``; pages and slots are ``memory.py``'s.
+``output.py``; pages and slots are ``pages.py``'s.
 
 With overlap scheduling (the default) the next batch is built and launched before the previous
 one's tokens are known: decode inputs come from the worker's own last sampled token, and a
@@ -22,7 +22,6 @@ import random
 import time
 from collections import deque
 from concurrent import futures
-from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -32,13 +31,14 @@ from minisgl.kvcache.disk_store import DiskStore
 from minisgl.messages import ForwardBatch, StepOutput, WorkerReply, WorkerTask
 from minisgl.sampling import SamplingParams
 from minisgl.scheduler import cascade
-from minisgl.scheduler.batch import prefill_batch
 from minisgl.scheduler.control import ControlPlane
+from minisgl.scheduler.counters import Counters
 from minisgl.scheduler.decode import DecodePlanner
 from minisgl.scheduler.grammar import GrammarBackend
-from minisgl.scheduler.memory import Memory
 from minisgl.scheduler.output import apply_output
+from minisgl.scheduler.pages import Memory
 from minisgl.scheduler.prefill import PrefillPlanner
+from minisgl.scheduler.prefill_batch import prefill_batch
 from minisgl.scheduler.queue import WaitingQueue
 from minisgl.scheduler.request import Req, ReqEvent
 from minisgl.utils import cdiv, context_overflow
@@ -79,18 +79,6 @@ class Executor(Protocol):
 
     def run_task(self, task: WorkerTask) -> WorkerReply:
         """A control-plane task on every rank, with no step in flight (``scheduler.control``)."""
-
-
-@dataclass
-class Counters:
-    prefix_queried_tokens: int = 0  # tokens looked up in the prefix cache
-    prefix_hit_tokens: int = 0  # of those, tokens served from the cache (any tier)
-    prefix_host_hit_tokens: int = 0  # of those, tokens the host tier held (loaded back)
-    retractions: int = 0
-    steps: int = 0
-    prefill_tokens: int = 0  # prompt tokens computed (not served from the cache)
-    decode_steps: int = 0
-    cascade_steps: int = 0  # decode steps that read shared prefixes once per group
 
 
 # A launched step: the requests it samples a token for (in row order), the (request, position)

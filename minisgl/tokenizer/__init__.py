@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from minisgl.config import ModelConfig
+from minisgl.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 

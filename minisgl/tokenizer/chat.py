@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from minisgl.api.tool_calls import QWEN_CLOSE, QWEN_OPEN
+from minisgl.parsers.tool_calls import QWEN_CLOSE, QWEN_OPEN
 
 # Seconds one conversation may take to render. The template is the checkpoint's, but clients set
 # its variables and messages, and a loop over them could hold the one process every request needs.

@@ -24,12 +24,12 @@ import torch.distributed as dist
 from minisgl.args import EngineArgs
 from minisgl.attention import AttentionMetadata, create_backend
 from minisgl.attention.context import set_attention_backend
-from minisgl.config import ModelConfig
 from minisgl.distributed import get_tp_info, init_fused_all_reduce_norm, init_one_shot_all_reduce
 from minisgl.kvcache import HostKVPool, MHAKVCache
 from minisgl.kvcache.disk_store import DiskStore, fingerprint
 from minisgl.layers.quantization import FP8, parse_kv_cache_dtype
 from minisgl.messages import ForwardBatch, MemoryOccupation, NewRequest, StepOutput, WorkerReply, WorkerTask
+from minisgl.model_config import ModelConfig
 from minisgl.models.loader import load_model
 from minisgl.models.locate import resolve_model_path
 from minisgl.sampling import SampleOutput, Sampler, SamplingParams

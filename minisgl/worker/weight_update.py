@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from minisgl.config import ModelConfig
 from minisgl.distributed import get_tp_info
 from minisgl.distributed.weight_group import destroy_weight_group, init_weight_group
 from minisgl.messages import (
@@ -32,6 +31,7 @@ from minisgl.messages import (
     WorkerReply,
     WorkerTask,
 )
+from minisgl.model_config import ModelConfig
 from minisgl.models.loader import WeightMap, checkpoint_shapes, iter_weights
 from minisgl.models.locate import resolve_model_path
 from minisgl.worker.tensor_payload import decode_named_tensors

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from minisgl.api.protocol import ToolPlan
-from minisgl.api.reasoning import ReasoningParser
-from minisgl.api.tool_calls import ToolCallParser, deltas
+from minisgl.parsers.reasoning import ReasoningParser
+from minisgl.parsers.tool_calls import ToolCallParser, deltas
 
 
 class ChatOutput:

@@ -1,0 +1,163 @@
+"""Write a tiny checkpoint in standard Hugging Face format, for tests and the CPU demo.
+
+Random weights from a fixed seed, a byte-level BPE tokenizer trained on text that ships with
+Python (stdlib docstrings), ChatML special tokens and chat template, and a generation_config.
+
+    python scripts/make_tiny_model.py --arch llama --out checkpoints/tiny-llama
+    from minisgl.tiny_model import make_tiny_model
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from pathlib import Path
+
+ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CORPUS_MODULES = (
+    "json",
+    "collections",
+    "functools",
+    "itertools",
+    "textwrap",
+    "string",
+    "re",
+    "random",
+    "heapq",
+    "bisect",
+    "statistics",
+    "fractions",
+    "decimal",
+    "pathlib",
+    "argparse",
+    "logging",
+    "unittest",
+    "dataclasses",
+    "enum",
+    "shutil",
+    "tempfile",
+    "csv",
+    "calendar",
+)
+EXTRA_TEXT = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Café, naïve, façade, über, smörgåsbord, déjà vu.",
+    "日本語のテキスト、中文文本、한국어 텍스트。",
+    "Emoji: 🙂 🚀 🌍 ✨ and symbols: ∑ ∞ ≈ ≠ → ←.",
+]
+
+
+def corpus() -> list[str]:
+    """Docstrings of stdlib modules and their public members: text every Python install has."""
+    lines: list[str] = []
+    for name in CORPUS_MODULES:
+        mod = importlib.import_module(name)
+        docs = [mod.__doc__] + [getattr(getattr(mod, a), "__doc__", None) for a in sorted(dir(mod))]
+        lines += [d for d in docs if isinstance(d, str)]
+    return lines + EXTRA_TEXT * 50
+
+
+def train_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        min_frequency=2,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus(), trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def model_config(arch: str, vocab_size: int, bos: int, eos: int, overrides: dict | None = None):
+    import transformers
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        initializer_range=0.1,
+        bos_token_id=bos,
+        eos_token_id=eos,
+    )
+    common.update(overrides or {})
+    if arch == "llama":
+        rope = {
+            "rope_type": "llama3",
+            "factor": 4.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 128,
+            "rope_theta": 10000.0,
+        }
+        return transformers.LlamaConfig(**common, rope_scaling=rope, tie_word_embeddings=False)
+    if arch == "qwen2":
+        return transformers.Qwen2Config(**common, rope_theta=1e6, tie_word_embeddings=True)
+    if arch == "qwen3":
+        return transformers.Qwen3Config(**{"head_dim": 32, **common}, rope_theta=1e6, tie_word_embeddings=True)
+    if arch == "mistral":
+        return transformers.MistralConfig(**common, sliding_window=None, tie_word_embeddings=False)
+    raise ValueError(f"unknown arch {arch!r}; choose from {ARCHS}")
+
+
+def make_tiny_model(
+    arch: str,
+    out: str | Path,
+    seed: int = 0,
+    vocab_size: int = 1024,
+    max_shard_size: str | None = None,
+    overrides: dict | None = None,
+) -> Path:
+    """``overrides`` replaces config fields, e.g. {"head_dim": 128} for FlashInfer-sized heads."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    out = Path(out)
+    tokenizer = train_tokenizer(vocab_size)
+    bos, eos = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
+    config = model_config(arch, len(tokenizer), bos, eos, overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config = GenerationConfig(bos_token_id=bos, eos_token_id=[eos, bos], pad_token_id=bos)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out, **kwargs)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", choices=ARCHS, default="llama")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vocab-size", type=int, default=1024)
+    parser.add_argument("--max-shard-size", default=None, help="e.g. 200KB to write several shards")
+    args = parser.parse_args()
+    path = make_tiny_model(args.arch, args.out, args.seed, args.vocab_size, args.max_shard_size)
+    print(f"wrote {args.arch} checkpoint to {path}")
+
+
+if __name__ == "__main__":
+    main()
