@@ -26,15 +26,6 @@ from pathlib import Path
 from minisgl.args import ServerArgs
 
 logger = logging.getLogger("minisgl.launch")
-ROUTER_POLICIES = (
-    "cache_aware",
-    "round_robin",
-    "random",
-    "power_of_two",
-    "least_load",
-    "consistent_hashing",
-    "prefix_hash",
-)
 # Flags the data-parallel launcher handles itself; the rest go to every replica unchanged.
 OWN_FLAGS = {"--dp-size", "--data-parallel-size", "--router-policy", "--host", "--port"}
 

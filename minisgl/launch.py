@@ -13,7 +13,6 @@ dies with it (PR_SET_PDEATHSIG).
 
 from __future__ import annotations
 
-import argparse
 import logging
 import multiprocessing as mp
 import os
@@ -32,13 +31,11 @@ import zmq
 from minisgl.api.client import EngineClient
 from minisgl.api.connections import HeaderTimeoutProtocol
 from minisgl.api.server import create_app
-from minisgl.args import HelpFormatter, ServerArgs, add_engine_args, normalize_engine_args
-from minisgl.data_parallel import ROUTER_POLICIES, DataParallelLauncher
+from minisgl.args import ServerArgs, build_parser, normalize_engine_args
+from minisgl.data_parallel import DataParallelLauncher
 from minisgl.ipc import Addresses, ChildDied, Receiver, stop_processes, wait_ready
 from minisgl.messages import EngineInfo
 from minisgl.models.locate import resolve_model_path
-from minisgl.parsers.reasoning import PARSERS as REASONING_PARSERS
-from minisgl.parsers.tool_calls import PARSERS as TOOL_PARSERS
 from minisgl.scheduler.process import run_scheduler
 from minisgl.scheduler.worker_link import run_worker_process
 from minisgl.tokenizer import read_chat_template
@@ -46,152 +43,6 @@ from minisgl.tokenizer.process import run_tokenizer
 from minisgl.utils import init_logging
 
 logger = logging.getLogger("minisgl.launch")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """Every flag of the server, in groups (``docs/flags.md`` is generated from it)."""
-    d = ServerArgs(model="")
-    ap = argparse.ArgumentParser(
-        prog="python -m minisgl.launch",
-        usage="%(prog)s --model MODEL [options]  (--help lists every flag)",  # not 64 lines of them
-        description="Serve a model over HTTP.",
-        formatter_class=HelpFormatter,
-    )
-    groups = add_engine_args(ap)
-    server = ap.add_argument_group("server")
-    limits = ap.add_argument_group("limits (what one request may ask for)")
-    server.add_argument("--served-model-name", default=None, help="name in /v1/models and OpenAI requests")
-    server.add_argument(
-        "--check-model-name",
-        action="store_true",
-        help="answer 404 to OpenAI requests naming another model, as vLLM does (SGLang, and by default "
-        "minisgl, serve any name)",
-    )
-    server.add_argument("--host", default=d.host, help="address to bind (default %(default)s)")
-    server.add_argument("--port", type=int, default=d.port, help="HTTP port")
-    server.add_argument(
-        "--api-key",
-        default=os.environ.get("MINISGL_API_KEY"),
-        help="require 'Authorization: Bearer <key>' (default: $MINISGL_API_KEY)",
-    )
-    limits.add_argument(
-        "--max-queued-requests",
-        type=int,
-        default=None,
-        help="requests that may wait beyond the running ones; more get 503 (default: no limit)",
-    )
-    server.add_argument(
-        "--watchdog-timeout",
-        type=float,
-        default=d.watchdog_timeout,
-        help="seconds a model step may take before the server reports itself dead and exits",
-    )
-    server.add_argument(
-        "--log-level",
-        default=d.log_level,
-        choices=["debug", "info", "warning", "error", "critical"],
-        help="what the processes log (debug: one line per batch)",
-    )
-    server.add_argument("--log-requests", action="store_true", help="log one line per finished request")
-    limits.add_argument(
-        "--max-request-bytes",
-        "--max-payload-size",
-        dest="max_request_bytes",
-        type=int,
-        default=d.max_request_bytes,
-        help="largest request body (413 above; SGLang: --max-payload-size)",
-    )
-    limits.add_argument(
-        "--request-body-timeout",
-        type=float,
-        default=d.request_body_timeout,
-        help="seconds a client may take to send its body (408 after)",
-    )
-    limits.add_argument(
-        "--max-sequences-per-request",
-        type=int,
-        default=d.max_sequences_per_request,
-        help="prompts x n one request may ask for",
-    )
-    limits.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings, help="stop strings per request")
-    limits.add_argument("--max-stop-length", type=int, default=d.max_stop_length, help="characters per stop string")
-    # SGLang flags whose behaviour is already minisgl's: metrics and cached-token counts are always on,
-    # and the server sends no warm-up request.
-    for flag in ("--enable-metrics", "--enable-cache-report", "--skip-server-warmup"):
-        server.add_argument(flag, action="store_true", help="accepted for SGLang's command lines (always so here)")
-    server.add_argument(
-        "--stream-interval",
-        type=int,
-        default=d.stream_interval,
-        help="tokens per streamed update (larger: fewer events, higher throughput)",
-    )
-    server.add_argument(
-        "--profile-dir",
-        default=None,
-        help="where /start_profile writes traces; a client's output_dir must lie inside it "
-        "(default: $SGLANG_TORCH_PROFILER_DIR, else /tmp)",
-    )
-    server.add_argument(
-        "--skip-tokenizer-init",
-        action="store_true",
-        help="load no tokenizer: prompts are token ids (input_ids), outputs are token ids (output_ids, no text)",
-    )
-    server.add_argument(
-        "--enable-weight-update-from-tensor",
-        action="store_true",
-        help="accept /update_weights_from_tensor, whose payload is a pickle of torch shared-tensor "
-        "handles (decoded by a restricted unpickler; needs --api-key unless the server binds a "
-        "loopback address)",
-    )
-    server.add_argument(
-        "--stream-output",
-        action="store_true",
-        help="streamed /generate events carry only their new text, ids and logprobs (default: all so far)",
-    )
-    server.add_argument(
-        "--tool-call-parser",
-        default=None,
-        choices=TOOL_PARSERS,
-        help="format of tool calls in answers (default: read from the chat template)",
-    )
-    server.add_argument(
-        "--reasoning-parser",
-        default=None,
-        choices=REASONING_PARSERS,
-        help="separate <think>...</think> into reasoning_content",
-    )
-    groups["parallelism"].add_argument(
-        "--nnodes", type=int, default=d.nnodes, help="hosts one tensor-parallel group spans"
-    )
-    groups["parallelism"].add_argument(
-        "--node-rank",
-        type=int,
-        default=d.node_rank,
-        help="this host's place among --nnodes (0 serves HTTP; the others run workers only)",
-    )
-    groups["parallelism"].add_argument(
-        "--dist-init-addr",
-        "--nccl-init-addr",
-        dest="dist_init_addr",
-        default=None,
-        help="host:port of node 0 where the nodes meet (torch.distributed; ZeroMQ links to the "
-        "other nodes' workers take the ports after it)",
-    )
-    groups["parallelism"].add_argument(
-        "--dp-size",
-        "--data-parallel-size",
-        dest="dp_size",
-        type=int,
-        default=d.dp_size,
-        help="replicas (each with --tp-size GPUs) behind the smg router on --host/--port",
-    )
-    groups["parallelism"].add_argument(
-        "--router-policy",
-        default=d.router_policy,
-        choices=ROUTER_POLICIES,
-        help="how the smg router picks a replica with --dp-size (default %(default)s)",
-    )
-    return ap
 
 
 def parse_args(argv: list[str] | None = None) -> ServerArgs:

@@ -208,7 +208,7 @@ def test_the_flags_page_is_generated_from_the_parser():
     from scripts.flags_doc import DOC, render
 
     assert DOC.read_text() == render(), "docs/flags.md is stale: run python scripts/flags_doc.py"
-    from minisgl.launch import build_parser
+    from minisgl.args import build_parser
 
     flags = {o for a in build_parser()._actions for o in a.option_strings if o.startswith("--")}
     documented = set(re.findall(r"`(--[a-z0-9-]+)`", Path(DOC).read_text()))
