@@ -14,17 +14,18 @@ sys.path.insert(0, str(ROOT))
 from minisgl.tiny_model import ARCHS, make_tiny_model  # noqa: E402
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one)")
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs CUDA")
+    """Groups for -m: ``cuda`` (marked; skipped without a GPU), ``server`` (the test's module
+    starts real servers: seconds each) and ``unit`` (the rest)."""
+    skip = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs CUDA")
     for item in items:
         if "cuda" in item.keywords:
-            item.add_marker(skip)
+            if skip is not None:
+                item.add_marker(skip)
+        elif any(name in vars(item.module) for name in ("ServerProcess", "running_server")):
+            item.add_marker(pytest.mark.server)
+        else:
+            item.add_marker(pytest.mark.unit)
 
 
 @pytest.fixture(scope="session")
