@@ -224,6 +224,7 @@ class ServerArgs(EngineArgs):
     max_sequences_per_request: int = 256  # prompts x n
     max_stop_strings: int = 128
     max_stop_length: int = 1024  # characters of one stop string
+    strict_request_fields: bool = False  # 400 for a field no schema knows (default: ignored, named in a header)
     tool_call_parser: str | None = None  # llama3, qwen25 (None: read from the chat template)
     reasoning_parser: str | None = None  # qwen3, qwen3-thinking, deepseek-r1
     # /update_weights_from_tensor unpickles its payload (restricted to torch's shared-tensor
@@ -581,6 +582,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=d.max_sequences_per_request,
         help="prompts x n one request may ask for",
+    )
+    limits.add_argument(
+        "--strict-request-fields",
+        action="store_true",
+        help="refuse (400) a request field no schema knows, instead of ignoring it (it is named in the "
+        "x-minisgl-ignored-fields response header either way)",
     )
     limits.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings, help="stop strings per request")
     limits.add_argument("--max-stop-length", type=int, default=d.max_stop_length, help="characters per stop string")

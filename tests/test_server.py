@@ -791,3 +791,20 @@ def test_skip_tokenizer_init_serves_token_ids_only(tiny_llama, offline):
         assert r.status_code == 200 and r.json()["output_ids"] == want and not r.json()["text"]
         r = httpx.post(f"{srv.url}/generate", json={"text": "hello"})
         assert r.status_code == 400 and "--skip-tokenizer-init" in r.text
+
+
+def test_ignored_fields_are_named_in_a_header_and_refused_when_strict(server: ServerProcess, tiny_llama: Path):
+    body = {"text": "hi", "max_token": 3, "sampling_params": {"max_new_tokens": 2, "temprature": 0.5}}
+    r = httpx.post(f"{server.url}/generate", json=body, timeout=30)
+    assert r.status_code == 200
+    assert r.headers["x-minisgl-ignored-fields"] == "max_token, sampling_params.temprature"
+    assert (
+        "x-minisgl-ignored-fields"
+        not in httpx.post(
+            f"{server.url}/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}}, timeout=30
+        ).headers
+    )
+    with running_server(tiny_llama, "--max-total-tokens", "4096", "--strict-request-fields") as strict:
+        r = httpx.post(f"{strict.url}/generate", json=body, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_token"
+        assert "--strict-request-fields" in r.json()["error"]["message"]

@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from minisgl.api.client import EngineClient, RequestStream
-from minisgl.api.fields import Schema
+from minisgl.api.fields import IGNORED, Schema
 from minisgl.api.metrics import Metrics, RequestTimer
 from minisgl.api.protocol import BadRequest, check_sequences, decode
 from minisgl.api.streaming import EventStream
@@ -144,7 +144,11 @@ async def read_body(request: Request, kind: type, args: ServerArgs, schema: Sche
         raise BadRequest(
             f"the request body did not arrive within {args.request_body_timeout:g} s", status=408
         ) from None
-    return decode(body, kind, schema)
+    out = decode(body, kind, schema)
+    ignored = IGNORED.get()
+    if args.strict_request_fields and ignored:
+        raise BadRequest(f"unknown request fields: {', '.join(ignored)} (--strict-request-fields)", param=ignored[0])
+    return out
 
 
 def _retrieve(fut: asyncio.Future) -> None:

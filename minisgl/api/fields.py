@@ -16,11 +16,15 @@ was dropped). Each schema below sorts a body's fields into:
 from __future__ import annotations
 
 import logging
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
 logger = logging.getLogger("minisgl.api")
 _warned: set[str] = set()
+# The fields of the request being read that no schema knows (the API's middleware names them in
+# a response header; --strict-request-fields refuses them).
+IGNORED: ContextVar[list[str] | None] = ContextVar("ignored_fields", default=None)
 
 
 class UnsupportedField(ValueError):
@@ -53,9 +57,13 @@ class Schema:
             elif key in self.default_only:
                 if not _is_default(value, self.default_only[key]):
                     raise UnsupportedField(path, value, self.why.get(key, ""))
-            elif path not in _warned:
-                _warned.add(path)
-                logger.warning("ignoring the request field %r: no %s field has that name", path, self.name)
+            else:
+                ignored = IGNORED.get()
+                if ignored is not None:
+                    ignored.append(path)
+                if path not in _warned:
+                    _warned.add(path)
+                    logger.warning("ignoring the request field %r: no %s field has that name", path, self.name)
         return kept
 
     def _nested(self, key: str, value: Any, path: str) -> Any:

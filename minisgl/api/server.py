@@ -22,6 +22,7 @@ from starlette.routing import Route
 
 from minisgl.api.base import error_response
 from minisgl.api.client import EngineClient, EngineError
+from minisgl.api.fields import IGNORED
 from minisgl.api.native import NativeRoutes
 from minisgl.api.protocol import BadRequest
 from minisgl.api.responses import ResponsesRoutes
@@ -57,6 +58,32 @@ def _with_errors(api: Api, handler: Callable) -> Callable:
             return error_response(e.status, str(e), getattr(e, "param", None))
 
     return endpoint
+
+
+class IgnoredFieldsMiddleware:
+    """Names the request fields no schema knows in an ``x-minisgl-ignored-fields`` header, so a
+    client sees a misspelled field (``max_token``) without reading the server's log."""
+
+    def __init__(self, app: Callable):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        ignored: list[str] = []
+        token = IGNORED.set(ignored)
+
+        async def named(message: dict) -> None:
+            if message["type"] == "http.response.start" and ignored:
+                value = ", ".join(dict.fromkeys(ignored))[:1024].encode("latin-1", "replace")
+                message = {**message, "headers": [*message.get("headers", []), (b"x-minisgl-ignored-fields", value)]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, named)
+        finally:
+            IGNORED.reset(token)
 
 
 class ApiKeyMiddleware:
@@ -127,4 +154,5 @@ def create_app(client: EngineClient, info: EngineInfo, args: ServerArgs, pids: d
         lifespan=lifespan,
         exception_handlers={HTTPException: _http_error},
     )
+    app = IgnoredFieldsMiddleware(app)
     return ApiKeyMiddleware(app, args.api_key) if args.api_key else app
