@@ -37,10 +37,10 @@ from minisgl.ipc import Addresses, ChildDied, Receiver, stop_processes, wait_rea
 from minisgl.messages import EngineInfo
 from minisgl.models.locate import resolve_model_path
 from minisgl.scheduler.process import run_scheduler
-from minisgl.scheduler.worker_link import run_worker_process
 from minisgl.tokenizer import read_chat_template
 from minisgl.tokenizer.process import run_tokenizer
 from minisgl.utils import init_logging
+from minisgl.worker.spawn import run_worker_process
 
 logger = logging.getLogger("minisgl.launch")
 

@@ -15,11 +15,11 @@ from minisgl.scheduler import Req, Scheduler
 from minisgl.scheduler.control import ControlError
 from minisgl.scheduler.grammar import GrammarBackend
 from minisgl.scheduler.output import prompt_scores
-from minisgl.scheduler.worker_link import WorkerGroup
 from minisgl.tokenizer import eos_ids, load_tokenizer
 from minisgl.tokenizer.chat import encode_chat
 from minisgl.tokenizer.detokenizer import TextStream, decode_ids
 from minisgl.worker import ModelRunner
+from minisgl.worker.spawn import WorkerGroup
 
 logger = logging.getLogger(__name__)
 
