@@ -5,7 +5,7 @@
 cuBLAS picks one 128 x 128 row-scaled kernel for every shape, which leaves SMs idle at decode
 batch sizes (8B o_proj at 64 rows: 13.1 us against our Triton kernel's 7.8 in 64 x 64 tiles), while
 at 256 rows and more it is often the fastest. For each linear shape of the given models (and
-their tensor-parallel shards) and each row bucket of ``layers.quantization.GEMM_ROW_BUCKETS``,
+their tensor-parallel shards) and each row bucket of ``layers.fp8_gemm.GEMM_ROW_BUCKETS``,
 this times cuBLAS (``torch._scaled_mm``) and the Triton kernel in each candidate tile, and writes
 the fastest per bucket into ``minisgl/kernels/configs/fp8_gemm.json`` under this GPU's name,
 which ``fp8_linear`` reads (shapes or GPUs missing there keep the size rule). The timings go to
@@ -27,7 +27,7 @@ from benchmarks.decode_bench import replay_ms  # noqa: E402
 from benchmarks.fp8_layer_bench import layer_shapes  # noqa: E402
 from benchmarks.workloads import save_result  # noqa: E402
 from minisgl.kernels.fp8 import block_matmul  # noqa: E402
-from minisgl.layers.quantization import GEMM_CONFIGS_PATH, GEMM_ROW_BUCKETS, scaled_mm  # noqa: E402
+from minisgl.layers.fp8_gemm import GEMM_CONFIGS_PATH, GEMM_ROW_BUCKETS, scaled_mm  # noqa: E402
 from minisgl.model_config import ModelConfig  # noqa: E402
 
 CANDIDATES = [  # BM, BN, warps, stages

@@ -26,8 +26,9 @@ from benchmarks.decode_bench import replay_ms  # noqa: E402
 from benchmarks.workloads import save_result  # noqa: E402
 from minisgl.kernels.fp8 import quantize_rows  # noqa: E402
 from minisgl.kernels.fused import add_rmsnorm, silu_and_mul  # noqa: E402
+from minisgl.layers.fp8_scheme import Fp8Scheme  # noqa: E402
 from minisgl.layers.norm import RMSNorm  # noqa: E402
-from minisgl.layers.quantization import Fp8Scheme, fp8_linear, quantize, quantize_weight  # noqa: E402
+from minisgl.layers.quantization import fp8_linear, quantize, quantize_weight  # noqa: E402
 from minisgl.model_config import ModelConfig  # noqa: E402
 
 TRITON_CONFIGS = [

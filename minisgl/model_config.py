@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # (the tokenizer and scheduler read configs too, and never load torch)
-    from minisgl.layers.quantization import Fp8Scheme
+    from minisgl.layers.fp8_scheme import Fp8Scheme
 
 logger = logging.getLogger(__name__)
 

@@ -16,21 +16,18 @@ from minisgl.attention import create_backend
 from minisgl.kernels import rope_store, rope_store_torch, store_kv_torch
 from minisgl.kernels.rope_store import from_cache
 from minisgl.kvcache import MHAKVCache
+from minisgl.layers.fp8_gemm import GEMM_CONFIGS_PATH, GEMM_ROW_BUCKETS, tuned_gemm
+from minisgl.layers.fp8_scheme import Fp8Scheme, quantization_scheme
 from minisgl.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from minisgl.layers.quantization import (
     FP8,
-    GEMM_CONFIGS_PATH,
-    GEMM_ROW_BUCKETS,
-    Fp8Scheme,
     dequantize,
     fp8_linear,
-    quantization_scheme,
     quantize,
     quantize_blocks,
     quantize_torch,
     quantize_weight,
     row_scales,
-    tuned_gemm,
 )
 from minisgl.tiny_model import make_tiny_model
 from minisgl.worker import ModelRunner

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from minisgl.layers.quantization import Fp8Act, Fp8Scheme, quantize
+from minisgl.layers.fp8_scheme import Fp8Scheme
+from minisgl.layers.quantization import Fp8Act, quantize
 from minisgl.layers.quantization import fused as fp8_fused
 from minisgl.utils import has_module
 

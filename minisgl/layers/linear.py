@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.distributed import all_reduce, get_tp_info
-from minisgl.layers.quantization import FP8, Fp8Act, Fp8Scheme, fp8_linear, quantize_weight, row_scales
+from minisgl.layers.fp8_scheme import Fp8Scheme
+from minisgl.layers.quantization import FP8, Fp8Act, fp8_linear, quantize_weight, row_scales
 from minisgl.utils import cdiv, divide
 
 

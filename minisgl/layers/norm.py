@@ -10,7 +10,8 @@ from torch import nn
 
 from minisgl.distributed import all_reduce_add_rmsnorm
 from minisgl.kernels.fused import add_rmsnorm, rmsnorm
-from minisgl.layers.quantization import Fp8Act, Fp8Scheme, fused, quantize
+from minisgl.layers.fp8_scheme import Fp8Scheme
+from minisgl.layers.quantization import Fp8Act, fused, quantize
 
 
 class RMSNorm(nn.Module):

@@ -20,7 +20,8 @@ from safetensors import safe_open
 from torch import nn
 
 from minisgl.distributed import get_tp_info
-from minisgl.layers.quantization import FP8, FP8_MAX, quantization_scheme, to_fp8
+from minisgl.layers.fp8_scheme import quantization_scheme
+from minisgl.layers.quantization import FP8, FP8_MAX, to_fp8
 from minisgl.model_config import ModelConfig
 from minisgl.models import get_model_class
 from minisgl.models.gguf_file import gguf_source, iter_gguf_shapes, iter_gguf_weights

@@ -27,7 +27,8 @@ from minisgl.attention.context import set_attention_backend
 from minisgl.distributed import get_tp_info, init_fused_all_reduce_norm, init_one_shot_all_reduce
 from minisgl.kvcache import HostKVPool, MHAKVCache
 from minisgl.kvcache.disk_store import DiskStore, fingerprint
-from minisgl.layers.quantization import FP8, parse_kv_cache_dtype
+from minisgl.layers.fp8_scheme import parse_kv_cache_dtype
+from minisgl.layers.quantization import FP8
 from minisgl.messages import ForwardBatch, MemoryOccupation, NewRequest, StepOutput, WorkerReply, WorkerTask
 from minisgl.model_config import ModelConfig
 from minisgl.models.loader import load_model
