@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 
 from minisgl.args import EngineArgs
-from minisgl.messages import LoadWeights, MemoryOccupation, TensorWeights, WorkerTask
+from minisgl.messages import LoadWeights, LocalTensors, MemoryOccupation, TensorWeights, WorkerTask
 from minisgl.sampling import SamplingParams
 from minisgl.scheduler import Req, Scheduler
 from minisgl.scheduler.control import ControlError
@@ -70,7 +70,7 @@ class LLM:
 
     # ---- the RL control plane, under SGLang's Engine method names -------------------------------
 
-    def _task(self, task: WorkerTask, flush_cache: bool = True) -> tuple[bool, str]:
+    def _task(self, task: WorkerTask | LocalTensors, flush_cache: bool = True) -> tuple[bool, str]:
         try:
             reply = self.scheduler.run_task(task, flush_cache)
         except ControlError as e:
@@ -88,13 +88,7 @@ class LLM:
     ) -> tuple[bool, str]:
         """Load (name, full tensor) pairs, any subset of the weights; (success, message)."""
         if isinstance(self.runner, ModelRunner):  # this process holds the weights: no handles to pass
-            self.scheduler.collect_inflight()
-            try:
-                message = self.runner.updater().load_named(list(named_tensors))
-            except ValueError as e:
-                return False, str(e)
-            self.scheduler.new_weights(flush_cache)
-            return True, message
+            return self._task(LocalTensors(list(named_tensors)), flush_cache)
         from minisgl.worker.tensor_payload import encode_named_tensors
 
         payload = base64.b64decode(encode_named_tensors(named_tensors, load_format == "flattened_bucket"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -151,6 +152,16 @@ class MemoryOccupation(msgspec.Struct, array_like=True, tag=True):
 
 
 WorkerTask = LoadWeights | TensorWeights | JoinWeightGroup | BroadcastWeights | LeaveWeightGroup | MemoryOccupation
+
+
+@dataclass
+class LocalTensors:
+    """New weights handed over in-process, as they are (the offline API holding its only rank):
+    the tensors path without the pickle. Never sent over a socket."""
+
+    named: list[tuple[str, Any]]
+
+
 ToWorker = ForwardBatch | SampleMasks | ProfileReq | WorkerTask
 
 

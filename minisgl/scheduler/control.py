@@ -13,7 +13,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from minisgl.messages import BroadcastWeights, LoadWeights, MemoryOccupation, TensorWeights, WorkerReply, WorkerTask
+from minisgl.messages import (
+    BroadcastWeights,
+    LoadWeights,
+    LocalTensors,
+    MemoryOccupation,
+    TensorWeights,
+    WorkerReply,
+    WorkerTask,
+)
 from minisgl.scheduler.request import Req, ReqEvent
 
 if TYPE_CHECKING:
@@ -21,7 +29,7 @@ if TYPE_CHECKING:
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
-UPDATES = (LoadWeights, TensorWeights, BroadcastWeights)
+UPDATES = (LoadWeights, TensorWeights, BroadcastWeights, LocalTensors)
 
 
 class ControlError(ValueError):
@@ -85,7 +93,7 @@ class ControlPlane:
 
     # ---- weights and memory ------------------------------------------------------------------
 
-    def run_task(self: Scheduler, task: WorkerTask, flush_cache: bool = True) -> WorkerReply:
+    def run_task(self: Scheduler, task: WorkerTask | LocalTensors, flush_cache: bool = True) -> WorkerReply:
         """Run a worker task between steps; an accepted update starts a new cache epoch. Raises
         ControlError when the engine's state refuses it (the workers never see it)."""
         self.collect_inflight()

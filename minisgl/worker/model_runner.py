@@ -29,7 +29,15 @@ from minisgl.kvcache import HostKVPool, MHAKVCache
 from minisgl.kvcache.disk_store import DiskStore, fingerprint
 from minisgl.layers.fp8_scheme import parse_kv_cache_dtype
 from minisgl.layers.quantization import FP8
-from minisgl.messages import ForwardBatch, MemoryOccupation, NewRequest, StepOutput, WorkerReply, WorkerTask
+from minisgl.messages import (
+    ForwardBatch,
+    LocalTensors,
+    MemoryOccupation,
+    NewRequest,
+    StepOutput,
+    WorkerReply,
+    WorkerTask,
+)
 from minisgl.model_config import ModelConfig
 from minisgl.models.loader import load_model
 from minisgl.models.locate import resolve_model_path
@@ -566,7 +574,7 @@ class ModelRunner:
             msg.id_logprobs = [[row[column[t]] for t in ids] for row, ids in zip(h["id_logprobs"].tolist(), p.ids)]
         return msg
 
-    def run_task(self, task: WorkerTask) -> WorkerReply:
+    def run_task(self, task: WorkerTask | LocalTensors) -> WorkerReply:
         """A control-plane task (new weights, memory release or resume), run between steps."""
         assert not self.pending and self._parked is None, "a control task came with steps in flight"
         if isinstance(task, MemoryOccupation):

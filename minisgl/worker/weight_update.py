@@ -27,6 +27,7 @@ from minisgl.messages import (
     JoinWeightGroup,
     LeaveWeightGroup,
     LoadWeights,
+    LocalTensors,
     TensorWeights,
     WorkerReply,
     WorkerTask,
@@ -68,7 +69,7 @@ class WeightUpdater:
         self.runner = runner
         self.groups: dict[str, dist.ProcessGroup] = {}
 
-    def run(self, task: WorkerTask) -> WorkerReply:
+    def run(self, task: WorkerTask | LocalTensors) -> WorkerReply:
         """Carry out a weight task on this rank; the reply says whether it (and, for updates,
         every rank) succeeded, and why not."""
         start = time.perf_counter()
@@ -77,6 +78,8 @@ class WeightUpdater:
                 message = self._from_disk(task)
             elif isinstance(task, TensorWeights):
                 message = self._from_tensors(task)
+            elif isinstance(task, LocalTensors):
+                message = self.load_named(task.named)
             elif isinstance(task, JoinWeightGroup):
                 message = self._join(task)
             elif isinstance(task, BroadcastWeights):
