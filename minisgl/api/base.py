@@ -116,8 +116,11 @@ class Run:
             self.apply(ReqUpdate(self.rid, finish_reason="abort"))
 
 
-async def read_body(request: Request, kind: type, args: ServerArgs, schema: Schema | None = None) -> Any:
-    """The request body decoded as ``kind`` (fields sorted by ``schema``): 413 past
+async def read_body(
+    request: Request, kind: type, args: ServerArgs, schema: Schema | None = None, allow_empty: bool = False
+) -> Any:
+    """The request body decoded as ``kind`` (fields sorted by ``schema``; with ``allow_empty``, an
+    empty body is ``{}``, as clients post to routes whose fields all have defaults): 413 past
     ``--max-request-bytes`` (read no further), 408 when it does not arrive in time."""
     limit = args.max_request_bytes
     declared = request.headers.get("content-length", "")
@@ -144,7 +147,7 @@ async def read_body(request: Request, kind: type, args: ServerArgs, schema: Sche
         raise BadRequest(
             f"the request body did not arrive within {args.request_body_timeout:g} s", status=408
         ) from None
-    out = decode(body, kind, schema)
+    out = decode(body if body.strip() or not allow_empty else b"{}", kind, schema)
     ignored = IGNORED.get()
     if args.strict_request_fields and ignored:
         raise BadRequest(f"unknown request fields: {', '.join(ignored)} (--strict-request-fields)", param=ignored[0])

@@ -195,9 +195,7 @@ class NativeRoutes(ApiBase):
     async def start_profile(self, request: Request) -> Response:
         """SGLang's /start_profile: every worker records a torch profiler trace (Chrome format,
         one per rank, plus a table of the kernels by time) until /stop_profile or num_steps."""
-        body = ProfileRequest()
-        if request.headers.get("content-length", "0") != "0":
-            body = await read_body(request, ProfileRequest, self.args)
+        body: ProfileRequest = await read_body(request, ProfileRequest, self.args, allow_empty=True)
         activities = [a.upper().replace("CUDA", "GPU") for a in body.activities or ["CPU", "GPU"]]
         unknown = sorted(set(activities) - {"CPU", "GPU"})
         if unknown:

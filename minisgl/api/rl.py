@@ -121,16 +121,7 @@ def _answer(reply: ControlReply, **extra: Any) -> Response:
 
 class RlRoutes(ApiBase):
     async def _body(self, request: Request, kind: type, schema: Schema) -> Any:
-        """The body as ``kind``; an empty body takes the defaults (SGLang's clients post ``{}``
-        or nothing to the routes without required fields)."""
-        if request.headers.get("content-length", "") in ("0", ""):
-            raw = await request.body()
-            if not raw.strip():
-                try:
-                    return msgspec.convert({}, kind)
-                except msgspec.ValidationError as e:
-                    raise BadRequest(f"invalid request: {e}") from None
-        return await read_body(request, kind, self.args, schema)
+        return await read_body(request, kind, self.args, schema, allow_empty=True)
 
     async def _weights(self, task: WorkerTask, body: UpdateCommon | None = None) -> Response:
         common = body or UpdateCommon()
