@@ -224,13 +224,19 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _existing_source(folder: Path) -> Path:
+    """The .gguf file a converted folder reads its weights from, which must still be there."""
+    path = gguf_source(folder)
+    if path is None or not path.is_file():
+        raise FileNotFoundError(f"{folder} loads its weights from {path}, which is gone; pass the .gguf file again")
+    return path
+
+
 def iter_gguf_shapes(folder: Path) -> Iterator[tuple[str, tuple[int, ...]]]:
     """Each tensor's Hugging Face name and shape, from the .gguf file's header."""
     import gguf
 
-    path = gguf_source(folder)
-    if path is None or not path.is_file():
-        raise FileNotFoundError(f"{folder} loads its weights from {path}, which is gone; pass the .gguf file again")
+    path = _existing_source(folder)
     for t in gguf.GGUFReader(str(path)).tensors:
         yield _hf_name(t.name), tuple(int(d) for d in reversed(t.shape))
 
@@ -242,9 +248,7 @@ def iter_gguf_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     import torch
     from gguf import GGMLQuantizationType, quants
 
-    path = gguf_source(folder)
-    if path is None or not path.is_file():
-        raise FileNotFoundError(f"{folder} loads its weights from {path}, which is gone; pass the .gguf file again")
+    path = _existing_source(folder)
     config = json.loads((folder / "config.json").read_text())
     reader = gguf.GGUFReader(str(path))
     for t in progress(reader.tensors, desc=f"Loading weights from {path.name}", unit="tensor"):
