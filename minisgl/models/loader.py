@@ -149,10 +149,12 @@ class WeightMap:
             shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
             raise ValueError(f"checkpoint lacks {len(missing)} weights: {shown}")
 
-    def load(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
-        """Copy tensors into their (possibly fused, possibly sharded) parameters, in place.
-        KV cache scales go to ``model.kv_scales`` ({layer: {"k": s, "v": s}})."""
+    def load(self, weights: Iterator[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy tensors into their (possibly fused, possibly sharded) parameters, in place;
+        returns the parameters filled. KV cache scales go to ``model.kv_scales`` ({layer: {"k":
+        s, "v": s}})."""
         kv_scales = self.model.__dict__.setdefault("kv_scales", {})
+        filled: set[str] = set()
         for name, tensor in weights:
             kv = KV_SCALE.search(name)
             if kv is not None:
@@ -168,6 +170,8 @@ class WeightMap:
                 loader(param, tensor, part)
             else:
                 param.data.copy_(tensor)
+            filled.add(param_name)
+        return filled
 
 
 def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
@@ -175,17 +179,7 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
     a tensor with no place and for weights none of them fills."""
     wmap = WeightMap(model)
     model.kv_scales = {}
-    seen: set[str] = set()
-
-    def tracked() -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in weights:
-            found = wmap.target(name)
-            if found is not None:
-                seen.add(found[0])
-            yield name, tensor
-
-    wmap.load(tracked())
-    wmap.require(seen)
+    wmap.require(wmap.load(weights))
 
 
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:

@@ -175,9 +175,9 @@ class WeightUpdater:
         if task.load_format not in ("direct", "flattened_bucket"):
             raise ValueError(f"load_format must be direct or flattened_bucket, got {task.load_format!r}")
         dtypes = [parse_dtype(d) for d in task.dtypes]
-        problem = None
+        problem, wmap = None, WeightMap(self.runner.model)
         try:
-            WeightMap(self.runner.model).check(zip(task.names, map(tuple, task.shapes)), complete=False)
+            wmap.check(zip(task.names, map(tuple, task.shapes)), complete=False)
         except ValueError as e:
             problem = str(e)
         # The trainer broadcasts whatever the request lists: receive it all whatever happens, so
@@ -193,7 +193,7 @@ class WeightUpdater:
             for _ in received:
                 pass
             raise ValueError(problem)
-        WeightMap(self.runner.model).load(received)
+        wmap.load(received)
         self._after_load(list(task.names))
         return f"received {len(task.names)} tensors"
 
