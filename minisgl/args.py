@@ -73,6 +73,7 @@ class EngineArgs:
     quantization: str | None = None  # "fp8": quantize a float checkpoint's linear layers at load (W8A8)
     kv_cache_dtype: str = "auto"  # auto (the model dtype), fp8_e4m3, bf16
     quantize_lm_head: bool = False  # the LM head in fp8 too (per vocabulary row), with fp8 linear layers
+    enable_return_routed_experts: bool = False  # MoE: requests may ask for each token's experts
     grammar_compile_timeout_secs: float = 15.0  # a request whose grammar is not compiled by then ends with an error
     # Hierarchical cache: a host-memory tier under the radix tree (SGLang's HiCache flags).
     enable_hierarchical_cache: bool = False
@@ -305,6 +306,13 @@ def add_engine_args(ap: argparse.ArgumentParser) -> dict[str, argparse._Argument
         help="with fp8 linear layers (--quantization fp8 or an FP8 checkpoint): the LM head in fp8 "
         "too, one scale per vocabulary row (8B decode: 0.46 -> 0.27 ms a step at batch 256; "
         "SmolLM2's perplexity +6.1%% against +3.3%% without; benchmarks/results/fp8_*.md)",
+    )
+    model.add_argument(
+        "--enable-return-routed-experts",
+        action="store_true",
+        help="mixture-of-experts models: a /generate request with return_routed_experts gets each "
+        "token's top-k expert ids per layer in meta_info.routed_experts (base64 int32, [tokens, "
+        "layers, k], -1 for dense layers), for trainers that replay the routing",
     )
     model.add_argument(
         "--kv-cache-dtype",

@@ -128,6 +128,8 @@ class LLM:
         }
         if req.error is not None:  # ended by an error (its grammar rejected a sampled token)
             meta["error"] = req.error
+        if req.routed_start >= 0:
+            meta["routed_experts"] = base64.b64encode(b"".join(req.routed)).decode()
         if req.top_logprobs >= 0:
             meta["output_token_logprobs"] = req.output_logprobs
             if req.top_logprobs > 0:
@@ -161,6 +163,8 @@ class LLM:
         top_logprobs: int = -1,
         logprob_start: int = -1,
         cache_salt: str | None = None,
+        return_routed_experts: bool = False,
+        routed_experts_start: int = 0,
     ) -> list[dict[str, Any]]:
         """Generate for every prompt (text or token ids); results come back in prompt order.
 
@@ -168,6 +172,9 @@ class LLM:
         most likely tokens as well. ``logprob_start`` >= 0: also the prompt's logprobs from
         that position on (``input_token_logprobs``). ``cache_salt``: these prompts share cached
         prefixes only with others of the same salt (the server's ``cache_salt`` / ``extra_key``).
+        ``return_routed_experts`` (MoE, ``enable_return_routed_experts=True``): the expert ids per
+        layer of each position from ``routed_experts_start`` on in ``meta_info["routed_experts"]``,
+        as the server sends them (``utils.routed_experts_array`` decodes them).
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -185,7 +192,12 @@ class LLM:
             for prompt, sp in zip(prompts, params):
                 reqs.append(
                     self.scheduler.add_request(
-                        self._encode(prompt), sp, top_logprobs, logprob_start, cache_salt=cache_salt
+                        self._encode(prompt),
+                        sp,
+                        top_logprobs,
+                        logprob_start,
+                        cache_salt=cache_salt,
+                        routed_start=routed_experts_start if return_routed_experts else -1,
                     )
                 )
         except ValueError:

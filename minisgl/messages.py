@@ -75,6 +75,8 @@ class ForwardBatch(msgspec.Struct, array_like=True, tag=True):
     disk_read_pages: list[int] = []
     disk_write_keys: list[bytes] = []
     disk_write_pages: list[int] = []
+    # Rows of the step's new tokens whose expert ids come back (--enable-return-routed-experts).
+    route_rows: list[int] = []
 
 
 class SampleMasks(msgspec.Struct, array_like=True, tag=True):
@@ -188,6 +190,8 @@ class StepOutput(msgspec.Struct, array_like=True, tag=True):
     # score row, every id of ``ForwardBatch.score_logprob_ids``.
     id_logprobs: list[list[float]] | None = None
     score_id_logprobs: list[list[float]] | None = None
+    # Per ``ForwardBatch.route_rows`` entry, every layer's top-k expert ids: int32 [rows, layers, k].
+    routed_experts: bytes = b""
 
 
 # ---- serving: API <-> tokenizer <-> scheduler <-> worker ----------------------------------------
@@ -218,6 +222,9 @@ class GenerateReq(msgspec.Struct):
     tools: list[dict[str, Any]] | None = None  # OpenAI tool definitions, rendered by the chat template
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (enable_thinking, ...)
     cache_salt: str | None = None  # vLLM's: prefix-cache isolation between tenants
+    # SGLang's return_routed_experts (with routed_experts_start_len): each position's experts per
+    # layer from this position on, with the last message (-1: none).
+    routed_start: int = -1
 
 
 class GenerateBatch(msgspec.Struct, tag=True):
@@ -238,6 +245,7 @@ class TokenizedReq(msgspec.Struct):
     logprob_start: int = -1  # prompt logprobs from this position (-1: none)
     logprob_ids: list[int] = []
     cache_salt: str | None = None  # shares cached prefixes only with requests of the same salt
+    routed_start: int = -1
 
 
 class TokenizedBatch(msgspec.Struct, tag=True):
@@ -296,6 +304,9 @@ class TokenOut(msgspec.Struct, array_like=True):
     input_top_logprobs: list[list[float]] = []
     id_logprobs: list[list[float]] = []  # per token, the logprobs of the request's logprob_ids
     input_id_logprobs: list[list[float]] = []
+    # With the last message, if asked: int32 [positions, layers, k] expert ids of every position
+    # the model computed for it (prompt and outputs but the last).
+    routed_experts: bytes = b""
 
 
 class TokenBatch(msgspec.Struct, tag=True):
@@ -325,6 +336,7 @@ class ReqUpdate(msgspec.Struct, array_like=True):
     error: str | None = None
     matched: str | None = None  # the stop string that finished it (finish_reason "stop")
     input_logprobs: list[TokenLogprob] = []  # the prompt's, from its logprob_start on (once)
+    routed_experts: bytes = b""  # with the last update (``TokenOut.routed_experts``)
 
 
 class UpdateBatch(msgspec.Struct, tag=True):

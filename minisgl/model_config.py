@@ -22,6 +22,9 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
 )
 
 
@@ -49,15 +52,32 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     quantization_config: dict[str, Any] | None = None  # as the checkpoint's config.json has it
     quant: Fp8Scheme | None = None  # the linear layers' scheme, set by the loader from the above and the flags
+    # Mixture of experts (0 experts: a dense model). Which layers are sparse follows Qwen2-MoE's
+    # rule: every ``decoder_sparse_step``-th layer, except those in ``mlp_only_layers``.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalize the top-k routing weights to sum to one
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's gated shared expert (0: none)
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+    qkv_bias_field: bool | None = None  # transformers 5 writes Qwen2's hard-coded q/k/v biases out
 
     @property
     def qk_norm(self) -> bool:
-        return self.architecture == "Qwen3ForCausalLM"
+        return self.architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 
     @property
     def qkv_bias(self) -> bool:
-        # Qwen2 hard-codes biases on q/k/v; the others follow attention_bias.
-        return self.architecture == "Qwen2ForCausalLM" or self.attention_bias
+        # Qwen2 (and Qwen2-MoE) hard-code biases on q/k/v; the others follow attention_bias.
+        if self.qkv_bias_field is not None:
+            return self.qkv_bias_field
+        return self.architecture in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM") or self.attention_bias
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return (
+            self.num_experts > 0 and layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+        )
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
@@ -81,6 +101,7 @@ class ModelConfig:
         sliding = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
         num_heads = raw["num_attention_heads"]
         return cls(
+            **_moe_fields(arch, raw),
             architecture=arch,
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
@@ -129,3 +150,27 @@ class ModelConfig:
                 raise ValueError(f"--context-length {requested} exceeds the model's limit {limit}")
             limit = requested
         return limit
+
+
+def _moe_fields(arch: str, raw: dict[str, Any]) -> dict[str, Any]:
+    """The expert fields as each family spells them: Mixtral's experts are ``intermediate_size``
+    wide and always renormalized; transformers 5 re-saves Qwen3-MoE's ``num_experts`` as
+    ``num_local_experts``."""
+    fields: dict[str, Any] = {}
+    if "qkv_bias" in raw:
+        fields["qkv_bias_field"] = bool(raw["qkv_bias"])
+    if arch not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM"):
+        return fields
+    fields["num_experts"] = raw.get("num_experts") or raw["num_local_experts"]
+    fields["num_experts_per_tok"] = raw["num_experts_per_tok"]
+    if arch == "MixtralForCausalLM":
+        fields["moe_intermediate_size"] = raw["intermediate_size"]
+        fields["norm_topk_prob"] = True
+        return fields
+    fields["moe_intermediate_size"] = raw["moe_intermediate_size"]
+    fields["norm_topk_prob"] = bool(raw.get("norm_topk_prob", False))
+    fields["decoder_sparse_step"] = raw.get("decoder_sparse_step", 1) or 1
+    fields["mlp_only_layers"] = list(raw.get("mlp_only_layers") or [])
+    if arch == "Qwen2MoeForCausalLM":
+        fields["shared_expert_intermediate_size"] = raw.get("shared_expert_intermediate_size", 0)
+    return fields

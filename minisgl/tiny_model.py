@@ -13,7 +13,7 @@ import argparse
 import importlib
 from pathlib import Path
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "mixtral")
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -119,6 +119,20 @@ def model_config(arch: str, vocab_size: int, bos: int, eos: int, overrides: dict
         return transformers.Qwen3Config(**{"head_dim": 32, **common}, rope_theta=1e6, tie_word_embeddings=True)
     if arch == "mistral":
         return transformers.MistralConfig(**common, sliding_window=None, tie_word_embeddings=False)
+    # Mixtures of experts: 8 experts, 2 per token; Qwen2-MoE with its shared expert and unnormalized
+    # top-k weights, Qwen3-MoE renormalized with a dense second layer, Mixtral with w1/w2/w3 names.
+    moe = dict(num_experts_per_tok=2, rope_theta=1e6, tie_word_embeddings=False)
+    if arch == "qwen2_moe":
+        return transformers.Qwen2MoeConfig(
+            **common, **moe, num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=48
+        )
+    if arch == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(
+            **{"head_dim": 32, **common}, **moe, num_experts=8, moe_intermediate_size=32, norm_topk_prob=True,
+            mlp_only_layers=[1],
+        )  # fmt: skip
+    if arch == "mixtral":
+        return transformers.MixtralConfig(**{**common, "intermediate_size": 32}, **moe, num_local_experts=8)
     raise ValueError(f"unknown arch {arch!r}; choose from {ARCHS}")
 
 

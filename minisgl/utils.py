@@ -118,3 +118,15 @@ def context_overflow(limit: int, prompt: int, new: int = 0) -> str:
     tools that classify provider errors) look for."""
     asked = f"{prompt} prompt tokens + {new} new tokens" if new else f"the prompt has {prompt} tokens"
     return f"Requested token count exceeds the model's maximum context length of {limit} tokens: {asked}"
+
+
+def routed_experts_array(meta_info: dict[str, Any], num_layers: int, top_k: int) -> Any:
+    """A result's ``meta_info["routed_experts"]`` (base64 of int32) as a numpy array [positions,
+    layers, k]: position p's expert ids in each layer (-1 in dense layers), for every position
+    the model computed (the prompt and the outputs but the last)."""
+    import base64
+
+    import numpy as np
+
+    flat = np.frombuffer(base64.b64decode(meta_info["routed_experts"]), dtype=np.int32)
+    return flat.reshape(-1, num_layers, top_k)

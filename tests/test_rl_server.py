@@ -406,3 +406,29 @@ def test_rl_loop_runs_every_update_path_on_cpu(checkpoints, tmp_path):
     )
     assert [r["path"] for r in rows] == ["tensor", "disk", "distributed"]
     assert all(r["samples"] == 8 and r["output_tokens"] == 64 for r in rows)
+
+
+def test_routed_experts_over_http(tiny_models):
+    """SGLang's return_routed_experts on /generate (MoE, --enable-return-routed-experts):
+    base64 int32 [positions, layers, k] in meta_info, the offline API's values, and a 400 for a
+    negative routed_experts_start_len."""
+    from minisgl.utils import routed_experts_array
+
+    path = tiny_models["qwen3_moe"]
+    prompt = list(range(30, 70))
+    want = LLM(str(path), device="cpu", enable_return_routed_experts=True).generate(
+        prompt, GREEDY, return_routed_experts=True
+    )[0]
+    with running_server(path, "--enable-return-routed-experts") as srv:
+        body = {"input_ids": prompt, "sampling_params": GREEDY, "return_routed_experts": True}
+        got = httpx.post(f"{srv.url}/generate", json=body, timeout=60).json()
+        assert got["output_ids"] == want["output_ids"]
+        assert got["meta_info"]["routed_experts"] == want["meta_info"]["routed_experts"]
+        assert routed_experts_array(got["meta_info"], 2, 2).shape == (len(prompt) + 7, 2, 2)
+        body["routed_experts_start_len"] = len(prompt)
+        tail = httpx.post(f"{srv.url}/generate", json=body, timeout=60).json()
+        assert routed_experts_array(tail["meta_info"], 2, 2).shape == (7, 2, 2)
+        body["routed_experts_start_len"] = -1
+        bad = httpx.post(f"{srv.url}/generate", json=body, timeout=60)
+        assert bad.status_code == 400 and "routed_experts_start_len" in bad.text
+        idle_and_clean(srv)

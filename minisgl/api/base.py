@@ -47,6 +47,7 @@ class Run:
         self.finish_reason: str | None = None
         self.matched: str | None = None  # the stop string that finished it
         self.prompt_tokens = self.cached_tokens = 0
+        self.routed_experts = b""  # with the last update, when the request asked for them
         self.e2e_latency = 0.0
         self._first: ReqUpdate | None = first
 
@@ -60,6 +61,8 @@ class Run:
         self.timer.tokens_arrived(len(upd.token_ids))
         if upd.matched is not None:
             self.matched = upd.matched
+        if upd.routed_experts:
+            self.routed_experts = upd.routed_experts
         if upd.finish_reason is not None:
             self.finish_reason = upd.finish_reason
             self.e2e_latency = self.timer.finished(upd.finish_reason, self.prompt_tokens, self.cached_tokens)

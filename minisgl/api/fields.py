@@ -137,6 +137,8 @@ GENERATE = Schema(
         "extra_key",
         "return_text_in_logprobs",
         "logprob_start_len",
+        "return_routed_experts",
+        "routed_experts_start_len",
     },
     inert={
         "model",
@@ -162,9 +164,7 @@ GENERATE = Schema(
         "audio_data": None,
         "use_audio_in_video": False,
         "return_hidden_states": False,
-        "return_routed_experts": False,
         "return_indexer_topk": False,
-        "routed_experts_start_len": 0,
         "modalities": None,
         "session_params": None,
         "lora_path": None,

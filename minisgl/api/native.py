@@ -4,6 +4,7 @@ and model info, metrics, cache flush and abort."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import os
 import time
 import uuid
@@ -34,7 +35,9 @@ def _logprob_entry(logprob: float | None, token: int, text: str, with_text: bool
 
 
 class NativeRoutes(ApiBase):
-    def _generate_body(self, run: Run, top_logprobs: int, with_text: bool, logprob_ids: bool) -> dict[str, Any]:
+    def _generate_body(
+        self, run: Run, top_logprobs: int, with_text: bool, logprob_ids: bool, routed: bool = False
+    ) -> dict[str, Any]:
         meta: dict[str, Any] = {
             "id": run.rid,
             "prompt_tokens": run.prompt_tokens,
@@ -58,6 +61,8 @@ class NativeRoutes(ApiBase):
                         None if lp.logprob is None else [_logprob_entry(p, t, s, with_text) for t, s, p in lp.ids]
                         for lp in lps
                     ]
+        if routed:
+            meta["routed_experts"] = base64.b64encode(run.routed_experts).decode()
         return {"text": run.text, "output_ids": run.token_ids, "meta_info": meta}
 
     async def generate(self, request: Request) -> Response:
@@ -74,6 +79,7 @@ class NativeRoutes(ApiBase):
                     logprob_start=it.logprob_start,
                     logprob_ids=it.logprob_ids,
                     cache_salt=it.cache_salt,
+                    routed_start=it.routed_start,
                 )
                 for it in items
             ]
@@ -81,7 +87,10 @@ class NativeRoutes(ApiBase):
         with_text, batch = body.return_text_in_logprobs, len(items) > 1 or body.is_batch
 
         def result(i: int) -> dict[str, Any]:
-            out = self._generate_body(runs[i], items[i].top_logprobs, with_text, bool(items[i].logprob_ids))
+            item = items[i]
+            out = self._generate_body(
+                runs[i], item.top_logprobs, with_text, bool(item.logprob_ids), item.routed_start >= 0
+            )
             return {**out, "index": i} if batch else out
 
         if not body.stream:

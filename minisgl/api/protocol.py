@@ -95,6 +95,7 @@ class GenerateItem(msgspec.Struct):
     logprob_start: int = -1  # prompt logprobs from this position (-1: none)
     logprob_ids: list[int] = []  # token_ids_logprob
     cache_salt: str | None = None  # extra_key: shares cached prefixes only with the same key
+    routed_start: int = -1  # routed experts of the positions from here on (-1: none)
 
 
 class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -112,6 +113,8 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
     return_text_in_logprobs: bool = False
     rid: str | list[str] | None = None
     extra_key: str | list[str] | None = None  # SGLang's cache isolation key (the OpenAI routes' cache_salt)
+    return_routed_experts: bool = False  # MoE: each position's experts (--enable-return-routed-experts)
+    routed_experts_start_len: Int32 = 0  # from this position on (0: the whole prompt too)
 
     @property
     def is_batch(self) -> bool:
@@ -161,6 +164,8 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
         if not 1 <= n <= MAX_N:
             raise BadRequest(f"n must be in [1, {MAX_N}], got {n}", param="sampling_params.n")
         check_sequences(count * n, max_sequences)
+        if self.routed_experts_start_len < 0:
+            raise BadRequest("routed_experts_start_len must be >= 0", param="routed_experts_start_len")
         single = not self.is_batch and n == 1
         rids = self._rids(count * n, single)
         out = []
@@ -183,6 +188,7 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
                         start,
                         ids[i] if want[i] else [],
                         keys[i],
+                        self.routed_experts_start_len if self.return_routed_experts else -1,
                     )
                 )
         return out

@@ -1,10 +1,13 @@
-"""The Llama decoder family: Llama (incl. Llama-3.1 rope scaling), Mistral, Qwen2 and Qwen3.
+"""The Llama decoder family: Llama (incl. Llama-3.1 rope scaling), Mistral, Qwen2, Qwen3 and
+their mixtures of experts (Qwen2-MoE, Qwen3-MoE, Mixtral).
 
 They differ only in small switches read from ModelConfig: q/k/v biases (Qwen2), per-head
-q/k RMSNorm (Qwen3), tied embeddings. Tokens of all requests in a step are packed into one
-[T] sequence; attention goes through the installed backend. Under tensor parallelism the
-row-parallel projections (o_proj, down_proj) hand their partial sums to the norm after them,
-which all-reduces them together with its residual add (``RMSNorm(..., reduce=True)``).
+q/k RMSNorm (Qwen3), tied embeddings, and a sparse MLP block (``SparseMoeBlock``: a router and
+experts, Qwen2-MoE's gated shared expert) in the layers the config marks. Tokens of all
+requests in a step are packed into one [T] sequence; attention goes through the installed
+backend. Under tensor parallelism the row-parallel projections (o_proj, down_proj, the experts)
+hand their partial sums to the norm after them, which all-reduces them together with its
+residual add (``RMSNorm(..., reduce=True)``).
 """
 
 from __future__ import annotations
@@ -13,10 +16,11 @@ import torch
 from torch import nn
 
 from minisgl.attention.context import get_attention_backend
-from minisgl.distributed import get_tp_info
+from minisgl.distributed import all_reduce, get_tp_info
 from minisgl.kernels.fused import silu_and_mul
 from minisgl.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minisgl.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from minisgl.layers.moe import FusedMoE, RoutedExperts, route
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.quantization import Fp8Act
 from minisgl.layers.rotary import RotaryEmbedding
@@ -49,9 +53,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, size: int | None = None):
         super().__init__()
-        size = config.intermediate_size
+        size = size or config.intermediate_size
         self.quant = config.quant
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [size, size], config.mlp_bias, config.quant)
         self.down_proj = RowParallelLinear(size, config.hidden_size, config.mlp_bias, config.quant)
@@ -60,14 +64,45 @@ class MLP(nn.Module):
         return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.quant), reduce)
 
 
+class SparseMoeBlock(nn.Module):
+    """The MLP of a sparse layer: a router picks each token's top-k experts (``layers.moe``);
+    Qwen2-MoE adds a shared expert that every token passes, scaled by a sigmoid gate."""
+
+    def __init__(self, config: ModelConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.capture: RoutedExperts | None = None  # set when requests may return their routing
+        self.top_k, self.renormalize = config.num_experts_per_tok, config.norm_topk_prob
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = FusedMoE(
+            config.num_experts, self.top_k, config.hidden_size, config.moe_intermediate_size, config.quant
+        )
+        if config.shared_expert_intermediate_size:
+            self.shared_expert = MLP(config, config.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """x [T, H] (never fp8: the router reads it); with ``reduce=False`` the partial sums."""
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        if self.capture is not None:
+            self.capture.record(self.layer_id, ids)
+        y = self.experts(x, weights, ids)
+        if hasattr(self, "shared_expert"):
+            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, reduce=False)
+        return all_reduce(y) if reduce else y
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
         super().__init__()
         self.self_attn = Attention(config, layer_id, rotary)
-        self.mlp = MLP(config)
-        # Under fp8 both norms hand their linear layer a quantized activation.
+        sparse = config.is_moe_layer(layer_id)
+        self.mlp = SparseMoeBlock(config, layer_id) if sparse else MLP(config)
+        # Under fp8 both norms hand their linear layer a quantized activation (a router reads floats).
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.quant)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.quant)
+        self.post_attention_layernorm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, None if sparse else config.quant
+        )
         self.defer = defers_reduce(config)
 
     def attention_input(
@@ -160,6 +195,8 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+    # checkpoint name part -> ours (Mixtral calls its sparse MLP block_sparse_moe)
+    renamed_modules = {"block_sparse_moe": "mlp"}
 
     def __init__(self, config: ModelConfig, max_positions: int):
         super().__init__()

@@ -64,6 +64,11 @@ def iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                     bar.update(1)
 
 
+# One expert's projection (Qwen-MoE names, Mixtral's w1/w3/w2) -> our stacked parameter and shard.
+EXPERT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.")
+EXPERT_PARTS = {"gate_proj": ("w13", 0), "w1": ("w13", 0), "up_proj": ("w13", 1), "w3": ("w13", 1)}
+EXPERT_PARTS |= {"down_proj": ("w2", None), "w2": ("w2", None)}
+
 # Per-tensor K and V cache scales as checkpoints name them (vLLM/SGLang and compressed-tensors).
 KV_SCALE = re.compile(r"layers\.(\d+)\.self_attn\.(?:attn\.)?(?:(k|v)_scale|(k|v)_proj\.output_scale)$")
 
@@ -88,6 +93,7 @@ class WeightMap:
         self.model = model
         self.params = dict(model.named_parameters(remove_duplicate=False))
         self.packed: dict[str, tuple[str, int | str]] = getattr(model, "packed_modules", {})
+        self.renamed: dict[str, str] = getattr(model, "renamed_modules", {})
         self.tied = getattr(model.config, "tie_word_embeddings", False)
         quant = getattr(model.config, "quant", None)
         # Quantized at load, a float weight brings its own scales.
@@ -98,7 +104,7 @@ class WeightMap:
             if not (self.tied and n == "lm_head.weight") and not (online and n.endswith("weight_scale"))
         }
 
-    def target(self, name: str) -> tuple[str, int | str | None] | None:
+    def target(self, name: str) -> tuple[str, int | str | tuple | None] | None:
         """(parameter name, part) of checkpoint tensor ``name``; None for tensors that are not
         weights (rotary tables, a tied head, KV cache scales). Raises ValueError for a name the
         model has no place for."""
@@ -106,11 +112,19 @@ class WeightMap:
             return None
         if name.endswith(".weight_scale_inv"):  # block-wise checkpoints: a multiplier, despite the name
             name = name[: -len("_inv")]
+        for ckpt_name, ours in self.renamed.items():
+            name = name.replace(f".{ckpt_name}.", f".{ours}.")
         part = None
-        for ckpt_name, (ours, shard) in self.packed.items():
-            if f".{ckpt_name}." in name:
-                name, part = name.replace(f".{ckpt_name}.", f".{ours}."), shard
-                break
+        expert = EXPERT.search(name)
+        if expert is not None:  # experts.3.gate_proj.weight -> experts.w13_weight, part (3, 0)
+            ours, shard = EXPERT_PARTS[expert.group(2)]
+            name = f"{name[: expert.start()]}.experts.{ours}_{name[expert.end() :]}"
+            part = (int(expert.group(1)), shard)
+        else:
+            for ckpt_name, (ours, shard) in self.packed.items():
+                if f".{ckpt_name}." in name:
+                    name, part = name.replace(f".{ckpt_name}.", f".{ours}."), shard
+                    break
         if name not in self.params:
             raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self.model).__name__}")
         return name, part

@@ -19,8 +19,9 @@ from minisgl.scheduler.request import Req
 
 
 class DecodePlanner:
-    def __init__(self, memory: Memory, cascade: bool):
+    def __init__(self, memory: Memory, cascade: bool, routing: bool = False):
         self.memory = memory
+        self.routing = routing  # requests may return their routed experts: find their rows
         self.page_size = memory.page_size
         self.cascade = cascade
         self.order = DecodeOrder([])  # the last step's order and cascade groups
@@ -47,6 +48,14 @@ class DecodePlanner:
             self._key = key
             self.order = plan_cascade(reqs, self.memory.cache, page, self.cascade)
         return self._batch(self.order, needy)
+
+    def routed(self, batch: ForwardBatch) -> list[tuple[Req, int]]:
+        """The (request, position) of the step's rows whose experts come back (``route_rows``)."""
+        if not self.routing:
+            return []
+        reqs = self.order.reqs
+        batch.route_rows = [i for i, r in enumerate(reqs) if 0 <= r.routed_start < r.kv_len]
+        return [(reqs[i], reqs[i].kv_len - 1) for i in batch.route_rows]
 
     @staticmethod
     def _batch(order: DecodeOrder, needy: list[Req]) -> ForwardBatch:

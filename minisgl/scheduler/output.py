@@ -18,6 +18,15 @@ def prompt_scores(req: Req) -> tuple[int, list[PromptScore]]:
     return first, [req.prompt_scores[j] for j in range(first, len(req.prompt_ids))]
 
 
+def record_routed(routed: list[tuple[Req, int]], data: bytes) -> None:
+    """Give each (request, position) its row of the step's routed experts; a position already
+    recorded (recomputed after a retraction) keeps its first record."""
+    size = len(data) // len(routed)
+    for i, (req, pos) in enumerate(routed):
+        if pos == req.routed_until:
+            req.routed.append(data[i * size : (i + 1) * size])
+
+
 def apply_output(
     sampled: list[Req],
     scored: list[tuple[Req, int]],

@@ -26,8 +26,11 @@ ADMIT_TOGETHER_SHARE = 32
 
 def reusable(req: Req, upto: int) -> int:
     """How many of its first tokens a request may take from the cache: position j's prompt
-    logprob needs the hidden state at j - 1, so those positions are computed again."""
-    return min(upto, max(req.logprob_start - 1, 0)) if req.scores_prompt else upto
+    logprob needs the hidden state at j - 1, and positions whose experts it returns must run
+    through the model, so those positions are computed again."""
+    if req.scores_prompt:
+        upto = min(upto, max(req.logprob_start - 1, 0))
+    return min(upto, req.routed_until)
 
 
 class PrefillPlanner:
@@ -64,9 +67,9 @@ class PrefillPlanner:
             return None
         req.pages += pages
         start, req.kv_len = req.kv_len, end
-        if memory.cache.reuses_prefixes and not req.scores_prompt:
+        if memory.cache.reuses_prefixes and not req.recomputes_prompt:
             # The request's final token stays out, so that an identical prompt can never produce
-            # a duplicate page while both run. (One scoring its prompt may recompute cached
+            # a duplicate page while both run. (One recomputing its prompt may recompute cached
             # pages: it publishes at release.)
             memory.publish(req, min(end, target - 1))
         return req, end - start, end == target

@@ -1,5 +1,5 @@
 """The ForwardBatch message of a prefill step: new tokens, page-table writes, first-time
-sampling settings, and the prompt positions whose logprobs the step scores."""
+sampling settings, and the prompt positions whose logprobs (or routed experts) come back."""
 
 from __future__ import annotations
 
@@ -8,10 +8,14 @@ from minisgl.scheduler.prefill import Entry
 from minisgl.scheduler.request import Req
 
 
-def prefill_batch(entries: list[Entry], eos_ids: set[int]) -> tuple[ForwardBatch, list[tuple[Req, int]]]:
-    """The step's batch, and the (request, prompt position) of each row it scores."""
+def prefill_batch(
+    entries: list[Entry], eos_ids: set[int]
+) -> tuple[ForwardBatch, list[tuple[Req, int]], list[tuple[Req, int]]]:
+    """The step's batch, the (request, prompt position) of each row it scores, and those of
+    each row whose experts come back."""
     batch = ForwardBatch(slots=[], cached_lens=[], new_lens=[], input_ids=[], sample=[])
     scored: list[tuple[Req, int]] = []
+    routed: list[tuple[Req, int]] = []
     row = 0
     for req, new, sample in entries:
         start = req.kv_len - new
@@ -25,6 +29,10 @@ def prefill_batch(entries: list[Entry], eos_ids: set[int]) -> tuple[ForwardBatch
             batch.score_top = max(batch.score_top, req.top_logprobs)
             if req.logprob_ids:
                 batch.score_logprob_ids = sorted(set(batch.score_logprob_ids) | set(req.logprob_ids))
+        if req.routed_start >= 0 and req.kv_len > req.routed_start:
+            first = max(start, req.routed_start)
+            batch.route_rows += range(row + first - start, row + new)
+            routed += [(req, pos) for pos in range(first, req.kv_len)]
         row += new
         batch.slots.append(req.slot)
         batch.cached_lens.append(start)
@@ -36,7 +44,7 @@ def prefill_batch(entries: list[Entry], eos_ids: set[int]) -> tuple[ForwardBatch
         if req.table_len == 0:
             batch.new_requests.append(new_request(req, eos_ids))
         write_table(batch, req)
-    return batch, scored
+    return batch, scored, routed
 
 
 def write_table(batch: ForwardBatch, req: Req) -> None:

@@ -99,7 +99,13 @@ class SchedulerProcess:
     def _add(self, msg: TokenizedReq) -> None:
         try:
             req = self.sched.add_request(
-                msg.input_ids, msg.sampling, msg.top_logprobs, msg.logprob_start, msg.logprob_ids, msg.cache_salt
+                msg.input_ids,
+                msg.sampling,
+                msg.top_logprobs,
+                msg.logprob_start,
+                msg.logprob_ids,
+                msg.cache_salt,
+                msg.routed_start,
             )
         except ValueError as e:
             self.outbox.append(TokenOut(msg.rid, error=str(e)))
@@ -212,6 +218,8 @@ class SchedulerProcess:
                 out.input_top_logprobs = [[lp for _, lp in top] for _, top, _ in scores]
             if req.logprob_ids:
                 out.input_id_logprobs = [ids for _, _, ids in scores]
+        if req.routed_start >= 0 and req.finished:
+            out.routed_experts = b"".join(req.routed)
         return out
 
     # ---- main loop -----------------------------------------------------------------------------

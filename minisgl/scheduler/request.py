@@ -23,6 +23,12 @@ class Req:
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     logprob_ids: list[int] = field(default_factory=list)  # SGLang's token_ids_logprob
+    # SGLang's return_routed_experts from position ``routed_start`` (-1: none): the expert ids
+    # (int32 [layers, k] bytes) of positions routed_start, routed_start + 1, ... as recorded,
+    # sent when it finishes. Those prompt positions are computed, not taken from the cache,
+    # except the ones already recorded (a retracted request reuses them).
+    routed_start: int = -1
+    routed: list[bytes] = field(default_factory=list)
     output_id_logprobs: list[list[float]] = field(default_factory=list)  # per output token, per logprob_ids
     finish_reason: str | None = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache instead of computed
@@ -69,6 +75,17 @@ class Req:
     def scores_prompt(self) -> bool:
         """Its prompt logprobs are still to compute: prefill must not skip their positions."""
         return self.logprob_start >= 0 and not self.prompt_scores_sent
+
+    @property
+    def recomputes_prompt(self) -> bool:
+        """It computes prompt positions the cache may hold (for their logprobs or experts): its
+        pages enter the cache when it ends, never while an identical prompt may run."""
+        return self.scores_prompt or self.routed_until < len(self.prompt_ids)
+
+    @property
+    def routed_until(self) -> int:
+        """The first position whose experts are not recorded (a huge number if none are asked)."""
+        return self.routed_start + len(self.routed) if self.routed_start >= 0 else 1 << 62
 
     @property
     def prefilling(self) -> bool:

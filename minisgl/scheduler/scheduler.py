@@ -35,7 +35,7 @@ from minisgl.scheduler.control import ControlPlane
 from minisgl.scheduler.counters import Counters
 from minisgl.scheduler.decode import DecodePlanner
 from minisgl.scheduler.grammar import GrammarBackend
-from minisgl.scheduler.output import apply_output
+from minisgl.scheduler.output import apply_output, record_routed
 from minisgl.scheduler.pages import Memory
 from minisgl.scheduler.prefill import PrefillPlanner
 from minisgl.scheduler.prefill_batch import prefill_batch
@@ -83,7 +83,8 @@ class Executor(Protocol):
 
 # A launched step: the requests it samples a token for (in row order), the (request, position)
 # of each scored prompt row, the token ids scored at each of those rows, and its step number.
-Inflight = tuple[list[Req], list[tuple[Req, int]], list[int], int]
+# Last: the (request, position) of each row whose routed experts come back.
+Inflight = tuple[list[Req], list[tuple[Req, int]], list[int], int, list[tuple[Req, int]]]
 
 
 class Scheduler(ControlPlane):
@@ -131,7 +132,11 @@ class Scheduler(ControlPlane):
         self.waiting = WaitingQueue(policy, args.page_size)
         self.counters = Counters()
         self.prefill = PrefillPlanner(args, context_len, self.memory, self.counters)
-        self.decode = DecodePlanner(self.memory, not args.disable_cascade_attention and (on_gpu or cascade.ON_CPU))
+        self.decode = DecodePlanner(
+            self.memory,
+            not args.disable_cascade_attention and (on_gpu or cascade.ON_CPU),
+            args.enable_return_routed_experts,
+        )
         self.grammar = grammar
         self.compiling: list[Req] = []  # waiting for their grammar; others are scheduled meanwhile
         self.events: list[ReqEvent] = []  # since the last take_events, in order
@@ -161,8 +166,12 @@ class Scheduler(ControlPlane):
         logprob_start: int = -1,
         logprob_ids: list[int] | None = None,
         cache_salt: str | None = None,
+        routed_start: int = -1,
     ) -> Req:
-        """Validate and queue a request. Raises ValueError naming what is wrong."""
+        """Validate and queue a request. Raises ValueError naming what is wrong. ``routed_start``
+        >= 0: return the routed experts of positions from there on."""
+        if routed_start >= 0 and not self.args.enable_return_routed_experts:
+            raise ValueError("return_routed_experts needs a server started with --enable-return-routed-experts")
         params.validate(self.vocab_size)
         if params.stop_token_ids and max(params.stop_token_ids) >= self.vocab_size:  # they never match: dropped
             params.stop_token_ids = [t for t in params.stop_token_ids if t < self.vocab_size]
@@ -199,6 +208,7 @@ class Scheduler(ControlPlane):
             logprob_start=min(logprob_start, len(prompt_ids)),
             logprob_ids=list(logprob_ids or []) if top_logprobs >= 0 else [],
             cache_salt=cache_salt or None,
+            routed_start=min(routed_start, len(prompt_ids)) if routed_start >= 0 else -1,
         )
         self._next_rid += 1
         self._unfrozen += 1
@@ -327,7 +337,7 @@ class Scheduler(ControlPlane):
         acceptances (also those of ``add_request``), then the outputs of this step."""
         if self.compiling:
             self._admit_compiled()
-        batch, sampled, scored, decode = self._schedule()
+        batch, sampled, scored, routed, decode = self._schedule()
         if batch is None and self.memory.io_pending:  # host-tier copies (or disk writes) still to send
             batch = ForwardBatch(slots=[], cached_lens=[], new_lens=[], input_ids=[], sample=[])
         if self._retracted_tokens:  # one line per step, however many went back
@@ -342,7 +352,7 @@ class Scheduler(ControlPlane):
             if self.memory.host is not None:
                 self.memory.take_io(batch)
             self.executor.launch(batch)
-            self.inflight.append((sampled, scored, batch.score_logprob_ids, self.counters.steps))
+            self.inflight.append((sampled, scored, batch.score_logprob_ids, self.counters.steps, routed))
             if batch.mask_rows:
                 # The batch samples once its constrained rows' masks come, and a matcher must
                 # first see every token sampled before: process the batch before this one (its
@@ -373,12 +383,15 @@ class Scheduler(ControlPlane):
         self.events += [ReqEvent("output", req) for req in got]
         return self.take_events()
 
-    def _schedule(self) -> tuple[ForwardBatch | None, list[Req], list[tuple[Req, int]], bool]:
+    def _schedule(
+        self,
+    ) -> tuple[ForwardBatch | None, list[Req], list[tuple[Req, int]], list[tuple[Req, int]], bool]:
         """The next batch (prefill chunks if any can run, else a decode step), the requests it
-        samples for, the prompt positions it scores, and whether it decodes."""
+        samples for, the prompt positions it scores, the positions whose experts come back, and
+        whether it decodes."""
         c = self.counters
         if self.held:
-            return None, [], [], False
+            return None, [], [], [], False
         while True:
             entries, admitted = self.prefill.schedule(self.prefilling, self.waiting, c.steps, len(self.decoding))
             for req in admitted:
@@ -392,24 +405,27 @@ class Scheduler(ControlPlane):
                         self.decoding.append(req)
                 if self.memory.host is not None:
                     self.memory.host.wait_for_loads()
-                batch, scored = prefill_batch(entries, self.eos_ids)
+                batch, scored, routed = prefill_batch(entries, self.eos_ids)
                 c.prefill_tokens += len(batch.input_ids)
-                return batch, [req for req, _, sample in entries if sample], scored, False
+                return batch, [req for req, _, sample in entries if sample], scored, routed, False
             batch = self.decode.schedule(self.decoding, lambda: self._retract(self.running[-1]))
             if batch is not None:
                 c.decode_steps += 1
                 c.cascade_steps += bool(batch.group_sizes)
-                return batch, self.decode.order.reqs, [], True
+                return batch, self.decode.order.reqs, [], self.decode.routed(batch), True
             if not self.running or self.inflight:
-                return None, [], [], False
+                return None, [], [], [], False
             # Every running request is mid-prefill and none could get pages: make room.
             self._retract(self.running[-1])
 
     def _process(self, inflight: Inflight) -> list[Req]:
-        sampled, scored, score_ids, step = inflight
+        sampled, scored, score_ids, step, routed = inflight
         if self.memory.host is not None:
             self.memory.host.done(step)  # the worker sends a step's tokens once its copies are done
-        return apply_output(sampled, scored, score_ids, self.executor.collect(), self.finish)
+        out = self.executor.collect()
+        if routed:
+            record_routed(routed, out.routed_experts)
+        return apply_output(sampled, scored, score_ids, out, self.finish)
 
     # ---- giving pages back ---------------------------------------------------------------------
 

@@ -85,6 +85,7 @@ class RequestState:
             finish_reason=out.finish_reason,
             prompt_tokens=self.prompt_tokens,
             cached_tokens=out.cached_tokens,
+            routed_experts=out.routed_experts,
         )
         if self.text is not None:
             upd.text = self.text.add(out.tokens, final)
@@ -114,6 +115,7 @@ class RequestState:
                 error=upd.error,
                 matched=upd.matched,
                 input_logprobs=h.input_logprobs + upd.input_logprobs,
+                routed_experts=upd.routed_experts,
             )
         if upd.finish_reason is None and 0 < len(upd.token_ids) < self.interval:
             self.held = upd
@@ -237,7 +239,14 @@ class TokenizerProcess:
             self.reqs[req.rid] = RequestState(req, ids, self.tokenizer, self.stream_interval)
             accepted.append(
                 TokenizedReq(
-                    req.rid, ids, req.sampling, req.top_logprobs, req.logprob_start, req.logprob_ids, req.cache_salt
+                    req.rid,
+                    ids,
+                    req.sampling,
+                    req.top_logprobs,
+                    req.logprob_start,
+                    req.logprob_ids,
+                    req.cache_salt,
+                    req.routed_start,
                 )
             )
         if refused:

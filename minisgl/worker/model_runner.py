@@ -28,6 +28,7 @@ from minisgl.distributed import get_tp_info, init_fused_all_reduce_norm, init_on
 from minisgl.kvcache import HostKVPool, MHAKVCache
 from minisgl.kvcache.disk_store import DiskStore, fingerprint
 from minisgl.layers.fp8_scheme import parse_kv_cache_dtype
+from minisgl.layers.moe import RoutedExperts
 from minisgl.layers.quantization import FP8
 from minisgl.messages import (
     ForwardBatch,
@@ -111,12 +112,15 @@ class ModelRunner:
         self.vocab_size = self.config.vocab_size
         self.pending: deque[_Pending] = deque()
         self._parked: tuple[ForwardBatch, torch.Tensor] | None = None  # forward done, waiting for masks
+        self._extras: dict[str, torch.Tensor] = {}  # the last forward's prompt scores and routed experts
+        self.routed: RoutedExperts | None = None
         self.graphs = None
         self.piecewise = None
         self._slots(WARMUP_ROWS)
         self.num_pages = self._profile_num_pages()
         # Slots (page-table rows, sampling state) once the pool size says how many may run.
         self._slots(args.derive_max_running_requests(self.num_pages * self.page_size, self.device.type == "cuda"))
+        self.routed = self._routed_experts()
         self.kv_cache = self._make_cache(self.num_pages + 1)
         self._set_kv_scales()
         self.page_table_host[self.pad_slot] = self.num_pages
@@ -191,6 +195,20 @@ class ModelRunner:
         limit = min(args.piecewise_cuda_graph_max_tokens, args.prefill_budget(self.context_len))
         sizes = args.piecewise_cuda_graph_tokens or token_sizes(limit)
         return sorted({n for n in sizes if n <= limit})
+
+    def _routed_experts(self) -> RoutedExperts | None:
+        """The buffer the sparse layers write their expert ids to, when requests may ask for them
+        (rows: the most tokens one step computes)."""
+        if not self.args.enable_return_routed_experts:
+            return None
+        if not self.config.num_experts:
+            raise ValueError(f"--enable-return-routed-experts: {self.config.architecture} has no experts")
+        rows = max(self.args.prefill_budget(self.context_len), self.max_slots, WARMUP_ROWS)
+        routed = RoutedExperts(self.config.num_layers, rows, self.config.num_experts_per_tok, self.device)
+        for layer in self.model.model.layers:
+            if hasattr(layer.mlp, "capture"):
+                layer.mlp.capture = routed
+        return routed
 
     def _slots(self, n: int) -> None:
         """Page-table rows, last sampled tokens and sampling state for ``n`` requests, plus the
@@ -433,10 +451,12 @@ class ModelRunner:
             self.kv_cache.layer_events = self._events
 
     def _forward(self, batch: ForwardBatch, gather: bool) -> torch.Tensor:
+        self._extras = {}
         if self.graphs is not None and self.graphs.can_run(batch):
             if self.kv_cache.layer_events:  # a captured step cannot wait per layer: all before it
                 torch.cuda.current_stream().wait_event(self.kv_cache.layer_events[-1])
             logits = self.graphs.forward(batch)
+            self._routing(batch)
             return self.model.lm_head.gather(logits) if gather else logits
         if self.piecewise is not None and self.piecewise.can_run(batch):
             hidden = self.piecewise.forward(batch)
@@ -445,10 +465,18 @@ class ModelRunner:
             self.attn.prepare(meta)
             set_attention_backend(self.attn)
             hidden = self.model(input_ids, meta.positions)
-        self._scores = self._score(hidden, batch) if batch.score_rows else {}
+        if batch.score_rows:
+            self._extras = self._score(hidden, batch)
+        self._routing(batch)
         last = np.cumsum(batch.new_lens) - 1
         rows = torch.from_numpy(last[np.asarray(batch.sample, dtype=bool)]).to(self.device, non_blocking=True)
         return self.model.compute_logits(hidden[rows], gather)
+
+    def _routing(self, batch: ForwardBatch) -> None:
+        """The expert ids of the rows whose requests return their routing (``route_rows``)."""
+        if batch.route_rows and self.routed is not None:
+            rows = torch.tensor(batch.route_rows, dtype=torch.int64).to(self.device, non_blocking=True)
+            self._extras["routed_experts"] = self.routed.rows(rows)
 
     SCORE_BLOCK = 512  # prompt rows scored at once: logits of a block are [rows, vocab] float32
 
@@ -516,13 +544,13 @@ class ModelRunner:
             else:
                 out = self.sampler.sample(head.gather(logits), slots, seq_lens, masks)
             self.last_token[torch.from_numpy(slots).to(self.device, non_blocking=True)] = out.tokens
-        self.pending.append(self._to_host(out, slots, self._scores if batch.score_rows else {}, batch.score_top))
+        self.pending.append(self._to_host(out, slots, self._extras, batch.score_top))
 
     def _to_host(
         self, out: SampleOutput, slots: np.ndarray, scores: dict[str, torch.Tensor], score_top: int
     ) -> _Pending:
-        """Start copying the sampled values (and prompt scores) to (pinned) host memory; an
-        event marks the end."""
+        """Start copying the sampled values (and prompt scores, routed experts) to (pinned) host
+        memory; an event marks the end."""
         on_gpu = self.device.type == "cuda"
         host = {}
         values = {name: getattr(out, name) for name in ("tokens", "logprobs", "top_ids", "top_logprobs", "id_logprobs")}
@@ -555,6 +583,8 @@ class ModelRunner:
             p.io_event.synchronize()
         h = p.host
         msg = StepOutput(tokens=h["tokens"].tolist() if "tokens" in h else [])
+        if "routed_experts" in h:
+            msg.routed_experts = h["routed_experts"].numpy().tobytes()
         if "score_logprobs" in h:
             msg.score_logprobs = h["score_logprobs"].tolist()
             if p.score_top:

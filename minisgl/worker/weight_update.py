@@ -53,6 +53,10 @@ SAME_MODEL_FIELDS = (
     "num_kv_heads",
     "head_dim",
     "tie_word_embeddings",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
 )
 
 

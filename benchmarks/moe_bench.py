@@ -1,0 +1,163 @@
+"""The fused MoE layer against its floor, and the tuning of its tiles.
+
+    python benchmarks/moe_bench.py --model benchmarks/configs/qwen3-30b-a3b            # time
+    python benchmarks/moe_bench.py --model benchmarks/configs/qwen3-30b-a3b --tune     # tune, then time
+
+One sparse layer's experts (alignment, both grouped GEMMs, SiLU-and-mul, the weighted sum; the
+router excluded), replayed from a CUDA graph with uniformly random routing, at batch 1, 16, 64,
+256, 1024 and an 8192-token prefill chunk, in bf16, fp8 per channel and fp8 in 128-column
+groups. The floor is the bytes of the experts the batch activates, each read once, over the
+GPU's read bandwidth (a sum over 2 GiB). ``--tune`` times each GEMM in every candidate tile per
+token bucket and writes the fastest into ``minisgl/kernels/configs/moe.json`` under this GPU's
+name (``kernels.moe.moe_config`` reads it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.decode_bench import replay_ms  # noqa: E402
+from benchmarks.workloads import save_result  # noqa: E402
+from minisgl.kernels import moe as kmoe  # noqa: E402
+from minisgl.layers.fp8_gemm import gpu_name  # noqa: E402
+from minisgl.layers.fp8_scheme import Fp8Scheme  # noqa: E402
+from minisgl.layers.moe import FusedMoE, route  # noqa: E402
+from minisgl.layers.quantization import FP8, quantize  # noqa: E402
+from minisgl.model_config import ModelConfig  # noqa: E402
+
+SIZES = [1, 16, 64, 256, 1024, 8192]
+TUNE_SIZES = [1, 16, 64, 256, 1024, 4096]
+KINDS = {"bf16": None, "fp8": Fp8Scheme(None, "bench"), "fp8-b128": Fp8Scheme(128, "bench")}
+
+
+def read_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Bytes/s a reduction streams from device memory."""
+    x = torch.ones(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    return nbytes / (replay_ms(lambda: x.sum(), iters=10) / 1e3)
+
+
+def dummy_moe(cfg: ModelConfig, quant: Fp8Scheme | None) -> FusedMoE:
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        moe = FusedMoE(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size, quant)
+    torch.set_default_dtype(torch.float32)
+    for w, s in ((moe.w13_weight, moe.w13_weight_scale), (moe.w2_weight, moe.w2_weight_scale)):
+        if quant is None:
+            w.data.normal_(0, 0.02)
+        else:
+            w.data.copy_(torch.empty(w.shape, device="cuda", dtype=torch.bfloat16).normal_(0, 1).to(FP8))
+            s.data.fill_(0.02)
+    return moe
+
+
+def routing(tokens: int, cfg: ModelConfig, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    logits = torch.randn(tokens, cfg.num_experts, device="cuda", generator=gen)
+    return route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+
+
+def floor_us(moe: FusedMoE, ids: torch.Tensor, bandwidth: float) -> float:
+    per_expert = moe.w13_weight[0].numel() * moe.w13_weight.element_size()
+    per_expert += moe.w2_weight[0].numel() * moe.w2_weight.element_size()
+    return ids.unique().numel() * per_expert / bandwidth * 1e6
+
+
+def timed(fn, candidates: list[kmoe.GemmConfig]) -> dict[kmoe.GemmConfig, float]:
+    """Milliseconds of ``fn(config)`` per candidate that fits the GPU (too much shared memory: skipped)."""
+    times = {}
+    for c in candidates:
+        try:
+            times[c] = replay_ms(lambda c=c: fn(c), iters=10)
+        except triton.runtime.errors.OutOfResources:
+            torch.cuda.synchronize()
+    return times
+
+
+def tune(cfg: ModelConfig, kind: str, moe: FusedMoE) -> dict[str, list]:
+    """The fastest (BM, up tiles, down tiles) per token bucket, each GEMM timed alone."""
+    quant = moe.quant
+    group = None if quant is None else quant.block
+    H, k = cfg.hidden_size, cfg.num_experts_per_tok
+    bks = [128] if quant is not None else [64, 128]
+    table = {}
+    for tokens in TUNE_SIZES:
+        x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16)
+        w, ids = routing(tokens, cfg)
+        per_expert = tokens * k / cfg.num_experts
+        bms = [16, 32, 64] if per_expert <= 32 else [64, 128]
+        group_m = 1 if per_expert <= 32 else 8  # (grouping rows only pays where experts have several blocks)
+        candidates = [
+            kmoe.GemmConfig(bn, bk, group_m, w, s) for bn, bk, w, s in itertools.product([64, 128], bks, [4, 8], [3, 4])
+        ]
+        act = x if quant is None else quantize(x, group)
+        best = None
+        for bm in bms:
+            alignment = kmoe.align(ids, cfg.num_experts, bm)
+            P = tokens * k
+            mid = torch.randn(P, moe.local, device="cuda", dtype=torch.bfloat16)
+            mid_act = mid if quant is None else quantize(mid, group)
+
+            def up(c):
+                return kmoe._gemm(act, moe.w13_weight, moe.w13_weight_scale, alignment, P, k, x.dtype, c, None, group)
+
+            def down(c):
+                return kmoe._gemm(
+                    mid_act, moe.w2_weight, moe.w2_weight_scale, alignment, P, 1, x.dtype, c, w.contiguous(), group
+                )
+
+            up_ms, down_ms = timed(up, candidates), timed(down, candidates)
+            u, d = min(up_ms, key=up_ms.get), min(down_ms, key=down_ms.get)
+            total = up_ms[u] + down_ms[d]
+            print(f"  {kind} T={tokens} BM={bm}: up {up_ms[u] * 1e3:.1f} us {u}, down {down_ms[d] * 1e3:.1f} us {d}")
+            if best is None or total < best[0]:
+                best = (total, [bm, list(u), list(d)])
+        table[str(tokens)] = best[1]
+    return table
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="benchmarks/configs/qwen3-30b-a3b")
+    ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
+    ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    cfg = ModelConfig.from_path(args.model)
+    bandwidth = read_bandwidth()
+    gpu = gpu_name(0)
+    print(f"{gpu}: read bandwidth {bandwidth / 1e12:.2f} TB/s")
+    results = {"gpu": gpu, "model": args.model, "read_bandwidth_tbs": bandwidth / 1e12, "rows": []}
+    for kind in args.kinds:
+        moe = dummy_moe(cfg, KINDS[kind])
+        key = kmoe.table_key(cfg.num_experts, moe.local, cfg.hidden_size, cfg.num_experts_per_tok, kind)
+        if args.tune:
+            table = tune(cfg, kind, moe)
+            path = kmoe.CONFIGS_PATH
+            tables = json.loads(path.read_text()) if path.exists() else {}
+            tables.setdefault(gpu, {})[key] = table
+            path.write_text(json.dumps(tables, indent=1, sort_keys=True) + "\n")
+            kmoe._table.cache_clear()
+            kmoe.moe_config.cache_clear()
+            print(f"wrote {key} to {path}")
+        for tokens in SIZES:
+            x = torch.randn(tokens, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+            w, ids = routing(tokens, cfg)
+            us = replay_ms(lambda: moe(x, w, ids), iters=10) * 1e3
+            floor = floor_us(moe, ids, bandwidth)
+            config = kmoe.config_for(tokens, key, cfg.num_experts, cfg.num_experts_per_tok, x.device)
+            print(f"{kind:9s} T={tokens:5d}: {us:8.1f} us, floor {floor:7.1f} us, {us / floor:5.2f}x  {config}")
+            results["rows"].append({"kind": kind, "tokens": tokens, "us": us, "floor_us": floor, "config": config})
+    save_result(results, args.out, f"moe_bench_{gpu.split()[1].lower()}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,328 @@
+"""Fused mixture-of-experts on the GPU (Triton): routing, token-to-expert alignment and the two
+grouped GEMMs, each one launch with static shapes, so a MoE layer replays inside CUDA graphs.
+
+A step's T tokens each pick k experts: P = T * k (token, expert) pairs. ``align`` sorts the pairs
+by expert into blocks of BM rows (each expert's run padded to whole blocks, padding marked with
+the id P), so one GEMM program multiplies BM rows by one expert's weight tile. The first GEMM
+gathers token rows (pair // k) against [gate | up]; SiLU-and-mul follows; the second GEMM scales
+each pair's row by its routing weight and the k rows of a token are summed. The torch loop in
+``layers.moe`` is the reference for all of it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from minisgl.kernels.fused import silu_and_mul
+from minisgl.layers.fp8_gemm import gpu_name
+from minisgl.layers.quantization import Fp8Act, quantize
+
+if TYPE_CHECKING:
+    from minisgl.layers.moe import FusedMoE
+
+CONFIGS_PATH = Path(__file__).parent / "configs" / "moe.json"
+
+
+@triton.jit
+def _topk_kernel(logits_ptr, weights_ptr, ids_ptr, E, TOPK: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr):
+    """One token: softmax over its E router logits (float32), the k largest (lowest id first
+    among equals), renormalized to sum to one with RENORM."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_E)
+    x = tl.load(logits_ptr + row * E + cols, mask=cols < E, other=-float("inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, 0))
+    p = p / tl.sum(p, 0)
+    p = tl.where(cols < E, p, -1.0)
+    slots = tl.arange(0, TOPK)
+    top_w = tl.zeros([TOPK], tl.float32)
+    top_i = tl.zeros([TOPK], tl.int32)
+    for i in tl.static_range(TOPK):
+        best = tl.max(p, 0)
+        idx = tl.min(tl.where(p == best, cols, BLOCK_E), 0)
+        top_w = tl.where(slots == i, best, top_w)
+        top_i = tl.where(slots == i, idx, top_i)
+        p = tl.where(cols == idx, -1.0, p)
+    if RENORM:
+        top_w = top_w / tl.sum(top_w, 0)
+    tl.store(weights_ptr + row * TOPK + slots, top_w)
+    tl.store(ids_ptr + row * TOPK + slots, top_i)
+
+
+def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing of ``layers.moe.route`` in one launch: weights float32 [T, k], expert ids int32
+    [T, k]. ``top_k`` must be a power of two (every model we serve routes to 1, 2, 4 or 8)."""
+    T, E = logits.shape
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(T, top_k, dtype=torch.int32, device=logits.device)
+    if T:
+        _topk_kernel[(T,)](
+            logits.contiguous(), weights, ids, E, TOPK=top_k, BLOCK_E=triton.next_power_of_2(E), RENORM=renormalize
+        )
+    return weights, ids
+
+
+@triton.jit
+def _align_kernel(
+    ids_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    num_padded_ptr,
+    cursor_ptr,
+    P,
+    E,
+    capacity,
+    BM: tl.constexpr,
+    E_BINS: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCKS: tl.constexpr,
+):
+    """One program: count pairs per expert, pad each expert's run to whole BM blocks, name each
+    block's expert, then place every pair at its expert's next free row (an atomic cursor: the
+    order within an expert does not change any result)."""
+    bins = tl.arange(0, E_BINS)
+    counts = tl.zeros([E_BINS], tl.int32)
+    for start in range(0, P, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        e = tl.load(ids_ptr + offs, mask=offs < P, other=E_BINS - 1)  # the spare bin: E_BINS > E
+        counts += tl.histogram(e, E_BINS)
+    padded = tl.where(bins < E, (counts + BM - 1) // BM * BM, 0)
+    ends = tl.cumsum(padded, 0)
+    starts = ends - padded
+    tl.store(num_padded_ptr, tl.sum(padded, 0))
+    tl.store(cursor_ptr + bins, starts)
+    n_blocks = capacity // BM
+    for b0 in range(0, n_blocks, BLOCKS):
+        blocks = b0 + tl.arange(0, BLOCKS)
+        owner = tl.sum((ends[None, :] <= blocks[:, None] * BM).to(tl.int32), 1)
+        tl.store(block_expert_ptr + blocks, tl.minimum(owner, E - 1), mask=blocks < n_blocks)
+    for s in range(0, capacity, CHUNK):
+        offs = s + tl.arange(0, CHUNK)
+        tl.store(sorted_ptr + offs, tl.full([CHUNK], 0, tl.int32) + P, mask=offs < capacity)
+    tl.debug_barrier()
+    for start in range(0, P, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        e = tl.load(ids_ptr + offs, mask=offs < P, other=0)
+        row = tl.atomic_add(cursor_ptr + e, 1, mask=offs < P)
+        tl.store(sorted_ptr + row, offs, mask=offs < P)
+    tl.debug_barrier()
+
+
+class Alignment(NamedTuple):
+    """Pairs sorted by expert in BM-row blocks: ``sorted_ids`` [capacity] pair ids (P for
+    padding), ``block_expert`` [capacity / BM], ``num_padded`` [1] rows in use."""
+
+    sorted_ids: torch.Tensor
+    block_expert: torch.Tensor
+    num_padded: torch.Tensor
+    bm: int
+
+
+def align(topk_ids: torch.Tensor, num_experts: int, bm: int) -> Alignment:
+    """``topk_ids`` [T, k] int32 in BM-row blocks per expert; the capacity is the most rows any
+    routing can need (every expert used pads at most BM - 1 rows), a function of T alone."""
+    P = topk_ids.numel()
+    capacity = triton.cdiv(P + min(num_experts, P) * (bm - 1), bm) * bm
+    dev = topk_ids.device
+    sorted_ids = torch.empty(capacity, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(capacity // bm, dtype=torch.int32, device=dev)
+    num_padded = torch.empty(1, dtype=torch.int32, device=dev)
+    e_bins = triton.next_power_of_2(num_experts + 1)
+    cursor = torch.empty(e_bins, dtype=torch.int32, device=dev)
+    _align_kernel[(1,)](
+        topk_ids, sorted_ids, block_expert, num_padded, cursor, P, num_experts, capacity,
+        BM=bm, E_BINS=e_bins, CHUNK=1024, BLOCKS=max(16, 8192 // e_bins), num_warps=8,
+    )  # fmt: skip
+    return Alignment(sorted_ids, block_expert, num_padded, bm)
+
+
+@triton.jit
+def _expert_gemm_kernel(
+    a_ptr,
+    a_scale_ptr,
+    b_ptr,
+    b_scale_ptr,
+    c_ptr,
+    weights_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    num_padded_ptr,
+    P,
+    N,
+    K,
+    a_groups,
+    b_groups,
+    A_DIV: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+    FP8: tl.constexpr,
+    GROUP: tl.constexpr,
+    PRECISE: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """C[pair] = A[pair // A_DIV] @ B[expert]^T for a BM-row block of pairs and BN columns; B is
+    [E, N, K]. PRECISE: float32 products in full precision (not TF32). FP8: A and B are e4m3
+    with per-row scales ([rows, 1] / [E, N]) or, with GROUP, one per row and GROUP columns
+    ([rows, a_groups] / [E, N, b_groups])."""
+    pid = tl.program_id(0)
+    n_m = tl.num_programs(0) // tl.cdiv(N, BN)
+    n_n = tl.cdiv(N, BN)
+    group = pid // (GROUP_M * n_n)
+    first_m = group * GROUP_M
+    size_m = min(n_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * n_n)) % size_m
+    pid_n = (pid % (GROUP_M * n_n)) // size_m
+    if pid_m * BM >= tl.load(num_padded_ptr):
+        return
+    pairs = tl.load(sorted_ptr + pid_m * BM + tl.arange(0, BM))
+    valid = pairs < P
+    rows = (pairs // A_DIV).to(tl.int64)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    a_ptrs = a_ptr + rows[:, None] * K + rk[None, :]
+    b_ptrs = b_ptr + expert * N * K + rn[:, None].to(tl.int64) * K + rk[None, :]
+    acc = tl.zeros([BM, BN], tl.float32)
+    for kb in range(0, tl.cdiv(K, BK)):
+        k_left = K - kb * BK
+        a = tl.load(a_ptrs, mask=valid[:, None] & (rk[None, :] < k_left), other=0.0)
+        b = tl.load(b_ptrs, mask=(rn[:, None] < N) & (rk[None, :] < k_left), other=0.0)
+        if GROUP:
+            g = kb * BK // GROUP
+            sa = tl.load(a_scale_ptr + rows * a_groups + g, mask=valid, other=0.0)
+            sb = tl.load(b_scale_ptr + (expert * N + rn) * b_groups + g, mask=rn < N, other=0.0)
+            acc += tl.dot(a, tl.trans(b)) * sa[:, None] * sb[None, :]
+        elif PRECISE:
+            acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(b), acc)
+        a_ptrs += BK
+        b_ptrs += BK
+    if FP8 and not GROUP:
+        sa = tl.load(a_scale_ptr + rows, mask=valid, other=0.0)
+        sb = tl.load(b_scale_ptr + expert * N + rn, mask=rn < N, other=0.0)
+        acc = acc * sa[:, None] * sb[None, :]
+    if MUL_WEIGHT:
+        acc = acc * tl.load(weights_ptr + pairs, mask=valid, other=0.0)[:, None]
+    c_ptrs = c_ptr + pairs[:, None].to(tl.int64) * N + rn[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & (rn[None, :] < N))
+
+
+class GemmConfig(NamedTuple):
+    bn: int
+    bk: int
+    group_m: int
+    warps: int
+    stages: int
+
+
+def expert_gemm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    b: torch.Tensor,
+    b_scale: torch.Tensor | None,
+    alignment: Alignment,
+    P: int,
+    a_div: int,
+    out_dtype: torch.dtype,
+    config: GemmConfig,
+    weights: torch.Tensor | None = None,
+    group: int | None = None,
+) -> torch.Tensor:
+    """[P, N]: each pair's row of A (row pair // a_div) times its expert's B [N, K], scaled by
+    ``weights`` [P] when given. Rows of padding blocks are never written."""
+    N, K = b.shape[1], b.shape[2]
+    c = torch.empty(P, N, dtype=out_dtype, device=a.device)
+    fp8 = a_scale is not None
+    grid = (alignment.block_expert.numel() * triton.cdiv(N, config.bn),)
+    _expert_gemm_kernel[grid](
+        a, a_scale if fp8 else a, b, b_scale if fp8 else b, c, weights if weights is not None else c,
+        alignment.sorted_ids, alignment.block_expert, alignment.num_padded, P, N, K,
+        a_scale.shape[-1] if fp8 else 1, b_scale.shape[-1] if fp8 and group else 1,
+        A_DIV=a_div, MUL_WEIGHT=weights is not None, FP8=fp8, GROUP=group or 0, PRECISE=a.dtype == torch.float32,
+        BM=alignment.bm, BN=config.bn, BK=min(config.bk, group) if group else config.bk, GROUP_M=config.group_m,
+        num_warps=config.warps, num_stages=config.stages,
+    )  # fmt: skip
+    return c
+
+
+class MoeConfig(NamedTuple):
+    """Tiles for one MoE layer at one token count: the block rows both GEMMs share, and each
+    GEMM's own (BN, BK, GROUP_M, warps, stages)."""
+
+    bm: int
+    up: GemmConfig  # [gate | up]: N = 2 * intermediate, K = hidden
+    down: GemmConfig  # N = hidden, K = intermediate
+
+
+def table_key(num_experts: int, intermediate: int, hidden: int, top_k: int, kind: str) -> str:
+    """``kind``: bf16, fp8 (per channel) or fp8-b128 (128-column groups)."""
+    return f"E={num_experts},I={intermediate},H={hidden},k={top_k},{kind}"
+
+
+@functools.cache
+def _table(gpu: str) -> dict[str, dict[str, list]]:
+    tables = json.loads(CONFIGS_PATH.read_text()) if CONFIGS_PATH.exists() else {}
+    return tables.get(gpu, {})
+
+
+def default_config(tokens: int, num_experts: int, top_k: int) -> MoeConfig:
+    """Tiles by the rows an expert gets on average, for shapes no tuned table covers."""
+    per_expert = tokens * top_k / num_experts
+    if per_expert <= 16:
+        return MoeConfig(16, GemmConfig(64, 128, 1, 4, 4), GemmConfig(64, 128, 1, 4, 4))
+    if per_expert <= 64:
+        return MoeConfig(64, GemmConfig(64, 64, 8, 4, 4), GemmConfig(64, 64, 8, 4, 4))
+    return MoeConfig(64, GemmConfig(128, 64, 8, 4, 3), GemmConfig(128, 64, 8, 4, 3))
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def moe_config(tokens: int, key: str, num_experts: int, top_k: int, gpu: str) -> MoeConfig:
+    """The tiles tuned for the token count nearest ``tokens`` (by ratio) on this GPU and shape
+    (``benchmarks/moe_bench.py --tune`` writes ``configs/moe.json``), else ``default_config``."""
+    entry = _table(gpu).get(key)
+    if not entry:
+        return default_config(tokens, num_experts, top_k)
+    nearest = min(entry, key=lambda b: abs(math.log(int(b) / max(tokens, 1))))
+    bm, up, down = entry[nearest]
+    return MoeConfig(bm, GemmConfig(*up), GemmConfig(*down))
+
+
+def config_for(tokens: int, key: str, num_experts: int, top_k: int, device: torch.device) -> MoeConfig:
+    return moe_config(tokens, key, num_experts, top_k, gpu_name(device.index or 0))
+
+
+def fused_experts(moe: FusedMoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``layers.moe.experts_torch`` for x [T, H] (T > 0) on the GPU: align, [gate | up] GEMM,
+    SiLU-and-mul (quantizing for fp8), weighted down GEMM, sum of each token's k rows."""
+    T, H = x.shape
+    k, P = moe.top_k, x.shape[0] * moe.top_k
+    quant = moe.quant
+    group = None if quant is None else quant.block
+    kind = str(x.dtype).removeprefix("torch.") if quant is None else "fp8" if group is None else f"fp8-b{group}"
+    config = config_for(T, table_key(moe.num_experts, moe.local, H, k, kind), moe.num_experts, k, x.device)
+    alignment = align(ids, moe.num_experts, config.bm)
+    act: torch.Tensor | Fp8Act = x if quant is None else quantize(x, group)
+    gate_up = _gemm(act, moe.w13_weight, moe.w13_weight_scale, alignment, P, k, x.dtype, config.up, None, group)
+    act = silu_and_mul(gate_up, quant)
+    out = _gemm(
+        act, moe.w2_weight, moe.w2_weight_scale, alignment, P, 1, x.dtype, config.down, weights.contiguous(), group
+    )
+    return out.view(T, k, H).sum(1)
+
+
+def _gemm(act, weight, weight_scale, alignment, P, a_div, dtype, config, weights, group) -> torch.Tensor:
+    """``expert_gemm`` of a float or an already quantized activation."""
+    if isinstance(act, Fp8Act):
+        a, a_scale = act.data, act.scale
+        return expert_gemm(a, a_scale, weight, weight_scale, alignment, P, a_div, dtype, config, weights, group)
+    return expert_gemm(act, None, weight, None, alignment, P, a_div, dtype, config, weights)

@@ -1,0 +1,235 @@
+"""Mixture-of-experts: the fused GPU path (routing, alignment, grouped GEMMs, fp8) against the
+torch reference of ``layers.moe``, loading per-expert and stacked checkpoint tensors, and whole
+MoE checkpoints against radix on/off. (Token-for-token agreement with transformers for every
+architecture is ``test_models``'s.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minisgl.layers.fp8_scheme import Fp8Scheme
+from minisgl.layers.moe import FusedMoE, experts_torch, route
+from minisgl.tiny_model import make_tiny_model
+
+cuda = pytest.mark.cuda
+
+
+def make_moe(experts: int, top_k: int, hidden: int, inter: int, quant=None, device="cpu", dtype=torch.float32, seed=0):
+    """A FusedMoE filled from random per-expert float tensors (quantized as they load under fp8)."""
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            moe = FusedMoE(experts, top_k, hidden, inter, quant)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    for e in range(experts):
+        for shard in (0, 1):
+            moe.load(moe.w13_weight, torch.randn(inter, hidden, generator=gen).to(device) / hidden**0.5, (e, shard))
+        moe.load(moe.w2_weight, torch.randn(hidden, inter, generator=gen).to(device) / inter**0.5, (e, None))
+    return moe
+
+
+def test_route_softmax_topk_renormalize():
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0], [3.0, 3.0, 0.0, 0.0]])
+    w, ids = route(logits, 2, renormalize=False)
+    probs = torch.softmax(logits, -1)
+    assert ids[0].tolist() == [1, 2] and ids.dtype == torch.int32
+    torch.testing.assert_close(w[0], probs[0, [1, 2]])
+    w, _ = route(logits, 2, renormalize=True)
+    torch.testing.assert_close(w.sum(-1), torch.ones(2))
+
+
+def test_stacked_checkpoint_tensor_loads_like_per_expert_tensors():
+    """GGUF (and fused exports) store experts stacked [E, rows, cols]: the same parameters."""
+    per_expert = make_moe(4, 2, 32, 16)
+    stacked = FusedMoE(4, 2, 32, 16, None)
+    gate_up = per_expert.w13_weight.data
+    stacked.load(stacked.w13_weight, gate_up[:, :16], (None, 0))
+    stacked.load(stacked.w13_weight, gate_up[:, 16:], (None, 1))
+    stacked.load(stacked.w2_weight, per_expert.w2_weight.data, (None, None))
+    assert torch.equal(stacked.w13_weight, per_expert.w13_weight)
+    assert torch.equal(stacked.w2_weight, per_expert.w2_weight)
+
+
+@pytest.mark.parametrize("block", [None, 16])
+def test_fp8_experts_stay_close_to_float(block):
+    """fp8 weights and activations: the reference moves the output by fp8's rounding only."""
+    x = torch.randn(9, 32)
+    w, ids = route(torch.randn(9, 8), 2, True)
+    dense = make_moe(8, 2, 32, 32)
+    fp8 = make_moe(8, 2, 32, 32, Fp8Scheme(block=block, source="test"))
+    want = experts_torch(x, dense.w13_weight, dense.w2_weight, w, ids)
+    got = fp8(x, w, ids)
+    assert (got - want).norm() / want.norm() < 0.1  # e4m3 keeps 3 mantissa bits: up to 6% per value
+
+
+def test_moe_checkpoint_radix_on_and_off_give_the_same_tokens(tmp_path):
+    from minisgl.llm import LLM
+
+    path = make_tiny_model("qwen3_moe", tmp_path / "qwen3-moe")
+    prefix = list(range(30, 90))
+    prompts = [prefix + [200 + i, 7, 8] for i in range(6)]
+    params = {"max_new_tokens": 10, "temperature": 0.0, "ignore_eos": True}
+    outs = []
+    for off in (True, False):
+        llm = LLM(str(path), device="cpu", disable_radix_cache=off, max_running_requests=8)
+        outs.append([r["output_ids"] for r in llm.generate(prompts, params)])
+        llm.scheduler.check_integrity()
+    assert outs[0] == outs[1]
+
+
+# ---- the fused path on the GPU ------------------------------------------------------------------
+
+
+@cuda
+@pytest.mark.parametrize("experts,top_k", [(8, 2), (128, 8), (60, 4)])
+def test_topk_kernel_matches_torch(experts, top_k):
+    logits = torch.randn(300, experts, device="cuda", dtype=torch.bfloat16)
+    for renorm in (False, True):
+        w, ids = route(logits, top_k, renorm)
+        probs = torch.softmax(logits.float(), -1)
+        ref_w, ref_ids = torch.topk(probs, top_k, -1)
+        if renorm:
+            ref_w = ref_w / ref_w.sum(-1, keepdim=True)
+        assert torch.equal(ids.long().sort(-1).values, ref_ids.sort(-1).values)
+        torch.testing.assert_close(w, ref_w, atol=1e-6, rtol=1e-5)
+
+
+@cuda
+@pytest.mark.parametrize("tokens", [1, 5, 64, 1000])
+@pytest.mark.parametrize("bm", [16, 64])
+def test_align_places_every_pair_once_in_its_experts_blocks(tokens, bm):
+    from minisgl.kernels.moe import align
+
+    experts, top_k = 32, 4
+    ids = torch.stack([torch.randperm(experts, device="cuda")[:top_k] for _ in range(tokens)]).int()
+    a = align(ids, experts, bm)
+    P = ids.numel()
+    used = int(a.num_padded.item())
+    assert used % bm == 0 and used <= a.sorted_ids.numel()
+    flat = ids.flatten().cpu()
+    rows = a.sorted_ids[:used].cpu()
+    real = rows[rows < P]
+    assert sorted(real.tolist()) == list(range(P))
+    owner = a.block_expert.cpu().repeat_interleave(bm)[:used]
+    assert torch.equal(flat[real.long()], owner[rows < P].long())
+    counts = torch.bincount(flat.long(), minlength=experts)
+    assert used == int(((counts + bm - 1) // bm * bm).sum())
+
+
+@cuda
+@pytest.mark.parametrize("quant", [None, "fp8", "fp8-b128"])
+@pytest.mark.parametrize("tokens", [1, 7, 64, 333])
+@pytest.mark.parametrize("experts,top_k,hidden,inter", [(8, 2, 256, 128), (128, 8, 512, 256)])
+def test_fused_experts_match_the_reference(quant, tokens, experts, top_k, hidden, inter):
+    scheme = {None: None, "fp8": Fp8Scheme(None, "test"), "fp8-b128": Fp8Scheme(128, "test")}[quant]
+    moe = make_moe(experts, top_k, hidden, inter, scheme, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    w, ids = route(torch.randn(tokens, experts, device="cuda"), top_k, True)
+    got = moe(x, w, ids)
+    want = experts_torch(
+        x, moe.w13_weight, moe.w2_weight, w, ids, scheme, moe.w13_weight_scale, moe.w2_weight_scale
+    ).float()
+    assert got.shape == (tokens, hidden) and got.dtype == torch.bfloat16
+    assert (got.float() - want).norm() / want.norm() < (2e-2 if quant is None else 3e-2)
+
+
+@cuda
+def test_fused_experts_in_float32_are_exact():
+    """float32 models on the GPU (tests, tensor-parallel checks) take the kernels with full
+    float32 products, not TF32."""
+    moe = make_moe(8, 2, 64, 32, device="cuda")
+    x = torch.randn(20, 64, device="cuda")
+    w, ids = route(torch.randn(20, 8, device="cuda"), 2, False)
+    want = experts_torch(x, moe.w13_weight, moe.w2_weight, w, ids)
+    torch.testing.assert_close(moe(x, w, ids), want, atol=1e-5, rtol=1e-5)
+
+
+@cuda
+def test_fused_experts_replay_in_a_cuda_graph():
+    moe = make_moe(16, 4, 128, 64, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(8, 128, device="cuda", dtype=torch.bfloat16)
+    logits = torch.randn(8, 16, device="cuda")
+    out = moe(x, *route(logits, 4, True))  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe(x, *route(logits, 4, True))
+    x.copy_(torch.randn_like(x))
+    logits.copy_(torch.randn_like(logits))
+    graph.replay()
+    w, ids = route(logits, 4, True)
+    torch.testing.assert_close(out, experts_torch(x, moe.w13_weight, moe.w2_weight, w, ids), atol=2e-2, rtol=2e-2)
+
+
+@cuda
+def test_tiny_moe_bf16_on_cuda_matches_cpu_greedy_prefix(tmp_path):
+    """A whole MoE checkpoint with graphs and overlap on the GPU: its fp32 run equals the CPU's
+    tokens; bf16 with graphs equals bf16 eager, routed experts (written inside the graphs) too."""
+    from minisgl.llm import LLM
+
+    path = make_tiny_model("qwen3_moe", tmp_path / "qwen3-moe", overrides={"head_dim": 128})
+    prompts = [list(range(3, 40)), list(range(100, 190)), [5, 6, 7]]
+    params = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+    runs = {}
+    for name, kw in {
+        "cpu": dict(device="cpu"),
+        "cuda-fp32": dict(device="cuda", dtype="float32", attention_backend="torch", cuda_graph_max_bs=0),
+        "bf16-eager": dict(device="cuda", dtype="bfloat16", cuda_graph_max_bs=0, disable_overlap_schedule=True),
+        "bf16-graphs": dict(device="cuda", dtype="bfloat16", cuda_graph_max_bs=8),
+    }.items():
+        llm = LLM(str(path), max_running_requests=8, max_total_tokens=4096, enable_return_routed_experts=True, **kw)
+        out = llm.generate(prompts, params, return_routed_experts=True)
+        runs[name] = [(r["output_ids"], r["meta_info"]["routed_experts"]) for r in out]
+    assert runs["cuda-fp32"] == runs["cpu"]
+    assert runs["bf16-graphs"] == runs["bf16-eager"]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_routed_experts_are_the_routers_choice_in_transformers(tiny_models, arch):
+    """meta_info.routed_experts holds, for every position the model ran (prompt and outputs but
+    the last), each layer's top-k experts: those transformers' router picks (-1 in dense layers).
+    From routed_experts_start_len on only, the earlier prompt may come from the cache."""
+    from transformers import AutoModelForCausalLM
+
+    from minisgl.llm import LLM
+    from minisgl.utils import routed_experts_array
+
+    path = tiny_models[arch]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(str(path), device="cpu", enable_return_routed_experts=True, max_running_requests=8)
+    cfg = llm.runner.config
+    prefix = list(range(40, 80))
+    prompts = [prefix + [300 + i, 9] for i in range(3)]
+    params = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+    first = llm.generate(prompts[:1], params, return_routed_experts=True)[0]
+    rest = llm.generate(prompts[1:], params, return_routed_experts=True)  # their prefix is cached
+    late = llm.generate(prompts[2], params, return_routed_experts=True, routed_experts_start=len(prompts[2]))[0]
+    llm.scheduler.check_integrity()
+    assert late["meta_info"]["cached_tokens"] > 0
+    for prompt, res in zip(prompts, [first, *rest]):
+        seq = prompt + res["output_ids"][:-1]
+        got = routed_experts_array(res["meta_info"], cfg.num_layers, cfg.num_experts_per_tok)
+        assert got.shape == (len(seq), cfg.num_layers, cfg.num_experts_per_tok)
+        with torch.no_grad():
+            routers = hf(torch.tensor([seq]), output_router_logits=True).router_logits
+        sparse = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
+        assert len(routers) == len(sparse)
+        for layer, logits in zip(sparse, routers):
+            want = torch.topk(logits.reshape(len(seq), -1), cfg.num_experts_per_tok, dim=-1).indices
+            assert torch.equal(torch.from_numpy(got[:, layer].copy()).sort(-1).values, want.int().sort(-1).values)
+        for layer in set(range(cfg.num_layers)) - set(sparse):
+            assert (got[:, layer] == -1).all()
+    full = routed_experts_array(rest[1]["meta_info"], cfg.num_layers, cfg.num_experts_per_tok)
+    tail = routed_experts_array(late["meta_info"], cfg.num_layers, cfg.num_experts_per_tok)
+    assert late["output_ids"] == rest[1]["output_ids"]
+    assert (tail == full[len(prompts[2]) :]).all()
+
+
+def test_routed_experts_need_the_server_flag(tiny_models):
+    from minisgl.llm import LLM
+
+    llm = LLM(str(tiny_models["qwen3_moe"]), device="cpu", max_running_requests=4)
+    with pytest.raises(ValueError, match="enable-return-routed-experts"):
+        llm.generate([[5, 6, 7]], {"max_new_tokens": 2}, return_routed_experts=True)
