@@ -4,8 +4,9 @@
 
 Part 1: a full decode step (CUDA graph, sampling included) at each batch size with every
 request at ``--context`` tokens. The floor is (weight bytes + KV bytes read) / measured
-device-to-device copy bandwidth. "sync" waits for each step's tokens (what a lone request
-sees); "pipelined" launches steps back to back (what overlap scheduling achieves).
+device-to-device copy bandwidth (of a MoE's experts, the share a batch routed at random uses).
+"sync" waits for each step's tokens (what a lone request sees); "pipelined" launches steps back
+to back (what overlap scheduling achieves).
 
 Part 2: one layer's decode attention, tensor-core vs CUDA-core path, on 256 requests either in
 16 groups sharing a 2048-token prefix (plus 256 private tokens each) or with 2304 private tokens,
@@ -50,6 +51,14 @@ def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20) -> float:
     end.record()
     end.synchronize()
     return 2 * nbytes * iters / (start.elapsed_time(end) / 1e3)
+
+
+def active_share(config: ModelConfig, batch: int) -> float:
+    """The share of a MoE layer's experts that ``batch`` tokens routed uniformly at random use
+    (each reads its weights once): 1 - (1 - k / E) ** batch."""
+    if not config.num_experts:
+        return 1.0
+    return 1 - (1 - config.num_experts_per_tok / config.num_experts) ** batch
 
 
 def step_times(runner: ModelRunner, bs: int, context: int, iters: int) -> tuple[float, float]:
@@ -395,7 +404,8 @@ def main() -> None:
             kv_cache_dtype=args.kv_cache_dtype,
         )
     )
-    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    weight_bytes = sum(p.numel() * p.element_size() for n, p in runner.model.named_parameters() if ".experts." not in n)
+    expert_bytes = sum(p.numel() * p.element_size() for n, p in runner.model.named_parameters() if ".experts." in n)
     kv_per_token = runner.kv_cache.buffer.nbytes // ((runner.num_pages + 1) * args.page_size)
     print(
         f"copy bandwidth {bw / 1e12:.2f} TB/s; weights {weight_bytes / 2**30:.2f} GiB; "
@@ -408,7 +418,7 @@ def main() -> None:
     steps = []
     for bs in args.batch_sizes:
         sync, pipe = step_times(runner, bs, args.context, args.iters)
-        floor = (weight_bytes + bs * args.context * kv_per_token) / bw
+        floor = (weight_bytes + expert_bytes * active_share(runner.config, bs) + bs * args.context * kv_per_token) / bw
         steps.append({"batch": bs, "sync_ms": sync * 1e3, "pipelined_ms": pipe * 1e3, "floor_ms": floor * 1e3})
         print(f"{bs:>6} {sync * 1e3:9.2f} {pipe * 1e3:9.2f} {floor * 1e3:9.2f} {pipe / floor:10.2f}", flush=True)
     del runner  # free its cache for the kernel comparison's own (graphs hold a cycle: collect it)

@@ -71,6 +71,47 @@ def floor_us(moe: FusedMoE, ids: torch.Tensor, bandwidth: float) -> float:
     return ids.unique().numel() * per_expert / bandwidth * 1e6
 
 
+def breakdown(moe: FusedMoE, x, w, ids, config: kmoe.MoeConfig) -> dict[str, float]:
+    """Microseconds of each launch of ``kmoe.fused_experts``, each replayed alone."""
+    quant, k, P = moe.quant, moe.top_k, ids.numel()
+    group = None if quant is None else quant.block
+    alignment = kmoe.align(ids, moe.num_experts, config.bm)
+    act = x if quant is None else quantize(x, group)
+    gate_up = kmoe._gemm(act, moe.w13_weight, moe.w13_weight_scale, alignment, P, k, x.dtype, config.up, None, group)
+    mid = kmoe.silu_and_mul(gate_up, quant)
+    out = kmoe._gemm(mid, moe.w2_weight, moe.w2_weight_scale, alignment, P, 1, x.dtype, config.down, w, group)
+    parts = {
+        "align": lambda: kmoe.align(ids, moe.num_experts, config.bm),
+        "quantize": (lambda: quantize(x, group)) if quant is not None else None,
+        "up": lambda: kmoe._gemm(
+            act, moe.w13_weight, moe.w13_weight_scale, alignment, P, k, x.dtype, config.up, None, group
+        ),
+        "silu": lambda: kmoe.silu_and_mul(gate_up, quant),
+        "down": lambda: kmoe._gemm(
+            mid, moe.w2_weight, moe.w2_weight_scale, alignment, P, 1, x.dtype, config.down, w, group
+        ),
+        "sum": lambda: out.view(-1, k, out.shape[-1]).sum(1),
+    }
+    return {name: replay_ms(fn, iters=10) * 1e3 for name, fn in parts.items() if fn is not None}
+
+
+def table_json(tables: dict) -> str:
+    """The tile table with one line per token bucket."""
+    lines = ["{"]
+    for g, gpu in enumerate(sorted(tables)):
+        lines.append(f" {json.dumps(gpu)}: {{")
+        shapes = sorted(tables[gpu])
+        for s, shape in enumerate(shapes):
+            lines.append(f"  {json.dumps(shape)}: {{")
+            buckets = sorted(tables[gpu][shape], key=int)
+            for b, bucket in enumerate(buckets):
+                comma = "," if b < len(buckets) - 1 else ""
+                lines.append(f"   {json.dumps(bucket)}: {json.dumps(tables[gpu][shape][bucket])}{comma}")
+            lines.append("  }" + ("," if s < len(shapes) - 1 else ""))
+        lines.append(" }" + ("," if g < len(tables) - 1 else ""))
+    return "\n".join(lines + ["}"]) + "\n"
+
+
 def timed(fn, candidates: list[kmoe.GemmConfig]) -> dict[kmoe.GemmConfig, float]:
     """Milliseconds of ``fn(config)`` per candidate that fits the GPU (too much shared memory: skipped)."""
     times = {}
@@ -144,7 +185,7 @@ def main() -> None:
             path = kmoe.CONFIGS_PATH
             tables = json.loads(path.read_text()) if path.exists() else {}
             tables.setdefault(gpu, {})[key] = table
-            path.write_text(json.dumps(tables, indent=1, sort_keys=True) + "\n")
+            path.write_text(table_json(tables))
             kmoe._table.cache_clear()
             kmoe.moe_config.cache_clear()
             print(f"wrote {key} to {path}")
@@ -154,8 +195,12 @@ def main() -> None:
             us = replay_ms(lambda: moe(x, w, ids), iters=10) * 1e3
             floor = floor_us(moe, ids, bandwidth)
             config = kmoe.config_for(tokens, key, cfg.num_experts, cfg.num_experts_per_tok, x.device)
+            parts = breakdown(moe, x, w, ids, config)
             print(f"{kind:9s} T={tokens:5d}: {us:8.1f} us, floor {floor:7.1f} us, {us / floor:5.2f}x  {config}")
-            results["rows"].append({"kind": kind, "tokens": tokens, "us": us, "floor_us": floor, "config": config})
+            print("           parts (us): " + ", ".join(f"{k} {v:.1f}" for k, v in parts.items()))
+            results["rows"].append(
+                {"kind": kind, "tokens": tokens, "us": us, "floor_us": floor, "config": config, "parts_us": parts}
+            )
     save_result(results, args.out, f"moe_bench_{gpu.split()[1].lower()}")
 
 

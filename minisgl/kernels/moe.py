@@ -70,6 +70,15 @@ def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
 
 
 @triton.jit
+def _scatter(ids_ptr, sorted_ptr, cursor_ptr, offs, P):
+    """Place pairs ``offs`` at their experts' next free rows (an atomic cursor per expert: the
+    order within an expert changes no result)."""
+    e = tl.load(ids_ptr + offs, mask=offs < P, other=0)
+    row = tl.atomic_add(cursor_ptr + e, 1, mask=offs < P)
+    tl.store(sorted_ptr + row, offs, mask=offs < P)
+
+
+@triton.jit
 def _align_kernel(
     ids_ptr,
     sorted_ptr,
@@ -78,41 +87,46 @@ def _align_kernel(
     cursor_ptr,
     P,
     E,
-    capacity,
     BM: tl.constexpr,
     E_BINS: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCKS: tl.constexpr,
+    SCATTER: tl.constexpr,
 ):
-    """One program: count pairs per expert, pad each expert's run to whole BM blocks, name each
-    block's expert, then place every pair at its expert's next free row (an atomic cursor: the
-    order within an expert does not change any result)."""
+    """One program: count pairs per expert, pad each expert's run to whole BM blocks (padding
+    rows get the id P), name each used block's expert, set each expert's cursor to its first
+    row; with SCATTER (P <= CHUNK) also place the pairs, else ``_scatter_kernel`` does."""
     bins = tl.arange(0, E_BINS)
     counts = tl.zeros([E_BINS], tl.int32)
     for start in range(0, P, CHUNK):
         offs = start + tl.arange(0, CHUNK)
         e = tl.load(ids_ptr + offs, mask=offs < P, other=E_BINS - 1)  # the spare bin: E_BINS > E
         counts += tl.histogram(e, E_BINS)
-    padded = tl.where(bins < E, (counts + BM - 1) // BM * BM, 0)
+    counts = tl.where(bins < E, counts, 0)
+    padded = (counts + BM - 1) // BM * BM
     ends = tl.cumsum(padded, 0)
     starts = ends - padded
-    tl.store(num_padded_ptr, tl.sum(padded, 0))
+    total = tl.sum(padded, 0)
+    tl.store(num_padded_ptr, total)
     tl.store(cursor_ptr + bins, starts)
-    n_blocks = capacity // BM
-    for b0 in range(0, n_blocks, BLOCKS):
+    pad = tl.arange(0, BM)
+    tl.store(
+        sorted_ptr + (starts + counts)[:, None] + pad[None, :],
+        tl.full([E_BINS, BM], 0, tl.int32) + P,
+        mask=pad[None, :] < (padded - counts)[:, None],
+    )
+    for b0 in range(0, total // BM, BLOCKS):
         blocks = b0 + tl.arange(0, BLOCKS)
         owner = tl.sum((ends[None, :] <= blocks[:, None] * BM).to(tl.int32), 1)
-        tl.store(block_expert_ptr + blocks, tl.minimum(owner, E - 1), mask=blocks < n_blocks)
-    for s in range(0, capacity, CHUNK):
-        offs = s + tl.arange(0, CHUNK)
-        tl.store(sorted_ptr + offs, tl.full([CHUNK], 0, tl.int32) + P, mask=offs < capacity)
-    tl.debug_barrier()
-    for start in range(0, P, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        e = tl.load(ids_ptr + offs, mask=offs < P, other=0)
-        row = tl.atomic_add(cursor_ptr + e, 1, mask=offs < P)
-        tl.store(sorted_ptr + row, offs, mask=offs < P)
-    tl.debug_barrier()
+        tl.store(block_expert_ptr + blocks, tl.minimum(owner, E - 1), mask=blocks < total // BM)
+    if SCATTER:
+        tl.debug_barrier()
+        _scatter(ids_ptr, sorted_ptr, cursor_ptr, tl.arange(0, CHUNK), P)
+
+
+@triton.jit
+def _scatter_kernel(ids_ptr, sorted_ptr, cursor_ptr, P, CHUNK: tl.constexpr):
+    _scatter(ids_ptr, sorted_ptr, cursor_ptr, tl.program_id(0) * CHUNK + tl.arange(0, CHUNK), P)
 
 
 class Alignment(NamedTuple):
@@ -127,7 +141,8 @@ class Alignment(NamedTuple):
 
 def align(topk_ids: torch.Tensor, num_experts: int, bm: int) -> Alignment:
     """``topk_ids`` [T, k] int32 in BM-row blocks per expert; the capacity is the most rows any
-    routing can need (every expert used pads at most BM - 1 rows), a function of T alone."""
+    routing can need (every expert used pads at most BM - 1 rows), a function of T alone. Rows
+    and blocks past ``num_padded`` are left unwritten: the GEMMs never read them."""
     P = topk_ids.numel()
     capacity = triton.cdiv(P + min(num_experts, P) * (bm - 1), bm) * bm
     dev = topk_ids.device
@@ -136,10 +151,13 @@ def align(topk_ids: torch.Tensor, num_experts: int, bm: int) -> Alignment:
     num_padded = torch.empty(1, dtype=torch.int32, device=dev)
     e_bins = triton.next_power_of_2(num_experts + 1)
     cursor = torch.empty(e_bins, dtype=torch.int32, device=dev)
+    chunk = 1024
     _align_kernel[(1,)](
-        topk_ids, sorted_ids, block_expert, num_padded, cursor, P, num_experts, capacity,
-        BM=bm, E_BINS=e_bins, CHUNK=1024, BLOCKS=max(16, 8192 // e_bins), num_warps=8,
+        topk_ids, sorted_ids, block_expert, num_padded, cursor, P, num_experts,
+        BM=bm, E_BINS=e_bins, CHUNK=chunk, BLOCKS=max(16, 16384 // e_bins), SCATTER=P <= chunk, num_warps=8,
     )  # fmt: skip
+    if P > chunk:  # many programs: one program's atomics on a few cursors serialize
+        _scatter_kernel[(triton.cdiv(P, chunk),)](topk_ids, sorted_ids, cursor, P, CHUNK=chunk, num_warps=4)
     return Alignment(sorted_ids, block_expert, num_padded, bm)
 
 
