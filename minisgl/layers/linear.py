@@ -89,15 +89,28 @@ class ColumnParallelLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-def make_weight(rows: int, cols: int, quant: Fp8Scheme | None) -> tuple[nn.Parameter, nn.Parameter | None]:
-    """The weight [rows, cols] in the default dtype, or fp8 with its float32 per-row scales."""
+def make_weight(rows: int, cols: int, quant: Fp8Scheme | None, *lead: int) -> tuple[nn.Parameter, nn.Parameter | None]:
+    """The weight [*lead, rows, cols] (``lead``: e.g. the experts) in the default dtype, or fp8
+    with its float32 per-row scales."""
     if quant is None:
-        return nn.Parameter(torch.empty(rows, cols), requires_grad=False), None
-    scale_shape = (rows,) if quant.block is None else (rows, cdiv(cols, quant.block))
+        return nn.Parameter(torch.empty(*lead, rows, cols), requires_grad=False), None
+    scale_shape = (*lead, rows) if quant.block is None else (*lead, rows, cdiv(cols, quant.block))
     return (
-        nn.Parameter(torch.empty(rows, cols, dtype=FP8), requires_grad=False),
+        nn.Parameter(torch.empty(*lead, rows, cols, dtype=FP8), requires_grad=False),
         nn.Parameter(torch.ones(scale_shape, dtype=torch.float32), requires_grad=False),
     )
+
+
+def input_shard(size: int, quant: Fp8Scheme | None, what: str) -> int:
+    """This rank's share of ``size`` input columns (row-parallel layers, the experts' down
+    projection), which must hold whole fp8 column groups."""
+    tp = get_tp_info()
+    local = divide(size, tp.size)
+    if quant is not None and quant.block is not None and tp.size > 1 and local % quant.block:
+        raise ValueError(
+            f"{what}'s {local} input columns per rank do not hold whole {quant.block}-column fp8 blocks at tp={tp.size}"
+        )
+    return local
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -142,15 +155,9 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, quant: Fp8Scheme | None = None):
         super().__init__()
-        tp = get_tp_info()
         self.quant = quant
         self.input_size = input_size
-        self.local_input = divide(input_size, tp.size)
-        if quant is not None and quant.block is not None and tp.size > 1 and self.local_input % quant.block:
-            raise ValueError(
-                f"a row-parallel layer's {self.local_input} input columns per rank do not hold whole "
-                f"{quant.block}-column fp8 blocks at tp={tp.size}"
-            )
+        self.local_input = input_shard(input_size, quant, "a row-parallel layer")
         self.weight, self.weight_scale = make_weight(output_size, self.local_input, quant)
         self.weight.weight_loader = self.load_weight
         if quant is not None:

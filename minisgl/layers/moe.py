@@ -16,8 +16,9 @@ from torch import nn
 
 from minisgl.distributed import get_tp_info
 from minisgl.layers.fp8_scheme import Fp8Scheme
+from minisgl.layers.linear import input_shard, make_weight
 from minisgl.layers.quantization import FP8, dequantize, quantize, quantize_weight, row_scales
-from minisgl.utils import cdiv, divide, has_module
+from minisgl.utils import has_module
 
 
 def _fused(x: torch.Tensor, top_k: int) -> bool:
@@ -78,35 +79,16 @@ def experts_torch(
     return out.to(x.dtype)
 
 
-def _expert_weight(
-    experts: int, rows: int, cols: int, quant: Fp8Scheme | None
-) -> tuple[nn.Parameter, nn.Parameter | None]:
-    """[experts, rows, cols] in the default dtype, or fp8 with float32 per-row scales."""
-    if quant is None:
-        return nn.Parameter(torch.empty(experts, rows, cols), requires_grad=False), None
-    scale_shape = (experts, rows) if quant.block is None else (experts, rows, cdiv(cols, quant.block))
-    return (
-        nn.Parameter(torch.empty(experts, rows, cols, dtype=FP8), requires_grad=False),
-        nn.Parameter(torch.ones(scale_shape, dtype=torch.float32), requires_grad=False),
-    )
-
-
 class FusedMoE(nn.Module):
     """The experts of one sparse layer; ``forward`` returns this rank's partial sums."""
 
     def __init__(self, num_experts: int, top_k: int, hidden: int, intermediate: int, quant: Fp8Scheme | None):
         super().__init__()
-        tp = get_tp_info()
         self.num_experts, self.top_k, self.hidden, self.intermediate = num_experts, top_k, hidden, intermediate
         self.quant = quant
-        self.local = divide(intermediate, tp.size)
-        if quant is not None and quant.block is not None and tp.size > 1 and self.local % quant.block:
-            raise ValueError(
-                f"experts' {self.local} columns per rank do not hold whole {quant.block}-column fp8 blocks "
-                f"at tp={tp.size}"
-            )
-        self.w13_weight, self.w13_weight_scale = _expert_weight(num_experts, 2 * self.local, hidden, quant)
-        self.w2_weight, self.w2_weight_scale = _expert_weight(num_experts, hidden, self.local, quant)
+        self.local = input_shard(intermediate, quant, "the experts' down projection")
+        self.w13_weight, self.w13_weight_scale = make_weight(2 * self.local, hidden, quant, num_experts)
+        self.w2_weight, self.w2_weight_scale = make_weight(hidden, self.local, quant, num_experts)
         for param in (self.w13_weight, self.w13_weight_scale, self.w2_weight, self.w2_weight_scale):
             if param is not None:
                 param.weight_loader = self.load
