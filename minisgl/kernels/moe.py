@@ -323,7 +323,8 @@ def fused_experts(moe: FusedMoE, x: torch.Tensor, weights: torch.Tensor, ids: to
     """``layers.moe.experts_torch`` for x [T, H] (T > 0) on the GPU: align, [gate | up] GEMM,
     SiLU-and-mul (quantizing for fp8), weighted down GEMM, sum of each token's k rows."""
     T, H = x.shape
-    k, P = moe.top_k, x.shape[0] * moe.top_k
+    k = moe.top_k
+    P = T * k
     quant = moe.quant
     group = None if quant is None else quant.block
     kind = str(x.dtype).removeprefix("torch.") if quant is None else "fp8" if group is None else f"fp8-b{group}"

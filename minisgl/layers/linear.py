@@ -62,13 +62,14 @@ class ColumnParallelLinear(nn.Module):
 
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, part: int | str | None = None) -> None:
         idx = self._part_index(part)
-        size, start = self.local_sizes[idx], self._source_start(idx, get_tp_info().rank)
-        if param is self.weight_scale:
-            loaded = row_scales(loaded, self.output_sizes[idx], self.quant.block)
-        elif param is self.weight and self.quant is not None and loaded.dtype != FP8:
-            loaded, scale = quantize_weight(loaded, self.quant.block)
-            self.weight_scale.data.narrow(0, self.offsets[idx], size).copy_(scale.narrow(0, start, size))
-        param.data.narrow(0, self.offsets[idx], size).copy_(loaded.narrow(0, start, size))
+        rows = slice(self.offsets[idx], self.offsets[idx] + self.local_sizes[idx])
+        start = self._source_start(idx, get_tp_info().rank)
+        if param is self.bias:
+            load_row_shard(param.data[rows], None, loaded, False, None, self.output_sizes[idx], start)
+            return
+        scale = None if self.weight_scale is None else self.weight_scale.data[rows]
+        is_scale = param is self.weight_scale
+        load_row_shard(self.weight.data[rows], scale, loaded, is_scale, self.quant, self.output_sizes[idx], start)
 
     def checkpoint_shape(self, attr: str, part: int | str | None) -> tuple[int, ...] | None:
         """The full checkpoint tensor ``attr`` (of ``part``) loads from; None for fp8 scales,
@@ -99,6 +100,61 @@ def make_weight(rows: int, cols: int, quant: Fp8Scheme | None, *lead: int) -> tu
         nn.Parameter(torch.empty(*lead, rows, cols, dtype=FP8), requires_grad=False),
         nn.Parameter(torch.ones(scale_shape, dtype=torch.float32), requires_grad=False),
     )
+
+
+def _layer_form(
+    loaded: torch.Tensor, is_scale: bool, quant: Fp8Scheme | None, rows: int
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A full checkpoint tensor as (weight, per-row scales) in a layer's form: a checkpoint's
+    scale tensor gives only scales; under fp8 a float weight is quantized whole (so the scales
+    cover full rows whatever the shard); anything else is the weight as it is."""
+    block = None if quant is None else quant.block
+    if is_scale:
+        return None, row_scales(loaded, rows, block)
+    if quant is not None and loaded.dtype != FP8:
+        return quantize_weight(loaded, block)
+    return loaded, None
+
+
+def load_row_shard(
+    weight: torch.Tensor,
+    scale: torch.Tensor | None,
+    loaded: torch.Tensor,
+    is_scale: bool,
+    quant: Fp8Scheme | None,
+    rows: int,
+    start: int,
+) -> None:
+    """Fill ``weight`` (a shard of ``weight.shape[0]`` rows) and its per-row ``scale`` from rows
+    ``start``.. of a full checkpoint tensor of ``rows`` rows (or of its scales, ``is_scale``):
+    column-parallel layers, an expert's gate or up projection."""
+    new_weight, new_scale = _layer_form(loaded, is_scale, quant, rows)
+    size = weight.shape[0]
+    if new_scale is not None:
+        scale.copy_(new_scale.narrow(0, start, size))
+    if new_weight is not None:
+        weight.copy_(new_weight.narrow(0, start, size))
+
+
+def load_column_shard(
+    weight: torch.Tensor,
+    scale: torch.Tensor | None,
+    loaded: torch.Tensor,
+    is_scale: bool,
+    quant: Fp8Scheme | None,
+    start: int,
+) -> None:
+    """Fill ``weight`` (a shard of ``weight.shape[1]`` input columns) and its ``scale`` from
+    columns ``start``.. of a full checkpoint tensor (or of its scales): per channel the scales
+    of whole rows, per block this rank's column groups. Row-parallel layers, an expert's down
+    projection."""
+    new_weight, new_scale = _layer_form(loaded, is_scale, quant, weight.shape[0])
+    if new_scale is not None:
+        if quant.block is not None:
+            new_scale = new_scale.narrow(1, start // quant.block, scale.shape[-1])
+        scale.copy_(new_scale)
+    if new_weight is not None:
+        weight.copy_(new_weight.narrow(1, start, weight.shape[1]))
 
 
 def input_shard(size: int, quant: Fp8Scheme | None, what: str) -> int:
@@ -172,19 +228,9 @@ class RowParallelLinear(nn.Module):
         return {"weight": (rows, self.input_size), "bias": (rows,)}.get(attr)
 
     def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, part: None = None) -> None:
+        scale = None if self.weight_scale is None else self.weight_scale.data
         start = get_tp_info().rank * self.local_input
-        scale = None
-        if param is self.weight_scale:
-            scale = row_scales(loaded, self.weight.shape[0], self.quant.block)
-        elif self.quant is not None and loaded.dtype != FP8:
-            loaded, scale = quantize_weight(loaded, self.quant.block)
-        if scale is not None:  # per channel: whole rows; per block: this rank's column blocks
-            block = self.quant.block
-            if block is not None:
-                scale = scale.narrow(1, start // block, self.weight_scale.shape[1])
-            self.weight_scale.data.copy_(scale)
-        if param is self.weight:
-            param.data.copy_(loaded.narrow(1, start, self.local_input))
+        load_column_shard(self.weight.data, scale, loaded, param is self.weight_scale, self.quant, start)
 
     def _matmul(self, x: torch.Tensor | Fp8Act) -> torch.Tensor:
         if self.quant is not None:

@@ -16,8 +16,8 @@ from torch import nn
 
 from minisgl.distributed import get_tp_info
 from minisgl.layers.fp8_scheme import Fp8Scheme
-from minisgl.layers.linear import input_shard, make_weight
-from minisgl.layers.quantization import FP8, dequantize, quantize, quantize_weight, row_scales
+from minisgl.layers.linear import input_shard, load_column_shard, load_row_shard, make_weight
+from minisgl.layers.quantization import dequantize, quantize
 from minisgl.utils import has_module
 
 
@@ -110,30 +110,18 @@ class FusedMoE(nn.Module):
             for e in range(loaded.shape[0]):
                 self.load(param, loaded[e], (e, shard))
             return
-        block = None if self.quant is None else self.quant.block
         start = get_tp_info().rank * self.local
-        scale = None
         if param is self.w13_weight or param is self.w13_weight_scale:
             rows = slice(shard * self.local, (shard + 1) * self.local)
-            if param is self.w13_weight_scale:
-                scale = row_scales(loaded, self.intermediate, block)
-            elif self.quant is not None and loaded.dtype != FP8:
-                loaded, scale = quantize_weight(loaded, block)
-            if scale is not None:
-                self.w13_weight_scale.data[expert, rows].copy_(scale.narrow(0, start, self.local))
-            if param is self.w13_weight:
-                param.data[expert, rows].copy_(loaded.narrow(0, start, self.local))
-            return
-        if param is self.w2_weight_scale:
-            scale = row_scales(loaded, self.hidden, block)
-        elif self.quant is not None and loaded.dtype != FP8:
-            loaded, scale = quantize_weight(loaded, block)
-        if scale is not None:  # per channel: whole rows; per block: this rank's column groups
-            if block is not None:
-                scale = scale.narrow(1, start // block, self.w2_weight_scale.shape[-1])
-            self.w2_weight_scale.data[expert].copy_(scale)
-        if param is self.w2_weight:
-            param.data[expert].copy_(loaded.narrow(1, start, self.local))
+            scale = None if self.quant is None else self.w13_weight_scale.data[expert, rows]
+            is_scale = param is self.w13_weight_scale
+            load_row_shard(
+                self.w13_weight.data[expert, rows], scale, loaded, is_scale, self.quant, self.intermediate, start
+            )
+        else:
+            scale = None if self.quant is None else self.w2_weight_scale.data[expert]
+            is_scale = param is self.w2_weight_scale
+            load_column_shard(self.w2_weight.data[expert], scale, loaded, is_scale, self.quant, start)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H] in the model dtype with its routing (``route``); returns [T, H]."""
