@@ -65,7 +65,7 @@ class EngineArgs:
     piecewise_cuda_graph_max_tokens: int = 8192
     piecewise_cuda_graph_tokens: list[int] | None = None  # the sizes captured (default: a ladder to the maximum)
     disable_custom_all_reduce: bool = False  # tp on GPUs: NCCL for every all-reduce, not the one-shot kernels
-    enable_fp32_all_reduce: bool = False  # tp: partial sums all-reduced in fp32 (tp=2 tokens closer to tp=1's)
+    enable_fp32_all_reduce: bool = False  # tp: fp32 partial sums, fp8 row scales across ranks (tp=2 rounds as tp=1)
     max_prefill_tokens: int | None = None  # tokens of one prefill step (None: chunked_prefill_size)
     revision: str | None = None  # of a hub model
     chat_template: str | None = None  # a Jinja template file (or the template itself) to use instead
@@ -444,9 +444,10 @@ def add_engine_args(ap: argparse.ArgumentParser) -> dict[str, argparse._Argument
     parallel.add_argument(
         "--enable-fp32-all-reduce",
         action="store_true",
-        help="tensor parallelism in bf16/fp16: all-reduce the row-parallel partial sums in float32 and "
-        "round once, as tp=1 does (greedy tokens at tp=2 matched tp=1 on 56/64 instead of 27/64 "
-        "requests; decode ~5%% slower)",
+        help="tensor parallelism: round as tp=1 does. The row-parallel partial sums are all-reduced in "
+        "float32 and rounded once (bf16: greedy tokens at tp=2 matched tp=1 on 56/64 instead of 27/64 "
+        "requests; decode ~5%% slower), and under per-token fp8 their inputs are quantized with the "
+        "whole row's scale (an all-reduced amax) instead of each rank's columns'",
     )
     sched.add_argument(
         "--disable-overlap-schedule", action="store_true", help="wait for each step's tokens before scheduling the next"

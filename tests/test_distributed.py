@@ -128,3 +128,30 @@ def test_fp8_checkpoint_and_kv_at_tp2_stay_close_to_tp1(tmp_path: Path) -> None:
             shared = set(g) & set(w)
             assert len(shared) >= 4
             assert max(abs(g[t] - w[t]) for t in shared) < bound
+
+
+def test_fp8_at_tp2_rounds_as_tp1_with_scales_across_ranks(tmp_path: Path) -> None:
+    """Under --enable-fp32-all-reduce the row-parallel layers quantize their input with the whole
+    row's scale (an all-reduced amax) and sum in float32: tp=2 then rounds as tp=1 does, so the
+    greedy tokens are the same and logprobs differ only by the order of float32 sums."""
+    from minisgl.llm import LLM
+    from minisgl.tiny_model import make_tiny_model
+    from scripts.quantize_checkpoint import convert
+
+    fp8 = convert(make_tiny_model("llama", tmp_path / "float", seed=0), tmp_path / "ct", "compressed-tensors")
+    prompts = [[1, 5, 9, 200, 31], list(range(3, 90)), [7] * 33]
+    params = {"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True}
+
+    def run(**kw) -> list[dict]:
+        llm = LLM(str(fp8), device="cpu", dtype="float32", max_running_requests=8, **kw)
+        out = llm.generate(prompts, params, top_logprobs=1)
+        del llm
+        gc.collect()
+        return out
+
+    want, got = run(), run(tp_size=2, enable_fp32_all_reduce=True)
+    assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(
+            g["meta_info"]["output_token_logprobs"], w["meta_info"]["output_token_logprobs"], atol=1e-4, rtol=0
+        )

@@ -82,3 +82,47 @@ def _fused_rank(rank: int, init: str) -> None:
 def test_fused_all_reduce_rmsnorm_matches_nccl_then_norm():
     init = f"file://{Path(tempfile.mkdtemp()) / 'init'}"
     mp.start_processes(_fused_rank, args=(init,), nprocs=2, start_method="spawn")
+
+
+def _outputs(path: Path, prompts: list[list[int]], **kw) -> list[list[int]]:
+    import gc
+
+    from minisgl.llm import LLM
+
+    llm = LLM(str(path), device="cuda", max_total_tokens=16384, max_running_requests=64, page_size=16, **kw)
+    params = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+    out = [r["output_ids"] for r in llm.generate(prompts, params)]
+    del llm
+    gc.collect()
+    return out
+
+
+def test_piecewise_prefill_graphs_at_tp2_keep_greedy_tokens(tmp_path):
+    """Prefill replayed from piecewise CUDA graphs with the all-reduces captured in the pieces
+    (one-shot for small steps, NCCL above) against eager prefill, both at tp=2, bf16 and fp8."""
+    from minisgl.tiny_model import make_tiny_model
+    from tests.test_scheduler import shared_prefix_prompts
+
+    path = make_tiny_model("qwen3", tmp_path / "qwen3-hd128", overrides={"head_dim": 128})
+    prompts = shared_prefix_prompts(4, 8, 200) + [[7] * 700, list(range(3, 40))]
+    for quant in (None, "fp8"):
+        kw = dict(dtype="bfloat16", tp_size=2, chunked_prefill_size=1024, quantization=quant)
+        eager = _outputs(path, prompts, disable_piecewise_cuda_graph=True, **kw)
+        graphs = _outputs(path, prompts, **kw)
+        same = sum(a == b for a, b in zip(eager, graphs))
+        assert same >= len(prompts) - 2, f"{quant}: {same} of {len(prompts)} requests agree"
+
+
+def test_fp8_at_tp2_with_scales_across_ranks_follows_tp1(tmp_path):
+    """--enable-fp32-all-reduce under fp8 at tp=2 (whole-row activation scales, float32 partial
+    sums) on the GPU's fused path: greedy tokens as tp=1's, but for bf16 rounding flips."""
+    from minisgl.tiny_model import make_tiny_model
+    from tests.test_scheduler import shared_prefix_prompts
+
+    path = make_tiny_model("llama", tmp_path / "llama-hd128", overrides={"head_dim": 128})
+    prompts = shared_prefix_prompts(4, 8, 100)
+    kw = dict(dtype="bfloat16", quantization="fp8", kv_cache_dtype="fp8_e4m3")
+    want = _outputs(path, prompts, **kw)
+    got = _outputs(path, prompts, tp_size=2, enable_fp32_all_reduce=True, **kw)
+    same = sum(a == b for a, b in zip(want, got))
+    assert same >= len(prompts) * 3 // 4, f"{same} of {len(prompts)} requests agree with tp=1"

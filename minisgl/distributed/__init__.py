@@ -11,6 +11,7 @@ decode-sized batches (``FusedAllReduceNorm``).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -158,8 +159,12 @@ def init_fused_all_reduce_norm(max_tokens: int, hidden: int) -> None:
     FlashInfer's communication module builds and the GPUs can map each other's memory; otherwise
     those steps all-reduce, then add and norm (logged, not fatal). Call with the rank's GPU current."""
     global _FUSED_NORM
+    start = time.perf_counter()
     try:
         _FUSED_NORM = FusedAllReduceNorm(max_tokens, hidden)
+        # Built once per machine (FlashInfer's JIT cache keeps it); a cold build takes minutes.
+        if _TP.is_primary:
+            logger.info("fused all-reduce + RMSNorm ready in %.1f s", time.perf_counter() - start)
     except Exception as e:  # no FlashInfer, no P2P, or its kernels do not build here
         logger.warning(
             "fused all-reduce + RMSNorm unavailable (%s: %s); all-reducing before each norm", type(e).__name__, e
@@ -184,6 +189,17 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
         return _ONE_SHOT(x)
     dist.all_reduce(x)
     return x
+
+
+def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
+    """Elementwise maximum over the ranks of a float32 tensor of non-negative values (amaxes):
+    each rank writes its row of a zeroed table and the table is summed, so the one-shot
+    all-reduce serves it as it serves sums."""
+    if _TP.size == 1:
+        return x
+    table = x.new_zeros(_TP.size, *x.shape)
+    table[_TP.rank] = x
+    return all_reduce(table).amax(dim=0)
 
 
 def argmax_over_ranks(local: torch.Tensor, start: int, valid: int) -> torch.Tensor:

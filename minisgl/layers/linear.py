@@ -17,7 +17,7 @@ from torch import nn
 
 from minisgl.distributed import all_reduce, get_tp_info
 from minisgl.layers.fp8_scheme import Fp8Scheme
-from minisgl.layers.quantization import FP8, Fp8Act, fp8_linear, quantize_weight, row_scales
+from minisgl.layers.quantization import FP8, Fp8Act, fp8_linear, quantize_across_ranks, quantize_weight, row_scales
 from minisgl.utils import cdiv, divide
 
 
@@ -232,26 +232,37 @@ class RowParallelLinear(nn.Module):
         start = get_tp_info().rank * self.local_input
         load_column_shard(self.weight.data, scale, loaded, param is self.weight_scale, self.quant, start)
 
-    def _matmul(self, x: torch.Tensor | Fp8Act) -> torch.Tensor:
-        if self.quant is not None:
-            return fp8_linear(x, self.weight, self.weight_scale, None, self.quant.block)
-        return F.linear(x, self.weight)
+    @property
+    def scales_across_ranks(self) -> bool:
+        """Whether this layer's fp8 input is quantized with the whole row's scale (an all-reduced
+        amax) rather than its own columns': at tp > 1 under --enable-fp32-all-reduce, per-token
+        schemes only (a 128-column group never straddles two ranks)."""
+        tp = get_tp_info()
+        return self.quant is not None and self.quant.block is None and tp.size > 1 and tp.reduce_fp32
 
-    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+    @property
+    def input_quant(self) -> Fp8Scheme | None:
+        """The scheme the op producing this layer's input should quantize for; None where the
+        input must arrive in floats (``scales_across_ranks``: this layer quantizes it)."""
+        return None if self.scales_across_ranks else self.quant
+
+    def _matmul(self, x: torch.Tensor | Fp8Act, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        if self.quant is None:
+            return F.linear(x, self.weight) if out_dtype is None else linear_fp32(x, self.weight)
+        if isinstance(x, torch.Tensor) and self.scales_across_ranks:
+            x = quantize_across_ranks(x.reshape(-1, x.shape[-1]))
+        return fp8_linear(x, self.weight, self.weight_scale, None, self.quant.block, out_dtype)
+
+    def forward(self, x: torch.Tensor | Fp8Act, reduce: bool = True) -> torch.Tensor:
         """With ``reduce=False`` (no bias) this rank's partial sums, for a following
         ``RMSNorm(..., reduce=True)`` to all-reduce together with its residual add."""
         if not reduce:
             assert self.bias is None, "a bias is added after the all-reduce"
             return self._matmul(x)
         tp = get_tp_info()
-        if (
-            tp.reduce_fp32
-            and tp.size > 1
-            and self.quant is None
-            and x.is_cuda
-            and x.dtype in (torch.bfloat16, torch.float16)
-        ):
-            y = all_reduce(linear_fp32(x, self.weight)).to(x.dtype)
+        if tp.reduce_fp32 and tp.size > 1 and x.dtype in (torch.bfloat16, torch.float16) and x.data.is_cuda:
+            # Partial sums in float32, rounded once after the sum as tp=1 rounds its one GEMM.
+            y = all_reduce(self._matmul(x, torch.float32)).to(x.dtype)
         else:
             y = all_reduce(self._matmul(x))
         return y if self.bias is None else y + self.bias

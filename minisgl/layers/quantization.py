@@ -132,6 +132,17 @@ def quantize(x: torch.Tensor, block: int | None) -> Fp8Act:
     return Fp8Act(q, scale, x.dtype)
 
 
+def quantize_across_ranks(x: torch.Tensor) -> Fp8Act:
+    """A row-parallel layer's input [T, K / tp] quantized per token with the scale of the whole
+    row over every rank's columns (an all-reduced amax), as tp=1 quantizes it: the rounding then
+    does not depend on the tp size (--enable-fp32-all-reduce)."""
+    from minisgl.distributed import all_reduce_max
+
+    amax = all_reduce_max(x.abs().amax(dim=-1, keepdim=True).float())
+    scale = (amax / FP8_MAX).clamp(min=MIN_SCALE)
+    return Fp8Act(to_fp8(x, scale), scale, x.dtype)
+
+
 def fp8_logits(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x W^T in float32 for an fp8 ``weight`` [V, K] with per-row ``scale`` [V] (the LM head):
     x quantized per token, the product kept in the GEMM's float32 accumulator."""
@@ -155,14 +166,18 @@ def fp8_linear(
     scale: torch.Tensor,
     bias: torch.Tensor | None,
     block: int | None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """x W^T + b for an fp8 ``weight`` [N, K] with per-row ``scale`` ([N] or [N, K / block])."""
+    """x W^T + b for an fp8 ``weight`` [N, K] with per-row ``scale`` ([N] or [N, K / block]),
+    in ``out_dtype`` (default: the activation's; float32 keeps the GEMM's accumulator)."""
     act = x if isinstance(x, Fp8Act) else quantize(x.reshape(-1, x.shape[-1]), block)
     lead = x.shape[:-1] if isinstance(x, torch.Tensor) else act.data.shape[:-1]
     if act.data.is_cuda and act.dtype in (torch.float16, torch.bfloat16) and act.data.shape[0] > 0:
         from minisgl.kernels.fp8 import block_matmul
 
-        if block is not None:
+        if out_dtype is not None:
+            out = block_matmul(act.data, act.scale, weight, scale, block, out_dtype)
+        elif block is not None:
             out = block_matmul(act.data, act.scale, weight, scale, block, act.dtype)
         else:
             rows = act.data.shape[0]
@@ -177,7 +192,7 @@ def fp8_linear(
                 if act.dtype != torch.bfloat16:
                     out = out.to(act.dtype)
     else:
-        out = (dequantize(act.data, act.scale, block) @ dequantize(weight, scale, block).t()).to(act.dtype)
+        out = (dequantize(act.data, act.scale, block) @ dequantize(weight, scale, block).t()).to(out_dtype or act.dtype)
     if bias is not None:
         out = out + bias
     return out if len(lead) == 1 else out.view(*lead, weight.shape[0])

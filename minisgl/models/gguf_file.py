@@ -251,7 +251,10 @@ def iter_gguf_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
     path = _existing_source(folder)
     config = json.loads((folder / "config.json").read_text())
     reader = gguf.GGUFReader(str(path))
-    for t in progress(reader.tensors, desc=f"Loading weights from {path.name}", unit="tensor"):
+    from minisgl.distributed import get_tp_info
+
+    primary = get_tp_info().is_primary
+    for t in progress(reader.tensors, primary, desc=f"Loading weights from {path.name}", unit="tensor"):
         try:
             data = quants.dequantize(t.data, t.tensor_type)
         except NotImplementedError:

@@ -56,12 +56,11 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig, size: int | None = None):
         super().__init__()
         size = size or config.intermediate_size
-        self.quant = config.quant
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [size, size], config.mlp_bias, config.quant)
         self.down_proj = RowParallelLinear(size, config.hidden_size, config.mlp_bias, config.quant)
 
     def forward(self, x: torch.Tensor | Fp8Act, reduce: bool = True) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.quant), reduce)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.down_proj.input_quant), reduce)
 
 
 class SparseMoeBlock(nn.Module):

@@ -185,10 +185,11 @@ class ModelRunner:
         self.graphs = self.piecewise = None
 
     def _piecewise_sizes(self) -> list[int]:
-        """Token counts of the prefill steps replayed from piecewise CUDA graphs: none without
-        CUDA graphs or on several GPUs (not measured there yet); at most the largest prefill step."""
+        """Token counts of the prefill steps replayed from piecewise CUDA graphs (their
+        all-reduces captured with them at tp > 1): none without CUDA graphs; at most the largest
+        prefill step."""
         args = self.args
-        if not self._graphs_enabled() or args.disable_piecewise_cuda_graph or get_tp_info().size > 1:
+        if not self._graphs_enabled() or args.disable_piecewise_cuda_graph:
             return []
         from minisgl.worker.piecewise_graph import token_sizes
 

@@ -31,10 +31,16 @@ def _init_distributed(args: EngineArgs, rank: int, addrs: Addresses) -> None:
     if args.tp_size == 1:
         return
     on_gpu = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
+    device = None
     if on_gpu:
         args.device = f"cuda:{rank % args.ranks_per_node}"  # this host's GPUs
+        device = torch.device(args.device)  # NCCL binds its communicator here instead of guessing
     dist.init_process_group(
-        "nccl" if on_gpu else "gloo", init_method=addrs.dist_init, rank=rank, world_size=args.tp_size
+        "nccl" if on_gpu else "gloo",
+        init_method=addrs.dist_init,
+        rank=rank,
+        world_size=args.tp_size,
+        device_id=device,
     )
     set_tp_info(rank, args.tp_size, args.enable_fp32_all_reduce)
 
@@ -42,7 +48,8 @@ def _init_distributed(args: EngineArgs, rank: int, addrs: Addresses) -> None:
 def run_worker(args: EngineArgs, rank: int, addrs: Addresses, log_level: str) -> None:
     """Process entry point (spawned by the launcher)."""
     become_child(threads=cpu_worker_threads() // args.ranks_per_node or 1)
-    init_logging(log_level)
+    # Rank 0 speaks for all; the others log only warnings, so each event is one line.
+    init_logging(log_level if rank == 0 else "warning")
     _init_distributed(args, rank, addrs)
     runner = ModelRunner(args)
     ctx = zmq.Context()
