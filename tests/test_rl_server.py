@@ -176,24 +176,27 @@ def test_bad_payloads_get_4xx_and_the_old_weights_serve(server, checkpoints, ref
     idle_and_clean(server)
 
 
-def test_update_from_distributed_broadcast(server, checkpoints, reference):
-    """The test process is the trainer's rank 0; the engine's one rank joins as rank 1 (gloo)."""
+def broadcast_updates(srv: ServerProcess, checkpoints, reference, engine_ranks: int) -> None:
+    """The test process is the trainer's rank 0; the engine's ranks join as ranks 1.. (gloo):
+    both load formats, then a list the engine refuses, which is still received (the trainer
+    never hangs) and leaves the weights as they were."""
     port, group_name = free_port(), "trainer_group"
+    world = 1 + engine_ranks
     with ThreadPoolExecutor(2) as pool:
         joined = pool.submit(
             post,
-            server,
+            srv,
             "/init_weights_update_group",
             {
                 "master_address": "127.0.0.1",
                 "master_port": port,
                 "rank_offset": 1,
-                "world_size": 2,
+                "world_size": world,
                 "group_name": group_name,
                 "backend": "nccl",
             },
         )
-        group = init_weight_group("gloo", "127.0.0.1", port, 0, 2, group_name)
+        group = init_weight_group("gloo", "127.0.0.1", port, 0, world, group_name)
         assert joined.result().json()["success"], joined.result().text
         try:
             for load_format, ckpt in (("direct", "B"), ("flattened_bucket", "A")):
@@ -207,7 +210,7 @@ def test_update_from_distributed_broadcast(server, checkpoints, reference):
                     "flush_cache": True,
                     "weight_version": ckpt,
                 }
-                done = pool.submit(post, server, "/update_weights_from_distributed", body)
+                done = pool.submit(post, srv, "/update_weights_from_distributed", body)
                 if load_format == "direct":
                     for t in sd.values():
                         dist.broadcast(t.contiguous(), src=0, group=group)
@@ -215,12 +218,11 @@ def test_update_from_distributed_broadcast(server, checkpoints, reference):
                     flat = torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in sd.values()])
                     dist.broadcast(flat, src=0, group=group)
                 assert done.result().json()["success"], done.result().text
-                assert outputs(server) == reference[ckpt]
-            # A list the engine refuses is still received (the trainer never hangs), then refused.
+                assert outputs(srv) == reference[ckpt]
             t = torch.zeros(3, 3)
             done = pool.submit(
                 post,
-                server,
+                srv,
                 "/update_weights_from_distributed",
                 {
                     "names": ["model.nothing.weight"],
@@ -231,11 +233,23 @@ def test_update_from_distributed_broadcast(server, checkpoints, reference):
             )
             dist.broadcast(t, src=0, group=group)
             assert done.result().status_code == 400 and "no place" in done.result().text
-            assert outputs(server) == reference["A"]
+            assert outputs(srv) == reference["A"]
         finally:
-            r = post(server, "/destroy_weights_update_group", {"group_name": group_name})
+            r = post(srv, "/destroy_weights_update_group", {"group_name": group_name})
             destroy_weight_group(group)
         assert r.json()["success"], r.text
+
+
+def test_update_from_distributed_broadcast(server, checkpoints, reference):
+    broadcast_updates(server, checkpoints, reference, engine_ranks=1)
+
+
+def test_update_from_distributed_broadcast_at_tp2(checkpoints, reference):
+    """Both ranks of a tp=2 server join the trainer's group (ranks 1 and 2 of 3), each cuts its
+    own shard from the broadcast tensors, and the tokens are those of the new checkpoint."""
+    with running_server(checkpoints["A"], "--page-size", "4", "--max-total-tokens", "8192", "--tp-size", "2") as srv:
+        assert outputs(srv) == reference["A"]
+        broadcast_updates(srv, checkpoints, reference, engine_ranks=2)
 
 
 def _stream(srv: ServerProcess, prompt: list[int], n: int, out: list) -> None:
