@@ -271,3 +271,121 @@ def test_fp8_moe_checkpoints_load_with_no_flag(tiny_models, tmp_path, fmt):
     # fp8 moves the tiny models' logits about 10%: the dense tiny Qwen3 by 0.093 (block) and
     # 0.106 (per channel), this MoE by 0.108 and 0.092.
     assert (got - want).norm() / want.norm() < 0.15
+
+
+GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama"}
+# Hugging Face name part -> llama.cpp's (experts stacked under one name per part)
+GGUF_NAMES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+}
+EXPERT_GGUF = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": "ffn_up_exps", "w3": "ffn_up_exps"}
+EXPERT_GGUF |= {"down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}
+
+
+def write_gguf(folder, path, arch: str) -> None:
+    """A float32 .gguf file of a tiny Hugging Face checkpoint, laid out as llama.cpp's converter
+    lays MoE models out: experts stacked [E, rows, cols], Llama's q/k rows interleaved, the
+    shared expert's gate a vector, the byte-level BPE tokenizer in the metadata."""
+    import json
+    import re
+
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
+    config = json.loads((folder / "config.json").read_text())
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    name = GGUF_ARCH[arch]
+    w = gguf.GGUFWriter(str(path), name)
+    heads, kv, hidden = config["num_attention_heads"], config["num_key_value_heads"], config["hidden_size"]
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_key_length(config.get("head_dim") or hidden // heads)
+    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    w.add_rope_freq_base(config.get("rope_theta") or config["rope_parameters"]["rope_theta"])
+    w.add_expert_count(config.get("num_experts") or config["num_local_experts"])
+    w.add_expert_used_count(config["num_experts_per_tok"])
+    if "moe_intermediate_size" in config:
+        w.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if config.get("shared_expert_intermediate_size"):
+        w.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+    special = {t["id"] for t in tok["added_tokens"]}
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list([t for t, _ in vocab])
+    w.add_token_types([3 if i in special else 1 for _, i in vocab])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    w.add_bos_token_id(config["bos_token_id"])
+    w.add_eos_token_id(config["eos_token_id"])
+
+    def permute(t: np.ndarray, n: int) -> np.ndarray:  # the inverse of the loader's _unpermute
+        return t.reshape(n, 2, t.shape[0] // n // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+
+    experts: dict[tuple[int, str], dict[int, np.ndarray]] = {}
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    top["lm_head.weight"] = "output.weight"
+    for key, t in sorted(load_file(str(folder / "model.safetensors")).items()):
+        a = t.float().numpy()
+        if key in top:
+            w.add_tensor(top[key], a)
+            continue
+        m = re.match(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$", key)
+        layer, part, kind = int(m.group(1)), m.group(2).replace("block_sparse_moe", "mlp"), m.group(3)
+        e = re.match(r"mlp\.experts\.(\d+)\.(\w+)$", part)
+        if e:
+            experts.setdefault((layer, EXPERT_GGUF[e.group(2)]), {})[int(e.group(1))] = a
+            continue
+        if name == "llama" and part in ("self_attn.q_proj", "self_attn.k_proj"):
+            a = permute(a, heads if part.endswith("q_proj") else kv)
+        if part == "mlp.shared_expert_gate":
+            a = a.reshape(-1)
+        w.add_tensor(f"blk.{layer}.{GGUF_NAMES[part]}.{kind}", a)
+    for (layer, part), per_expert in experts.items():
+        w.add_tensor(f"blk.{layer}.{part}.weight", np.stack([per_expert[i] for i in sorted(per_expert)]))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_gguf_moe_files_give_the_checkpoints_tokens(tiny_models, tmp_path, arch):
+    """A GGUF file of each MoE family (stacked experts, the router, Qwen2-MoE's shared expert,
+    Qwen3-MoE's dense layer found from its missing router) serves the tokens of the Hugging Face
+    checkpoint it was written from."""
+    from minisgl.llm import LLM
+    from minisgl.models.gguf_file import converted_checkpoint
+
+    path = tmp_path / f"{arch}.gguf"
+    write_gguf(tiny_models[arch], path, arch)
+    folder = converted_checkpoint(path, tmp_path / "cache")
+    prompts = [[5, 6, 7, 8, 9, 10, 11], list(range(30, 90))]
+    params = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+    kw = dict(device="cpu", dtype="float32", max_total_tokens=4096)
+    want = LLM(str(tiny_models[arch]), **kw).generate(prompts, params, top_logprobs=1)
+    got = LLM(str(folder), **kw).generate(prompts, params, top_logprobs=1)
+    assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(
+            g["meta_info"]["output_token_logprobs"], w["meta_info"]["output_token_logprobs"], atol=1e-5, rtol=0
+        )

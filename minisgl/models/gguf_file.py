@@ -33,11 +33,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
+    "llama": "LlamaForCausalLM",  # Mixtral too: llama with experts (MixtralForCausalLM, below)
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
+MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}  # Hugging Face's spelling
 TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -51,6 +54,16 @@ LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # Experts, stacked [E, rows, cols] (the loader cuts each expert), their router and Qwen2-MoE's
+    # shared expert with its sigmoid gate.
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 CACHE_ROOT = Path(os.environ.get("MINISGL_CACHE", Path.home() / ".cache" / "minisgl")) / "gguf"
 
@@ -182,12 +195,13 @@ def _config(reader: Any, path: Path) -> dict[str, Any]:
     hidden = meta("embedding_length")
     vocab = meta("vocab_size", len(reader.fields["tokenizer.ggml.tokens"].data))
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    return {
-        "architectures": [ARCHITECTURES[arch]],
-        "model_type": arch,
+    experts = _field(reader, f"{arch}.expert_count", 0)
+    config = {
+        "architectures": ["MixtralForCausalLM" if arch == "llama" and experts else ARCHITECTURES[arch]],
+        "model_type": "mixtral" if arch == "llama" and experts else MODEL_TYPES.get(arch, arch),
         "vocab_size": int(vocab),
         "hidden_size": hidden,
-        "intermediate_size": meta("feed_forward_length"),
+        "intermediate_size": meta("feed_forward_length", 0),
         "num_hidden_layers": meta("block_count"),
         "num_attention_heads": heads,
         "num_key_value_heads": meta("attention.head_count_kv", heads),
@@ -205,6 +219,30 @@ def _config(reader: Any, path: Path) -> dict[str, Any]:
         "eos_token_id": eos,
         "tie_word_embeddings": False,
     }
+    if experts:
+        config |= _expert_config(reader, arch, meta, experts)
+    return config
+
+
+def _expert_config(reader: Any, arch: str, meta: Any, experts: int) -> dict[str, Any]:
+    """The expert fields of a mixture of experts, as its Hugging Face config spells them. GGUF
+    does not say which layers are dense: those without a router tensor are."""
+    used = meta("expert_used_count")
+    if arch == "llama":  # Mixtral: experts as wide as feed_forward_length, always renormalized
+        return {"num_local_experts": experts, "num_experts_per_tok": used}
+    routed = {int(t.name.split(".")[1]) for t in reader.tensors if t.name.endswith("ffn_gate_inp.weight")}
+    fields = {
+        "num_experts": experts,
+        "num_experts_per_tok": used,
+        "moe_intermediate_size": meta("expert_feed_forward_length"),
+        # llama.cpp renormalizes Qwen3-MoE's top-k weights and not Qwen2-MoE's unless the file says.
+        "norm_topk_prob": bool(_field(reader, f"{arch}.expert_weights_norm", arch == "qwen3moe")),
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [i for i in range(meta("block_count")) if i not in routed],
+    }
+    if arch == "qwen2moe":
+        fields["shared_expert_intermediate_size"] = meta("expert_shared_feed_forward_length", 0)
+    return fields
 
 
 def _hf_name(name: str) -> str:
@@ -238,7 +276,13 @@ def iter_gguf_shapes(folder: Path) -> Iterator[tuple[str, tuple[int, ...]]]:
 
     path = _existing_source(folder)
     for t in gguf.GGUFReader(str(path)).tensors:
-        yield _hf_name(t.name), tuple(int(d) for d in reversed(t.shape))
+        name = _hf_name(t.name)
+        yield name, _hf_shape(name, tuple(int(d) for d in reversed(t.shape)))
+
+
+def _hf_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """llama.cpp stores the shared expert's gate [1, H] as a vector."""
+    return (1, *shape) if name.endswith("shared_expert_gate.weight") and len(shape) == 1 else shape
 
 
 def iter_gguf_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -262,9 +306,9 @@ def iter_gguf_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
             raise ValueError(
                 f"{path.name}: tensor {t.name} uses quantization {kind}, which gguf cannot dequantize"
             ) from None
-        data = np.asarray(data, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
         name = _hf_name(t.name)
-        if config["model_type"] in ("llama", "mistral"):
+        data = np.asarray(data, dtype=np.float32).reshape(_hf_shape(name, tuple(int(d) for d in reversed(t.shape))))
+        if config["model_type"] in ("llama", "mistral", "mixtral"):
             if name.endswith("q_proj.weight"):
                 data = _unpermute(data, config["num_attention_heads"])
             elif name.endswith("k_proj.weight"):

@@ -65,7 +65,8 @@ def iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 # One expert's projection (Qwen-MoE names, Mixtral's w1/w3/w2) -> our stacked parameter and shard.
-EXPERT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.")
+# One expert's tensor (experts.3.gate_proj.weight), or every expert's stacked (experts.gate_proj.weight: GGUF).
+EXPERT = re.compile(r"\.experts\.(?:(\d+)\.)?(gate_proj|up_proj|down_proj|w1|w3|w2)\.")
 EXPERT_PARTS = {"gate_proj": ("w13", 0), "w1": ("w13", 0), "up_proj": ("w13", 1), "w3": ("w13", 1)}
 EXPERT_PARTS |= {"down_proj": ("w2", None), "w2": ("w2", None)}
 
@@ -119,7 +120,7 @@ class WeightMap:
         if expert is not None:  # experts.3.gate_proj.weight -> experts.w13_weight, part (3, 0)
             ours, shard = EXPERT_PARTS[expert.group(2)]
             name = f"{name[: expert.start()]}.experts.{ours}_{name[expert.end() :]}"
-            part = (int(expert.group(1)), shard)
+            part = (None if expert.group(1) is None else int(expert.group(1)), shard)
         else:
             for ckpt_name, (ours, shard) in self.packed.items():
                 if f".{ckpt_name}." in name:
