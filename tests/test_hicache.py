@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from minisgl.args import EngineArgs
-from minisgl.kvcache import HostTier, RadixCacheManager
+from minisgl.kvcache import HiRadixCacheManager, HostTier
 from minisgl.messages import ForwardBatch, StepOutput
 from minisgl.sampling import SamplingParams
 from minisgl.scheduler import Scheduler
@@ -192,9 +192,9 @@ def test_host_tier_is_used_by_the_fuzz():
 # ---- the tree's two tiers, step by step -----------------------------------------------------------
 
 
-def make(policy: str = "write_through", host_pages: int = 8) -> tuple[RadixCacheManager, HostTier]:
+def make(policy: str = "write_through", host_pages: int = 8) -> tuple[HiRadixCacheManager, HostTier]:
     host = HostTier(host_pages, policy)
-    return RadixCacheManager(1, host), host
+    return HiRadixCacheManager(1, host), host
 
 
 def test_write_through_copies_on_insert_and_eviction_keeps_the_node_on_host():
@@ -504,7 +504,7 @@ def test_disk_keys_are_kept_per_node_and_equal_the_path_hash():
     from minisgl.kvcache.disk_store import page_keys
 
     rng = random.Random(3)
-    cache = RadixCacheManager(2)
+    cache = HiRadixCacheManager(2, HostTier(8, "write_back"))  # (write_back: no host copies)
     stems = [[rng.randrange(6) for _ in range(12)] for _ in range(3)]
     page = 0
     for i in range(40):
@@ -522,4 +522,5 @@ def test_disk_keys_are_kept_per_node_and_equal_the_path_hash():
             path[:0] = up.key
             up = up.parent
         salt = cache._salt_of[up]
-        assert cache._disk_keys(node) == page_keys(path, 2, cache._first_key(salt))[-len(node.key) // 2 :]
+        first = salt.encode() if salt is not None else b""
+        assert cache._disk_keys(node) == page_keys(path, 2, first)[-len(node.key) // 2 :]

@@ -5,6 +5,7 @@ from typing import Any
 
 from minisgl.kvcache.allocator import PageAllocator
 from minisgl.kvcache.base_manager import BaseCacheManager, CacheHandle, SizeInfo
+from minisgl.kvcache.hiradix_manager import HiRadixCacheManager
 from minisgl.kvcache.host_tier import HostTier
 from minisgl.kvcache.naive_manager import NaiveCacheManager
 from minisgl.kvcache.radix_manager import RadixCacheManager
@@ -17,13 +18,14 @@ def create_cache_manager(
         if host is not None:
             raise ValueError("the hierarchical cache needs the radix cache")
         return NaiveCacheManager(page_size)
-    return RadixCacheManager(page_size, host)
+    return RadixCacheManager(page_size) if host is None else HiRadixCacheManager(page_size, host)
 
 
 __all__ = [
     "BaseCacheManager",
     "BaseKVCache",
     "CacheHandle",
+    "HiRadixCacheManager",
     "HostKVPool",
     "HostTier",
     "MHAKVCache",
