@@ -216,7 +216,7 @@ class ServerArgs(EngineArgs):
     watchdog_timeout: float = 300.0  # seconds a step may take before the server gives up and exits
     log_requests: bool = False  # one log line per finished request
     stream_interval: int = 1  # tokens per streamed update (a request's sampling_params may set its own)
-    profile_dir: str | None = None  # /start_profile's traces go under it (default $SGLANG_TORCH_PROFILER_DIR, /tmp)
+    profile_dir: str | None = None  # /start_profile's traces go under it (default $SGLANG_TORCH_PROFILER_DIR; neither: off)
     stream_output: bool = False  # /generate streams only each event's new text and ids (SGLang's flag)
     skip_tokenizer_init: bool = False  # no tokenizer: token ids in, token ids out (SGLang's flag)
     # Limits that keep one request from stalling the others (the tokenizer process serves all).
@@ -613,8 +613,9 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument(
         "--profile-dir",
         default=None,
-        help="where /start_profile writes traces; a client's output_dir must lie inside it "
-        "(default: $SGLANG_TORCH_PROFILER_DIR, else /tmp)",
+        help="turns the profiling routes on: /start_profile writes traces under this directory, and a "
+        "client's output_dir must lie inside it (default: $SGLANG_TORCH_PROFILER_DIR; with neither, "
+        "/start_profile and /stop_profile answer 403)",
     )
     server.add_argument(
         "--skip-tokenizer-init",

@@ -26,7 +26,15 @@ SYSTEM = "You are a careful assistant. Answer briefly and cite the standard libr
 @pytest.fixture(scope="module")
 def server(tiny_llama: Path):
     srv = ServerProcess(
-        tiny_llama, "--page-size", str(PAGE_SIZE), "--max-total-tokens", "16384", "--served-model-name", "tiny"
+        tiny_llama,
+        "--page-size",
+        str(PAGE_SIZE),
+        "--max-total-tokens",
+        "16384",
+        "--served-model-name",
+        "tiny",
+        "--profile-dir",
+        "/tmp",
     )
     try:
         srv.wait_ready()
@@ -641,9 +649,16 @@ def test_start_and_stop_profile(server: ServerProcess, tmp_path: Path):
         ({"output_dir": "/etc/minisgl"}, "output_dir"),
         ({"output_dir": "../../etc"}, "output_dir"),
         ({"output_dir": str(tmp_path), "profile_prefix": "../../etc/x"}, "profile_prefix"),
+        # a NUL or a control character once reached the worker's makedirs and stopped the server
+        ({"profile_prefix": "a\u0000b", "num_steps": 1}, "profile_prefix"),
+        ({"output_dir": "a\u0000b"}, "output_dir"),
+        ({"output_dir": "a/\nb"}, "output_dir"),
+        ({"profile_prefix": "x" * 300}, "profile_prefix"),
     ):
         r = httpx.post(f"{server.url}/start_profile", json=body, timeout=10)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+    httpx.post(f"{server.url}/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}}, timeout=30)
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
     idle_and_clean(server)
 
 
@@ -669,6 +684,9 @@ def test_limit_flags(tiny_llama: Path):
         assert big.status_code == 413 and "--max-request-bytes" in big.text
         many = httpx.post(f"{srv.url}/generate", json={"text": ["a"] * 5}, timeout=30)
         assert many.status_code == 400 and "--max-sequences-per-request" in many.text
+        for route in ("/start_profile", "/stop_profile"):  # profiling is off without --profile-dir
+            r = httpx.post(f"{srv.url}{route}", json={}, timeout=30)
+            assert r.status_code == 403 and "--profile-dir" in r.text
         for stop in (["a", "b", "c"], "x" * 9):
             r = httpx.post(f"{srv.url}/generate", json={"text": "a", "sampling_params": {"stop": stop}}, timeout=30)
             assert r.status_code == 400 and "--max-stop" in r.text

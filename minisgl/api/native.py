@@ -34,6 +34,18 @@ def _logprob_entry(logprob: float | None, token: int, text: str, with_text: bool
     return [logprob, token, text if with_text else None]
 
 
+def plain_name(part: str) -> bool:
+    """A file name a client may choose: printable, no separator, not hidden, not ``..``, at most
+    255 bytes (a NUL or a control character would fail, or mislead, the worker's open)."""
+    return (
+        part.isprintable()
+        and "/" not in part
+        and "\\" not in part
+        and not part.startswith(".")
+        and len(part.encode()) <= 255
+    )
+
+
 class NativeRoutes(ApiBase):
     def _generate_body(
         self, run: Run, top_logprobs: int, with_text: bool, logprob_ids: bool, routed: bool = False
@@ -211,9 +223,19 @@ class NativeRoutes(ApiBase):
             return error_response(400, f"activities: unknown {unknown} (CPU, GPU)", param="activities")
         if body.num_steps is not None and body.num_steps < 1:
             return error_response(400, f"num_steps must be >= 1, got {body.num_steps}", param="num_steps")
-        # Traces go under the server's directory: a client's output_dir must resolve inside it,
-        # and its prefix be a plain name (a client could write anywhere the server may before).
-        root = os.path.realpath(self.args.profile_dir or os.environ.get("SGLANG_TORCH_PROFILER_DIR", "/tmp"))
+        root = self.args.profile_dir or os.environ.get("SGLANG_TORCH_PROFILER_DIR")
+        if not root:
+            return error_response(
+                403, "profiling is off: start the server with --profile-dir (or SGLANG_TORCH_PROFILER_DIR)"
+            )
+        # Traces go under that directory: a client's output_dir must resolve inside it, and every
+        # part of it and the prefix be plain names (a client could write anywhere the server may).
+        for param, value in (("output_dir", body.output_dir), ("profile_prefix", body.profile_prefix)):
+            parts = [] if not value else value.split(os.sep) if param == "output_dir" else [value]
+            bad = next((p for p in parts if p and not plain_name(p)), None)
+            if bad is not None or (param == "profile_prefix" and parts and not parts[0]):
+                return error_response(400, f"{param} must be made of plain names, got {value!r}", param=param)
+        root = os.path.realpath(root)
         output_dir = os.path.realpath(os.path.join(root, body.output_dir or ""))
         if os.path.commonpath([root, output_dir]) != root:
             return error_response(
@@ -221,8 +243,6 @@ class NativeRoutes(ApiBase):
                 f"output_dir must be inside the server's profile directory {root} (--profile-dir)",
                 param="output_dir",
             )
-        if body.profile_prefix and (os.sep in body.profile_prefix or body.profile_prefix.startswith(".")):
-            return error_response(400, "profile_prefix must be a plain name", param="profile_prefix")
         prefix = f"{body.profile_prefix}-" if body.profile_prefix else ""
         profile = ProfileReq(
             True, os.path.join(output_dir, f"{prefix}minisgl-{int(time.time())}"), body.num_steps or 0, activities
@@ -231,6 +251,8 @@ class NativeRoutes(ApiBase):
         return Response(f"Start profiling (traces go to {profile.output_dir}).\n")
 
     async def stop_profile(self, request: Request) -> Response:
+        if not (self.args.profile_dir or os.environ.get("SGLANG_TORCH_PROFILER_DIR")):
+            return error_response(403, "profiling is off: start the server with --profile-dir")
         await self.client.control("profile", profile=ProfileReq(False))
         return Response("Stop profiling. This will take some time.\n")
 

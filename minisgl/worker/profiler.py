@@ -51,7 +51,7 @@ class StepProfiler:
         prof.stop()
         try:
             self._write(prof, wall)
-        except OSError as e:  # a bad output_dir must not take the worker down
+        except (OSError, ValueError) as e:  # a bad output_dir must not take the worker down
             logger.error("profile of rank %d not written: %s", self.rank, e)
 
     def _write(self, prof: profile, wall: float) -> None:
