@@ -216,7 +216,7 @@ class ServerArgs(EngineArgs):
     watchdog_timeout: float = 300.0  # seconds a step may take before the server gives up and exits
     log_requests: bool = False  # one log line per finished request
     stream_interval: int = 1  # tokens per streamed update (a request's sampling_params may set its own)
-    profile_dir: str | None = None  # /start_profile's traces go under it (default $SGLANG_TORCH_PROFILER_DIR; neither: off)
+    profile_dir: str | None = None  # profiling routes on, traces under it (default $SGLANG_TORCH_PROFILER_DIR)
     stream_output: bool = False  # /generate streams only each event's new text and ids (SGLang's flag)
     skip_tokenizer_init: bool = False  # no tokenizer: token ids in, token ids out (SGLang's flag)
     # Limits that keep one request from stalling the others (the tokenizer process serves all).
