@@ -181,6 +181,12 @@ def test_the_agents_sdk_runs_a_tool_round_trip(server):
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
         ({"tool_choice": {"type": "file_search"}, "tools": TOOLS}, "tool_choice"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
+        # OpenAI's limits on stored fields: 4 MB of metadata once grew the API process by 570 MB
+        ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+        ({"metadata": {"k": "v" * 513}}, "metadata"),
+        ({"metadata": {"k" * 65: "v"}}, "metadata"),
+        ({"metadata": {"k": 5}}, "metadata"),
+        ({"user": "u" * 257}, "user"),
     ],
 )
 def test_bad_bodies_are_refused_by_name(server, body, param):
@@ -210,3 +216,57 @@ def test_whole_and_streamed_items_come_from_one_path():
         whole = items([text])
         assert whole == items([text[:5], text[5:12], text[12:]])
         assert [it["type"] for it in whole] == ["reasoning", "message"]
+
+
+def test_stored_responses_belong_to_their_tenant(server, client):
+    """A response stored under one cache_salt is found by neither another salt's
+    previous_response_id nor a GET or DELETE without that salt."""
+    base = {"model": "default", "input": "Say hi.", "max_output_tokens": 3, "temperature": 0}
+    r = httpx.post(f"{server.url}/v1/responses", json={**base, "cache_salt": "tenant-a"}, timeout=60)
+    rid = r.json()["id"]
+    for salt in (None, "tenant-b"):
+        follow = {**base, "previous_response_id": rid, **({"cache_salt": salt} if salt else {})}
+        r = httpx.post(f"{server.url}/v1/responses", json=follow, timeout=60)
+        assert r.status_code == 404 and "previous_response_id" in r.text
+    assert httpx.get(f"{server.url}/v1/responses/{rid}", timeout=10).status_code == 404
+    assert httpx.delete(f"{server.url}/v1/responses/{rid}?cache_salt=tenant-b", timeout=10).status_code == 404
+    got = httpx.get(f"{server.url}/v1/responses/{rid}?cache_salt=tenant-a", timeout=10)
+    assert got.status_code == 200 and got.json()["id"] == rid
+    follow = {**base, "previous_response_id": rid, "cache_salt": "tenant-a"}
+    assert httpx.post(f"{server.url}/v1/responses", json=follow, timeout=60).status_code == 200
+    assert httpx.delete(f"{server.url}/v1/responses/{rid}?cache_salt=tenant-a", timeout=10).status_code == 200
+    idle_and_clean(server)
+
+
+def test_an_aborted_response_says_cancelled_and_is_not_stored(server):
+    import threading
+    import time
+
+    out: list[httpx.Response] = []
+    body = {"model": "default", "input": "Count from 1 to 1000, one number a line.", "max_output_tokens": 1500}
+    t = threading.Thread(
+        target=lambda: out.append(httpx.post(f"{server.url}/v1/responses", json=body, timeout=120)), daemon=True
+    )
+    t.start()
+    deadline = time.monotonic() + 30
+    while server.server_info()["active_requests"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)
+    r = httpx.post(f"{server.url}/abort_request", json={"abort_all": True}, timeout=10)
+    assert r.json() == {"aborted_count": 1}  # a count: other clients' ids are not shown
+    t.join(60)
+    response = out[0].json()
+    assert response["status"] == "cancelled", response["status"]
+    assert httpx.get(f"{server.url}/v1/responses/{response['id']}", timeout=10).status_code == 404
+    idle_and_clean(server)
+
+
+def test_the_store_keeps_within_its_byte_bound():
+    from minisgl.api.responses import ResponseStore, _Stored
+
+    store = ResponseStore(max_count=100, max_bytes=1000)
+    for i in range(10):
+        store.put(f"r{i}", _Stored({"id": f"r{i}"}, [], None, None, 300))
+    assert list(store.items) == ["r7", "r8", "r9"] and store.bytes == 900
+    store.pop("r8")
+    assert store.bytes == 600 and store.get("r9", None) is not None and store.get("r9", "other") is None

@@ -260,15 +260,17 @@ class NativeRoutes(ApiBase):
         body: AbortRequest = await read_body(request, AbortRequest, self.args)
         active = self.client.active_rids
         if body.abort_all:
-            targets = active
-        elif body.rid is None:
+            # Another client's ids are not this caller's to see: abort_all answers a count.
+            for rid in active:
+                self.client.abort(rid)
+            return JSONResponse({"aborted_count": len(active)})
+        if body.rid is None:
             raise BadRequest("give rid or abort_all: true", param="rid")
-        else:
-            # An OpenAI request runs as "<id>-<choice>"; its id aborts its own choices (only: a
-            # prefix such as "chatcmpl" names nobody).
-            targets = [r for r in active if r == body.rid or _choice_of(r, body.rid)]
-            if not targets:
-                raise BadRequest(f"no running request has id {body.rid!r}", status=404, param="rid")
+        # An OpenAI request runs as "<id>-<choice>"; its id aborts its own choices (only: a
+        # prefix such as "chatcmpl" names nobody).
+        targets = [r for r in active if r == body.rid or _choice_of(r, body.rid)]
+        if not targets:
+            raise BadRequest(f"no running request has id {body.rid!r}", status=404, param="rid")
         for rid in targets:
             self.client.abort(rid)
         return JSONResponse({"aborted": targets})

@@ -6,8 +6,10 @@ chat route's ``ChatOutput`` (reasoning, content, tool calls), goes back as outpu
 Streamed, the same items arrive as the typed events the openai client and the Agents SDK read
 (``response.created``, ``response.output_item.added``, ``response.output_text.delta``, ...,
 ``response.completed``). Responses are stored (``store``, on by default), the latest
-``MAX_STORED`` of them, so ``previous_response_id`` continues a conversation: each stored
-response keeps its own input and output messages and the id of the one it continued.
+``MAX_STORED`` of them within ``MAX_STORED_BYTES``, so ``previous_response_id`` continues a
+conversation: each stored response keeps its own input and output messages and the id of the one
+it continued. A stored response belongs to its request's ``cache_salt`` (the tenant): only a
+request or a GET / DELETE (``?cache_salt=``) with the same salt finds it.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from minisgl.api.protocol import BadRequest, ChatMessageIn, FunctionCallIn, Tool
 from minisgl.api.responses_request import ResponsesRequest
 
 MAX_STORED = 4096
+MAX_STORED_BYTES = 256 << 20  # their JSON together: a count alone let large bodies grow the process
 _encoder = msgspec.json.Encoder()
 
 
@@ -38,6 +41,31 @@ class _Stored:
     response: dict[str, Any]
     messages: list[ChatMessageIn]  # this response's input and its answer, as chat messages
     previous: str | None
+    salt: str | None  # the tenant's cache_salt: only requests with the same one see it
+    size: int  # bytes it holds, about: its response and messages as JSON
+
+
+class ResponseStore:
+    """Stored responses, oldest first, within a count and a byte bound; each found only under
+    its tenant's salt."""
+
+    def __init__(self, max_count: int = MAX_STORED, max_bytes: int = MAX_STORED_BYTES):
+        self.max_count, self.max_bytes = max_count, max_bytes
+        self.items: OrderedDict[str, _Stored] = OrderedDict()
+        self.bytes = 0
+
+    def put(self, rid: str, stored: _Stored) -> None:
+        self.items[rid] = stored
+        self.bytes += stored.size
+        while len(self.items) > self.max_count or self.bytes > self.max_bytes:
+            self.bytes -= self.items.popitem(last=False)[1].size
+
+    def get(self, rid: str, salt: str | None) -> _Stored | None:
+        stored = self.items.get(rid)
+        return stored if stored is not None and stored.salt == salt else None
+
+    def pop(self, rid: str) -> None:
+        self.bytes -= self.items.pop(rid).size
 
 
 def _id(prefix: str) -> str:
@@ -218,13 +246,13 @@ class _Events:
 class ResponsesRoutes(OpenAIRoutes):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self.stored: OrderedDict[str, _Stored] = OrderedDict()
+        self.stored = ResponseStore()
 
-    def _history(self, previous: str | None) -> list[ChatMessageIn]:
+    def _history(self, previous: str | None, salt: str | None) -> list[ChatMessageIn]:
         """The messages of the responses ``previous`` continues, oldest first."""
         chain: list[list[ChatMessageIn]] = []
         while previous is not None:
-            stored = self.stored.get(previous)
+            stored = self.stored.get(previous, salt)
             if stored is None:
                 raise BadRequest(
                     f"previous_response_id {previous!r} is not a stored response (this server keeps "
@@ -275,8 +303,9 @@ class ResponsesRoutes(OpenAIRoutes):
         """Fill in the finished response; store it if asked."""
         usage = _usage([run])
         incomplete = run.finish_reason == "length"
+        status = "incomplete" if incomplete else "cancelled" if run.finish_reason == "abort" else "completed"
         response.update(
-            status="incomplete" if incomplete else "completed",
+            status=status,
             output=items,
             incomplete_details={"reason": "max_output_tokens"} if incomplete else None,
             usage={
@@ -287,16 +316,17 @@ class ResponsesRoutes(OpenAIRoutes):
                 "total_tokens": usage["total_tokens"],
             },
         )
-        if body.store:
-            self.stored[response["id"]] = _Stored(response, own + [_answer(items)], body.previous_response_id)
-            while len(self.stored) > MAX_STORED:
-                self.stored.popitem(last=False)
+        if body.store and status != "cancelled":
+            messages = own + [_answer(items)]
+            size = len(_encoder.encode(response)) + len(_encoder.encode(messages))
+            stored = _Stored(response, messages, body.previous_response_id, body.cache_salt, size)
+            self.stored.put(response["id"], stored)
         return response
 
     async def responses(self, request: Request) -> Response:
         body: ResponsesRequest = await read_body(request, ResponsesRequest, self.args, RESPONSES)
         own = body.messages()
-        chat = body.chat(self._history(body.previous_response_id) + own)
+        chat = body.chat(self._history(body.previous_response_id, body.cache_salt) + own)
         rid = _id("resp")
         runs, outputs = await self._chat_runs(chat, rid)
         run, output = runs[0], outputs[0]
@@ -326,7 +356,7 @@ class ResponsesRoutes(OpenAIRoutes):
 
     def _stored(self, request: Request) -> _Stored:
         rid = request.path_params["response_id"]
-        stored = self.stored.get(rid)
+        stored = self.stored.get(rid, request.query_params.get("cache_salt"))
         if stored is None:
             raise BadRequest(f"no stored response has the id {rid!r}", status=404, param="response_id")
         return stored
@@ -336,5 +366,5 @@ class ResponsesRoutes(OpenAIRoutes):
 
     async def delete_response(self, request: Request) -> Response:
         rid = self._stored(request).response["id"]
-        del self.stored[rid]
+        self.stored.pop(rid)
         return JSONResponse({"id": rid, "object": "response", "deleted": True})

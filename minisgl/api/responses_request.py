@@ -31,6 +31,8 @@ from minisgl.sampling.params import Int32, Int64
 
 TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 ROLES = ("user", "system", "developer", "assistant")
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's limits
+MAX_USER = 256
 
 
 class TextFormat(msgspec.Struct, forbid_unknown_fields=True):
@@ -127,10 +129,27 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
             raise BadRequest("input has no message", param="input")
         return out
 
+    def _check_stored_fields(self) -> None:
+        """OpenAI's limits on what a response stores besides its messages: at most 16 metadata
+        pairs of string keys up to 64 characters and string values up to 512, and a short ``user``."""
+        meta = self.metadata or {}
+        if len(meta) > MAX_METADATA_PAIRS:
+            raise BadRequest(f"metadata has {len(meta)} pairs; at most {MAX_METADATA_PAIRS}", param="metadata")
+        for key, value in meta.items():
+            if len(key) > MAX_METADATA_KEY or not isinstance(value, str) or len(value) > MAX_METADATA_VALUE:
+                raise BadRequest(
+                    f"metadata[{key[:64]!r}]: keys up to {MAX_METADATA_KEY} characters, values strings up to "
+                    f"{MAX_METADATA_VALUE}",
+                    param="metadata",
+                )
+        if self.user is not None and len(self.user) > MAX_USER:
+            raise BadRequest(f"user is {len(self.user)} characters; at most {MAX_USER}", param="user")
+
     def chat(self, history: list[ChatMessageIn]) -> ChatCompletionRequest:
         """The chat request this body means, after the ``history`` of the responses it continues."""
         if self.max_output_tokens is not None and self.max_output_tokens < 1:
             raise BadRequest(f"max_output_tokens must be >= 1, got {self.max_output_tokens}", param="max_output_tokens")
+        self._check_stored_fields()
         messages = ([ChatMessageIn("system", self.instructions)] if self.instructions else []) + history
         return ChatCompletionRequest(
             model=self.model,
