@@ -256,13 +256,14 @@ def test_port_in_use_fails_before_loading_and_api_key_from_env(tiny_llama: Path)
 
 
 def test_queue_limit_answers_503(tiny_llama: Path):
+    """A full server answers 503 with Retry-After; a request that could never fit (more
+    sequences than running + queued may hold) answers 400 at once, even on an idle server."""
     with running_server(
         tiny_llama, "--max-queued-requests", "0", "--max-running-requests", "2", "--max-total-tokens", "256"
     ) as srv:
         body = {"model": str(tiny_llama), "prompt": "hi", "max_tokens": 4, "n": 3}
         r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=30)
-        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
-        assert "capacity" in r.json()["error"]["message"]
+        assert r.status_code == 400 and "--max-queued-requests" in r.text, r.text
         body["n"] = 2
         assert httpx.post(f"{srv.url}/v1/completions", json=body, timeout=30).status_code == 200
         # No max_tokens: as many as fit the pool (256 tokens), not the context (1024), so not refused.
@@ -271,6 +272,14 @@ def test_queue_limit_answers_503(tiny_llama: Path):
         assert r.status_code == 200, r.text
         usage = r.json()["usage"]
         assert usage["prompt_tokens"] + usage["completion_tokens"] == 256
+    with running_server(tiny_llama, "--max-queued-requests", "0", "--max-running-requests", "2") as srv:
+        long = {"model": str(tiny_llama), "prompt": "hi", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json={**long, "n": 2}, timeout=60) as running:
+            lines = running.iter_lines()  # held: a dropped iterator closes the stream, which aborts it
+            next(x for x in lines if x.startswith("data: "))
+            r = httpx.post(f"{srv.url}/v1/completions", json={**body, "n": 1}, timeout=30)
+            assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+            assert "capacity" in r.json()["error"]["message"]
 
 
 def test_shutdown_ends_open_streams_with_an_error_event(tiny_llama: Path):

@@ -826,3 +826,24 @@ def test_ignored_fields_are_named_in_a_header_and_refused_when_strict(server: Se
         r = httpx.post(f"{strict.url}/generate", json=body, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_token"
         assert "--strict-request-fields" in r.json()["error"]["message"]
+
+
+def test_a_control_call_in_flight_at_shutdown_answers_503():
+    """A /get_server_info waiting for the scheduler when the server goes down (a child died)
+    ends as a 503 naming the shutdown, not a 500."""
+    from minisgl.api.client import SHUTTING_DOWN, EngineClient, EngineError
+    from minisgl.ipc import Addresses
+
+    async def scenario() -> EngineError:
+        client = EngineClient(Addresses.make())
+        call = asyncio.ensure_future(client.control("stats", timeout=30))
+        await asyncio.sleep(0.05)
+        client.fail_all()
+        try:
+            await call
+        except EngineError as e:
+            return e
+        raise AssertionError("the call returned")
+
+    e = asyncio.run(scenario())
+    assert e.status == 503 and str(e) == SHUTTING_DOWN

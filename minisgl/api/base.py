@@ -219,8 +219,16 @@ class ApiBase:
                         param=name,
                     )
         limit = self.args.max_queued_requests
-        if limit is not None and len(self.client.active_rids) + len(reqs) > limit + self.info.max_running_requests:
-            raise BadRequest(f"the server is at capacity ({limit} queued requests); retry later", status=503)
+        if limit is not None:
+            capacity = limit + self.info.max_running_requests
+            if len(reqs) > capacity:  # never fits, however long the client waits: not a 503
+                raise BadRequest(
+                    f"{len(reqs)} sequences exceed what the server can ever hold ({self.info.max_running_requests} "
+                    f"running + {limit} queued: --max-running-requests, --max-queued-requests)",
+                    param="n",
+                )
+            if len(self.client.active_rids) + len(reqs) > capacity:
+                raise BadRequest(f"the server is at capacity ({limit} queued requests); retry later", status=503)
         results = await self.client.open(reqs)
         return [
             Run(stream, first, self.metrics, RequestTimer(self.metrics), self.args.log_requests)

@@ -117,7 +117,12 @@ class EngineClient:
 
     def fail_all(self) -> None:
         """End every running request with an error (the server is shutting down), so streams
-        close with an error event instead of a cut connection."""
+        close with an error event instead of a cut connection; a control call waiting for its
+        reply (a /get_server_info in flight) answers 503 the same way, not a 500."""
+        for cid, fut in list(self._replies.items()):
+            if not fut.done():
+                fut.set_exception(EngineError(SHUTTING_DOWN, 503))
+            self._replies.pop(cid, None)
         for uid in list(self._queues):
             self._queues[uid].put_nowait(ReqUpdate(uid, error=SHUTTING_DOWN))
             self.abort_uid(uid)
