@@ -33,7 +33,15 @@ def test_sigterm_stops_everything(tiny_llama: Path):
         assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
         r = httpx.get(f"{srv.url}/v1/models", headers={"Authorization": "Bearer wrong"}, timeout=10)
         assert r.status_code == 401
+        # Two Authorization headers (a proxy may check one, we read the other): refused.
+        twice = [("Authorization", "Bearer wrong"), ("Authorization", "Bearer s3cret")]
+        r = httpx.get(f"{srv.url}/v1/models", headers=httpx.Headers(twice), timeout=10)
+        assert r.status_code == 401 and "one Authorization" in r.text
         auth = {"Authorization": "Bearer s3cret"}
+        # Bound to loopback: a Host naming anything else (DNS rebinding from a browser) is refused.
+        for host, status in (("evil.example.com", 403), ("localhost:1234", 200), ("[::1]:80", 200)):
+            r = httpx.get(f"{srv.url}/v1/models", headers={**auth, "Host": host}, timeout=10)
+            assert r.status_code == status, (host, r.text)
         r = httpx.post(
             f"{srv.url}/generate",
             headers=auth,

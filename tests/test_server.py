@@ -576,7 +576,7 @@ def test_stalled_headers_are_dropped(server: ServerProcess):
     from minisgl.api.connections import HEADER_TIMEOUT_S
 
     with socket.create_connection(("127.0.0.1", server.port)) as slow:
-        slow.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\n")
+        slow.sendall(b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\n")
         slow.settimeout(HEADER_TIMEOUT_S + 10)
         start = time.monotonic()
         assert slow.recv(100) == b""  # closed by the server
@@ -702,7 +702,7 @@ def test_limit_flags(tiny_llama: Path):
             arrives, and how long it took."""
             with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
                 s.sendall(
-                    b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                     b"Content-Length: %d\r\n\r\n%s" % (length, sent)
                 )
                 start = time.monotonic()

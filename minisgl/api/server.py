@@ -94,11 +94,42 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            given = [v for k, v in scope["headers"] if k == b"authorization"]
+            if len(given) > 1:  # which one a proxy checked and which one we read may differ
+                await error_response(401, "send one Authorization header")(scope, receive, send)
+                return
+            if not hmac.compare_digest(given[0] if given else b"", self.expected):
                 await error_response(401, "missing or wrong API key (send Authorization: Bearer <key>)")(
                     scope, receive, send
                 )
+                return
+        await self.app(scope, receive, send)
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _host_name(host: str) -> str:
+    """The name in a Host header: ``[::1]:8000`` -> ``::1``, ``localhost:8000`` -> ``localhost``."""
+    if host.startswith("["):
+        return host[1:].split("]", 1)[0]
+    return host.rsplit(":", 1)[0]
+
+
+class LoopbackHostMiddleware:
+    """On a server bound to loopback, answers only requests whose Host header names loopback: a
+    web page whose own name a DNS-rebinding attacker re-points to 127.0.0.1 sends its own name,
+    and would otherwise reach a keyless local server from the browser."""
+
+    def __init__(self, app: Callable):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http":
+            host = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"host"), None)
+            if host is not None and _host_name(host).lower() not in LOOPBACK:
+                msg = f"Host {host!r} is not this server's: bound to loopback, it answers local names only"
+                await error_response(403, msg)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -155,4 +186,6 @@ def create_app(client: EngineClient, info: EngineInfo, args: ServerArgs, pids: d
         exception_handlers={HTTPException: _http_error},
     )
     app = IgnoredFieldsMiddleware(app)
-    return ApiKeyMiddleware(app, args.api_key) if args.api_key else app
+    if args.api_key:
+        app = ApiKeyMiddleware(app, args.api_key)
+    return LoopbackHostMiddleware(app) if args.host in LOOPBACK else app
