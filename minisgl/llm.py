@@ -17,7 +17,7 @@ from minisgl.scheduler.grammar import GrammarBackend
 from minisgl.scheduler.output import prompt_scores
 from minisgl.tokenizer import eos_ids, load_tokenizer
 from minisgl.tokenizer.chat import encode_chat
-from minisgl.tokenizer.detokenizer import TextStream, decode_ids
+from minisgl.tokenizer.detokenizer import StopRegexTooSlow, TextStream, decode_ids
 from minisgl.worker import ModelRunner
 from minisgl.worker.spawn import WorkerGroup
 
@@ -229,7 +229,13 @@ class LLM:
                 raise ValueError(failed[0].error)
             for kind, req, _ in events:
                 if kind == "output" and req.rid in streams:
-                    texts[req.rid].append(streams[req.rid].add(req.output_ids[-1:], req.finished))
+                    try:
+                        texts[req.rid].append(streams[req.rid].add(req.output_ids[-1:], req.finished))
+                    except StopRegexTooSlow as e:  # this request ends with the error, the others go on
+                        req.error = str(e)
+                        self.scheduler.finish(req, "abort")
+                        del streams[req.rid]
+                        continue
                     if streams[req.rid].stopped:
                         # A stop string is a stop even when it ends on the last allowed token.
                         if req.finished:

@@ -164,3 +164,19 @@ def test_stop_regex_and_out_of_vocabulary_stop_ids_in_the_offline_api(tiny_llama
     assert far["output_ids"] == free["output_ids"][: len(far["output_ids"])]
     with pytest.raises(ValueError, match="stop_regex"):
         llm.generate("Hello", {"max_new_tokens": 4, "stop_regex": "(unclosed"})
+
+
+def test_slow_stop_regexes_end_their_request_within_the_budget():
+    """Many patterns that each stay under a per-search bound: the request's budget per piece
+    of text ends it at once (StopRegexTooSlow) instead of holding the tokenizer process."""
+    import time
+
+    from minisgl.tokenizer.detokenizer import REGEX_PIECE_BUDGET_S, StopRegexTooSlow, StopStringFilter
+
+    slow = r"(?:.|\n){0,10}(?:.|\n){0,10}(?:.|\n){0,10}[\ue000\ue001]"
+    f = StopStringFilter([], regexes=[slow] * 128)
+    start = time.perf_counter()
+    with pytest.raises(StopRegexTooSlow, match="stop_regex"):
+        for _ in range(200):
+            f.feed("word " * 200)
+    assert time.perf_counter() - start < 20 * REGEX_PIECE_BUDGET_S

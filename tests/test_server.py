@@ -847,3 +847,25 @@ def test_a_control_call_in_flight_at_shutdown_answers_503():
 
     e = asyncio.run(scenario())
     assert e.status == 503 and str(e) == SHUTTING_DOWN
+
+
+def test_slow_stop_regexes_do_not_hold_other_clients(server: ServerProcess):
+    """One client's 128 slow stop_regex patterns end its own request with a 400 naming
+    stop_regex; another client's 4-token request meanwhile answers within a second."""
+    import threading
+
+    slow = r"(?:.|\n){0,10}(?:.|\n){0,10}[\ue000\ue001]"
+    hostile = {
+        "text": "Tell me a long story.",
+        "sampling_params": {"max_new_tokens": 300, "ignore_eos": True, "stop_regex": [slow] * 128},
+    }
+    out: list[httpx.Response] = []
+    t = threading.Thread(target=lambda: out.append(httpx.post(f"{server.url}/generate", json=hostile, timeout=120)))
+    t.start()
+    time.sleep(0.2)
+    start = time.monotonic()
+    r = httpx.post(f"{server.url}/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 4}}, timeout=60)
+    assert r.status_code == 200 and time.monotonic() - start < 1.0, time.monotonic() - start
+    t.join(60)
+    assert out[0].status_code == 400 and "stop_regex" in out[0].text, out[0].text
+    idle_and_clean(server)

@@ -8,7 +8,7 @@ the start of a stop string, so a stop string split across tokens is caught and n
 
 from __future__ import annotations
 
-import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 import regex
@@ -18,7 +18,6 @@ from minisgl.utils import partial_suffix
 if TYPE_CHECKING:
     from minisgl.sampling import SamplingParams
 
-logger = logging.getLogger(__name__)
 REPLACEMENT = "\ufffd"
 
 
@@ -58,7 +57,16 @@ class IncrementalDetokenizer:
 
 
 REGEX_WINDOW = 4096  # characters of the text so far a stop regex is searched in (SGLang: a tail too)
-REGEX_TIMEOUT_S = 0.05  # per search: the tokenizer process serves every request
+# The tokenizer process serves every request, so a request's stop_regex searches get a budget:
+# per piece of text (all its patterns together) and over its whole life. A request past either
+# ends with an error, rather than slowing every other client (a bound per search alone let 128
+# patterns of 0.04 s each hold a 4-token request of another client for 149 s).
+REGEX_PIECE_BUDGET_S = 0.05
+REGEX_TOTAL_BUDGET_S = 2.0
+
+
+class StopRegexTooSlow(Exception):
+    """A request's stop_regex searches ran past their budget."""
 
 
 class StopStringFilter:
@@ -71,6 +79,7 @@ class StopStringFilter:
         self.stops = [s for s in stops if s]
         self.keep = keep  # show the matched stop string (SGLang's no_stop_trim)
         self.regexes = [(r, regex.compile(r)) for r in regexes or []]
+        self.regex_seconds = 0.0  # spent searching, over the request's life
         self._held = ""
         self._tail = ""  # the last shown text, for the regexes
         self.matched: str | None = None  # the stop string (or regex) that ended the text
@@ -86,18 +95,20 @@ class StopStringFilter:
         if hits:
             at, stop = min(hits, key=lambda h: (h[0], -len(h[1])))
             buf = buf[: at + (len(stop) if self.keep else 0)]
-        for pattern, compiled in list(self.regexes):
+        piece_left = REGEX_PIECE_BUDGET_S
+        for pattern, compiled in self.regexes:
+            left = min(piece_left, REGEX_TOTAL_BUDGET_S - self.regex_seconds)
+            start = time.perf_counter()
             try:
-                m = compiled.search(self._tail + buf, timeout=REGEX_TIMEOUT_S)
-            except TimeoutError:  # a pattern that backtracks without end: it stops nothing
-                logger.warning(
-                    "stop_regex %r took over %g s on %d characters: no longer searched",
-                    pattern,
-                    REGEX_TIMEOUT_S,
-                    len(self._tail) + len(buf),
-                )
-                self.regexes.remove((pattern, compiled))
-                continue
+                m = compiled.search(self._tail + buf, timeout=max(left, 1e-4))
+            except TimeoutError:
+                raise StopRegexTooSlow(
+                    f"stop_regex searches took over their budget ({REGEX_PIECE_BUDGET_S:g} s per piece of text, "
+                    f"{REGEX_TOTAL_BUDGET_S:g} s per request); last pattern searched: {pattern[:80]!r}"
+                ) from None
+            spent = time.perf_counter() - start
+            piece_left -= spent
+            self.regex_seconds += spent
             if m is not None and (not hits or m.end() - len(self._tail) <= at):
                 self.matched, self._held = pattern, ""
                 return buf[: max(m.end() - len(self._tail), 0)]

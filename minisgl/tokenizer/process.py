@@ -33,7 +33,7 @@ from minisgl.messages import (
 )
 from minisgl.tokenizer import load_tokenizer
 from minisgl.tokenizer.chat import detect_tool_parser, encode_chat
-from minisgl.tokenizer.detokenizer import TextStream, decode_ids
+from minisgl.tokenizer.detokenizer import StopRegexTooSlow, TextStream, decode_ids
 from minisgl.utils import context_overflow, init_logging, keep_torch_out
 
 logger = logging.getLogger(__name__)
@@ -271,7 +271,13 @@ class TokenizerProcess:
                 del self.reqs[out.rid]
                 updates.append(ReqUpdate(out.rid, error=out.error))
                 continue
-            upd = state.update(out)
+            try:
+                upd = state.update(out)
+            except StopRegexTooSlow as e:  # ended here: the scheduler stops it too
+                del self.reqs[out.rid]
+                self.scheduler.send(AbortReq(out.rid, "abort"))
+                updates.append(ReqUpdate(out.rid, error=str(e)))
+                continue
             if upd.finish_reason is not None:
                 del self.reqs[out.rid]
                 if out.finish_reason is None:  # a stop string: the scheduler still runs it
