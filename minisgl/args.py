@@ -563,7 +563,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--watchdog-timeout",
         type=float,
         default=d.watchdog_timeout,
-        help="seconds a model step may take before the server reports itself dead and exits",
+        help="seconds a model step may take before the server reports itself dead and exits; a "
+        "process that stops answering at all (stopped, frozen) ends the server after this or 20 s, "
+        "whichever is shorter",
     )
     server.add_argument(
         "--log-level",

@@ -230,3 +230,34 @@ def become_child(threads: int = 1) -> None:
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    folder = os.environ.get(HEARTBEAT_DIR)
+    if folder:
+        path = heartbeat_path(folder, multiprocessing.current_process().name)
+        threading.Thread(target=_beat, args=(path,), daemon=True, name="heartbeat").start()
+
+
+# A server's children say they are alive by touching a file of the runtime folder (named in this
+# variable by the launcher) every HEARTBEAT_S; the launcher ends the server when one goes quiet. A
+# thread beats, so a long model step does not stop it, but a stopped or frozen process does.
+HEARTBEAT_DIR = "MINISGL_HEARTBEAT_DIR"
+HEARTBEAT_S = 1.0
+
+
+def heartbeat_path(folder: str, name: str) -> str:
+    return os.path.join(folder, f"{name}.alive")
+
+
+def _beat(path: str) -> None:
+    with open(path, "a"):
+        pass
+    while True:
+        os.utime(path)
+        time.sleep(HEARTBEAT_S)
+
+
+def heartbeat_age(folder: str, name: str) -> float:
+    """Seconds since the process ``name`` last beat (0 before its first beat)."""
+    try:
+        return max(time.time() - os.stat(heartbeat_path(folder, name)).st_mtime, 0.0)
+    except FileNotFoundError:
+        return 0.0

@@ -33,7 +33,16 @@ from minisgl.api.connections import HeaderTimeoutProtocol
 from minisgl.api.server import create_app
 from minisgl.args import ServerArgs, build_parser, normalize_engine_args
 from minisgl.data_parallel import DataParallelLauncher
-from minisgl.ipc import Addresses, ChildDied, Receiver, stop_processes, wait_ready
+from minisgl.ipc import (
+    HEARTBEAT_DIR,
+    HEARTBEAT_S,
+    Addresses,
+    ChildDied,
+    Receiver,
+    heartbeat_age,
+    stop_processes,
+    wait_ready,
+)
 from minisgl.messages import EngineInfo
 from minisgl.models.locate import resolve_model_path
 from minisgl.scheduler.process import run_scheduler
@@ -63,6 +72,11 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         delattr(ns, name)
     normalize_engine_args(ns)
     return ServerArgs(**vars(ns))
+
+
+# A child silent this long (or --watchdog-timeout, if shorter) ends the server: well past any
+# pause of a beating thread on a loaded machine, well short of a client's patience.
+HEARTBEAT_LIMIT_S = 20.0
 
 
 class _Server(uvicorn.Server):
@@ -113,13 +127,23 @@ class Launcher:
         ]
         self.stopping = False
         self.dead: BaseProcess | None = None
+        self.quiet_s = 0.0  # set when the dead process stopped beating rather than exited
 
     def _watch(self, server: uvicorn.Server) -> None:
-        """Stop serving as soon as any child dies."""
-        ready = wait([p.sentinel for p in self.procs])
-        if self.stopping:
-            return
-        self.dead = next(p for p in self.procs if p.sentinel in ready)
+        """Stop serving as soon as any child dies, or stops beating (stopped, frozen) for the
+        heartbeat limit: its clients would otherwise hang while /health says 200."""
+        limit = min(self.args.watchdog_timeout, HEARTBEAT_LIMIT_S)
+        while not self.stopping:
+            ready = wait([p.sentinel for p in self.procs], timeout=HEARTBEAT_S)
+            if self.stopping:
+                return
+            if ready:
+                self.dead = next(p for p in self.procs if p.sentinel in ready)
+                break
+            quiet = [p for p in self.procs if heartbeat_age(self.addrs.root, p.name) > limit]
+            if quiet:
+                self.dead, self.quiet_s = quiet[0], limit
+                break
         server.should_exit = True
 
     def run(self) -> int:
@@ -127,8 +151,12 @@ class Launcher:
         try:
             _check_port(self.args.host, self.args.port)
             logger.info("starting %s (runtime folder %s)", ", ".join(p.name for p in self.procs), self.addrs.root)
-            for p in self.procs:
-                p.start()
+            os.environ[HEARTBEAT_DIR] = self.addrs.root  # the children beat there (ipc.become_child)
+            try:
+                for p in self.procs:
+                    p.start()
+            finally:
+                del os.environ[HEARTBEAT_DIR]
             info = wait_ready(inbox.recv, self.procs)
             pids = {"api": os.getpid(), **{p.name: p.pid for p in self.procs if p.pid is not None}}
             client = EngineClient(self.addrs)
@@ -146,6 +174,8 @@ class Launcher:
             server = _Server(config, self.args, info, client)
             threading.Thread(target=self._watch, args=(server,), daemon=True).start()
             server.run()
+            if self.dead is not None and self.quiet_s:
+                raise ChildDied(f"the {self.dead.name} process has not answered for {self.quiet_s:g} s (stopped?)")
             if self.dead is not None:
                 raise ChildDied(f"the {self.dead.name} process exited with code {self.dead.exitcode}")
             return 0 if server.started else 1

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.server_utils import ROOT, ServerProcess, alive, descendants, free_port, running_server
 
@@ -75,6 +76,26 @@ def test_dead_worker_stops_everything(tiny_llama: Path):
         code = srv.proc.wait(20)
         assert code == 1, srv.output
         assert "worker-0 process exited with code -9" in srv.output
+        assert _all_gone(children), [p for p in children if alive(p)]
+    finally:
+        srv.stop(signal.SIGKILL)
+
+
+@pytest.mark.parametrize("name", ["scheduler", "tokenizer"])
+def test_a_stopped_process_stops_everything(tiny_llama: Path, name: str):
+    """SIGSTOP leaves a process alive but silent: its heartbeat stops, and the launcher ends the
+    server with exit 1 within the watchdog time instead of serving /health while clients hang."""
+    srv = ServerProcess(tiny_llama, "--watchdog-timeout", "3")
+    try:
+        srv.wait_ready()
+        pid = srv.server_info()["processes"][name]
+        children = descendants(srv.proc.pid)
+        start = time.monotonic()
+        os.kill(pid, signal.SIGSTOP)
+        code = srv.proc.wait(30)
+        assert code == 1, srv.output
+        assert time.monotonic() - start < 3 + 6, time.monotonic() - start
+        assert f"the {name} process has not answered for 3 s" in srv.output
         assert _all_gone(children), [p for p in children if alive(p)]
     finally:
         srv.stop(signal.SIGKILL)
