@@ -11,6 +11,7 @@ page, a write of a page already overwritten or a missing wait shows up as a wron
 from __future__ import annotations
 
 import random
+import shutil
 import time
 
 import pytest
@@ -524,3 +525,103 @@ def test_disk_keys_are_kept_per_node_and_equal_the_path_hash():
         salt = cache._salt_of[up]
         first = salt.encode() if salt is not None else b""
         assert cache._disk_keys(node) == page_keys(path, 2, first)[-len(node.key) // 2 :]
+
+
+def _store(tmp_path, page_bytes: int = 64):
+    from minisgl.kvcache.disk_store import DiskStore, page_keys
+
+    store = DiskStore(str(tmp_path / "kv"), "fp")
+    keys = page_keys(list(range(8)), 2)
+    return store, keys, page_bytes
+
+
+def test_disk_files_are_reached_only_inside_the_folder(tmp_path):
+    """Links in the folder (a page file, a subfolder) are never followed: a linked page is not
+    found or read, a write into a linked subfolder fails rather than landing outside; a file
+    past a page's size is refused before a byte of it is read."""
+    store, keys, nbytes = _store(tmp_path)
+    page = memoryview(bytearray(range(nbytes)))
+    store.write_from(keys[0], 0, page)
+    assert store.find(keys[:1], nbytes) == 1
+    out = memoryview(bytearray(nbytes))
+    store.read_into(keys[0], 0, out)
+    assert bytes(out) == bytes(page)
+
+    # A page file that is a link to a good file outside: not found, not read, the target kept.
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret").write_bytes(store.path(keys[0], 0).read_bytes())
+    store.path(keys[1], 0).parent.mkdir(exist_ok=True)
+    store.path(keys[1], 0).symlink_to(outside / "secret")
+    assert not store.exists(keys[1]) and store.find(keys[1:2], nbytes) == 0
+    assert (outside / "secret").is_file()
+    with pytest.raises(OSError):
+        store.read_into(keys[1], 0, out)
+
+    # A subfolder that is a link: nothing is written through it.
+    sub = store.path(keys[2], 0).parent
+    if sub.exists():
+        shutil.rmtree(sub)
+    sub.symlink_to(outside, target_is_directory=True)
+    with pytest.raises(OSError):
+        store.write_from(keys[2], 0, page)
+    assert sorted(p.name for p in outside.iterdir()) == ["secret"]
+
+    # An oversized (sparse) file: refused by its size, not read.
+    big = store.path(keys[3], 0)
+    big.parent.mkdir(exist_ok=True)
+    with open(big, "wb") as f:
+        f.truncate(8 << 30)
+    start = time.perf_counter()
+    assert store.find(keys[3:4], nbytes) == 0 and time.perf_counter() - start < 1.0
+
+
+def test_a_file_changed_after_the_check_is_refused_by_the_reader(tmp_path):
+    """The worker checks the bytes it reads: a page rewritten (here with a forged checksum for
+    other content) after the scheduler's check raises instead of loading."""
+    import struct
+    import zlib
+
+    from minisgl.kvcache.disk_store import HEADER, MAGIC
+
+    store, keys, nbytes = _store(tmp_path)
+    store.write_from(keys[0], 0, memoryview(bytes(nbytes)))
+    assert store.find(keys[:1], nbytes) == 1
+    forged = bytes([7]) * nbytes
+    store.path(keys[0], 0).write_bytes(HEADER.pack(MAGIC, keys[0], nbytes, zlib.crc32(forged)) + forged[:-1])
+    with pytest.raises(OSError, match="changed"):
+        store.read_into(keys[0], 0, memoryview(bytearray(nbytes)))
+    assert struct.calcsize("<8s32sQI") == HEADER.size
+
+
+def test_the_storage_folder_is_private_and_must_be_this_users(tmp_path):
+    import os
+    import stat
+
+    from minisgl.kvcache.disk_store import DiskStore
+
+    store = DiskStore(str(tmp_path / "kv"), "fp")
+    assert stat.S_IMODE(os.stat(store.folder).st_mode) == 0o700
+    if os.getuid() != 0:
+        pytest.skip("giving the folder to another user needs root")
+    other = tmp_path / "other"
+    other.mkdir()
+    os.chown(other, 12345, -1)
+    with pytest.raises(PermissionError, match="not a folder of this user"):
+        DiskStore(str(other), "fp")
+
+
+def test_a_checkpoint_rewritten_in_place_gets_another_storage_folder(tmp_path):
+    """The disk tier's folder is keyed by the weights' files, not only the model's path."""
+    import os
+
+    from minisgl.llm import LLM
+    from minisgl.tiny_model import make_tiny_model
+
+    path = make_tiny_model("llama", tmp_path / "m", seed=0)
+    first = LLM(str(path), device="cpu", max_total_tokens=2048).runner.storage_fingerprint
+    weights = path / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data)  # new contents would do the same: the file's identity changes
+    os.utime(weights, ns=(time.time_ns() + 10**9, time.time_ns() + 10**9))
+    assert LLM(str(path), device="cpu", max_total_tokens=2048).runner.storage_fingerprint != first

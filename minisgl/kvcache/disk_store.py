@@ -9,13 +9,18 @@ one host page's bytes; it is written to a temporary name and renamed, so readers
 a file, and a file whose header or checksum does not match is skipped and removed.
 
 The scheduler finds and checks pages (``find``); the worker moves bytes (``read_into`` before
-loading, ``write_from`` in the background once a page's host copy is done).
+loading, checking again what it read; ``write_from`` in the background once a page's host copy is
+done). Files are reached only through the folder itself: the folder is private (0700) and must
+belong to this user, subfolders and files are opened without following links, a file must be a
+regular file of exactly a page's size before a byte is read, so nothing outside the folder is read
+or written and no file can make a reader load more than a page.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import struct
 import uuid
 import zlib
@@ -45,8 +50,14 @@ def fingerprint(**what: object) -> str:
 
 class DiskStore:
     def __init__(self, root: str, fingerprint: str, tp_size: int = 1):
-        self.folder = Path(root) / fingerprint
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self.folder = Path(os.path.realpath(root)) / fingerprint
+        for folder in (self.folder.parent, self.folder):
+            folder.mkdir(mode=0o700, exist_ok=True)
+            st = os.lstat(folder)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+                raise PermissionError(f"{folder} is not a folder of this user: the KV storage tier will not use it")
+        os.chmod(self.folder, 0o700)
+        self._fd = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         self.tp_size = tp_size
         self.corrupt = 0  # files found bad and removed
 
@@ -54,26 +65,68 @@ class DiskStore:
         name = key.hex()
         return self.folder / name[:2] / f"{name}.r{rank}"
 
+    def _dir(self, key: bytes, create: bool = False) -> int:
+        """A descriptor of the key's subfolder, never through a link (OSError if none)."""
+        sub = key.hex()[:2]
+        if create:
+            try:
+                os.mkdir(sub, 0o700, dir_fd=self._fd)
+            except FileExistsError:
+                pass
+        return os.open(sub, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=self._fd)
+
+    def _read(self, key: bytes, rank: int, page_bytes: int) -> bytes | None:
+        """The file's bytes if it is a regular file of exactly one page's size (its size checked
+        before reading), else None; never through a link, never blocking on a pipe."""
+        try:
+            d = self._dir(key)
+        except OSError:
+            return None
+        try:
+            fd = os.open(f"{key.hex()}.r{rank}", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=d)
+        except OSError:
+            return None
+        finally:
+            os.close(d)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != HEADER.size + page_bytes:
+                return None
+            data = os.read(fd, HEADER.size + page_bytes)
+            return data if len(data) == HEADER.size + page_bytes else None
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _valid(data: bytes, key: bytes, page_bytes: int) -> bool:
+        magic, stored_key, length, crc = HEADER.unpack_from(data)
+        return (
+            magic == MAGIC
+            and stored_key == key
+            and length == page_bytes
+            and crc == zlib.crc32(memoryview(data)[HEADER.size :])
+        )
+
+    def _remove(self, key: bytes, rank: int) -> None:
+        try:
+            d = self._dir(key)
+        except OSError:
+            return
+        try:
+            os.unlink(f"{key.hex()}.r{rank}", dir_fd=d)
+        except OSError:
+            pass
+        finally:
+            os.close(d)
+
     def _check(self, key: bytes, rank: int, page_bytes: int) -> bool:
         """Whether the file of this key and rank is whole and matches its checksum (a bad one
         is removed and counted)."""
-        path = self.path(key, rank)
-        try:
-            data = path.read_bytes()
-        except OSError:
-            return False
-        ok = len(data) == HEADER.size + page_bytes
-        if ok:
-            magic, stored_key, length, crc = HEADER.unpack_from(data)
-            ok = (
-                magic == MAGIC
-                and stored_key == key
-                and length == page_bytes
-                and crc == zlib.crc32(memoryview(data)[HEADER.size :])
-            )
+        data = self._read(key, rank, page_bytes)
+        ok = data is not None and self._valid(data, key, page_bytes)
         if not ok:
             self.corrupt += 1
-            path.unlink(missing_ok=True)
+            self._remove(key, rank)
         return ok
 
     def find(self, keys: list[bytes], page_bytes: int) -> int:
@@ -84,25 +137,47 @@ class DiskStore:
         return len(keys)
 
     def exists(self, key: bytes) -> bool:
-        return all(self.path(key, r).is_file() for r in range(self.tp_size))
+        """Whether every rank's file of ``key`` is there as a regular file (links do not count)."""
+        try:
+            d = self._dir(key)
+        except OSError:
+            return False
+        try:
+            for r in range(self.tp_size):
+                st = os.stat(f"{key.hex()}.r{r}", dir_fd=d, follow_symlinks=False)
+                if not stat.S_ISREG(st.st_mode):
+                    return False
+            return True
+        except OSError:
+            return False
+        finally:
+            os.close(d)
 
     # ---- the worker's side --------------------------------------------------------------------
 
     def read_into(self, key: bytes, rank: int, out: memoryview) -> None:
-        """The payload of a file ``find`` checked, into ``out`` (one host page's bytes)."""
-        with open(self.path(key, rank), "rb") as f:
-            f.seek(HEADER.size)
-            if f.readinto(out) != len(out):
-                raise OSError(f"{self.path(key, rank)} was cut short after it was checked")
+        """The payload of a file ``find`` checked, into ``out`` (one host page's bytes), checked
+        again as read: a file changed or cut since the scheduler's check raises OSError."""
+        data = self._read(key, rank, len(out))
+        if data is None or not self._valid(data, key, len(out)):
+            raise OSError(f"{self.path(key, rank)} changed after it was checked")
+        out[:] = memoryview(data)[HEADER.size :]
 
     def write_from(self, key: bytes, rank: int, data: memoryview) -> None:
         """Write one page (atomically: a temporary file renamed into place)."""
-        path = self.path(key, rank)
-        if path.is_file():
-            return
-        path.parent.mkdir(exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
-        with open(tmp, "wb") as f:
-            f.write(HEADER.pack(MAGIC, key, len(data), zlib.crc32(data)))
-            f.write(data)
-        os.replace(tmp, path)
+        name = f"{key.hex()}.r{rank}"
+        d = self._dir(key, create=True)
+        try:
+            try:
+                os.stat(name, dir_fd=d, follow_symlinks=False)
+                return  # there already (a link there is not followed: it stays unused)
+            except FileNotFoundError:
+                pass
+            tmp = f".{name}.{uuid.uuid4().hex}"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=d)
+            with os.fdopen(fd, "wb") as f:
+                f.write(HEADER.pack(MAGIC, key, len(data), zlib.crc32(data)))
+                f.write(data)
+            os.replace(tmp, name, src_dir_fd=d, dst_dir_fd=d)
+        finally:
+            os.close(d)

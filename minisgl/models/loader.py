@@ -30,6 +30,16 @@ from minisgl.utils import progress
 logger = logging.getLogger(__name__)
 
 
+def weights_identity(model_dir: Path, load_format: str) -> list[tuple[str, int, int]]:
+    """(name, size, modification time) of each file the weights load from: a checkpoint
+    rewritten in place with new weights gets a new identity (the disk KV tier's folder key)."""
+    if load_format == "dummy":
+        return []
+    source = gguf_source(model_dir)
+    files = [source] if source is not None else safetensors_files(model_dir)
+    return [(f.name, (st := f.stat()).st_size, st.st_mtime_ns) for f in files]
+
+
 def safetensors_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():

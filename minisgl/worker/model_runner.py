@@ -40,7 +40,7 @@ from minisgl.messages import (
     WorkerTask,
 )
 from minisgl.model_config import ModelConfig
-from minisgl.models.loader import load_model
+from minisgl.models.loader import load_model, weights_identity
 from minisgl.models.locate import resolve_model_path
 from minisgl.sampling import SampleOutput, Sampler, SamplingParams
 from minisgl.sampling.sampler import SAMPLE_BLOCK
@@ -266,6 +266,7 @@ class ModelRunner:
         a, c = self.args, self.config
         return fingerprint(
             model=str(self.model_dir),
+            weights=weights_identity(self.model_dir, a.load_format),
             load_format=a.load_format,
             quantization=a.quantization,
             dummy_seed=a.seed if a.load_format == "dummy" else None,
