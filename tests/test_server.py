@@ -749,9 +749,10 @@ def test_huge_batches_are_counted_before_they_are_built(server: ServerProcess):
     idle_and_clean(server)
 
 
-def test_monitoring_answers_503_when_the_scheduler_is_stuck(tiny_llama):
-    """A stopped scheduler (SIGSTOP): /get_server_info, /metrics and /v1/loads answer 503 naming
-    what did not answer, in seconds (a 500 after 30 s before); once it resumes all is well."""
+def test_monitoring_answers_from_the_last_stats_when_the_scheduler_is_busy(tiny_llama):
+    """A scheduler that does not answer (SIGSTOP; a long step looks the same): /get_server_info,
+    /metrics and /v1/loads answer 200 within seconds from the last stats, saying their age (they
+    were 503 after 5 s, and failed scrapes under load); once it resumes the stats are fresh."""
     import os
     import signal
 
@@ -759,18 +760,27 @@ def test_monitoring_answers_503_when_the_scheduler_is_stuck(tiny_llama):
         pid = srv.server_info()["processes"]["scheduler"]
         os.kill(pid, signal.SIGSTOP)
         try:
+            time.sleep(1.0)
             for route in ("/get_server_info", "/metrics", "/v1/loads"):
                 start = time.monotonic()
                 r = httpx.get(f"{srv.url}{route}", timeout=30)
-                assert r.status_code == 503 and "did not answer 'stats'" in r.text, (route, r.text)
-                assert time.monotonic() - start < 8
+                assert r.status_code == 200, (route, r.text)
+                assert time.monotonic() - start < 3
+            assert srv.server_info()["scheduler"]["stats_age_s"] >= 1.0
+            age = [ln for ln in httpx.get(f"{srv.url}/metrics").text.splitlines() if ln.startswith("minisgl_stats_age")]
+            assert float(age[0].split()[-1]) >= 1.0
         finally:
             os.kill(pid, signal.SIGCONT)
-        assert httpx.get(f"{srv.url}/get_server_info", timeout=30).status_code == 200
+        time.sleep(0.5)
+        assert srv.server_info()["scheduler"]["stats_age_s"] < 1.0
         ok = httpx.post(
             f"{srv.url}/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}}, timeout=30
         )
         assert ok.status_code == 200
+        # OpenMetrics when the scraper asks; SGLang's function timer among the metrics.
+        om = httpx.get(f"{srv.url}/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0"})
+        assert om.headers["content-type"].startswith("application/openmetrics-text")
+        assert om.text.rstrip().endswith("# EOF") and 'func_latency_seconds_count{name="generate"}' in om.text
 
 
 def test_cache_salt_and_extra_key_keep_tenants_apart(server):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.openmetrics import exposition as openmetrics_exposition
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -36,6 +37,14 @@ class Metrics:
             "Per request, time from its first to its last output token per token after the first",
         )
         self.finished = counter("sglang:num_requests", "Finished requests")
+        # SGLang's function timer: here each route's handling time, by route.
+        self.func_latency = Histogram(
+            "sglang:func_latency_seconds",
+            "Time spent in a route's handler",
+            ["name"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.gauges = {
             name: Gauge(name, doc, model, registry=r).labels(model_name)
             for name, doc in [
@@ -48,6 +57,7 @@ class Metrics:
                     "Prompt tokens served from the hierarchical cache's host tier / prompt tokens looked up",
                 ),
                 ("sglang:gen_throughput", "Generated tokens per second since the previous scrape"),
+                ("minisgl_stats_age_seconds", "Age of the scheduler stats these gauges come from"),
             ]
         }
         self.requests = Counter("minisgl_requests", "Finished requests by finish reason", ["finish_reason"], registry=r)
@@ -71,8 +81,9 @@ class Metrics:
         self._retracted_seen = 0
         self._scrape = (time.perf_counter(), 0.0)
 
-    def render(self, stats: dict[str, float]) -> bytes:
-        """The exposition text, after refreshing the engine gauges from a fresh stats reply."""
+    def render(self, stats: dict[str, float], openmetrics: bool = False) -> tuple[bytes, str]:
+        """The exposition (Prometheus text, or OpenMetrics) and its media type, after refreshing
+        the engine gauges from the scheduler's stats."""
         now, generated = time.perf_counter(), self.tokens_streamed
         last_time, last_generated = self._scrape
         self._scrape = (now, generated)
@@ -84,6 +95,7 @@ class Metrics:
             "sglang:hicache_host_hit_rate": stats.get("prefix_host_hit_tokens", 0)
             / max(stats.get("prefix_queried_tokens", 0), 1),
             "sglang:gen_throughput": (generated - last_generated) / max(now - last_time, 1e-9),
+            "minisgl_stats_age_seconds": stats.get("stats_age_s", 0),
         }
         for name, gauge in self.gauges.items():
             gauge.set(values[name])
@@ -93,7 +105,9 @@ class Metrics:
         if retracted > self._retracted_seen:
             self.retracted.inc(retracted - self._retracted_seen)
             self._retracted_seen = retracted
-        return generate_latest(self.registry)
+        if openmetrics:
+            return openmetrics_exposition.generate_latest(self.registry), openmetrics_exposition.CONTENT_TYPE_LATEST
+        return generate_latest(self.registry), "text/plain; version=0.0.4; charset=utf-8"
 
 
 class RequestTimer:

@@ -25,9 +25,11 @@ from minisgl.api.streaming import SSE_DONE, sse
 from minisgl.messages import GenerateReq, ProfileReq
 from minisgl.sampling import SamplingParams
 
-# Monitoring (/get_server_info, /metrics, /v1/loads) waits this long for the scheduler's
-# stats before answering 503: a probe must not hang with a stuck engine.
-STATS_TIMEOUT_S = 5.0
+# Monitoring (/get_server_info, /metrics, /v1/loads) waits this long for fresh stats from the
+# scheduler, then answers from the last ones it gave, with their age: a busy engine must never
+# fail a scrape. Only with none yet (and a scheduler that never answers) is the answer a 503.
+STATS_WAIT_S = 1.0
+STATS_TIMEOUT_S = 30.0
 
 
 def _logprob_entry(logprob: float | None, token: int, text: str, with_text: bool) -> list[Any]:
@@ -47,6 +49,9 @@ def plain_name(part: str) -> bool:
 
 
 class NativeRoutes(ApiBase):
+    _snapshot: tuple[dict[str, Any], float] | None = None  # the last stats and when they came
+    _stats_task: asyncio.Future | None = None
+
     def _generate_body(
         self, run: Run, top_logprobs: int, with_text: bool, logprob_ids: bool, routed: bool = False
     ) -> dict[str, Any]:
@@ -141,9 +146,23 @@ class NativeRoutes(ApiBase):
             return error_response(503, f"the engine did not generate: {e or 'timed out'}")
         return JSONResponse({"status": "ok"})
 
-    async def _stats(self) -> dict[str, Any]:
+    async def _fetch_stats(self) -> None:
         reply = await self.client.control("stats", timeout=STATS_TIMEOUT_S)
-        return dict(reply.data)
+        self._snapshot = (dict(reply.data), time.monotonic())
+
+    async def _stats(self) -> dict[str, Any]:
+        """The scheduler's stats, fresh if it answers within ``STATS_WAIT_S``, else the last
+        snapshot; ``stats_age_s`` says how old they are. One request for them is out at a time."""
+        if self._stats_task is None or self._stats_task.done():
+            self._stats_task = asyncio.ensure_future(self._fetch_stats())
+        task = self._stats_task
+        await asyncio.wait({task}, timeout=STATS_WAIT_S)
+        if task.done() and task.exception() is not None and self._snapshot is None:
+            raise task.exception()
+        if self._snapshot is None:
+            raise EngineError(f"the scheduler gave no stats within {STATS_WAIT_S:g} s and none before", status=503)
+        data, at = self._snapshot
+        return {**data, "stats_age_s": round(time.monotonic() - at, 3)}
 
     async def loads(self, request: Request) -> Response:
         """SGLang's /v1/loads, which the smg router polls for its load policies: one entry per
@@ -205,7 +224,10 @@ class NativeRoutes(ApiBase):
         )
 
     async def metrics_route(self, request: Request) -> Response:
-        return Response(self.metrics.render(await self._stats()), media_type="text/plain; version=0.0.4")
+        """Prometheus text, or OpenMetrics when the scraper asks for it (Accept)."""
+        openmetrics = "application/openmetrics-text" in request.headers.get("accept", "")
+        body, media_type = self.metrics.render(await self._stats(), openmetrics)
+        return Response(body, media_type=media_type)
 
     async def flush_cache(self, request: Request) -> Response:
         reply = await self.client.control("flush_cache")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
@@ -48,7 +49,10 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 def _with_errors(api: Api, handler: Callable) -> Callable:
     """Turn the client-facing exceptions into 4xx responses and count them."""
 
+    timer = api.metrics.func_latency.labels(handler.__name__)
+
     async def endpoint(request: Request) -> Response:
+        start = time.perf_counter()
         try:
             return await handler(request)
         except (BadRequest, EngineError) as e:
@@ -56,6 +60,8 @@ def _with_errors(api: Api, handler: Callable) -> Callable:
             if api.args.log_requests:  # --log-requests: refusals too, not only finished requests
                 logger.info("%s %s: %d %s", request.method, request.url.path, e.status, e)
             return error_response(e.status, str(e), getattr(e, "param", None))
+        finally:  # (a streamed response's handler returns once the stream is set up)
+            timer.observe(time.perf_counter() - start)
 
     return endpoint
 
