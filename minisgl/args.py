@@ -4,11 +4,15 @@ ServerArgs (the HTTP server), and the one definition of every flag (``build_pars
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from dataclasses import dataclass, fields
 
 from minisgl.parsers.reasoning import PARSERS as REASONING_PARSERS
 from minisgl.parsers.tool_calls import PARSERS as TOOL_PARSERS
+from minisgl.sglang_flags import ATTENTION_BACKENDS, add_sglang_flags
+
+logger = logging.getLogger("minisgl.launch")
 
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 HICACHE_IO_BACKENDS = ("direct", "kernel")
@@ -330,9 +334,9 @@ def add_engine_args(ap: argparse.ArgumentParser) -> dict[str, argparse._Argument
     device.add_argument(
         "--attention-backend",
         default=d.attention_backend,
-        choices=["auto", "torch", "torch_native", "flashinfer"],
+        choices=["auto", "torch", "torch_native", "flashinfer", *ATTENTION_BACKENDS],
         help="auto: FlashInfer (with our Triton decode kernel) on CUDA, torch elsewhere; torch_native "
-        "is SGLang's name for torch",
+        "is SGLang's name for torch; SGLang's other backends (triton, fa3, ...) mean auto here",
     )
     sched.add_argument(
         "--grammar-backend",
@@ -516,6 +520,9 @@ def normalize_engine_args(ns: argparse.Namespace) -> None:
     """SGLang's spellings to ours, and flags accepted only for its command lines dropped."""
     if ns.attention_backend == "torch_native":
         ns.attention_backend = "torch"
+    elif ns.attention_backend in ATTENTION_BACKENDS:
+        logger.warning("--attention-backend %s: minisgl's own choice (auto) serves it", ns.attention_backend)
+        ns.attention_backend = "auto"
     for name in ("grammar_backend",):
         if hasattr(ns, name):
             delattr(ns, name)
@@ -679,4 +686,5 @@ def build_parser() -> argparse.ArgumentParser:
         choices=ROUTER_POLICIES,
         help="how the smg router picks a replica with --dp-size (default %(default)s)",
     )
+    add_sglang_flags(ap)
     return ap

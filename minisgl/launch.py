@@ -46,6 +46,7 @@ from minisgl.ipc import (
 from minisgl.messages import EngineInfo
 from minisgl.models.locate import resolve_model_path
 from minisgl.scheduler.process import run_scheduler
+from minisgl.sglang_flags import apply_sglang_flags
 from minisgl.tokenizer import read_chat_template
 from minisgl.tokenizer.process import run_tokenizer
 from minisgl.utils import init_logging
@@ -57,6 +58,7 @@ logger = logging.getLogger("minisgl.launch")
 def parse_args(argv: list[str] | None = None) -> ServerArgs:
     ap = build_parser()
     ns = ap.parse_args(argv)
+    apply_sglang_flags(ns, ap.error)
     if ns.stream_interval < 1:
         ap.error(f"--stream-interval must be >= 1, got {ns.stream_interval}")
     if ns.dp_size < 1:

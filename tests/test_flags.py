@@ -250,3 +250,30 @@ def test_a_wrong_type_names_its_field():
     with pytest.raises(BadRequest) as e:
         decode(b'{"text": "x", "sampling_params": {"temperature": "hot"}}', GenerateRequest, GENERATE)
     assert e.value.param == "sampling_params.temperature"
+
+
+def test_sglang_launch_flags_never_end_in_a_bare_argparse_error(capsys):
+    """Every SGLang flag minisgl has no flag of its own for is mapped, ignored with a warning,
+    or refused naming itself and the reason: never 'unrecognized arguments'."""
+    from minisgl.sglang_flags import INERT, MANY, REFUSED, SWITCH
+
+    def argv(flag: str, takes: int) -> list[str]:
+        return ["--model", "m", flag] + ([] if takes == SWITCH else ["a", "b"] if takes == MANY else ["1"])
+
+    for flag, (takes, why) in INERT.items():
+        args = parse_args(argv(flag, takes))
+        assert not any(k.startswith("sglang_") for k in vars(args)), flag
+    for flag, (takes, why) in REFUSED.items():
+        if flag == "--ep-size":
+            parse_args(argv(flag, takes))  # one expert-parallel rank is what minisgl does
+            with pytest.raises(SystemExit):
+                parse_args(["--model", "m", "--ep-size", "2"])
+        else:
+            with pytest.raises(SystemExit) as e:
+                parse_args(argv(flag, takes))
+            assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert "unrecognized" not in err and (flag == "--ep-size" or f"{flag}: {why}" in err), err
+    assert parse_args(["--model", "m", "--cuda-graph-bs", "1", "8", "32"]).cuda_graph_max_bs == 32
+    for backend in ("triton", "fa3"):  # SGLang's attention backends: minisgl's own choice
+        assert parse_args(["--model", "m", "--attention-backend", backend]).attention_backend == "auto"

@@ -1,0 +1,102 @@
+"""SGLang launch flags that have no minisgl flag of their own, so that an SGLang command line never
+ends in a bare argparse error: each is accepted and does what minisgl does instead (said in
+``--help`` and in a warning when given), or is refused by name with the reason (exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Callable
+from typing import NoReturn
+
+logger = logging.getLogger("minisgl.launch")
+
+SWITCH, ONE, MANY = 0, 1, 2  # what a flag takes: nothing, one value, one or more values
+
+# flag -> (takes, what minisgl does instead); accepted and ignored with a warning.
+INERT: dict[str, tuple[int, str]] = {
+    "--enable-torch-compile": (SWITCH, "minisgl replays its own CUDA graphs: decode steps whole, prefill in pieces"),
+    "--torch-compile-max-bs": (ONE, "no torch.compile here (see --cuda-graph-max-bs)"),
+    "--sampling-backend": (ONE, "minisgl's sampler: Triton kernels on CUDA, torch elsewhere"),
+    "--tokenizer-mode": (ONE, "the fast tokenizer where the checkpoint has one, else the slow one"),
+    "--schedule-conservativeness": (ONE, "pages are reserved by each request's own max_new_tokens"),
+    "--log-requests-level": (ONE, "--log-requests logs one line per finished or refused request"),
+    "--show-time-cost": (SWITCH, "per-step timings come from /start_profile"),
+    "--enable-p2p-check": (SWITCH, "GPU peer access is probed when the custom all-reduce starts"),
+    "--num-continuous-decode-steps": (ONE, "overlap scheduling already launches each step behind the last"),
+    "--enable-memory-saver": (SWITCH, "/release_memory_occupation works without it"),
+    "--moe-runner-backend": (ONE, "minisgl's fused MoE Triton kernel"),
+    "--file-storage-path": (ONE, "minisgl keeps no file storage"),
+    "--triton-attention-num-kv-splits": (ONE, "the decode kernel picks its splits per batch"),
+    "--sleep-on-idle": (SWITCH, "an idle scheduler blocks on its socket"),
+    "--crash-dump-folder": (ONE, "no crash dumps; --log-requests logs requests"),
+    "--download-dir": (ONE, "hub downloads go to the Hugging Face cache ($HF_HOME)"),
+}
+# flag -> (takes, why not); refused with the reason.
+REFUSED: dict[str, tuple[int, str]] = {
+    "--enable-mixed-chunk": (SWITCH, "mixed chunked prefill is not built: prefill chunks run as batches of their own"),
+    "--is-embedding": (SWITCH, "embedding models are not served (generation models only)"),
+    "--enable-custom-logit-processor": (SWITCH, "custom logit processors (code sent by requests) are not run"),
+    "--tool-server": (ONE, "built-in tool servers are not supported: send tools in the request"),
+    "--enable-dp-attention": (SWITCH, "DP attention is not built: use --dp-size replicas"),
+    "--ep-size": (ONE, "expert parallelism is not built: experts split across --tp-size ranks"),
+    "--enable-eplb": (SWITCH, "expert parallelism is not built"),
+    "--speculative-algorithm": (ONE, "speculative decoding is not built yet"),
+    "--speculative-draft-model-path": (ONE, "speculative decoding is not built yet"),
+    "--speculative-num-steps": (ONE, "speculative decoding is not built yet"),
+    "--speculative-eagle-topk": (ONE, "speculative decoding is not built yet"),
+    "--speculative-num-draft-tokens": (ONE, "speculative decoding is not built yet"),
+    "--enable-lora": (SWITCH, "LoRA adapters are not supported"),
+    "--lora-paths": (MANY, "LoRA adapters are not supported"),
+    "--max-loras-per-batch": (ONE, "LoRA adapters are not supported"),
+    "--allow-auto-truncate": (SWITCH, "an over-long prompt is refused with a 400, never truncated"),
+    "--json-model-override-args": (ONE, "the model's config.json is used as it is: edit a copy instead"),
+    "--preferred-sampling-params": (ONE, "server-wide sampling defaults are not supported: send them per request"),
+    "--enable-deterministic-inference": (SWITCH, "batch-invariant kernels are not built"),
+    "--enable-multimodal": (SWITCH, "multimodal models are not served"),
+    "--constrained-json-whitespace-pattern": (ONE, "xgrammar's JSON whitespace rule is used as it is"),
+    "--base-gpu-id": (ONE, "choose GPUs with CUDA_VISIBLE_DEVICES"),
+    "--gpu-id-step": (ONE, "choose GPUs with CUDA_VISIBLE_DEVICES"),
+}
+# SGLang's attention backends, all served by minisgl's own choice (--attention-backend auto).
+ATTENTION_BACKENDS = ("triton", "fa3", "fa4", "flashmla", "cutlass_mla", "trtllm_mha", "trtllm_mla", "flex_attention")
+
+
+def _dest(flag: str) -> str:
+    return "sglang_" + flag.lstrip("-").replace("-", "_")
+
+
+def add_sglang_flags(ap: argparse.ArgumentParser) -> None:
+    group = ap.add_argument_group("SGLang flags minisgl answers otherwise (mapped, ignored or refused)")
+    group.add_argument(
+        "--cuda-graph-bs",
+        dest="sglang_cuda_graph_bs",
+        type=int,
+        nargs="+",
+        default=None,
+        help="mapped: the largest becomes --cuda-graph-max-bs (graphs are captured for sizes up to it)",
+    )
+    for table, verdict in ((INERT, "ignored"), (REFUSED, "refused")):
+        for flag, (takes, why) in table.items():
+            kw: dict = {"action": "store_true"} if takes == SWITCH else {"nargs": "+"} if takes == MANY else {}
+            group.add_argument(flag, dest=_dest(flag), default=None, help=f"{verdict}: {why}", **kw)
+
+
+def apply_sglang_flags(ns: argparse.Namespace, error: Callable[[str], NoReturn]) -> None:
+    """Map a mapped flag, refuse a refused one by name (``error``), warn about an ignored one,
+    and drop them all from ``ns``."""
+    sizes = ns.sglang_cuda_graph_bs
+    del ns.sglang_cuda_graph_bs
+    if sizes and ns.cuda_graph_max_bs is None:
+        ns.cuda_graph_max_bs = max(sizes)
+    for table, refused in ((INERT, False), (REFUSED, True)):
+        for flag, (_, why) in table.items():
+            given = getattr(ns, _dest(flag))
+            delattr(ns, _dest(flag))
+            if given in (None, False):
+                continue
+            if refused and not (flag == "--ep-size" and given == "1"):
+                error(f"{flag}: {why}")
+            if not refused:
+                logger.warning("%s is ignored: %s", flag, why)
