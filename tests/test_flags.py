@@ -143,7 +143,7 @@ def test_sglang_spellings_of_backends_and_limits():
     )
     assert (args.attention_backend, args.max_request_bytes, args.schedule_policy) == ("torch", 1000, "random")
     args.validate()
-    for flag, value in (("--grammar-backend", "outlines"), ("--attention-backend", "fa3")):
+    for flag, value in (("--grammar-backend", "outlines"), ("--attention-backend", "no-such")):
         with pytest.raises(SystemExit):
             parse_args(["--model", "m", flag, value])
 
