@@ -248,4 +248,5 @@ class LLM:
             return None
         if req.rid in texts:
             return "".join(texts[req.rid])
-        return decode_ids(self.tokenizer, req.output_ids, req.params.skip_special_tokens)
+        p = req.params
+        return decode_ids(self.tokenizer, req.output_ids, p.skip_special_tokens, p.spaces_between_special_tokens)

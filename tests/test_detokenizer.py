@@ -180,3 +180,24 @@ def test_slow_stop_regexes_end_their_request_within_the_budget():
         for _ in range(200):
             f.feed("word " * 200)
     assert time.perf_counter() - start < 20 * REGEX_PIECE_BUDGET_S
+
+
+def test_spaces_between_special_tokens_reaches_slow_tokenizers(tiny_llama):
+    """SGLang's spaces_between_special_tokens: a slow tokenizer is told (it is the one that
+    spaces special tokens apart); a fast one decodes the same either way, as in transformers."""
+    from minisgl.llm import LLM
+    from minisgl.tokenizer.detokenizer import decode_ids
+
+    class Slow:
+        is_fast = False
+
+        def decode(self, ids, **kw):
+            self.kw = kw
+            return " ".join(map(str, ids)) if kw.get("spaces_between_special_tokens", True) else "".join(map(str, ids))
+
+    slow = Slow()
+    assert decode_ids(slow, [1, 2], False, spaces=False) == "12" and decode_ids(slow, [1, 2], False) == "1 2"
+    llm = LLM(str(tiny_llama), device="cpu", max_total_tokens=2048)
+    params = {"max_new_tokens": 8, "temperature": 0, "skip_special_tokens": False}
+    spaced = llm.generate([1, 2, 3], params)[0]["text"]
+    assert llm.generate([1, 2, 3], {**params, "spaces_between_special_tokens": False})[0]["text"] == spaced

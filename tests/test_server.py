@@ -879,3 +879,43 @@ def test_slow_stop_regexes_do_not_hold_other_clients(server: ServerProcess):
     t.join(60)
     assert out[0].status_code == 400 and "stop_regex" in out[0].text, out[0].text
     idle_and_clean(server)
+
+
+def test_score_route_reads_the_label_tokens_after_each_prompt(server: ServerProcess):
+    """SGLang's /v1/score: each item's label-token probabilities after query + item (ids and
+    text), normalized over the labels with apply_softmax, equal to /generate's token_ids_logprob."""
+    import math
+
+    query, items, labels = [5, 6, 7], [[8, 9], [10], [11, 12, 13]], [20, 21, 400]
+    r = httpx.post(f"{server.url}/v1/score", json={"query": query, "items": items, "label_token_ids": labels})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "scoring" and len(body["scores"]) == 3
+    for item, scores in zip(items, body["scores"]):
+        gen = {
+            "input_ids": query + item,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+            "return_logprob": True,
+            "token_ids_logprob": labels,
+        }
+        want = httpx.post(f"{server.url}/generate", json=gen).json()["meta_info"]["output_token_ids_logprobs"][0]
+        assert [math.log(p) for p in scores] == pytest.approx([lp for lp, _, _ in want], abs=1e-4)
+    soft = httpx.post(
+        f"{server.url}/v1/score",
+        json={"query": "The sky is", "items": [" blue", " green"], "label_token_ids": labels, "apply_softmax": True},
+    ).json()["scores"]
+    assert all(abs(sum(s) - 1) < 1e-6 for s in soft)
+    first = httpx.post(
+        f"{server.url}/v1/score", json={"query": [5], "items": [[8]], "label_token_ids": labels, "item_first": True}
+    ).json()["scores"][0]
+    after = httpx.post(f"{server.url}/v1/score", json={"query": [8], "items": [[5]], "label_token_ids": labels})
+    assert first == pytest.approx(after.json()["scores"][0])
+    for bad, param in (
+        ({"query": [5], "items": [[8]], "label_token_ids": []}, "label_token_ids"),
+        ({"query": [5], "items": ["x"], "label_token_ids": [1]}, "items"),
+        ({"query": [5], "items": [[8]], "label_token_ids": [10**6]}, "label_token_ids"),
+        ({"items": [[8]], "label_token_ids": [1]}, "query"),
+    ):
+        r = httpx.post(f"{server.url}/v1/score", json=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)
+    idle_and_clean(server)

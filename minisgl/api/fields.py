@@ -106,6 +106,7 @@ SAMPLING = Schema(
         "repetition_penalty",
         "ignore_eos",
         "skip_special_tokens",
+        "spaces_between_special_tokens",
         "no_stop_trim",
         "logit_bias",
         "seed",
@@ -119,7 +120,7 @@ SAMPLING = Schema(
         "stop_regex",
     },
     inert={"custom_params"},
-    default_only={"structural_tag": None, "spaces_between_special_tokens": True},
+    default_only={"structural_tag": None},
     why={"structural_tag": STRUCTURAL_TAG},
 )
 
@@ -218,6 +219,7 @@ _OPENAI_COMMON = dict(
         "stop_token_ids",
         "ignore_eos",
         "skip_special_tokens",
+        "spaces_between_special_tokens",
         "logit_bias",
         "logprobs",
         "no_stop_trim",
@@ -249,7 +251,6 @@ _OPENAI_COMMON = dict(
         "lora_path": None,
         "session_params": None,
         "return_hidden_states": False,
-        "spaces_between_special_tokens": True,
     },
     why={"lora_path": "LoRA adapters are not supported"},
 )
@@ -361,4 +362,10 @@ RESPONSES = Schema(
         "max_tool_calls": "use parallel_tool_calls: false for one call",
         "lora_path": "LoRA adapters are not supported",
     },
+)
+
+SCORE = Schema(
+    "SGLang score",
+    implemented={"query", "items", "label_token_ids", "apply_softmax", "item_first", "model"},
+    inert={"rid", "user"},
 )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import math
 import os
 import time
 import uuid
@@ -19,8 +20,8 @@ from starlette.responses import JSONResponse, Response
 import minisgl
 from minisgl.api.base import ApiBase, Run, error_response, merge, read_body
 from minisgl.api.client import EngineError
-from minisgl.api.fields import GENERATE
-from minisgl.api.protocol import AbortRequest, BadRequest, GenerateRequest, ProfileRequest
+from minisgl.api.fields import GENERATE, SCORE
+from minisgl.api.protocol import AbortRequest, BadRequest, GenerateRequest, ProfileRequest, ScoreRequest
 from minisgl.api.streaming import SSE_DONE, sse
 from minisgl.messages import GenerateReq, ProfileReq
 from minisgl.sampling import SamplingParams
@@ -131,6 +132,49 @@ class NativeRoutes(ApiBase):
             yield SSE_DONE
 
         return self._stream(runs, events())
+
+    async def score(self, request: Request) -> Response:
+        """SGLang's /v1/score (reward models, rerankers, classification by label tokens): one
+        greedy step per item, reading the label tokens' log-probabilities after its prompt."""
+        body: ScoreRequest = await read_body(request, ScoreRequest, self.args, SCORE)
+        prompts = body.prompts(self.args.max_sequences_per_request)
+        labels = list(body.label_token_ids or [])
+        if any(t >= self.info.vocab_size for t in labels):
+            raise BadRequest(
+                f"label_token_ids must be below the vocabulary size {self.info.vocab_size}", param="label_token_ids"
+            )
+        base = f"score-{uuid.uuid4().hex}"
+        reqs = [
+            GenerateReq(
+                f"{base}-{i}",
+                SamplingParams(max_new_tokens=1, temperature=0.0),
+                text=p if isinstance(p, str) else None,
+                input_ids=None if isinstance(p, str) else p,
+                top_logprobs=0,
+                logprob_ids=labels,
+            )
+            for i, p in enumerate(prompts)
+        ]
+        runs = await self._start(reqs)
+        if not await self._collect(runs, request):
+            return Response(status_code=499)
+        scores = []
+        for run in runs:
+            logprobs = [lp for _, _, lp in run.logprobs[0].ids]
+            probs = [math.exp(lp) for lp in logprobs]
+            if body.apply_softmax:
+                total = sum(probs)
+                probs = [p / total for p in probs] if total > 0 else [1.0 / len(probs)] * len(probs)
+            scores.append(probs)
+        prompt_tokens = sum(r.prompt_tokens for r in runs)
+        return JSONResponse(
+            {
+                "scores": scores,
+                "model": self.args.model_name,
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 0, "total_tokens": prompt_tokens},
+                "object": "scoring",
+            }
+        )
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})

@@ -283,6 +283,7 @@ class _OpenAIBase(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stop_token_ids: list[Int32] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
     logit_bias: dict[str, float] | None = None
     min_tokens: Int32 = 0
@@ -316,6 +317,7 @@ class _OpenAIBase(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
             no_stop_trim=self.no_stop_trim,
             logit_bias=self.logit_bias,
             min_new_tokens=min(self.min_tokens, max_tokens) if max_tokens else self.min_tokens,
@@ -541,6 +543,39 @@ class ProfileRequest(msgspec.Struct):
     merge_profiles: bool = False  # accepted; one trace per rank
     with_stack: bool | None = None
     record_shapes: bool | None = None
+
+
+class ScoreRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """SGLang's /v1/score: how likely each label token is to follow query + item (or item + query
+    with ``item_first``), for each item; text and token ids, not mixed."""
+
+    query: str | list[int] | None = None
+    items: str | list[Any] | None = None  # texts, token id lists, or one of either
+    label_token_ids: list[int] | None = None
+    apply_softmax: bool = False  # normalize over the label tokens (else each one's probability)
+    item_first: bool = False
+    model: str | None = None
+
+    def prompts(self, max_sequences: int) -> list[str | list[int]]:
+        """Each item's prompt (query and item joined), checked for shape and count."""
+        if self.query is None or self.items is None:
+            raise BadRequest("query and items are required", param="query" if self.query is None else "items")
+        items: list = [self.items] if isinstance(self.items, str) or _is_ids(self.items) else list(self.items)
+        if not items:
+            raise BadRequest("items is empty", param="items")
+        check_sequences(len(items), max_sequences)
+        text = isinstance(self.query, str)
+        if any(isinstance(it, str) != text or (not text and not _is_ids(it)) for it in items):
+            raise BadRequest("query and items must all be text or all token id lists", param="items")
+        if not text and not _is_ids(self.query):
+            raise BadRequest("query must be text or a list of token ids", param="query")
+        if not self.label_token_ids or not all(_is_token(t) for t in self.label_token_ids):
+            raise BadRequest("label_token_ids must be a non-empty list of token ids", param="label_token_ids")
+        return [it + self.query if self.item_first else self.query + it for it in items]
+
+
+def _is_ids(x: Any) -> bool:
+    return isinstance(x, list) and bool(x) and all(_is_token(t) for t in x)
 
 
 class AbortRequest(msgspec.Struct, forbid_unknown_fields=True):

@@ -150,6 +150,7 @@ def create_app(client: EngineClient, info: EngineInfo, args: ServerArgs, pids: d
         ("/v1/responses", api.responses, ["POST"]),
         ("/v1/responses/{response_id}", api.get_response, ["GET"]),
         ("/v1/responses/{response_id}", api.delete_response, ["DELETE"]),
+        ("/v1/score", api.score, ["POST"]),
         ("/v1/models", api.models, ["GET"]),
         ("/v1/models/{model:path}", api.model, ["GET"]),
         ("/health", api.health, ["GET"]),

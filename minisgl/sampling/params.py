@@ -38,6 +38,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stop_token_ids: list[Int32] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # Slow (Python) tokenizers put a space between special tokens unless told not to; fast ones,
+    # which decode in Rust, never do, as in transformers.
+    spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False  # keep the matched stop string at the end of the text
     logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> added logit
     stream_interval: Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)] | None = None  # tokens per streamed update

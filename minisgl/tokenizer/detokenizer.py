@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 REPLACEMENT = "\ufffd"
 
 
-def decode_ids(tokenizer: Any, ids: list[int], skip_special_tokens: bool) -> str:
+def decode_ids(tokenizer: Any, ids: list[int], skip_special_tokens: bool, spaces: bool = True) -> str:
     """Token ids to text, never with ``clean_up_tokenization_spaces``: that clean-up rewrites
     " ." as "." by looking at neighbouring tokens, so a text decoded piece by piece would lose
     the punctuation (Llama-3 sets it under transformers 4.x). Every output text, streamed or
@@ -30,19 +30,21 @@ def decode_ids(tokenizer: Any, ids: list[int], skip_special_tokens: bool) -> str
     backend = getattr(tokenizer, "_tokenizer", None)
     if backend is not None and tokenizer.is_fast:
         return backend.decode(ids, skip_special_tokens=skip_special_tokens)
-    return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+    extra = {} if spaces else {"spaces_between_special_tokens": False}  # (the default, unsaid)
+    return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False, **extra)
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True, spaces: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.spaces = spaces  # spaces_between_special_tokens (slow tokenizers)
         self.ids: list[int] = []
         self._start = 0  # window start: a few tokens of context before the unsent ones
         self._sent = 0  # tokens whose text has been emitted
 
     def _decode(self, ids: list[int]) -> str:
-        return decode_ids(self.tokenizer, ids, self.skip_special_tokens)
+        return decode_ids(self.tokenizer, ids, self.skip_special_tokens, self.spaces)
 
     def add(self, ids: list[int], final: bool = False) -> str:
         """Append tokens and return the new text that is safe to show. With ``final`` (the request
@@ -133,14 +135,22 @@ class TextStream:
         skip_special_tokens: bool = True,
         keep_stop: bool = False,
         stop_regexes: list[str] | None = None,
+        spaces: bool = True,
     ):
-        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
+        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens, spaces)
         self.stops = StopStringFilter(stops, keep_stop, stop_regexes)
 
     @classmethod
     def of(cls, tokenizer: Any, params: SamplingParams) -> TextStream:
         """The stream a request's sampling parameters ask for (stops, special tokens, trimming)."""
-        return cls(tokenizer, params.stop_strings, params.skip_special_tokens, params.no_stop_trim, params.stop_regexes)
+        return cls(
+            tokenizer,
+            params.stop_strings,
+            params.skip_special_tokens,
+            params.no_stop_trim,
+            params.stop_regexes,
+            params.spaces_between_special_tokens,
+        )
 
     def add(self, ids: list[int], final: bool = False) -> str:
         """New text safe to show; ``final`` flushes everything held back."""
