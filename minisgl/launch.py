@@ -177,7 +177,10 @@ class Launcher:
             threading.Thread(target=self._watch, args=(server,), daemon=True).start()
             server.run()
             if self.dead is not None and self.quiet_s:
-                raise ChildDied(f"the {self.dead.name} process has not answered for {self.quiet_s:g} s (stopped?)")
+                raise ChildDied(
+                    f"the {self.dead.name} process has not answered for {self.quiet_s:g} s (stopped or frozen; "
+                    f"the limit is --watchdog-timeout, at most {HEARTBEAT_LIMIT_S:g} s)"
+                )
             if self.dead is not None:
                 raise ChildDied(f"the {self.dead.name} process exited with code {self.dead.exitcode}")
             return 0 if server.started else 1

@@ -48,8 +48,9 @@ def _init_distributed(args: EngineArgs, rank: int, addrs: Addresses) -> None:
 def run_worker(args: EngineArgs, rank: int, addrs: Addresses, log_level: str) -> None:
     """Process entry point (spawned by the launcher)."""
     become_child(threads=cpu_worker_threads() // args.ranks_per_node or 1)
-    # Rank 0 speaks for all; the others log only warnings, so each event is one line.
-    init_logging(log_level if rank == 0 else "warning")
+    # Each node's first rank speaks for its node; the others log only warnings, so each event is
+    # one line.
+    init_logging(log_level if rank % args.ranks_per_node == 0 else "warning")
     _init_distributed(args, rank, addrs)
     runner = ModelRunner(args)
     ctx = zmq.Context()
