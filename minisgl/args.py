@@ -221,6 +221,7 @@ class ServerArgs(EngineArgs):
     log_requests: bool = False  # one log line per finished request
     stream_interval: int = 1  # tokens per streamed update (a request's sampling_params may set its own)
     profile_dir: str | None = None  # profiling routes on, traces under it (default $SGLANG_TORCH_PROFILER_DIR)
+    responses_store: str | None = None  # a SQLite file for stored /v1/responses (None: this process's memory)
     stream_output: bool = False  # /generate streams only each event's new text and ids (SGLang's flag)
     skip_tokenizer_init: bool = False  # no tokenizer: token ids in, token ids out (SGLang's flag)
     # Limits that keep one request from stalling the others (the tokenizer process serves all).
@@ -618,6 +619,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=d.stream_interval,
         help="tokens per streamed update (larger: fewer events, higher throughput)",
+    )
+    server.add_argument(
+        "--responses-store",
+        default=None,
+        help="a SQLite file to keep stored /v1/responses in, shared by every server given the same file "
+        "(--dp-size replicas share one in their runtime folder); default: this server's memory",
     )
     server.add_argument(
         "--profile-dir",

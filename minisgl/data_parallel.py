@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -110,6 +111,11 @@ class DataParallelLauncher:
     def __init__(self, args: ServerArgs, argv: list[str]):
         self.args = args
         self.argv = replica_argv(argv)
+        # The replicas share one store of /v1/responses, so a follow-up the router sends to
+        # another replica finds its previous_response_id.
+        self.folder = tempfile.mkdtemp(prefix="minisgl-dp-")
+        if args.responses_store is None:
+            self.argv += ["--responses-store", os.path.join(self.folder, "responses.sqlite")]
         self.replicas: list[subprocess.Popen] = []
         self.urls: list[str] = []
         self.router: subprocess.Popen | None = None
@@ -217,6 +223,7 @@ class DataParallelLauncher:
                 return
 
     def _stop_all(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
         procs = [p for p in [self.router, *self.replicas] if p is not None]
         for p in procs:
             if p.poll() is None:

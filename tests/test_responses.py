@@ -95,7 +95,7 @@ def test_previous_response_id_continues_the_conversation(server, client):
         timeout=30,
         json={"model": "default", "input": "x", "previous_response_id": first.id, "max_output_tokens": 2},
     )
-    assert r.status_code == 404 and "previous_response_id" in r.text
+    assert r.status_code == 400 and "previous_response_id" in r.text
     unstored = client.responses.create(model="default", input="x", max_output_tokens=2, store=False)
     assert httpx.get(f"{server.url}/v1/responses/{unstored.id}", timeout=10).status_code == 404
     idle_and_clean(server)
@@ -227,7 +227,7 @@ def test_stored_responses_belong_to_their_tenant(server, client):
     for salt in (None, "tenant-b"):
         follow = {**base, "previous_response_id": rid, **({"cache_salt": salt} if salt else {})}
         r = httpx.post(f"{server.url}/v1/responses", json=follow, timeout=60)
-        assert r.status_code == 404 and "previous_response_id" in r.text
+        assert r.status_code == 400 and "previous_response_id" in r.text
     assert httpx.get(f"{server.url}/v1/responses/{rid}", timeout=10).status_code == 404
     assert httpx.delete(f"{server.url}/v1/responses/{rid}?cache_salt=tenant-b", timeout=10).status_code == 404
     got = httpx.get(f"{server.url}/v1/responses/{rid}?cache_salt=tenant-a", timeout=10)
@@ -261,12 +261,30 @@ def test_an_aborted_response_says_cancelled_and_is_not_stored(server):
     idle_and_clean(server)
 
 
-def test_the_store_keeps_within_its_byte_bound():
-    from minisgl.api.responses import ResponseStore, _Stored
+@pytest.mark.parametrize("kind", ["memory", "sqlite"])
+def test_the_store_keeps_within_its_bounds(tmp_path, kind):
+    """Both stores drop the oldest past the byte bound (and the count), find a response only
+    under its salt, and give back what was put; two handles on one SQLite file share it."""
+    from minisgl.api.protocol import ChatMessageIn
+    from minisgl.api.response_store import ResponseStore, SqliteResponseStore, Stored
 
-    store = ResponseStore(max_count=100, max_bytes=1000)
+    def make():
+        if kind == "memory":
+            return ResponseStore(max_count=4, max_bytes=1000)
+        return SqliteResponseStore(str(tmp_path / "r.sqlite"), max_count=4, max_bytes=1000)
+
+    store = make()
+    messages = [ChatMessageIn("user", "hi"), ChatMessageIn("assistant", "hello")]
     for i in range(10):
-        store.put(f"r{i}", _Stored({"id": f"r{i}"}, [], None, None, 300))
-    assert list(store.items) == ["r7", "r8", "r9"] and store.bytes == 900
+        store.put(f"r{i}", Stored({"id": f"r{i}"}, messages, f"r{i - 1}", "salt" if i == 9 else None, 300))
+    assert [i for i in range(10) if store.get(f"r{i}", "salt" if i == 9 else None)] == [7, 8, 9]
+    assert store.get("r9", None) is None and store.get("r8", "salt") is None
+    got = store.get("r8", None)
+    assert (got.response, got.messages, got.previous, got.size) == ({"id": "r8"}, messages, "r7", 300)
     store.pop("r8")
-    assert store.bytes == 600 and store.get("r9", None) is not None and store.get("r9", "other") is None
+    assert store.get("r8", None) is None
+    for i in range(20, 26):  # the count bound: 4 at most
+        store.put(f"r{i}", Stored({}, [], None, None, 1))
+    assert [i for i in range(20, 26) if store.get(f"r{i}", None)] == [22, 23, 24, 25]
+    if kind == "sqlite":  # another process's handle on the same file sees the same responses
+        assert make().get("r25", None) is not None

@@ -64,6 +64,16 @@ def test_dp_size_two_behind_the_router(tiny_llama):
         ]:
             r = httpx.post(f"{srv.url}{route}", json={"model": str(tiny_llama), **body}, timeout=60)
             assert r.status_code == 200, r.text
+        # The Responses API: a follow-up finds its previous response on whichever replica the
+        # router picks, in the store the replicas share (each replica's own memory found 1 in 6
+        # follow-ups through smg). Here each turn goes to the other replica directly.
+        ask = {"model": str(tiny_llama), "input": "Hi", "max_output_tokens": 3}
+        previous = httpx.post(f"{srv.url}/v1/responses", json=ask, timeout=60).json()["id"]
+        for turn in range(4):
+            follow = {**ask, "previous_response_id": previous}
+            r = httpx.post(f"{replicas[turn % 2]}/v1/responses", json=follow, timeout=60)
+            assert r.status_code == 200, r.text
+            previous = r.json()["id"]
 
         before = [httpx.get(f"{u}/server_info").json()["scheduler"] for u in replicas]
         rng = random.Random(0)

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -29,43 +27,10 @@ from minisgl.api.base import Run, merge, read_body
 from minisgl.api.fields import RESPONSES
 from minisgl.api.openai import OpenAIRoutes, _usage
 from minisgl.api.protocol import BadRequest, ChatMessageIn, FunctionCallIn, ToolCallIn
+from minisgl.api.response_store import MAX_STORED, Stored, open_store
 from minisgl.api.responses_request import ResponsesRequest
 
-MAX_STORED = 4096
-MAX_STORED_BYTES = 256 << 20  # their JSON together: a count alone let large bodies grow the process
 _encoder = msgspec.json.Encoder()
-
-
-@dataclass
-class _Stored:
-    response: dict[str, Any]
-    messages: list[ChatMessageIn]  # this response's input and its answer, as chat messages
-    previous: str | None
-    salt: str | None  # the tenant's cache_salt: only requests with the same one see it
-    size: int  # bytes it holds, about: its response and messages as JSON
-
-
-class ResponseStore:
-    """Stored responses, oldest first, within a count and a byte bound; each found only under
-    its tenant's salt."""
-
-    def __init__(self, max_count: int = MAX_STORED, max_bytes: int = MAX_STORED_BYTES):
-        self.max_count, self.max_bytes = max_count, max_bytes
-        self.items: OrderedDict[str, _Stored] = OrderedDict()
-        self.bytes = 0
-
-    def put(self, rid: str, stored: _Stored) -> None:
-        self.items[rid] = stored
-        self.bytes += stored.size
-        while len(self.items) > self.max_count or self.bytes > self.max_bytes:
-            self.bytes -= self.items.popitem(last=False)[1].size
-
-    def get(self, rid: str, salt: str | None) -> _Stored | None:
-        stored = self.items.get(rid)
-        return stored if stored is not None and stored.salt == salt else None
-
-    def pop(self, rid: str) -> None:
-        self.bytes -= self.items.pop(rid).size
 
 
 def _id(prefix: str) -> str:
@@ -246,7 +211,7 @@ class _Events:
 class ResponsesRoutes(OpenAIRoutes):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self.stored = ResponseStore()
+        self.stored = open_store(self.args.responses_store)
 
     def _history(self, previous: str | None, salt: str | None) -> list[ChatMessageIn]:
         """The messages of the responses ``previous`` continues, oldest first."""
@@ -257,7 +222,6 @@ class ResponsesRoutes(OpenAIRoutes):
                 raise BadRequest(
                     f"previous_response_id {previous!r} is not a stored response (this server keeps "
                     f"the latest {MAX_STORED})",
-                    status=404,
                     param="previous_response_id",
                 )
             chain.append(stored.messages)
@@ -319,7 +283,7 @@ class ResponsesRoutes(OpenAIRoutes):
         if body.store and status != "cancelled":
             messages = own + [_answer(items)]
             size = len(_encoder.encode(response)) + len(_encoder.encode(messages))
-            stored = _Stored(response, messages, body.previous_response_id, body.cache_salt, size)
+            stored = Stored(response, messages, body.previous_response_id, body.cache_salt, size)
             self.stored.put(response["id"], stored)
         return response
 
@@ -354,7 +318,7 @@ class ResponsesRoutes(OpenAIRoutes):
 
         return self._stream(runs, events())
 
-    def _stored(self, request: Request) -> _Stored:
+    def _stored(self, request: Request) -> Stored:
         rid = request.path_params["response_id"]
         stored = self.stored.get(rid, request.query_params.get("cache_salt"))
         if stored is None:
