@@ -544,7 +544,8 @@ def test_disk_files_are_reached_only_inside_the_folder(tmp_path):
     store.write_from(keys[0], 0, page)
     assert store.find(keys[:1], nbytes) == 1
     out = memoryview(bytearray(nbytes))
-    store.read_into(keys[0], 0, out)
+    [token] = store.stage(keys[:1], nbytes)
+    store.read_staged(token, 0, out)
     assert bytes(out) == bytes(page)
 
     # A page file that is a link to a good file outside: not found, not read, the target kept.
@@ -554,9 +555,7 @@ def test_disk_files_are_reached_only_inside_the_folder(tmp_path):
     store.path(keys[1], 0).parent.mkdir(exist_ok=True)
     store.path(keys[1], 0).symlink_to(outside / "secret")
     assert not store.exists(keys[1]) and store.find(keys[1:2], nbytes) == 0
-    assert (outside / "secret").is_file()
-    with pytest.raises(OSError):
-        store.read_into(keys[1], 0, out)
+    assert store.stage(keys[1:2], nbytes) == [] and (outside / "secret").is_file()
 
     # A subfolder that is a link: nothing is written through it.
     sub = store.path(keys[2], 0).parent
@@ -576,22 +575,31 @@ def test_disk_files_are_reached_only_inside_the_folder(tmp_path):
     assert store.find(keys[3:4], nbytes) == 0 and time.perf_counter() - start < 1.0
 
 
-def test_a_file_changed_after_the_check_is_refused_by_the_reader(tmp_path):
-    """The worker checks the bytes it reads: a page rewritten (here with a forged checksum for
-    other content) after the scheduler's check raises instead of loading."""
-    import struct
+def test_a_file_changed_after_the_check_never_reaches_the_model(tmp_path):
+    """The scheduler stages the bytes it checked: a page rewritten (here with a checksum forged for
+    other content) or cut after the check leaves what the worker reads as it was checked; a page
+    staged for no batch goes with ``unstage``."""
     import zlib
 
     from minisgl.kvcache.disk_store import HEADER, MAGIC
 
     store, keys, nbytes = _store(tmp_path)
-    store.write_from(keys[0], 0, memoryview(bytes(nbytes)))
-    assert store.find(keys[:1], nbytes) == 1
+    good = bytes(range(nbytes))
+    store.write_from(keys[0], 0, memoryview(good))
+    [token] = store.stage(keys[:1], nbytes)
     forged = bytes([7]) * nbytes
-    store.path(keys[0], 0).write_bytes(HEADER.pack(MAGIC, keys[0], nbytes, zlib.crc32(forged)) + forged[:-1])
-    with pytest.raises(OSError, match="changed"):
-        store.read_into(keys[0], 0, memoryview(bytearray(nbytes)))
-    assert struct.calcsize("<8s32sQI") == HEADER.size
+    store.path(keys[0], 0).write_bytes(HEADER.pack(MAGIC, keys[0], nbytes, zlib.crc32(forged)) + forged)
+    out = memoryview(bytearray(nbytes))
+    store.read_staged(token, 0, out)
+    assert bytes(out) == good
+    with pytest.raises(OSError):  # read once: the staging file is gone
+        store.read_staged(token, 0, out)
+    store.path(keys[0], 0).write_bytes(store.path(keys[0], 0).read_bytes()[:-5])  # cut: not staged
+    assert store.stage(keys[:1], nbytes) == []
+    store.write_from(keys[1], 0, memoryview(good))
+    tokens = store.stage(keys[1:2], nbytes)
+    store.unstage(tokens)
+    assert not any(p.is_file() for p in store.folder.glob(".stage-*/*"))
 
 
 def test_the_storage_folder_is_private_and_must_be_this_users(tmp_path):

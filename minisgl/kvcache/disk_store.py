@@ -8,10 +8,13 @@ never reads them. Each file is a header (magic, key, payload length, CRC-32 of t
 one host page's bytes; it is written to a temporary name and renamed, so readers never see half
 a file, and a file whose header or checksum does not match is skipped and removed.
 
-The scheduler finds and checks pages (``find``); the worker moves bytes (``read_into`` before
-loading, checking again what it read; ``write_from`` in the background once a page's host copy is
-done). Files are reached only through the folder itself: the folder is private (0700) and must
-belong to this user, subfolders and files are opened without following links, a file must be a
+The scheduler finds pages and stages the ones a batch reads (``stage``: each file checked, and
+the bytes it checked copied to a private staging file of this process, so a file changed or cut
+after the check cannot reach the model); the worker reads the staged bytes into host pages
+(``read_staged``) and writes pages behind once their host copy is done (``write_from``).
+
+Files are reached only through the folder itself: the folder is private (0700) and must belong to
+this user, subfolders and files are opened without following links, a file must be a
 regular file of exactly a page's size before a byte is read, so nothing outside the folder is read
 or written and no file can make a reader load more than a page.
 """
@@ -60,6 +63,7 @@ class DiskStore:
         self._fd = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         self.tp_size = tp_size
         self.corrupt = 0  # files found bad and removed
+        self._stage: str | None = None
 
     def path(self, key: bytes, rank: int) -> Path:
         name = key.hex()
@@ -136,6 +140,55 @@ class DiskStore:
                 return n
         return len(keys)
 
+    def stage(self, keys: list[bytes], page_bytes: int) -> list[bytes]:
+        """Staging tokens for the longest run of ``keys`` with a good file for every rank: each
+        file is read and checked once, and the bytes checked are written to this process's
+        staging folder, where ``read_staged`` takes them (the worker never reads a store file)."""
+        tokens: list[bytes] = []
+        for key in keys:
+            pages = [self._read(key, r, page_bytes) for r in range(self.tp_size)]
+            if not all(p is not None and self._valid(p, key, page_bytes) for p in pages):
+                for r, p in enumerate(pages):
+                    if p is not None:  # a file of the right size that failed its check
+                        self.corrupt += 1
+                        self._remove(key, r)
+                break
+            token = f"{self._stage_dir}/{uuid.uuid4().hex}".encode()
+            for r, p in enumerate(pages):
+                fd = os.open(
+                    self._staged_name(token, r),
+                    os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
+                    0o600,
+                    dir_fd=self._fd,
+                )
+                with os.fdopen(fd, "wb") as f:
+                    f.write(memoryview(p)[HEADER.size :])
+            tokens.append(token)
+        return tokens
+
+    def unstage(self, tokens: list[bytes]) -> None:
+        """Drop staged pages that no batch will read."""
+        for token in tokens:
+            for r in range(self.tp_size):
+                try:
+                    os.unlink(self._staged_name(token, r), dir_fd=self._fd)
+                except OSError:
+                    pass
+
+    @property
+    def _stage_dir(self) -> str:
+        """This process's staging folder (made on first use, inside the store's folder)."""
+        if self._stage is None:
+            self._stage = f".stage-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            os.mkdir(self._stage, 0o700, dir_fd=self._fd)
+        return self._stage
+
+    def _staged_name(self, token: bytes, rank: int) -> str:
+        name = f"{token.decode()}.r{rank}"
+        if name.startswith("/") or ".." in name or name.count("/") != 1 or not name.startswith(".stage-"):
+            raise OSError(f"not a staging name: {name!r}")
+        return name
+
     def exists(self, key: bytes) -> bool:
         """Whether every rank's file of ``key`` is there as a regular file (links do not count)."""
         try:
@@ -155,13 +208,16 @@ class DiskStore:
 
     # ---- the worker's side --------------------------------------------------------------------
 
-    def read_into(self, key: bytes, rank: int, out: memoryview) -> None:
-        """The payload of a file ``find`` checked, into ``out`` (one host page's bytes), checked
-        again as read: a file changed or cut since the scheduler's check raises OSError."""
-        data = self._read(key, rank, len(out))
-        if data is None or not self._valid(data, key, len(out)):
-            raise OSError(f"{self.path(key, rank)} changed after it was checked")
-        out[:] = memoryview(data)[HEADER.size :]
+    def read_staged(self, token: bytes, rank: int, out: memoryview) -> None:
+        """The bytes ``stage`` checked, into ``out`` (one host page); the staging file goes."""
+        fd = os.open(self._staged_name(token, rank), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=self._fd)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != len(out) or os.readv(fd, [out]) != len(out):
+                raise OSError(f"staged page {token.decode()}.r{rank} is not one page")
+        finally:
+            os.close(fd)
+            os.unlink(self._staged_name(token, rank), dir_fd=self._fd)
 
     def write_from(self, key: bytes, rank: int, data: memoryview) -> None:
         """Write one page (atomically: a temporary file renamed into place)."""

@@ -56,11 +56,13 @@ class HiRadixCacheManager(RadixCacheManager):
         if stop - start < self.page_size:
             return []
         keys = page_keys(ids, self.page_size, self._disk_keys(node)[-1], start, stop)
-        n = host.disk.find(keys, host.page_bytes)
+        tokens = host.disk.stage(keys, host.page_bytes)
+        n = len(tokens)
         if n and host.allocator.num_free < n:
             self._evict_host(n - host.allocator.num_free)
         pages = host.allocator.alloc(n) if n else None
         if pages is None:
+            host.disk.unstage(tokens)
             return []
         leaf = _Node(ids[start : start + n * self.page_size], None, node, next(self._clock))
         leaf.host, leaf.io_step, leaf.disk_keys = pages, host.step, keys[:n]
@@ -68,7 +70,7 @@ class HiRadixCacheManager(RadixCacheManager):
         self._num_nodes += 1
         self._maybe_host_evictable(leaf)
         host.owner.update(zip(pages, keys))
-        host.read_from_disk(keys[:n], pages)
+        host.read_from_disk(tokens, pages)
         return [leaf]
 
     def load(self, nodes: list[_Node], pages: list[int]) -> None:

@@ -29,7 +29,7 @@ from minisgl.kvcache.mha_pool import MHAKVCache
 
 logger = logging.getLogger(__name__)
 
-Keyed = tuple[list[bytes], list[int]]  # (keys, host pages) of disk reads or writes
+Keyed = tuple[list[bytes], list[int]]  # (staging tokens or keys, host pages) of disk reads or writes
 
 
 def _unregister(ops: object, buffer: torch.Tensor) -> None:
@@ -105,8 +105,8 @@ class HostKVPool:
         if disk_reads[0]:
             if self.on_cuda:
                 self.stream.synchronize()  # earlier copies into these host pages are done
-            for key, page in zip(*disk_reads):
-                self.disk.read_into(key, self.rank, self.page_bytes(page))
+            for token, page in zip(*disk_reads):
+                self.disk.read_staged(token, self.rank, self.page_bytes(page))
 
     def transfer(
         self,
