@@ -60,6 +60,7 @@ class EngineArgs:
     disable_radix_cache: bool = False
     schedule_policy: str = "lpm"
     disable_overlap_schedule: bool = False
+    enable_mixed_chunk: bool = False  # a prefill step also decodes one token for every running request
     disable_cascade_attention: bool = False  # decode reads shared prefixes once per group (radix cache only)
     cuda_graph_max_bs: int | None = None  # None: max_running_requests; 0 disables graphs
     disable_cuda_graph: bool = False
@@ -456,6 +457,13 @@ def add_engine_args(ap: argparse.ArgumentParser) -> dict[str, argparse._Argument
     )
     sched.add_argument(
         "--disable-overlap-schedule", action="store_true", help="wait for each step's tokens before scheduling the next"
+    )
+    sched.add_argument(
+        "--enable-mixed-chunk",
+        action="store_true",
+        help="a prefill step also decodes one token for every running request (SGLang's flag), so an "
+        "arriving prompt does not stall the running ones; such steps run as prefill steps (piecewise "
+        "graphs, no cascade)",
     )
     sched.add_argument(
         "--disable-cascade-attention",

@@ -35,7 +35,6 @@ INERT: dict[str, tuple[int, str]] = {
 }
 # flag -> (takes, why not); refused with the reason.
 REFUSED: dict[str, tuple[int, str]] = {
-    "--enable-mixed-chunk": (SWITCH, "mixed chunked prefill is not built: prefill chunks run as batches of their own"),
     "--is-embedding": (SWITCH, "embedding models are not served (generation models only)"),
     "--enable-custom-logit-processor": (SWITCH, "custom logit processors (code sent by requests) are not run"),
     "--tool-server": (ONE, "built-in tool servers are not supported: send tools in the request"),

@@ -303,3 +303,32 @@ def test_offline_cache_salt_keeps_prefixes_apart(tiny_llama):
     assert first["meta_info"]["cached_tokens"] == 0 and other["meta_info"]["cached_tokens"] == 0
     assert again["meta_info"]["cached_tokens"] > 0
     assert plain["output_ids"] == first["output_ids"] == again["output_ids"] == other["output_ids"]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_mixed_chunks_keep_tokens(tiny_llama, overlap):
+    """--enable-mixed-chunk: while long prompts prefill chunk by chunk, the requests already past
+    their prefill decode in the same steps; greedy and seeded tokens equal the unmixed run's,
+    with the radix cache's integrity checked after every step (CheckedLLM)."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in (20, 700, 45, 500, 9, 300)]
+    prompts += shared_prefix_prompts(2, 3, 150, seed=2)
+    params = [
+        {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}
+        if i % 3
+        else {"max_new_tokens": 24, "temperature": 0.9, "seed": i, "ignore_eos": True}
+        for i in range(len(prompts))
+    ]
+    outs, stats = [], []
+    for mixed in (False, True):
+        llm = make_llm(
+            tiny_llama,
+            page_size=4,
+            chunked_prefill_size=64,
+            enable_mixed_chunk=mixed,
+            disable_overlap_schedule=not overlap,
+        )
+        outs.append([r["output_ids"] for r in llm.generate(prompts, params)])
+        stats.append(llm.scheduler.stats())
+    assert outs[1] == outs[0]
+    assert stats[0]["mixed_steps"] == 0 and stats[1]["mixed_steps"] > 5

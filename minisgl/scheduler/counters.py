@@ -16,3 +16,4 @@ class Counters:
     prefill_tokens: int = 0  # prompt tokens computed (not served from the cache)
     decode_steps: int = 0
     cascade_steps: int = 0  # decode steps that read shared prefixes once per group
+    mixed_steps: int = 0  # prefill steps that also decoded (--enable-mixed-chunk)

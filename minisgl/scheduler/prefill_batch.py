@@ -47,6 +47,24 @@ def prefill_batch(
     return batch, scored, routed
 
 
+def mixed_batch(prefill: ForwardBatch, decode: ForwardBatch) -> ForwardBatch:
+    """One step of both (--enable-mixed-chunk): the prefill chunk's rows, then the decode step's
+    one row per request. Without cascade groups: attention reads each decode row's pages whole,
+    as a prefill step reads every row's."""
+    tokens, sampled = len(prefill.input_ids), sum(prefill.sample)
+    prefill.slots += decode.slots
+    prefill.cached_lens += decode.cached_lens
+    prefill.new_lens += decode.new_lens
+    prefill.input_ids += decode.input_ids
+    prefill.sample += decode.sample
+    prefill.table_slots += decode.table_slots
+    prefill.table_cols += decode.table_cols
+    prefill.table_pages += decode.table_pages
+    prefill.mask_rows += [sampled + i for i in decode.mask_rows]
+    prefill.route_rows += [tokens + i for i in decode.route_rows]
+    return prefill
+
+
 def write_table(batch: ForwardBatch, req: Req) -> None:
     """Add the request's pages not yet in the worker's page table to the batch's writes (list
     operations in C: a request's first chunk writes its whole prompt's pages, 8192 tokens' worth

@@ -38,7 +38,7 @@ from minisgl.scheduler.grammar import GrammarBackend
 from minisgl.scheduler.output import apply_output, record_routed
 from minisgl.scheduler.pages import Memory
 from minisgl.scheduler.prefill import PrefillPlanner
-from minisgl.scheduler.prefill_batch import prefill_batch
+from minisgl.scheduler.prefill_batch import mixed_batch, prefill_batch
 from minisgl.scheduler.queue import WaitingQueue
 from minisgl.scheduler.request import Req, ReqEvent
 from minisgl.utils import cdiv, context_overflow
@@ -85,6 +85,10 @@ class Executor(Protocol):
 # of each scored prompt row, the token ids scored at each of those rows, and its step number.
 # Last: the (request, position) of each row whose routed experts come back.
 Inflight = tuple[list[Req], list[tuple[Req, int]], list[int], int, list[tuple[Req, int]]]
+
+
+class _NoRoom(Exception):
+    """A mixed step's decode rows found no free pages (nothing was reserved)."""
 
 
 class Scheduler(ControlPlane):
@@ -393,6 +397,7 @@ class Scheduler(ControlPlane):
         if self.held:
             return None, [], [], [], False
         while True:
+            decoders = list(self.decoding)  # (before this step's last chunks join them)
             entries, admitted = self.prefill.schedule(self.prefilling, self.waiting, c.steps, len(self.decoding))
             for req in admitted:
                 self.waiting.remove(req)
@@ -407,7 +412,15 @@ class Scheduler(ControlPlane):
                     self.memory.host.wait_for_loads()
                 batch, scored, routed = prefill_batch(entries, self.eos_ids)
                 c.prefill_tokens += len(batch.input_ids)
-                return batch, [req for req, _, sample in entries if sample], scored, routed, False
+                sampled = [req for req, _, sample in entries if sample]
+                if self.args.enable_mixed_chunk and decoders:
+                    decode = self._mixed_decode(decoders)
+                    if decode is not None:
+                        routed += self.decode.routed(decode)
+                        batch = mixed_batch(batch, decode)
+                        sampled += self.decode.order.reqs
+                        c.mixed_steps += 1
+                return batch, sampled, scored, routed, False
             batch = self.decode.schedule(self.decoding, lambda: self._retract(self.running[-1]))
             if batch is not None:
                 c.decode_steps += 1
@@ -417,6 +430,18 @@ class Scheduler(ControlPlane):
                 return None, [], [], [], False
             # Every running request is mid-prefill and none could get pages: make room.
             self._retract(self.running[-1])
+
+    def _mixed_decode(self, decoders: list[Req]) -> ForwardBatch | None:
+        """The decode rows a prefill step carries, or None when their pages are not free: a
+        mixed step retracts nobody (the newest request may be in this very chunk)."""
+
+        def no_room() -> None:
+            raise _NoRoom
+
+        try:
+            return self.decode.schedule(decoders, no_room)
+        except _NoRoom:
+            return None
 
     def _process(self, inflight: Inflight) -> list[Req]:
         sampled, scored, score_ids, step, routed = inflight
@@ -459,6 +484,7 @@ class Scheduler(ControlPlane):
             "prefill_steps": c.steps - c.decode_steps,
             "decode_steps": c.decode_steps,
             "cascade_steps": c.cascade_steps,
+            "mixed_steps": c.mixed_steps,
         }
 
     def check_integrity(self) -> None:
