@@ -542,7 +542,6 @@ def test_disk_files_are_reached_only_inside_the_folder(tmp_path):
     store, keys, nbytes = _store(tmp_path)
     page = memoryview(bytearray(range(nbytes)))
     store.write_from(keys[0], 0, page)
-    assert store.find(keys[:1], nbytes) == 1
     out = memoryview(bytearray(nbytes))
     [token] = store.stage(keys[:1], nbytes)
     store.read_staged(token, 0, out)
@@ -554,8 +553,8 @@ def test_disk_files_are_reached_only_inside_the_folder(tmp_path):
     (outside / "secret").write_bytes(store.path(keys[0], 0).read_bytes())
     store.path(keys[1], 0).parent.mkdir(exist_ok=True)
     store.path(keys[1], 0).symlink_to(outside / "secret")
-    assert not store.exists(keys[1]) and store.find(keys[1:2], nbytes) == 0
-    assert store.stage(keys[1:2], nbytes) == [] and (outside / "secret").is_file()
+    assert not store.exists(keys[1]) and store.stage(keys[1:2], nbytes) == []
+    assert (outside / "secret").is_file()
 
     # A subfolder that is a link: nothing is written through it.
     sub = store.path(keys[2], 0).parent
@@ -572,7 +571,7 @@ def test_disk_files_are_reached_only_inside_the_folder(tmp_path):
     with open(big, "wb") as f:
         f.truncate(8 << 30)
     start = time.perf_counter()
-    assert store.find(keys[3:4], nbytes) == 0 and time.perf_counter() - start < 1.0
+    assert store.stage(keys[3:4], nbytes) == [] and time.perf_counter() - start < 1.0
 
 
 def test_a_file_changed_after_the_check_never_reaches_the_model(tmp_path):

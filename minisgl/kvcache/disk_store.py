@@ -123,23 +123,6 @@ class DiskStore:
         finally:
             os.close(d)
 
-    def _check(self, key: bytes, rank: int, page_bytes: int) -> bool:
-        """Whether the file of this key and rank is whole and matches its checksum (a bad one
-        is removed and counted)."""
-        data = self._read(key, rank, page_bytes)
-        ok = data is not None and self._valid(data, key, page_bytes)
-        if not ok:
-            self.corrupt += 1
-            self._remove(key, rank)
-        return ok
-
-    def find(self, keys: list[bytes], page_bytes: int) -> int:
-        """How many of ``keys``, in order, have a good file for every rank."""
-        for n, key in enumerate(keys):
-            if not self.exists(key) or not all(self._check(key, r, page_bytes) for r in range(self.tp_size)):
-                return n
-        return len(keys)
-
     def stage(self, keys: list[bytes], page_bytes: int) -> list[bytes]:
         """Staging tokens for the longest run of ``keys`` with a good file for every rank: each
         file is read and checked once, and the bytes checked are written to this process's
@@ -147,9 +130,10 @@ class DiskStore:
         tokens: list[bytes] = []
         for key in keys:
             pages = [self._read(key, r, page_bytes) for r in range(self.tp_size)]
-            if not all(p is not None and self._valid(p, key, page_bytes) for p in pages):
-                for r, p in enumerate(pages):
-                    if p is not None:  # a file of the right size that failed its check
+            bad = [r for r, p in enumerate(pages) if p is None or not self._valid(p, key, page_bytes)]
+            if bad:
+                for r in bad:  # there but not a good page (cut, corrupt, a link): removed, counted
+                    if self._entry(key, r):
                         self.corrupt += 1
                         self._remove(key, r)
                 break
@@ -188,6 +172,20 @@ class DiskStore:
         if name.startswith("/") or ".." in name or name.count("/") != 1 or not name.startswith(".stage-"):
             raise OSError(f"not a staging name: {name!r}")
         return name
+
+    def _entry(self, key: bytes, rank: int) -> bool:
+        """Whether anything (a file, a link) is at the key's name for this rank."""
+        try:
+            d = self._dir(key)
+        except OSError:
+            return False
+        try:
+            os.stat(f"{key.hex()}.r{rank}", dir_fd=d, follow_symlinks=False)
+            return True
+        except OSError:
+            return False
+        finally:
+            os.close(d)
 
     def exists(self, key: bytes) -> bool:
         """Whether every rank's file of ``key`` is there as a regular file (links do not count)."""
