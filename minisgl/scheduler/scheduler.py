@@ -397,7 +397,8 @@ class Scheduler(ControlPlane):
         if self.held:
             return None, [], [], [], False
         while True:
-            decoders = list(self.decoding)  # (before this step's last chunks join them)
+            # Those decoding before this step's last chunks join them (a mixed step decodes them).
+            decoders = list(self.decoding) if self.args.enable_mixed_chunk else []
             entries, admitted = self.prefill.schedule(self.prefilling, self.waiting, c.steps, len(self.decoding))
             for req in admitted:
                 self.waiting.remove(req)
@@ -413,7 +414,7 @@ class Scheduler(ControlPlane):
                 batch, scored, routed = prefill_batch(entries, self.eos_ids)
                 c.prefill_tokens += len(batch.input_ids)
                 sampled = [req for req, _, sample in entries if sample]
-                if self.args.enable_mixed_chunk and decoders:
+                if decoders:
                     decode = self._mixed_decode(decoders)
                     if decode is not None:
                         routed += self.decode.routed(decode)
