@@ -75,17 +75,20 @@ class PrefillPlanner:
         return req, end - start, end == target
 
     def schedule(
-        self, prefilling: list[Req], queue: WaitingQueue, step: int, decoding: int
+        self, prefilling: list[Req], queue: WaitingQueue, step: int, decoding: int, reserve: int = 0
     ) -> tuple[list[Entry], list[Req]]:
         """This step's prefill chunks, and the requests it admitted from the queue (now holding
-        a slot; the caller takes them off the queue). ``decoding``: requests past their prefill.
+        a slot; the caller takes them off the queue). ``decoding``: requests past their prefill;
+        ``reserve``: tokens of the step's budget its decode rows take (--enable-mixed-chunk), so a
+        mixed step keeps near the budget (and the piecewise graphs' sizes).
 
         While a large batch decodes, new requests wait until a few slots are free together, then
         fill them all (over several steps if the token budget says so): a prefill step costs
         about a decode step whatever it computes, and with thousands of requests finishing a few
         per step, admitting each handful at once made a third of the steps prefills of a few
         tokens (repeated sampling: each sample's last partial page)."""
-        budget, entries, admitted = self.budget, [], []
+        # (at most half of it: prefill keeps moving however many requests decode)
+        budget, entries, admitted = self.budget - min(reserve, self.budget // 2), [], []
         for req in prefilling:
             if budget <= 0:
                 return entries, admitted

@@ -399,7 +399,9 @@ class Scheduler(ControlPlane):
         while True:
             # Those decoding before this step's last chunks join them (a mixed step decodes them).
             decoders = list(self.decoding) if self.args.enable_mixed_chunk else []
-            entries, admitted = self.prefill.schedule(self.prefilling, self.waiting, c.steps, len(self.decoding))
+            entries, admitted = self.prefill.schedule(
+                self.prefilling, self.waiting, c.steps, len(self.decoding), reserve=len(decoders)
+            )
             for req in admitted:
                 self.waiting.remove(req)
                 self.running.append(req)
