@@ -328,7 +328,11 @@ def test_mixed_chunks_keep_tokens(tiny_llama, overlap):
             enable_mixed_chunk=mixed,
             disable_overlap_schedule=not overlap,
         )
+        sizes: list[int] = []
+        launch = llm.scheduler.executor.launch
+        llm.scheduler.executor.launch = lambda batch: (sizes.append(len(batch.input_ids)), launch(batch))[1]
         outs.append([r["output_ids"] for r in llm.generate(prompts, params)])
         stats.append(llm.scheduler.stats())
+        assert max(sizes) <= 64  # decode rows come out of the step's token budget
     assert outs[1] == outs[0]
     assert stats[0]["mixed_steps"] == 0 and stats[1]["mixed_steps"] > 5
