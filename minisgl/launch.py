@@ -30,7 +30,7 @@ import zmq
 
 from minisgl.api.client import EngineClient
 from minisgl.api.connections import HeaderTimeoutProtocol
-from minisgl.api.server import create_app
+from minisgl.api.server import LOOPBACK, create_app
 from minisgl.args import ServerArgs, build_parser, normalize_engine_args
 from minisgl.data_parallel import DataParallelLauncher
 from minisgl.ipc import (
@@ -68,7 +68,7 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
             "--dp-size starts replicas on this host only; for replicas on several hosts, start one server "
             "per host and one smg router over them (README: scale-out)"
         )
-    if ns.enable_weight_update_from_tensor and not ns.api_key and ns.host not in ("127.0.0.1", "localhost", "::1"):
+    if ns.enable_weight_update_from_tensor and not ns.api_key and ns.host not in LOOPBACK:
         ap.error(f"--enable-weight-update-from-tensor on {ns.host} needs --api-key: its payload is unpickled")
     for name in ("trust_remote_code", "enable_metrics", "enable_cache_report", "skip_server_warmup"):
         delattr(ns, name)

@@ -191,15 +191,18 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
-    """Elementwise maximum over the ranks of a float32 tensor of non-negative values (amaxes):
-    each rank writes its row of a zeroed table and the table is summed, so the one-shot
-    all-reduce serves it as it serves sums."""
-    if _TP.size == 1:
-        return x
+def stack_over_ranks(x: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``x``, stacked [tp, *x.shape]: each rank writes its row of a zeroed table and
+    the table is summed (exact: each entry has one nonzero term), so the one-shot all-reduce
+    serves it as it serves sums."""
     table = x.new_zeros(_TP.size, *x.shape)
     table[_TP.rank] = x
-    return all_reduce(table).amax(dim=0)
+    return all_reduce(table)
+
+
+def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
+    """Elementwise maximum over the ranks (amaxes of activations)."""
+    return x if _TP.size == 1 else stack_over_ranks(x).amax(dim=0)
 
 
 def argmax_over_ranks(local: torch.Tensor, start: int, valid: int) -> torch.Tensor:
@@ -215,12 +218,8 @@ def argmax_over_ranks(local: torch.Tensor, start: int, valid: int) -> torch.Tens
         ids = torch.zeros_like(values, dtype=torch.int64)
     if _TP.size == 1:
         return ids + start if start else ids
-    # Every rank writes its row of a zeroed table and the table is summed: exact in float32
-    # (ids stay below 2**24), and the one-shot all-reduce serves it.
-    table = values.new_zeros(_TP.size, 2, len(values))
-    table[_TP.rank, 0] = values
-    table[_TP.rank, 1] = (ids + start).float()
-    table = all_reduce(table)
+    # Each rank's best values and ids, stacked (ids travel as float32: exact below 2**24).
+    table = stack_over_ranks(torch.stack([values, (ids + start).float()]))
     best = table[:, 0].argmax(dim=0, keepdim=True)  # the first (lowest) rank on a tie
     return table[:, 1].gather(0, best).squeeze(0).long()
 

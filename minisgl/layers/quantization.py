@@ -175,10 +175,8 @@ def fp8_linear(
     if act.data.is_cuda and act.dtype in (torch.float16, torch.bfloat16) and act.data.shape[0] > 0:
         from minisgl.kernels.fp8 import block_matmul
 
-        if out_dtype is not None:
-            out = block_matmul(act.data, act.scale, weight, scale, block, out_dtype)
-        elif block is not None:
-            out = block_matmul(act.data, act.scale, weight, scale, block, act.dtype)
+        if block is not None or out_dtype is not None:
+            out = block_matmul(act.data, act.scale, weight, scale, block, out_dtype or act.dtype)
         else:
             rows = act.data.shape[0]
             tuned, config = tuned_gemm(rows, *weight.shape, gpu_name(act.data.device.index))
