@@ -279,6 +279,15 @@ class NativeRoutes(ApiBase):
             return error_response(400, str(reply.data.get("error", "flush refused")))
         return JSONResponse({"success": True})
 
+    def _profile_dir(self) -> str:
+        """Where traces go; profiling is off (403) without --profile-dir or SGLang's variable."""
+        root = self.args.profile_dir or os.environ.get("SGLANG_TORCH_PROFILER_DIR")
+        if not root:
+            raise BadRequest(
+                "profiling is off: start the server with --profile-dir (or SGLANG_TORCH_PROFILER_DIR)", status=403
+            )
+        return root
+
     async def start_profile(self, request: Request) -> Response:
         """SGLang's /start_profile: every worker records a torch profiler trace (Chrome format,
         one per rank, plus a table of the kernels by time) until /stop_profile or num_steps."""
@@ -289,17 +298,15 @@ class NativeRoutes(ApiBase):
             return error_response(400, f"activities: unknown {unknown} (CPU, GPU)", param="activities")
         if body.num_steps is not None and body.num_steps < 1:
             return error_response(400, f"num_steps must be >= 1, got {body.num_steps}", param="num_steps")
-        root = self.args.profile_dir or os.environ.get("SGLANG_TORCH_PROFILER_DIR")
-        if not root:
-            return error_response(
-                403, "profiling is off: start the server with --profile-dir (or SGLANG_TORCH_PROFILER_DIR)"
-            )
+        root = self._profile_dir()
         # Traces go under that directory: a client's output_dir must resolve inside it, and every
         # part of it and the prefix be plain names (a client could write anywhere the server may).
-        for param, value in (("output_dir", body.output_dir), ("profile_prefix", body.profile_prefix)):
-            parts = [] if not value else value.split(os.sep) if param == "output_dir" else [value]
-            bad = next((p for p in parts if p and not plain_name(p)), None)
-            if bad is not None or (param == "profile_prefix" and parts and not parts[0]):
+        for param, parts in (
+            ("output_dir", (body.output_dir or "").split(os.sep)),
+            ("profile_prefix", [body.profile_prefix or ""]),
+        ):
+            if any(p and not plain_name(p) for p in parts):
+                value = getattr(body, param)
                 return error_response(400, f"{param} must be made of plain names, got {value!r}", param=param)
         root = os.path.realpath(root)
         output_dir = os.path.realpath(os.path.join(root, body.output_dir or ""))
@@ -317,8 +324,7 @@ class NativeRoutes(ApiBase):
         return Response(f"Start profiling (traces go to {profile.output_dir}).\n")
 
     async def stop_profile(self, request: Request) -> Response:
-        if not (self.args.profile_dir or os.environ.get("SGLANG_TORCH_PROFILER_DIR")):
-            return error_response(403, "profiling is off: start the server with --profile-dir")
+        self._profile_dir()
         await self.client.control("profile", profile=ProfileReq(False))
         return Response("Stop profiling. This will take some time.\n")
 

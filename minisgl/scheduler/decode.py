@@ -27,8 +27,10 @@ class DecodePlanner:
         self.order = DecodeOrder([])  # the last step's order and cascade groups
         self._key: tuple = ()  # what they were computed from (tree lock epoch, requests)
 
-    def schedule(self, decoding: list[Req], retract_newest: Callable[[], None]) -> ForwardBatch | None:
-        """The decode step's batch (None: nothing to decode), reserving pages for it."""
+    def schedule(self, decoding: list[Req], retract_newest: Callable[[], None] | None) -> ForwardBatch | None:
+        """The decode step's batch (None: nothing to decode), reserving pages for it. Without
+        ``retract_newest`` (a mixed step's decode rows) it is None too when pages are short,
+        with nothing changed."""
         page = self.page_size
         while True:
             reqs = [r for r in decoding if r.kv_len + 1 < r.max_len]
@@ -36,6 +38,8 @@ class DecodePlanner:
             pages = self.memory.alloc(len(needy))
             if pages is not None:
                 break
+            if retract_newest is None:
+                return None
             retract_newest()
         if not reqs:
             return None

@@ -87,10 +87,6 @@ class Executor(Protocol):
 Inflight = tuple[list[Req], list[tuple[Req, int]], list[int], int, list[tuple[Req, int]]]
 
 
-class _NoRoom(Exception):
-    """A mixed step's decode rows found no free pages (nothing was reserved)."""
-
-
 class Scheduler(ControlPlane):
     def __init__(
         self,
@@ -417,7 +413,8 @@ class Scheduler(ControlPlane):
                 c.prefill_tokens += len(batch.input_ids)
                 sampled = [req for req, _, sample in entries if sample]
                 if decoders:
-                    decode = self._mixed_decode(decoders)
+                    # No retraction for them: the newest request may be in this very chunk.
+                    decode = self.decode.schedule(decoders, None)
                     if decode is not None:
                         routed += self.decode.routed(decode)
                         batch = mixed_batch(batch, decode)
@@ -433,18 +430,6 @@ class Scheduler(ControlPlane):
                 return None, [], [], [], False
             # Every running request is mid-prefill and none could get pages: make room.
             self._retract(self.running[-1])
-
-    def _mixed_decode(self, decoders: list[Req]) -> ForwardBatch | None:
-        """The decode rows a prefill step carries, or None when their pages are not free: a
-        mixed step retracts nobody (the newest request may be in this very chunk)."""
-
-        def no_room() -> None:
-            raise _NoRoom
-
-        try:
-            return self.decode.schedule(decoders, no_room)
-        except _NoRoom:
-            return None
 
     def _process(self, inflight: Inflight) -> list[Req]:
         sampled, scored, score_ids, step, routed = inflight
