@@ -266,12 +266,10 @@ def test_the_store_keeps_within_its_bounds(tmp_path, kind):
     """Both stores drop the oldest past the byte bound (and the count), find a response only
     under its salt, and give back what was put; two handles on one SQLite file share it."""
     from minisgl.api.protocol import ChatMessageIn
-    from minisgl.api.response_store import ResponseStore, SqliteResponseStore, Stored
+    from minisgl.api.response_store import ResponseStore, Stored
 
     def make():
-        if kind == "memory":
-            return ResponseStore(max_count=4, max_bytes=1000)
-        return SqliteResponseStore(str(tmp_path / "r.sqlite"), max_count=4, max_bytes=1000)
+        return ResponseStore(":memory:" if kind == "memory" else str(tmp_path / "r.sqlite"), 4, 1000)
 
     store = make()
     messages = [ChatMessageIn("user", "hi"), ChatMessageIn("assistant", "hello")]

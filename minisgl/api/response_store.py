@@ -1,15 +1,14 @@
-"""Where the Responses API keeps stored responses: in the API process's memory, or in a SQLite
+"""Where the Responses API keeps stored responses: SQLite, in the API process's memory or in a
 file that several servers share (``--responses-store``; the ``--dp-size`` replicas share one, so
 a ``previous_response_id`` that the router sends to another replica is still found).
 
-Either keeps the latest ``MAX_STORED`` within ``MAX_STORED_BYTES``, oldest dropped first, and
+It keeps the latest ``MAX_STORED`` within ``MAX_STORED_BYTES``, oldest dropped first, and
 finds a response only under its tenant's ``cache_salt``.
 """
 
 from __future__ import annotations
 
 import sqlite3
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,36 +29,15 @@ class Stored:
     size: int  # bytes it holds, about: its response and messages as JSON
 
 
-class ResponseStore:
-    """Stored responses in this process, oldest first."""
-
-    def __init__(self, max_count: int = MAX_STORED, max_bytes: int = MAX_STORED_BYTES):
-        self.max_count, self.max_bytes = max_count, max_bytes
-        self.items: OrderedDict[str, Stored] = OrderedDict()
-        self.bytes = 0
-
-    def put(self, rid: str, stored: Stored) -> None:
-        self.items[rid] = stored
-        self.bytes += stored.size
-        while len(self.items) > self.max_count or self.bytes > self.max_bytes:
-            self.bytes -= self.items.popitem(last=False)[1].size
-
-    def get(self, rid: str, salt: str | None) -> Stored | None:
-        stored = self.items.get(rid)
-        return stored if stored is not None and stored.salt == salt else None
-
-    def pop(self, rid: str) -> None:
-        self.bytes -= self.items.pop(rid).size
-
-
 _messages = msgspec.json.Decoder(list[ChatMessageIn])
 
 
-class SqliteResponseStore:
-    """Stored responses in a SQLite file (WAL: readers never wait for a writer), shared by every
-    process that opens it; rows are small and local, so calls are made inline."""
+class ResponseStore:
+    """Stored responses in SQLite: in this process's memory (``:memory:``), or in a file (WAL:
+    readers never wait for a writer) shared by every process that opens it. Rows are small and
+    local, so calls are made inline."""
 
-    def __init__(self, path: str, max_count: int = MAX_STORED, max_bytes: int = MAX_STORED_BYTES):
+    def __init__(self, path: str = ":memory:", max_count: int = MAX_STORED, max_bytes: int = MAX_STORED_BYTES):
         self.max_count, self.max_bytes = max_count, max_bytes
         self.db = sqlite3.connect(path, timeout=5.0, isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
@@ -98,7 +76,3 @@ class SqliteResponseStore:
 
     def pop(self, rid: str) -> None:
         self.db.execute("DELETE FROM responses WHERE id = ?", (rid,))
-
-
-def open_store(path: str | None) -> ResponseStore | SqliteResponseStore:
-    return ResponseStore() if path is None else SqliteResponseStore(path)

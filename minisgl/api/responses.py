@@ -27,7 +27,7 @@ from minisgl.api.base import Run, merge, read_body
 from minisgl.api.fields import RESPONSES
 from minisgl.api.openai import OpenAIRoutes, _usage
 from minisgl.api.protocol import BadRequest, ChatMessageIn, FunctionCallIn, ToolCallIn
-from minisgl.api.response_store import MAX_STORED, Stored, open_store
+from minisgl.api.response_store import MAX_STORED, ResponseStore, Stored
 from minisgl.api.responses_request import ResponsesRequest
 
 _encoder = msgspec.json.Encoder()
@@ -211,7 +211,7 @@ class _Events:
 class ResponsesRoutes(OpenAIRoutes):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self.stored = open_store(self.args.responses_store)
+        self.stored = ResponseStore(self.args.responses_store or ":memory:")
 
     def _history(self, previous: str | None, salt: str | None) -> list[ChatMessageIn]:
         """The messages of the responses ``previous`` continues, oldest first."""
