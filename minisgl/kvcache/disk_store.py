@@ -27,6 +27,8 @@ import stat
 import struct
 import uuid
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 MAGIC = b"MSGLKV01"
@@ -79,19 +81,37 @@ class DiskStore:
                 pass
         return os.open(sub, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=self._fd)
 
-    def _read(self, key: bytes, rank: int, page_bytes: int) -> bytes | None:
-        """The file's bytes if it is a regular file of exactly one page's size (its size checked
-        before reading), else None; never through a link, never blocking on a pipe."""
+    @contextmanager
+    def _subdir(self, key: bytes) -> Iterator[int | None]:
+        """The key's subfolder as a descriptor (``_dir``), or None if there is none; closed after."""
         try:
             d = self._dir(key)
         except OSError:
-            return None
+            yield None
+            return
         try:
-            fd = os.open(f"{key.hex()}.r{rank}", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=d)
-        except OSError:
-            return None
+            yield d
         finally:
             os.close(d)
+
+    def _lstat(self, key: bytes, rank: int) -> os.stat_result | None:
+        """What is at the name of this key and rank (a link itself, not its target), if anything."""
+        with self._subdir(key) as d:
+            try:
+                return None if d is None else os.stat(f"{key.hex()}.r{rank}", dir_fd=d, follow_symlinks=False)
+            except OSError:
+                return None
+
+    def _read(self, key: bytes, rank: int, page_bytes: int) -> bytes | None:
+        """The file's bytes if it is a regular file of exactly one page's size (its size checked
+        before reading), else None; never through a link, never blocking on a pipe."""
+        with self._subdir(key) as d:
+            try:
+                if d is None:
+                    return None
+                fd = os.open(f"{key.hex()}.r{rank}", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=d)
+            except OSError:
+                return None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_size != HEADER.size + page_bytes:
@@ -112,16 +132,10 @@ class DiskStore:
         )
 
     def _remove(self, key: bytes, rank: int) -> None:
-        try:
-            d = self._dir(key)
-        except OSError:
-            return
-        try:
-            os.unlink(f"{key.hex()}.r{rank}", dir_fd=d)
-        except OSError:
-            pass
-        finally:
-            os.close(d)
+        with self._subdir(key) as d:
+            if d is not None:
+                with suppress(OSError):
+                    os.unlink(f"{key.hex()}.r{rank}", dir_fd=d)
 
     def stage(self, keys: list[bytes], page_bytes: int) -> list[bytes]:
         """Staging tokens for the longest run of ``keys`` with a good file for every rank: each
@@ -133,7 +147,7 @@ class DiskStore:
             bad = [r for r, p in enumerate(pages) if p is None or not self._valid(p, key, page_bytes)]
             if bad:
                 for r in bad:  # there but not a good page (cut, corrupt, a link): removed, counted
-                    if self._entry(key, r):
+                    if self._lstat(key, r) is not None:
                         self.corrupt += 1
                         self._remove(key, r)
                 break
@@ -154,10 +168,8 @@ class DiskStore:
         """Drop staged pages that no batch will read."""
         for token in tokens:
             for r in range(self.tp_size):
-                try:
+                with suppress(OSError):
                     os.unlink(self._staged_name(token, r), dir_fd=self._fd)
-                except OSError:
-                    pass
 
     @property
     def _stage_dir(self) -> str:
@@ -173,36 +185,9 @@ class DiskStore:
             raise OSError(f"not a staging name: {name!r}")
         return name
 
-    def _entry(self, key: bytes, rank: int) -> bool:
-        """Whether anything (a file, a link) is at the key's name for this rank."""
-        try:
-            d = self._dir(key)
-        except OSError:
-            return False
-        try:
-            os.stat(f"{key.hex()}.r{rank}", dir_fd=d, follow_symlinks=False)
-            return True
-        except OSError:
-            return False
-        finally:
-            os.close(d)
-
     def exists(self, key: bytes) -> bool:
         """Whether every rank's file of ``key`` is there as a regular file (links do not count)."""
-        try:
-            d = self._dir(key)
-        except OSError:
-            return False
-        try:
-            for r in range(self.tp_size):
-                st = os.stat(f"{key.hex()}.r{r}", dir_fd=d, follow_symlinks=False)
-                if not stat.S_ISREG(st.st_mode):
-                    return False
-            return True
-        except OSError:
-            return False
-        finally:
-            os.close(d)
+        return all((st := self._lstat(key, r)) is not None and stat.S_ISREG(st.st_mode) for r in range(self.tp_size))
 
     # ---- the worker's side --------------------------------------------------------------------
 
