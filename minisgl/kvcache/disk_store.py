@@ -53,6 +53,10 @@ def fingerprint(**what: object) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def _name(key: bytes, rank: int) -> str:
+    return f"{key.hex()}.r{rank}"
+
+
 class DiskStore:
     def __init__(self, root: str, fingerprint: str, tp_size: int = 1):
         self.folder = Path(os.path.realpath(root)) / fingerprint
@@ -68,8 +72,8 @@ class DiskStore:
         self._stage: str | None = None
 
     def path(self, key: bytes, rank: int) -> Path:
-        name = key.hex()
-        return self.folder / name[:2] / f"{name}.r{rank}"
+        """Where the page of ``key`` for ``rank`` lives: subfolder by the key's first byte."""
+        return self.folder / key.hex()[:2] / _name(key, rank)
 
     def _dir(self, key: bytes, create: bool = False) -> int:
         """A descriptor of the key's subfolder, never through a link (OSError if none)."""
@@ -98,7 +102,7 @@ class DiskStore:
         """What is at the name of this key and rank (a link itself, not its target), if anything."""
         with self._subdir(key) as d:
             try:
-                return None if d is None else os.stat(f"{key.hex()}.r{rank}", dir_fd=d, follow_symlinks=False)
+                return None if d is None else os.stat(_name(key, rank), dir_fd=d, follow_symlinks=False)
             except OSError:
                 return None
 
@@ -109,7 +113,7 @@ class DiskStore:
             try:
                 if d is None:
                     return None
-                fd = os.open(f"{key.hex()}.r{rank}", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=d)
+                fd = os.open(_name(key, rank), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=d)
             except OSError:
                 return None
         try:
@@ -135,7 +139,7 @@ class DiskStore:
         with self._subdir(key) as d:
             if d is not None:
                 with suppress(OSError):
-                    os.unlink(f"{key.hex()}.r{rank}", dir_fd=d)
+                    os.unlink(_name(key, rank), dir_fd=d)
 
     def stage(self, keys: list[bytes], page_bytes: int) -> list[bytes]:
         """Staging tokens for the longest run of ``keys`` with a good file for every rank: each
@@ -204,7 +208,7 @@ class DiskStore:
 
     def write_from(self, key: bytes, rank: int, data: memoryview) -> None:
         """Write one page (atomically: a temporary file renamed into place)."""
-        name = f"{key.hex()}.r{rank}"
+        name = _name(key, rank)
         d = self._dir(key, create=True)
         try:
             try:
