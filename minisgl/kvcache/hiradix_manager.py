@@ -19,7 +19,11 @@ import heapq
 from minisgl.kvcache.base_manager import CacheHandle, common_pages
 from minisgl.kvcache.disk_store import page_keys
 from minisgl.kvcache.host_tier import SELECTIVE_HITS, HostTier
-from minisgl.kvcache.radix_manager import RadixCacheManager, _Node
+from minisgl.kvcache.radix_manager import RadixCacheManager, _Node, push_lru
+
+
+def _has_host_copy(node: _Node) -> bool:
+    return node.parent is not None and node.host is not None
 
 
 class HiRadixCacheManager(RadixCacheManager):
@@ -165,24 +169,20 @@ class HiRadixCacheManager(RadixCacheManager):
     def _host_evictable(self, node: _Node) -> bool:
         """A host copy that may go: not in a copy of a batch still being built, and either the
         node stays on the device or it is an unlocked leaf."""
-        if node.parent is None or node.host is None or node.io_step >= self.host.step:
+        if not _has_host_copy(node) or node.io_step >= self.host.step:
             return False
         return node.pages is not None or (not node.children and not node.ref)
 
     def _maybe_host_evictable(self, node: _Node) -> None:
-        if node.parent is not None and node.host is not None:
-            heapq.heappush(self._host_leaves, (node.last_access, node))
-            if len(self._host_leaves) > 2 * self._num_nodes + 64:
-                live = {id(n): n for _, n in self._host_leaves if n.parent is not None and n.host is not None}
-                self._host_leaves = [(n.last_access, n) for n in live.values()]
-                heapq.heapify(self._host_leaves)
+        if _has_host_copy(node):
+            push_lru(self._host_leaves, node, self._num_nodes, _has_host_copy)
 
     def _evict_host(self, num_pages: int) -> None:
         """Free at least ``num_pages`` host pages, least recently used first, if that many can go."""
         freed, busy = 0, []
         while freed < num_pages and self._host_leaves:
             tick, node = heapq.heappop(self._host_leaves)
-            if node.parent is None or node.host is None:
+            if not _has_host_copy(node):
                 continue  # stale
             if node.last_access != tick:
                 heapq.heappush(self._host_leaves, (node.last_access, node))

@@ -14,10 +14,20 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from minisgl.kvcache.base_manager import BaseCacheManager, CacheHandle, SizeInfo, common_pages
+
+
+def push_lru(heap: list[tuple[int, _Node]], node: _Node, num_nodes: int, live: Callable[[_Node], bool]) -> None:
+    """Queue ``node`` by its last use in an eviction heap whose stale entries are skipped when
+    popped; once they are most of it, keep one entry per node still ``live``."""
+    heapq.heappush(heap, (node.last_access, node))
+    if len(heap) > 2 * num_nodes + 64:
+        nodes = {id(n): n for _, n in heap if live(n)}
+        heap[:] = [(n.last_access, n) for n in nodes.values()]
+        heapq.heapify(heap)
 
 
 class _Node:
@@ -289,11 +299,7 @@ class RadixCacheManager(BaseCacheManager):
     def _maybe_evictable(self, node: _Node) -> None:
         """Queue an unlocked device leaf for eviction (entries that stop being one are skipped later)."""
         if self._device_leaf(node):
-            heapq.heappush(self._leaves, (node.last_access, node))
-            if len(self._leaves) > 2 * self._num_nodes + 64:  # mostly stale: keep one entry per leaf
-                live = {id(n): n for _, n in self._leaves if self._device_leaf(n)}
-                self._leaves = [(n.last_access, n) for n in live.values()]
-                heapq.heapify(self._leaves)
+            push_lru(self._leaves, node, self._num_nodes, self._device_leaf)
 
     # ---- whole-cache operations ---------------------------------------------------------------
 
