@@ -131,18 +131,20 @@ async def one_turn(client: httpx.AsyncClient, url: str, prompt: list[int], n: in
         "stream": True,
         "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True},
     }
-    start, first, ids, cached = time.perf_counter(), None, [], 0
+    start, arrivals, ids, cached = time.perf_counter(), [], [], 0
     async with client.stream("POST", f"{url}/generate", json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line[6:])
-            if first is None and event.get("output_ids"):
-                first = time.perf_counter()
-            ids = event.get("output_ids", ids)
+            new = event.get("output_ids", ids)
+            arrivals += [time.perf_counter()] * (len(new) - len(ids))
+            ids = new
             cached = event["meta_info"].get("cached_tokens", cached)
-    return {"ttft": (first or time.perf_counter()) - start, "cached": cached, "prompt": len(prompt)}, ids
+    itl = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    ttft = (arrivals[0] if arrivals else time.perf_counter()) - start
+    return {"ttft": ttft, "itl": itl, "cached": cached, "prompt": len(prompt)}, ids
 
 
 async def run_online_clients(args: argparse.Namespace, url: str, vocab: int) -> tuple[list[dict], float]:
@@ -189,6 +191,7 @@ def run_online(args: argparse.Namespace, mode: str) -> dict:
         "ttft_p50": ttft["p50"],
         "ttft_p90": ttft_sorted[int(0.9 * (len(ttft_sorted) - 1))],
         "ttft_mean": ttft["mean"],
+        **{f"itl_{k}": v for k, v in summary([x for r in results for x in r["itl"]]).items()},
         "client_hit_rate": sum(r["cached"] for r in results) / prompt_tokens,
         **tier_stats(stats),
         **engine_flags(args, mode),
@@ -218,12 +221,12 @@ def main() -> None:
     args.engine = {}
     for item in filter(None, args.engine_args.split(",")):
         k, v = item.split("=", 1)
-        args.engine[k] = int(v) if v.isdigit() else v
+        args.engine[k] = True if v.lower() == "true" else int(v) if v.isdigit() else v
     print(f"working set {working_set(args)} tokens; device pool {engine_flags(args, 'device')['max_total_tokens']}")
     rows = [(run_online if args.online else run_offline)(args, mode) for mode in args.modes]
     keys = ["seconds", "total_tok_per_s", "hit_rate", "host_hit_rate", "prefill_tokens", "retractions"]
     if args.online:
-        keys += ["ttft_p50", "ttft_p90"]
+        keys += ["ttft_p50", "ttft_p90", "itl_p50", "itl_p99"]
     print(f"{'mode':10s}" + "".join(f"{k:>17s}" for k in keys))
     for row in rows:
         print(

@@ -1,19 +1,28 @@
 #!/usr/bin/env bash
-# Online serving with cascade attention on and off, one server per setting, two loads each
-# (all requests at once, then at most 64 in flight; four client processes, as one saturates a
-# core), from the project root:
-#   bash benchmarks/online_ab.sh benchmarks/configs/llama3.1-8b [out_dir]
+# Online serving with one server flag on and off, one server per setting, two loads each (all
+# requests at once, then at most 64 in flight; four client processes, as one saturates a core),
+# then the online multi-turn run with the same flag on and off; from the project root:
+#   bash benchmarks/online_ab.sh benchmarks/configs/llama3.1-8b [flag] [out_dir]
+# flag defaults to --disable-cascade-attention; e.g. --enable-mixed-chunk. Set WORKLOADS to run
+# other online_serving.py workloads (default: shared-prefix) and MULTI_TURN=0 to skip multi-turn.
 set -uo pipefail
-model=$1; out=${2:-benchmarks/results}; port=30124
+model=$1; flag=${2:---disable-cascade-attention}; out=${3:-benchmarks/results}; port=30124
+name=$(basename "$model"); tag=${flag#--}
 for setting in on off; do
-  extra=(); [ "$setting" = off ] && extra=(--disable-cascade-attention)
+  extra=(); [ "$setting" = on ] && extra=("$flag")
   python -m minisgl.launch --model "$model" --load-format dummy --port $port --context-length 4096 \
     --log-level warning "${extra[@]}" & pid=$!
   until curl -sf localhost:$port/health >/dev/null; do kill -0 $pid 2>/dev/null || exit 1; sleep 2; done
-  name=$(basename "$model")
-  python benchmarks/online_serving.py --url http://127.0.0.1:$port --client-procs 4 \
-    --out "$out/online_${name}_cascade_${setting}.json"
-  python benchmarks/online_serving.py --url http://127.0.0.1:$port --max-concurrency 64 --client-procs 4 \
-    --out "$out/online_${name}_cascade_${setting}_c64.json"
+  for workload in ${WORKLOADS:-shared-prefix}; do
+    python benchmarks/online_serving.py --url http://127.0.0.1:$port --client-procs 4 --workload "$workload" \
+      --out "$out/online_${name}_${workload}_${tag}_${setting}.json"
+    python benchmarks/online_serving.py --url http://127.0.0.1:$port --max-concurrency 64 --client-procs 4 \
+      --workload "$workload" --out "$out/online_${name}_${workload}_${tag}_${setting}_c64.json"
+  done
   kill -TERM $pid; wait $pid
+  if [ "${MULTI_TURN:-1}" = 1 ]; then
+    engine=$([ "$setting" = on ] && echo "${tag//-/_}=true" || echo "")
+    python benchmarks/multi_turn.py --model "$model" --online --modes big --port $port \
+      --engine-args "$engine" --out "$out/multi_turn_online_${name}_${tag}_${setting}.json"
+  fi
 done

@@ -41,6 +41,9 @@ class ForwardBatch(msgspec.Struct, array_like=True, tag=True):
     groups, group g being the next ``group_sizes[g]`` of them, whose page-table rows all begin
     with the same ``group_pages[g]`` pages (a prefix they share in the radix tree). Attention
     reads those pages once per group and each request's remaining pages on their own.
+
+    A mixed step (--enable-mixed-chunk, ``prefill_reqs`` > 0): the first ``prefill_reqs`` requests
+    are prefill chunks, the rest decode one token each, and the groups cover those.
     """
 
     slots: list[int]
@@ -54,6 +57,7 @@ class ForwardBatch(msgspec.Struct, array_like=True, tag=True):
     new_requests: list[NewRequest] = []
     group_sizes: list[int] = []
     group_pages: list[int] = []
+    prefill_reqs: int = 0
     # Prompt logprobs: rows of the step's new tokens whose next-token distribution is scored,
     # the token each is scored against, and how many top tokens to return with them.
     score_rows: list[int] = []

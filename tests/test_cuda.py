@@ -14,6 +14,7 @@ import torch
 
 from minisgl.args import EngineArgs
 from minisgl.attention import AttentionMetadata, create_backend
+from minisgl.attention.synthetic import decode_metadata, mixed_metadata, prefill_metadata
 from minisgl.kernels import rope_store, rope_store_torch, store_kv_torch
 from minisgl.kvcache import MHAKVCache
 from minisgl.messages import ForwardBatch
@@ -68,30 +69,6 @@ def test_rope_store_kernel_matches_torch(dtype, heads, dim, page_size, qk_norm):
     assert (caches[0].buffer[:, [0, 2]] == 0).all()
 
 
-def _random_batch(page_size: int, cached: list[int], new: list[int], pages: int, device: str):
-    """Metadata for requests with the given cached/new lengths, each spread over random pages."""
-    seq = [c + n for c, n in zip(cached, new)]
-    max_cols = max(cdiv(s, page_size) for s in seq)
-    table = torch.zeros(len(seq), max_cols, dtype=torch.int32, device=device)
-    perm = torch.randperm(pages)
-    used = 0
-    for i, s in enumerate(seq):
-        n = cdiv(s, page_size)
-        table[i, :n] = perm[used : used + n].to(torch.int32)
-        used += n
-    positions = torch.cat([torch.arange(c, c + n) for c, n in zip(cached, new)]).to(device)
-    req = torch.repeat_interleave(torch.arange(len(seq)), torch.tensor(new)).to(device)
-    out_loc = table[req, positions // page_size].long() * page_size + positions % page_size
-    return AttentionMetadata(
-        slots=list(range(len(seq))),
-        cached_lens=cached,
-        new_lens=new,
-        page_table_host=table.cpu().numpy(),
-        positions=positions,
-        out_loc=out_loc,
-    )
-
-
 def backend_outputs(
     backend,
     cache: MHAKVCache,
@@ -127,7 +104,28 @@ def test_flashinfer_matches_torch_backend(page_size, heads, mode):
         torch.manual_seed(0)  # both backends see the same cache, pages and inputs
         cache = MHAKVCache(pages, page_size, 2, hk, dim, torch.bfloat16, torch.device("cuda"))
         cache.buffer.normal_()
-        meta = _random_batch(page_size, cached, new, pages, "cuda")
+        meta = prefill_metadata(page_size, cached, new, pages, "cuda")
+        outs.append(backend_outputs(create_backend(name, cache, hq, hk, dim), cache, meta, hq, new))
+    for ref, got in zip(*outs):
+        torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_mixed_step_attention_matches_torch_backend(page_size):
+    """A mixed step (prefill rows, then decode rows in cascade groups) on FlashInfer and our
+    kernel, against the torch backend on the same step."""
+    hq, hk, dim = 32, 8, 128
+    scale = 16 // page_size  # shared pages given for page size 16
+    outs = []
+    for name in ("torch", "flashinfer"):
+        torch.manual_seed(0)
+        cache = MHAKVCache(4096, page_size, 2, hk, dim, torch.bfloat16, torch.device("cuda"))
+        cache.buffer.normal_()
+        prefill = prefill_metadata(page_size, [0, 37, 300], [45, 129, 260], 1024, "cuda")
+        groups = [(4 * scale, [70, 90, 65, 80]), (2 * scale, [40, 41])]
+        decode = decode_metadata(page_size, groups, [33, 7], "cuda", first_page=1024)
+        meta = mixed_metadata(prefill, decode)
+        new = meta.new_lens
         outs.append(backend_outputs(create_backend(name, cache, hq, hk, dim), cache, meta, hq, new))
     for ref, got in zip(*outs):
         torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)

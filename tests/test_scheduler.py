@@ -306,10 +306,11 @@ def test_offline_cache_salt_keeps_prefixes_apart(tiny_llama):
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-def test_mixed_chunks_keep_tokens(tiny_llama, overlap):
+def test_mixed_chunks_keep_tokens(tiny_llama, overlap, cheap_cascade):
     """--enable-mixed-chunk: while long prompts prefill chunk by chunk, the requests already past
-    their prefill decode in the same steps; greedy and seeded tokens equal the unmixed run's,
-    with the radix cache's integrity checked after every step (CheckedLLM)."""
+    their prefill decode in the same steps (those sharing a prefix in cascade groups); greedy and
+    seeded tokens equal the unmixed run's, with the radix cache's integrity checked after every
+    step (CheckedLLM)."""
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in (20, 700, 45, 500, 9, 300)]
     prompts += shared_prefix_prompts(2, 3, 150, seed=2)
@@ -319,7 +320,7 @@ def test_mixed_chunks_keep_tokens(tiny_llama, overlap):
         else {"max_new_tokens": 24, "temperature": 0.9, "seed": i, "ignore_eos": True}
         for i in range(len(prompts))
     ]
-    outs, stats = [], []
+    outs, stats, grouped = [], [], []
     for mixed in (False, True):
         llm = make_llm(
             tiny_llama,
@@ -328,11 +329,13 @@ def test_mixed_chunks_keep_tokens(tiny_llama, overlap):
             enable_mixed_chunk=mixed,
             disable_overlap_schedule=not overlap,
         )
-        sizes: list[int] = []
+        batches: list = []
         launch = llm.scheduler.executor.launch
-        llm.scheduler.executor.launch = lambda batch: (sizes.append(len(batch.input_ids)), launch(batch))[1]
+        llm.scheduler.executor.launch = lambda batch: (batches.append(batch), launch(batch))[1]
         outs.append([r["output_ids"] for r in llm.generate(prompts, params)])
         stats.append(llm.scheduler.stats())
-        assert max(sizes) <= 64  # decode rows come out of the step's token budget
+        assert max(len(b.input_ids) for b in batches) <= 64  # decode rows come out of the step's token budget
+        grouped.append(sum(1 for b in batches if b.prefill_reqs and b.group_sizes))
     assert outs[1] == outs[0]
     assert stats[0]["mixed_steps"] == 0 and stats[1]["mixed_steps"] > 5
+    assert grouped[1] > 0  # mixed steps whose decode rows attend in cascade groups

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -27,6 +28,8 @@ class AttentionMetadata:
     in the cache and computes ``new_lens[i]`` new ones this step. New tokens appear in
     request order in q/k/v; ``out_loc`` holds their cache slot ids. ``group_sizes`` and
     ``group_pages`` describe a cascade decode step (see ``ForwardBatch``); empty otherwise.
+    A mixed step (``prefill_reqs`` > 0) is prefill rows, then decode rows that the groups cover:
+    ``split`` gives each part, whose attention runs apart.
     """
 
     slots: list[int]
@@ -39,6 +42,7 @@ class AttentionMetadata:
     out_loc: torch.Tensor  # [T] int64
     group_sizes: list[int] = field(default_factory=list)
     group_pages: list[int] = field(default_factory=list)
+    prefill_reqs: int = 0
 
     @property
     def num_reqs(self) -> int:
@@ -46,7 +50,32 @@ class AttentionMetadata:
 
     @property
     def is_decode(self) -> bool:
-        return max(self.new_lens, default=1) == 1
+        return not self.prefill_reqs and max(self.new_lens, default=1) == 1
+
+    def split(self) -> tuple[AttentionMetadata, AttentionMetadata]:
+        """A mixed step's prefill part (no groups) and its decode part (the groups)."""
+        n = self.prefill_reqs
+        tokens = sum(self.new_lens[:n])
+        end = tokens + len(self.slots) - n  # (piecewise graphs pad the token tensors past it)
+        head = AttentionMetadata(
+            self.slots[:n],
+            self.cached_lens[:n],
+            self.new_lens[:n],
+            self.page_table_host,
+            self.positions[:tokens],
+            self.out_loc[:tokens],
+        )
+        tail = AttentionMetadata(
+            self.slots[n:],
+            self.cached_lens[n:],
+            self.new_lens[n:],
+            self.page_table_host,
+            self.positions[tokens:end],
+            self.out_loc[tokens:end],
+            self.group_sizes,
+            self.group_pages,
+        )
+        return head, tail
 
     @functools.cached_property
     def seq_lens(self) -> np.ndarray:
@@ -75,14 +104,36 @@ class AttentionBackend(ABC):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
-        self.meta: AttentionMetadata | None = None
+        self.meta: AttentionMetadata | None = None  # what ``attend`` runs: the step, or a mixed step's prefill part
+        self.out_loc: torch.Tensor | None = None  # the KV slots of all the step's new tokens
+        self.tail: AttentionBackend | None = None  # a mixed step's decode part
 
     supports_cuda_graph = False
 
     def prepare(self, meta: AttentionMetadata, graph_batch_size: int | None = None) -> None:
         """Called once per step before any layer runs (plans are shared by all layers).
-        ``graph_batch_size``: the step replays the CUDA graph captured for that many requests."""
+        ``graph_batch_size``: the step replays the CUDA graph captured for that many requests.
+
+        A mixed step's decode rows attend as a decode step would (cascade groups included): read
+        as prefill rows, each re-read its shared prefix, which cost the 8B shared-prefix workload
+        more than the decode steps the mixing saved."""
+        self.tail, self.out_loc = None, meta.out_loc
+        if not meta.prefill_reqs:
+            self.plan(meta, graph_batch_size)
+            return
+        head, tail = meta.split()
+        self.plan(head)
+        self.tail = self.decode_part()
+        self.tail.plan(tail)
+
+    def plan(self, meta: AttentionMetadata, graph_batch_size: int | None = None) -> None:
+        """Plan a step of one kind (``prepare`` says what)."""
         self.meta = meta
+
+    def decode_part(self) -> AttentionBackend:
+        """The backend a mixed step's decode rows attend with: a shallow copy (same cache and
+        kernels, its own plan). Backends whose two plans would share state override it."""
+        return copy.copy(self)
 
     def init_cuda_graph(self, max_bs: int, max_pages_per_req: int) -> None:
         """Allocate the fixed buffers that captured decode graphs read their plans from."""
@@ -108,13 +159,24 @@ class AttentionBackend(ABC):
             cos_sin,
             self.kv_cache.k_cache(layer_id),
             self.kv_cache.v_cache(layer_id),
-            self.meta.out_loc,
+            self.out_loc,
             norm,
             self.kv_cache.scales[layer_id],
             out,
         )
 
-    @abstractmethod
     def forward(self, q: torch.Tensor, layer_id: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """q: [T, Hq, D] of the new tokens, whose K/V ``rope_store`` has written; returns [T, Hq, D]
         (``out`` if given: piecewise CUDA graphs read it from a fixed buffer)."""
+        if self.tail is None:
+            return self.attend(q, layer_id, out)
+        head = sum(self.meta.new_lens)
+        end = head + self.tail.meta.num_reqs
+        out = torch.empty_like(q) if out is None else out
+        self.attend(q[:head], layer_id, out[:head])
+        self.tail.attend(q[head:end], layer_id, out[head:end])
+        return out
+
+    @abstractmethod
+    def attend(self, q: torch.Tensor, layer_id: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``forward`` for a step of one kind."""

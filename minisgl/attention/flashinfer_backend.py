@@ -181,8 +181,15 @@ class FlashInferBackend(AttentionBackend):
         flat += np.arange(len(flat))
         return table.ravel().take(flat)
 
-    def prepare(self, meta: AttentionMetadata, graph_batch_size: int | None = None) -> None:
-        super().prepare(meta)
+    def decode_part(self) -> FlashInferBackend:
+        """On our kernel whatever ``decode_backend`` says: FlashInfer's decode plan would share
+        the workspace the prefill part's plan lives in."""
+        part = super().decode_part()
+        part.triton_decode = True
+        return part
+
+    def plan(self, meta: AttentionMetadata, graph_batch_size: int | None = None) -> None:
+        super().plan(meta)
         self.wide_pages = None
         self._wide = None
         page_size = self.kv_cache.page_size
@@ -236,7 +243,7 @@ class FlashInferBackend(AttentionBackend):
             torch.from_numpy(positions.astype(np.int32)).to(device, non_blocking=True),
         )
 
-    def forward(self, q: torch.Tensor, layer_id: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, layer_id: int, out: torch.Tensor | None = None) -> torch.Tensor:
         cache = (self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id))
         k_scale, v_scale = self.kv_cache.scales[layer_id]
         if self.step == "flashinfer":

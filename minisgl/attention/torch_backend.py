@@ -27,11 +27,11 @@ def merge_partials(
 
 
 class TorchBackend(AttentionBackend):
-    def prepare(self, meta: AttentionMetadata, graph_batch_size: int | None = None) -> None:
+    def plan(self, meta: AttentionMetadata, graph_batch_size: int | None = None) -> None:
         """Also work out once what every layer of the step shares: a decode step's pages and
         padding mask, and the rotary rows of its positions (per layer, they were a tenth of a
         CPU decode step of SmolLM2)."""
-        super().prepare(meta, graph_batch_size)
+        super().plan(meta, graph_batch_size)
         self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
         # The batch's page-table rows, in request order (a copy: the runner edits its table).
         cols = cdiv(int(meta.seq_lens.max(initial=0)), self.kv_cache.page_size)
@@ -72,7 +72,7 @@ class TorchBackend(AttentionBackend):
                 cos_sin,
                 self.kv_cache.k_cache(layer_id),
                 self.kv_cache.v_cache(layer_id),
-                self.meta.out_loc,
+                self.out_loc,
                 norm,
                 self._rows,
                 self.kv_cache.scales[layer_id],
@@ -103,7 +103,7 @@ class TorchBackend(AttentionBackend):
         out = torch.einsum("hqk,khd->qhd", (scores - lse[..., None]).exp(), values)
         return out, lse.transpose(0, 1)
 
-    def forward(self, q: torch.Tensor, layer_id: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, layer_id: int, out: torch.Tensor | None = None) -> torch.Tensor:
         if self._decode is not None:
             return into(self._forward_decode(q, layer_id), out)
         if self.meta.cascade:

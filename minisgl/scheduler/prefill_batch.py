@@ -49,9 +49,10 @@ def prefill_batch(
 
 def mixed_batch(prefill: ForwardBatch, decode: ForwardBatch) -> ForwardBatch:
     """One step of both (--enable-mixed-chunk): the prefill chunk's rows, then the decode step's
-    one row per request. Without cascade groups: attention reads each decode row's pages whole,
-    as a prefill step reads every row's."""
+    one row per request, which keep their cascade groups (the worker attends to each part apart)."""
     tokens, sampled = len(prefill.input_ids), sum(prefill.sample)
+    prefill.prefill_reqs = len(prefill.slots)
+    prefill.group_sizes, prefill.group_pages = decode.group_sizes, decode.group_pages
     prefill.slots += decode.slots
     prefill.cached_lens += decode.cached_lens
     prefill.new_lens += decode.new_lens

@@ -155,7 +155,7 @@ class CudaGraphRunner:
         return self.sizes[bisect.bisect_left(self.sizes, len(batch.slots))]
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        if len(batch.slots) > self.max_bs or max(batch.new_lens, default=1) != 1:
+        if len(batch.slots) > self.max_bs or max(batch.new_lens, default=1) != 1 or batch.prefill_reqs:
             return False
         return not batch.group_sizes or self._fits(self._size(batch), len(batch.group_sizes))
 

@@ -425,6 +425,7 @@ class ModelRunner:
             out_loc=out_loc_t,
             group_sizes=batch.group_sizes,
             group_pages=batch.group_pages,
+            prefill_reqs=batch.prefill_reqs,
         )
         return meta, input_ids
 

@@ -67,7 +67,10 @@ class PiecewiseGraphRunner:
         return self.sizes[bisect.bisect_left(self.sizes, tokens)]
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        """A prefill step (some request has several new tokens) that fits the largest size."""
+        """A prefill step (some request has several new tokens, or a mixed step) that fits the
+        largest size."""
+        if batch.prefill_reqs:
+            return sum(batch.new_lens) <= self.max_tokens
         return sum(batch.new_lens) <= self.max_tokens and max(batch.new_lens, default=1) > 1 and not batch.group_sizes
 
     def _padding(self, tokens: int) -> ForwardBatch:
