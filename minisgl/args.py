@@ -62,6 +62,12 @@ class EngineArgs:
     disable_overlap_schedule: bool = False
     enable_mixed_chunk: bool = False  # a prefill step also decodes one token for every running request
     disable_cascade_attention: bool = False  # decode reads shared prefixes once per group (radix cache only)
+    # Speculative decoding drafted from the radix tree and each request's own tokens (NGRAM).
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: int = 4  # draft tokens verified per request per step, at most
+    speculative_ngram_min_match_window_size: int = 2
+    speculative_ngram_max_match_window_size: int = 6
+    speculative_ngram_capacity: int = 10_000_000  # index entries before it starts over
     cuda_graph_max_bs: int | None = None  # None: max_running_requests; 0 disables graphs
     disable_cuda_graph: bool = False
     # Prefill steps of up to this many tokens replay CUDA graphs of the layers' pieces between
@@ -192,6 +198,16 @@ class EngineArgs:
                     f"the host pool must be > 0: --hicache-size {self.hicache_size}, "
                     f"--hicache-ratio {self.hicache_ratio}"
                 )
+        if self.speculative_algorithm not in (None, "NGRAM"):
+            raise ValueError(
+                f"--speculative-algorithm {self.speculative_algorithm!r} is not supported: NGRAM drafts from the "
+                "radix tree and needs no draft model"
+            )
+        if self.speculative_num_draft_tokens < 1:
+            raise ValueError(f"--speculative-num-draft-tokens must be >= 1, got {self.speculative_num_draft_tokens}")
+        lo, hi = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
+        if not 1 <= lo <= hi:
+            raise ValueError(f"the n-gram match windows must satisfy 1 <= min <= max, got min {lo}, max {hi}")
         if self.hicache_storage_backend not in (None, "file"):
             raise ValueError(f"--hicache-storage-backend {self.hicache_storage_backend!r} is not supported (file)")
         if self.hicache_storage_backend and not self.enable_hierarchical_cache:
@@ -469,6 +485,39 @@ def add_engine_args(ap: argparse.ArgumentParser) -> dict[str, argparse._Argument
         "--disable-cascade-attention",
         action="store_true",
         help="decode every request over all its pages, even those it shares with others",
+    )
+    spec = ap.add_argument_group("speculative decoding")
+    spec.add_argument(
+        "--speculative-algorithm",
+        choices=["NGRAM"],
+        default=None,
+        help="NGRAM: while few requests decode, draft tokens from what followed their last tokens in the "
+        "radix tree (other samples, earlier requests) and in their own tokens, and verify them in one step "
+        "(greedy and seeded outputs unchanged); off by default",
+    )
+    spec.add_argument(
+        "--speculative-num-draft-tokens",
+        type=int,
+        default=4,
+        help="draft tokens verified per request per step, at most",
+    )
+    spec.add_argument(
+        "--speculative-ngram-min-match-window-size",
+        type=int,
+        default=2,
+        help="shortest run of a request's last tokens matched to draft",
+    )
+    spec.add_argument(
+        "--speculative-ngram-max-match-window-size",
+        type=int,
+        default=6,
+        help="longest run of a request's last tokens matched to draft (longer matches are tried first)",
+    )
+    spec.add_argument(
+        "--speculative-ngram-capacity",
+        type=int,
+        default=10_000_000,
+        help="n-gram index entries kept before the index starts over",
     )
     hicache.add_argument(
         "--enable-hierarchical-cache",

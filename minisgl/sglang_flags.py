@@ -32,6 +32,10 @@ INERT: dict[str, tuple[int, str]] = {
     "--sleep-on-idle": (SWITCH, "an idle scheduler blocks on its socket"),
     "--crash-dump-folder": (ONE, "no crash dumps; --log-requests logs requests"),
     "--download-dir": (ONE, "hub downloads go to the Hugging Face cache ($HF_HOME)"),
+    "--speculative-ngram-min-bfs-breadth": (ONE, "NGRAM drafts are chains, not trees"),
+    "--speculative-ngram-max-bfs-breadth": (ONE, "NGRAM drafts are chains, not trees"),
+    "--speculative-ngram-branch-length": (ONE, "every token of the radix tree and of each request is indexed"),
+    "--speculative-ngram-match-type": (ONE, "NGRAM drafts follow the longest match"),
 }
 # flag -> (takes, why not); refused with the reason.
 REFUSED: dict[str, tuple[int, str]] = {
@@ -41,11 +45,12 @@ REFUSED: dict[str, tuple[int, str]] = {
     "--enable-dp-attention": (SWITCH, "DP attention is not built: use --dp-size replicas"),
     "--ep-size": (ONE, "expert parallelism is not built: experts split across --tp-size ranks"),
     "--enable-eplb": (SWITCH, "expert parallelism is not built"),
-    "--speculative-algorithm": (ONE, "speculative decoding is not built yet"),
-    "--speculative-draft-model-path": (ONE, "speculative decoding is not built yet"),
-    "--speculative-num-steps": (ONE, "speculative decoding is not built yet"),
-    "--speculative-eagle-topk": (ONE, "speculative decoding is not built yet"),
-    "--speculative-num-draft-tokens": (ONE, "speculative decoding is not built yet"),
+    "--speculative-draft-model-path": (
+        ONE,
+        "no draft models: --speculative-algorithm NGRAM drafts from the radix tree",
+    ),
+    "--speculative-num-steps": (ONE, "drafts are chains of --speculative-num-draft-tokens (NGRAM)"),
+    "--speculative-eagle-topk": (ONE, "no EAGLE drafts: --speculative-algorithm NGRAM drafts chains"),
     "--enable-lora": (SWITCH, "LoRA adapters are not supported"),
     "--lora-paths": (MANY, "LoRA adapters are not supported"),
     "--max-loras-per-batch": (ONE, "LoRA adapters are not supported"),

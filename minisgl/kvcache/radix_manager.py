@@ -18,6 +18,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from minisgl.kvcache.base_manager import BaseCacheManager, CacheHandle, SizeInfo, common_pages
+from minisgl.kvcache.ngram_index import NgramIndex
 
 
 def push_lru(heap: list[tuple[int, _Node]], node: _Node, num_nodes: int, live: Callable[[_Node], bool]) -> None:
@@ -95,6 +96,7 @@ class RadixCacheManager(BaseCacheManager):
         # skipped), so eviction costs the pages it frees, not a walk of the tree.
         self._leaves: list[tuple[int, _Node]] = []
         self._num_nodes = 0
+        self.ngrams: NgramIndex | None = None  # speculative decoding's index over the paths
 
     # ---- walking ------------------------------------------------------------------------------
 
@@ -255,6 +257,8 @@ class RadixCacheManager(BaseCacheManager):
             self._num_nodes += 1
             self._maybe_evictable(leaf)
             self._inserted(leaf, computing)
+            if self.ngrams is not None:
+                self.ngrams.add(leaf)
             node = leaf
         return node, matched
 
@@ -291,6 +295,8 @@ class RadixCacheManager(BaseCacheManager):
         while stack:
             n = stack.pop()
             self._forget(n)
+            if self.ngrams is not None:
+                self.ngrams.forget(n)
             n.parent = None
             self._num_nodes -= 1
             stack.extend(n.children.values())
@@ -314,6 +320,8 @@ class RadixCacheManager(BaseCacheManager):
         self.root.children.clear()
         self.roots, self._salt_of = {None: self.root}, {self.root: None}
         self._leaves, self._num_nodes = [], 0
+        if self.ngrams is not None:
+            self.ngrams.clear()
         return freed
 
     def _nodes(self) -> list[_Node]:

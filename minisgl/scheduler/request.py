@@ -62,6 +62,13 @@ class Req:
     plain: bool = False
     stop_ids: frozenset[int] = frozenset()
     max_outputs: int = 0
+    # Speculative decoding: its own tokens' n-gram tables (n -> hash -> end position) as far as
+    # ``ngrams_upto``, verify steps in a row with nothing accepted, and plain steps before it
+    # drafts again.
+    ngrams: dict[int, dict[int, int]] | None = None
+    ngrams_upto: int = 0
+    spec_misses: int = 0
+    spec_pause: int = 0
     # Place in the waiting queue (None while not waiting): its sequence number and trie node.
     queue_seq: int | None = None
     queue_node: Any = None

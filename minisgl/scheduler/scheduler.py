@@ -28,6 +28,8 @@ import numpy as np
 
 from minisgl.args import EngineArgs
 from minisgl.kvcache.disk_store import DiskStore
+from minisgl.kvcache.ngram_index import NgramIndex
+from minisgl.kvcache.radix_manager import RadixCacheManager
 from minisgl.messages import ForwardBatch, StepOutput, WorkerReply, WorkerTask
 from minisgl.sampling import SamplingParams
 from minisgl.scheduler import cascade
@@ -41,6 +43,7 @@ from minisgl.scheduler.prefill import PrefillPlanner
 from minisgl.scheduler.prefill_batch import mixed_batch, prefill_batch
 from minisgl.scheduler.queue import WaitingQueue
 from minisgl.scheduler.request import Req, ReqEvent
+from minisgl.scheduler.speculative import Drafter, SpecPlanner
 from minisgl.utils import cdiv, context_overflow
 
 logger = logging.getLogger(__name__)
@@ -83,8 +86,10 @@ class Executor(Protocol):
 
 # A launched step: the requests it samples a token for (in row order), the (request, position)
 # of each scored prompt row, the token ids scored at each of those rows, and its step number.
-# Last: the (request, position) of each row whose routed experts come back.
-Inflight = tuple[list[Req], list[tuple[Req, int]], list[int], int, list[tuple[Req, int]]]
+# Then: the (request, position) of each row whose routed experts come back; last, a verify
+# step's drafting requests with their drafts (speculative decoding).
+Drafts = list[tuple[Req, list[int]]]
+Inflight = tuple[list[Req], list[tuple[Req, int]], list[int], int, list[tuple[Req, int]], Drafts]
 
 
 class Scheduler(ControlPlane):
@@ -137,6 +142,13 @@ class Scheduler(ControlPlane):
             not args.disable_cascade_attention and (on_gpu or cascade.ON_CPU),
             args.enable_return_routed_experts,
         )
+        self.spec: SpecPlanner | None = None
+        if args.speculative_algorithm is not None:
+            n = (args.speculative_ngram_min_match_window_size, args.speculative_ngram_max_match_window_size)
+            if isinstance(self.cache, RadixCacheManager):
+                self.cache.ngrams = NgramIndex(*n, args.speculative_ngram_capacity)
+            drafter = Drafter(getattr(self.cache, "ngrams", None), *n)
+            self.spec = SpecPlanner(self.memory, self.decode, drafter, args.speculative_num_draft_tokens)
         self.grammar = grammar
         self.compiling: list[Req] = []  # waiting for their grammar; others are scheduled meanwhile
         self.events: list[ReqEvent] = []  # since the last take_events, in order
@@ -337,7 +349,17 @@ class Scheduler(ControlPlane):
         acceptances (also those of ``add_request``), then the outputs of this step."""
         if self.compiling:
             self._admit_compiled()
-        batch, sampled, scored, routed, decode = self._schedule()
+        got: list[Req] = []
+        if (
+            self.spec is not None
+            and self.inflight
+            and (self.spec.wants(len(self.decoding)) or any(step[5] for step in self.inflight))
+        ):
+            # A verify step drafts from every token so far, and one in flight changes how many
+            # tokens its requests hold: both wait for the steps in flight.
+            while self.inflight:
+                got += self._process(self.inflight.popleft())
+        batch, sampled, scored, routed, decode, drafts = self._schedule()
         if batch is None and self.memory.io_pending:  # host-tier copies (or disk writes) still to send
             batch = ForwardBatch(slots=[], cached_lens=[], new_lens=[], input_ids=[], sample=[])
         if self._retracted_tokens:  # one line per step, however many went back
@@ -347,12 +369,11 @@ class Scheduler(ControlPlane):
                 sum(self._retracted_tokens),
             )
             self._retracted_tokens = []
-        got: list[Req] = []
         if batch is not None:
             if self.memory.host is not None:
                 self.memory.take_io(batch)
             self.executor.launch(batch)
-            self.inflight.append((sampled, scored, batch.score_logprob_ids, self.counters.steps, routed))
+            self.inflight.append((sampled, scored, batch.score_logprob_ids, self.counters.steps, routed, drafts))
             if batch.mask_rows:
                 # The batch samples once its constrained rows' masks come, and a matcher must
                 # first see every token sampled before: process the batch before this one (its
@@ -385,13 +406,13 @@ class Scheduler(ControlPlane):
 
     def _schedule(
         self,
-    ) -> tuple[ForwardBatch | None, list[Req], list[tuple[Req, int]], list[tuple[Req, int]], bool]:
-        """The next batch (prefill chunks if any can run, else a decode step), the requests it
-        samples for, the prompt positions it scores, the positions whose experts come back, and
-        whether it decodes."""
+    ) -> tuple[ForwardBatch | None, list[Req], list[tuple[Req, int]], list[tuple[Req, int]], bool, Drafts]:
+        """The next batch (prefill chunks if any can run, else a decode or verify step), the
+        request of each row it samples, the prompt positions it scores, the positions whose
+        experts come back, whether it decodes, and a verify step's drafts."""
         c = self.counters
         if self.held:
-            return None, [], [], [], False
+            return None, [], [], [], False, []
         while True:
             # Those decoding before this step's last chunks join them (a mixed step decodes them).
             decoders = list(self.decoding) if self.args.enable_mixed_chunk else []
@@ -420,24 +441,33 @@ class Scheduler(ControlPlane):
                         batch = mixed_batch(batch, decode)
                         sampled += self.decode.order.reqs
                         c.mixed_steps += 1
-                return batch, sampled, scored, routed, False
-            batch = self.decode.schedule(self.decoding, lambda: self._retract(self.running[-1]))
+                return batch, sampled, scored, routed, False, []
+            retract = lambda: self._retract(self.running[-1])  # noqa: E731
+            if self.spec is not None and self.spec.wants(len(self.decoding)) and not self.inflight:
+                verify = self.spec.schedule(self.decoding, retract)
+                if verify is not None:
+                    batch, rows, drafts = verify
+                    c.decode_steps += 1
+                    return batch, rows, [], [], True, drafts
+            batch = self.decode.schedule(self.decoding, retract)
             if batch is not None:
                 c.decode_steps += 1
                 c.cascade_steps += bool(batch.group_sizes)
-                return batch, self.decode.order.reqs, [], self.decode.routed(batch), True
+                return batch, self.decode.order.reqs, [], self.decode.routed(batch), True, []
             if not self.running or self.inflight:
-                return None, [], [], [], False
+                return None, [], [], [], False, []
             # Every running request is mid-prefill and none could get pages: make room.
             self._retract(self.running[-1])
 
     def _process(self, inflight: Inflight) -> list[Req]:
-        sampled, scored, score_ids, step, routed = inflight
+        sampled, scored, score_ids, step, routed, drafts = inflight
         if self.memory.host is not None:
             self.memory.host.done(step)  # the worker sends a step's tokens once its copies are done
         out = self.executor.collect()
         if routed:
             record_routed(routed, out.routed_experts)
+        if drafts:
+            sampled = self.spec.accept(sampled, drafts, out)
         return apply_output(sampled, scored, score_ids, out, self.finish)
 
     # ---- giving pages back ---------------------------------------------------------------------
@@ -473,6 +503,7 @@ class Scheduler(ControlPlane):
             "decode_steps": c.decode_steps,
             "cascade_steps": c.cascade_steps,
             "mixed_steps": c.mixed_steps,
+            **(self.spec.stats() if self.spec is not None else {}),
         }
 
     def check_integrity(self) -> None:

@@ -1,0 +1,204 @@
+"""Speculative decoding drafted from the radix tree (``--speculative-algorithm NGRAM``).
+
+While few requests decode, each one's last tokens are looked up in an n-gram index over the
+radix tree's token paths (the other samples of its prompt, earlier requests: ``NgramIndex``)
+and over its own tokens; what followed them there is its draft. A verify step runs every
+drafting request's last token and draft as one chunk (causal attention over its pages, rows
+of the other requests decoding beside it as in a mixed step) and samples every position by the
+request's own rule. The worker's sampler draws position p's token from (seed, p) alone, so the
+token each row samples is the one a plain decode step would have sampled there: a draft token
+is kept while it equals the token sampled before it, and the first differing sample (or the one
+after the whole draft) ends the step. Greedy and seeded outputs equal speculation off token for
+token, and an unseeded request's distribution is unchanged (each position is still one draw
+from the target's distribution, keeping a draft token with exactly its probability).
+
+Verify steps need each request's last token on the host, so the scheduler waits for the steps
+in flight first; at larger batches the rule turns speculation off (``SpecPlanner.wants``).
+Requests whose sampling reads earlier outputs on the device (penalties), follow a grammar or
+return routed experts decode plainly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from minisgl.kvcache.ngram_index import NgramIndex, hash_tokens, window_hashes
+from minisgl.messages import ForwardBatch, StepOutput
+from minisgl.scheduler.decode import DecodePlanner
+from minisgl.scheduler.pages import Memory
+from minisgl.scheduler.prefill_batch import mixed_batch, write_table
+from minisgl.scheduler.request import Req
+from minisgl.utils import cdiv
+
+# Verify steps while at most this many requests decode: a step of k + 1 tokens per request
+# then costs about what a one-token step does (the weights' reads dominate).
+MAX_BATCH = 32
+# A request that had this many verify steps in a row with nothing accepted drafts again only
+# after as many plain steps.
+MISSES_BEFORE_PAUSE = 2
+
+
+class Drafter:
+    """Drafts from the tree's index and from each request's own tokens."""
+
+    def __init__(self, index: NgramIndex | None, min_n: int, max_n: int):
+        self.index, self.min_n, self.max_n = index, min_n, max_n
+
+    def draft(self, req: Req, count: int) -> list[int]:
+        """Up to ``count`` tokens to follow ``req``'s tokens: after its longest recent n-gram
+        found (its own earlier tokens first at each length, then the tree's)."""
+        ids = req.all_ids
+        own = self._own_tables(req, ids)
+        for n in range(min(self.max_n, len(ids)), self.min_n - 1, -1):
+            tail = ids[-n:]
+            key = hash_tokens(tail)
+            end = own[n].get(key)
+            if end is not None and ids[end - n : end] == tail:
+                return ids[end : end + count]
+            if self.index is not None:
+                found = self.index.lookup(n, key, tail, count)
+                if found:
+                    return found
+        return []
+
+    def _own_tables(self, req: Req, ids: list[int]) -> dict[int, dict[int, int]]:
+        """The request's n-gram tables, brought up to all its windows but the last (whose
+        continuation is still to come)."""
+        if req.ngrams is None:
+            req.ngrams = {n: {} for n in range(self.min_n, self.max_n + 1)}
+        upto, end = req.ngrams_upto, len(ids) - 1
+        if end > upto:
+            first = max(upto - self.max_n + 1, 0)
+            tokens = np.asarray(ids[first:end], dtype=np.int64)
+            for n, table in req.ngrams.items():
+                hashes = window_hashes(tokens, n)
+                ends = np.arange(len(hashes), dtype=np.int64) + first + n
+                fresh = ends > upto  # windows not indexed before
+                table.update(zip(hashes[fresh].tolist(), ends[fresh].tolist()))
+            req.ngrams_upto = end
+        return req.ngrams
+
+
+class SpecPlanner:
+    """Verify steps: which requests draft, their pages, the batch, and what a step accepted."""
+
+    def __init__(self, memory: Memory, decode: DecodePlanner, drafter: Drafter, num_draft_tokens: int):
+        self.memory, self.decode, self.drafter = memory, decode, drafter
+        self.k = num_draft_tokens
+        self.page_size = memory.page_size
+        self.verify_steps = 0
+        self.drafted_tokens = 0
+        self.accepted_tokens = 0
+
+    @staticmethod
+    def wants(decoding: int) -> bool:
+        """Whether a batch of ``decoding`` requests speculates (small batches only)."""
+        return 0 < decoding <= MAX_BATCH
+
+    @staticmethod
+    def eligible(req: Req) -> bool:
+        return req.matcher is None and not req.params.has_penalty and req.routed_start < 0
+
+    def schedule(
+        self, decoding: list[Req], retract_newest: Callable[[], None]
+    ) -> tuple[ForwardBatch, list[Req], list[tuple[Req, list[int]]]] | None:
+        """A verify step (None: no request has a draft, or no pages for them): its batch, the
+        request of each sampled row, and each drafting request with its draft."""
+        drafts: list[tuple[Req, list[int]]] = []
+        for req in decoding:
+            if req.spec_pause > 0:
+                req.spec_pause -= 1
+                continue
+            # Room for the draft and the token after it, within its budget and context.
+            room = min(self.k, req.max_outputs - len(req.output_ids) - 1, req.max_len - req.kv_len - 2)
+            if room > 0 and self.eligible(req):
+                draft = self.drafter.draft(req, room)
+                if draft:
+                    drafts.append((req, draft))
+        if not drafts:
+            return None
+        drafting = {id(r) for r, _ in drafts}
+        plain = [r for r in decoding if id(r) not in drafting]
+
+        def retract() -> None:
+            retract_newest()
+            plain[:] = [r for r in plain if r.slot is not None]
+
+        # The plain rows first: a retraction there may take a drafting request back to the queue.
+        decode = self.decode.schedule(plain, retract) if plain else None
+        drafts = [(r, d) for r, d in drafts if r.slot is not None]
+        need = [cdiv(r.kv_len + 1 + len(d), self.page_size) - len(r.pages) for r, d in drafts]
+        pages = self.memory.alloc(sum(need)) if drafts else None
+        if pages is None:  # (out of pages: the drafting requests wait a step)
+            drafts = []
+            if decode is None:
+                return None
+        for (req, draft), n in zip(drafts, need):
+            req.pages += pages[:n]
+            pages = pages[n:]
+            req.kv_len += 1 + len(draft)
+        batch = ForwardBatch(slots=[], cached_lens=[], new_lens=[], input_ids=[], sample=[])
+        rows: list[Req] = []
+        for req, draft in drafts:
+            start = req.kv_len - 1 - len(draft)
+            batch.slots.append(req.slot)
+            batch.cached_lens.append(start)
+            batch.new_lens.append(1 + len(draft))
+            batch.input_ids += [req.all_ids[start], *draft]
+            batch.sample.append(True)
+            batch.draft_lens.append(len(draft))
+            write_table(batch, req)
+            rows += [req] * (1 + len(draft))
+        if decode is not None:
+            batch = mixed_batch(batch, decode) if drafts else decode
+            rows += self.decode.order.reqs
+        self.verify_steps += bool(drafts)
+        self.drafted_tokens += sum(len(d) for _, d in drafts)
+        return batch, rows, drafts
+
+    def accept(self, rows: list[Req], drafts: list[tuple[Req, list[int]]], out: StepOutput) -> list[Req]:
+        """Keep each drafting request's accepted rows of ``out`` (edited in place): the draft
+        tokens its samples matched and the sample after them, cut at its stop token or length.
+        Gives back the pages of the rejected positions; returns the request of each kept row."""
+        keep: list[int] = []
+        at = 0
+        for req, draft in drafts:
+            tokens = out.tokens[at : at + len(draft) + 1]
+            accepted = 0
+            while accepted < len(draft) and tokens[accepted] == draft[accepted]:
+                accepted += 1
+            take = accepted + 1
+            for j, token in enumerate(tokens[:take]):  # what the stop checks will keep
+                if token in req.stop_ids:
+                    take = j + 1
+                    break
+            take = min(take, max(req.max_outputs - len(req.output_ids), 1))
+            keep += range(at, at + take)
+            at += len(draft) + 1
+            self.accepted_tokens += accepted
+            req.spec_misses = 0 if accepted else req.spec_misses + 1
+            if req.spec_misses >= MISSES_BEFORE_PAUSE:
+                req.spec_pause, req.spec_misses = MISSES_BEFORE_PAUSE, 0
+            if req.slot is not None:  # (not aborted while the step ran)
+                req.kv_len -= len(draft) + 1 - take
+                spare = req.pages[cdiv(req.kv_len, self.page_size) :]
+                if spare:
+                    del req.pages[len(req.pages) - len(spare) :]
+                    req.table_len = min(req.table_len, len(req.pages))
+                    self.memory.allocator.free(spare)
+        keep += range(at, len(out.tokens))
+        for name in ("tokens", "logprobs", "top_ids", "top_logprobs", "id_logprobs"):
+            values = getattr(out, name)
+            if values is not None:
+                setattr(out, name, [values[i] for i in keep])
+        return [rows[i] for i in keep]
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "spec_verify_steps": self.verify_steps,
+            "spec_draft_tokens": self.drafted_tokens,
+            "spec_accepted_tokens": self.accepted_tokens,
+            "spec_accept_rate": self.accepted_tokens / max(self.drafted_tokens, 1),
+        }

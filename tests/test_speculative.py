@@ -1,0 +1,220 @@
+"""Speculative decoding drafted from the radix tree (--speculative-algorithm NGRAM): outputs
+equal speculation off token for token (greedy and seeded sampling, with stops, logprobs,
+grammars, retraction and aborts beside it), the unseeded distribution is unchanged, drafts do
+get accepted, and the cache's integrity holds after every step (CheckedLLM)."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from minisgl.kvcache.ngram_index import NgramIndex, hash_tokens, window_hashes
+from minisgl.kvcache.radix_manager import RadixCacheManager
+from minisgl.sampling import SamplingParams
+from tests.test_scheduler import make_llm, shared_prefix_prompts, tokens
+
+SPEC = {"speculative_algorithm": "NGRAM"}
+
+
+def looping_prompts(count: int, seed: int) -> list[list[int]]:
+    """Prompts that repeat a phrase, so a request's own tokens draft well from the start."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        phrase = [rng.randrange(3, 900) for _ in range(rng.randint(5, 12))]
+        out.append(phrase * 4 + [rng.randrange(3, 900) for _ in range(rng.randint(1, 6))])
+    return out
+
+
+def both(path, prompts, params, **kw) -> tuple[list, list, dict]:
+    """Results with speculation off and on (same engine settings), and the second's stats."""
+    off = make_llm(path, **kw).generate(prompts, params)
+    llm = make_llm(path, **kw, **SPEC)
+    on = llm.generate(prompts, params)
+    return off, on, llm.scheduler.stats()
+
+
+def test_window_hashes_match_one_window_at_a_time():
+    rng = np.random.default_rng(0)
+    tokens_ = rng.integers(0, 150_000, size=40)
+    for n in (1, 2, 5, 40):
+        got = window_hashes(tokens_, n)
+        assert len(got) == 41 - n
+        assert [int(h) for h in got] == [hash_tokens(tokens_[i : i + n].tolist()) for i in range(41 - n)]
+
+
+def test_index_follows_inserts_splits_and_evictions():
+    cache = RadixCacheManager(page_size=2)
+    cache.ngrams = index = NgramIndex(2, 4, capacity=10_000)
+    first = [1, 2, 3, 4, 5, 6, 7, 8]
+    cache.insert_prefix(first, list(range(4)))
+    tail = [2, 3]
+    assert index.lookup(2, hash_tokens(tail), tail, 3) == [4, 5, 6]
+    # A second path splits the first node after its first page: positions still read right.
+    cache.insert_prefix([1, 2, 9, 9, 9, 9], [10, 11, 12])
+    assert index.lookup(2, hash_tokens(tail), tail, 3) == [4, 5, 6]
+    tail = [2, 9]  # a window reaching back into the split-off parent
+    assert index.lookup(2, hash_tokens(tail), tail, 2) == [9, 9]
+    # Evicted nodes leave the index.
+    cache.evict(cache.size_info().evictable)
+    assert index.lookup(2, hash_tokens(tail), tail, 2) == []
+    assert index.lookup(3, hash_tokens([5, 6, 7]), [5, 6, 7], 1) == []
+    assert not index.nodes
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_greedy_and_seeded_outputs_equal_speculation_off(tiny_llama, overlap):
+    prompts = looping_prompts(6, seed=1) + shared_prefix_prompts(2, 3, 40, seed=2)
+    prompts += [prompts[0]] * 4  # samples of one prompt (what n > 1 sends), drafting from each other
+    params = []
+    for i in range(len(prompts)):
+        kind = i % 4
+        if kind == 0:
+            params.append(SamplingParams(temperature=0.0, max_new_tokens=60, ignore_eos=True))
+        elif kind == 1:
+            params.append(SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_new_tokens=60, ignore_eos=True))
+        elif kind == 2:
+            params.append(SamplingParams(temperature=1.0, top_k=20, min_p=0.05, seed=i, max_new_tokens=60))
+        else:
+            params.append(SamplingParams(temperature=0.9, seed=100 + i, max_new_tokens=60, ignore_eos=True))
+    kw = {"page_size": 4, "disable_overlap_schedule": not overlap}
+    off, on, stats = both(tiny_llama, prompts, params, **kw)
+    assert tokens(on) == tokens(off)
+    assert [r["meta_info"]["finish_reason"] for r in on] == [r["meta_info"]["finish_reason"] for r in off]
+    assert stats["spec_verify_steps"] > 0 and stats["spec_accepted_tokens"] > 0
+
+
+def test_radix_tree_drafts_repeat_earlier_outputs(tiny_llama):
+    """A prompt served before drafts its whole output from the tree the second time."""
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 900) for _ in range(40)] for _ in range(3)]
+    params = SamplingParams(temperature=0.0, max_new_tokens=80, ignore_eos=True)
+    llm = make_llm(tiny_llama, page_size=4, **SPEC)
+    first = tokens(llm.generate(prompts, params))
+    before = llm.scheduler.stats()
+    assert tokens(llm.generate(prompts, params)) == first
+    after = llm.scheduler.stats()
+    steps = after["decode_steps"] - before["decode_steps"]
+    accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+    drafted = after["spec_draft_tokens"] - before["spec_draft_tokens"]
+    assert accepted > 0.9 * drafted and steps < 80 / 3
+
+
+def test_radix_off_drafts_from_own_tokens(tiny_llama):
+    prompts = looping_prompts(4, seed=7)
+    params = SamplingParams(temperature=0.0, max_new_tokens=50, ignore_eos=True)
+    off, on, stats = both(tiny_llama, prompts, params, page_size=2, disable_radix_cache=True)
+    assert tokens(on) == tokens(off)
+    assert stats["spec_accepted_tokens"] > 0
+
+
+def test_stops_lengths_and_logprobs_hold(tiny_llama):
+    """A stop token inside an accepted draft ends the request there; logprobs come per token."""
+    prompts = looping_prompts(5, seed=3)
+    free = make_llm(tiny_llama, page_size=4).generate(
+        prompts, SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
+    )
+    params = [
+        SamplingParams(temperature=0.0, max_new_tokens=40 - i, stop_token_ids=[r["output_ids"][20 + i]])
+        for i, r in enumerate(free)
+    ]
+    for top in (-1, 2):
+        off = make_llm(tiny_llama, page_size=4).generate(prompts, params, top_logprobs=top)
+        on = make_llm(tiny_llama, page_size=4, **SPEC).generate(prompts, params, top_logprobs=top)
+        assert tokens(on) == tokens(off)
+        assert [r["meta_info"]["finish_reason"] for r in on] == ["stop"] * 5
+        if top >= 0:
+            for a, b in zip(on, off):
+                got, want = a["meta_info"]["output_token_logprobs"], b["meta_info"]["output_token_logprobs"]
+                assert len(got) == len(a["output_ids"])
+                np.testing.assert_allclose(got, want, atol=1e-4)
+                tops = a["meta_info"]["output_top_logprobs"], b["meta_info"]["output_top_logprobs"]
+                assert [[t for t, _ in row] for row in tops[0]] == [[t for t, _ in row] for row in tops[1]]
+
+
+def test_retraction_and_grammars_beside_speculation(tiny_llama):
+    pytest.importorskip("xgrammar")
+    prompts = shared_prefix_prompts(groups=4, per_group=6, prefix_len=30, seed=3) + looping_prompts(4, seed=5)
+    schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+    params = [
+        SamplingParams(temperature=0.0, max_new_tokens=16, json_schema=schema)
+        if i % 5 == 0
+        else SamplingParams(temperature=0.7 if i % 5 == 1 else 0.0, seed=i, max_new_tokens=16 + i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    ref = tokens(make_llm(tiny_llama, page_size=2).generate(prompts, params))
+    small = make_llm(tiny_llama, page_size=2, max_total_tokens=260, **SPEC)
+    assert tokens(small.generate(prompts, params)) == ref
+    stats = small.scheduler.stats()
+    assert stats["retractions"] > 0 and stats["spec_verify_steps"] > 0
+
+
+def test_aborts_mid_verify_leak_nothing(tiny_llama):
+    llm = make_llm(tiny_llama, page_size=4, **SPEC)
+    sched = llm.scheduler
+    reqs = [
+        sched.add_request(p, SamplingParams(temperature=0.0, max_new_tokens=60, ignore_eos=True))
+        for p in looping_prompts(6, seed=8)
+    ]
+    steps = 0
+    while sched.has_work:
+        sched.step()
+        steps += 1
+        if steps in (5, 9, 14):  # an abort while a verify step may be in flight
+            sched.finish(reqs[steps % 6], "abort")
+    assert sched.stats()["spec_verify_steps"] > 0
+    mem = sched.memory.stats()
+    assert mem["free_pages"] + mem["evictable_pages"] == mem["total_pages"]
+    assert not sched.running and not sched.inflight
+
+
+def test_unseeded_sampling_keeps_its_distribution(tiny_llama):
+    """Unseeded draws: each position's token distribution with speculation on matches off (a
+    chi-square test on the pooled tokens of positions 2-6 after a repeating prompt)."""
+    prompt = looping_prompts(1, seed=9)[0]
+    params = SamplingParams(temperature=1.5, top_k=8, max_new_tokens=6, ignore_eos=True)
+    counts = []
+    for kw in ({}, SPEC):
+        llm = make_llm(tiny_llama, page_size=4, max_running_requests=16, seed=11 if kw else 12, **kw)
+        outs = tokens(llm.generate([prompt] * 400, params))
+        counts.append(Counter(t for o in outs for t in o[1:]))
+    keys = sorted(set(counts[0]) | set(counts[1]))
+    a = np.array([counts[0][k] for k in keys], dtype=float)
+    b = np.array([counts[1][k] for k in keys], dtype=float)
+    keep = (a + b) >= 10  # pool the rare tokens into one cell
+    a = np.r_[a[keep], a[~keep].sum()]
+    b = np.r_[b[keep], b[~keep].sum()]
+    expected = (a + b) / 2
+    chi2 = (((a - expected) ** 2 + (b - expected) ** 2) / np.maximum(expected, 1e-9)).sum()
+    dof = len(a) - 1
+    assert chi2 < dof + 5 * np.sqrt(2 * dof)  # ~5 sigma: fails only when the distributions differ
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_speculation_on_cuda_keeps_tokens(tmp_path, dtype):
+    """On the GPU (FlashInfer verify chunks beside cascade decode rows, CUDA graphs, overlap):
+    fp32 tokens equal speculation off; bf16 verify chunks may round differently from one-token
+    steps, so most requests (not all) must agree there."""
+    from minisgl.llm import LLM
+    from minisgl.tiny_model import make_tiny_model
+
+    path = make_tiny_model("llama", tmp_path / "llama-hd128", overrides={"head_dim": 128})
+    prompts = looping_prompts(12, seed=1) + shared_prefix_prompts(2, 4, 40, seed=2)
+    params = [
+        SamplingParams(temperature=0.0 if i % 3 else 0.8, seed=i, max_new_tokens=64, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    outs, stats = [], None
+    for kw in ({}, SPEC):
+        llm = LLM(str(path), device="cuda", dtype=dtype, max_total_tokens=8192, page_size=4, **kw)
+        outs.append(tokens(llm.generate(prompts, params)))
+        outs.append(tokens(llm.generate(prompts, params)))  # the second time, drafts from the tree
+        stats = llm.scheduler.stats()
+    assert stats["spec_accepted_tokens"] > 0
+    same = sum(a == b for a, b in zip(outs[0] + outs[1], outs[2] + outs[3]))
+    assert same == 2 * len(prompts) if dtype == "float32" else same >= 1.5 * len(prompts)
