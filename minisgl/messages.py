@@ -58,9 +58,11 @@ class ForwardBatch(msgspec.Struct, array_like=True, tag=True):
     group_sizes: list[int] = []
     group_pages: list[int] = []
     prefill_reqs: int = 0
-    # A verify step (speculative decoding): per request, how many of its new tokens are draft
-    # tokens after its last one (0 for the others); each of its new tokens samples a row.
-    draft_lens: list[int] = []
+    # A verify step (speculative decoding): the first sum(verify_sizes) requests come in runs, one
+    # per drafting request: rows of its slot at successive positions (its last token, then its
+    # draft), each sampling the position after it. Its last token comes from the run's first row
+    # whose sample differs from the next row's input (the last row has none).
+    verify_sizes: list[int] = []
     # Prompt logprobs: rows of the step's new tokens whose next-token distribution is scored,
     # the token each is scored against, and how many top tokens to return with them.
     score_rows: list[int] = []

@@ -20,6 +20,7 @@ import numpy as np
 _BASE = np.uint64(0x9E3779B97F4A7C15)  # odd: invertible modulo 2**64
 _BASE_INV = np.uint64(pow(int(_BASE), -1, 1 << 64))
 _POS_BITS = 40
+_B, _MASK = int(_BASE), (1 << 64) - 1
 
 
 def window_hashes(tokens: np.ndarray, n: int) -> np.ndarray:
@@ -35,9 +36,16 @@ def window_hashes(tokens: np.ndarray, n: int) -> np.ndarray:
         return (prefix[n:] - prefix[: m - n + 1]) * inv[: m - n + 1]
 
 
-def hash_tokens(tokens: list[int]) -> int:
-    """``window_hashes`` of one window."""
-    return int(window_hashes(np.asarray(tokens, dtype=np.int64), len(tokens))[0])
+def suffix_hashes(tokens: list[int], longest: int, end: int | None = None) -> list[int]:
+    """``window_hashes`` of the last n tokens before ``end`` (default: all) for n = 1 ..
+    ``longest`` (fewer if there are fewer), in one pass in Python (numpy's call overhead is
+    most of the cost of a few short windows)."""
+    end = len(tokens) if end is None else end
+    out, h = [], 0
+    for n in range(1, min(longest, end) + 1):
+        h = (tokens[end - n] + h * _B) & _MASK
+        out.append(h)
+    return out
 
 
 class NgramIndex:

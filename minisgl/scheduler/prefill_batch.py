@@ -50,10 +50,8 @@ def prefill_batch(
 def mixed_batch(prefill: ForwardBatch, decode: ForwardBatch) -> ForwardBatch:
     """One step of both (--enable-mixed-chunk): the prefill chunk's rows, then the decode step's
     one row per request, which keep their cascade groups (the worker attends to each part apart)."""
-    tokens, sampled = len(prefill.input_ids), sum(prefill.sample) + sum(prefill.draft_lens)
+    tokens, sampled = len(prefill.input_ids), sum(prefill.sample)
     prefill.prefill_reqs = len(prefill.slots)
-    if prefill.draft_lens:
-        prefill.draft_lens += [0] * len(decode.slots)
     prefill.group_sizes, prefill.group_pages = decode.group_sizes, decode.group_pages
     prefill.slots += decode.slots
     prefill.cached_lens += decode.cached_lens

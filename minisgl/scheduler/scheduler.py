@@ -446,9 +446,10 @@ class Scheduler(ControlPlane):
             if self.spec is not None and self.spec.wants(len(self.decoding)) and not self.inflight:
                 verify = self.spec.schedule(self.decoding, retract)
                 if verify is not None:
-                    batch, rows, drafts = verify
+                    batch, rows, drafts, routed = verify
                     c.decode_steps += 1
-                    return batch, rows, [], [], True, drafts
+                    c.cascade_steps += bool(batch.group_sizes)
+                    return batch, rows, [], routed, True, drafts
             batch = self.decode.schedule(self.decoding, retract)
             if batch is not None:
                 c.decode_steps += 1

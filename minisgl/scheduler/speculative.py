@@ -2,10 +2,11 @@
 
 While few requests decode, each one's last tokens are looked up in an n-gram index over the
 radix tree's token paths (the other samples of its prompt, earlier requests: ``NgramIndex``)
-and over its own tokens; what followed them there is its draft. A verify step runs every
-drafting request's last token and draft as one chunk (causal attention over its pages, rows
-of the other requests decoding beside it as in a mixed step) and samples every position by the
-request's own rule. The worker's sampler draws position p's token from (seed, p) alone, so the
+and over its own tokens; what followed them there is its draft. A verify step is a decode step
+whose drafting requests each take a run of rows, one per position (its last token, then its
+draft), all on its page-table row: each row attends up to its own position, the run reads the
+pages before it once as a cascade group, and the step replays the decode CUDA graphs. Every
+row samples by its request's own rule. The worker's sampler draws position p's token from (seed, p) alone, so the
 token each row samples is the one a plain decode step would have sampled there: a draft token
 is kept while it equals the token sampled before it, and the first differing sample (or the one
 after the whole draft) ends the step. Greedy and seeded outputs equal speculation off token for
@@ -20,15 +21,16 @@ return routed experts decode plainly.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import numpy as np
 
-from minisgl.kvcache.ngram_index import NgramIndex, hash_tokens, window_hashes
-from minisgl.messages import ForwardBatch, StepOutput
+from minisgl.kvcache.ngram_index import NgramIndex, suffix_hashes, window_hashes
+from minisgl.messages import MAX_CASCADE_GROUPS, ForwardBatch, StepOutput
 from minisgl.scheduler.decode import DecodePlanner
 from minisgl.scheduler.pages import Memory
-from minisgl.scheduler.prefill_batch import mixed_batch, write_table
+from minisgl.scheduler.prefill_batch import write_table
 from minisgl.scheduler.request import Req
 from minisgl.utils import cdiv
 
@@ -38,6 +40,8 @@ MAX_BATCH = 32
 # A request that had this many verify steps in a row with nothing accepted drafts again only
 # after as many plain steps.
 MISSES_BEFORE_PAUSE = 2
+# New tokens of a request indexed one at a time in Python; more (a prompt) go through numpy.
+BULK = 16
 
 
 class Drafter:
@@ -51,9 +55,9 @@ class Drafter:
         found (its own earlier tokens first at each length, then the tree's)."""
         ids = req.all_ids
         own = self._own_tables(req, ids)
-        for n in range(min(self.max_n, len(ids)), self.min_n - 1, -1):
-            tail = ids[-n:]
-            key = hash_tokens(tail)
+        keys = suffix_hashes(ids, self.max_n)
+        for n in range(len(keys), self.min_n - 1, -1):
+            tail, key = ids[-n:], keys[n - 1]
             end = own[n].get(key)
             if end is not None and ids[end - n : end] == tail:
                 return ids[end : end + count]
@@ -69,7 +73,13 @@ class Drafter:
         if req.ngrams is None:
             req.ngrams = {n: {} for n in range(self.min_n, self.max_n + 1)}
         upto, end = req.ngrams_upto, len(ids) - 1
-        if end > upto:
+        if 0 < end - upto <= BULK:  # a step's few new tokens: in Python
+            for stop in range(upto + 1, end + 1):
+                for n, h in enumerate(suffix_hashes(ids, self.max_n, stop), 1):
+                    if n >= self.min_n:
+                        req.ngrams[n][h] = stop
+            req.ngrams_upto = end
+        elif end > upto:
             first = max(upto - self.max_n + 1, 0)
             tokens = np.asarray(ids[first:end], dtype=np.int64)
             for n, table in req.ngrams.items():
@@ -91,6 +101,8 @@ class SpecPlanner:
         self.verify_steps = 0
         self.drafted_tokens = 0
         self.accepted_tokens = 0
+        self.draft_seconds = 0.0  # host time spent drafting, over
+        self.drafting_rows = 0  # the decoding requests it drafted for (summed over steps)
 
     @staticmethod
     def wants(decoding: int) -> bool:
@@ -103,9 +115,11 @@ class SpecPlanner:
 
     def schedule(
         self, decoding: list[Req], retract_newest: Callable[[], None]
-    ) -> tuple[ForwardBatch, list[Req], list[tuple[Req, list[int]]]] | None:
+    ) -> tuple[ForwardBatch, list[Req], list[tuple[Req, list[int]]], list[tuple[Req, int]]] | None:
         """A verify step (None: no request has a draft, or no pages for them): its batch, the
-        request of each sampled row, and each drafting request with its draft."""
+        request of each row, each drafting request with its draft, and the (request, position)
+        of the plain rows whose routed experts come back."""
+        start = time.perf_counter()
         drafts: list[tuple[Req, list[int]]] = []
         for req in decoding:
             if req.spec_pause > 0:
@@ -113,10 +127,12 @@ class SpecPlanner:
                 continue
             # Room for the draft and the token after it, within its budget and context.
             room = min(self.k, req.max_outputs - len(req.output_ids) - 1, req.max_len - req.kv_len - 2)
-            if room > 0 and self.eligible(req):
+            if room > 0 and self.eligible(req) and req.kv_len >= self.page_size:
                 draft = self.drafter.draft(req, room)
                 if draft:
                     drafts.append((req, draft))
+        self.draft_seconds += time.perf_counter() - start
+        self.drafting_rows += len(decoding)
         if not drafts:
             return None
         drafting = {id(r) for r, _ in drafts}
@@ -142,21 +158,39 @@ class SpecPlanner:
         batch = ForwardBatch(slots=[], cached_lens=[], new_lens=[], input_ids=[], sample=[])
         rows: list[Req] = []
         for req, draft in drafts:
-            start = req.kv_len - 1 - len(draft)
-            batch.slots.append(req.slot)
-            batch.cached_lens.append(start)
-            batch.new_lens.append(1 + len(draft))
+            n, start = 1 + len(draft), req.kv_len - 1 - len(draft)
+            batch.slots += [req.slot] * n
+            batch.cached_lens += range(start, start + n)
+            batch.new_lens += [1] * n
             batch.input_ids += [req.all_ids[start], *draft]
-            batch.sample.append(True)
-            batch.draft_lens.append(len(draft))
+            batch.sample += [True] * n
+            batch.verify_sizes.append(n)
+            if self.decode.cascade:  # its rows read the pages before its draft once, as a group
+                batch.group_sizes.append(n)
+                batch.group_pages.append((start + 1) // self.page_size)
             write_table(batch, req)
-            rows += [req] * (1 + len(draft))
+            rows += [req] * n
+        routed: list[tuple[Req, int]] = []
         if decode is not None:
-            batch = mixed_batch(batch, decode) if drafts else decode
+            routed = self.decode.routed(decode)
+            batch.mask_rows += [len(rows) + i for i in decode.mask_rows]
+            batch.route_rows += [len(rows) + i for i in decode.route_rows]
+            # The plain rows' groups follow (within the step's cap; the rest read as loose rows).
+            room = MAX_CASCADE_GROUPS - len(batch.group_sizes)
+            batch.slots += decode.slots
+            batch.cached_lens += decode.cached_lens
+            batch.new_lens += decode.new_lens
+            batch.input_ids += decode.input_ids
+            batch.sample += decode.sample
+            batch.table_slots += decode.table_slots
+            batch.table_cols += decode.table_cols
+            batch.table_pages += decode.table_pages
+            batch.group_sizes += decode.group_sizes[:room]
+            batch.group_pages += decode.group_pages[:room]
             rows += self.decode.order.reqs
         self.verify_steps += bool(drafts)
         self.drafted_tokens += sum(len(d) for _, d in drafts)
-        return batch, rows, drafts
+        return batch, rows, drafts, routed
 
     def accept(self, rows: list[Req], drafts: list[tuple[Req, list[int]]], out: StepOutput) -> list[Req]:
         """Keep each drafting request's accepted rows of ``out`` (edited in place): the draft
@@ -201,4 +235,5 @@ class SpecPlanner:
             "spec_draft_tokens": self.drafted_tokens,
             "spec_accepted_tokens": self.accepted_tokens,
             "spec_accept_rate": self.accepted_tokens / max(self.drafted_tokens, 1),
+            "spec_draft_us_per_request": 1e6 * self.draft_seconds / max(self.drafting_rows, 1),
         }

@@ -77,19 +77,6 @@ def _available_host_bytes() -> int:
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
 
 
-def sampled_rows(batch: ForwardBatch) -> tuple[np.ndarray, np.ndarray]:
-    """The token row of each logit the step samples, and the request it belongs to: each
-    sampling request's last row, and all of a verify request's (``draft_lens``)."""
-    last = np.cumsum(batch.new_lens) - 1
-    chosen = np.flatnonzero(np.asarray(batch.sample, dtype=bool))
-    if not batch.draft_lens:
-        return last[chosen], chosen
-    counts = np.asarray(batch.draft_lens, dtype=np.int64)[chosen] + 1
-    req = np.repeat(chosen, counts)
-    offsets = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
-    return last[req] - np.repeat(counts - 1, counts) + offsets, req
-
-
 class ModelRunner:
     def __init__(self, args: EngineArgs, model_dir: Path | None = None):
         args.validate()
@@ -484,7 +471,8 @@ class ModelRunner:
         if batch.score_rows:
             self._extras = self._score(hidden, batch)
         self._routing(batch)
-        rows = torch.from_numpy(sampled_rows(batch)[0]).to(self.device, non_blocking=True)
+        last = np.cumsum(batch.new_lens) - 1
+        rows = torch.from_numpy(last[np.asarray(batch.sample, dtype=bool)]).to(self.device, non_blocking=True)
         return self.model.compute_logits(hidden[rows], gather)
 
     def _routing(self, batch: ForwardBatch) -> None:
@@ -546,40 +534,39 @@ class ModelRunner:
     def _sample(
         self, batch: ForwardBatch, logits: torch.Tensor, masks: tuple[list[int], torch.Tensor] | None = None
     ) -> None:
-        rows, req = sampled_rows(batch)
-        slots = np.asarray(batch.slots, dtype=np.int64)[req]
+        chosen = np.asarray(batch.sample, dtype=bool)
+        slots = np.asarray(batch.slots, dtype=np.int64)[chosen]
         out = SampleOutput(tokens=None)
         if len(slots):
-            # Each row's position: a verify step's rows sample the positions after each of its tokens.
-            first = (np.cumsum(batch.new_lens) - batch.new_lens)[req]
-            seq_lens = np.asarray(batch.cached_lens, dtype=np.int64)[req] + rows - first + 1
+            seq_lens = (np.asarray(batch.cached_lens, dtype=np.int64) + np.asarray(batch.new_lens, dtype=np.int64))[
+                chosen
+            ]
             head = self.model.lm_head
             if masks is None and self.sampler.plain_greedy(slots, seq_lens):
                 out = SampleOutput(tokens=head.greedy(logits))
             else:
                 out = self.sampler.sample(head.gather(logits), slots, seq_lens, masks)
-            if batch.draft_lens:
-                self._last_verified(batch, rows, req, out.tokens)
+            if batch.verify_sizes:
+                self._last_verified(batch, out.tokens)
             else:
                 self.last_token[torch.from_numpy(slots).to(self.device, non_blocking=True)] = out.tokens
         self.pending.append(self._to_host(out, slots, self._extras, batch.score_top))
 
-    def _last_verified(self, batch: ForwardBatch, rows: np.ndarray, req: np.ndarray, tokens: torch.Tensor) -> None:
-        """A verify step's last token per request: its first row whose sample differs from the
-        draft token after it (the last row has none), as the scheduler will find on the host."""
-        ids = np.asarray(batch.input_ids + [-1], dtype=np.int64)
-        last = np.r_[req[1:] != req[:-1], True]  # each request's last row
-        following = np.where(last, -1, ids[rows + 1])
-        starts = np.flatnonzero(np.r_[True, req[1:] != req[:-1]])
-        group = np.cumsum(np.r_[False, req[1:] != req[:-1]])  # request number of each row
+    def _last_verified(self, batch: ForwardBatch, tokens: torch.Tensor) -> None:
+        """A verify step's last token per run (``ForwardBatch.verify_sizes``): its first row
+        whose sample differs from the next row's input, as the scheduler will find on the host;
+        each row after the runs is a run of its own (a verify step samples every row)."""
+        sizes = np.asarray(batch.verify_sizes + [1] * (len(batch.slots) - sum(batch.verify_sizes)), dtype=np.int64)
+        ends = np.cumsum(sizes)
+        following = np.asarray(batch.input_ids[1:] + [-1], dtype=np.int64)
+        following[ends - 1] = -1  # (a run's last row has no draft token after it)
+        run = np.repeat(np.arange(len(sizes)), sizes)
         dev = self.device
         agree = tokens == torch.from_numpy(following).to(dev, non_blocking=True)
-        index = torch.arange(len(rows), device=dev)
-        first = torch.full((len(starts),), len(rows), dtype=torch.int64, device=dev)
-        first.scatter_reduce_(
-            0, torch.from_numpy(group).to(dev, non_blocking=True), index.masked_fill(agree, len(rows)), "amin"
-        )
-        slots = torch.from_numpy(np.asarray(batch.slots, dtype=np.int64)[req[starts]]).to(dev, non_blocking=True)
+        index = torch.arange(len(run), device=dev).masked_fill(agree, len(run))
+        first = torch.full((len(sizes),), len(run), dtype=torch.int64, device=dev)
+        first.scatter_reduce_(0, torch.from_numpy(run).to(dev, non_blocking=True), index, "amin")
+        slots = torch.from_numpy(np.asarray(batch.slots, dtype=np.int64)[ends - 1]).to(dev, non_blocking=True)
         self.last_token[slots] = tokens[first]
 
     def _to_host(

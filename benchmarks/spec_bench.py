@@ -1,0 +1,151 @@
+"""Speculative decoding drafted from the radix tree: one engine, speculation off and on in turn.
+
+    python benchmarks/spec_bench.py --model SmolLM2-135M-Instruct.Q4_1.gguf --workload repeated
+    python benchmarks/spec_bench.py --model SmolLM2-135M-Instruct.Q4_1.gguf --workload agent
+
+``repeated``: arithmetic questions made here (chat template), ``--samples`` samples each at
+``--temperature``, until EOS or ``--max-new-tokens``: the long tail of repeated sampling.
+``agent``: a generated code file sent again each round with one line edited and the model
+asked to repeat it with that change, so its output repeats spans of its context.
+Reports wall time, output tokens, verify steps and acceptance, and when the last 10% of
+samples finished (the tail a repeated-sampling step waits for). Each mode runs on the same
+engine (``LLM.reset_scheduler``), first a warm-up round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.workloads import save_result  # noqa: E402
+from minisgl.llm import LLM  # noqa: E402
+from minisgl.sampling import SamplingParams  # noqa: E402
+from minisgl.tokenizer.chat import encode_chat  # noqa: E402
+
+
+def arithmetic_prompts(count: int, seed: int) -> list[list[dict[str, str]]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        a, b, c = rng.randrange(12, 99), rng.randrange(12, 99), rng.randrange(2, 30)
+        question = f"What is {a} * {b} + {c}? Work it out step by step, then give the answer."
+        out.append([{"role": "user", "content": question}])
+    return out
+
+
+def code_file(lines: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    names = ["total", "count", "items", "value", "result", "index", "buffer", "limit"]
+    out = []
+    for i in range(lines):
+        a, b = rng.sample(names, 2)
+        out.append(f"    {a}_{i % 7} = {b}_{(i + 3) % 7} + {rng.randrange(100)}")
+    return ["def step(state):"] + out + ["    return state"]
+
+
+def agent_rounds(rounds: int, seed: int) -> list[list[dict[str, str]]]:
+    """One conversation per round: the file so far, one line edited, asked back whole."""
+    rng = random.Random(seed)
+    source = code_file(40, seed)
+    out = []
+    for _ in range(rounds):
+        line = rng.randrange(1, len(source) - 1)
+        source[line] = source[line].rstrip() + f"  # checked {rng.randrange(1000)}"
+        text = "\n".join(source)
+        out.append([{"role": "user", "content": f"Here is a function:\n\n{text}\n\nRepeat the function exactly."}])
+    return out
+
+
+def run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[list, dict]:
+    """Every request at once through the scheduler: the requests, and times (finish of each)."""
+    sched = llm.scheduler
+    start = time.perf_counter()
+    reqs = [sched.add_request(p, sp) for p, sp in zip(prompts, params)]
+    finished: dict[int, float] = {}
+    while sched.has_work:
+        for event in sched.step():
+            if event.req.finished and event.req.rid not in finished:
+                finished[event.req.rid] = time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    times = sorted(finished.values())
+    p90 = times[int(0.9 * (len(times) - 1))]
+    out_tokens = sum(len(r.output_ids) for r in reqs)
+    return reqs, {
+        "seconds": seconds,
+        "output_tokens": out_tokens,
+        "out_tok_per_s": out_tokens / seconds,
+        "p90_finish_s": p90,
+        "last_10pct_s": seconds - p90,
+        "mean_output_len": out_tokens / len(reqs),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--workload", choices=["repeated", "agent"], default="repeated")
+    ap.add_argument("--prompts", type=int, default=8, help="repeated: questions; agent: rounds")
+    ap.add_argument("--samples", type=int, default=64, help="samples per prompt")
+    ap.add_argument("--max-new-tokens", type=int, default=1024)
+    ap.add_argument("--temperature", type=float, default=0.8)
+    ap.add_argument("--num-draft-tokens", type=int, nargs="+", default=[4])
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    engine = {"dtype": args.dtype, "max_running_requests": max(256, args.samples)}
+    if args.device:
+        engine["device"] = args.device
+    llm = LLM(args.model, **engine)
+    make = arithmetic_prompts if args.workload == "repeated" else agent_rounds
+    convs = make(args.prompts, args.seed)
+    ids = [encode_chat(llm.tokenizer, c, None, None) for c in convs]
+    prompts = [p for p in ids for _ in range(args.samples)]
+    params = [
+        SamplingParams(temperature=args.temperature, seed=args.seed * 100_000 + i, max_new_tokens=args.max_new_tokens)
+        for i in range(len(prompts))
+    ]
+    modes = [("off", None)] + [(f"on k={k}", k) for k in args.num_draft_tokens]
+    rows, outputs = [], []
+    for warm in (True, False):
+        for name, k in modes:
+            llm.args.speculative_algorithm = None if k is None else "NGRAM"
+            llm.args.speculative_num_draft_tokens = k or 1
+            llm.reset_scheduler()
+            # Warm-up: a few requests (graphs, kernels); then the measured run on a fresh cache.
+            reqs, result = run(llm, prompts[: 4 if warm else len(prompts)], params[: 4 if warm else len(params)])
+            if warm:
+                continue
+            outputs.append([r.output_ids for r in reqs])
+            # Same seeds: equal to the first mode's samples unless rounding differs (bf16).
+            result["same_as_off"] = sum(a == b for a, b in zip(outputs[0], outputs[-1])) / len(reqs)
+            stats = llm.scheduler.stats()
+            result.update(mode=name, **{key: v for key, v in stats.items() if key.startswith("spec_")})
+            result["decode_steps"] = stats["decode_steps"]
+            rows.append(result)
+            print(
+                f"{name:10s} {result['seconds']:8.2f} s  {result['out_tok_per_s']:9.0f} out tok/s  "
+                f"last 10% {result['last_10pct_s']:6.2f} s  mean len {result['mean_output_len']:6.1f}  "
+                f"steps {result['decode_steps']}  accept {result.get('spec_accept_rate', 0):.2f} "
+                f"({result.get('spec_accepted_tokens', 0)}/{result.get('spec_draft_tokens', 0)})  "
+                f"drafting {result.get('spec_draft_us_per_request', 0):.1f} us/request/step  "
+                f"same samples as off {result['same_as_off']:.2f}",
+                flush=True,
+            )
+    base = rows[0]
+    for row in rows[1:]:
+        print(
+            f"{row['mode']}: {base['seconds'] / row['seconds']:.2f}x end to end, "
+            f"last 10% {base['last_10pct_s'] / max(row['last_10pct_s'], 1e-9):.2f}x"
+        )
+    save_result({"args": vars(args), "results": rows}, args.out, f"spec_{args.workload}")
+
+
+if __name__ == "__main__":
+    main()
