@@ -50,20 +50,26 @@ def prefill_batch(
 def mixed_batch(prefill: ForwardBatch, decode: ForwardBatch) -> ForwardBatch:
     """One step of both (--enable-mixed-chunk): the prefill chunk's rows, then the decode step's
     one row per request, which keep their cascade groups (the worker attends to each part apart)."""
-    tokens, sampled = len(prefill.input_ids), sum(prefill.sample)
     prefill.prefill_reqs = len(prefill.slots)
     prefill.group_sizes, prefill.group_pages = decode.group_sizes, decode.group_pages
-    prefill.slots += decode.slots
-    prefill.cached_lens += decode.cached_lens
-    prefill.new_lens += decode.new_lens
-    prefill.input_ids += decode.input_ids
-    prefill.sample += decode.sample
-    prefill.table_slots += decode.table_slots
-    prefill.table_cols += decode.table_cols
-    prefill.table_pages += decode.table_pages
-    prefill.mask_rows += [sampled + i for i in decode.mask_rows]
-    prefill.route_rows += [tokens + i for i in decode.route_rows]
+    append_rows(prefill, decode)
     return prefill
+
+
+def append_rows(batch: ForwardBatch, more: ForwardBatch) -> None:
+    """``more``'s rows after ``batch``'s: its tokens, page-table writes, and constrained and
+    routed rows (renumbered). Cascade groups are the caller's to join."""
+    tokens, sampled = len(batch.input_ids), sum(batch.sample)
+    batch.slots += more.slots
+    batch.cached_lens += more.cached_lens
+    batch.new_lens += more.new_lens
+    batch.input_ids += more.input_ids
+    batch.sample += more.sample
+    batch.table_slots += more.table_slots
+    batch.table_cols += more.table_cols
+    batch.table_pages += more.table_pages
+    batch.mask_rows += [sampled + i for i in more.mask_rows]
+    batch.route_rows += [tokens + i for i in more.route_rows]
 
 
 def write_table(batch: ForwardBatch, req: Req) -> None:

@@ -30,7 +30,7 @@ from minisgl.kvcache.ngram_index import NgramIndex, suffix_hashes, window_hashes
 from minisgl.messages import MAX_CASCADE_GROUPS, ForwardBatch, StepOutput
 from minisgl.scheduler.decode import DecodePlanner
 from minisgl.scheduler.pages import Memory
-from minisgl.scheduler.prefill_batch import write_table
+from minisgl.scheduler.prefill_batch import append_rows, write_table
 from minisgl.scheduler.request import Req
 from minisgl.utils import cdiv
 
@@ -173,18 +173,9 @@ class SpecPlanner:
         routed: list[tuple[Req, int]] = []
         if decode is not None:
             routed = self.decode.routed(decode)
-            batch.mask_rows += [len(rows) + i for i in decode.mask_rows]
-            batch.route_rows += [len(rows) + i for i in decode.route_rows]
+            append_rows(batch, decode)
             # The plain rows' groups follow (within the step's cap; the rest read as loose rows).
             room = MAX_CASCADE_GROUPS - len(batch.group_sizes)
-            batch.slots += decode.slots
-            batch.cached_lens += decode.cached_lens
-            batch.new_lens += decode.new_lens
-            batch.input_ids += decode.input_ids
-            batch.sample += decode.sample
-            batch.table_slots += decode.table_slots
-            batch.table_cols += decode.table_cols
-            batch.table_pages += decode.table_pages
             batch.group_sizes += decode.group_sizes[:room]
             batch.group_pages += decode.group_pages[:room]
             rows += self.decode.order.reqs
