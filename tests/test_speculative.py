@@ -228,3 +228,30 @@ def test_speculation_on_cuda_keeps_tokens(tmp_path, dtype):
     same = sum(a == b for a, b in zip(outs[0] + outs[1], outs[2] + outs[3]))
     # (bf16 on the tiny random checkpoint, whose logits tie often: 26 of 40 agreed on the H100)
     assert same == 2 * len(prompts) if dtype == "float32" else same >= len(prompts), f"{same} of {2 * len(prompts)}"
+
+
+def test_server_streams_every_accepted_token(tiny_llama):
+    """Through the server a verify step's tokens all reach the client, streamed or not, with
+    their logprobs, as the offline engine gives them."""
+    import httpx
+
+    from tests.server_utils import running_server
+
+    prompts = looping_prompts(3, seed=12)
+    params = {"temperature": 0.0, "max_new_tokens": 48, "ignore_eos": True}
+    want = tokens(make_llm(tiny_llama, page_size=4).generate(prompts, params))
+    with running_server(tiny_llama, "--page-size", "4", "--speculative-algorithm", "NGRAM") as srv:
+        for prompt, expected in zip(prompts, want):
+            body = {"input_ids": prompt, "sampling_params": params, "return_logprob": True}
+            got = httpx.post(f"{srv.url}/generate", json=body, timeout=60).json()
+            assert got["output_ids"] == expected
+            assert len(got["meta_info"]["output_token_logprobs"]) == len(expected)
+            streamed: list[int] = []
+            with httpx.stream("POST", f"{srv.url}/generate", json={**body, "stream": True}, timeout=60) as r:
+                lines = r.iter_lines()
+                for line in lines:
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        streamed = json.loads(line[6:])["output_ids"]
+            assert streamed == expected
+        stats = srv.server_info()["scheduler"]
+        assert stats["spec_accepted_tokens"] > 0

@@ -196,20 +196,24 @@ class SchedulerProcess:
             del self.by_rid[rid]
 
     def _token_out(self, req: Req) -> TokenOut:
+        """The tokens since its last message: one a step, or several after a verify step."""
+        new = slice(req.sent_tokens, None)
+        req.sent_tokens = len(req.output_ids)
         out = TokenOut(
             self.rid_of[req.rid],
-            req.output_ids[-1:],
+            req.output_ids[new],
             finish_reason=req.finish_reason,
             cached_tokens=req.cached_tokens,
             error=req.error,
         )
         if req.top_logprobs >= 0:
-            out.logprobs = req.output_logprobs[-1:]
-        if req.top_logprobs > 0 and req.output_ids:
-            top = req.output_top_logprobs[-1]
-            out.top_ids, out.top_logprobs = [[t for t, _ in top]], [[lp for _, lp in top]]
-        if req.logprob_ids and req.output_ids:
-            out.id_logprobs = req.output_id_logprobs[-1:]
+            out.logprobs = req.output_logprobs[new]
+        if req.top_logprobs > 0:
+            tops = req.output_top_logprobs[new]
+            out.top_ids = [[t for t, _ in top] for top in tops]
+            out.top_logprobs = [[lp for _, lp in top] for top in tops]
+        if req.logprob_ids:
+            out.id_logprobs = req.output_id_logprobs[new]
         if req.scores_prompt:
             out.input_start, scores = prompt_scores(req)
             out.input_logprobs = [lp for lp, _, _ in scores]

@@ -469,6 +469,7 @@ class Scheduler(ControlPlane):
             record_routed(routed, out.routed_experts)
         if drafts:
             sampled = self.spec.accept(sampled, drafts, out)
+            return list(dict.fromkeys(apply_output(sampled, scored, score_ids, out, self.finish)))
         return apply_output(sampled, scored, score_ids, out, self.finish)
 
     # ---- giving pages back ---------------------------------------------------------------------
