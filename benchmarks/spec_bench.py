@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.workloads import save_result  # noqa: E402
 from minisgl.llm import LLM  # noqa: E402
 from minisgl.sampling import SamplingParams  # noqa: E402
+from minisgl.scheduler import speculative  # noqa: E402
 from minisgl.tokenizer.chat import encode_chat  # noqa: E402
 
 
@@ -94,6 +95,13 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=1024)
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--num-draft-tokens", type=int, nargs="+", default=[4])
+    ap.add_argument(
+        "--idle-after-no-draft",
+        type=int,
+        nargs="+",
+        default=[speculative.IDLE_AFTER_NO_DRAFT],
+        help="plain steps after one in which no request drafted (speculative.IDLE_AFTER_NO_DRAFT)",
+    )
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--seed", type=int, default=0)
@@ -111,10 +119,13 @@ def main() -> None:
         SamplingParams(temperature=args.temperature, seed=args.seed * 100_000 + i, max_new_tokens=args.max_new_tokens)
         for i in range(len(prompts))
     ]
-    modes = [("off", None)] + [(f"on k={k}", k) for k in args.num_draft_tokens]
+    modes = [("off", None, 0)] + [
+        (f"on k={k} idle={idle}", k, idle) for k in args.num_draft_tokens for idle in args.idle_after_no_draft
+    ]
     rows, outputs = [], []
     for warm in (True, False):
-        for name, k in modes:
+        for name, k, idle in modes:
+            speculative.IDLE_AFTER_NO_DRAFT = idle
             llm.args.speculative_algorithm = None if k is None else "NGRAM"
             llm.args.speculative_num_draft_tokens = k or 1
             llm.reset_scheduler()

@@ -143,6 +143,7 @@ class Scheduler(ControlPlane):
             args.enable_return_routed_experts,
         )
         self.spec: SpecPlanner | None = None
+        self._speculate = False  # this step may verify drafts (``SpecPlanner.wants``)
         if args.speculative_algorithm is not None:
             n = (args.speculative_ngram_min_match_window_size, args.speculative_ngram_max_match_window_size)
             if isinstance(self.cache, RadixCacheManager):
@@ -350,11 +351,8 @@ class Scheduler(ControlPlane):
         if self.compiling:
             self._admit_compiled()
         got: list[Req] = []
-        if (
-            self.spec is not None
-            and self.inflight
-            and (self.spec.wants(len(self.decoding)) or any(step[5] for step in self.inflight))
-        ):
+        self._speculate = self.spec is not None and self.spec.wants(len(self.decoding))
+        if self.inflight and (self._speculate or any(step[5] for step in self.inflight)):
             # A verify step drafts from every token so far, and one in flight changes how many
             # tokens its requests hold: both wait for the steps in flight.
             while self.inflight:
@@ -443,7 +441,7 @@ class Scheduler(ControlPlane):
                         c.mixed_steps += 1
                 return batch, sampled, scored, routed, False, []
             retract = lambda: self._retract(self.running[-1])  # noqa: E731
-            if self.spec is not None and self.spec.wants(len(self.decoding)) and not self.inflight:
+            if self._speculate and not self.inflight:
                 verify = self.spec.schedule(self.decoding, retract)
                 if verify is not None:
                     batch, rows, drafts, routed = verify

@@ -40,6 +40,8 @@ MAX_BATCH = 32
 # A request that had this many verify steps in a row with nothing accepted drafts again only
 # after as many plain steps.
 MISSES_BEFORE_PAUSE = 2
+# Plain steps (with overlap) after a step in which no request found a draft.
+IDLE_AFTER_NO_DRAFT = 4
 # New tokens of a request indexed one at a time in Python; more (a prompt) go through numpy.
 BULK = 16
 
@@ -101,12 +103,16 @@ class SpecPlanner:
         self.verify_steps = 0
         self.drafted_tokens = 0
         self.accepted_tokens = 0
+        self.idle = 0  # steps left without speculation (``wants``)
         self.draft_seconds = 0.0  # host time spent drafting, over
         self.drafting_rows = 0  # the decoding requests it drafted for (summed over steps)
 
-    @staticmethod
-    def wants(decoding: int) -> bool:
-        """Whether a batch of ``decoding`` requests speculates (small batches only)."""
+    def wants(self, decoding: int) -> bool:
+        """Whether this step speculates: small batches only, and not for a few steps after no
+        request found a draft (those steps keep overlap scheduling)."""
+        if self.idle > 0:
+            self.idle -= 1
+            return False
         return 0 < decoding <= MAX_BATCH
 
     @staticmethod
@@ -134,6 +140,7 @@ class SpecPlanner:
         self.draft_seconds += time.perf_counter() - start
         self.drafting_rows += len(decoding)
         if not drafts:
+            self.idle = IDLE_AFTER_NO_DRAFT
             return None
         drafting = {id(r) for r, _ in drafts}
         plain = [r for r in decoding if id(r) not in drafting]
