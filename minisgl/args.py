@@ -67,7 +67,7 @@ class EngineArgs:
     speculative_num_draft_tokens: int = 4  # draft tokens verified per request per step, at most
     speculative_ngram_min_match_window_size: int = 2
     speculative_ngram_max_match_window_size: int = 6
-    speculative_ngram_capacity: int = 10_000_000  # index entries before it starts over
+    speculative_ngram_capacity: int = 1 << 18  # index slots per match length (16 bytes each)
     cuda_graph_max_bs: int | None = None  # None: max_running_requests; 0 disables graphs
     disable_cuda_graph: bool = False
     # Prefill steps of up to this many tokens replay CUDA graphs of the layers' pieces between
@@ -516,8 +516,8 @@ def add_engine_args(ap: argparse.ArgumentParser) -> dict[str, argparse._Argument
     spec.add_argument(
         "--speculative-ngram-capacity",
         type=int,
-        default=10_000_000,
-        help="n-gram index entries kept before the index starts over",
+        default=1 << 18,
+        help="n-gram index slots per match length (16 bytes each; newer n-grams replace older ones)",
     )
     hicache.add_argument(
         "--enable-hierarchical-cache",

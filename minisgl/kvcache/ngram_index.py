@@ -7,8 +7,8 @@ lookup finds the most recent continuation: a sibling sample's, an earlier reques
 
 Nodes are indexed once, when inserted (numpy hashes their windows at once); a split keeps the
 lower part's depth, so positions stay right, and reading walks up to the part that holds them.
-A removed node's entries go lazily (a lookup that finds it gone drops the entry); past
-``capacity`` entries the index starts over.
+A removed node's entries die with it (a lookup that meets one finds no node); the tables have
+a fixed size, newer windows taking the slots of older ones.
 """
 
 from __future__ import annotations
@@ -19,21 +19,21 @@ import numpy as np
 
 _BASE = np.uint64(0x9E3779B97F4A7C15)  # odd: invertible modulo 2**64
 _BASE_INV = np.uint64(pow(int(_BASE), -1, 1 << 64))
-_POS_BITS = 40
+_POS_BITS = 26  # positions below 64M tokens; serials get the other 37 bits
 _B, _MASK = int(_BASE), (1 << 64) - 1
 
 
-def window_hashes(tokens: np.ndarray, n: int) -> np.ndarray:
-    """Hash of every length-``n`` window of ``tokens`` (uint64), ``sum t[i + j] * B**j`` modulo
-    2**64, from one prefix sum: window i is (P[i + n] - P[i]) * B**-i."""
-    m = len(tokens)
-    if m < n:
-        return np.zeros(0, dtype=np.uint64)
+def window_hashes(tokens: np.ndarray, longest: int) -> list[np.ndarray]:
+    """Hashes (uint64) of every window of ``tokens`` of each length n = 1 .. ``longest`` (at
+    [n - 1]): ``sum t[i + j] * B**j`` modulo 2**64, each length from the one before
+    (h_n[i] = t[i] + B * h_{n-1}[i + 1]): a multiply-add over the tokens per length."""
+    t = tokens.astype(np.uint64)
+    out = [t] if len(t) and longest > 0 else []
     with np.errstate(over="ignore"):
-        powers = np.cumprod(np.full(m, _BASE, dtype=np.uint64)) * _BASE_INV  # B**0 .. B**(m-1)
-        inv = np.cumprod(np.full(m, _BASE_INV, dtype=np.uint64)) * _BASE  # B**-0 .. B**-(m-1)
-        prefix = np.concatenate([[np.uint64(0)], np.cumsum(tokens.astype(np.uint64) * powers, dtype=np.uint64)])
-        return (prefix[n:] - prefix[: m - n + 1]) * inv[: m - n + 1]
+        while 0 < len(out) < min(longest, len(t)):
+            prev = out[-1]
+            out.append(t[: len(prev) - 1] + prev[1:] * _BASE)
+    return out
 
 
 def suffix_hashes(tokens: list[int], longest: int, end: int | None = None) -> list[int]:
@@ -50,17 +50,23 @@ def suffix_hashes(tokens: list[int], longest: int, end: int | None = None) -> li
 
 class NgramIndex:
     def __init__(self, min_n: int, max_n: int, capacity: int):
-        self.min_n, self.max_n, self.capacity = min_n, max_n, capacity
-        self.tables: dict[int, dict[int, int]] = {n: {} for n in range(min_n, max_n + 1)}
+        self.min_n, self.max_n = min_n, max_n
+        # One direct-mapped table per length, ``capacity`` slots (a power of two) of (hash, where):
+        # numpy inserts a node's windows in a few calls (a dict took ~2 us a token), and a newer
+        # window whose slot is taken simply replaces the older one, so the memory is fixed.
+        self.mask = (1 << max(capacity - 1, 1).bit_length()) - 1
+        self.keys: dict[int, np.ndarray] = {}
+        self.values: dict[int, np.ndarray] = {}
         self.nodes: dict[int, Any] = {}  # serial -> node (radix ``_Node``)
         self.serial_of: dict[int, int] = {}  # id(node) -> serial
         self._next = 1
-        self.entries = 0
 
     def add(self, node: Any) -> None:
         """Index a new node: its windows, with up to ``max_n - 1`` tokens of its path before it."""
-        if self.entries > self.capacity:
-            self.clear()
+        if not self.keys:
+            for n in range(self.min_n, self.max_n + 1):
+                self.keys[n] = np.zeros(self.mask + 1, dtype=np.uint64)
+                self.values[n] = np.zeros(self.mask + 1, dtype=np.int64)
         start = node.depth - len(node.key)
         before = self._path_before(node, start, self.max_n - 1)
         tokens = np.asarray(before + node.key, dtype=np.int64)
@@ -68,41 +74,46 @@ class NgramIndex:
         self._next += 1
         self.nodes[serial], self.serial_of[id(node)] = node, serial
         base = start - len(before)  # absolute position of tokens[0]
-        for n, table in self.tables.items():
-            hashes = window_hashes(tokens, n)
+        by_length = window_hashes(tokens, self.max_n)
+        for n, keys in self.keys.items():
+            if n > len(by_length):
+                break
             first = max(len(before) - n + 1, 0)  # windows ending inside the node only
-            if first >= len(hashes):
+            hashes = by_length[n - 1][first:]
+            if not len(hashes):
                 continue
-            ends = np.arange(first, len(hashes), dtype=np.int64) + n + base  # position after each window
-            table.update(zip(hashes[first:].tolist(), ((serial << _POS_BITS) | ends).tolist()))
-            self.entries += len(hashes) - first
+            ends = np.arange(first, first + len(hashes), dtype=np.int64) + n + base  # position after each window
+            slots = (hashes & np.uint64(self.mask)).astype(np.int64)
+            keys[slots] = hashes
+            self.values[n][slots] = (serial << _POS_BITS) | ends
 
     def forget(self, node: Any) -> None:
-        """A node left the tree: its entries die (dropped when a lookup meets them)."""
+        """A node left the tree: its entries die (a lookup that meets one finds no node)."""
         serial = self.serial_of.pop(id(node), None)
         if serial is not None:
             del self.nodes[serial]
 
     def clear(self) -> None:
-        for table in self.tables.values():
-            table.clear()
+        for keys in self.keys.values():
+            keys.fill(0)
         self.nodes.clear()
         self.serial_of.clear()
-        self.entries = 0
 
     def lookup(self, n: int, key: int, tail: list[int], count: int) -> list[int]:
         """Up to ``count`` tokens that followed the n-gram ``tail[-n:]`` (hash ``key``) in the tree."""
-        table = self.tables[n]
-        value = table.get(key)
-        if value is None:
+        keys = self.keys.get(n)
+        if keys is None:
             return []
+        slot = key & self.mask
+        if int(keys[slot]) != key:
+            return []
+        value = int(self.values[n][slot])
         node = self.nodes.get(value >> _POS_BITS)
         if node is None or node.parent is None:
-            del table[key]
             return []
         end = value & ((1 << _POS_BITS) - 1)
         tokens = self.read(node, end - n, end + count)
-        if tokens[:n] != tail[-n:]:  # a hash collision
+        if tokens[:n] != tail[-n:]:  # two windows with one hash
             return []
         return tokens[n:]
 

@@ -83,9 +83,11 @@ class Drafter:
             req.ngrams_upto = end
         elif end > upto:
             first = max(upto - self.max_n + 1, 0)
-            tokens = np.asarray(ids[first:end], dtype=np.int64)
+            by_length = window_hashes(np.asarray(ids[first:end], dtype=np.int64), self.max_n)
             for n, table in req.ngrams.items():
-                hashes = window_hashes(tokens, n)
+                if n > len(by_length):
+                    break
+                hashes = by_length[n - 1]
                 ends = np.arange(len(hashes), dtype=np.int64) + first + n
                 fresh = ends > upto  # windows not indexed before
                 table.update(zip(hashes[fresh].tolist(), ends[fresh].tolist()))
