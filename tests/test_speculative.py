@@ -256,3 +256,17 @@ def test_server_streams_every_accepted_token(tiny_llama):
             assert streamed == expected
         stats = srv.server_info()["scheduler"]
         assert stats["spec_accepted_tokens"] > 0
+
+
+def test_host_tier_under_the_tree_keeps_drafts_and_tokens(tiny_llama):
+    """With the host tier, evicted device pages keep their nodes (host copies): drafts still
+    read their tokens, and outputs equal speculation off; the cache's check holds every step."""
+    prompts = looping_prompts(6, seed=13) + [p[:20] for p in looping_prompts(4, seed=14)]
+    params = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
+    kw = dict(page_size=4, max_total_tokens=600, enable_hierarchical_cache=True, hicache_ratio=4)
+    off = tokens(make_llm(tiny_llama, **kw).generate(prompts, params))
+    llm = make_llm(tiny_llama, **kw, **SPEC)
+    assert tokens(llm.generate(prompts, params)) == off
+    assert tokens(llm.generate(prompts, params)) == off  # again: prompts come back from the host tier
+    stats = llm.scheduler.stats()
+    assert stats["spec_accepted_tokens"] > 0 and stats["prefix_host_hit_tokens"] > 0
