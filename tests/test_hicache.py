@@ -362,6 +362,7 @@ def test_a_page_outside_either_pool_is_refused_before_any_copy():
 
     cache = MHAKVCache(8, 4, 2, 2, 8, torch.float32, torch.device("cpu"))
     host = HostKVPool(6, cache)
+    host.buffer.normal_()  # (fresh memory may hold NaN patterns, which never compare equal)
     before = host.buffer.clone()
     for writes, loads in (([0, 6], []), ([8, 0], []), ([], [0, 8]), ([], [-1, 0]), ([1, 1, 2, 2], [5, 9])):
         with pytest.raises(IndexError, match="outside the pools"):
@@ -575,11 +576,9 @@ def test_disk_files_are_reached_only_inside_the_folder(tmp_path):
 
 
 def test_a_file_changed_after_the_check_never_reaches_the_model(tmp_path):
-    """The scheduler stages the bytes it checked: a page rewritten (here with a checksum forged for
+    """The scheduler stages the bytes it checked: a page rewritten (here with a digest made for
     other content) or cut after the check leaves what the worker reads as it was checked; a page
     staged for no batch goes with ``unstage``."""
-    import zlib
-
     from minisgl.kvcache.disk_store import HEADER, MAGIC
 
     store, keys, nbytes = _store(tmp_path)
@@ -587,7 +586,7 @@ def test_a_file_changed_after_the_check_never_reaches_the_model(tmp_path):
     store.write_from(keys[0], 0, memoryview(good))
     [token] = store.stage(keys[:1], nbytes)
     forged = bytes([7]) * nbytes
-    store.path(keys[0], 0).write_bytes(HEADER.pack(MAGIC, keys[0], nbytes, zlib.crc32(forged)) + forged)
+    store.path(keys[0], 0).write_bytes(HEADER.pack(MAGIC, keys[0], nbytes, store._digest(keys[0], forged)) + forged)
     out = memoryview(bytearray(nbytes))
     store.read_staged(token, 0, out)
     assert bytes(out) == good
@@ -599,6 +598,27 @@ def test_a_file_changed_after_the_check_never_reaches_the_model(tmp_path):
     tokens = store.stage(keys[1:2], nbytes)
     store.unstage(tokens)
     assert not any(p.is_file() for p in store.folder.glob(".stage-*/*"))
+
+
+def test_a_page_forged_without_the_folders_secret_is_refused(tmp_path):
+    """A file with a valid header whose digest was made without the folder's secret (a checksum
+    recomputed for other bytes, or another folder's secret) is refused and removed; a second
+    store on the folder (another process) shares the secret and reads the good pages."""
+    import hashlib
+
+    from minisgl.kvcache.disk_store import HEADER, MAGIC, DiskStore
+
+    store, keys, nbytes = _store(tmp_path)
+    forged = bytes([9]) * nbytes
+    digest = hashlib.blake2b(keys[0], key=b"x" * 32, digest_size=16).digest()
+    store.path(keys[0], 0).parent.mkdir(exist_ok=True)
+    store.path(keys[0], 0).write_bytes(HEADER.pack(MAGIC, keys[0], nbytes, digest) + forged)
+    assert store.stage(keys[:1], nbytes) == [] and store.corrupt == 1
+    assert not store.path(keys[0], 0).exists()
+    store.write_from(keys[1], 0, memoryview(bytes(range(nbytes))))
+    other = DiskStore(str(store.folder.parent), store.folder.name)
+    assert other._secret == store._secret and len(other.stage(keys[1:2], nbytes)) == 1
+    assert (store.folder / ".secret").stat().st_mode & 0o777 == 0o600
 
 
 def test_the_storage_folder_is_private_and_must_be_this_users(tmp_path):

@@ -4,9 +4,11 @@ A page's key is a hash chained over the token pages of its whole prefix, so the 
 the same key in any process: a restarted server, or another replica on this host, finds the
 pages an earlier one wrote. Files live under a folder named by a fingerprint of what their
 bytes mean (model, page size, KV layout and dtype, tensor-parallel size), so a different model
-never reads them. Each file is a header (magic, key, payload length, CRC-32 of the payload) and
-one host page's bytes; it is written to a temporary name and renamed, so readers never see half
-a file, and a file whose header or checksum does not match is skipped and removed.
+never reads them. Each file is a header (magic, key, payload length, a keyed BLAKE2b digest of
+the key and payload) and one host page's bytes; it is written to a temporary name and renamed,
+so readers never see half a file, and a file whose header or digest does not match is skipped and
+removed. The digest's secret lives in the folder (``.secret``, 0600, made once): a file forged
+without it (a checksum recomputed for other bytes) is refused.
 
 The scheduler finds pages and stages the ones a batch reads (``stage``: each file checked, and
 the bytes it checked copied to a private staging file of this process, so a file changed or cut
@@ -26,13 +28,14 @@ import os
 import stat
 import struct
 import uuid
-import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-MAGIC = b"MSGLKV01"
-HEADER = struct.Struct("<8s32sQI")  # magic, key (sha256), payload bytes, crc32
+MAGIC = b"MSGLKV02"
+HEADER = struct.Struct("<8s32sQ16s")  # magic, key (sha256), payload bytes, keyed digest
+SECRET = ".secret"
+SECRET_BYTES = 32
 
 
 def page_keys(
@@ -70,6 +73,40 @@ class DiskStore:
         self.tp_size = tp_size
         self.corrupt = 0  # files found bad and removed
         self._stage: str | None = None
+        self._secret = self._load_secret()
+
+    def _load_secret(self) -> bytes:
+        """The folder's digest secret: made once (written aside, then linked into place, so the
+        processes sharing the folder all read the same whole one), a private regular file."""
+        for _ in range(2):
+            try:
+                fd = os.open(SECRET, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=self._fd)
+            except FileNotFoundError:
+                tmp = f".secret.{uuid.uuid4().hex}"
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=self._fd)
+                with os.fdopen(fd, "wb") as f:
+                    f.write(os.urandom(SECRET_BYTES))
+                with suppress(FileExistsError):  # (another process made it first: theirs stands)
+                    os.link(tmp, SECRET, src_dir_fd=self._fd, dst_dir_fd=self._fd, follow_symlinks=False)
+                os.unlink(tmp, dir_fd=self._fd)
+                continue
+            try:
+                st = os.fstat(fd)
+                ok = stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077
+                secret = os.read(fd, SECRET_BYTES + 1) if ok else b""
+            finally:
+                os.close(fd)
+            if len(secret) != SECRET_BYTES:
+                raise PermissionError(
+                    f"{self.folder / SECRET} is not this user's private secret: the KV storage tier will not use it"
+                )
+            return secret
+        raise OSError(f"could not make {self.folder / SECRET}")
+
+    def _digest(self, key: bytes, payload: memoryview | bytes) -> bytes:
+        h = hashlib.blake2b(key, key=self._secret, digest_size=16)
+        h.update(payload)
+        return h.digest()
 
     def path(self, key: bytes, rank: int) -> Path:
         """Where the page of ``key`` for ``rank`` lives: subfolder by the key's first byte."""
@@ -125,14 +162,13 @@ class DiskStore:
         finally:
             os.close(fd)
 
-    @staticmethod
-    def _valid(data: bytes, key: bytes, page_bytes: int) -> bool:
-        magic, stored_key, length, crc = HEADER.unpack_from(data)
+    def _valid(self, data: bytes, key: bytes, page_bytes: int) -> bool:
+        magic, stored_key, length, digest = HEADER.unpack_from(data)
         return (
             magic == MAGIC
             and stored_key == key
             and length == page_bytes
-            and crc == zlib.crc32(memoryview(data)[HEADER.size :])
+            and digest == self._digest(key, memoryview(data)[HEADER.size :])
         )
 
     def _remove(self, key: bytes, rank: int) -> None:
@@ -219,7 +255,7 @@ class DiskStore:
             tmp = f".{name}.{uuid.uuid4().hex}"
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=d)
             with os.fdopen(fd, "wb") as f:
-                f.write(HEADER.pack(MAGIC, key, len(data), zlib.crc32(data)))
+                f.write(HEADER.pack(MAGIC, key, len(data), self._digest(key, data)))
                 f.write(data)
             os.replace(tmp, name, src_dir_fd=d, dst_dir_fd=d)
         finally:
