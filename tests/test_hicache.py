@@ -604,13 +604,13 @@ def test_a_page_forged_without_the_folders_secret_is_refused(tmp_path):
     """A file with a valid header whose digest was made without the folder's secret (a checksum
     recomputed for other bytes, or another folder's secret) is refused and removed; a second
     store on the folder (another process) shares the secret and reads the good pages."""
-    import hashlib
+    import hmac
 
     from minisgl.kvcache.disk_store import HEADER, MAGIC, DiskStore
 
     store, keys, nbytes = _store(tmp_path)
     forged = bytes([9]) * nbytes
-    digest = hashlib.blake2b(keys[0], key=b"x" * 32, digest_size=16).digest()
+    digest = hmac.new(b"x" * 32, keys[0] + forged, "sha256").digest()[:16]
     store.path(keys[0], 0).parent.mkdir(exist_ok=True)
     store.path(keys[0], 0).write_bytes(HEADER.pack(MAGIC, keys[0], nbytes, digest) + forged)
     assert store.stage(keys[:1], nbytes) == [] and store.corrupt == 1
