@@ -255,7 +255,10 @@ def test_server_streams_every_accepted_token(tiny_llama):
                         streamed = json.loads(line[6:])["output_ids"]
             assert streamed == expected
         stats = srv.server_info()["scheduler"]
-        assert stats["spec_accepted_tokens"] > 0
+        assert stats["spec_accepted_tokens"] > 0 and stats["spec_accept_length"] > 1
+        metrics = httpx.get(f"{srv.url}/metrics", timeout=30).text
+        line = next(x for x in metrics.splitlines() if x.startswith("sglang:spec_accept_length{"))
+        assert float(line.split()[-1]) > 1
 
 
 def test_host_tier_under_the_tree_keeps_drafts_and_tokens(tiny_llama):

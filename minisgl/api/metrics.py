@@ -57,6 +57,10 @@ class Metrics:
                     "Prompt tokens served from the hierarchical cache's host tier / prompt tokens looked up",
                 ),
                 ("sglang:gen_throughput", "Generated tokens per second since the previous scrape"),
+                (
+                    "sglang:spec_accept_length",
+                    "Tokens a drafting request gains per verify step (1 without speculation)",
+                ),
                 ("minisgl_stats_age_seconds", "Age of the scheduler stats these gauges come from"),
             ]
         }
@@ -96,6 +100,7 @@ class Metrics:
             / max(stats.get("prefix_queried_tokens", 0), 1),
             "sglang:gen_throughput": (generated - last_generated) / max(now - last_time, 1e-9),
             "minisgl_stats_age_seconds": stats.get("stats_age_s", 0),
+            "sglang:spec_accept_length": stats.get("spec_accept_length", 1.0),
         }
         for name, gauge in self.gauges.items():
             gauge.set(values[name])

@@ -184,8 +184,9 @@ class SchedulerProcess:
                     )
                 ended = True
             else:
-                self.outbox.append(self._token_out(req))
-                self._tokens_since_log += 1
+                out = self._token_out(req)
+                self.outbox.append(out)
+                self._tokens_since_log += len(out.tokens)
                 ended = req.finished
             if ended:
                 self._forget(req)
@@ -279,6 +280,8 @@ class SchedulerProcess:
                 f" ({100 * s['prefix_host_hit_tokens'] / max(s['prefix_queried_tokens'], 1):.1f}% from host, "
                 f"host pool {100 * used / s['host_total_pages']:.1f}% used)"
             )
+        if "spec_accept_length" in s:
+            host += f", speculative accept length {s['spec_accept_length']:.2f}"
         logger.info(
             "running %d, queued %d, KV usage %.1f%% of %d pages, cache hit rate %.1f%%%s, %.1f tokens/s",
             s["running_requests"],

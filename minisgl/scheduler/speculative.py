@@ -105,6 +105,7 @@ class SpecPlanner:
         self.verify_steps = 0
         self.drafted_tokens = 0
         self.accepted_tokens = 0
+        self.verify_runs = 0  # drafting requests, summed over verify steps
         self.idle = 0  # steps left without speculation (``wants``)
         self.draft_seconds = 0.0  # host time spent drafting, over
         self.drafting_rows = 0  # the decoding requests it drafted for (summed over steps)
@@ -189,6 +190,7 @@ class SpecPlanner:
             batch.group_pages += decode.group_pages[:room]
             rows += self.decode.order.reqs
         self.verify_steps += bool(drafts)
+        self.verify_runs += len(drafts)
         self.drafted_tokens += sum(len(d) for _, d in drafts)
         return batch, rows, drafts, routed
 
@@ -235,5 +237,7 @@ class SpecPlanner:
             "spec_draft_tokens": self.drafted_tokens,
             "spec_accepted_tokens": self.accepted_tokens,
             "spec_accept_rate": self.accepted_tokens / max(self.drafted_tokens, 1),
+            # SGLang's accept length: tokens a drafting request gains per verify step
+            "spec_accept_length": 1 + self.accepted_tokens / max(self.verify_runs, 1),
             "spec_draft_us_per_request": 1e6 * self.draft_seconds / max(self.drafting_rows, 1),
         }
