@@ -5,6 +5,7 @@
 
 ``repeated``: arithmetic questions made here (chat template), ``--samples`` samples each at
 ``--temperature``, until EOS or ``--max-new-tokens``: the long tail of repeated sampling.
+``code``: the same with coding questions, whose answers run longer (up to 8 questions).
 ``agent``: a generated code file sent again each round with one line edited and the model
 asked to repeat it with that change, so its output repeats spans of its context.
 Reports wall time, output tokens, verify steps and acceptance, and when the last 10% of
@@ -39,6 +40,26 @@ def arithmetic_prompts(count: int, seed: int) -> list[list[dict[str, str]]]:
     return out
 
 
+CODE_TASKS = [
+    "a function that parses a CSV line with quoted fields",
+    "a class for a least-recently-used cache with get and put",
+    "a function that merges overlapping intervals",
+    "a function that checks whether a string of brackets is balanced",
+    "a binary search over a sorted list that returns the insertion point",
+    "a function that converts a Roman numeral to an integer",
+    "a tokenizer for arithmetic expressions with numbers, operators and parentheses",
+    "a function that finds the shortest path in a grid with obstacles",
+]
+
+
+def code_prompts(count: int, seed: int) -> list[list[dict[str, str]]]:
+    """Coding questions whose answers run long (code, then an explanation): the 1024-token tail."""
+    rng = random.Random(seed)
+    tasks = rng.sample(CODE_TASKS, min(count, len(CODE_TASKS)))
+    ask = "Write {} in Python, with a docstring and three test cases, then explain it."
+    return [[{"role": "user", "content": ask.format(task)}] for task in tasks]
+
+
 def code_file(lines: int, seed: int) -> list[str]:
     rng = random.Random(seed)
     names = ["total", "count", "items", "value", "result", "index", "buffer", "limit"]
@@ -60,6 +81,9 @@ def agent_rounds(rounds: int, seed: int) -> list[list[dict[str, str]]]:
         text = "\n".join(source)
         out.append([{"role": "user", "content": f"Here is a function:\n\n{text}\n\nRepeat the function exactly."}])
     return out
+
+
+WORKLOADS = {"repeated": arithmetic_prompts, "code": code_prompts, "agent": agent_rounds}
 
 
 def run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[list, dict]:
@@ -89,7 +113,7 @@ def run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tup
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
-    ap.add_argument("--workload", choices=["repeated", "agent"], default="repeated")
+    ap.add_argument("--workload", choices=list(WORKLOADS), default="repeated")
     ap.add_argument("--prompts", type=int, default=8, help="repeated: questions; agent: rounds")
     ap.add_argument("--samples", type=int, default=64, help="samples per prompt")
     ap.add_argument("--max-new-tokens", type=int, default=1024)
@@ -111,8 +135,7 @@ def main() -> None:
     if args.device:
         engine["device"] = args.device
     llm = LLM(args.model, **engine)
-    make = arithmetic_prompts if args.workload == "repeated" else agent_rounds
-    convs = make(args.prompts, args.seed)
+    convs = WORKLOADS[args.workload](args.prompts, args.seed)
     ids = [encode_chat(llm.tokenizer, c, None, None) for c in convs]
     prompts = [p for p in ids for _ in range(args.samples)]
     params = [
