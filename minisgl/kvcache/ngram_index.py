@@ -17,8 +17,7 @@ from typing import Any
 
 import numpy as np
 
-_BASE = np.uint64(0x9E3779B97F4A7C15)  # odd: invertible modulo 2**64
-_BASE_INV = np.uint64(pow(int(_BASE), -1, 1 << 64))
+_BASE = np.uint64(0x9E3779B97F4A7C15)
 _POS_BITS = 26  # positions below 64M tokens; serials get the other 37 bits
 _B, _MASK = int(_BASE), (1 << 64) - 1
 

@@ -62,10 +62,10 @@ class Req:
     plain: bool = False
     stop_ids: frozenset[int] = frozenset()
     max_outputs: int = 0
+    sent_tokens: int = 0  # output tokens the scheduler process has sent on (it sends the rest)
     # Speculative decoding: its own tokens' n-gram tables (n -> hash -> end position) as far as
     # ``ngrams_upto``, verify steps in a row with nothing accepted, and plain steps before it
     # drafts again.
-    sent_tokens: int = 0  # output tokens the scheduler process has sent on (it sends the rest)
     ngrams: dict[int, dict[int, int]] | None = None
     ngrams_upto: int = 0
     spec_misses: int = 0

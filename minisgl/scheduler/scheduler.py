@@ -43,7 +43,7 @@ from minisgl.scheduler.prefill import PrefillPlanner
 from minisgl.scheduler.prefill_batch import mixed_batch, prefill_batch
 from minisgl.scheduler.queue import WaitingQueue
 from minisgl.scheduler.request import Req, ReqEvent
-from minisgl.scheduler.speculative import Drafter, SpecPlanner
+from minisgl.scheduler.speculative import Drafter, Drafts, SpecPlanner
 from minisgl.utils import cdiv, context_overflow
 
 logger = logging.getLogger(__name__)
@@ -88,7 +88,6 @@ class Executor(Protocol):
 # of each scored prompt row, the token ids scored at each of those rows, and its step number.
 # Then: the (request, position) of each row whose routed experts come back; last, a verify
 # step's drafting requests with their drafts (speculative decoding).
-Drafts = list[tuple[Req, list[int]]]
 Inflight = tuple[list[Req], list[tuple[Req, int]], list[int], int, list[tuple[Req, int]], Drafts]
 
 

@@ -6,12 +6,13 @@ and over its own tokens; what followed them there is its draft. A verify step is
 whose drafting requests each take a run of rows, one per position (its last token, then its
 draft), all on its page-table row: each row attends up to its own position, the run reads the
 pages before it once as a cascade group, and the step replays the decode CUDA graphs. Every
-row samples by its request's own rule. The worker's sampler draws position p's token from (seed, p) alone, so the
-token each row samples is the one a plain decode step would have sampled there: a draft token
-is kept while it equals the token sampled before it, and the first differing sample (or the one
-after the whole draft) ends the step. Greedy and seeded outputs equal speculation off token for
-token, and an unseeded request's distribution is unchanged (each position is still one draw
-from the target's distribution, keeping a draft token with exactly its probability).
+row samples by its request's own rule. The worker's sampler draws position p's token from
+(seed, p) alone, so the token each row samples is the one a plain decode step would have
+sampled there: a draft token is kept while it equals the token sampled before it, and the first
+differing sample (or the one after the whole draft) ends the step. Greedy and seeded outputs
+equal speculation off token for token, and an unseeded request's distribution is unchanged
+(each position is still one draw from the target's distribution, keeping a draft token with
+exactly its probability).
 
 Verify steps need each request's last token on the host, so the scheduler waits for the steps
 in flight first; at larger batches the rule turns speculation off (``SpecPlanner.wants``).
@@ -44,6 +45,8 @@ MISSES_BEFORE_PAUSE = 2
 IDLE_AFTER_NO_DRAFT = 4
 # New tokens of a request indexed one at a time in Python; more (a prompt) go through numpy.
 BULK = 16
+
+Drafts = list[tuple[Req, list[int]]]  # a verify step's drafting requests, each with its draft
 
 
 class Drafter:
@@ -124,17 +127,18 @@ class SpecPlanner:
 
     def schedule(
         self, decoding: list[Req], retract_newest: Callable[[], None]
-    ) -> tuple[ForwardBatch, list[Req], list[tuple[Req, list[int]]], list[tuple[Req, int]]] | None:
+    ) -> tuple[ForwardBatch, list[Req], Drafts, list[tuple[Req, int]]] | None:
         """A verify step (None: no request has a draft, or no pages for them): its batch, the
         request of each row, each drafting request with its draft, and the (request, position)
         of the plain rows whose routed experts come back."""
         start = time.perf_counter()
-        drafts: list[tuple[Req, list[int]]] = []
+        drafts: Drafts = []
         for req in decoding:
             if req.spec_pause > 0:
                 req.spec_pause -= 1
                 continue
-            # Room for the draft and the token after it, within its budget and context.
+            # Room for the draft and the token after it, within its budget and context (and a
+            # whole page before its run, which a cascade group reads).
             room = min(self.k, req.max_outputs - len(req.output_ids) - 1, req.max_len - req.kv_len - 2)
             if room > 0 and self.eligible(req) and req.kv_len >= self.page_size:
                 draft = self.drafter.draft(req, room)
@@ -194,10 +198,11 @@ class SpecPlanner:
         self.drafted_tokens += sum(len(d) for _, d in drafts)
         return batch, rows, drafts, routed
 
-    def accept(self, rows: list[Req], drafts: list[tuple[Req, list[int]]], out: StepOutput) -> list[Req]:
+    def accept(self, rows: list[Req], drafts: Drafts, out: StepOutput) -> list[Req]:
         """Keep each drafting request's accepted rows of ``out`` (edited in place): the draft
-        tokens its samples matched and the sample after them, cut at its stop token or length.
-        Gives back the pages of the rejected positions; returns the request of each kept row."""
+        tokens its samples matched and the sample after them, cut at its stop token (its length
+        cannot pass: ``schedule`` left room for the whole draft and one more). Gives back the
+        pages of the rejected positions; returns the request of each kept row."""
         keep: list[int] = []
         at = 0
         for req, draft in drafts:
@@ -210,7 +215,6 @@ class SpecPlanner:
                 if token in req.stop_ids:
                     take = j + 1
                     break
-            take = min(take, max(req.max_outputs - len(req.output_ids), 1))
             keep += range(at, at + take)
             at += len(draft) + 1
             self.accepted_tokens += accepted
