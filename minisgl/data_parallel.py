@@ -24,6 +24,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from minisgl.api.response_store import ResponseStore
 from minisgl.args import ServerArgs
 
 logger = logging.getLogger("minisgl.launch")
@@ -112,10 +113,15 @@ class DataParallelLauncher:
         self.args = args
         self.argv = replica_argv(argv)
         # The replicas share one store of /v1/responses, so a follow-up the router sends to
-        # another replica finds its previous_response_id.
-        self.folder = tempfile.mkdtemp(prefix="minisgl-dp-")
-        if args.responses_store is None:
-            self.argv += ["--responses-store", os.path.join(self.folder, "responses.sqlite")]
+        # another replica finds its previous_response_id. It is made here, once, before any
+        # replica opens it.
+        self.folder: str | None = None
+        store = args.responses_store
+        if store is None:
+            self.folder = tempfile.mkdtemp(prefix="minisgl-dp-")
+            store = os.path.join(self.folder, "responses.sqlite")
+            self.argv += ["--responses-store", store]
+        ResponseStore(store).close()
         self.replicas: list[subprocess.Popen] = []
         self.urls: list[str] = []
         self.router: subprocess.Popen | None = None
@@ -223,7 +229,6 @@ class DataParallelLauncher:
                 return
 
     def _stop_all(self) -> None:
-        shutil.rmtree(self.folder, ignore_errors=True)
         procs = [p for p in [self.router, *self.replicas] if p is not None]
         for p in procs:
             if p.poll() is None:
@@ -235,3 +240,5 @@ class DataParallelLauncher:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)

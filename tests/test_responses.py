@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import httpx
@@ -286,3 +287,22 @@ def test_the_store_keeps_within_its_bounds(tmp_path, kind):
     assert [i for i in range(20, 26) if store.get(f"r{i}", None)] == [22, 23, 24, 25]
     if kind == "sqlite":  # another process's handle on the same file sees the same responses
         assert make().get("r25", None) is not None
+
+
+def test_processes_opening_one_new_store_at_once_all_start(tmp_path):
+    """The --dp-size replicas open the shared file together; switching it to WAL answers
+    'locked' at once to all but one, which must not stop a replica from starting."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "r.sqlite"
+    code = (
+        "import sys, time\n"
+        "from minisgl.api.response_store import ResponseStore\n"
+        "time.sleep(max(0.0, float(sys.argv[2]) - time.time()))\n"
+        "ResponseStore(sys.argv[1]).close()\n"
+    )
+    start = str(time.time() + 1.5)  # every process past its imports, then all at once
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(path), start], stderr=subprocess.PIPE) for _ in range(8)]
+    errors = [p.communicate(timeout=60)[1].decode() for p in procs]
+    assert [p.returncode for p in procs] == [0] * 8, errors

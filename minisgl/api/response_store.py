@@ -9,6 +9,7 @@ finds a response only under its tenant's ``cache_salt``.
 from __future__ import annotations
 
 import sqlite3
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,11 +41,27 @@ class ResponseStore:
     def __init__(self, path: str = ":memory:", max_count: int = MAX_STORED, max_bytes: int = MAX_STORED_BYTES):
         self.max_count, self.max_bytes = max_count, max_bytes
         self.db = sqlite3.connect(path, timeout=5.0, isolation_level=None, check_same_thread=False)
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute(
-            "CREATE TABLE IF NOT EXISTS responses (id TEXT PRIMARY KEY, salt TEXT, previous TEXT, "
-            "size INTEGER, response BLOB, messages BLOB)"
-        )
+        self._set_up(deadline=time.monotonic() + 10.0)
+
+    def _set_up(self, deadline: float) -> None:
+        """WAL mode and the table. Switching to WAL answers "locked" at once, without waiting
+        for the lock, while another process opens the same file, so this retries until the
+        deadline."""
+        while True:
+            try:
+                self.db.execute("PRAGMA journal_mode=WAL")
+                self.db.execute(
+                    "CREATE TABLE IF NOT EXISTS responses (id TEXT PRIMARY KEY, salt TEXT, previous TEXT, "
+                    "size INTEGER, response BLOB, messages BLOB)"
+                )
+                return
+            except sqlite3.OperationalError as e:
+                if "locked" not in str(e) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def close(self) -> None:
+        self.db.close()
 
     def put(self, rid: str, stored: Stored) -> None:
         row = (
