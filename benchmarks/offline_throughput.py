@@ -157,6 +157,8 @@ VARIANTS = {  # name: (radix cache off, cascade off, CUDA graphs (decode, prefil
     "no-cuda-graph": (False, False, (False, False), True),
     "no-piecewise": (False, False, (True, False), True),  # decode graphs, eager prefill
     "no-overlap": (False, False, (True, True), False),
+    # radix-on with --speculative-algorithm NGRAM: what speculation's index costs full batches
+    "ngram": (False, False, (True, True), True),
 }
 
 
@@ -316,6 +318,7 @@ def run_workloads(llm: LLM, args: argparse.Namespace, mode: dict[str, str], rows
             llm.args.disable_overlap_schedule = not overlap
             llm.args.disable_cascade_attention = cascade_off
             llm.args.enable_hierarchical_cache = variant == "hicache"
+            llm.args.speculative_algorithm = "NGRAM" if variant == "ngram" else None
             results = []
             for _ in range(args.repeats):
                 llm.reset_scheduler(disable_radix_cache=radix_off)  # empty cache per run

@@ -20,6 +20,14 @@ from tests.test_scheduler import make_llm, shared_prefix_prompts, tokens
 SPEC = {"speculative_algorithm": "NGRAM"}
 
 
+@pytest.fixture(autouse=True)
+def verify_steps_pay(monkeypatch, request):
+    """Steps speculate whenever they may: the measured rule weighs this machine's timings, which
+    would make these tests' verify steps depend on its load (the rule has its own test)."""
+    if "measured" not in request.node.name:
+        monkeypatch.setattr("minisgl.scheduler.speculative.SpecPlanner.pays", lambda self, decoding: True)
+
+
 def looping_prompts(count: int, seed: int) -> list[list[int]]:
     """Prompts that repeat a phrase, so a request's own tokens draft well from the start."""
     rng = random.Random(seed)
@@ -112,6 +120,43 @@ def test_radix_tree_drafts_repeat_earlier_outputs(tiny_llama):
     accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
     drafted = after["spec_draft_tokens"] - before["spec_draft_tokens"]
     assert accepted > 0.9 * drafted and steps < 80 / 3
+    assert after["spec_step_gain"] > 2  # what the rule weighs: most of each draft kept
+
+
+def test_the_rule_speculates_while_measured_verify_steps_pay():
+    """Unmeasured choices are tried first; then a verify step runs only while its tokens per
+    request beat its cost in plain steps, per batch size, with the other choice tried now and
+    then; steps are timed start to start, only after a step of the same kind."""
+    from types import SimpleNamespace
+
+    from minisgl.scheduler import speculative
+    from minisgl.scheduler.speculative import SpecPlanner
+
+    plan = SpecPlanner(SimpleNamespace(page_size=16), None, None, 4)
+    assert plan.wants(8)  # nothing measured: verify
+    plan.observe(True, 8, 2.0)
+    plan.gain = 1.5
+    assert not plan.wants(8)  # the plain step is not measured yet
+    plan.observe(False, 8, 1.0)
+    n = speculative.EXPLORE
+    tried = [n - 1, n, 2 * n, 2 * n + 1, 3 * n + 1, 3 * n + 2]
+    plan.streak = 0
+    choices = [plan.wants(8) for _ in range(4 * n)]
+    # 1.5 tokens a request for twice the time: plain, the verify step tried twice in a row now and then
+    assert [i for i, c in enumerate(choices) if c] == tried
+    plan.gain, plan.streak = 3.0, 0
+    choices = [plan.wants(8) for _ in range(4 * n)]
+    assert [i for i, c in enumerate(choices) if not c] == tried
+    assert plan.wants(20)  # another batch size: measured apart (not yet)
+    assert not plan.wants(speculative.MAX_BATCH + 1)
+
+    plan = SpecPlanner(SimpleNamespace(page_size=16), None, None, 4)
+    for now, kind in [(0.0, False), (1.0, False), (2.0, True), (5.0, True), (7.0, None), (9.0, False)]:
+        plan.step_started(now)
+        plan.launched(kind, 8)
+    plan.step_started(10.0)
+    # the first of each kind waited on the step before it: not measured; after None, nothing
+    assert plan.seconds == {(False, 4): 1.0, (True, 4): 2.0}
 
 
 def test_radix_off_drafts_from_own_tokens(tiny_llama):

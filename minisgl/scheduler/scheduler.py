@@ -347,6 +347,8 @@ class Scheduler(ControlPlane):
         """Schedule and launch one batch, then process the oldest batch whose turn has come
         (with overlap, the one before). Returns the request events since the last call: the
         acceptances (also those of ``add_request``), then the outputs of this step."""
+        if self.spec is not None:
+            self.spec.step_started(time.perf_counter())
         if self.compiling:
             self._admit_compiled()
         got: list[Req] = []
@@ -357,6 +359,9 @@ class Scheduler(ControlPlane):
             while self.inflight:
                 got += self._process(self.inflight.popleft())
         batch, sampled, scored, routed, decode, drafts = self._schedule()
+        if self.spec is not None:
+            kind = (True if drafts else None if self._speculate else False) if decode else None
+            self.spec.launched(kind, len(self.decoding))
         if batch is None and self.memory.io_pending:  # host-tier copies (or disk writes) still to send
             batch = ForwardBatch(slots=[], cached_lens=[], new_lens=[], input_ids=[], sample=[])
         if self._retracted_tokens:  # one line per step, however many went back

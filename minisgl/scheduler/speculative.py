@@ -15,7 +15,10 @@ equal speculation off token for token, and an unseeded request's distribution is
 exactly its probability).
 
 Verify steps need each request's last token on the host, so the scheduler waits for the steps
-in flight first; at larger batches the rule turns speculation off (``SpecPlanner.wants``).
+in flight first: a verify step gives up overlap scheduling, and what that costs depends on the
+model and the machine (little on an 8B model, about doubling a host-bound small model's step).
+So whether a step speculates is measured, not guessed (``SpecPlanner.wants``): the seconds a plain and a
+verify step take at each batch size, and the tokens a verify step gains per decoding request.
 Requests whose sampling reads earlier outputs on the device (penalties), follow a grammar or
 return routed experts decode plainly.
 """
@@ -43,6 +46,10 @@ MAX_BATCH = 32
 MISSES_BEFORE_PAUSE = 2
 # Plain steps (with overlap) after a step in which no request found a draft.
 IDLE_AFTER_NO_DRAFT = 4
+# The measured rule: after this many steps of one choice, two of the other (the second is the
+# one measured: the first still waits on the step before it), so both estimates stay fresh.
+EXPLORE = 32
+SMOOTHING = 0.2  # weight of a new measurement in the moving averages
 # New tokens of a request indexed one at a time in Python; more (a prompt) go through numpy.
 BULK = 16
 
@@ -112,14 +119,69 @@ class SpecPlanner:
         self.idle = 0  # steps left without speculation (``wants``)
         self.draft_seconds = 0.0  # host time spent drafting, over
         self.drafting_rows = 0  # the decoding requests it drafted for (summed over steps)
+        # The measured rule: seconds a step takes, per kind and batch size (bit length of the
+        # decoding requests), and the tokens a verify step gives per decoding request.
+        self.seconds: dict[tuple[bool, int], float] = {}
+        self.gain: float | None = None
+        self.streak = 0  # steps of the current choice since the other was last tried
+        self.trying = 0  # steps of the other choice still to take
+        self._started = 0.0  # when the current scheduler step started
+        self._last: tuple[bool | None, int, float] | None = None  # (kind, requests, start) of the last step
+        self._before: bool | None = None  # the kind of the step before that
 
     def wants(self, decoding: int) -> bool:
-        """Whether this step speculates: small batches only, and not for a few steps after no
-        request found a draft (those steps keep overlap scheduling)."""
+        """Whether this step speculates: small batches only, not for a few steps after no
+        request found a draft, and only while the measurements say a verify step's tokens are
+        worth its time: tokens per request per verify step above its cost in plain steps. What
+        is not measured yet is tried first; the other choice is tried now and then."""
         if self.idle > 0:
             self.idle -= 1
             return False
-        return 0 < decoding <= MAX_BATCH
+        if not 0 < decoding <= MAX_BATCH:
+            return False
+        best = self.pays(decoding)
+        if self.trying > 0:
+            self.trying -= 1
+            return not best
+        self.streak += 1
+        if self.streak >= EXPLORE:
+            self.streak, self.trying = 0, 1
+            return not best
+        return best
+
+    def pays(self, decoding: int) -> bool:
+        """Whether a verify step's tokens are worth its time at this batch size, by the
+        measurements; while one is missing, the choice that measures it."""
+        bucket = decoding.bit_length()
+        plain, verify = self.seconds.get((False, bucket)), self.seconds.get((True, bucket))
+        if verify is None or self.gain is None:
+            return True
+        if plain is None:
+            return False
+        return self.gain > verify / plain
+
+    def step_started(self, now: float) -> None:
+        """A scheduler step starts: the step launched by the one before took until now. It is
+        measured only when it is of the same kind as the step before it (a step's wait for
+        the outputs of the one before belongs to that one)."""
+        if self._last is not None:
+            kind, decoding, start = self._last
+            if kind is not None and kind == self._before:
+                self.observe(kind, decoding, now - start)
+            self._before = kind
+        self._started = now
+
+    def launched(self, verify: bool | None, decoding: int) -> None:
+        """What this scheduler step launched: a verify step (True), a plain decode step with
+        overlap (False), or anything else (None: a prefill, a plain step that waited for
+        drafts it did not find, nothing)."""
+        self._last = (verify, decoding, self._started)
+
+    def observe(self, verify: bool, decoding: int, seconds: float) -> None:
+        """A decode step of ``decoding`` requests took ``seconds``."""
+        key = (verify, decoding.bit_length())
+        last = self.seconds.get(key)
+        self.seconds[key] = seconds if last is None else last + SMOOTHING * (seconds - last)
 
     @staticmethod
     def eligible(req: Req) -> bool:
@@ -204,7 +266,7 @@ class SpecPlanner:
         cannot pass: ``schedule`` left room for the whole draft and one more). Gives back the
         pages of the rejected positions; returns the request of each kept row."""
         keep: list[int] = []
-        at = 0
+        at = step_accepted = 0
         for req, draft in drafts:
             tokens = out.tokens[at : at + len(draft) + 1]
             accepted = 0
@@ -218,6 +280,7 @@ class SpecPlanner:
             keep += range(at, at + take)
             at += len(draft) + 1
             self.accepted_tokens += accepted
+            step_accepted += accepted
             req.spec_misses = 0 if accepted else req.spec_misses + 1
             if req.spec_misses >= MISSES_BEFORE_PAUSE:
                 req.spec_pause, req.spec_misses = MISSES_BEFORE_PAUSE, 0
@@ -228,6 +291,9 @@ class SpecPlanner:
                     del req.pages[len(req.pages) - len(spare) :]
                     req.table_len = min(req.table_len, len(req.pages))
                     self.memory.allocator.free(spare)
+        decoding = len(drafts) + len(out.tokens) - at  # (each plain row is a request)
+        gain = 1 + step_accepted / decoding
+        self.gain = gain if self.gain is None else self.gain + SMOOTHING * (gain - self.gain)
         keep += range(at, len(out.tokens))
         for name in ("tokens", "logprobs", "top_ids", "top_logprobs", "id_logprobs"):
             values = getattr(out, name)
@@ -244,4 +310,6 @@ class SpecPlanner:
             # SGLang's accept length: tokens a drafting request gains per verify step
             "spec_accept_length": 1 + self.accepted_tokens / max(self.verify_runs, 1),
             "spec_draft_us_per_request": 1e6 * self.draft_seconds / max(self.drafting_rows, 1),
+            # what the rule weighs: tokens a verify step gives per decoding request (moving average)
+            "spec_step_gain": self.gain or 0.0,
         }

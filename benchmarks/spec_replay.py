@@ -1,0 +1,272 @@
+"""How well drafting from the radix tree would do, replayed over recorded samples: acceptance
+and decode steps per drafting policy, without running the model again.
+
+    python benchmarks/spec_replay.py record --model SmolLM2-135M-Instruct.Q4_1.gguf --workload code --out code.json
+    python benchmarks/spec_replay.py replay code.json
+
+``record`` runs ``spec_bench.py``'s workload once without speculation (seeded samples) and
+keeps every prompt and output. Seeded outputs are the same with speculation on (the verify
+step samples each position as a plain step would), so a draft token is accepted exactly when
+it equals the recorded token there: ``replay`` steps every request in lockstep through the
+real ``Drafter`` and ``NgramIndex`` (a finished request's tokens enter a real radix tree, as
+release does), and counts decode steps, verify steps and accepted tokens per policy. The
+time estimate takes a verify step to cost ``--verify-cost`` plain steps (measured by
+``spec_cost.py``: ~1.2 on the 8B shape at batch <= 16, ~2 for SmolLM2's host-bound steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from minisgl.args import EngineArgs  # noqa: E402
+from minisgl.kvcache.ngram_index import NgramIndex  # noqa: E402
+from minisgl.kvcache.radix_manager import RadixCacheManager  # noqa: E402
+from minisgl.sampling import SamplingParams  # noqa: E402
+from minisgl.scheduler import speculative  # noqa: E402
+from minisgl.scheduler.request import Req  # noqa: E402
+
+
+def record(args: argparse.Namespace) -> None:
+    from benchmarks.spec_bench import WORKLOADS, run
+    from minisgl.llm import LLM
+    from minisgl.tokenizer.chat import encode_chat
+
+    engine = {"dtype": args.dtype, "max_running_requests": max(256, args.samples)}
+    if args.device:
+        engine["device"] = args.device
+    llm = LLM(args.model, **engine)
+    convs = WORKLOADS[args.workload](args.prompts, args.seed)
+    ids = [encode_chat(llm.tokenizer, c, None, None) for c in convs]
+    prompts = [p for p in ids for _ in range(args.samples)]
+    params = [
+        SamplingParams(temperature=args.temperature, seed=args.seed * 100_000 + i, max_new_tokens=args.max_new_tokens)
+        for i in range(len(prompts))
+    ]
+    reqs, result = run(llm, prompts, params)
+    print(f"recorded {len(reqs)} samples, mean length {result['mean_output_len']:.1f}, {result['seconds']:.1f} s")
+    data = {"args": vars(args), "prompts": ids, "samples": args.samples, "outputs": [r.output_ids for r in reqs]}
+    Path(args.out).write_text(json.dumps(data))
+
+
+@dataclass
+class Replayed:
+    steps: int = 0
+    verify_steps: int = 0
+    plain_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    runs: int = 0  # drafting requests summed over verify steps
+    p90_step: int = 0
+
+
+class TreeDrafts:
+    """The engine's drafting: ``Drafter`` over each request's own tokens and a real radix tree
+    (with its ``NgramIndex``) that a finished request's computed tokens enter, as release does."""
+
+    def __init__(self) -> None:
+        self.page = EngineArgs.page_size
+        self.cache = RadixCacheManager(page_size=self.page)
+        self.cache.ngrams = NgramIndex(
+            EngineArgs.speculative_ngram_min_match_window_size,
+            EngineArgs.speculative_ngram_max_match_window_size,
+            EngineArgs.speculative_ngram_capacity,
+        )
+        self.drafter = speculative.Drafter(self.cache.ngrams, self.cache.ngrams.min_n, self.cache.ngrams.max_n)
+        self.next_page = 0
+
+    def cached(self, ids: list[int], live: bool = False) -> None:
+        n = len(ids) // self.page
+        self.cache.insert_prefix(ids, list(range(self.next_page, self.next_page + n)))
+        self.next_page += n
+
+    def advanced(self, req: Req) -> None:
+        pass
+
+    def draft(self, req: Req, room: int) -> list[int]:
+        return self.drafter.draft(req, room)
+
+
+class CountedDrafts:
+    """An n-gram model of every token seen (cached paths; with ``live``, running requests' tokens
+    too, their own included): each draft token is the most frequent continuation of the longest
+    context found, the draft growing one token at a time (Python dicts: acceptance only)."""
+
+    def __init__(self, live: bool, min_n: int = 2, max_n: int = 6) -> None:
+        self.live, self.min_n, self.max_n = live, min_n, max_n
+        self.counts: dict[tuple[int, ...], dict[int, int]] = {}
+        self.seen: dict[int, int] = {}  # request -> tokens counted so far
+
+    def _count(self, ids: list[int], start: int) -> None:
+        for end in range(max(start, 1), len(ids)):
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                nxt = self.counts.setdefault(tuple(ids[end - n : end]), {})
+                nxt[ids[end]] = nxt.get(ids[end], 0) + 1
+
+    def cached(self, ids: list[int], live: bool = False) -> None:
+        if not (self.live and live):  # (a live request's tokens were counted as they came)
+            self._count(ids, 0)
+
+    def advanced(self, req: Req) -> None:
+        if self.live:
+            ids = req.all_ids
+            self._count(ids, self.seen.get(req.rid, 0))
+            self.seen[req.rid] = len(ids)
+
+    def draft(self, req: Req, room: int) -> list[int]:
+        ctx = req.all_ids[-self.max_n :]
+        out: list[int] = []
+        while len(out) < room:
+            for n in range(min(self.max_n, len(ctx)), self.min_n - 1, -1):
+                nxt = self.counts.get(tuple(ctx[-n:]))
+                if nxt:
+                    best = max(nxt, key=nxt.__getitem__)
+                    out.append(best)
+                    ctx = ctx[1:] + [best]
+                    break
+            else:
+                break
+        return out
+
+
+POLICIES = {
+    "tree": TreeDrafts,
+    "counted": lambda: CountedDrafts(live=False),
+    "counted-live": lambda: CountedDrafts(live=True),
+}
+
+
+def replay_once(
+    prompts: list[list[int]], outputs: list[list[int]], k: int, max_batch: int, source: TreeDrafts | CountedDrafts
+) -> Replayed:
+    """All requests decode from step 0 (their prompts cached), lockstep, with ``SpecPlanner``'s
+    rules: verify steps while at most ``max_batch`` decode, the per-request pause after misses,
+    the plain steps after a step that found no draft."""
+    for p in {tuple(p) for p in prompts}:
+        source.cached(list(p))
+    reqs = []
+    for i, (prompt, out) in enumerate(zip(prompts, outputs)):
+        req = Req(i, prompt, SamplingParams(max_new_tokens=len(out)), 0, 1 << 20)
+        req.max_outputs = len(out)
+        req.output_ids = [out[0]]  # the prefill samples the first token
+        reqs.append(req)
+    r = Replayed()
+    idle = 0
+    running = [req for req in reqs if len(req.output_ids) < req.max_outputs]
+    finished = len(reqs) - len(running)
+    while running:
+        r.steps += 1
+        drafts: dict[int, list[int]] = {}
+        speculate = idle == 0 and len(running) <= max_batch
+        idle = max(idle - 1, 0)
+        if speculate:
+            for req in running:
+                if req.spec_pause > 0:
+                    req.spec_pause -= 1
+                    continue
+                room = min(k, req.max_outputs - len(req.output_ids) - 1)
+                if room > 0:
+                    draft = source.draft(req, room)
+                    if draft:
+                        drafts[req.rid] = draft
+            if not drafts:
+                idle = speculative.IDLE_AFTER_NO_DRAFT
+        r.verify_steps += bool(drafts)
+        r.plain_steps += not drafts
+        for req in running:
+            truth = outputs[req.rid]
+            at = len(req.output_ids)
+            draft = drafts.get(req.rid, [])
+            accepted = 0
+            while accepted < len(draft) and truth[at + accepted] == draft[accepted]:
+                accepted += 1
+            if draft:
+                r.drafted += len(draft)
+                r.accepted += accepted
+                r.runs += 1
+                req.spec_misses = 0 if accepted else req.spec_misses + 1
+                if req.spec_misses >= speculative.MISSES_BEFORE_PAUSE:
+                    req.spec_pause, req.spec_misses = speculative.MISSES_BEFORE_PAUSE, 0
+            req.output_ids = truth[: at + accepted + 1]
+            source.advanced(req)
+        still = []
+        for req in running:
+            if len(req.output_ids) >= req.max_outputs:
+                source.cached(req.all_ids[:-1], live=True)  # release caches what was computed: all but the last token
+                finished += 1
+                if finished >= 0.9 * len(reqs) and not r.p90_step:
+                    r.p90_step = r.steps
+            else:
+                still.append(req)
+        running = still
+    return r
+
+
+def replay(args: argparse.Namespace) -> None:
+    data = json.loads(Path(args.recorded).read_text())
+    samples = data["samples"]
+    prompts = [p for p in data["prompts"] for _ in range(samples)]
+    outputs = data["outputs"]
+    base = max(len(o) for o in outputs)
+    print(
+        f"{len(outputs)} samples, mean length {sum(map(len, outputs)) / len(outputs):.1f}, "
+        f"longest {base}: {base - 1} decode steps without speculation"
+    )
+    rows = []
+    runs = [(p, k, b) for p in args.policies for k in args.num_draft_tokens for b in args.max_batch]
+    for policy, k, max_batch in runs:
+        r = replay_once(prompts, outputs, k, max_batch, POLICIES[policy]())
+        row = {
+            "policy": policy,
+            "k": k,
+            "max_batch": max_batch,
+            **vars(r),
+            "accept_length": 1 + r.accepted / max(r.runs, 1),
+            "fewer_steps": (base - 1) / r.steps,
+        }
+        for c in args.verify_cost:
+            row[f"speedup_at_cost_{c}"] = (base - 1) / (r.plain_steps + c * r.verify_steps)
+        rows.append(row)
+        costs = "  ".join(f"x{row[f'speedup_at_cost_{c}']:.2f} at cost {c}" for c in args.verify_cost)
+        print(
+            f"{policy} k={k} max batch {max_batch}: {r.steps} steps ({row['fewer_steps']:.2f}x fewer; "
+            f"{r.verify_steps} verify), "
+            f"accept length {row['accept_length']:.2f}, accepted {r.accepted}/{r.drafted}; last 10% of samples "
+            f"{r.steps - r.p90_step} steps; {costs}"
+        )
+    if args.out:
+        Path(args.out).write_text(json.dumps({"args": vars(args), "results": rows}, indent=1))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    rec = sub.add_parser("record")
+    rec.add_argument("--model", required=True)
+    rec.add_argument("--workload", default="repeated")
+    rec.add_argument("--prompts", type=int, default=8)
+    rec.add_argument("--samples", type=int, default=64)
+    rec.add_argument("--max-new-tokens", type=int, default=1024)
+    rec.add_argument("--temperature", type=float, default=0.8)
+    rec.add_argument("--device", default=None)
+    rec.add_argument("--dtype", default="auto")
+    rec.add_argument("--seed", type=int, default=0)
+    rec.add_argument("--out", required=True)
+    rep = sub.add_parser("replay")
+    rep.add_argument("recorded")
+    rep.add_argument("--num-draft-tokens", type=int, nargs="+", default=[2, 4, 8])
+    rep.add_argument("--policies", nargs="+", choices=list(POLICIES), default=list(POLICIES))
+    rep.add_argument("--max-batch", type=int, nargs="+", default=[speculative.MAX_BATCH])
+    rep.add_argument("--verify-cost", type=float, nargs="+", default=[1.2, 2.0])
+    rep.add_argument("--out", default=None)
+    args = ap.parse_args()
+    record(args) if args.command == "record" else replay(args)
+
+
+if __name__ == "__main__":
+    main()
