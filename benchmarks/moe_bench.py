@@ -80,13 +80,16 @@ def breakdown(moe: FusedMoE, x, w, ids, config: kmoe.MoeConfig) -> dict[str, flo
     gate_up = kmoe._gemm(act, moe.w13_weight, moe.w13_weight_scale, alignment, P, k, x.dtype, config.up, None, group)
     mid = kmoe.silu_and_mul(gate_up, quant)
     out = kmoe._gemm(mid, moe.w2_weight, moe.w2_weight_scale, alignment, P, 1, x.dtype, config.down, w, group)
+    silu = config.silu and quant is None  # SiLU-and-mul inside the first GEMM: one part
     parts = {
         "align": lambda: kmoe.align(ids, moe.num_experts, config.bm),
         "quantize": (lambda: quantize(x, group)) if quant is not None else None,
-        "up": lambda: kmoe._gemm(
-            act, moe.w13_weight, moe.w13_weight_scale, alignment, P, k, x.dtype, config.up, None, group
+        "up": lambda: (
+            kmoe.expert_gemm(act, None, moe.w13_weight, None, alignment, P, k, x.dtype, config.up, silu=silu)
+            if quant is None
+            else kmoe._gemm(act, moe.w13_weight, moe.w13_weight_scale, alignment, P, k, x.dtype, config.up, None, group)
         ),
-        "silu": lambda: kmoe.silu_and_mul(gate_up, quant),
+        "silu": None if silu else lambda: kmoe.silu_and_mul(gate_up, quant),
         "down": lambda: kmoe._gemm(
             mid, moe.w2_weight, moe.w2_weight_scale, alignment, P, 1, x.dtype, config.down, w, group
         ),
@@ -124,7 +127,8 @@ def timed(fn, candidates: list[kmoe.GemmConfig]) -> dict[kmoe.GemmConfig, float]
 
 
 def tune(cfg: ModelConfig, kind: str, moe: FusedMoE) -> dict[str, list]:
-    """The fastest (BM, up tiles, down tiles) per token bucket, each GEMM timed alone."""
+    """The fastest (BM, up tiles, down tiles[, SiLU inside the first GEMM]) per token bucket,
+    each GEMM timed alone (the first with its SiLU-and-mul)."""
     quant = moe.quant
     group = None if quant is None else quant.block
     H, k = cfg.hidden_size, cfg.num_experts_per_tok
@@ -157,10 +161,25 @@ def tune(cfg: ModelConfig, kind: str, moe: FusedMoE) -> dict[str, list]:
 
             up_ms, down_ms = timed(up, candidates), timed(down, candidates)
             u, d = min(up_ms, key=up_ms.get), min(down_ms, key=down_ms.get)
-            total = up_ms[u] + down_ms[d]
-            print(f"  {kind} T={tokens} BM={bm}: up {up_ms[u] * 1e3:.1f} us {u}, down {down_ms[d] * 1e3:.1f} us {d}")
+            gate_up = up(u)
+            up_total, entry = up_ms[u] + replay_ms(lambda: kmoe.silu_and_mul(gate_up, quant), iters=10), list(u)
+            silu = False
+            if quant is None:  # SiLU-and-mul inside the first GEMM, where that beats the two launches
+
+                def fused(c):
+                    return kmoe.expert_gemm(act, None, moe.w13_weight, None, alignment, P, k, x.dtype, c, silu=True)
+
+                fused_ms = timed(fused, candidates)
+                f = min(fused_ms, key=fused_ms.get)
+                if fused_ms[f] < up_total:
+                    up_total, entry, silu = fused_ms[f], list(f), True
+            total = up_total + down_ms[d]
+            print(
+                f"  {kind} T={tokens} BM={bm}: up{' with SiLU' if silu else ' + SiLU'} {up_total * 1e3:.1f} us "
+                f"{entry}, down {down_ms[d] * 1e3:.1f} us {d}"
+            )
             if best is None or total < best[0]:
-                best = (total, [bm, list(u), list(d)])
+                best = (total, [bm, entry, list(d)] + ([True] if silu else []))
         table[str(tokens)] = best[1]
     return table
 

@@ -5,6 +5,11 @@ architecture is ``test_models``'s.)"""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -83,6 +88,42 @@ def test_moe_checkpoint_radix_on_and_off_give_the_same_tokens(tmp_path):
 # ---- the fused path on the GPU ------------------------------------------------------------------
 
 
+def check_fused_kernels() -> None:
+    """``kmoe.fused_experts`` against the torch loop, float and fp8 (per channel and 32-column
+    groups), with SiLU-and-mul apart and inside the first GEMM, at 1, 20 and 600 tokens (1200
+    pairs: the many-program scatter)."""
+    from unittest import mock
+
+    from minisgl.kernels import moe as kmoe
+
+    for quant in (None, Fp8Scheme(None, "test"), Fp8Scheme(32, "test")):
+        moe = make_moe(8, 2, 64, 32, quant)
+        for tokens in (1, 20, 600):
+            x = torch.randn(tokens, 64)
+            w, ids = route(torch.randn(tokens, 8), 2, False)
+            scales = (moe.w13_weight_scale, moe.w2_weight_scale)
+            want = experts_torch(x, moe.w13_weight, moe.w2_weight, w, ids, quant, *scales)
+            for silu in (False, True):
+                tiles = kmoe.GemmConfig(32, 32, 1, 4, 1)
+                config = kmoe.MoeConfig(16, tiles, tiles, silu)
+                with mock.patch.object(kmoe, "config_for", lambda *_, c=config: c):
+                    got = kmoe.fused_experts(moe, x, w, ids)
+                error = ((got - want).norm() / want.norm()).item()
+                assert error < 1e-5, (quant, tokens, silu, error)
+
+
+def test_fused_kernels_on_cpu_through_the_interpreter():
+    """The fused path's logic (routing, alignment, both GEMMs and the SiLU inside the first) on
+    CPU: Triton's interpreter must be on before triton loads, so it runs in a child process.
+    (On CPU the fp8 values stay float32 on the e4m3 grid, so fp8 matches the torch loop too.)"""
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    code = "from tests.test_moe import check_fused_kernels; check_fused_kernels()"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 @cuda
 @pytest.mark.parametrize("experts,top_k", [(8, 2), (128, 8), (60, 4)])
 def test_topk_kernel_matches_torch(experts, top_k):
@@ -134,6 +175,24 @@ def test_fused_experts_match_the_reference(quant, tokens, experts, top_k, hidden
     ).float()
     assert got.shape == (tokens, hidden) and got.dtype == torch.bfloat16
     assert (got.float() - want).norm() / want.norm() < (2e-2 if quant is None else 3e-2)
+
+
+@cuda
+@pytest.mark.parametrize("tokens", [1, 64, 333, 2048])
+def test_silu_inside_the_first_gemm_matches_the_reference(tokens):
+    """bf16 with SiLU-and-mul in the first GEMM's epilogue (what the tuner may pick per shape)."""
+    from unittest import mock
+
+    from minisgl.kernels import moe as kmoe
+
+    moe = make_moe(128, 8, 512, 256, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(tokens, 512, device="cuda", dtype=torch.bfloat16)
+    w, ids = route(torch.randn(tokens, 128, device="cuda"), 8, True)
+    config = kmoe.default_config(tokens, 128, 8)._replace(silu=True)
+    with mock.patch.object(kmoe, "config_for", lambda *_: config):
+        got = moe(x, w, ids)
+    want = experts_torch(x, moe.w13_weight, moe.w2_weight, w, ids).float()
+    assert (got.float() - want).norm() / want.norm() < 2e-2
 
 
 @cuda

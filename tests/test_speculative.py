@@ -249,6 +249,32 @@ def test_unseeded_sampling_keeps_its_distribution(tiny_llama):
     assert chi2 < dof + 5 * np.sqrt(2 * dof)  # ~5 sigma: fails only when the distributions differ
 
 
+def test_verify_steps_at_tp2_equal_one_process(tiny_llama):
+    """Two tensor-parallel ranks (gloo): verify steps sample on the sharded vocabulary and keep
+    each run's last token on every rank, so greedy and seeded outputs and their logprobs equal
+    one process's without speculation."""
+    import gc
+
+    from minisgl.llm import LLM
+
+    prompts = looping_prompts(4, seed=9)
+    params = [
+        {"max_new_tokens": 30, "temperature": 0.0, "ignore_eos": True},
+        {"max_new_tokens": 30, "temperature": 0.8, "seed": 3, "ignore_eos": True},
+    ] * 2
+    kw = dict(device="cpu", dtype="float32", max_running_requests=8, page_size=2)
+    want = LLM(str(tiny_llama), **kw).generate(prompts, params, top_logprobs=2)
+    llm = LLM(str(tiny_llama), tp_size=2, **kw, **SPEC)
+    got = llm.generate(prompts, params, top_logprobs=2)
+    stats = llm.scheduler.stats()
+    del llm
+    gc.collect()
+    assert tokens(got) == tokens(want)
+    assert stats["spec_verify_steps"] > 0 and stats["spec_accepted_tokens"] > 0
+    for g, w in zip(got, want):
+        assert np.allclose(g["meta_info"]["output_token_logprobs"], w["meta_info"]["output_token_logprobs"], atol=1e-4)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_speculation_on_cuda_keeps_tokens(tmp_path, dtype):

@@ -4,7 +4,8 @@ grouped GEMMs, each one launch with static shapes, so a MoE layer replays inside
 A step's T tokens each pick k experts: P = T * k (token, expert) pairs. ``align`` sorts the pairs
 by expert into blocks of BM rows (each expert's run padded to whole blocks, padding marked with
 the id P), so one GEMM program multiplies BM rows by one expert's weight tile. The first GEMM
-gathers token rows (pair // k) against [gate | up]; SiLU-and-mul follows; the second GEMM scales
+gathers token rows (pair // k) against [gate | up]; SiLU-and-mul follows (or runs inside that
+GEMM: ``MoeConfig.silu``); the second GEMM scales
 each pair's row by its routing weight and the k rows of a token are summed. The torch loop in
 ``layers.moe`` is the reference for all of it.
 """
@@ -179,6 +180,7 @@ def _expert_gemm_kernel(
     b_groups,
     A_DIV: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
+    SILU: tl.constexpr,
     FP8: tl.constexpr,
     GROUP: tl.constexpr,
     PRECISE: tl.constexpr,
@@ -190,7 +192,9 @@ def _expert_gemm_kernel(
     """C[pair] = A[pair // A_DIV] @ B[expert]^T for a BM-row block of pairs and BN columns; B is
     [E, N, K]. PRECISE: float32 products in full precision (not TF32). FP8: A and B are e4m3
     with per-row scales ([rows, 1] / [E, N]) or, with GROUP, one per row and GROUP columns
-    ([rows, a_groups] / [E, N, b_groups])."""
+    ([rows, a_groups] / [E, N, b_groups]). SILU (float only): B is [E, 2N, K], [gate | up],
+    and C = silu(A @ gate^T) * (A @ up^T): each program multiplies the gate and up rows of its
+    columns, so SiLU-and-mul is no launch of its own and the [P, 2N] product is never stored."""
     pid = tl.program_id(0)
     n_m = tl.num_programs(0) // tl.cdiv(N, BN)
     n_n = tl.cdiv(N, BN)
@@ -208,12 +212,19 @@ def _expert_gemm_kernel(
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
     a_ptrs = a_ptr + rows[:, None] * K + rk[None, :]
-    b_ptrs = b_ptr + expert * N * K + rn[:, None].to(tl.int64) * K + rk[None, :]
+    b_ptrs = b_ptr + expert * (2 * N if SILU else N) * K + rn[:, None].to(tl.int64) * K + rk[None, :]
     acc = tl.zeros([BM, BN], tl.float32)
+    up = tl.zeros([BM, BN], tl.float32)
     for kb in range(0, tl.cdiv(K, BK)):
         k_left = K - kb * BK
         a = tl.load(a_ptrs, mask=valid[:, None] & (rk[None, :] < k_left), other=0.0)
         b = tl.load(b_ptrs, mask=(rn[:, None] < N) & (rk[None, :] < k_left), other=0.0)
+        if SILU:
+            b_up = tl.load(b_ptrs + N * K, mask=(rn[:, None] < N) & (rk[None, :] < k_left), other=0.0)
+            if PRECISE:
+                up = tl.dot(a, tl.trans(b_up), up, input_precision="ieee")
+            else:
+                up = tl.dot(a, tl.trans(b_up), up)
         if GROUP:
             g = kb * BK // GROUP
             sa = tl.load(a_scale_ptr + rows * a_groups + g, mask=valid, other=0.0)
@@ -229,6 +240,8 @@ def _expert_gemm_kernel(
         sa = tl.load(a_scale_ptr + rows, mask=valid, other=0.0)
         sb = tl.load(b_scale_ptr + expert * N + rn, mask=rn < N, other=0.0)
         acc = acc * sa[:, None] * sb[None, :]
+    if SILU:
+        acc = acc * tl.sigmoid(acc) * up
     if MUL_WEIGHT:
         acc = acc * tl.load(weights_ptr + pairs, mask=valid, other=0.0)[:, None]
     c_ptrs = c_ptr + pairs[:, None].to(tl.int64) * N + rn[None, :]
@@ -255,18 +268,22 @@ def expert_gemm(
     config: GemmConfig,
     weights: torch.Tensor | None = None,
     group: int | None = None,
+    silu: bool = False,
 ) -> torch.Tensor:
     """[P, N]: each pair's row of A (row pair // a_div) times its expert's B [N, K], scaled by
-    ``weights`` [P] when given. Rows of padding blocks are never written."""
-    N, K = b.shape[1], b.shape[2]
-    c = torch.empty(P, N, dtype=out_dtype, device=a.device)
+    ``weights`` [P] when given; with ``silu``, B is [2N, K] ([gate | up]) and the product goes
+    through SiLU-and-mul. Rows of padding blocks are never written."""
     fp8 = a_scale is not None
+    assert not (silu and fp8), "fp8 quantizes the whole SiLU-and-mul row: a launch of its own"
+    N, K = b.shape[1] // (2 if silu else 1), b.shape[2]
+    c = torch.empty(P, N, dtype=out_dtype, device=a.device)
     grid = (alignment.block_expert.numel() * triton.cdiv(N, config.bn),)
     _expert_gemm_kernel[grid](
         a, a_scale if fp8 else a, b, b_scale if fp8 else b, c, weights if weights is not None else c,
         alignment.sorted_ids, alignment.block_expert, alignment.num_padded, P, N, K,
         a_scale.shape[-1] if fp8 else 1, b_scale.shape[-1] if fp8 and group else 1,
-        A_DIV=a_div, MUL_WEIGHT=weights is not None, FP8=fp8, GROUP=group or 0, PRECISE=a.dtype == torch.float32,
+        A_DIV=a_div, MUL_WEIGHT=weights is not None, SILU=silu, FP8=fp8, GROUP=group or 0,
+        PRECISE=a.dtype == torch.float32,
         BM=alignment.bm, BN=config.bn, BK=min(config.bk, group) if group else config.bk, GROUP_M=config.group_m,
         num_warps=config.warps, num_stages=config.stages,
     )  # fmt: skip
@@ -274,12 +291,14 @@ def expert_gemm(
 
 
 class MoeConfig(NamedTuple):
-    """Tiles for one MoE layer at one token count: the block rows both GEMMs share, and each
-    GEMM's own (BN, BK, GROUP_M, warps, stages)."""
+    """Tiles for one MoE layer at one token count: the block rows both GEMMs share, each GEMM's
+    own (BN, BK, GROUP_M, warps, stages), and whether the first GEMM applies SiLU-and-mul itself
+    (float weights only; the tuner keeps it where it measures faster than the two launches)."""
 
     bm: int
-    up: GemmConfig  # [gate | up]: N = 2 * intermediate, K = hidden
+    up: GemmConfig  # [gate | up]: N = 2 * intermediate (intermediate with silu), K = hidden
     down: GemmConfig  # N = hidden, K = intermediate
+    silu: bool = False
 
 
 def table_key(num_experts: int, intermediate: int, hidden: int, top_k: int, kind: str) -> str:
@@ -311,8 +330,8 @@ def moe_config(tokens: int, key: str, num_experts: int, top_k: int, gpu: str) ->
     if not entry:
         return default_config(tokens, num_experts, top_k)
     nearest = min(entry, key=lambda b: abs(math.log(int(b) / max(tokens, 1))))
-    bm, up, down = entry[nearest]
-    return MoeConfig(bm, GemmConfig(*up), GemmConfig(*down))
+    bm, up, down, *silu = entry[nearest]
+    return MoeConfig(bm, GemmConfig(*up), GemmConfig(*down), bool(silu and silu[0]))
 
 
 def config_for(tokens: int, key: str, num_experts: int, top_k: int, device: torch.device) -> MoeConfig:
@@ -321,7 +340,8 @@ def config_for(tokens: int, key: str, num_experts: int, top_k: int, device: torc
 
 def fused_experts(moe: FusedMoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """``layers.moe.experts_torch`` for x [T, H] (T > 0) on the GPU: align, [gate | up] GEMM,
-    SiLU-and-mul (quantizing for fp8), weighted down GEMM, sum of each token's k rows."""
+    SiLU-and-mul (quantizing for fp8; inside the GEMM where the table says so), weighted down
+    GEMM, sum of each token's k rows."""
     T, H = x.shape
     k = moe.top_k
     P = T * k
@@ -330,9 +350,12 @@ def fused_experts(moe: FusedMoE, x: torch.Tensor, weights: torch.Tensor, ids: to
     kind = str(x.dtype).removeprefix("torch.") if quant is None else "fp8" if group is None else f"fp8-b{group}"
     config = config_for(T, table_key(moe.num_experts, moe.local, H, k, kind), moe.num_experts, k, x.device)
     alignment = align(ids, moe.num_experts, config.bm)
-    act: torch.Tensor | Fp8Act = x if quant is None else quantize(x, group)
-    gate_up = _gemm(act, moe.w13_weight, moe.w13_weight_scale, alignment, P, k, x.dtype, config.up, None, group)
-    act = silu_and_mul(gate_up, quant)
+    if config.silu and quant is None:
+        act = expert_gemm(x, None, moe.w13_weight, None, alignment, P, k, x.dtype, config.up, silu=True)
+    else:
+        act = x if quant is None else quantize(x, group)
+        gate_up = _gemm(act, moe.w13_weight, moe.w13_weight_scale, alignment, P, k, x.dtype, config.up, None, group)
+        act = silu_and_mul(gate_up, quant)
     out = _gemm(
         act, moe.w2_weight, moe.w2_weight_scale, alignment, P, 1, x.dtype, config.down, weights.contiguous(), group
     )
