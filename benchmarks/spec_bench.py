@@ -110,6 +110,22 @@ def run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tup
     }
 
 
+def setup(args: argparse.Namespace) -> tuple[LLM, list[list[int]], list[SamplingParams]]:
+    """The engine, and the workload's prompts (each ``--samples`` times) with seeded params."""
+    engine = {"dtype": args.dtype, "max_running_requests": max(256, args.samples)}
+    if args.device:
+        engine["device"] = args.device
+    llm = LLM(args.model, **engine)
+    convs = WORKLOADS[args.workload](args.prompts, args.seed)
+    ids = [encode_chat(llm.tokenizer, c, None, None) for c in convs]
+    prompts = [p for p in ids for _ in range(args.samples)]
+    params = [
+        SamplingParams(temperature=args.temperature, seed=args.seed * 100_000 + i, max_new_tokens=args.max_new_tokens)
+        for i in range(len(prompts))
+    ]
+    return llm, prompts, params
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
@@ -131,17 +147,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    engine = {"dtype": args.dtype, "max_running_requests": max(256, args.samples)}
-    if args.device:
-        engine["device"] = args.device
-    llm = LLM(args.model, **engine)
-    convs = WORKLOADS[args.workload](args.prompts, args.seed)
-    ids = [encode_chat(llm.tokenizer, c, None, None) for c in convs]
-    prompts = [p for p in ids for _ in range(args.samples)]
-    params = [
-        SamplingParams(temperature=args.temperature, seed=args.seed * 100_000 + i, max_new_tokens=args.max_new_tokens)
-        for i in range(len(prompts))
-    ]
+    llm, prompts, params = setup(args)
     modes = [("off", None, 0)] + [
         (f"on k={k} idle={idle}", k, idle) for k in args.num_draft_tokens for idle in args.idle_after_no_draft
     ]

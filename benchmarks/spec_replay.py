@@ -33,24 +33,14 @@ from minisgl.scheduler.request import Req  # noqa: E402
 
 
 def record(args: argparse.Namespace) -> None:
-    from benchmarks.spec_bench import WORKLOADS, run
-    from minisgl.llm import LLM
-    from minisgl.tokenizer.chat import encode_chat
+    from benchmarks.spec_bench import run, setup
 
-    engine = {"dtype": args.dtype, "max_running_requests": max(256, args.samples)}
-    if args.device:
-        engine["device"] = args.device
-    llm = LLM(args.model, **engine)
-    convs = WORKLOADS[args.workload](args.prompts, args.seed)
-    ids = [encode_chat(llm.tokenizer, c, None, None) for c in convs]
-    prompts = [p for p in ids for _ in range(args.samples)]
-    params = [
-        SamplingParams(temperature=args.temperature, seed=args.seed * 100_000 + i, max_new_tokens=args.max_new_tokens)
-        for i in range(len(prompts))
-    ]
+    llm, prompts, params = setup(args)
     reqs, result = run(llm, prompts, params)
     print(f"recorded {len(reqs)} samples, mean length {result['mean_output_len']:.1f}, {result['seconds']:.1f} s")
-    data = {"args": vars(args), "prompts": ids, "samples": args.samples, "outputs": [r.output_ids for r in reqs]}
+    # (each distinct prompt once: the samples of one prompt follow each other)
+    distinct = prompts[:: args.samples]
+    data = {"args": vars(args), "prompts": distinct, "samples": args.samples, "outputs": [r.output_ids for r in reqs]}
     Path(args.out).write_text(json.dumps(data))
 
 
