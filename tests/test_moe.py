@@ -91,11 +91,12 @@ def test_moe_checkpoint_radix_on_and_off_give_the_same_tokens(tmp_path):
 def check_fused_kernels() -> None:
     """``kmoe.fused_experts`` against the torch loop, float and fp8 (per channel and 32-column
     groups), with SiLU-and-mul apart and inside the first GEMM, at 1, 20 and 600 tokens (1200
-    pairs: the many-program scatter)."""
+    pairs: the many-program scatter). Random data from a fixed seed."""
     from unittest import mock
 
     from minisgl.kernels import moe as kmoe
 
+    torch.manual_seed(0)
     for quant in (None, Fp8Scheme(None, "test"), Fp8Scheme(32, "test")):
         moe = make_moe(8, 2, 64, 32, quant)
         for tokens in (1, 20, 600):
@@ -109,7 +110,9 @@ def check_fused_kernels() -> None:
                 with mock.patch.object(kmoe, "config_for", lambda *_, c=config: c):
                     got = kmoe.fused_experts(moe, x, w, ids)
                 error = ((got - want).norm() / want.norm()).item()
-                assert error < 1e-5, (quant, tokens, silu, error)
+                # fp8: a float32 sum in another order can round an activation to the next e4m3
+                # value (6% of one element); a wrong row, scale or expert moves it by ~1
+                assert error < (1e-5 if quant is None else 1e-3), (quant, tokens, silu, error)
 
 
 def test_fused_kernels_on_cpu_through_the_interpreter():

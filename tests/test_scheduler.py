@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import random
+import re
 
 import pytest
 
@@ -339,3 +341,19 @@ def test_mixed_chunks_keep_tokens(tiny_llama, overlap, cheap_cascade):
     assert outs[1] == outs[0]
     assert stats[0]["mixed_steps"] == 0 and stats[1]["mixed_steps"] > 5
     assert grouped[1] > 0  # mixed steps whose decode rows attend in cascade groups
+
+
+def test_debug_log_has_one_line_per_step_with_its_kind_and_time(tiny_llama, caplog):
+    """At debug level each step gets one line, written when its tokens are back: its kind
+    (prefill, mixed, decode), sizes and the time from launch to tokens."""
+    rng = random.Random(6)
+    prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in (300, 20, 200)]
+    llm = make_llm(tiny_llama, page_size=4, chunked_prefill_size=64, enable_mixed_chunk=True)
+    with caplog.at_level(logging.DEBUG, logger="minisgl.scheduler.scheduler"):
+        llm.generate(prompts, {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True})
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
+    steps = [int(line.split(":")[0].removeprefix("step ")) for line in lines]
+    assert sorted(steps) == list(range(llm.scheduler.counters.steps))  # one line each
+    kinds = {line.split(": ")[1].split(" batch")[0] for line in lines}
+    assert kinds == {"prefill", "mixed", "decode"}
+    assert all(re.search(r"tokens back \d+\.\d ms after launch$", line) for line in lines)

@@ -158,6 +158,8 @@ class Scheduler(ControlPlane):
         self._rng = random.Random(args.seed)
         self._next_rid = 0
         self._retracted_tokens: list[int] = []  # this step's retractions (logged together)
+        # At debug level, each launched step's line, logged with its time once its tokens are back.
+        self._step_lines: dict[int, tuple[str, float]] = {}
         self._unfrozen = 0  # requests queued since the last gc.freeze()
         self._frozen = False
         # The RL control plane: a pause holds every request where it is; released memory
@@ -387,16 +389,15 @@ class Scheduler(ControlPlane):
                         [(sampled[i].matcher, sampled[i].params.json_schema is not None) for i in batch.mask_rows]
                     )
                 )
-            logger.debug(
-                "step %d: %s batch of %d requests, %d tokens; %d running, %d queued, %d free pages",
-                self.counters.steps,
-                "decode" if decode else "prefill",
-                len(batch.slots),
-                len(batch.input_ids),
-                len(self.running),
-                len(self.waiting),
-                self.allocator.num_free,
-            )
+            if logger.isEnabledFor(logging.DEBUG):
+                kind = ("verify" if drafts else "decode") if decode else "mixed" if batch.prefill_reqs else "prefill"
+                kind = kind if batch.slots else "host-tier copies"
+                self._step_lines[self.counters.steps] = (
+                    f"step {self.counters.steps}: {kind} batch of {len(batch.slots)} requests, "
+                    f"{len(batch.input_ids)} tokens; {len(self.running)} running, {len(self.waiting)} queued, "
+                    f"{self.allocator.num_free} free pages",
+                    time.perf_counter(),
+                )
             self.counters.steps += 1
         if len(self.inflight) > (1 if self.overlap and batch is not None else 0):
             got += self._process(self.inflight.popleft())
@@ -467,6 +468,9 @@ class Scheduler(ControlPlane):
         if self.memory.host is not None:
             self.memory.host.done(step)  # the worker sends a step's tokens once its copies are done
         out = self.executor.collect()
+        line = self._step_lines.pop(step, None)
+        if line is not None:  # (the time includes waiting for the steps launched before it)
+            logger.debug("%s; tokens back %.1f ms after launch", line[0], 1e3 * (time.perf_counter() - line[1]))
         if routed:
             record_routed(routed, out.routed_experts)
         if drafts:
