@@ -10,7 +10,8 @@
 asked to repeat it with that change, so its output repeats spans of its context.
 Reports wall time, output tokens, verify steps and acceptance, and when the last 10% of
 samples finished (the tail a repeated-sampling step waits for). Each mode runs on the same
-engine (``LLM.reset_scheduler``), first a warm-up round.
+engine (``LLM.reset_scheduler``), first a warm-up round. ``--rules measured always`` runs
+speculation under the engine's measured rule and with every step that may speculate doing so.
 """
 
 from __future__ import annotations
@@ -142,19 +143,31 @@ def main() -> None:
         default=[speculative.IDLE_AFTER_NO_DRAFT],
         help="plain steps after one in which no request drafted (speculative.IDLE_AFTER_NO_DRAFT)",
     )
+    ap.add_argument(
+        "--rules",
+        nargs="+",
+        choices=["measured", "always"],
+        default=["measured"],
+        help="measured: SpecPlanner's rule decides each step; always: every step that may speculates",
+    )
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     llm, prompts, params = setup(args)
-    modes = [("off", None, 0)] + [
-        (f"on k={k} idle={idle}", k, idle) for k in args.num_draft_tokens for idle in args.idle_after_no_draft
+    modes = [("off", None, 0, "measured")] + [
+        (f"on k={k} idle={idle} {rule}", k, idle, rule)
+        for k in args.num_draft_tokens
+        for idle in args.idle_after_no_draft
+        for rule in args.rules
     ]
+    measured = speculative.SpecPlanner.pays
     rows, outputs = [], []
     for warm in (True, False):
-        for name, k, idle in modes:
+        for name, k, idle, rule in modes:
             speculative.IDLE_AFTER_NO_DRAFT = idle
+            speculative.SpecPlanner.pays = measured if rule == "measured" else lambda self, decoding: True
             llm.args.speculative_algorithm = None if k is None else "NGRAM"
             llm.args.speculative_num_draft_tokens = k or 1
             llm.reset_scheduler()
