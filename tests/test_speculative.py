@@ -159,6 +159,20 @@ def test_the_rule_speculates_while_measured_verify_steps_pay():
     assert plan.seconds == {(False, 4): 1.0, (True, 4): 2.0}
 
 
+def test_verify_steps_fit_the_largest_captured_graph(tiny_llama):
+    """Drafts are cut so that a verify step's rows fit ``--cuda-graph-max-bs`` (a longer step
+    would run eagerly on the GPU)."""
+    prompts = looping_prompts(6, seed=3)
+    params = SamplingParams(temperature=0.0, max_new_tokens=30, ignore_eos=True)
+    off = make_llm(tiny_llama, page_size=2).generate(prompts, params)
+    llm = make_llm(tiny_llama, page_size=2, cuda_graph_max_bs=8, **SPEC)
+    rows: list[int] = []
+    launch = llm.scheduler.executor.launch
+    llm.scheduler.executor.launch = lambda b: (rows.append(len(b.slots)) if b.verify_sizes else None, launch(b))[1]
+    assert tokens(llm.generate(prompts, params)) == tokens(off)
+    assert rows and max(rows) <= 8 and llm.scheduler.stats()["spec_accepted_tokens"] > 0
+
+
 def test_radix_off_drafts_from_own_tokens(tiny_llama):
     prompts = looping_prompts(4, seed=7)
     params = SamplingParams(temperature=0.0, max_new_tokens=50, ignore_eos=True)

@@ -148,7 +148,9 @@ class Scheduler(ControlPlane):
             if isinstance(self.cache, RadixCacheManager):
                 self.cache.ngrams = NgramIndex(*n, args.speculative_ngram_capacity)
             drafter = Drafter(getattr(self.cache, "ngrams", None), *n)
-            self.spec = SpecPlanner(self.memory, self.decode, drafter, args.speculative_num_draft_tokens)
+            self.spec = SpecPlanner(
+                self.memory, self.decode, drafter, args.speculative_num_draft_tokens, args.graph_batch_size
+            )
         self.grammar = grammar
         self.compiling: list[Req] = []  # waiting for their grammar; others are scheduled meanwhile
         self.events: list[ReqEvent] = []  # since the last take_events, in order

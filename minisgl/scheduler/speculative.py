@@ -108,9 +108,12 @@ class Drafter:
 class SpecPlanner:
     """Verify steps: which requests draft, their pages, the batch, and what a step accepted."""
 
-    def __init__(self, memory: Memory, decode: DecodePlanner, drafter: Drafter, num_draft_tokens: int):
+    def __init__(
+        self, memory: Memory, decode: DecodePlanner, drafter: Drafter, num_draft_tokens: int, max_rows: int = 1 << 30
+    ):
         self.memory, self.decode, self.drafter = memory, decode, drafter
         self.k = num_draft_tokens
+        self.max_rows = max_rows  # rows a step may have and still replay a captured graph
         self.page_size = memory.page_size
         self.verify_steps = 0
         self.drafted_tokens = 0
@@ -208,6 +211,15 @@ class SpecPlanner:
                     drafts.append((req, draft))
         self.draft_seconds += time.perf_counter() - start
         self.drafting_rows += len(decoding)
+        # Drafts cut to the rows the largest captured graph holds: a longer step runs eagerly.
+        room = self.max_rows - len(decoding)
+        if sum(len(d) for _, d in drafts) > room:
+            cut = []
+            for req, draft in drafts:
+                if room > 0:
+                    cut.append((req, draft[:room]))
+                    room -= len(cut[-1][1])
+            drafts = cut
         if not drafts:
             self.idle = IDLE_AFTER_NO_DRAFT
             return None
