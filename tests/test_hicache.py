@@ -447,7 +447,8 @@ def test_a_restarted_engine_finds_the_prompt_on_disk_and_skips_a_corrupt_file(ti
         hicache_storage_dir=str(tmp_path),
         attention_backend="torch",
     )
-    prompt = [random.Random(5).randrange(5, 500) for _ in range(900)]
+    rng = random.Random(5)
+    prompt = [rng.randrange(5, 500) for _ in range(900)]
     params = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
     first = LLM(str(tiny_llama), **engine)
     cold = first.generate([prompt], params)[0]

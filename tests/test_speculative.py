@@ -173,6 +173,39 @@ def test_verify_steps_fit_the_largest_captured_graph(tiny_llama):
     assert rows and max(rows) <= 8 and llm.scheduler.stats()["spec_accepted_tokens"] > 0
 
 
+def test_pages_read_from_disk_are_indexed_for_drafts(tiny_llama, tmp_path):
+    """A prompt found on the storage tier after a restart enters the tree as a host-only node,
+    which the n-gram index holds like any other: its windows find their continuations."""
+    import time
+
+    from minisgl.kvcache.ngram_index import suffix_hashes
+    from minisgl.llm import LLM
+
+    engine = dict(
+        device="cpu",
+        max_total_tokens=4000,
+        enable_hierarchical_cache=True,
+        hicache_storage_backend="file",
+        hicache_storage_dir=str(tmp_path),
+        **SPEC,
+    )
+    rng = random.Random(5)
+    prompt = [rng.randrange(5, 500) for _ in range(600)]
+    params = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+    first = LLM(str(tiny_llama), **engine)
+    first.generate([prompt], params)
+    deadline = time.monotonic() + 10  # (written behind by a thread)
+    while len(list(tmp_path.rglob("*.r0"))) < 600 // 16 - 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    del first
+    again = LLM(str(tiny_llama), **engine)
+    again.generate([prompt], params)
+    assert again.scheduler.stats()["prefix_disk_hit_tokens"] > 0
+    index = again.scheduler.cache.ngrams
+    window = prompt[100:106]
+    assert index.lookup(6, suffix_hashes(window, 6)[-1], window, 3) == prompt[106:109]
+
+
 def test_radix_off_drafts_from_own_tokens(tiny_llama):
     prompts = looping_prompts(4, seed=7)
     params = SamplingParams(temperature=0.0, max_new_tokens=50, ignore_eos=True)

@@ -73,6 +73,8 @@ class HiRadixCacheManager(RadixCacheManager):
         node.children[self._edge(leaf.key, 0)] = leaf
         self._num_nodes += 1
         self._maybe_host_evictable(leaf)
+        if self.ngrams is not None:  # (speculative drafts read its tokens as any other node's)
+            self.ngrams.add(leaf)
         host.owner.update(zip(pages, keys))
         host.read_from_disk(tokens, pages)
         return [leaf]
