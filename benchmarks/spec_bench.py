@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.workloads import save_result  # noqa: E402
 from minisgl.llm import LLM  # noqa: E402
 from minisgl.sampling import SamplingParams  # noqa: E402
-from minisgl.scheduler import speculative  # noqa: E402
+from minisgl.scheduler import spec_rule  # noqa: E402
 from minisgl.tokenizer.chat import encode_chat  # noqa: E402
 
 
@@ -140,8 +140,8 @@ def main() -> None:
         "--idle-after-no-draft",
         type=int,
         nargs="+",
-        default=[speculative.IDLE_AFTER_NO_DRAFT],
-        help="plain steps after one in which no request drafted (speculative.IDLE_AFTER_NO_DRAFT)",
+        default=[spec_rule.IDLE_AFTER_NO_DRAFT],
+        help="plain steps after one in which no request drafted (spec_rule.IDLE_AFTER_NO_DRAFT)",
     )
     ap.add_argument(
         "--rules",
@@ -162,12 +162,12 @@ def main() -> None:
         for idle in args.idle_after_no_draft
         for rule in args.rules
     ]
-    measured = speculative.SpecPlanner.pays
+    measured = spec_rule.SpecRule.pays
     rows, outputs = [], []
     for warm in (True, False):
         for name, k, idle, rule in modes:
-            speculative.IDLE_AFTER_NO_DRAFT = idle
-            speculative.SpecPlanner.pays = measured if rule == "measured" else lambda self, decoding: True
+            spec_rule.IDLE_AFTER_NO_DRAFT = idle
+            spec_rule.SpecRule.pays = measured if rule == "measured" else lambda self, decoding: True
             llm.args.speculative_algorithm = None if k is None else "NGRAM"
             llm.args.speculative_num_draft_tokens = k or 1
             llm.reset_scheduler()

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.workloads import save_result  # noqa: E402
 from minisgl.llm import LLM  # noqa: E402
 from minisgl.sampling import SamplingParams  # noqa: E402
-from minisgl.scheduler import speculative  # noqa: E402
+from minisgl.scheduler import spec_rule  # noqa: E402
 
 
 def main() -> None:
@@ -35,7 +35,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    speculative.MAX_BATCH = max(args.batch)
+    spec_rule.MAX_BATCH = max(args.batch)
     llm = LLM(args.model, load_format=args.load_format, max_running_requests=max(256, max(args.batch)))
     rng = random.Random(0)
     vocab = llm.runner.vocab_size

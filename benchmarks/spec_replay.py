@@ -28,7 +28,7 @@ from minisgl.args import EngineArgs  # noqa: E402
 from minisgl.kvcache.ngram_index import NgramIndex  # noqa: E402
 from minisgl.kvcache.radix_manager import RadixCacheManager  # noqa: E402
 from minisgl.sampling import SamplingParams  # noqa: E402
-from minisgl.scheduler import speculative  # noqa: E402
+from minisgl.scheduler import spec_rule, speculative  # noqa: E402
 from minisgl.scheduler.request import Req  # noqa: E402
 
 
@@ -165,7 +165,7 @@ def replay_once(
                     if draft:
                         drafts[req.rid] = draft
             if not drafts:
-                idle = speculative.IDLE_AFTER_NO_DRAFT
+                idle = spec_rule.IDLE_AFTER_NO_DRAFT
         r.verify_steps += bool(drafts)
         r.plain_steps += not drafts
         for req in running:
@@ -251,7 +251,7 @@ def main() -> None:
     rep.add_argument("recorded")
     rep.add_argument("--num-draft-tokens", type=int, nargs="+", default=[2, 4, 8])
     rep.add_argument("--policies", nargs="+", choices=list(POLICIES), default=list(POLICIES))
-    rep.add_argument("--max-batch", type=int, nargs="+", default=[speculative.MAX_BATCH])
+    rep.add_argument("--max-batch", type=int, nargs="+", default=[spec_rule.MAX_BATCH])
     rep.add_argument("--verify-cost", type=float, nargs="+", default=[1.2, 2.0])
     rep.add_argument("--out", default=None)
     args = ap.parse_args()

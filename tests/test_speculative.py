@@ -25,7 +25,7 @@ def verify_steps_pay(monkeypatch, request):
     """Steps speculate whenever they may: the measured rule weighs this machine's timings, which
     would make these tests' verify steps depend on its load (the rule has its own test)."""
     if "measured" not in request.node.name:
-        monkeypatch.setattr("minisgl.scheduler.speculative.SpecPlanner.pays", lambda self, decoding: True)
+        monkeypatch.setattr("minisgl.scheduler.spec_rule.SpecRule.pays", lambda self, decoding: True)
 
 
 def looping_prompts(count: int, seed: int) -> list[list[int]]:
@@ -127,18 +127,15 @@ def test_the_rule_speculates_while_measured_verify_steps_pay():
     """Unmeasured choices are tried first; then a verify step runs only while its tokens per
     request beat its cost in plain steps, per batch size, with the other choice tried now and
     then; steps are timed start to start, only after a step of the same kind."""
-    from types import SimpleNamespace
+    from minisgl.scheduler import spec_rule
 
-    from minisgl.scheduler import speculative
-    from minisgl.scheduler.speculative import SpecPlanner
-
-    plan = SpecPlanner(SimpleNamespace(page_size=16), None, None, 4)
+    plan = spec_rule.SpecRule()
     assert plan.wants(8)  # nothing measured: verify
     plan.observe(True, 8, 2.0)
     plan.gain = 1.5
     assert not plan.wants(8)  # the plain step is not measured yet
     plan.observe(False, 8, 1.0)
-    n = speculative.EXPLORE
+    n = spec_rule.EXPLORE
     tried = [n - 1, n, 2 * n, 2 * n + 1, 3 * n + 1, 3 * n + 2]
     plan.streak = 0
     choices = [plan.wants(8) for _ in range(4 * n)]
@@ -148,9 +145,9 @@ def test_the_rule_speculates_while_measured_verify_steps_pay():
     choices = [plan.wants(8) for _ in range(4 * n)]
     assert [i for i, c in enumerate(choices) if not c] == tried
     assert plan.wants(20)  # another batch size: measured apart (not yet)
-    assert not plan.wants(speculative.MAX_BATCH + 1)
+    assert not plan.wants(spec_rule.MAX_BATCH + 1)
 
-    plan = SpecPlanner(SimpleNamespace(page_size=16), None, None, 4)
+    plan = spec_rule.SpecRule()
     for now, kind in [(0.0, False), (1.0, False), (2.0, True), (5.0, True), (7.0, None), (9.0, False)]:
         plan.step_started(now)
         plan.launched(kind, 8)

@@ -142,7 +142,7 @@ class Scheduler(ControlPlane):
             args.enable_return_routed_experts,
         )
         self.spec: SpecPlanner | None = None
-        self._speculate = False  # this step may verify drafts (``SpecPlanner.wants``)
+        self._speculate = False  # this step may verify drafts (``SpecRule.wants``)
         if args.speculative_algorithm is not None:
             n = (args.speculative_ngram_min_match_window_size, args.speculative_ngram_max_match_window_size)
             if isinstance(self.cache, RadixCacheManager):
@@ -352,7 +352,7 @@ class Scheduler(ControlPlane):
         (with overlap, the one before). Returns the request events since the last call: the
         acceptances (also those of ``add_request``), then the outputs of this step."""
         if self.spec is not None:
-            self.spec.step_started(time.perf_counter())
+            self.spec.rule.step_started(time.perf_counter())
         if self.compiling:
             self._admit_compiled()
         got: list[Req] = []
@@ -365,7 +365,7 @@ class Scheduler(ControlPlane):
         batch, sampled, scored, routed, decode, drafts = self._schedule()
         if self.spec is not None:
             kind = (True if drafts else None if self._speculate else False) if decode else None
-            self.spec.launched(kind, len(self.decoding))
+            self.spec.rule.launched(kind, len(self.decoding))
         if batch is None and self.memory.io_pending:  # host-tier copies (or disk writes) still to send
             batch = ForwardBatch(slots=[], cached_lens=[], new_lens=[], input_ids=[], sample=[])
         if self._retracted_tokens:  # one line per step, however many went back

@@ -15,10 +15,7 @@ equal speculation off token for token, and an unseeded request's distribution is
 exactly its probability).
 
 Verify steps need each request's last token on the host, so the scheduler waits for the steps
-in flight first: a verify step gives up overlap scheduling, and what that costs depends on the
-model and the machine (little on an 8B model, about doubling a host-bound small model's step).
-So whether a step speculates is measured, not guessed (``SpecPlanner.wants``): the seconds a plain and a
-verify step take at each batch size, and the tokens a verify step gains per decoding request.
+in flight first; whether a step speculates is measured (``spec_rule.SpecRule``).
 Requests whose sampling reads earlier outputs on the device (penalties), follow a grammar or
 return routed experts decode plainly.
 """
@@ -36,20 +33,12 @@ from minisgl.scheduler.decode import DecodePlanner
 from minisgl.scheduler.pages import Memory
 from minisgl.scheduler.prefill_batch import append_rows, write_table
 from minisgl.scheduler.request import Req
+from minisgl.scheduler.spec_rule import SpecRule
 from minisgl.utils import cdiv
 
-# Verify steps while at most this many requests decode: a step of k + 1 tokens per request
-# then costs about what a one-token step does (the weights' reads dominate).
-MAX_BATCH = 32
 # A request that had this many verify steps in a row with nothing accepted drafts again only
 # after as many plain steps.
 MISSES_BEFORE_PAUSE = 2
-# Plain steps (with overlap) after a step in which no request found a draft.
-IDLE_AFTER_NO_DRAFT = 4
-# The measured rule: after this many steps of one choice, two of the other (the second is the
-# one measured: the first still waits on the step before it), so both estimates stay fresh.
-EXPLORE = 32
-SMOOTHING = 0.2  # weight of a new measurement in the moving averages
 # New tokens of a request indexed one at a time in Python; more (a prompt) go through numpy.
 BULK = 16
 
@@ -119,72 +108,12 @@ class SpecPlanner:
         self.drafted_tokens = 0
         self.accepted_tokens = 0
         self.verify_runs = 0  # drafting requests, summed over verify steps
-        self.idle = 0  # steps left without speculation (``wants``)
         self.draft_seconds = 0.0  # host time spent drafting, over
         self.drafting_rows = 0  # the decoding requests it drafted for (summed over steps)
-        # The measured rule: seconds a step takes, per kind and batch size (bit length of the
-        # decoding requests), and the tokens a verify step gives per decoding request.
-        self.seconds: dict[tuple[bool, int], float] = {}
-        self.gain: float | None = None
-        self.streak = 0  # steps of the current choice since the other was last tried
-        self.trying = 0  # steps of the other choice still to take
-        self._started = 0.0  # when the current scheduler step started
-        self._last: tuple[bool | None, int, float] | None = None  # (kind, requests, start) of the last step
-        self._before: bool | None = None  # the kind of the step before that
+        self.rule = SpecRule()  # whether a step speculates
 
     def wants(self, decoding: int) -> bool:
-        """Whether this step speculates: small batches only, not for a few steps after no
-        request found a draft, and only while the measurements say a verify step's tokens are
-        worth its time: tokens per request per verify step above its cost in plain steps. What
-        is not measured yet is tried first; the other choice is tried now and then."""
-        if self.idle > 0:
-            self.idle -= 1
-            return False
-        if not 0 < decoding <= MAX_BATCH:
-            return False
-        best = self.pays(decoding)
-        if self.trying > 0:
-            self.trying -= 1
-            return not best
-        self.streak += 1
-        if self.streak >= EXPLORE:
-            self.streak, self.trying = 0, 1
-            return not best
-        return best
-
-    def pays(self, decoding: int) -> bool:
-        """Whether a verify step's tokens are worth its time at this batch size, by the
-        measurements; while one is missing, the choice that measures it."""
-        bucket = decoding.bit_length()
-        plain, verify = self.seconds.get((False, bucket)), self.seconds.get((True, bucket))
-        if verify is None or self.gain is None:
-            return True
-        if plain is None:
-            return False
-        return self.gain > verify / plain
-
-    def step_started(self, now: float) -> None:
-        """A scheduler step starts: the step launched by the one before took until now. It is
-        measured only when it is of the same kind as the step before it (a step's wait for
-        the outputs of the one before belongs to that one)."""
-        if self._last is not None:
-            kind, decoding, start = self._last
-            if kind is not None and kind == self._before:
-                self.observe(kind, decoding, now - start)
-            self._before = kind
-        self._started = now
-
-    def launched(self, verify: bool | None, decoding: int) -> None:
-        """What this scheduler step launched: a verify step (True), a plain decode step with
-        overlap (False), or anything else (None: a prefill, a plain step that waited for
-        drafts it did not find, nothing)."""
-        self._last = (verify, decoding, self._started)
-
-    def observe(self, verify: bool, decoding: int, seconds: float) -> None:
-        """A decode step of ``decoding`` requests took ``seconds``."""
-        key = (verify, decoding.bit_length())
-        last = self.seconds.get(key)
-        self.seconds[key] = seconds if last is None else last + SMOOTHING * (seconds - last)
+        return self.rule.wants(decoding)
 
     @staticmethod
     def eligible(req: Req) -> bool:
@@ -221,7 +150,7 @@ class SpecPlanner:
                     room -= len(cut[-1][1])
             drafts = cut
         if not drafts:
-            self.idle = IDLE_AFTER_NO_DRAFT
+            self.rule.no_drafts()
             return None
         drafting = {id(r) for r, _ in drafts}
         plain = [r for r in decoding if id(r) not in drafting]
@@ -304,8 +233,7 @@ class SpecPlanner:
                     req.table_len = min(req.table_len, len(req.pages))
                     self.memory.allocator.free(spare)
         decoding = len(drafts) + len(out.tokens) - at  # (each plain row is a request)
-        gain = 1 + step_accepted / decoding
-        self.gain = gain if self.gain is None else self.gain + SMOOTHING * (gain - self.gain)
+        self.rule.verified(1 + step_accepted / decoding)
         keep += range(at, len(out.tokens))
         for name in ("tokens", "logprobs", "top_ids", "top_logprobs", "id_logprobs"):
             values = getattr(out, name)
@@ -323,5 +251,5 @@ class SpecPlanner:
             "spec_accept_length": 1 + self.accepted_tokens / max(self.verify_runs, 1),
             "spec_draft_us_per_request": 1e6 * self.draft_seconds / max(self.drafting_rows, 1),
             # what the rule weighs: tokens a verify step gives per decoding request (moving average)
-            "spec_step_gain": self.gain or 0.0,
+            "spec_step_gain": self.rule.gain or 0.0,
         }
