@@ -11,7 +11,9 @@ it equals the recorded token there: ``replay`` steps every request in lockstep t
 real ``Drafter`` and ``NgramIndex`` (a finished request's tokens enter a real radix tree, as
 release does), and counts decode steps, verify steps and accepted tokens per policy. The
 time estimate takes a verify step to cost ``--verify-cost`` plain steps (measured by
-``spec_cost.py``: ~1.2 on the 8B shape at batch <= 16, ~2 for SmolLM2's host-bound steps).
+``spec_cost.py``: ~1.2 on the 8B shape at batch <= 16, ~2 for SmolLM2's host-bound steps);
+``--sit-out`` also replays keeping overlap scheduling by letting a request that verified sit
+out the next step.
 """
 
 from __future__ import annotations
@@ -132,11 +134,18 @@ POLICIES = {
 
 
 def replay_once(
-    prompts: list[list[int]], outputs: list[list[int]], k: int, max_batch: int, source: TreeDrafts | CountedDrafts
+    prompts: list[list[int]],
+    outputs: list[list[int]],
+    k: int,
+    max_batch: int,
+    source: TreeDrafts | CountedDrafts,
+    sit_out: bool = False,
 ) -> Replayed:
-    """All requests decode from step 0 (their prompts cached), lockstep, with ``SpecPlanner``'s
+    """All requests decode from step 0 (their prompts cached), lockstep, with the engine's
     rules: verify steps while at most ``max_batch`` decode, the per-request pause after misses,
-    the plain steps after a step that found no draft."""
+    the plain steps after a step that found no draft. ``sit_out``: instead of a verify step
+    waiting for the steps in flight, a request that verified sits out the step after it (whose
+    start cannot know how many tokens it kept), so every step keeps overlap scheduling."""
     for p in {tuple(p) for p in prompts}:
         source.cached(list(p))
     reqs = []
@@ -149,13 +158,15 @@ def replay_once(
     idle = 0
     running = [req for req in reqs if len(req.output_ids) < req.max_outputs]
     finished = len(reqs) - len(running)
+    resting: set[int] = set()  # (sit_out) requests that verified in the step before
     while running:
         r.steps += 1
         drafts: dict[int, list[int]] = {}
         speculate = idle == 0 and len(running) <= max_batch
         idle = max(idle - 1, 0)
+        active = [req for req in running if req.rid not in resting]
         if speculate:
-            for req in running:
+            for req in active:
                 if req.spec_pause > 0:
                     req.spec_pause -= 1
                     continue
@@ -168,7 +179,8 @@ def replay_once(
                 idle = spec_rule.IDLE_AFTER_NO_DRAFT
         r.verify_steps += bool(drafts)
         r.plain_steps += not drafts
-        for req in running:
+        resting = set(drafts) if sit_out else set()
+        for req in active:
             truth = outputs[req.rid]
             at = len(req.output_ids)
             draft = drafts.get(req.rid, [])
@@ -208,23 +220,24 @@ def replay(args: argparse.Namespace) -> None:
         f"longest {base}: {base - 1} decode steps without speculation"
     )
     rows = []
-    runs = [(p, k, b) for p in args.policies for k in args.num_draft_tokens for b in args.max_batch]
-    for policy, k, max_batch in runs:
-        r = replay_once(prompts, outputs, k, max_batch, POLICIES[policy]())
+    modes = [False, True] if args.sit_out else [False]
+    runs = [(p, k, b, m) for p in args.policies for k in args.num_draft_tokens for b in args.max_batch for m in modes]
+    for policy, k, max_batch, sit_out in runs:
+        r = replay_once(prompts, outputs, k, max_batch, POLICIES[policy](), sit_out)
         row = {
-            "policy": policy,
+            "policy": policy + (" sit-out" if sit_out else ""),
             "k": k,
             "max_batch": max_batch,
             **vars(r),
             "accept_length": 1 + r.accepted / max(r.runs, 1),
             "fewer_steps": (base - 1) / r.steps,
         }
-        for c in args.verify_cost:
-            row[f"speedup_at_cost_{c}"] = (base - 1) / (r.plain_steps + c * r.verify_steps)
+        for c in args.verify_cost:  # (sitting out keeps every step overlapped: a verify step costs a plain one)
+            row[f"speedup_at_cost_{c}"] = (base - 1) / (r.plain_steps + (1 if sit_out else c) * r.verify_steps)
         rows.append(row)
         costs = "  ".join(f"x{row[f'speedup_at_cost_{c}']:.2f} at cost {c}" for c in args.verify_cost)
         print(
-            f"{policy} k={k} max batch {max_batch}: {r.steps} steps ({row['fewer_steps']:.2f}x fewer; "
+            f"{row['policy']} k={k} max batch {max_batch}: {r.steps} steps ({row['fewer_steps']:.2f}x fewer; "
             f"{r.verify_steps} verify), "
             f"accept length {row['accept_length']:.2f}, accepted {r.accepted}/{r.drafted}; last 10% of samples "
             f"{r.steps - r.p90_step} steps; {costs}"
@@ -253,6 +266,9 @@ def main() -> None:
     rep.add_argument("--policies", nargs="+", choices=list(POLICIES), default=list(POLICIES))
     rep.add_argument("--max-batch", type=int, nargs="+", default=[spec_rule.MAX_BATCH])
     rep.add_argument("--verify-cost", type=float, nargs="+", default=[1.2, 2.0])
+    rep.add_argument(
+        "--sit-out", action="store_true", help="also replay each with verified requests sitting out a step"
+    )
     rep.add_argument("--out", default=None)
     args = ap.parse_args()
     record(args) if args.command == "record" else replay(args)
