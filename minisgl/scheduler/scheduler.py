@@ -356,7 +356,7 @@ class Scheduler(ControlPlane):
         if self.compiling:
             self._admit_compiled()
         got: list[Req] = []
-        self._speculate = self.spec is not None and self.spec.wants(len(self.decoding))
+        self._speculate = self.spec is not None and self.spec.rule.wants(len(self.decoding))
         if self.inflight and (self._speculate or any(step[5] for step in self.inflight)):
             # A verify step drafts from every token so far, and one in flight changes how many
             # tokens its requests hold: both wait for the steps in flight.

@@ -112,9 +112,6 @@ class SpecPlanner:
         self.drafting_rows = 0  # the decoding requests it drafted for (summed over steps)
         self.rule = SpecRule()  # whether a step speculates
 
-    def wants(self, decoding: int) -> bool:
-        return self.rule.wants(decoding)
-
     @staticmethod
     def eligible(req: Req) -> bool:
         return req.matcher is None and not req.params.has_penalty and req.routed_start < 0
