@@ -345,7 +345,8 @@ def test_mixed_chunks_keep_tokens(tiny_llama, overlap, cheap_cascade):
 
 def test_debug_log_has_one_line_per_step_with_its_kind_and_time(tiny_llama, caplog):
     """At debug level each step gets one line, written when its tokens are back: its kind
-    (prefill, mixed, decode), sizes and the time from launch to tokens."""
+    (prefill, mixed, decode), sizes and the time from launch to tokens, in the form
+    ``benchmarks/step_times.py`` reads."""
     rng = random.Random(6)
     prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in (300, 20, 200)]
     llm = make_llm(tiny_llama, page_size=4, chunked_prefill_size=64, enable_mixed_chunk=True)
@@ -357,3 +358,6 @@ def test_debug_log_has_one_line_per_step_with_its_kind_and_time(tiny_llama, capl
     kinds = {line.split(": ")[1].split(" batch")[0] for line in lines}
     assert kinds == {"prefill", "mixed", "decode"}
     assert all(re.search(r"tokens back \d+\.\d ms after launch$", line) for line in lines)
+    from benchmarks.step_times import LINE  # the summary script reads every one of them
+
+    assert all(LINE.search(line) for line in lines)
