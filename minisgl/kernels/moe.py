@@ -214,7 +214,8 @@ def _expert_gemm_kernel(
     a_ptrs = a_ptr + rows[:, None] * K + rk[None, :]
     b_ptrs = b_ptr + expert * (2 * N if SILU else N) * K + rn[:, None].to(tl.int64) * K + rk[None, :]
     acc = tl.zeros([BM, BN], tl.float32)
-    up = tl.zeros([BM, BN], tl.float32)
+    if SILU:  # (a compile-time branch: the other kernels are as before)
+        up = tl.zeros([BM, BN], tl.float32)
     for kb in range(0, tl.cdiv(K, BK)):
         k_left = K - kb * BK
         a = tl.load(a_ptrs, mask=valid[:, None] & (rk[None, :] < k_left), other=0.0)
