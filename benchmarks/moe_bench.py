@@ -84,10 +84,8 @@ def breakdown(moe: FusedMoE, x, w, ids, config: kmoe.MoeConfig) -> dict[str, flo
     parts = {
         "align": lambda: kmoe.align(ids, moe.num_experts, config.bm),
         "quantize": (lambda: quantize(x, group)) if quant is not None else None,
-        "up": lambda: (
-            kmoe.expert_gemm(act, None, moe.w13_weight, None, alignment, P, k, x.dtype, config.up, silu=silu)
-            if quant is None
-            else kmoe._gemm(act, moe.w13_weight, moe.w13_weight_scale, alignment, P, k, x.dtype, config.up, None, group)
+        "up": lambda: kmoe._gemm(
+            act, moe.w13_weight, moe.w13_weight_scale, alignment, P, k, x.dtype, config.up, None, group, silu
         ),
         "silu": None if silu else lambda: kmoe.silu_and_mul(gate_up, quant),
         "down": lambda: kmoe._gemm(
@@ -151,8 +149,10 @@ def tune(cfg: ModelConfig, kind: str, moe: FusedMoE) -> dict[str, list]:
             mid = torch.randn(P, moe.local, device="cuda", dtype=torch.bfloat16)
             mid_act = mid if quant is None else quantize(mid, group)
 
-            def up(c):
-                return kmoe._gemm(act, moe.w13_weight, moe.w13_weight_scale, alignment, P, k, x.dtype, c, None, group)
+            def up(c, silu=False):
+                return kmoe._gemm(
+                    act, moe.w13_weight, moe.w13_weight_scale, alignment, P, k, x.dtype, c, None, group, silu
+                )
 
             def down(c):
                 return kmoe._gemm(
@@ -165,11 +165,7 @@ def tune(cfg: ModelConfig, kind: str, moe: FusedMoE) -> dict[str, list]:
             up_total, entry = up_ms[u] + replay_ms(lambda: kmoe.silu_and_mul(gate_up, quant), iters=10), list(u)
             silu = False
             if quant is None:  # SiLU-and-mul inside the first GEMM, where that beats the two launches
-
-                def fused(c):
-                    return kmoe.expert_gemm(act, None, moe.w13_weight, None, alignment, P, k, x.dtype, c, silu=True)
-
-                fused_ms = timed(fused, candidates)
+                fused_ms = timed(lambda c: up(c, silu=True), candidates)
                 f = min(fused_ms, key=fused_ms.get)
                 if fused_ms[f] < up_total:
                     up_total, entry, silu = fused_ms[f], list(f), True

@@ -351,21 +351,19 @@ def fused_experts(moe: FusedMoE, x: torch.Tensor, weights: torch.Tensor, ids: to
     kind = str(x.dtype).removeprefix("torch.") if quant is None else "fp8" if group is None else f"fp8-b{group}"
     config = config_for(T, table_key(moe.num_experts, moe.local, H, k, kind), moe.num_experts, k, x.device)
     alignment = align(ids, moe.num_experts, config.bm)
-    if config.silu and quant is None:
-        act = expert_gemm(x, None, moe.w13_weight, None, alignment, P, k, x.dtype, config.up, silu=True)
-    else:
-        act = x if quant is None else quantize(x, group)
-        gate_up = _gemm(act, moe.w13_weight, moe.w13_weight_scale, alignment, P, k, x.dtype, config.up, None, group)
-        act = silu_and_mul(gate_up, quant)
+    silu = config.silu and quant is None
+    act: torch.Tensor | Fp8Act = x if quant is None else quantize(x, group)
+    up = _gemm(act, moe.w13_weight, moe.w13_weight_scale, alignment, P, k, x.dtype, config.up, None, group, silu)
+    act = up if silu else silu_and_mul(up, quant)
     out = _gemm(
         act, moe.w2_weight, moe.w2_weight_scale, alignment, P, 1, x.dtype, config.down, weights.contiguous(), group
     )
     return out.view(T, k, H).sum(1)
 
 
-def _gemm(act, weight, weight_scale, alignment, P, a_div, dtype, config, weights, group) -> torch.Tensor:
+def _gemm(act, weight, weight_scale, alignment, P, a_div, dtype, config, weights, group, silu=False) -> torch.Tensor:
     """``expert_gemm`` of a float or an already quantized activation."""
     if isinstance(act, Fp8Act):
         a, a_scale = act.data, act.scale
-        return expert_gemm(a, a_scale, weight, weight_scale, alignment, P, a_div, dtype, config, weights, group)
-    return expert_gemm(act, None, weight, None, alignment, P, a_div, dtype, config, weights)
+        return expert_gemm(a, a_scale, weight, weight_scale, alignment, P, a_div, dtype, config, weights, group, silu)
+    return expert_gemm(act, None, weight, None, alignment, P, a_div, dtype, config, weights, silu=silu)
