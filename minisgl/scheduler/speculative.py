@@ -124,28 +124,21 @@ class SpecPlanner:
         of the plain rows whose routed experts come back."""
         start = time.perf_counter()
         drafts: Drafts = []
+        spare_rows = self.max_rows - len(decoding)  # a step past the largest captured graph runs eagerly
         for req in decoding:
             if req.spec_pause > 0:
                 req.spec_pause -= 1
                 continue
             # Room for the draft and the token after it, within its budget and context (and a
-            # whole page before its run, which a cascade group reads).
-            room = min(self.k, req.max_outputs - len(req.output_ids) - 1, req.max_len - req.kv_len - 2)
+            # whole page before its run, which a cascade group reads), and the step's spare rows.
+            room = min(self.k, req.max_outputs - len(req.output_ids) - 1, req.max_len - req.kv_len - 2, spare_rows)
             if room > 0 and self.eligible(req) and req.kv_len >= self.page_size:
                 draft = self.drafter.draft(req, room)
                 if draft:
                     drafts.append((req, draft))
+                    spare_rows -= len(draft)
         self.draft_seconds += time.perf_counter() - start
         self.drafting_rows += len(decoding)
-        # Drafts cut to the rows the largest captured graph holds: a longer step runs eagerly.
-        room = self.max_rows - len(decoding)
-        if sum(len(d) for _, d in drafts) > room:
-            cut = []
-            for req, draft in drafts:
-                if room > 0:
-                    cut.append((req, draft[:room]))
-                    room -= len(cut[-1][1])
-            drafts = cut
         if not drafts:
             self.rule.no_drafts()
             return None
