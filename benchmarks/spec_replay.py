@@ -167,8 +167,7 @@ def replay_once(
         active = [req for req in running if req.rid not in resting]
         if speculate:
             for req in active:
-                if req.spec_pause > 0:
-                    req.spec_pause -= 1
+                if speculative.resting(req):
                     continue
                 room = min(k, req.max_outputs - len(req.output_ids) - 1)
                 if room > 0:
@@ -191,9 +190,7 @@ def replay_once(
                 r.drafted += len(draft)
                 r.accepted += accepted
                 r.runs += 1
-                req.spec_misses = 0 if accepted else req.spec_misses + 1
-                if req.spec_misses >= speculative.MISSES_BEFORE_PAUSE:
-                    req.spec_pause, req.spec_misses = speculative.MISSES_BEFORE_PAUSE, 0
+                speculative.count_run(req, accepted)
             req.output_ids = truth[: at + accepted + 1]
             source.advanced(req)
         still = []

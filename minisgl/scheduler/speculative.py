@@ -45,6 +45,22 @@ BULK = 16
 Drafts = list[tuple[Req, list[int]]]  # a verify step's drafting requests, each with its draft
 
 
+def resting(req: Req) -> bool:
+    """Whether the request skips drafting this step (counting the step off its pause)."""
+    if req.spec_pause > 0:
+        req.spec_pause -= 1
+        return True
+    return False
+
+
+def count_run(req: Req, accepted: int) -> None:
+    """A verify run of the request kept ``accepted`` draft tokens: after ``MISSES_BEFORE_PAUSE``
+    runs in a row that kept none, it rests as many steps."""
+    req.spec_misses = 0 if accepted else req.spec_misses + 1
+    if req.spec_misses >= MISSES_BEFORE_PAUSE:
+        req.spec_pause, req.spec_misses = MISSES_BEFORE_PAUSE, 0
+
+
 class Drafter:
     """Drafts from the tree's index and from each request's own tokens."""
 
@@ -126,8 +142,7 @@ class SpecPlanner:
         drafts: Drafts = []
         spare_rows = self.max_rows - len(decoding)  # a step past the largest captured graph runs eagerly
         for req in decoding:
-            if req.spec_pause > 0:
-                req.spec_pause -= 1
+            if resting(req):
                 continue
             # Room for the draft and the token after it, within its budget and context (and a
             # whole page before its run, which a cascade group reads), and the step's spare rows.
@@ -212,9 +227,7 @@ class SpecPlanner:
             at += len(draft) + 1
             self.accepted_tokens += accepted
             step_accepted += accepted
-            req.spec_misses = 0 if accepted else req.spec_misses + 1
-            if req.spec_misses >= MISSES_BEFORE_PAUSE:
-                req.spec_pause, req.spec_misses = MISSES_BEFORE_PAUSE, 0
+            count_run(req, accepted)
             if req.slot is not None:  # (not aborted while the step ran)
                 req.kv_len -= len(draft) + 1 - take
                 spare = req.pages[cdiv(req.kv_len, self.page_size) :]
