@@ -91,7 +91,7 @@ def breakdown(moe: FusedMoE, x, w, ids, config: kmoe.MoeConfig) -> dict[str, flo
         "down": lambda: kmoe._gemm(
             mid, moe.w2_weight, moe.w2_weight_scale, alignment, P, 1, x.dtype, config.down, w, group
         ),
-        "sum": lambda: out.view(-1, k, out.shape[-1]).sum(1),
+        "sum": lambda: kmoe.sum_rows(out, k),
     }
     return {name: replay_ms(fn, iters=10) * 1e3 for name, fn in parts.items() if fn is not None}
 
@@ -130,7 +130,9 @@ def tune(cfg: ModelConfig, kind: str, moe: FusedMoE) -> dict[str, list]:
     quant = moe.quant
     group = None if quant is None else quant.block
     H, k = cfg.hidden_size, cfg.num_experts_per_tok
-    bks = [128] if quant is not None else [64, 128]
+    # K tiles of 128 bytes and 256 bytes a row (fp8 rows are half as wide as bf16 ones); block-wise
+    # fp8 is bound to its 128-column groups
+    bks = [64, 128] if quant is None else [128, 256] if group is None else [128]
     table = {}
     for tokens in TUNE_SIZES:
         x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16)

@@ -115,6 +115,28 @@ def check_fused_kernels() -> None:
                 assert error < (1e-5 if quant is None else 1e-3), (quant, tokens, silu, error)
 
 
+def test_the_model_path_reads_the_tuned_table():
+    """Every kind the tuner writes is a name ``fused_experts`` looks up (bf16 experts once asked
+    for "bfloat16", found nothing and ran on the untuned default tiles)."""
+    pytest.importorskip("triton")
+    import json
+
+    from minisgl.kernels import moe as kmoe
+
+    kinds = {kmoe.table_kind(torch.bfloat16, None, False)} | {
+        kmoe.table_kind(torch.bfloat16, g, True) for g in (None, 128)
+    }
+    tables = json.loads(kmoe.CONFIGS_PATH.read_text())
+    for gpu, shapes in tables.items():
+        for key, buckets in shapes.items():
+            assert key.rsplit(",", 1)[1] in kinds, key
+            bm, up, down, *silu = buckets["1024"]
+            got = kmoe.moe_config(1024, key, 128, 8, gpu)
+            assert got == kmoe.MoeConfig(bm, kmoe.GemmConfig(*up), kmoe.GemmConfig(*down), bool(silu and silu[0]))
+    bf16 = kmoe.table_key(128, 768, 2048, 8, kmoe.table_kind(torch.bfloat16, None, False))
+    assert bf16 in tables["NVIDIA H100 80GB HBM3"]
+
+
 def test_fused_kernels_on_cpu_through_the_interpreter():
     """The fused path's logic (routing, alignment, both GEMMs and the SiLU inside the first) on
     CPU: Triton's interpreter must be on before triton loads, so it runs in a child process.
