@@ -143,8 +143,9 @@ class Launcher:
                 self.dead = next(p for p in self.procs if p.sentinel in ready)
                 break
             quiet = [p for p in self.procs if heartbeat_age(self.addrs.root, p.name) > limit]
-            if quiet:
+            if quiet:  # a stopped process cannot act on SIGTERM: killed now, not after the 5 s grace
                 self.dead, self.quiet_s = quiet[0], limit
+                quiet[0].kill()
                 break
         server.should_exit = True
 

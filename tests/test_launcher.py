@@ -94,7 +94,7 @@ def test_a_stopped_process_stops_everything(tiny_llama: Path, name: str):
         os.kill(pid, signal.SIGSTOP)
         code = srv.proc.wait(30)
         assert code == 1, srv.output
-        assert time.monotonic() - start < 3 + 6, time.monotonic() - start
+        assert time.monotonic() - start < 3 + 3, time.monotonic() - start  # the limit, a beat, the shutdown
         assert f"the {name} process has not answered for 3 s" in srv.output
         assert _all_gone(children), [p for p in children if alive(p)]
     finally:

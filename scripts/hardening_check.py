@@ -1,0 +1,170 @@
+"""The hostile cases of the third hardening audit, replayed against a live server.
+
+    python scripts/hardening_check.py --model /tmp/tinyllama     # on CPU; prints one row a case
+
+Each case sends what the audit sent and says what a hardened server answers; at the end every
+process must still be up (/health 200) with no request left, no answer may have been a 5xx,
+and last the scheduler and the tokenizer are stopped with SIGSTOP in turn: the launcher must
+exit 1 within the watchdog time and leave no process. Exit status 1 when any case fails. The
+disk tier's cases (links, forged, changed and cut files, a rewritten checkpoint) need files
+planted between a check and a read and are tests instead (``tests/test_hicache.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from scripts.local_server import wait_ready  # noqa: E402
+
+API_KEY = "audit-key"
+SLOW_REGEX = r"(?:.|\n){0,10}(?:.|\n){0,10}[\ue000\ue001]"
+
+
+class Audit:
+    def __init__(self, url: str):
+        self.url = url
+        self.rows: list[tuple[str, str, bool]] = []
+        self.statuses: list[int] = []
+
+    def call(self, method: str, route: str, **kw) -> httpx.Response:
+        kw["headers"] = kw.get("headers") or [("Authorization", f"Bearer {API_KEY}")]
+        r = httpx.request(method, self.url + route, timeout=kw.pop("timeout", 60), **kw)
+        self.statuses.append(r.status_code)
+        return r
+
+    def case(self, name: str, got: str, ok: bool) -> None:
+        self.rows.append((name, got, ok))
+        print(f"{'ok  ' if ok else 'FAIL'} {name}: {got}", flush=True)
+
+
+def api_rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def hostile_requests(a: Audit, api_pid: int) -> None:
+    r = a.call("POST", "/start_profile", json={"profile_prefix": "a\u0000b", "num_steps": 1})
+    a.case("profile prefix with a NUL", f"{r.status_code}", r.status_code == 400)
+    r = a.call("POST", "/start_profile", json={"output_dir": "/tmp/x\u0000y"})
+    a.case("profile output_dir with a NUL", f"{r.status_code}", r.status_code == 400)
+
+    hostile = {
+        "text": "Tell me a long story.",
+        "sampling_params": {"max_new_tokens": 300, "ignore_eos": True, "stop_regex": [SLOW_REGEX] * 128},
+    }
+    out: list[httpx.Response] = []
+    t = threading.Thread(target=lambda: out.append(a.call("POST", "/generate", json=hostile, timeout=300)))
+    t.start()
+    time.sleep(0.2)
+    start = time.monotonic()
+    r = a.call("POST", "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 4}})
+    took = time.monotonic() - start
+    t.join(300)
+    a.case("4-token request beside 128 slow stop_regex patterns", f"{took:.3f} s", r.status_code == 200 and took < 1)
+    a.case("the slow patterns' own request", f"{out[0].status_code}", out[0].status_code == 400)
+
+    before = api_rss_mb(api_pid)
+    meta = {f"k{i}": "v" * 4_000_000 for i in range(1)}
+    codes = set()
+    for _ in range(150):
+        body = {"model": "m", "input": "hi", "max_output_tokens": 1, "metadata": meta}
+        codes.add(a.call("POST", "/v1/responses", json=body).status_code)
+    grown = api_rss_mb(api_pid) - before
+    a.case("150 responses with 4 MB of metadata", f"statuses {sorted(codes)}, API RSS +{grown:.0f} MB", codes == {400})
+
+    r = a.call("POST", "/v1/responses", json={"model": "m", "input": "hi", "max_output_tokens": 2, "cache_salt": "A"})
+    rid = r.json().get("id", "")
+    other = a.call("GET", f"/v1/responses/{rid}", params={"cache_salt": "B"}).status_code
+    own = a.call("GET", f"/v1/responses/{rid}", params={"cache_salt": "A"}).status_code
+    a.case("a stored response read by another tenant", f"other {other}, own {own}", other == 404 and own == 200)
+    body = {"model": "m", "input": "again", "max_output_tokens": 2, "cache_salt": "B", "previous_response_id": rid}
+    r = a.call("POST", "/v1/responses", json=body)
+    a.case("previous_response_id across tenants", f"{r.status_code}", r.status_code == 400)
+    r = a.call("POST", "/abort_request", json={"abort_all": True})
+    a.case("abort_all", r.text.strip(), r.status_code == 200 and set(r.json()) == {"aborted_count"})
+
+    r = a.call("POST", "/generate", json={"text": "hi", "sampling_params": {"n": 9, "max_new_tokens": 2}})
+    a.case("n beyond running + queued capacity", f"{r.status_code}", r.status_code == 400)
+
+    headers = [("Authorization", "Bearer wrong"), ("Authorization", f"Bearer {API_KEY}")]
+    r = a.call("GET", "/get_server_info", headers=headers)
+    a.case("two Authorization headers, the last one right", f"{r.status_code}", r.status_code == 401)
+    r = a.call("GET", "/health", headers=[("Authorization", f"Bearer {API_KEY}"), ("Host", "attacker.example")])
+    a.case("a Host that is not loopback", f"{r.status_code}", r.status_code == 403)
+
+
+def server(model: str, port: int, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "minisgl.launch", "--model", model, "--port", str(port), "--device", "cpu"]
+    cmd += ["--log-level", "warning", "--max-running-requests", "4", "--max-queued-requests", "4", *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def stopped_process(a: Audit, model: str, port: int, name: str, watchdog: float) -> None:
+    proc = server(model, port, "--watchdog-timeout", str(watchdog))
+    url = f"http://127.0.0.1:{port}"
+    wait_ready(url, proc)
+    info = httpx.get(f"{url}/get_server_info", timeout=30).json()
+    pids = list(info["processes"].values())
+    start = time.monotonic()
+    os.kill(info["processes"][name], signal.SIGSTOP)
+    try:
+        code = proc.wait(watchdog + 30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        code = None
+    took = time.monotonic() - start
+    left = [p for p in pids if Path(f"/proc/{p}").exists() and "zombie" not in Path(f"/proc/{p}/status").read_text()]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    ok = code == 1 and took < watchdog + 3 and not left
+    a.case(f"SIGSTOP of the {name}", f"exit {code} after {took:.1f} s, {len(left)} processes left", ok)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--port", type=int, default=30177)
+    ap.add_argument("--watchdog", type=float, default=5.0)
+    ap.add_argument("--out", default=None, help="a JSON file of the rows")
+    args = ap.parse_args()
+    profiles = tempfile.mkdtemp(prefix="minisgl-audit-")  # profiling on, so its names are checked
+    proc = server(args.model, args.port, "--api-key", API_KEY, "--profile-dir", profiles)
+    a = Audit(f"http://127.0.0.1:{args.port}")
+    try:
+        wait_ready(a.url, proc)
+        hostile_requests(a, proc.pid)
+        info = a.call("GET", "/get_server_info").json()
+        health = a.call("GET", "/health").status_code
+        a.case("afterwards", f"/health {health}, active requests {info['active_requests']}", health == 200)
+        a.case("no answer was a 5xx", f"{len(a.statuses)} answers", not [s for s in a.statuses if s >= 500])
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        shutil.rmtree(profiles, ignore_errors=True)
+    for name in ("scheduler", "tokenizer"):
+        stopped_process(a, args.model, args.port, name, args.watchdog)
+    if args.out:
+        Path(args.out).write_text(json.dumps([{"case": n, "got": g, "ok": ok} for n, g, ok in a.rows], indent=1))
+    failed = [n for n, _, ok in a.rows if not ok]
+    print(f"{len(a.rows) - len(failed)} of {len(a.rows)} cases hold" + (f"; failed: {failed}" if failed else ""))
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
