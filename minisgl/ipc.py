@@ -11,6 +11,7 @@ node 0's address needs to be known.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import signal
 import socket
@@ -232,26 +233,40 @@ def become_child(threads: int = 1) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     folder = os.environ.get(HEARTBEAT_DIR)
     if folder:
-        path = heartbeat_path(folder, multiprocessing.current_process().name)
-        threading.Thread(target=_beat, args=(path,), daemon=True, name="heartbeat").start()
+        limit = float(os.environ.get(HEARTBEAT_LIMIT, "0"))
+        name = multiprocessing.current_process().name
+        threading.Thread(target=_beat, args=(folder, name, limit), daemon=True, name="heartbeat").start()
 
 
 # A server's children say they are alive by touching a file of the runtime folder (named in this
 # variable by the launcher) every HEARTBEAT_S; the launcher ends the server when one goes quiet. A
-# thread beats, so a long model step does not stop it, but a stopped or frozen process does.
+# thread beats, so a long model step does not stop it, but a stopped or frozen process does. The
+# launcher beats too once it serves, and a child whose launcher stays quiet for the limit exits:
+# nobody else could end the server.
 HEARTBEAT_DIR = "MINISGL_HEARTBEAT_DIR"
+HEARTBEAT_LIMIT = "MINISGL_HEARTBEAT_LIMIT"
 HEARTBEAT_S = 1.0
+LAUNCHER = "launcher"
 
 
 def heartbeat_path(folder: str, name: str) -> str:
     return os.path.join(folder, f"{name}.alive")
 
 
-def _beat(path: str) -> None:
+def beat(folder: str, name: str) -> None:
+    """Say that ``name`` is alive now."""
+    path = heartbeat_path(folder, name)
     with open(path, "a"):
         pass
+    os.utime(path)
+
+
+def _beat(folder: str, name: str, limit: float) -> None:
     while True:
-        os.utime(path)
+        beat(folder, name)
+        if limit and heartbeat_age(folder, LAUNCHER) > limit:
+            logging.getLogger(__name__).error("the launcher has not answered for %g s; exiting", limit)
+            os._exit(1)
         time.sleep(HEARTBEAT_S)
 
 

@@ -35,10 +35,13 @@ from minisgl.args import ServerArgs, build_parser, normalize_engine_args
 from minisgl.data_parallel import DataParallelLauncher
 from minisgl.ipc import (
     HEARTBEAT_DIR,
+    HEARTBEAT_LIMIT,
     HEARTBEAT_S,
+    LAUNCHER,
     Addresses,
     ChildDied,
     Receiver,
+    beat,
     heartbeat_age,
     stop_processes,
     wait_ready,
@@ -130,12 +133,14 @@ class Launcher:
         self.stopping = False
         self.dead: BaseProcess | None = None
         self.quiet_s = 0.0  # set when the dead process stopped beating rather than exited
+        self.heartbeat_limit = min(args.watchdog_timeout, HEARTBEAT_LIMIT_S)
 
     def _watch(self, server: uvicorn.Server) -> None:
         """Stop serving as soon as any child dies, or stops beating (stopped, frozen) for the
         heartbeat limit: its clients would otherwise hang while /health says 200."""
-        limit = min(self.args.watchdog_timeout, HEARTBEAT_LIMIT_S)
+        limit = self.heartbeat_limit
         while not self.stopping:
+            beat(self.addrs.root, LAUNCHER)  # the children exit when this stops (a stopped launcher)
             ready = wait([p.sentinel for p in self.procs], timeout=HEARTBEAT_S)
             if self.stopping:
                 return
@@ -154,12 +159,13 @@ class Launcher:
         try:
             _check_port(self.args.host, self.args.port)
             logger.info("starting %s (runtime folder %s)", ", ".join(p.name for p in self.procs), self.addrs.root)
-            os.environ[HEARTBEAT_DIR] = self.addrs.root  # the children beat there (ipc.become_child)
+            # the children beat there and watch the launcher's beat (ipc.become_child)
+            os.environ[HEARTBEAT_DIR], os.environ[HEARTBEAT_LIMIT] = self.addrs.root, str(self.heartbeat_limit)
             try:
                 for p in self.procs:
                     p.start()
             finally:
-                del os.environ[HEARTBEAT_DIR]
+                del os.environ[HEARTBEAT_DIR], os.environ[HEARTBEAT_LIMIT]
             info = wait_ready(inbox.recv, self.procs)
             pids = {"api": os.getpid(), **{p.name: p.pid for p in self.procs if p.pid is not None}}
             client = EngineClient(self.addrs)

@@ -4,8 +4,8 @@
 
 Each case sends what the audit sent and says what a hardened server answers; at the end every
 process must still be up (/health 200) with no request left, no answer may have been a 5xx,
-and last the scheduler and the tokenizer are stopped with SIGSTOP in turn: the launcher must
-exit 1 within the watchdog time and leave no process. Exit status 1 when any case fails. The
+and last the scheduler, the tokenizer and the launcher are stopped with SIGSTOP in turn: the
+server must end (exit 1) within the watchdog time and leave no process. Exit status 1 when any case fails. The
 disk tier's cases (links, forged, changed and cut files, a rewritten checkpoint) need files
 planted between a check and a read and are tests instead (``tests/test_hicache.py``).
 """
@@ -129,11 +129,36 @@ def stopped_process(a: Audit, model: str, port: int, name: str, watchdog: float)
         proc.kill()
         code = None
     took = time.monotonic() - start
-    left = [p for p in pids if Path(f"/proc/{p}").exists() and "zombie" not in Path(f"/proc/{p}/status").read_text()]
+    left = [p for p in pids if _running(p)]
     for p in left:
         os.kill(p, signal.SIGKILL)
     ok = code == 1 and took < watchdog + 3 and not left
     a.case(f"SIGSTOP of the {name}", f"exit {code} after {took:.1f} s, {len(left)} processes left", ok)
+
+
+def stopped_launcher(a: Audit, model: str, port: int, watchdog: float) -> None:
+    """SIGSTOP of the launcher itself: its engine processes exit within the limit; continued,
+    it exits 1."""
+    proc = server(model, port, "--watchdog-timeout", str(watchdog))
+    url = f"http://127.0.0.1:{port}"
+    wait_ready(url, proc)
+    pids = [p for p in httpx.get(f"{url}/get_server_info", timeout=30).json()["processes"].values() if p != proc.pid]
+    os.kill(proc.pid, signal.SIGSTOP)
+    start = time.monotonic()
+    while any(_running(p) for p in pids) and time.monotonic() - start < watchdog + 10:
+        time.sleep(0.1)
+    took = time.monotonic() - start
+    os.kill(proc.pid, signal.SIGCONT)
+    code = proc.wait(60)
+    ok = code == 1 and took < watchdog + 3
+    a.case("SIGSTOP of the launcher", f"engine processes gone after {took:.1f} s, launcher exit {code}", ok)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def main() -> None:
@@ -159,6 +184,7 @@ def main() -> None:
         shutil.rmtree(profiles, ignore_errors=True)
     for name in ("scheduler", "tokenizer"):
         stopped_process(a, args.model, args.port, name, args.watchdog)
+    stopped_launcher(a, args.model, args.port, args.watchdog)
     if args.out:
         Path(args.out).write_text(json.dumps([{"case": n, "got": g, "ok": ok} for n, g, ok in a.rows], indent=1))
     failed = [n for n, _, ok in a.rows if not ok]

@@ -101,6 +101,30 @@ def test_a_stopped_process_stops_everything(tiny_llama: Path, name: str):
         srv.stop(signal.SIGKILL)
 
 
+def test_a_stopped_launcher_takes_its_children_down(tiny_llama: Path):
+    """SIGSTOP of the launcher (the API process): its children see its heartbeat stop and exit
+    within the limit, so no engine runs on unreachable; continued, the launcher finds them gone
+    and exits 1."""
+    srv = ServerProcess(tiny_llama, "--watchdog-timeout", "3")
+    try:
+        srv.wait_ready()
+        children = descendants(srv.proc.pid)
+        engine = set(srv.server_info()["processes"].values()) - {srv.proc.pid}
+        assert engine and engine <= children
+        os.kill(srv.proc.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        assert _all_gone(engine, timeout=3 + 3), [p for p in engine if alive(p)]
+        assert time.monotonic() - start < 3 + 3
+        os.kill(srv.proc.pid, signal.SIGCONT)  # (multiprocessing's resource tracker waits for it)
+        assert srv.proc.wait(30) == 1, srv.output
+        assert "the launcher has not answered for 3 s" in srv.output
+        assert _all_gone(children), [p for p in children if alive(p)]
+    finally:
+        if srv.proc.poll() is None:
+            os.kill(srv.proc.pid, signal.SIGCONT)
+        srv.stop(signal.SIGKILL)
+
+
 def test_failed_start_and_bad_arguments(tmp_path: Path):
     run = [sys.executable, "-m", "minisgl.launch", "--device", "cpu"]
     bad = subprocess.run(
