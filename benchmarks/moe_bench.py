@@ -196,7 +196,7 @@ def main() -> None:
     results = {"gpu": gpu, "model": args.model, "read_bandwidth_tbs": bandwidth / 1e12, "rows": []}
     for kind in args.kinds:
         moe = dummy_moe(cfg, KINDS[kind])
-        key = kmoe.table_key(cfg.num_experts, moe.local, cfg.hidden_size, cfg.num_experts_per_tok, kind)
+        key = kmoe.layer_key(moe, torch.bfloat16)
         if args.tune:
             table = tune(cfg, kind, moe)
             path = kmoe.CONFIGS_PATH

@@ -254,11 +254,12 @@ def heartbeat_path(folder: str, name: str) -> str:
 
 
 def beat(folder: str, name: str) -> None:
-    """Say that ``name`` is alive now."""
+    """Say that ``name`` is alive now (the file is made by the first beat)."""
     path = heartbeat_path(folder, name)
-    with open(path, "a"):
-        pass
-    os.utime(path)
+    try:
+        os.utime(path)
+    except FileNotFoundError:
+        open(path, "a").close()
 
 
 def _beat(folder: str, name: str, limit: float) -> None:

@@ -9,6 +9,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 
@@ -42,6 +43,15 @@ def serving(model: str, *extra: str, timeout: float = 180, device: str = "cpu") 
     finally:
         server.terminate()
         server.wait(30)
+
+
+def alive(pid: int) -> bool:
+    """Whether the process runs (a zombie, exited but not yet reaped, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
 
 
 def wait_ready(url: str, server: subprocess.Popen, timeout: float = 180) -> None:

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import httpx
 
+from scripts.local_server import alive  # noqa: F401  (the tests import it from here, beside descendants)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -41,14 +43,6 @@ def descendants(pid: int) -> set[int]:
             out.add(c)
             stack.append(c)
     return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 class ServerProcess:

@@ -336,6 +336,14 @@ def table_kind(dtype: torch.dtype, group: int | None, quantized: bool) -> str:
     return "fp8" if group is None else f"fp8-b{group}"
 
 
+def layer_key(moe: FusedMoE, dtype: torch.dtype) -> str:
+    """The table key of a MoE layer whose activations are ``dtype``: the one name the model's
+    path looks up and the tuner writes under."""
+    quant = moe.quant
+    kind = table_kind(dtype, None if quant is None else quant.block, quant is not None)
+    return table_key(moe.num_experts, moe.local, moe.hidden, moe.top_k, kind)
+
+
 @functools.cache
 def _table(gpu: str) -> dict[str, dict[str, list]]:
     tables = json.loads(CONFIGS_PATH.read_text()) if CONFIGS_PATH.exists() else {}
@@ -377,8 +385,7 @@ def fused_experts(moe: FusedMoE, x: torch.Tensor, weights: torch.Tensor, ids: to
     P = T * k
     quant = moe.quant
     group = None if quant is None else quant.block
-    kind = table_kind(x.dtype, group, quant is not None)
-    config = config_for(T, table_key(moe.num_experts, moe.local, H, k, kind), moe.num_experts, k, x.device)
+    config = config_for(T, layer_key(moe, x.dtype), moe.num_experts, k, x.device)
     alignment = align(ids, moe.num_experts, config.bm)
     silu = config.silu and quant is None
     act: torch.Tensor | Fp8Act = x if quant is None else quantize(x, group)
