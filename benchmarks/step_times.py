@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import argparse
 import re
-import statistics
+import sys
 from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.online_serving import summary  # noqa: E402
 
 LINE = re.compile(r"step \d+: (.+?) batch of (\d+) requests, (\d+) tokens; .* tokens back ([\d.]+) ms after launch")
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def main() -> None:
@@ -39,10 +39,10 @@ def main() -> None:
                 tokens[m[1]].append(int(m[3]))
     print(f"{'kind':18s} {'steps':>7s} {'mean ms':>8s} {'p50 ms':>8s} {'p99 ms':>8s} {'tokens p50':>10s} {'p99':>6s}")
     for kind in sorted(times, key=lambda k: -len(times[k])):
-        t, n = times[kind], tokens[kind]
+        t, n = summary(times[kind]), summary(tokens[kind])
         print(
-            f"{kind:18s} {len(t):7d} {statistics.fmean(t):8.2f} {pct(t, 0.5):8.2f} {pct(t, 0.99):8.2f} "
-            f"{pct(n, 0.5):10d} {pct(n, 0.99):6d}"
+            f"{kind:18s} {len(times[kind]):7d} {t['mean']:8.2f} {t['p50']:8.2f} {t['p99']:8.2f} "
+            f"{n['p50']:10d} {n['p99']:6d}"
         )
 
 
