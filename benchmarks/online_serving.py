@@ -68,16 +68,19 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], ou
     }
     start = time.perf_counter()
     arrivals, tokens, cached = [], 0, 0
-    async with client.stream("POST", f"{url}/generate", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            meta = _event_decoder.decode(line[6:]).meta_info
-            if meta.completion_tokens > tokens:
-                arrivals += [time.perf_counter()] * (meta.completion_tokens - tokens)
-                tokens = meta.completion_tokens
-            cached = meta.cached_tokens
+    try:
+        async with client.stream("POST", f"{url}/generate", json=body) as r:
+            r.raise_for_status()
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                meta = _event_decoder.decode(line[6:]).meta_info
+                if meta.completion_tokens > tokens:
+                    arrivals += [time.perf_counter()] * (meta.completion_tokens - tokens)
+                    tokens = meta.completion_tokens
+                cached = meta.cached_tokens
+    except httpx.HTTPError as e:  # counted and reported (as bench_serving does), not the end of the run
+        return {"error": f"{type(e).__name__}: {e}", "prompt": len(prompt)}
     end = time.perf_counter()
     itl = [b - a for a, b in zip(arrivals, arrivals[1:])]
     return {
@@ -202,10 +205,14 @@ def main() -> None:
         if proc is not None:
             proc.terminate()
             proc.wait(30)
+    failed = [r["error"] for r in results if "error" in r]
+    results = [r for r in results if "error" not in r]
     out_tokens = sum(r["tokens"] for r in results)
     report = {
         "workload": args.workload,
         "requests": len(results),
+        "failed_requests": len(failed),
+        "errors": sorted(set(failed)),
         "seconds": elapsed,
         "request_rate": args.request_rate,
         "max_concurrency": args.max_concurrency,
@@ -225,7 +232,7 @@ def main() -> None:
     print(
         f"{args.workload}: {len(results)} requests in {elapsed:.2f} s, {report['request_throughput']:.2f} req/s, "
         f"{report['output_tok_per_s']:.0f} out tok/s, cache hit rate {report['cache_hit_rate']:.3f} "
-        f"(client {report['client_cache_hit_rate']:.3f})"
+        f"(client {report['client_cache_hit_rate']:.3f})" + (f", {len(failed)} FAILED: {failed[0]}" if failed else "")
     )
     for key in ("ttft_s", "itl_s", "e2e_s"):
         s = report[key]

@@ -166,6 +166,11 @@ async def merge(runs: list[Run]) -> AsyncIterator[tuple[int, ReqUpdate]]:
     """Updates of several runs as they arrive, tagged with the run's index; a run's failure
     is raised here. Each is applied to its run's totals as it is yielded, not as it arrives,
     so a reader of the totals sees them as of that update even when later ones are queued."""
+    if len(runs) == 1:  # the common case needs no task or queue between the run and its reader
+        async for upd in runs[0].arrivals():
+            runs[0].apply(upd)
+            yield 0, upd
+        return
     queue: asyncio.Queue[tuple[int, ReqUpdate | Exception | None]] = asyncio.Queue()
 
     async def pump(i: int, run: Run) -> None:

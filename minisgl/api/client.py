@@ -44,6 +44,23 @@ class EngineError(ValueError):
         self.status = status
 
 
+def joined(first: ReqUpdate, later: ReqUpdate) -> ReqUpdate:
+    """One update saying what ``first`` and then ``later`` said (neither an error)."""
+    return ReqUpdate(
+        first.rid,
+        first.text + later.text,
+        first.token_ids + later.token_ids,
+        first.logprobs + later.logprobs,
+        later.finish_reason,
+        later.prompt_tokens or first.prompt_tokens,
+        later.cached_tokens,
+        None,
+        later.matched,
+        first.input_logprobs + later.input_logprobs,
+        later.routed_experts or first.routed_experts,
+    )
+
+
 class RequestStream:
     """Updates of one accepted request, ending with the one that has a finish_reason.
 
@@ -53,13 +70,31 @@ class RequestStream:
     def __init__(self, client: EngineClient, rid: str, uid: str, queue: asyncio.Queue[ReqUpdate]):
         self.client, self.rid, self.uid, self._queue = client, rid, uid, queue
         self.finished = False
+        self._held: ReqUpdate | None = None  # an error taken while joining, given out next
 
     def __aiter__(self) -> AsyncIterator[ReqUpdate]:
         return self._iter()
 
+    async def _next(self) -> ReqUpdate:
+        """The next update, joined with those queued behind it: when the API falls behind the
+        engine, a stream sends one event for all its new tokens instead of one per step (as
+        SGLang's tokenizer manager does), so the API's work per step stops growing with the
+        tokens it is behind."""
+        if self._held is not None:
+            upd, self._held = self._held, None
+            return upd
+        upd = await self._queue.get()
+        while upd.error is None and upd.finish_reason is None and not self._queue.empty():
+            later = self._queue.get_nowait()
+            if later.error is not None:  # the tokens before it go out first, as they would have
+                self._held = later
+                break
+            upd = joined(upd, later)
+        return upd
+
     async def _iter(self) -> AsyncIterator[ReqUpdate]:
         while not self.finished:
-            upd = await self._queue.get()
+            upd = await self._next()
             if upd.error is not None:
                 self.finished = True
                 raise EngineError(upd.error, 503 if upd.error == SHUTTING_DOWN else 400)

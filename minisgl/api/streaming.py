@@ -43,32 +43,34 @@ class EventStream:
                 "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")],
             }
         )
+        # A client that leaves cancels this task wherever it waits. A watcher, not a wait on
+        # both per event: that made a task and a wait set for every token sent.
+        task, left = asyncio.current_task(), False
+
+        def leave(watcher: asyncio.Future) -> None:
+            nonlocal left
+            if not watcher.cancelled() and task is not None:
+                left = True
+                task.cancel()
+
         gone = asyncio.ensure_future(_wait_disconnect(receive))
+        gone.add_done_callback(leave)
         try:
-            while True:
-                nxt = asyncio.ensure_future(anext(self.events))
-                await asyncio.wait({nxt, gone}, return_when=asyncio.FIRST_COMPLETED)
-                if not nxt.done():  # the client left while we waited for the next event
-                    nxt.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-                        await nxt
-                    return
-                try:
-                    chunk = nxt.result()
-                except StopAsyncIteration:
-                    break
-                except Exception as e:  # the engine failed the request mid-stream: say so, then end
-                    chunk = (
-                        sse({"error": {"message": str(e), "type": "server_error", "code": getattr(e, "status", 500)}})
-                        + SSE_DONE
-                    )
+            try:
+                async for chunk in self.events:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                    break
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                if gone.done():
-                    return
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the engine failed the request mid-stream: say so, then end
+                error = {"error": {"message": str(e), "type": "server_error", "code": getattr(e, "status", 500)}}
+                await send({"type": "http.response.body", "body": sse(error) + SSE_DONE, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not left:
+                raise
+            task.uncancel()  # ours: the client left, which ends the response, not the server
         finally:
+            gone.remove_done_callback(leave)
             gone.cancel()
             self.on_close()
             with contextlib.suppress(Exception):
