@@ -136,14 +136,22 @@ def test_the_rule_speculates_while_measured_verify_steps_pay():
     assert not plan.wants(8)  # the plain step is not measured yet
     plan.observe(False, 8, 1.0)
     n = spec_rule.EXPLORE
-    tried = [n - 1, n, 2 * n, 2 * n + 1, 3 * n + 1, 3 * n + 2]
+    # each try that keeps the choice doubles the wait for the next (n, 2n, 4n steps between)
+    tried = [n - 1, n, 3 * n, 3 * n + 1, 7 * n + 1, 7 * n + 2]
     plan.streak = 0
-    choices = [plan.wants(8) for _ in range(4 * n)]
+    choices = [plan.wants(8) for _ in range(8 * n)]
     # 1.5 tokens a request for twice the time: plain, the verify step tried twice in a row now and then
     assert [i for i, c in enumerate(choices) if c] == tried
-    plan.gain, plan.streak = 3.0, 0
-    choices = [plan.wants(8) for _ in range(4 * n)]
-    assert [i for i, c in enumerate(choices) if not c] == tried
+    # a try that changes the choice starts the interval again: the verify steps now pay
+    plan.streak = plan.explore - 1
+    assert plan.wants(8) and plan.wants(8)  # a try of two verify steps ...
+    plan.seconds[(True, 4)] = 1.0  # ... after which a verify step costs what a plain one does
+    choices = [plan.wants(8) for _ in range(n + 1)]
+    assert plan.explore == n and [i for i, c in enumerate(choices) if not c] == [n - 1, n]
+    plan.explore = spec_rule.MAX_EXPLORE
+    for _ in range(3 * spec_rule.MAX_EXPLORE):  # confirmed again and again, it stays at the cap
+        plan.wants(8)
+    assert plan.explore == spec_rule.MAX_EXPLORE
     assert plan.wants(20)  # another batch size: measured apart (not yet)
     assert not plan.wants(spec_rule.MAX_BATCH + 1)
 
