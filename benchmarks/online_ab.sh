@@ -5,6 +5,8 @@
 #   bash benchmarks/online_ab.sh benchmarks/configs/llama3.1-8b [flag] [out_dir]
 # flag defaults to --disable-cascade-attention; e.g. --enable-mixed-chunk. Set WORKLOADS to run
 # other online_serving.py workloads (default: shared-prefix) and MULTI_TURN=0 to skip multi-turn.
+# RATE=r adds a third load: Poisson arrivals at r requests/s, so prompts arrive while others
+# decode (with every request at once or at a fixed concurrency, arrivals come in waves).
 # STEP_TIMES=1 runs the servers at debug level (logs in out_dir) and prints each one's step times
 # by kind (benchmarks/step_times.py): which steps make the inter-token latency's tail.
 set -uo pipefail
@@ -22,6 +24,10 @@ for setting in on off; do
       --out "$out/online_${name}_${workload}_${tag}_${setting}.json"
     python benchmarks/online_serving.py --url http://127.0.0.1:$port --max-concurrency 64 --client-procs 4 \
       --workload "$workload" --out "$out/online_${name}_${workload}_${tag}_${setting}_c64.json"
+    if [ -n "${RATE:-}" ]; then
+      python benchmarks/online_serving.py --url http://127.0.0.1:$port --request-rate "$RATE" --client-procs 4 \
+        --workload "$workload" --out "$out/online_${name}_${workload}_${tag}_${setting}_rate${RATE}.json"
+    fi
   done
   kill -TERM $pid; wait $pid
   if [ "${STEP_TIMES:-0}" = 1 ]; then echo "step times, $tag $setting:"; python benchmarks/step_times.py "$log"; fi
