@@ -6,7 +6,9 @@
 Starts ``python -m minisgl.launch`` with dummy weights (unless ``--url`` points at a running
 server), sends every request as token ids with ``ignore_eos``, either at a Poisson request rate
 or keeping at most ``--max-concurrency`` in flight, and reports request and token throughput,
-TTFT, inter-token latency and end-to-end latency (mean, p50, p99) and the cache hit rate (the
+TTFT, inter-token latency (as SGLang's bench_serving counts it: an event that brings n tokens
+after a gap g gives n gaps of g / n) and end-to-end latency (mean, p50, p99) and the cache hit
+rate (the
 server's, and the client's: cached prompt tokens over prompt tokens, which holds behind the
 ``--dp-size`` router too, where the server's figure is one replica's).
 
@@ -75,16 +77,16 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], ou
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 meta = _event_decoder.decode(line[6:]).meta_info
-                if meta.completion_tokens > tokens:
-                    arrivals += [time.perf_counter()] * (meta.completion_tokens - tokens)
+                if meta.completion_tokens > tokens:  # an event with new tokens (one or, when joined, several)
+                    arrivals.append((time.perf_counter(), meta.completion_tokens - tokens))
                     tokens = meta.completion_tokens
                 cached = meta.cached_tokens
     except httpx.HTTPError as e:  # counted and reported (as bench_serving does), not the end of the run
         return {"error": f"{type(e).__name__}: {e}", "prompt": len(prompt)}
     end = time.perf_counter()
-    itl = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    itl = [(b - a) / n for (a, _), (b, n) in zip(arrivals, arrivals[1:]) for _ in range(n)]
     return {
-        "ttft": arrivals[0] - start,
+        "ttft": arrivals[0][0] - start,
         "e2e": end - start,
         "itl": itl,
         "tokens": tokens,
