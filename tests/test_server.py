@@ -895,6 +895,47 @@ def test_a_stream_behind_the_engine_joins_its_queued_updates():
     assert isinstance(out[0], ReqUpdate) and out[0].token_ids == [1, 2] and out[1] == "boom"
 
 
+def test_merged_runs_join_what_queued_while_the_reader_was_busy():
+    """Several runs' updates (n > 1): those that queued while the reader was busy come out one
+    per run, joined, applied to their run once; a failure comes after the updates before it."""
+    from minisgl.api.base import merge
+    from minisgl.messages import ReqUpdate
+
+    class Fake:
+        def __init__(self, updates: list[ReqUpdate], fail: bool = False):
+            self.updates, self.fail, self.applied = updates, fail, []
+
+        async def arrivals(self):  # noqa: ANN202
+            for u in self.updates:
+                yield u
+            if self.fail:
+                raise RuntimeError("boom")
+
+        def apply(self, upd: ReqUpdate) -> None:
+            self.applied.append(upd)
+
+    async def read(runs: list[Fake]) -> list:
+        out: list = []
+        try:
+            async for i, upd in merge(runs):  # type: ignore[arg-type]
+                out.append((i, upd.token_ids, upd.finish_reason))
+                await asyncio.sleep(0.01)  # a slow reader: the runs' later updates queue meanwhile
+        except RuntimeError as e:
+            out.append(str(e))
+        return out
+
+    def steps(n: int) -> list[ReqUpdate]:
+        last = ReqUpdate("r", "", [n - 1], finish_reason="length")
+        return [ReqUpdate("r", str(t), [t]) for t in range(n - 1)] + [last]
+
+    a, b = Fake(steps(4)), Fake(steps(3))
+    out = asyncio.run(read([a, b]))
+    assert sorted(i for i, *_ in out) == [0, 1]  # everything had arrived at once: one update each
+    assert [x.token_ids for x in a.applied] == [[0, 1, 2, 3]] and b.applied[0].finish_reason == "length"
+    out = asyncio.run(read([Fake(steps(2)), Fake([ReqUpdate("r", "x", [7])], fail=True)]))
+    assert out[-1] == "boom" and (1, [7], None) in out
+
+
 def test_slow_stop_regexes_do_not_hold_other_clients(server: ServerProcess):
     """One client's 128 slow stop_regex patterns end its own request with a 400 naming
     stop_regex; another client's 4-token request meanwhile answers within a second."""

@@ -13,7 +13,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from minisgl.api.client import EngineClient, RequestStream
+from minisgl.api.client import EngineClient, RequestStream, joined
 from minisgl.api.fields import IGNORED, Schema
 from minisgl.api.metrics import Metrics, RequestTimer
 from minisgl.api.protocol import BadRequest, check_sequences, decode
@@ -164,8 +164,10 @@ def _retrieve(fut: asyncio.Future) -> None:
 
 async def merge(runs: list[Run]) -> AsyncIterator[tuple[int, ReqUpdate]]:
     """Updates of several runs as they arrive, tagged with the run's index; a run's failure
-    is raised here. Each is applied to its run's totals as it is yielded, not as it arrives,
-    so a reader of the totals sees them as of that update even when later ones are queued."""
+    is raised here (after the updates that came before it). Each is applied to its run's
+    totals as it is yielded, not as it arrives, so a reader of the totals sees them as of that
+    update even when later ones are queued. Updates of one run that queued while the reader was
+    busy come out joined, as one run's own stream joins them."""
     if len(runs) == 1:  # the common case needs no task or queue between the run and its reader
         async for upd in runs[0].arrivals():
             runs[0].apply(upd)
@@ -185,14 +187,24 @@ async def merge(runs: list[Run]) -> AsyncIterator[tuple[int, ReqUpdate]]:
     try:
         left = len(runs)
         while left:
-            i, upd = await queue.get()
-            if isinstance(upd, Exception):
-                raise upd
-            if upd is None:
-                left -= 1
-            else:
+            arrived = [await queue.get()]
+            while not queue.empty():
+                arrived.append(queue.get_nowait())
+            pending: dict[int, ReqUpdate] = {}  # each run's updates joined, in order of arrival
+            failure = None
+            for i, upd in arrived:
+                if isinstance(upd, Exception):
+                    failure = upd
+                    break
+                if upd is None:
+                    left -= 1
+                else:
+                    pending[i] = joined(pending[i], upd) if i in pending else upd
+            for i, upd in pending.items():
                 runs[i].apply(upd)
                 yield i, upd
+            if failure is not None:
+                raise failure
     finally:
         for t in tasks:
             t.cancel()
