@@ -34,7 +34,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.online_serving import summary  # noqa: E402
+from benchmarks.online_serving import summary, token_gaps  # noqa: E402
 from benchmarks.server import start_server  # noqa: E402
 from benchmarks.workloads import save_result  # noqa: E402
 
@@ -139,11 +139,12 @@ async def one_turn(client: httpx.AsyncClient, url: str, prompt: list[int], n: in
                 continue
             event = json.loads(line[6:])
             new = event.get("output_ids", ids)
-            arrivals += [time.perf_counter()] * (len(new) - len(ids))
+            if len(new) > len(ids):
+                arrivals.append((time.perf_counter(), len(new) - len(ids)))
             ids = new
             cached = event["meta_info"].get("cached_tokens", cached)
-    itl = [b - a for a, b in zip(arrivals, arrivals[1:])]
-    ttft = (arrivals[0] if arrivals else time.perf_counter()) - start
+    itl = token_gaps(arrivals)
+    ttft = (arrivals[0][0] if arrivals else time.perf_counter()) - start
     return {"ttft": ttft, "itl": itl, "cached": cached, "prompt": len(prompt)}, ids
 
 

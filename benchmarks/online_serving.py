@@ -62,6 +62,12 @@ def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
     return out
 
 
+def token_gaps(arrivals: list[tuple[float, int]]) -> list[float]:
+    """Inter-token latencies from a stream's (time, new tokens) events, as SGLang's bench_serving
+    counts them: an event that brings n tokens a gap g after the one before gives n gaps of g / n."""
+    return [(b - a) / n for (a, _), (b, n) in zip(arrivals, arrivals[1:]) for _ in range(n)]
+
+
 async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], output_len: int) -> dict:
     body = {
         "input_ids": prompt,
@@ -84,7 +90,7 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], ou
     except httpx.HTTPError as e:  # counted and reported (as bench_serving does), not the end of the run
         return {"error": f"{type(e).__name__}: {e}", "prompt": len(prompt)}
     end = time.perf_counter()
-    itl = [(b - a) / n for (a, _), (b, n) in zip(arrivals, arrivals[1:]) for _ in range(n)]
+    itl = token_gaps(arrivals)
     return {
         "ttft": arrivals[0][0] - start,
         "e2e": end - start,
