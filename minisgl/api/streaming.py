@@ -59,9 +59,7 @@ class EventStream:
             try:
                 async for chunk in self.events:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # the engine failed the request mid-stream: say so, then end
+            except Exception as e:  # the engine failed mid-stream: say so, then end (a cancel passes by)
                 error = {"error": {"message": str(e), "type": "server_error", "code": getattr(e, "status", 500)}}
                 await send({"type": "http.response.body", "body": sse(error) + SSE_DONE, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
