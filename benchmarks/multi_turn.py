@@ -4,7 +4,8 @@
     python benchmarks/multi_turn.py --model ... --online          # through HTTP, with TTFT
 
 N conversations x R rounds; each round adds a user turn (``--turn-len`` tokens) and the answer
-the model gives (``--answer-len`` tokens) to the conversation's history. At most
+the model gives (``--answer-len`` tokens, or around it with ``--answer-jitter``) to the
+conversation's history. At most
 ``--max-parallel`` turns run at once, conversations taking turns, so a conversation comes back
 after the others have passed through the pool. The device pool is capped (``--max-total-tokens``,
 by default the final working set / ``--oversubscribe``), and three runs compare:
@@ -57,6 +58,19 @@ def turns(args: argparse.Namespace, vocab: int) -> list[list[list[int]]]:
     ]
 
 
+def answer_lens(args: argparse.Namespace) -> list[list[int]]:
+    """lens[r][c]: the tokens conversation c's answer in round r asks for: ``--answer-len``, or
+    with ``--answer-jitter j`` drawn uniformly from answer_len * (1 +- j) (the same mean). Equal
+    lengths make turns that start together end together, so online the next turns arrive in
+    waves and their prefills never land while others decode."""
+    rng = random.Random(args.seed + 2)
+    assert 0 <= args.answer_jitter < 1, "--answer-jitter is a fraction of --answer-len, below 1"
+    spread = int(args.answer_len * args.answer_jitter)
+    return [
+        [args.answer_len + rng.randint(-spread, spread) for _ in range(args.conversations)] for _ in range(args.rounds)
+    ]
+
+
 def working_set(args: argparse.Namespace) -> int:
     return args.conversations * (args.system_len + args.rounds * (args.turn_len + args.answer_len))
 
@@ -93,9 +107,9 @@ def run_offline(args: argparse.Namespace, mode: str) -> dict:
 
     llm = LLM(args.model, load_format=args.load_format, **engine_flags(args, mode), **args.engine)
     vocab = llm.runner.vocab_size
-    hist, user = histories(args, vocab), turns(args, vocab)
-    params = SamplingParams(temperature=0.0, max_new_tokens=args.answer_len, ignore_eos=True)
-    llm.generate([[1] * 64], params)  # warm up outside the timing
+    hist, user, lens = histories(args, vocab), turns(args, vocab), answer_lens(args)
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    llm.generate([[1] * 64], SamplingParams(max_new_tokens=4, **greedy))  # warm up outside the timing
     torch.cuda.synchronize() if torch.cuda.is_available() else None
     prompt_tokens = out_tokens = 0
     start = time.perf_counter()
@@ -103,6 +117,7 @@ def run_offline(args: argparse.Namespace, mode: str) -> dict:
         for at in range(0, args.conversations, args.max_parallel):
             wave = range(at, min(at + args.max_parallel, args.conversations))
             prompts = [hist[c] + user[r][c] for c in wave]
+            params = [SamplingParams(max_new_tokens=lens[r][c], **greedy) for c in wave]
             for c, res in zip(wave, llm.generate(prompts, params)):
                 hist[c] = prompts[c - at] + res["output_ids"]
                 prompt_tokens += len(prompts[c - at])
@@ -145,11 +160,11 @@ async def one_turn(client: httpx.AsyncClient, url: str, prompt: list[int], n: in
             cached = event["meta_info"].get("cached_tokens", cached)
     itl = token_gaps(arrivals)
     ttft = (arrivals[0][0] if arrivals else time.perf_counter()) - start
-    return {"ttft": ttft, "itl": itl, "cached": cached, "prompt": len(prompt)}, ids
+    return {"ttft": ttft, "itl": itl, "cached": cached, "prompt": len(prompt), "output": len(ids)}, ids
 
 
 async def run_online_clients(args: argparse.Namespace, url: str, vocab: int) -> tuple[list[dict], float]:
-    hist, user = histories(args, vocab), turns(args, vocab)
+    hist, user, lens = histories(args, vocab), turns(args, vocab), answer_lens(args)
     gate = asyncio.Semaphore(args.max_parallel)
     results: list[dict] = []
 
@@ -157,7 +172,7 @@ async def run_online_clients(args: argparse.Namespace, url: str, vocab: int) -> 
         for r in range(args.rounds):
             prompt = hist[c] + user[r][c]
             async with gate:
-                res, ids = await one_turn(client, url, prompt, args.answer_len)
+                res, ids = await one_turn(client, url, prompt, lens[r][c])
             hist[c] = prompt + ids
             results.append(res)
 
@@ -188,7 +203,7 @@ def run_online(args: argparse.Namespace, mode: str) -> dict:
         "mode": mode,
         "seconds": seconds,
         "turns_per_s": len(results) / seconds,
-        "total_tok_per_s": (prompt_tokens + len(results) * args.answer_len) / seconds,
+        "total_tok_per_s": (prompt_tokens + sum(r["output"] for r in results)) / seconds,
         "ttft_p50": ttft["p50"],
         "ttft_p90": ttft_sorted[int(0.9 * (len(ttft_sorted) - 1))],
         "ttft_mean": ttft["mean"],
@@ -208,6 +223,7 @@ def main() -> None:
     ap.add_argument("--system-len", type=int, default=0)
     ap.add_argument("--turn-len", type=int, default=512)
     ap.add_argument("--answer-len", type=int, default=64)
+    ap.add_argument("--answer-jitter", type=float, default=0.0, help="answer lengths uniform in answer_len * (1 +- j)")
     ap.add_argument("--max-parallel", type=int, default=8, help="turns running at once")
     ap.add_argument("--oversubscribe", type=float, default=4.0, help="final working set / device pool")
     ap.add_argument("--max-total-tokens", type=int, default=None, help="device pool (overrides --oversubscribe)")
