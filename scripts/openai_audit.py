@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import traceback
 from collections.abc import Callable
 
 import httpx
@@ -81,7 +80,7 @@ class Audit:
                 fn()
                 results[name] = "ok"
             except Exception as e:  # a failing case is reported, the others still run
-                results[name] = f"{type(e).__name__}: {e}"[:500] or traceback.format_exc(limit=2)
+                results[name] = f"{type(e).__name__}: {e}"[:500]
         return results
 
 
@@ -287,7 +286,8 @@ def build(a: Audit) -> Audit:
 
     @c
     def chat_tool_result_turn():
-        call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}
+        fn = {"name": "get_weather", "arguments": '{"city":"Paris"}'}
+        call = {"id": "call_1", "type": "function", "function": fn}
         r = a.chat(
             messages=[
                 {"role": "user", "content": "Weather in Paris?"},

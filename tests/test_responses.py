@@ -73,6 +73,19 @@ def test_text_whole_and_streamed_equal_the_chat_route(server, client):
     idle_and_clean(server)
 
 
+def test_the_openai_audit_passes_against_one_server(server):
+    """scripts/openai_audit.py: every case of the official client (models, completions, chat,
+    tools, structured output, the Responses API, refusals) passes; test_router runs it through
+    --dp-size 2."""
+    from scripts.openai_audit import Audit, build
+
+    results = build(Audit(server.url)).run()
+    assert len(results) >= 50 and all(v == "ok" for v in results.values()), {
+        k: v for k, v in results.items() if v != "ok"
+    }
+    idle_and_clean(server)
+
+
 def test_previous_response_id_continues_the_conversation(server, client):
     """The second turn sees the first turn's input and answer (not its instructions): the same
     text and prompt as the chat route given the whole history; stored responses can be read back

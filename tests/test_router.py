@@ -125,3 +125,26 @@ def test_dp_size_two_behind_the_router(tiny_llama):
         assert not [p for p in tree if alive(p)]
     finally:
         srv.stop(signal.SIGKILL)
+
+
+# Cases the smg router answers itself, not the replicas: its HTTP mode reads a stored response
+# from its own history storage (which that mode never writes), and its typed /v1/completions
+# body takes no token-id prompt. Against one server these pass (test_responses).
+SMG_OWNED = ("completion_token_ids", "responses_retrieve", "responses_delete")
+
+
+def test_the_openai_audit_through_dp_size_two(smollm2_gguf):
+    """scripts/openai_audit.py through --dp-size 2 (the router spreading calls over two
+    replicas that share the Responses store): every case passes but the router's own."""
+    from scripts.openai_audit import Audit, build
+    from tests.server_utils import ServerProcess
+
+    srv = ServerProcess(smollm2_gguf, "--dp-size", "2", "--dtype", "float32", "--max-total-tokens", "16384")
+    try:
+        srv.wait_ready(timeout=240)
+        results = build(Audit(srv.url)).run()
+    finally:
+        srv.stop()
+    failed = {k: v for k, v in results.items() if v != "ok"}
+    assert set(failed) == set(SMG_OWNED), failed
+    assert all("No response found" in failed[k] for k in SMG_OWNED[1:]), failed
