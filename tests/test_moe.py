@@ -91,7 +91,8 @@ def test_moe_checkpoint_radix_on_and_off_give_the_same_tokens(tmp_path):
 def check_fused_kernels() -> None:
     """``kmoe.fused_experts`` against the torch loop, float and fp8 (per channel and 32-column
     groups), with SiLU-and-mul apart and inside the first GEMM, at 1, 20 and 600 tokens (1200
-    pairs: the many-program scatter). Random data from a fixed seed."""
+    pairs: the many-program alignment); the alignment alone at 5600 pairs of 128 experts. Random
+    data from a fixed seed."""
     from unittest import mock
 
     from minisgl.kernels import moe as kmoe
@@ -113,6 +114,27 @@ def check_fused_kernels() -> None:
                 # fp8: a float32 sum in another order can round an activation to the next e4m3
                 # value (6% of one element); a wrong row, scale or expert moves it by ~1
                 assert error < (1e-5 if quant is None else 1e-3), (quant, tokens, silu, error)
+    # Qwen3-30B-A3B's routing shape past one chunk: 700 tokens x 8 of 128 experts, 6 chunks
+    ids = torch.stack([torch.randperm(128)[:8] for _ in range(700)]).int()
+    check_alignment(ids, 128, 64)
+
+
+def check_alignment(ids: torch.Tensor, experts: int, bm: int) -> None:
+    """``align``: every pair once, in a block of its own expert; blocks padded to BM rows each."""
+    from minisgl.kernels.moe import align
+
+    a = align(ids, experts, bm)
+    P = ids.numel()
+    used = int(a.num_padded.item())
+    assert used % bm == 0 and used <= a.sorted_ids.numel()
+    flat = ids.flatten().cpu()
+    rows = a.sorted_ids[:used].cpu()
+    real = rows[rows < P]
+    assert sorted(real.tolist()) == list(range(P))
+    owner = a.block_expert.cpu().repeat_interleave(bm)[:used]
+    assert torch.equal(flat[real.long()], owner[rows < P].long())
+    counts = torch.bincount(flat.long(), minlength=experts)
+    assert used == int(((counts + bm - 1) // bm * bm).sum())
 
 
 def test_the_model_path_reads_the_tuned_table():
@@ -164,25 +186,11 @@ def test_topk_kernel_matches_torch(experts, top_k):
 
 
 @cuda
-@pytest.mark.parametrize("tokens", [1, 5, 64, 1000])
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 32, 4), (5, 32, 4), (64, 32, 4), (1000, 32, 4), (8192, 128, 8)])
 @pytest.mark.parametrize("bm", [16, 64])
-def test_align_places_every_pair_once_in_its_experts_blocks(tokens, bm):
-    from minisgl.kernels.moe import align
-
-    experts, top_k = 32, 4
+def test_align_places_every_pair_once_in_its_experts_blocks(tokens, experts, top_k, bm):
     ids = torch.stack([torch.randperm(experts, device="cuda")[:top_k] for _ in range(tokens)]).int()
-    a = align(ids, experts, bm)
-    P = ids.numel()
-    used = int(a.num_padded.item())
-    assert used % bm == 0 and used <= a.sorted_ids.numel()
-    flat = ids.flatten().cpu()
-    rows = a.sorted_ids[:used].cpu()
-    real = rows[rows < P]
-    assert sorted(real.tolist()) == list(range(P))
-    owner = a.block_expert.cpu().repeat_interleave(bm)[:used]
-    assert torch.equal(flat[real.long()], owner[rows < P].long())
-    counts = torch.bincount(flat.long(), minlength=experts)
-    assert used == int(((counts + bm - 1) // bm * bm).sum())
+    check_alignment(ids, experts, bm)
 
 
 @cuda

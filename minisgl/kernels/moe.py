@@ -86,16 +86,41 @@ def _histogram(ids_ptr, offs, P, E_BINS: tl.constexpr):
 
 
 @triton.jit
-def _count_kernel(ids_ptr, counts_ptr, P, E_BINS: tl.constexpr, CHUNK: tl.constexpr):
-    """Many programs: each adds its chunk's pairs per expert to ``counts`` (zeroed before)."""
-    hist = _histogram(ids_ptr, tl.program_id(0) * CHUNK + tl.arange(0, CHUNK), P, E_BINS)
-    tl.atomic_add(counts_ptr + tl.arange(0, E_BINS), hist)
+def _layout(
+    counts,
+    sorted_ptr,
+    block_expert_ptr,
+    num_padded_ptr,
+    P,
+    E,
+    BM: tl.constexpr,
+    E_BINS: tl.constexpr,
+    BLOCKS: tl.constexpr,
+):
+    """Given the pairs per expert (``counts`` [E_BINS], zero past E): pad each expert's run to
+    whole BM blocks (padding rows get the id P), name each used block's expert and store the rows
+    in use; returns each expert's first row."""
+    padded = (counts + BM - 1) // BM * BM
+    ends = tl.cumsum(padded, 0)
+    starts = ends - padded
+    total = tl.sum(padded, 0)
+    tl.store(num_padded_ptr, total)
+    pad = tl.arange(0, BM)
+    tl.store(
+        sorted_ptr + (starts + counts)[:, None] + pad[None, :],
+        tl.zeros([E_BINS, BM], tl.int32) + P,
+        mask=pad[None, :] < (padded - counts)[:, None],
+    )
+    for b0 in range(0, total // BM, BLOCKS):
+        blocks = b0 + tl.arange(0, BLOCKS)
+        owner = tl.sum((ends[None, :] <= blocks[:, None] * BM).to(tl.int32), 1)
+        tl.store(block_expert_ptr + blocks, tl.minimum(owner, E - 1), mask=blocks < total // BM)
+    return starts
 
 
 @triton.jit
 def _align_kernel(
     ids_ptr,
-    counts_ptr,
     sorted_ptr,
     block_expert_ptr,
     num_padded_ptr,
@@ -106,42 +131,60 @@ def _align_kernel(
     E_BINS: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCKS: tl.constexpr,
-    SCATTER: tl.constexpr,
 ):
-    """One program: count pairs per expert (with SCATTER, P <= CHUNK; else ``_count_kernel``
-    has counted them into ``counts``), pad each expert's run to whole BM blocks (padding rows
-    get the id P), name each used block's expert, set each expert's cursor to its first row;
-    with SCATTER also place the pairs, else ``_scatter_kernel`` does."""
+    """One program, P <= CHUNK: count the pairs per expert, lay out the blocks, place the pairs."""
     bins = tl.arange(0, E_BINS)
-    if SCATTER:
-        counts = _histogram(ids_ptr, tl.arange(0, CHUNK), P, E_BINS)
-    else:
-        counts = tl.load(counts_ptr + bins)
-    counts = tl.where(bins < E, counts, 0)
-    padded = (counts + BM - 1) // BM * BM
-    ends = tl.cumsum(padded, 0)
-    starts = ends - padded
-    total = tl.sum(padded, 0)
-    tl.store(num_padded_ptr, total)
+    counts = tl.where(bins < E, _histogram(ids_ptr, tl.arange(0, CHUNK), P, E_BINS), 0)
+    starts = _layout(counts, sorted_ptr, block_expert_ptr, num_padded_ptr, P, E, BM, E_BINS, BLOCKS)
     tl.store(cursor_ptr + bins, starts)
-    pad = tl.arange(0, BM)
-    tl.store(
-        sorted_ptr + (starts + counts)[:, None] + pad[None, :],
-        tl.full([E_BINS, BM], 0, tl.int32) + P,
-        mask=pad[None, :] < (padded - counts)[:, None],
-    )
-    for b0 in range(0, total // BM, BLOCKS):
-        blocks = b0 + tl.arange(0, BLOCKS)
-        owner = tl.sum((ends[None, :] <= blocks[:, None] * BM).to(tl.int32), 1)
-        tl.store(block_expert_ptr + blocks, tl.minimum(owner, E - 1), mask=blocks < total // BM)
-    if SCATTER:
-        tl.debug_barrier()
-        _scatter(ids_ptr, sorted_ptr, cursor_ptr, tl.arange(0, CHUNK), P)
+    tl.debug_barrier()
+    _scatter(ids_ptr, sorted_ptr, cursor_ptr, tl.arange(0, CHUNK), P)
 
 
 @triton.jit
-def _scatter_kernel(ids_ptr, sorted_ptr, cursor_ptr, P, CHUNK: tl.constexpr):
-    _scatter(ids_ptr, sorted_ptr, cursor_ptr, tl.program_id(0) * CHUNK + tl.arange(0, CHUNK), P)
+def _chunk_count_kernel(ids_ptr, chunk_counts_ptr, P, E_BINS: tl.constexpr, CHUNK: tl.constexpr):
+    """A program per chunk of pairs: its pairs per expert, in its own row (no atomics, no zeroing)."""
+    c = tl.program_id(0)
+    hist = _histogram(ids_ptr, c * CHUNK + tl.arange(0, CHUNK), P, E_BINS)
+    tl.store(chunk_counts_ptr + c * E_BINS + tl.arange(0, E_BINS), hist)
+
+
+@triton.jit
+def _place_kernel(
+    ids_ptr,
+    chunk_counts_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    num_padded_ptr,
+    cursor_ptr,
+    P,
+    E,
+    num_chunks,
+    BM: tl.constexpr,
+    E_BINS: tl.constexpr,
+    CHUNK: tl.constexpr,
+    CHUNKS: tl.constexpr,
+    BLOCKS: tl.constexpr,
+):
+    """A program per chunk: from every chunk's counts, each expert's first row plus the pairs of
+    the chunks before this one; then it places its own pairs (atomics on its own cursors only).
+    Program 0 also lays out the blocks."""
+    c = tl.program_id(0)
+    bins = tl.arange(0, E_BINS)
+    chunks = tl.arange(0, CHUNKS)
+    per_chunk = tl.load(
+        chunk_counts_ptr + chunks[:, None] * E_BINS + bins[None, :], mask=chunks[:, None] < num_chunks, other=0
+    )
+    counts = tl.where(bins < E, tl.sum(per_chunk, 0), 0)
+    before = tl.sum(tl.where(chunks[:, None] < c, per_chunk, 0), 0)
+    padded = (counts + BM - 1) // BM * BM
+    starts = tl.cumsum(padded, 0) - padded
+    if c == 0:
+        _layout(counts, sorted_ptr, block_expert_ptr, num_padded_ptr, P, E, BM, E_BINS, BLOCKS)
+    cursor = cursor_ptr + c * E_BINS
+    tl.store(cursor + bins, starts + before)
+    tl.debug_barrier()
+    _scatter(ids_ptr, sorted_ptr, cursor, c * CHUNK + tl.arange(0, CHUNK), P)
 
 
 class Alignment(NamedTuple):
@@ -165,18 +208,24 @@ def align(topk_ids: torch.Tensor, num_experts: int, bm: int) -> Alignment:
     block_expert = torch.empty(capacity // bm, dtype=torch.int32, device=dev)
     num_padded = torch.empty(1, dtype=torch.int32, device=dev)
     e_bins = triton.next_power_of_2(num_experts + 1)
-    cursor = torch.empty(e_bins, dtype=torch.int32, device=dev)
-    chunk = 1024
-    small = P <= chunk  # one launch; past a chunk, counting and placing take many programs
-    counts = cursor if small else torch.zeros(e_bins, dtype=torch.int32, device=dev)
-    if not small:
-        _count_kernel[(triton.cdiv(P, chunk),)](topk_ids, counts, P, E_BINS=e_bins, CHUNK=chunk, num_warps=4)
-    _align_kernel[(1,)](
-        topk_ids, counts, sorted_ids, block_expert, num_padded, cursor, P, num_experts,
-        BM=bm, E_BINS=e_bins, CHUNK=chunk, BLOCKS=max(16, 16384 // e_bins), SCATTER=small, num_warps=8,
+    chunk, blocks = 1024, max(16, 16384 // e_bins)
+    if P <= chunk:  # one launch
+        cursor = torch.empty(e_bins, dtype=torch.int32, device=dev)
+        _align_kernel[(1,)](
+            topk_ids, sorted_ids, block_expert, num_padded, cursor, P, num_experts,
+            BM=bm, E_BINS=e_bins, CHUNK=chunk, BLOCKS=blocks, num_warps=8,
+        )  # fmt: skip
+        return Alignment(sorted_ids, block_expert, num_padded, bm)
+    # Past a chunk, two launches of a program per chunk (one program's atomics on a few cursors
+    # serialize): count each chunk, then place each chunk's pairs after the chunks before it.
+    num_chunks = triton.cdiv(P, chunk)
+    chunk_counts = torch.empty(num_chunks, e_bins, dtype=torch.int32, device=dev)
+    cursor = torch.empty(num_chunks, e_bins, dtype=torch.int32, device=dev)
+    _chunk_count_kernel[(num_chunks,)](topk_ids, chunk_counts, P, E_BINS=e_bins, CHUNK=chunk, num_warps=4)
+    _place_kernel[(num_chunks,)](
+        topk_ids, chunk_counts, sorted_ids, block_expert, num_padded, cursor, P, num_experts, num_chunks,
+        BM=bm, E_BINS=e_bins, CHUNK=chunk, CHUNKS=triton.next_power_of_2(num_chunks), BLOCKS=blocks, num_warps=8,
     )  # fmt: skip
-    if not small:  # one program's atomics on a few cursors serialize
-        _scatter_kernel[(triton.cdiv(P, chunk),)](topk_ids, sorted_ids, cursor, P, CHUNK=chunk, num_warps=4)
     return Alignment(sorted_ids, block_expert, num_padded, bm)
 
 
