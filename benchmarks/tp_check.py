@@ -267,13 +267,20 @@ def _step_rank(
 
 
 def run_step(
-    model: str, batch: int, prompt_len: int, steps: int, variants: list[str], profile_steps: int, items_per_sm: int
+    model: str,
+    batch: int,
+    prompt_len: int,
+    steps: int,
+    variants: list[str],
+    profile_steps: int,
+    items_per_sm: int,
+    tp_size: int = 2,
 ) -> dict:
     import torch.multiprocessing as mp
 
     report = {}
     for name in ["tp1", *variants]:
-        world = 1 if name == "tp1" else 2
+        world = 1 if name == "tp1" else tp_size
         out = Path(tempfile.mkdtemp()) / "step.json"
         init = f"file://{out.parent / 'init'}"
         mp.start_processes(
@@ -310,6 +317,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100, help="decode steps per timing (step mode)")
     ap.add_argument("--profile-steps", type=int, default=0, help="step mode: kernel tables of this many replays")
     ap.add_argument("--items-per-sm", type=int, default=0, help="step mode: decode attention items per SM")
+    ap.add_argument("--tp-size", type=int, default=2, help="step mode: the ranks of each variant")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument(
         "--server-args",
@@ -323,7 +331,14 @@ def main() -> None:
         report = run_agreement(args.variants, extra)
     elif args.mode == "step":
         report = run_step(
-            args.model, args.batch, args.prompt_len, args.steps, args.variants, args.profile_steps, args.items_per_sm
+            args.model,
+            args.batch,
+            args.prompt_len,
+            args.steps,
+            args.variants,
+            args.profile_steps,
+            args.items_per_sm,
+            args.tp_size,
         )
     elif args.mode == "throughput":
         report = run_throughput(args.model, args.batch, args.prompt_len, args.new_tokens, args.variants, extra)
