@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
 import random
 import sys
 import time
@@ -35,7 +34,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.online_serving import summary, token_gaps  # noqa: E402
+from benchmarks.online_serving import stream_generate, summary  # noqa: E402
 from benchmarks.server import start_server  # noqa: E402
 from benchmarks.workloads import save_result  # noqa: E402
 
@@ -140,29 +139,6 @@ def run_offline(args: argparse.Namespace, mode: str) -> dict:
     return result
 
 
-async def one_turn(client: httpx.AsyncClient, url: str, prompt: list[int], n: int) -> tuple[dict, list[int]]:
-    body = {
-        "input_ids": prompt,
-        "stream": True,
-        "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True},
-    }
-    start, arrivals, ids, cached = time.perf_counter(), [], [], 0
-    async with client.stream("POST", f"{url}/generate", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            new = event.get("output_ids", ids)
-            if len(new) > len(ids):
-                arrivals.append((time.perf_counter(), len(new) - len(ids)))
-            ids = new
-            cached = event["meta_info"].get("cached_tokens", cached)
-    itl = token_gaps(arrivals)
-    ttft = (arrivals[0][0] if arrivals else time.perf_counter()) - start
-    return {"ttft": ttft, "itl": itl, "cached": cached, "prompt": len(prompt), "output": len(ids)}, ids
-
-
 async def run_online_clients(args: argparse.Namespace, url: str, vocab: int) -> tuple[list[dict], float]:
     hist, user, lens = histories(args, vocab), turns(args, vocab), answer_lens(args)
     gate = asyncio.Semaphore(args.max_parallel)
@@ -172,12 +148,14 @@ async def run_online_clients(args: argparse.Namespace, url: str, vocab: int) -> 
         for r in range(args.rounds):
             prompt = hist[c] + user[r][c]
             async with gate:
-                res, ids = await one_turn(client, url, prompt, lens[r][c])
-            hist[c] = prompt + ids
+                res = await stream_generate(client, url, prompt, lens[r][c], with_ids=True)
+            if "error" in res:
+                raise RuntimeError(f"turn {r} of conversation {c} failed: {res['error']}")
+            hist[c] = prompt + res.pop("output_ids")
             results.append(res)
 
     async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None)) as client:
-        await one_turn(client, url, [1] * 64, 4)  # warm up
+        await stream_generate(client, url, [1] * 64, 4)  # warm up
         start = time.perf_counter()
         await asyncio.gather(*(conversation(c, client) for c in range(args.conversations)))
     return results, time.perf_counter() - start
@@ -203,7 +181,7 @@ def run_online(args: argparse.Namespace, mode: str) -> dict:
         "mode": mode,
         "seconds": seconds,
         "turns_per_s": len(results) / seconds,
-        "total_tok_per_s": (prompt_tokens + sum(r["output"] for r in results)) / seconds,
+        "total_tok_per_s": (prompt_tokens + sum(r["tokens"] for r in results)) / seconds,
         "ttft_p50": ttft["p50"],
         "ttft_p90": ttft_sorted[int(0.9 * (len(ttft_sorted) - 1))],
         "ttft_mean": ttft["mean"],

@@ -45,8 +45,13 @@ class _Event(msgspec.Struct):
     meta_info: _Meta
 
 
-# Only the counters are decoded: the client must not become the bottleneck it measures.
-_event_decoder = msgspec.json.Decoder(_Event)
+class _EventWithIds(_Event):
+    output_ids: list[int] | None = None  # cumulative
+
+
+# Only the counters are decoded unless the ids are wanted: the client must not become the
+# bottleneck it measures (a stream's output_ids are cumulative).
+_decoders = {False: msgspec.json.Decoder(_Event), True: msgspec.json.Decoder(_EventWithIds)}
 
 
 def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
@@ -68,36 +73,45 @@ def token_gaps(arrivals: list[tuple[float, int]]) -> list[float]:
     return [(b - a) / n for (a, _), (b, n) in zip(arrivals, arrivals[1:]) for _ in range(n)]
 
 
-async def one_request(client: httpx.AsyncClient, url: str, prompt: list[int], output_len: int) -> dict:
+async def stream_generate(
+    client: httpx.AsyncClient, url: str, prompt: list[int], max_new: int, with_ids: bool = False
+) -> dict:
+    """One greedy ``ignore_eos`` request streamed through /generate: its TTFT, end-to-end time,
+    inter-token gaps (``token_gaps``), tokens, cached prompt tokens and, ``with_ids``, its output
+    ids; an HTTP failure gives {"error": ...} (counted, as bench_serving does, not the end of a run)."""
     body = {
         "input_ids": prompt,
         "stream": True,
-        "sampling_params": {"max_new_tokens": output_len, "temperature": 0.0, "ignore_eos": True},
+        "sampling_params": {"max_new_tokens": max_new, "temperature": 0.0, "ignore_eos": True},
     }
+    decoder = _decoders[with_ids]
     start = time.perf_counter()
-    arrivals, tokens, cached = [], 0, 0
+    arrivals, tokens, cached, ids = [], 0, 0, []
     try:
         async with client.stream("POST", f"{url}/generate", json=body) as r:
             r.raise_for_status()
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                meta = _event_decoder.decode(line[6:]).meta_info
+                event = decoder.decode(line[6:])
+                meta = event.meta_info
                 if meta.completion_tokens > tokens:  # an event with new tokens (one or, when joined, several)
                     arrivals.append((time.perf_counter(), meta.completion_tokens - tokens))
                     tokens = meta.completion_tokens
                 cached = meta.cached_tokens
-    except httpx.HTTPError as e:  # counted and reported (as bench_serving does), not the end of the run
+                if with_ids and event.output_ids is not None:
+                    ids = event.output_ids
+    except httpx.HTTPError as e:
         return {"error": f"{type(e).__name__}: {e}", "prompt": len(prompt)}
     end = time.perf_counter()
-    itl = token_gaps(arrivals)
     return {
-        "ttft": arrivals[0][0] - start,
+        "ttft": (arrivals[0][0] if arrivals else end) - start,
         "e2e": end - start,
-        "itl": itl,
+        "itl": token_gaps(arrivals),
         "tokens": tokens,
         "cached": cached,
         "prompt": len(prompt),
+        **({"output_ids": ids} if with_ids else {}),
     }
 
 
@@ -110,7 +124,7 @@ async def run(
 
         async def gated(p: list[int], n: int) -> dict:
             async with limit:
-                return await one_request(client, url, p, n)
+                return await stream_generate(client, url, p, n)
 
         start = time.perf_counter()
         tasks = []
