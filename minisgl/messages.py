@@ -293,6 +293,24 @@ class ControlReply(msgspec.Struct, tag=True):
     data: dict[str, float | int | str | bool]
 
 
+class TextReq(msgspec.Struct, tag=True):
+    """API -> tokenizer, answered there by TextReply (SGLang's /tokenize and /detokenize): token
+    ids of ``texts`` (``special_tokens``: add the template's BOS and the like), or the texts of
+    ``ids`` (``special_tokens``: keep them in the text)."""
+
+    cid: int
+    texts: list[str] | None = None
+    ids: list[list[int]] | None = None
+    special_tokens: bool = True
+
+
+class TextReply(msgspec.Struct, tag=True):
+    cid: int
+    ids: list[list[int]] = []
+    texts: list[str] = []
+    error: str | None = None  # why the tokenizer could not answer (no tokenizer, an id it lacks)
+
+
 class TokenOut(msgspec.Struct, array_like=True):
     """New tokens of one request since the last message. The first message after admission has
     no tokens (it tells the API the request was accepted); ``error`` means it was refused."""
@@ -372,6 +390,6 @@ class EngineInfo(msgspec.Struct, tag=True):
     device: str = "cpu"  # the workers' device type (the scheduler itself never loads torch)
 
 
-ToTokenizer = GenerateBatch | AbortReq | ControlReq | ControlReply | TokenBatch | EngineInfo
+ToTokenizer = GenerateBatch | AbortReq | ControlReq | ControlReply | TextReq | TokenBatch | EngineInfo
 ToScheduler = TokenizedBatch | AbortReq | ControlReq
-ToApi = UpdateBatch | ControlReply
+ToApi = UpdateBatch | ControlReply | TextReply

@@ -380,3 +380,31 @@ def test_scoring_with_max_new_tokens_zero(server: ServerProcess, offline: LLM, t
     plain = httpx.post(f"{server.url}/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 0}}).json()
     assert plain["output_ids"] == [] and plain["meta_info"]["prompt_tokens"] > 0
     idle_and_clean(server)
+
+
+def test_tokenize_and_detokenize_routes(server: ServerProcess, offline: LLM):
+    """SGLang's /tokenize and /detokenize (and their /v1 names): the tokenizer's own ids and
+    texts, one or a batch, special tokens as asked; bad values are refused by name."""
+    tok = offline.tokenizer
+    post = lambda route, body: httpx.post(f"{server.url}{route}", json=body, timeout=30)  # noqa: E731
+    one = post("/tokenize", {"prompt": "Hello world"}).json()
+    assert one == {"tokens": tok.encode("Hello world"), "count": len(tok.encode("Hello world")), "max_model_len": 1024}
+    texts = ["Hello", "big world"]
+    many = post("/v1/tokenize", {"prompt": texts, "add_special_tokens": False, "model": "tiny"}).json()
+    assert many["tokens"] == [tok.encode(t, add_special_tokens=False) for t in texts]
+    assert many["count"] == [len(ids) for ids in many["tokens"]]
+    ids = tok.encode("Hello world")
+    assert post("/detokenize", {"tokens": ids}).json() == {"text": tok.decode(ids, skip_special_tokens=True)}
+    both = post("/v1/detokenize", {"tokens": [ids, ids[1:]], "skip_special_tokens": False}).json()
+    assert both == {"text": [tok.decode(ids), tok.decode(ids[1:])]}
+    assert post("/detokenize", {"tokens": []}).json() == {"text": ""}
+    for route, body, param in [
+        ("/tokenize", {"prompt": 5}, "prompt"),
+        ("/tokenize", {}, "prompt"),
+        ("/detokenize", {"tokens": ["a"]}, "tokens"),
+        ("/detokenize", {"tokens": [[1], [2, "x"]]}, "tokens"),
+        ("/detokenize", {"tokens": [10**9]}, "tokens"),
+    ]:
+        r = post(route, body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+    idle_and_clean(server)

@@ -26,6 +26,8 @@ from minisgl.messages import (
     GenerateReq,
     ProfileReq,
     ReqUpdate,
+    TextReply,
+    TextReq,
     ToApi,
     UpdateBatch,
 )
@@ -116,7 +118,7 @@ class EngineClient:
         self._uids: dict[str, str] = {}  # client rid -> uid, while running
         self._names: dict[str, str] = {}  # uid -> client rid
         self._next_uid = itertools.count()
-        self._replies: dict[int, asyncio.Future[ControlReply]] = {}
+        self._replies: dict[int, asyncio.Future[ControlReply | TextReply]] = {}
         self._cids = itertools.count()
         self._task: asyncio.Task | None = None
 
@@ -220,15 +222,25 @@ class EngineClient:
         it when none comes within ``timeout`` (a scheduler stuck in a step, or a worker that
         stopped)."""
         cid = next(self._cids)
-        fut: asyncio.Future[ControlReply] = asyncio.get_running_loop().create_future()
+        stuck = f"the scheduler did not answer {op!r} within {timeout:g} s (it may be stuck in a model step)"
+        return await self._ask(cid, ControlReq(cid, op, profile, **fields), timeout, stuck)
+
+    async def texts(
+        self, texts: list[str] | None = None, ids: list[list[int]] | None = None, special_tokens: bool = True
+    ) -> TextReply:
+        """The tokenizer process's token ids of ``texts`` or texts of ``ids`` (/tokenize, /detokenize)."""
+        cid = next(self._cids)
+        req = TextReq(cid, texts, ids, special_tokens)
+        return await self._ask(cid, req, 30.0, "the tokenizer did not answer within 30 s")
+
+    async def _ask(self, cid: int, msg: ControlReq | TextReq, timeout: float, stuck: str) -> Any:
+        """Send ``msg`` and wait for the reply carrying its ``cid``; a 503 saying ``stuck`` after ``timeout``."""
+        fut: asyncio.Future = asyncio.get_running_loop().create_future()
         self._replies[cid] = fut
-        self._sender.send(ControlReq(cid, op, profile, **fields))
+        self._sender.send(msg)
         try:
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
-            raise EngineError(
-                f"the scheduler did not answer {op!r} within {timeout:g} s (it may be stuck in a model step)",
-                status=503,
-            ) from None
+            raise EngineError(stuck, status=503) from None
         finally:
             self._replies.pop(cid, None)

@@ -364,6 +364,9 @@ RESPONSES = Schema(
     },
 )
 
+TOKENIZE = Schema("SGLang tokenize", implemented={"prompt", "add_special_tokens", "model"})
+DETOKENIZE = Schema("SGLang detokenize", implemented={"tokens", "skip_special_tokens", "model"})
+
 SCORE = Schema(
     "SGLang score",
     implemented={"query", "items", "label_token_ids", "apply_softmax", "item_first", "model"},

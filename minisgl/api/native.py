@@ -20,8 +20,16 @@ from starlette.responses import JSONResponse, Response
 import minisgl
 from minisgl.api.base import ApiBase, Run, error_response, merge, read_body
 from minisgl.api.client import EngineError
-from minisgl.api.fields import GENERATE, SCORE
-from minisgl.api.protocol import AbortRequest, BadRequest, GenerateRequest, ProfileRequest, ScoreRequest
+from minisgl.api.fields import DETOKENIZE, GENERATE, SCORE, TOKENIZE
+from minisgl.api.protocol import (
+    AbortRequest,
+    BadRequest,
+    DetokenizeRequest,
+    GenerateRequest,
+    ProfileRequest,
+    ScoreRequest,
+    TokenizeRequest,
+)
 from minisgl.api.streaming import SSE_DONE, sse
 from minisgl.messages import GenerateReq, ProfileReq
 from minisgl.sampling import SamplingParams
@@ -132,6 +140,33 @@ class NativeRoutes(ApiBase):
             yield SSE_DONE
 
         return self._stream(runs, events())
+
+    async def tokenize(self, request: Request) -> Response:
+        """SGLang's /tokenize (/v1/tokenize): each text's token ids, counted, beside the context length."""
+        body: TokenizeRequest = await read_body(request, TokenizeRequest, self.args, TOKENIZE)
+        reply = await self.client.texts(texts=body.texts(self.args.max_sequences_per_request),
+                                        special_tokens=body.add_special_tokens)  # fmt: skip
+        if reply.error is not None:
+            raise BadRequest(reply.error, param="prompt")
+        one = isinstance(body.prompt, str)
+        return JSONResponse(
+            {
+                "tokens": reply.ids[0] if one else reply.ids,
+                "count": len(reply.ids[0]) if one else [len(ids) for ids in reply.ids],
+                "max_model_len": self.info.context_len,
+            }
+        )
+
+    async def detokenize(self, request: Request) -> Response:
+        """SGLang's /detokenize (/v1/detokenize): the text of each list of token ids."""
+        body: DetokenizeRequest = await read_body(request, DetokenizeRequest, self.args, DETOKENIZE)
+        if not body.tokens:
+            return JSONResponse({"text": ""})  # (as SGLang answers an empty list)
+        ids = body.ids(self.args.max_sequences_per_request)
+        reply = await self.client.texts(ids=ids, special_tokens=not body.skip_special_tokens)
+        if reply.error is not None:
+            raise BadRequest(reply.error, param="tokens")
+        return JSONResponse({"text": reply.texts if body.is_batch else reply.texts[0]})
 
     async def score(self, request: Request) -> Response:
         """SGLang's /v1/score (reward models, rerankers, classification by label tokens): one

@@ -63,9 +63,14 @@ def decode(body: bytes, kind: type, schema: Schema | None = None) -> Any:
 
 
 def _error_path(message: str) -> str | None:
-    """The field a msgspec error names ("... - at `$.sampling_params.temperature`")."""
+    """The field a msgspec error names ("... - at `$.sampling_params.temperature`"; a missing
+    one: "Object missing required field `prompt`", under the object's path if it has one)."""
     at = message.rfind("at `$.")
-    return message[at + len("at `$.") :].rstrip("`") if at >= 0 else None
+    where = message[at + len("at `$.") :].rstrip("`") if at >= 0 else None
+    missing = re.match(r"Object missing required field `([^`]+)`", message)
+    if missing is None:
+        return where
+    return f"{where}.{missing.group(1)}" if where else missing.group(1)
 
 
 class SamplingIn(SamplingParams, kw_only=True, forbid_unknown_fields=True):
@@ -543,6 +548,40 @@ class ProfileRequest(msgspec.Struct):
     merge_profiles: bool = False  # accepted; one trace per rank
     with_stack: bool | None = None
     record_shapes: bool | None = None
+
+
+class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """SGLang's /tokenize: one text or a list of them."""
+
+    prompt: str | list[str]
+    add_special_tokens: bool = True
+    model: str | None = None
+
+    def texts(self, max_sequences: int | None) -> list[str]:
+        texts = [self.prompt] if isinstance(self.prompt, str) else self.prompt
+        check_sequences(len(texts), max_sequences)
+        return texts
+
+
+class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """SGLang's /detokenize: one list of token ids or a list of them."""
+
+    tokens: list[Any]
+    skip_special_tokens: bool = True
+    model: str | None = None
+
+    @property
+    def is_batch(self) -> bool:
+        return bool(self.tokens) and isinstance(self.tokens[0], list)
+
+    def ids(self, max_sequences: int | None) -> list[list[int]]:
+        lists = self.tokens if self.is_batch else [self.tokens]
+        if not all(isinstance(ids, list) and all(map(_is_token, ids)) for ids in lists):
+            raise BadRequest(
+                f"tokens must be a list of token ids in [0, {MAX_TOKEN_ID}] or a list of such lists", param="tokens"
+            )
+        check_sequences(len(lists), max_sequences)
+        return lists
 
 
 class ScoreRequest(msgspec.Struct, forbid_unknown_fields=True):

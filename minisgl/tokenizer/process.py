@@ -23,6 +23,8 @@ from minisgl.messages import (
     GenerateBatch,
     GenerateReq,
     ReqUpdate,
+    TextReply,
+    TextReq,
     TokenBatch,
     TokenizedBatch,
     TokenizedReq,
@@ -171,6 +173,8 @@ class TokenizerProcess:
                 self._on_abort(msg)
             elif isinstance(msg, ControlReq):
                 self.scheduler.send(msg)
+            elif isinstance(msg, TextReq):
+                self.api.send(self._texts(msg))
             elif isinstance(msg, ControlReply):
                 self.api.send(msg)
             elif isinstance(msg, EngineInfo):
@@ -185,6 +189,26 @@ class TokenizerProcess:
                     )
                 self.info = msgspec.structs.replace(msg, tool_call_parser=parser)
                 self.launcher.send(self.info)
+
+    def _texts(self, req: TextReq) -> TextReply:
+        """/tokenize and /detokenize, answered here without the scheduler."""
+        if self.tokenizer is None:
+            why = "the server runs with --skip-tokenizer-init" if self.skip_init else "this model has no tokenizer"
+            return TextReply(req.cid, error=why)
+        try:
+            if req.texts is not None:
+                special = req.special_tokens
+                return TextReply(req.cid, ids=[self.tokenizer.encode(t, add_special_tokens=special) for t in req.texts])
+            vocab = len(self.tokenizer)
+            for ids in req.ids or []:
+                bad = next((t for t in ids if not 0 <= t < vocab), None)
+                if bad is not None:
+                    return TextReply(req.cid, error=f"token id {bad} is not in the tokenizer's vocabulary of {vocab}")
+            skip = not req.special_tokens
+            texts = [self.tokenizer.decode(ids, skip_special_tokens=skip) for ids in req.ids or []]
+            return TextReply(req.cid, texts=texts)
+        except Exception as e:  # a tokenizer's own failure answers this request, never ends the process
+            return TextReply(req.cid, error=f"the tokenizer failed: {type(e).__name__}: {e}")
 
     # ---- requests in ---------------------------------------------------------------------------
 
