@@ -14,7 +14,15 @@ from hypothesis import strategies as st
 from tests.server_utils import ServerProcess
 from tests.test_server import idle_and_clean
 
-ROUTES = ["/generate", "/v1/completions", "/v1/chat/completions", "/abort_request", "/flush_cache"]
+ROUTES = [
+    "/generate",
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/abort_request",
+    "/flush_cache",
+    "/tokenize",
+    "/detokenize",
+]
 FIELDS = [
     "text",
     "input_ids",
@@ -42,6 +50,9 @@ FIELDS = [
     "role",
     "content",
     "echo",
+    "tokens",
+    "add_special_tokens",
+    "skip_special_tokens",
 ]
 
 HUGE_INTS = st.sampled_from([2**31, 2**63, 2**64 - 1, 2**64 + 7, -(2**63) - 1, 10**40, -1, 0])
