@@ -86,6 +86,13 @@ def _histogram(ids_ptr, offs, P, E_BINS: tl.constexpr):
 
 
 @triton.jit
+def _padded_starts(counts, BM: tl.constexpr):
+    """Each expert's rows padded to whole BM blocks, and its first row."""
+    padded = (counts + BM - 1) // BM * BM
+    return padded, tl.cumsum(padded, 0) - padded
+
+
+@triton.jit
 def _layout(
     counts, sorted_ptr, block_expert_ptr, num_padded_ptr, P, BM: tl.constexpr, E_BINS: tl.constexpr, JB: tl.constexpr
 ):
@@ -93,8 +100,7 @@ def _layout(
     expert's run to whole BM blocks (padding rows get the id P), name each used block's expert
     (JB blocks of every expert at a time) and store the rows in use; returns each expert's
     first row."""
-    padded = (counts + BM - 1) // BM * BM
-    starts = tl.cumsum(padded, 0) - padded
+    padded, starts = _padded_starts(counts, BM)
     tl.store(num_padded_ptr, tl.sum(padded, 0))
     pad = tl.arange(0, BM)
     tl.store(
@@ -171,8 +177,7 @@ def _place_kernel(
     )
     counts = tl.sum(per_chunk, 0)
     before = tl.sum(tl.where(chunks[:, None] < c, per_chunk, 0), 0)
-    padded = (counts + BM - 1) // BM * BM
-    starts = tl.cumsum(padded, 0) - padded
+    _, starts = _padded_starts(counts, BM)
     if c == 0:
         _layout(counts, sorted_ptr, block_expert_ptr, num_padded_ptr, P, BM, E_BINS, JB)
     cursor = cursor_ptr + c * E_BINS
