@@ -809,7 +809,7 @@ def test_cache_salt_and_extra_key_keep_tenants_apart(server):
 
 def test_skip_tokenizer_init_serves_token_ids_only(tiny_llama, offline):
     """--skip-tokenizer-init: token ids in, the same greedy ids out (no text); a text prompt is
-    refused naming the flag."""
+    refused naming the flag, as /tokenize is."""
     prompt = [5 + (i * 13) % 300 for i in range(40)]
     want = offline.generate([prompt], SamplingParams(temperature=0.0, max_new_tokens=6))[0]["output_ids"]
     with running_server(tiny_llama, "--skip-tokenizer-init") as srv:
@@ -819,6 +819,8 @@ def test_skip_tokenizer_init_serves_token_ids_only(tiny_llama, offline):
         )
         assert r.status_code == 200 and r.json()["output_ids"] == want and not r.json()["text"]
         r = httpx.post(f"{srv.url}/generate", json={"text": "hello"})
+        assert r.status_code == 400 and "--skip-tokenizer-init" in r.text
+        r = httpx.post(f"{srv.url}/tokenize", json={"prompt": "hello"})
         assert r.status_code == 400 and "--skip-tokenizer-init" in r.text
 
 

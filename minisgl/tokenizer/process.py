@@ -190,11 +190,15 @@ class TokenizerProcess:
                 self.info = msgspec.structs.replace(msg, tool_call_parser=parser)
                 self.launcher.send(self.info)
 
+    @property
+    def _no_tokenizer(self) -> str:
+        """Why there is no tokenizer to use."""
+        return "the server runs with --skip-tokenizer-init" if self.skip_init else "this model has no tokenizer"
+
     def _texts(self, req: TextReq) -> TextReply:
         """/tokenize and /detokenize, answered here without the scheduler."""
         if self.tokenizer is None:
-            why = "the server runs with --skip-tokenizer-init" if self.skip_init else "this model has no tokenizer"
-            return TextReply(req.cid, error=why)
+            return TextReply(req.cid, error=self._no_tokenizer)
         try:
             if req.texts is not None:
                 special = req.special_tokens
@@ -224,8 +228,7 @@ class TokenizerProcess:
                 f"{self.info.context_len} tokens can hold"
             )
         if self.tokenizer is None:
-            why = "the server runs with --skip-tokenizer-init" if self.skip_init else "this model has no tokenizer"
-            raise ValueError(f"{why}: send input_ids instead of text")
+            raise ValueError(f"{self._no_tokenizer}: send input_ids instead of text")
         if req.messages is not None:
             if not self.tokenizer.chat_template:
                 raise ValueError("this model has no chat template; use /v1/completions or /generate")
