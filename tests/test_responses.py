@@ -257,7 +257,13 @@ def test_an_aborted_response_says_cancelled_and_is_not_stored(server):
     import time
 
     out: list[httpx.Response] = []
-    body = {"model": "default", "input": "Count from 1 to 1000, one number a line.", "max_output_tokens": 1500}
+    # Greedy, so the answer surely outlasts the abort (sampled, it could end within the 0.3 s)
+    body = {
+        "model": "default",
+        "input": "Count from 1 to 1000, one number a line.",
+        "max_output_tokens": 1500,
+        "temperature": 0,
+    }
     t = threading.Thread(
         target=lambda: out.append(httpx.post(f"{server.url}/v1/responses", json=body, timeout=120)), daemon=True
     )
