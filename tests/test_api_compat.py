@@ -404,6 +404,7 @@ def test_tokenize_and_detokenize_routes(server: ServerProcess, offline: LLM):
         ("/detokenize", {"tokens": ["a"]}, "tokens"),
         ("/detokenize", {"tokens": [[1], [2, "x"]]}, "tokens"),
         ("/detokenize", {"tokens": [10**9]}, "tokens"),
+        ("/tokenize", {"prompt": ["fine", "x" * 40 * 1024]}, "prompt"),  # no prompt of the context holds it
     ]:
         r = post(route, body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)

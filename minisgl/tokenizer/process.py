@@ -195,10 +195,25 @@ class TokenizerProcess:
         """Why there is no tokenizer to use."""
         return "the server runs with --skip-tokenizer-init" if self.skip_init else "this model has no tokenizer"
 
+    def _check_chars(self, chars: int) -> None:
+        """Refuse text no prompt could fit before tokenizing it: a huge body would hold up every
+        stream behind this process."""
+        assert self.info is not None
+        if chars > MAX_CHARS_PER_TOKEN * self.info.context_len:
+            raise ValueError(
+                f"the prompt has {chars} characters, more than the context length of "
+                f"{self.info.context_len} tokens can hold"
+            )
+
     def _texts(self, req: TextReq) -> TextReply:
         """/tokenize and /detokenize, answered here without the scheduler."""
         if self.tokenizer is None:
             return TextReply(req.cid, error=self._no_tokenizer)
+        try:
+            for text in req.texts or []:
+                self._check_chars(len(text))
+        except ValueError as e:
+            return TextReply(req.cid, error=str(e))
         try:
             if req.texts is not None:
                 special = req.special_tokens
@@ -222,11 +237,7 @@ class TokenizerProcess:
         assert self.info is not None
         chars = len(req.text or "") + sum(len(m.content) for m in req.messages or [])
         chars += len(msgspec.json.encode(req.tools)) if req.tools else 0
-        if chars > MAX_CHARS_PER_TOKEN * self.info.context_len:
-            raise ValueError(
-                f"the prompt has {chars} characters, more than the context length of "
-                f"{self.info.context_len} tokens can hold"
-            )
+        self._check_chars(chars)
         if self.tokenizer is None:
             raise ValueError(f"{self._no_tokenizer}: send input_ids instead of text")
         if req.messages is not None:
