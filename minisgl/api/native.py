@@ -144,8 +144,8 @@ class NativeRoutes(ApiBase):
     async def tokenize(self, request: Request) -> Response:
         """SGLang's /tokenize (/v1/tokenize): each text's token ids, counted, beside the context length."""
         body: TokenizeRequest = await read_body(request, TokenizeRequest, self.args, TOKENIZE)
-        reply = await self.client.texts(texts=body.texts(self.args.max_sequences_per_request),
-                                        special_tokens=body.add_special_tokens)  # fmt: skip
+        texts = body.texts(self.args.max_sequences_per_request)
+        reply = await self.client.texts(texts=texts, special_tokens=body.add_special_tokens)
         if reply.error is not None:
             raise BadRequest(reply.error, param="prompt")
         one = isinstance(body.prompt, str)
