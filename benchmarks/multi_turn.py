@@ -5,10 +5,10 @@
 
 N conversations x R rounds; each round adds a user turn (``--turn-len`` tokens) and the answer
 the model gives (``--answer-len`` tokens, or around it with ``--answer-jitter``) to the
-conversation's history. At most
-``--max-parallel`` turns run at once, conversations taking turns, so a conversation comes back
-after the others have passed through the pool. The device pool is capped (``--max-total-tokens``,
-by default the final working set / ``--oversubscribe``), and three runs compare:
+conversation's history. At most ``--max-parallel`` turns run at once, conversations taking turns,
+so a conversation comes back after the others have passed through the pool. The device pool is
+capped (``--max-total-tokens``, by default the final working set / ``--oversubscribe``), and three
+runs compare:
 
 - ``device``: the capped pool alone (evicted history is prefilled again);
 - ``hicache``: the capped pool plus the host tier (``--enable-hierarchical-cache``, a host pool

@@ -8,9 +8,8 @@ server), sends every request as token ids with ``ignore_eos``, either at a Poiss
 or keeping at most ``--max-concurrency`` in flight, and reports request and token throughput,
 TTFT, inter-token latency (as SGLang's bench_serving counts it: an event that brings n tokens
 after a gap g gives n gaps of g / n) and end-to-end latency (mean, p50, p99) and the cache hit
-rate (the
-server's, and the client's: cached prompt tokens over prompt tokens, which holds behind the
-``--dp-size`` router too, where the server's figure is one replica's).
+rate (the server's, and the client's: cached prompt tokens over prompt tokens, which holds behind
+the ``--dp-size`` router too, where the server's figure is one replica's).
 
     python benchmarks/online_serving.py --model benchmarks/configs/llama3.1-8b --server-args --dp-size 2
 """
