@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.workloads import save_result  # noqa: E402
 from minisgl.args import EngineArgs  # noqa: E402
+from minisgl.distributed import set_tp_info  # noqa: E402
 from minisgl.messages import ForwardBatch  # noqa: E402
 from minisgl.model_config import ModelConfig  # noqa: E402
 from minisgl.utils import cdiv  # noqa: E402
@@ -361,6 +362,13 @@ def main() -> None:
         "[x their tokens, 2304]], e.g. 256x16x2048, 64x8x2048x32 or 64x0x0x64x1024 (default: all)",
     )
     ap.add_argument(
+        "--heads-of-tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="part 3: one rank's heads of a tp=N engine (segments cut as that engine cuts them)",
+    )
+    ap.add_argument(
         "--cascade-variants",
         nargs="+",
         default=None,
@@ -384,9 +392,19 @@ def main() -> None:
         )
         cases = [tuple(map(int, c.split("x"))) for c in args.cascade_cases] if args.cascade_cases else CASCADE_CASES
         kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8_e4m3" else torch.bfloat16
+        tp = args.heads_of_tp
+        set_tp_info(0, tp)
         result["cascade"] = cascade_kernels(
-            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, args.page_size, bw, cases, args.cascade_variants, kv_dtype
+            cfg.num_heads // tp,
+            cfg.num_kv_heads // tp,
+            cfg.head_dim,
+            args.page_size,
+            bw,
+            cases,
+            args.cascade_variants,
+            kv_dtype,
         )
+        set_tp_info(0, 1)
     if 1 not in args.parts and 2 not in args.parts:
         save_result(result, args.out, f"decode_{Path(args.model).name}")
         return

@@ -144,6 +144,12 @@ def run_profile(model: str, batch: int, prompt_len: int, variants: list[str], ou
     return report
 
 
+def _flag_value(flags: list[str], name: str, default: str | None) -> str | None:
+    """The value after ``name`` in ``flags`` (step mode builds EngineArgs itself, not from a
+    command line, and takes only the flags that change a decode step's kernels)."""
+    return flags[flags.index(name) + 1] if name in flags else default
+
+
 def _step_rank(
     rank: int,
     world: int,
@@ -156,8 +162,11 @@ def _step_rank(
     out: Path,
     profile_steps: int,
     items_per_sm: int,
+    groups: int,
+    shared_len: int,
 ) -> None:
-    """One rank of ``step``: rank 0 writes the timings to ``out``."""
+    """One rank of ``step``: rank 0 writes the timings to ``out``. With ``groups``, the batch
+    splits into that many cascade groups whose requests share their first ``shared_len`` tokens."""
     import torch
     import torch.distributed as dist
 
@@ -178,6 +187,8 @@ def _step_rank(
         context_length=4096,
         disable_custom_all_reduce="--disable-custom-all-reduce" in flags,
         cuda_graph_max_bs=batch,
+        quantization=_flag_value(flags, "--quantization", None),
+        kv_cache_dtype=_flag_value(flags, "--kv-cache-dtype", "auto"),
     )
     runner = ModelRunner(args)
     runner.kv_cache.buffer.zero_()  # the prompts' K/V are never written: keep NaNs out of attention
@@ -189,6 +200,10 @@ def _step_rank(
     page = runner.page_size
     per_req = -(-(prompt_len + 3 * steps + 8) // page)
     pages = {slot: list(range(slot * per_req, (slot + 1) * per_req)) for slot in range(batch)}
+    shared = shared_len // page if groups else 0
+    for slot in range(batch):  # a group's requests begin with its first request's pages
+        first = slot - slot % (batch // groups) if groups else slot
+        pages[slot][:shared] = pages[first][:shared]
 
     def decode_batch(k: int) -> ForwardBatch:
         """Step k of every request: its cached length grows by one per step; a page-table write
@@ -200,6 +215,8 @@ def _step_rank(
             new_lens=[1] * batch,
             input_ids=[-1] * batch,
             sample=[True] * batch,
+            group_sizes=[batch // groups] * groups if groups else [],
+            group_pages=[shared] * groups,
         )
         cols = range(per_req) if k == 0 else [length // page] if length % page == 0 else []
         for slot in range(batch):
@@ -226,7 +243,7 @@ def _step_rank(
         while runner.pending:
             runner.collect()
         loop = (time.perf_counter() - start) / steps
-    graph = runner.graphs.graphs[runner.graphs._size(decode_batch(k)), False]
+    graph = runner.graphs.graphs[runner.graphs._size(decode_batch(k)), groups > 0]
     if world > 1:
         dist.barrier()
     torch.cuda.synchronize()
@@ -275,6 +292,9 @@ def run_step(
     profile_steps: int,
     items_per_sm: int,
     tp_size: int = 2,
+    extra: list[str] = (),
+    groups: int = 0,
+    shared_len: int = 0,
 ) -> dict:
     import torch.multiprocessing as mp
 
@@ -291,11 +311,13 @@ def run_step(
                 batch,
                 prompt_len,
                 steps,
-                VARIANTS.get(name, []),
+                [*VARIANTS.get(name, []), *extra],
                 init,
                 out,
                 profile_steps,
                 items_per_sm,
+                groups,
+                shared_len,
             ),
             nprocs=world,
             start_method="spawn",
@@ -318,11 +340,14 @@ def main() -> None:
     ap.add_argument("--profile-steps", type=int, default=0, help="step mode: kernel tables of this many replays")
     ap.add_argument("--items-per-sm", type=int, default=0, help="step mode: decode attention items per SM")
     ap.add_argument("--tp-size", type=int, default=2, help="step mode: the ranks of each variant")
+    ap.add_argument("--groups", type=int, default=0, help="step mode: cascade groups (0: every request alone)")
+    ap.add_argument("--shared-len", type=int, default=0, help="step mode: the prompt tokens a group shares")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument(
         "--server-args",
         default="",
-        help="more flags for every server (tp=1 too), e.g. '--quantization fp8 --kv-cache-dtype fp8_e4m3'",
+        help="more flags for every server (tp=1 too), e.g. '--quantization fp8 --kv-cache-dtype fp8_e4m3'; "
+        "step mode reads --quantization and --kv-cache-dtype from them",
     )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -339,6 +364,9 @@ def main() -> None:
             args.profile_steps,
             args.items_per_sm,
             args.tp_size,
+            extra,
+            args.groups,
+            args.shared_len,
         )
     elif args.mode == "throughput":
         report = run_throughput(args.model, args.batch, args.prompt_len, args.new_tokens, args.variants, extra)

@@ -50,9 +50,10 @@ SPLITS = {  # TritonCascade options: segments of one tile (many resumed mid-segm
     "short segments": dict(block_n=16, items_per_sm=1000, min_segment_tokens=16, shared_rows=32),
     "long segments": dict(block_n=16, items_per_sm=1, min_segment_tokens=256, shared_rows=64),
 }
-# On CUDA also the engine's configuration, with its wider tiles; the interpreter runs only the
+# On CUDA also the engine's configuration, with its wider tiles, and shared items of 16 rows (a
+# tp rank's default with fewer than 8 KV heads); the interpreter runs only the
 # splits above (its numpy sums vary with a tile's rows, which wider tiles expose).
-CUDA_SPLITS = {"defaults": {}}
+CUDA_SPLITS = {"defaults": {}, "16 rows": dict(shared_rows=16)}
 
 
 def check(device: str, dtype: torch.dtype, graph: bool) -> None:

@@ -187,9 +187,14 @@ class TritonCascade:
         own_m = max(16, 1 << (gqa - 1).bit_length())  # one request's query heads, at least an mma.sync tile
         # Eight members per shared item, in 16 to 32 rows: Qwen3-0.6B's pairs of heads (GQA 2) in 16
         # rows took 0.062 ms a layer against 32 rows' 0.076 (fp8 pages; bf16 0.053 / 0.066), the
-        # 8B's fours in 32 rows 0.076 against 16 rows' 0.103 (decode_kernels_*_h100.json).
+        # 8B's fours in 32 rows 0.076 against 16 rows' 0.103 (decode_kernels_*_h100.json). Four
+        # on a rank with fewer than 8 KV heads (tensor parallelism): each shared item walks its
+        # group's keys alone, so the level lasts one item's walk once too few items fill the SMs;
+        # the 8B's 4 heads a rank at tp=2, 256 in 16 groups sharing 2048, fp8 pages: 0.120 ->
+        # 0.102 ms a layer, bf16 0.118 -> 0.108 (tp2_h200_2026-11-27.md).
         if shared_rows is None:
-            shared_rows = min(32, max(16, 1 << (8 * gqa - 1).bit_length()))  # a power of two
+            members = 8 if num_kv_heads >= 8 else 4
+            shared_rows = min(32, max(16, 1 << (members * gqa - 1).bit_length()))  # a power of two
         shared_m = max(shared_rows, own_m)
         self.members_per_item = shared_m // gqa
         self.block_n = block_n
