@@ -94,13 +94,21 @@ def _padded_starts(counts, BM: tl.constexpr):
 
 @triton.jit
 def _layout(
-    counts, sorted_ptr, block_expert_ptr, num_padded_ptr, P, BM: tl.constexpr, E_BINS: tl.constexpr, JB: tl.constexpr
+    counts,
+    padded,
+    starts,
+    sorted_ptr,
+    block_expert_ptr,
+    num_padded_ptr,
+    P,
+    BM: tl.constexpr,
+    E_BINS: tl.constexpr,
+    JB: tl.constexpr,
 ):
-    """Given the pairs per expert (``counts`` [E_BINS], zero past the experts): pad each
-    expert's run to whole BM blocks (padding rows get the id P), name each used block's expert
-    (JB blocks of every expert at a time) and store the rows in use; returns each expert's
-    first row."""
-    padded, starts = _padded_starts(counts, BM)
+    """Given the pairs per expert (``counts`` [E_BINS], zero past the experts) and their runs
+    padded to whole BM blocks and first rows (``_padded_starts``): write the padding rows (the
+    id P), name each used block's expert (JB blocks of every expert at a time) and store the
+    rows in use."""
     tl.store(num_padded_ptr, tl.sum(padded, 0))
     pad = tl.arange(0, BM)
     tl.store(
@@ -117,7 +125,6 @@ def _layout(
             tl.zeros([E_BINS, JB], tl.int32) + experts[:, None],
             mask=j[None, :] < blocks[:, None],
         )
-    return starts
 
 
 @triton.jit
@@ -136,7 +143,8 @@ def _align_kernel(
     """One program, P <= CHUNK: count the pairs per expert, lay out the blocks, place the pairs."""
     bins = tl.arange(0, E_BINS)
     counts = _histogram(ids_ptr, tl.arange(0, CHUNK), P, E_BINS)
-    starts = _layout(counts, sorted_ptr, block_expert_ptr, num_padded_ptr, P, BM, E_BINS, JB)
+    padded, starts = _padded_starts(counts, BM)
+    _layout(counts, padded, starts, sorted_ptr, block_expert_ptr, num_padded_ptr, P, BM, E_BINS, JB)
     tl.store(cursor_ptr + bins, starts)
     tl.debug_barrier()
     _scatter(ids_ptr, sorted_ptr, cursor_ptr, tl.arange(0, CHUNK), P)
@@ -177,9 +185,9 @@ def _place_kernel(
     )
     counts = tl.sum(per_chunk, 0)
     before = tl.sum(tl.where(chunks[:, None] < c, per_chunk, 0), 0)
-    _, starts = _padded_starts(counts, BM)
+    padded, starts = _padded_starts(counts, BM)
     if c == 0:
-        _layout(counts, sorted_ptr, block_expert_ptr, num_padded_ptr, P, BM, E_BINS, JB)
+        _layout(counts, padded, starts, sorted_ptr, block_expert_ptr, num_padded_ptr, P, BM, E_BINS, JB)
     cursor = cursor_ptr + c * E_BINS
     tl.store(cursor + bins, starts + before)
     tl.debug_barrier()
