@@ -352,7 +352,8 @@ def test_rope_store_writes_fp8_like_the_reference(qk_norm):
 def test_attention_kernels_read_fp8_like_the_reference(mode):
     """prefill_wide: a chunk large enough that its pages are widened to bf16 for the 16-bit
     kernels, two of its requests sharing their cached pages (read once into the scratch)."""
-    from tests.test_cuda import _random_batch, backend_outputs
+    from minisgl.attention.synthetic import prefill_metadata
+    from tests.test_cuda import backend_outputs
 
     hq, hk, dim, pages, page_size, scales = 32, 8, 128, 512, 16, (0.7, 1.3)
     if mode == "prefill":
@@ -367,7 +368,7 @@ def test_attention_kernels_read_fp8_like_the_reference(mode):
         cache = MHAKVCache(pages, page_size, 2, hk, dim, FP8, torch.device("cuda"))
         cache.buffer.copy_(torch.randn(cache.buffer.shape, device="cuda").to(FP8))
         cache.scales = [scales, scales]
-        meta = _random_batch(page_size, cached, new, pages, "cuda")
+        meta = prefill_metadata(page_size, cached, new, pages, "cuda")
         if mode == "cascade":  # two groups of two sharing their first 8 and 4 pages
             meta.group_sizes, meta.group_pages = [2, 2], [8, 4]
             meta.page_table_host[1, :8] = meta.page_table_host[0, :8]
