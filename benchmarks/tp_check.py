@@ -17,7 +17,12 @@ decode steps of each (tp=1 first) through /start_profile and prints rank 0's ker
 ``step`` leaves the server out: each rank builds a ModelRunner and times the same decode batch
 three ways, to split a step between the GPU and the host: the captured graph replayed back to
 back (the GPU alone), ``launch`` + ``collect`` one step ahead as the worker runs them (the
-worker's host path too), and the host time of ``launch`` alone.
+worker's host path too), and the host time of ``launch`` alone. It reads ``--quantization``
+and ``--kv-cache-dtype`` from ``--server-args``; with ``--groups G --shared-len S`` the batch
+runs as cascade steps of G groups sharing their first S tokens:
+
+    NCCL_NVLS_ENABLE=0 python benchmarks/tp_check.py step --variants one-shot --batch 256 \
+        --groups 16 --shared-len 2048 --prompt-len 2176 --server-args "--quantization fp8 --kv-cache-dtype fp8_e4m3"
 """
 
 from __future__ import annotations
