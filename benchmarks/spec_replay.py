@@ -13,7 +13,11 @@ release does), and counts decode steps, verify steps and accepted tokens per pol
 time estimate takes a verify step to cost ``--verify-cost`` plain steps (measured by
 ``spec_cost.py``: ~1.2 on the 8B shape at batch <= 16, ~2 for SmolLM2's host-bound steps);
 ``--sit-out`` also replays keeping overlap scheduling by letting a request that verified sit
-out the next step.
+out the next step. ``--overlap`` replays the engine's verify steps as they run under overlap
+scheduling: planned while the step before is in flight, so a draft is made without the tokens
+that step brings (its first token standing in for the one in flight) and after a draft still
+being verified (taken as kept); every step costs a plain one, except that a step with rows
+whose length the worker finds waits for the step before (``--verify-cost`` prices those).
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ class Replayed:
     accepted: int = 0
     runs: int = 0  # drafting requests summed over verify steps
     p90_step: int = 0
+    resolve_steps: int = 0  # (overlap) steps with rows whose length the worker finds
 
 
 class TreeDrafts:
@@ -80,8 +85,8 @@ class TreeDrafts:
     def advanced(self, req: Req) -> None:
         pass
 
-    def draft(self, req: Req, room: int) -> list[int]:
-        return self.drafter.draft(req, room)
+    def draft(self, req: Req, room: int, pending: list[int] = ()) -> list[int]:
+        return self.drafter.draft(req, room, pending)
 
 
 class CountedDrafts:
@@ -206,6 +211,79 @@ def replay_once(
     return r
 
 
+def replay_overlap(prompts: list[list[int]], outputs: list[list[int]], k: int, max_batch: int) -> Replayed:
+    """The engine's drafts (``TreeDrafts``) under overlap scheduling, lockstep: when a step is
+    planned the host knows each request's tokens up to the step in flight. A request whose step
+    in flight is a plain row (or its prefill) drafts ``k + 1`` tokens after what it knows and
+    drops the first (standing in for the token in flight); one whose verify run is in flight
+    drafts after that run's draft taken as kept (and a stand-in for the token after it) if that
+    draft was made after right tokens, else takes a plain row. The device has the true tokens:
+    a draft is kept as far as it equals the recorded continuation at the request's real length."""
+    source = TreeDrafts()
+    for p in {tuple(p) for p in prompts}:
+        source.cached(list(p))
+    reqs = []
+    for i, (prompt, out) in enumerate(zip(prompts, outputs)):
+        req = Req(i, prompt, SamplingParams(max_new_tokens=len(out)), 0, 1 << 20)
+        req.max_outputs = len(out)
+        reqs.append(req)
+    # Per request, its step in flight: its draft (empty: a plain row or the prefill), its real
+    # output length before it, how much of the draft the device kept, and whether the draft was
+    # made after right tokens.
+    flight = {req.rid: ([], 0, 0, True) for req in reqs}
+    real = {req.rid: 1 for req in reqs}  # outputs on the device (the prefill samples one)
+    r = Replayed()
+    idle = 0
+    running = [req for req in reqs if req.max_outputs > 1]
+    finished = len(reqs) - len(running)
+    while running:
+        r.steps += 1
+        speculate = idle == 0 and len(running) <= max_batch
+        idle = max(idle - 1, 0)
+        r.resolve_steps += any(flight[req.rid][0] for req in running)
+        launched, tried = {}, 0
+        for req in running:
+            pending, before, _, right = flight[req.rid]
+            req.output_ids = outputs[req.rid][:before]  # what the host knows
+            draft: list[int] = []
+            if speculate and (right or not pending) and not speculative.resting(req):
+                room = min(k, req.max_outputs - before - len(pending) - 2)
+                if room > 0:
+                    tried += 1
+                    draft = source.draft(req, room + 1, pending)[1:]
+            truth, at = outputs[req.rid], real[req.rid]
+            kept = 0
+            while kept < len(draft) and at + kept < len(truth) and truth[at + kept] == draft[kept]:
+                kept += 1
+            # Made after right tokens: after known ones, or after a whole draft the device kept.
+            made_right = not pending or (right and flight[req.rid][2] == len(pending))
+            launched[req.rid] = (draft, at, kept, made_right)
+            real[req.rid] = min(at + kept + 1, len(truth))
+            if draft:
+                r.drafted += len(draft)
+                r.accepted += kept
+                r.runs += 1
+                speculative.count_run(req, kept)
+        if speculate and tried and not any(d for d, *_ in launched.values()):
+            idle = spec_rule.IDLE_AFTER_NO_DRAFT
+        verifying = any(d for d, *_ in launched.values())
+        r.verify_steps += verifying
+        r.plain_steps += not verifying
+        flight.update(launched)
+        still = []
+        for req in running:
+            if real[req.rid] >= req.max_outputs:
+                req.output_ids = outputs[req.rid][: req.max_outputs]
+                source.cached(req.all_ids[:-1], live=True)  # release caches what was computed
+                finished += 1
+                if finished >= 0.9 * len(reqs) and not r.p90_step:
+                    r.p90_step = r.steps
+            else:
+                still.append(req)
+        running = still
+    return r
+
+
 def replay(args: argparse.Namespace) -> None:
     data = json.loads(Path(args.recorded).read_text())
     samples = data["samples"]
@@ -217,20 +295,30 @@ def replay(args: argparse.Namespace) -> None:
         f"longest {base}: {base - 1} decode steps without speculation"
     )
     rows = []
-    modes = [False, True] if args.sit_out else [False]
+    modes = ["waiting"] + ["sit-out"] * args.sit_out
     runs = [(p, k, b, m) for p in args.policies for k in args.num_draft_tokens for b in args.max_batch for m in modes]
-    for policy, k, max_batch, sit_out in runs:
-        r = replay_once(prompts, outputs, k, max_batch, POLICIES[policy](), sit_out)
+    if args.overlap:
+        runs += [("tree", k, b, "overlap") for k in args.num_draft_tokens for b in args.max_batch]
+    for policy, k, max_batch, mode in runs:
+        if mode == "overlap":
+            r = replay_overlap(prompts, outputs, k, max_batch)
+        else:
+            r = replay_once(prompts, outputs, k, max_batch, POLICIES[policy](), mode == "sit-out")
         row = {
-            "policy": policy + (" sit-out" if sit_out else ""),
+            "policy": policy + ("" if mode == "waiting" else f" {mode}"),
             "k": k,
             "max_batch": max_batch,
             **vars(r),
             "accept_length": 1 + r.accepted / max(r.runs, 1),
             "fewer_steps": (base - 1) / r.steps,
         }
-        for c in args.verify_cost:  # (sitting out keeps every step overlapped: a verify step costs a plain one)
-            row[f"speedup_at_cost_{c}"] = (base - 1) / (r.plain_steps + (1 if sit_out else c) * r.verify_steps)
+        for c in args.verify_cost:
+            cost = {  # sitting out keeps every step overlapped; under overlap a step that resolves waits
+                "waiting": r.plain_steps + c * r.verify_steps,
+                "sit-out": r.steps,
+                "overlap": r.steps + (c - 1) * r.resolve_steps,
+            }[mode]
+            row[f"speedup_at_cost_{c}"] = (base - 1) / cost
         rows.append(row)
         costs = "  ".join(f"x{row[f'speedup_at_cost_{c}']:.2f} at cost {c}" for c in args.verify_cost)
         print(
@@ -265,6 +353,12 @@ def main() -> None:
     rep.add_argument("--verify-cost", type=float, nargs="+", default=[1.2, 2.0])
     rep.add_argument(
         "--sit-out", action="store_true", help="also replay each with verified requests sitting out a step"
+    )
+    rep.add_argument(
+        "--overlap",
+        action="store_true",
+        help="also replay the engine's drafts under overlap scheduling (--verify-cost then prices a "
+        "step that waits for the one before)",
     )
     rep.add_argument("--out", default=None)
     args = ap.parse_args()

@@ -86,6 +86,10 @@ class ForwardBatch(msgspec.Struct, array_like=True, tag=True):
     disk_write_pages: list[int] = []
     # Rows of the step's new tokens whose expert ids come back (--enable-return-routed-experts).
     route_rows: list[int] = []
+    # Requests (indices into slots) whose verify step was still in flight when this one was
+    # planned: their cached_lens count every row of that verify run as kept, and the worker
+    # lowers them by the rows it rejected (known on the device by the time this step starts).
+    resolve_rows: list[int] = []
 
 
 class SampleMasks(msgspec.Struct, array_like=True, tag=True):

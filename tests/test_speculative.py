@@ -123,6 +123,41 @@ def test_radix_tree_drafts_repeat_earlier_outputs(tiny_llama):
     assert after["spec_step_gain"] > 2  # what the rule weighs: most of each draft kept
 
 
+def test_verify_steps_keep_overlap_and_the_worker_finds_real_lengths(tiny_llama, monkeypatch):
+    """Steps are planned while a verify step is in flight: runs drafted after a draft still
+    being verified (chained), and plain rows, whose lengths count the run in flight as kept; the
+    worker lowers them by the rows that run rejected. Outputs equal speculation off (greedy from
+    the tree, which chains whole drafts, and seeded sampling, which rejects some), and pages
+    past the real lengths go back."""
+    from minisgl.worker.model_runner import ModelRunner
+
+    seen = {"rows": 0, "lowered": 0, "chained": 0}
+    resolve = ModelRunner._resolve
+
+    def counting(self, batch):
+        rejected = self.rejected_host.numpy()
+        seen["rows"] += len(batch.resolve_rows)
+        seen["lowered"] += sum(int(rejected[batch.slots[i]] > 0) for i in batch.resolve_rows)
+        seen["chained"] += sum(i < sum(batch.verify_sizes) for i in batch.resolve_rows)
+        resolve(self, batch)
+
+    monkeypatch.setattr(ModelRunner, "_resolve", counting)
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 900) for _ in range(40)] for _ in range(3)]
+    off, on = make_llm(tiny_llama, page_size=4), make_llm(tiny_llama, page_size=4, **SPEC)
+    for params in (
+        SamplingParams(temperature=0.0, max_new_tokens=80, ignore_eos=True),
+        SamplingParams(temperature=0.9, top_p=0.9, max_new_tokens=80, ignore_eos=True, seed=5),
+    ):
+        want = tokens(off.generate(prompts, params))
+        for _ in range(2):  # the second time the tree drafts them
+            assert tokens(on.generate(prompts, params)) == want
+            on.scheduler.check_integrity()
+    assert seen["chained"] > 0 and seen["lowered"] > 0 and seen["rows"] > seen["chained"]
+    mem = on.scheduler.memory.stats()
+    assert mem["free_pages"] + mem["evictable_pages"] == mem["total_pages"]
+
+
 def test_the_rule_speculates_while_measured_verify_steps_pay():
     """Unmeasured choices are tried first; then a verify step runs only while its tokens per
     request beat its cost in plain steps, per batch size, with the other choice tried now and
@@ -303,8 +338,9 @@ def test_unseeded_sampling_keeps_its_distribution(tiny_llama):
 
 def test_verify_steps_at_tp2_equal_one_process(tiny_llama):
     """Two tensor-parallel ranks (gloo): verify steps sample on the sharded vocabulary and keep
-    each run's last token on every rank, so greedy and seeded outputs and their logprobs equal
-    one process's without speculation."""
+    each run's last token (and the rows it rejected) on every rank, so greedy and seeded outputs
+    and their logprobs equal one process's without speculation. The prompts run twice: the
+    second time the tree drafts their outputs."""
     import gc
 
     from minisgl.llm import LLM
@@ -317,14 +353,17 @@ def test_verify_steps_at_tp2_equal_one_process(tiny_llama):
     kw = dict(device="cpu", dtype="float32", max_running_requests=8, page_size=2)
     want = LLM(str(tiny_llama), **kw).generate(prompts, params, top_logprobs=2)
     llm = LLM(str(tiny_llama), tp_size=2, **kw, **SPEC)
-    got = llm.generate(prompts, params, top_logprobs=2)
+    runs = [llm.generate(prompts, params, top_logprobs=2) for _ in range(2)]
     stats = llm.scheduler.stats()
     del llm
     gc.collect()
-    assert tokens(got) == tokens(want)
     assert stats["spec_verify_steps"] > 0 and stats["spec_accepted_tokens"] > 0
-    for g, w in zip(got, want):
-        assert np.allclose(g["meta_info"]["output_token_logprobs"], w["meta_info"]["output_token_logprobs"], atol=1e-4)
+    for got in runs:
+        assert tokens(got) == tokens(want)
+        for g, w in zip(got, want):
+            assert np.allclose(
+                g["meta_info"]["output_token_logprobs"], w["meta_info"]["output_token_logprobs"], atol=1e-4
+            )
 
 
 @pytest.mark.cuda

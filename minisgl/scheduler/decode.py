@@ -19,9 +19,10 @@ from minisgl.scheduler.request import Req
 
 
 class DecodePlanner:
-    def __init__(self, memory: Memory, cascade: bool, routing: bool = False):
+    def __init__(self, memory: Memory, cascade: bool, routing: bool = False, speculative: bool = False):
         self.memory = memory
         self.routing = routing  # requests may return their routed experts: find their rows
+        self.speculative = speculative  # requests may have a verify step in flight: find their rows
         self.page_size = memory.page_size
         self.cascade = cascade
         self.order = DecodeOrder([])  # the last step's order and cascade groups
@@ -51,7 +52,7 @@ class DecodePlanner:
         if key != self._key:  # locks and requests unchanged: last step's groups still hold
             self._key = key
             self.order = plan_cascade(reqs, self.memory.cache, page, self.cascade)
-        return self._batch(self.order, needy)
+        return self._batch(self.order, needy, self.speculative)
 
     def routed(self, batch: ForwardBatch) -> list[tuple[Req, int]]:
         """The (request, position) of the step's rows whose experts come back (``route_rows``)."""
@@ -62,7 +63,7 @@ class DecodePlanner:
         return [(reqs[i], reqs[i].kv_len - 1) for i in batch.route_rows]
 
     @staticmethod
-    def _batch(order: DecodeOrder, needy: list[Req]) -> ForwardBatch:
+    def _batch(order: DecodeOrder, needy: list[Req], speculative: bool) -> ForwardBatch:
         reqs, n = order.reqs, len(order.reqs)
         batch = ForwardBatch(
             slots=[r.slot for r in reqs],
@@ -73,6 +74,7 @@ class DecodePlanner:
             group_sizes=order.group_sizes,
             group_pages=order.group_pages,
             mask_rows=[i for i, r in enumerate(reqs) if r.matcher is not None],
+            resolve_rows=[i for i, r in enumerate(reqs) if r.verify_step >= 0] if speculative else [],
         )
         for req in needy:
             write_table(batch, req)

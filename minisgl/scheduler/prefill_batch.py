@@ -57,9 +57,9 @@ def mixed_batch(prefill: ForwardBatch, decode: ForwardBatch) -> ForwardBatch:
 
 
 def append_rows(batch: ForwardBatch, more: ForwardBatch) -> None:
-    """``more``'s rows after ``batch``'s: its tokens, page-table writes, and constrained and
-    routed rows (renumbered). Cascade groups are the caller's to join."""
-    tokens, sampled = len(batch.input_ids), sum(batch.sample)
+    """``more``'s rows after ``batch``'s: its tokens, page-table writes, and constrained, routed
+    and resolved rows (renumbered). Cascade groups are the caller's to join."""
+    tokens, sampled, rows = len(batch.input_ids), sum(batch.sample), len(batch.slots)
     batch.slots += more.slots
     batch.cached_lens += more.cached_lens
     batch.new_lens += more.new_lens
@@ -70,6 +70,7 @@ def append_rows(batch: ForwardBatch, more: ForwardBatch) -> None:
     batch.table_pages += more.table_pages
     batch.mask_rows += [sampled + i for i in more.mask_rows]
     batch.route_rows += [tokens + i for i in more.route_rows]
+    batch.resolve_rows += [rows + i for i in more.resolve_rows]
 
 
 def write_table(batch: ForwardBatch, req: Req) -> None:

@@ -140,6 +140,7 @@ class Scheduler(ControlPlane):
             self.memory,
             not args.disable_cascade_attention and (on_gpu or cascade.ON_CPU),
             args.enable_return_routed_experts,
+            args.speculative_algorithm is not None,
         )
         self.spec: SpecPlanner | None = None
         self._speculate = False  # this step may verify drafts (``SpecRule.wants``)
@@ -357,11 +358,6 @@ class Scheduler(ControlPlane):
             self._admit_compiled()
         got: list[Req] = []
         self._speculate = self.spec is not None and self.spec.rule.wants(len(self.decoding))
-        if self.inflight and (self._speculate or any(step[5] for step in self.inflight)):
-            # A verify step drafts from every token so far, and one in flight changes how many
-            # tokens its requests hold: both wait for the steps in flight.
-            while self.inflight:
-                got += self._process(self.inflight.popleft())
         batch, sampled, scored, routed, decode, drafts = self._schedule()
         if self.spec is not None:
             kind = (True if drafts else None if self._speculate else False) if decode else None
@@ -448,8 +444,8 @@ class Scheduler(ControlPlane):
                         c.mixed_steps += 1
                 return batch, sampled, scored, routed, False, []
             retract = lambda: self._retract(self.running[-1])  # noqa: E731
-            if self._speculate and not self.inflight:
-                verify = self.spec.schedule(self.decoding, retract)
+            if self._speculate:
+                verify = self.spec.schedule(self.decoding, retract, c.steps)
                 if verify is not None:
                     batch, rows, drafts, routed = verify
                     c.decode_steps += 1
@@ -476,13 +472,14 @@ class Scheduler(ControlPlane):
         if routed:
             record_routed(routed, out.routed_experts)
         if drafts:
-            sampled = self.spec.accept(sampled, drafts, out)
+            sampled = self.spec.accept(sampled, drafts, out, step)
             return list(dict.fromkeys(apply_output(sampled, scored, score_ids, out, self.finish)))
         return apply_output(sampled, scored, score_ids, out, self.finish)
 
     # ---- giving pages back ---------------------------------------------------------------------
 
     def _release(self, req: Req) -> None:
+        req.verify_step, req.verify_draft = -1, []  # (a verify step in flight finds it gone: its pages went back here)
         self.memory.release(req)
         self.running.remove(req)
         (self.prefilling if req in self.prefilling else self.decoding).remove(req)

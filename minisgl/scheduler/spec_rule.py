@@ -1,15 +1,16 @@
 """When a step speculates (``--speculative-algorithm``): measured, not guessed.
 
-A verify step needs each request's last token on the host, so it gives up overlap scheduling;
-what that costs depends on the model and the machine (little on an 8B model, about doubling a
-host-bound small model's step). ``SpecRule`` times plain and verify steps, start to start, per
-batch size (bit length of the decoding requests), and keeps the tokens a verify step gives per
-decoding request; a step speculates while those tokens exceed the verify step's cost in plain
-steps. What is not measured yet is tried first, and the other choice is tried now and then, so
-a change of workload turns speculation back on or off. Each try pays two switches of the
-pipeline, which the start-to-start timings leave out (an isolated verify step cost ~4.6 ms on the
-H100 against ~1.2 ms inside a run of them, SmolLM2), so a try that confirms the choice doubles
-the interval to the next one, and one that changes it starts the interval again.
+A verify step computes k + 1 rows per drafting request, and the step after it waits on the
+worker until the verify step's kept counts are on the host (``ForwardBatch.resolve_rows``);
+what that costs depends on the model and the machine. ``SpecRule`` times plain and verify
+steps, start to start, per batch size (bit length of the decoding requests), and keeps the
+tokens a verify step gives per decoding request; a step speculates while those tokens exceed
+the verify step's cost in plain steps. What is not measured yet is tried first, and the other
+choice is tried now and then, so a change of workload turns speculation back on or off. A try
+that confirms the choice doubles the interval to the next one, and one that changes it starts
+the interval again (when verify steps still waited for the scheduler, each try paid two drains
+of the pipeline: an isolated verify step cost ~4.6 ms on the H100 against ~1.2 ms inside a run
+of them, SmolLM2).
 """
 
 from __future__ import annotations

@@ -14,8 +14,14 @@ equal speculation off token for token, and an unseeded request's distribution is
 (each position is still one draw from the target's distribution, keeping a draft token with
 exactly its probability).
 
-Verify steps need each request's last token on the host, so the scheduler waits for the steps
-in flight first; whether a step speculates is measured (``spec_rule.SpecRule``).
+Verify steps keep overlap scheduling. A request's last token may still be in flight when its
+verify step is planned: its draft is then made from the tokens before it, the first drafted
+token standing in for the unknown one, and its run's first row takes the worker's own last
+token (a wrong guess only costs acceptance). While a verify step is in flight its requests
+count every draft row as kept; a step planned meanwhile gives them a plain row each whose
+length the worker lowers by the rows the verify step rejected (``ForwardBatch.resolve_rows``),
+and the pages past the real length go back once the tokens are here. Whether a step
+speculates is measured (``spec_rule.SpecRule``).
 Requests whose sampling reads earlier outputs on the device (penalties), follow a grammar or
 return routed experts decode plainly.
 """
@@ -67,11 +73,12 @@ class Drafter:
     def __init__(self, index: NgramIndex | None, min_n: int, max_n: int):
         self.index, self.min_n, self.max_n = index, min_n, max_n
 
-    def draft(self, req: Req, count: int) -> list[int]:
-        """Up to ``count`` tokens to follow ``req``'s tokens: after its longest recent n-gram
-        found (its own earlier tokens first at each length, then the tree's)."""
-        ids = req.all_ids
-        own = self._own_tables(req, ids)
+    def draft(self, req: Req, count: int, pending: list[int] = ()) -> list[int]:
+        """Up to ``count`` tokens to follow ``req``'s tokens and then ``pending`` (a draft of it
+        in flight, taken as kept): after its longest recent n-gram found (its own earlier tokens
+        first at each length, then the tree's)."""
+        own = self._own_tables(req, req.all_ids)
+        ids = req.all_ids + list(pending) if pending else req.all_ids
         keys = suffix_hashes(ids, self.max_n)
         for n in range(len(keys), self.min_n - 1, -1):
             tail, key = ids[-n:], keys[n - 1]
@@ -133,29 +140,39 @@ class SpecPlanner:
         return req.matcher is None and not req.params.has_penalty and req.routed_start < 0
 
     def schedule(
-        self, decoding: list[Req], retract_newest: Callable[[], None]
+        self, decoding: list[Req], retract_newest: Callable[[], None], step: int
     ) -> tuple[ForwardBatch, list[Req], Drafts, list[tuple[Req, int]]] | None:
-        """A verify step (None: no request has a draft, or no pages for them): its batch, the
-        request of each row, each drafting request with its draft, and the (request, position)
-        of the plain rows whose routed experts come back."""
+        """Verify step ``step`` (None: no request has a draft, or no pages for them): its batch,
+        the request of each row, each drafting request with its draft, and the (request,
+        position) of the plain rows whose routed experts come back."""
         start = time.perf_counter()
         drafts: Drafts = []
         spare_rows = self.max_rows - len(decoding)  # a step past the largest captured graph runs eagerly
+        tried = 0  # requests that looked for a draft
         for req in decoding:
-            if resting(req):
+            # A verify step of it in flight: its draft is taken as kept, if the tokens it was
+            # drafted after are known to be right (else a plain row while it comes back).
+            pending = req.verify_draft if req.verify_step >= 0 else []
+            if (pending and not req.verify_chain) or resting(req):
+                continue
+            late = req.kv_len + 1 - len(req.all_ids) - len(pending)  # 1: its last token is in flight
+            if late not in (0, 1):  # (a prefill chunk of it in flight: no draft yet)
                 continue
             # Room for the draft and the token after it, within its budget and context (and a
             # whole page before its run, which a cascade group reads), and the step's spare rows.
-            room = min(self.k, req.max_outputs - len(req.output_ids) - 1, req.max_len - req.kv_len - 2, spare_rows)
+            outputs = len(req.output_ids) + len(pending) + late
+            room = min(self.k, req.max_outputs - outputs - 1, req.max_len - req.kv_len - 2, spare_rows)
             if room > 0 and self.eligible(req) and req.kv_len >= self.page_size:
-                draft = self.drafter.draft(req, room)
+                tried += 1
+                draft = self.drafter.draft(req, room + late, pending)[late:]
                 if draft:
                     drafts.append((req, draft))
                     spare_rows -= len(draft)
         self.draft_seconds += time.perf_counter() - start
         self.drafting_rows += len(decoding)
         if not drafts:
-            self.rule.no_drafts()
+            if tried:  # (not when every request waits for its verify step, which drafts again next)
+                self.rule.no_drafts()
             return None
         drafting = {id(r) for r, _ in drafts}
         plain = [r for r in decoding if id(r) not in drafting]
@@ -173,23 +190,29 @@ class SpecPlanner:
             drafts = []
             if decode is None:
                 return None
+        batch = ForwardBatch(slots=[], cached_lens=[], new_lens=[], input_ids=[], sample=[])
+        rows: list[Req] = []
         for (req, draft), n in zip(drafts, need):
+            # Rows at the positions its tokens so far (the draft in flight taken as kept) leave.
+            unsure = len(req.verify_draft) if req.verify_step >= 0 else 0  # rows the worker may take off
+            here = unsure == 0 and len(req.all_ids) > req.kv_len  # its last token is on the host
             req.pages += pages[:n]
             pages = pages[n:]
             req.kv_len += 1 + len(draft)
-        batch = ForwardBatch(slots=[], cached_lens=[], new_lens=[], input_ids=[], sample=[])
-        rows: list[Req] = []
-        for req, draft in drafts:
+            req.verify_step, req.verify_draft = step, draft
+            req.verify_chain = True  # (until the run it was drafted after turns out cut short)
             n, start = 1 + len(draft), req.kv_len - 1 - len(draft)
+            if unsure:
+                batch.resolve_rows += range(len(batch.slots), len(batch.slots) + n)
             batch.slots += [req.slot] * n
             batch.cached_lens += range(start, start + n)
             batch.new_lens += [1] * n
-            batch.input_ids += [req.all_ids[start], *draft]
+            batch.input_ids += [req.all_ids[start] if here else -1, *draft]
             batch.sample += [True] * n
             batch.verify_sizes.append(n)
             if self.decode.cascade:  # its rows read the pages before its draft once, as a group
                 batch.group_sizes.append(n)
-                batch.group_pages.append((start + 1) // self.page_size)
+                batch.group_pages.append((start - unsure + 1) // self.page_size)  # (at its shortest)
             write_table(batch, req)
             rows += [req] * n
         routed: list[tuple[Req, int]] = []
@@ -206,11 +229,12 @@ class SpecPlanner:
         self.drafted_tokens += sum(len(d) for _, d in drafts)
         return batch, rows, drafts, routed
 
-    def accept(self, rows: list[Req], drafts: Drafts, out: StepOutput) -> list[Req]:
-        """Keep each drafting request's accepted rows of ``out`` (edited in place): the draft
-        tokens its samples matched and the sample after them, cut at its stop token (its length
-        cannot pass: ``schedule`` left room for the whole draft and one more). Gives back the
-        pages of the rejected positions; returns the request of each kept row."""
+    def accept(self, rows: list[Req], drafts: Drafts, out: StepOutput, step: int) -> list[Req]:
+        """Keep each drafting request's accepted rows of verify step ``step``'s ``out`` (edited
+        in place): the draft tokens its samples matched and the sample after them, cut at its
+        stop token (its length cannot pass: ``schedule`` left room for the whole draft and one
+        more). Gives back the pages of the rejected positions (of a request that still holds the
+        slot it verified in); returns the request of each kept row."""
         keep: list[int] = []
         at = step_accepted = 0
         for req, draft in drafts:
@@ -228,7 +252,11 @@ class SpecPlanner:
             self.accepted_tokens += accepted
             step_accepted += accepted
             count_run(req, accepted)
-            if req.slot is not None:  # (not aborted while the step ran)
+            if req.verify_step >= 0:  # (not aborted or retracted while the step ran)
+                if req.verify_step == step:
+                    req.verify_step, req.verify_draft = -1, []
+                elif accepted < len(draft):  # the run in flight was drafted after this whole draft
+                    req.verify_chain = False
                 req.kv_len -= len(draft) + 1 - take
                 spare = req.pages[cdiv(req.kv_len, self.page_size) :]
                 if spare:

@@ -218,6 +218,13 @@ class ModelRunner:
         # On the host only: attention backends cut their page lists from it (AttentionMetadata).
         self.page_table_host = np.zeros((n + 1, cdiv(self.context_len, self.page_size)), dtype=np.int32)
         self.last_token = torch.zeros(n + 1, dtype=torch.int64, device=self.device)
+        # Rows each slot's last verify run rejected, on the device and copied to (pinned) host
+        # memory once that step has sampled: a step planned before its tokens were back reads
+        # them for its ``resolve_rows``.
+        on_gpu = self.device.type == "cuda"
+        self.rejected = torch.zeros(n + 1, dtype=torch.int64, device=self.device)
+        self.rejected_host = torch.zeros(n + 1, dtype=torch.int64, pin_memory=on_gpu)
+        self._rejected_event: torch.cuda.Event | None = None
         self.sampler = Sampler(n, self.vocab_size, self.device)
 
     def _make_cache(self, num_pages: int) -> MHAKVCache:
@@ -516,6 +523,8 @@ class ModelRunner:
             io_event, self._io_event = self._io_event, None
             self.pending.append(_Pending([], {}, None, io_event=io_event))
             return
+        if batch.resolve_rows:
+            self._resolve(batch)
         self.add_requests(batch.new_requests)
         logits = self.forward(batch, gather=False)
         if batch.mask_rows:  # constrained rows: sample when their masks come (sample_masked)
@@ -552,6 +561,16 @@ class ModelRunner:
                 self.last_token[torch.from_numpy(slots).to(self.device, non_blocking=True)] = out.tokens
         self.pending.append(self._to_host(out, slots, self._extras, batch.score_top))
 
+    def _resolve(self, batch: ForwardBatch) -> None:
+        """Lower the ``resolve_rows``' lengths by the rows their slots' verify runs rejected:
+        the one step this waits for is the verify step just before (the GPU idles for the rest
+        of this launch, not for the scheduler's round trip)."""
+        if self._rejected_event is not None:
+            self._rejected_event.synchronize()
+        rejected = self.rejected_host.numpy()
+        for i in batch.resolve_rows:
+            batch.cached_lens[i] -= int(rejected[batch.slots[i]])
+
     def _last_verified(self, batch: ForwardBatch, tokens: torch.Tensor) -> None:
         """A verify step's last token per run (``ForwardBatch.verify_sizes``): its first row
         whose sample differs from the next row's input, as the scheduler will find on the host;
@@ -568,6 +587,12 @@ class ModelRunner:
         first.scatter_reduce_(0, torch.from_numpy(run).to(dev, non_blocking=True), index, "amin")
         slots = torch.from_numpy(np.asarray(batch.slots, dtype=np.int64)[ends - 1]).to(dev, non_blocking=True)
         self.last_token[slots] = tokens[first]
+        starts = torch.from_numpy(ends - sizes).to(dev, non_blocking=True)
+        self.rejected[slots] = torch.from_numpy(sizes).to(dev, non_blocking=True) - (first - starts + 1)
+        self.rejected_host.copy_(self.rejected, non_blocking=self.device.type == "cuda")
+        if self.device.type == "cuda":
+            self._rejected_event = torch.cuda.Event()
+            self._rejected_event.record()
 
     def _to_host(
         self, out: SampleOutput, slots: np.ndarray, scores: dict[str, torch.Tensor], score_top: int
