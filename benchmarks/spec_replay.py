@@ -60,6 +60,7 @@ class Replayed:
     runs: int = 0  # drafting requests summed over verify steps
     p90_step: int = 0
     resolve_steps: int = 0  # (overlap) steps with rows whose length the worker finds
+    finished: int = 0  # requests done so far
 
 
 class TreeDrafts:
@@ -138,6 +139,35 @@ POLICIES = {
 }
 
 
+def _requests(prompts: list[list[int]], outputs: list[list[int]], source: TreeDrafts | CountedDrafts) -> list[Req]:
+    """A request per recorded sample, its prompt in the drafts' tree (served before)."""
+    for p in {tuple(p) for p in prompts}:
+        source.cached(list(p))
+    reqs = []
+    for i, (prompt, out) in enumerate(zip(prompts, outputs)):
+        req = Req(i, prompt, SamplingParams(max_new_tokens=len(out)), 0, 1 << 20)
+        req.max_outputs = len(out)
+        reqs.append(req)
+    return reqs
+
+
+def _retire(
+    running: list[Req], done: dict[int, bool], source: TreeDrafts | CountedDrafts, r: Replayed, total: int
+) -> list[Req]:
+    """The requests still running; those ``done`` enter the tree as release caches them (all
+    but the last token), and the step at which 90% of ``total`` are done is noted."""
+    still = []
+    for req in running:
+        if done[req.rid]:
+            source.cached(req.all_ids[:-1], live=True)
+            r.finished += 1
+            if r.finished >= 0.9 * total and not r.p90_step:
+                r.p90_step = r.steps
+        else:
+            still.append(req)
+    return still
+
+
 def replay_once(
     prompts: list[list[int]],
     outputs: list[list[int]],
@@ -151,18 +181,13 @@ def replay_once(
     the plain steps after a step that found no draft. ``sit_out``: instead of a verify step
     waiting for the steps in flight, a request that verified sits out the step after it (whose
     start cannot know how many tokens it kept), so every step keeps overlap scheduling."""
-    for p in {tuple(p) for p in prompts}:
-        source.cached(list(p))
-    reqs = []
-    for i, (prompt, out) in enumerate(zip(prompts, outputs)):
-        req = Req(i, prompt, SamplingParams(max_new_tokens=len(out)), 0, 1 << 20)
-        req.max_outputs = len(out)
+    reqs = _requests(prompts, outputs, source)
+    for req, out in zip(reqs, outputs):
         req.output_ids = [out[0]]  # the prefill samples the first token
-        reqs.append(req)
     r = Replayed()
     idle = 0
     running = [req for req in reqs if len(req.output_ids) < req.max_outputs]
-    finished = len(reqs) - len(running)
+    r.finished = len(reqs) - len(running)
     resting: set[int] = set()  # (sit_out) requests that verified in the step before
     while running:
         r.steps += 1
@@ -198,16 +223,7 @@ def replay_once(
                 speculative.count_run(req, accepted)
             req.output_ids = truth[: at + accepted + 1]
             source.advanced(req)
-        still = []
-        for req in running:
-            if len(req.output_ids) >= req.max_outputs:
-                source.cached(req.all_ids[:-1], live=True)  # release caches what was computed: all but the last token
-                finished += 1
-                if finished >= 0.9 * len(reqs) and not r.p90_step:
-                    r.p90_step = r.steps
-            else:
-                still.append(req)
-        running = still
+        running = _retire(running, {q.rid: len(q.output_ids) >= q.max_outputs for q in running}, source, r, len(reqs))
     return r
 
 
@@ -220,13 +236,7 @@ def replay_overlap(prompts: list[list[int]], outputs: list[list[int]], k: int, m
     draft was made after right tokens, else takes a plain row. The device has the true tokens:
     a draft is kept as far as it equals the recorded continuation at the request's real length."""
     source = TreeDrafts()
-    for p in {tuple(p) for p in prompts}:
-        source.cached(list(p))
-    reqs = []
-    for i, (prompt, out) in enumerate(zip(prompts, outputs)):
-        req = Req(i, prompt, SamplingParams(max_new_tokens=len(out)), 0, 1 << 20)
-        req.max_outputs = len(out)
-        reqs.append(req)
+    reqs = _requests(prompts, outputs, source)
     # Per request, its step in flight: its draft (empty: a plain row or the prefill), its real
     # output length before it, how much of the draft the device kept, and whether the draft was
     # made after right tokens.
@@ -235,7 +245,7 @@ def replay_overlap(prompts: list[list[int]], outputs: list[list[int]], k: int, m
     r = Replayed()
     idle = 0
     running = [req for req in reqs if req.max_outputs > 1]
-    finished = len(reqs) - len(running)
+    r.finished = len(reqs) - len(running)
     while running:
         r.steps += 1
         speculate = idle == 0 and len(running) <= max_batch
@@ -270,17 +280,11 @@ def replay_overlap(prompts: list[list[int]], outputs: list[list[int]], k: int, m
         r.verify_steps += verifying
         r.plain_steps += not verifying
         flight.update(launched)
-        still = []
+        done = {q.rid: real[q.rid] >= q.max_outputs for q in running}
         for req in running:
-            if real[req.rid] >= req.max_outputs:
+            if done[req.rid]:
                 req.output_ids = outputs[req.rid][: req.max_outputs]
-                source.cached(req.all_ids[:-1], live=True)  # release caches what was computed
-                finished += 1
-                if finished >= 0.9 * len(reqs) and not r.p90_step:
-                    r.p90_step = r.steps
-            else:
-                still.append(req)
-        running = still
+        running = _retire(running, done, source, r, len(reqs))
     return r
 
 
