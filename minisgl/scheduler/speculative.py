@@ -156,7 +156,7 @@ class SpecPlanner:
             if (pending and not req.verify_chain) or resting(req):
                 continue
             late = req.kv_len + 1 - len(req.all_ids) - len(pending)  # 1: its last token is in flight
-            if late not in (0, 1):  # (a prefill chunk of it in flight: no draft yet)
+            if late not in (0, 1):  # (defensive: decoding requests are at most one token behind)
                 continue
             # Room for the draft and the token after it, within its budget and context (and a
             # whole page before its run, which a cascade group reads), and the step's spare rows.
@@ -193,8 +193,9 @@ class SpecPlanner:
         batch = ForwardBatch(slots=[], cached_lens=[], new_lens=[], input_ids=[], sample=[])
         rows: list[Req] = []
         for (req, draft), n in zip(drafts, need):
-            # Rows at the positions its tokens so far (the draft in flight taken as kept) leave.
-            unsure = len(req.verify_draft) if req.verify_step >= 0 else 0  # rows the worker may take off
+            # Its run starts where its tokens end, a draft in flight taken as kept: the worker
+            # moves it back by the rows that draft's run rejected (at most the whole draft).
+            unsure = len(req.verify_draft) if req.verify_step >= 0 else 0
             here = unsure == 0 and len(req.all_ids) > req.kv_len  # its last token is on the host
             req.pages += pages[:n]
             pages = pages[n:]
