@@ -13,7 +13,9 @@ samples finished (the tail a repeated-sampling step waits for). Each mode runs o
 engine (``LLM.reset_scheduler``), first a warm-up round. ``--rules measured always`` runs
 speculation under the engine's measured rule and with every step that may speculate doing so.
 ``--repeats N`` runs every mode N times, one pass after another, and reports each mode's
-median run: single runs of a ~2 s SmolLM2 workload moved 15% between leases.
+median run: single runs of a ~2 s SmolLM2 workload moved 15% between leases. ``--overlap off on``
+runs each speculating mode with verify steps waiting for the steps before them and planned
+beside them (``--speculative-overlap``).
 """
 
 from __future__ import annotations
@@ -152,6 +154,13 @@ def main() -> None:
         default=["measured"],
         help="measured: SpecPlanner's rule decides each step; always: every step that may speculates",
     )
+    ap.add_argument(
+        "--overlap",
+        nargs="+",
+        choices=["off", "on"],
+        default=["off"],
+        help="verify steps wait for the steps before them (off) or are planned beside them (on: --speculative-overlap)",
+    )
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--seed", type=int, default=0)
@@ -161,21 +170,23 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     llm, prompts, params = setup(args)
-    modes = [("off", None, 0, "measured")] + [
-        (f"on k={k} idle={idle} {rule}", k, idle, rule)
+    modes = [("off", None, 0, "measured", False)] + [
+        (f"on k={k} idle={idle} {rule}" + (" overlapped" if overlap == "on" else ""), k, idle, rule, overlap == "on")
         for k in args.num_draft_tokens
         for idle in args.idle_after_no_draft
         for rule in args.rules
+        for overlap in args.overlap
     ]
     measured = spec_rule.SpecRule.pays
     rows, outputs = [], []
     runs: dict[str, list[dict]] = {name: [] for name, *_ in modes}
     # One warm-up pass, then the measured passes, each mode once a pass (drift hits every mode alike).
     for warm in [True] + [False] * args.repeats:
-        for name, k, idle, rule in modes:
+        for name, k, idle, rule, overlap in modes:
             spec_rule.IDLE_AFTER_NO_DRAFT = idle
             spec_rule.SpecRule.pays = measured if rule == "measured" else lambda self, decoding: True
             llm.args.speculative_algorithm = None if k is None else "NGRAM"
+            llm.args.speculative_overlap = overlap
             llm.args.speculative_num_draft_tokens = k or 1
             llm.reset_scheduler()
             # Warm-up: a few requests (graphs, kernels); then the measured run on a fresh cache.

@@ -68,6 +68,9 @@ class EngineArgs:
     speculative_ngram_min_match_window_size: int = 2
     speculative_ngram_max_match_window_size: int = 6
     speculative_ngram_capacity: int = 1 << 18  # index slots per match length (16 bytes each)
+    # Verify steps planned while the step before is in flight (late and chained drafts, lengths
+    # resolved on the worker) instead of waiting for it.
+    speculative_overlap: bool = False
     cuda_graph_max_bs: int | None = None  # None: max_running_requests; 0 disables graphs
     disable_cuda_graph: bool = False
     # Prefill steps of up to this many tokens replay CUDA graphs of the layers' pieces between
@@ -519,6 +522,14 @@ def add_engine_args(ap: argparse.ArgumentParser) -> dict[str, argparse._Argument
         type=int,
         default=1 << 18,
         help="n-gram index slots per match length (16 bytes each; newer n-grams replace older ones)",
+    )
+    spec.add_argument(
+        "--speculative-overlap",
+        action="store_true",
+        help="(minisgl) plan verify steps while the step before is still running, as plain steps are: "
+        "drafts made before a request's last token is known (or after its draft still being verified), "
+        "lengths corrected on the worker. Keeps the GPU busy on host-bound models at the cost of "
+        "acceptance; off: verify steps wait for the tokens before them",
     )
     hicache.add_argument(
         "--enable-hierarchical-cache",

@@ -18,6 +18,8 @@ from minisgl.sampling import SamplingParams
 from tests.test_scheduler import make_llm, shared_prefix_prompts, tokens
 
 SPEC = {"speculative_algorithm": "NGRAM"}
+OVERLAPPED = {**SPEC, "speculative_overlap": True}  # verify steps planned while the step before runs
+BOTH_MODES = pytest.mark.parametrize("spec", [SPEC, OVERLAPPED], ids=["waiting", "overlapped"])
 
 
 @pytest.fixture(autouse=True)
@@ -38,10 +40,10 @@ def looping_prompts(count: int, seed: int) -> list[list[int]]:
     return out
 
 
-def both(path, prompts, params, **kw) -> tuple[list, list, dict]:
+def both(path, prompts, params, spec: dict = SPEC, **kw) -> tuple[list, list, dict]:
     """Results with speculation off and on (same engine settings), and the second's stats."""
     off = make_llm(path, **kw).generate(prompts, params)
-    llm = make_llm(path, **kw, **SPEC)
+    llm = make_llm(path, **kw, **spec)
     on = llm.generate(prompts, params)
     return off, on, llm.scheduler.stats()
 
@@ -79,8 +81,9 @@ def test_index_follows_inserts_splits_and_evictions():
     assert not index.nodes
 
 
+@BOTH_MODES
 @pytest.mark.parametrize("overlap,cascade", [(True, True), (False, True), (True, False)])
-def test_greedy_and_seeded_outputs_equal_speculation_off(tiny_llama, overlap, cascade, request):
+def test_greedy_and_seeded_outputs_equal_speculation_off(tiny_llama, overlap, cascade, spec, request):
     """Verify runs read their shared pages as cascade groups (beside the plain rows' groups) or
     as loose rows."""
     if cascade:
@@ -99,7 +102,7 @@ def test_greedy_and_seeded_outputs_equal_speculation_off(tiny_llama, overlap, ca
         else:
             params.append(SamplingParams(temperature=0.9, seed=100 + i, max_new_tokens=60, ignore_eos=True))
     kw = {"page_size": 4, "disable_overlap_schedule": not overlap}
-    off, on, stats = both(tiny_llama, prompts, params, **kw)
+    off, on, stats = both(tiny_llama, prompts, params, spec, **kw)
     assert tokens(on) == tokens(off)
     assert [r["meta_info"]["finish_reason"] for r in on] == [r["meta_info"]["finish_reason"] for r in off]
     assert stats["spec_verify_steps"] > 0 and stats["spec_accepted_tokens"] > 0
@@ -144,7 +147,7 @@ def test_verify_steps_keep_overlap_and_the_worker_finds_real_lengths(tiny_llama,
     monkeypatch.setattr(ModelRunner, "_resolve", counting)
     rng = random.Random(4)
     prompts = [[rng.randrange(3, 900) for _ in range(40)] for _ in range(3)]
-    off, on = make_llm(tiny_llama, page_size=4), make_llm(tiny_llama, page_size=4, **SPEC)
+    off, on = make_llm(tiny_llama, page_size=4), make_llm(tiny_llama, page_size=4, **OVERLAPPED)
     for params in (
         SamplingParams(temperature=0.0, max_new_tokens=80, ignore_eos=True),
         SamplingParams(temperature=0.9, top_p=0.9, max_new_tokens=80, ignore_eos=True, seed=5),
@@ -278,7 +281,8 @@ def test_stops_lengths_and_logprobs_hold(tiny_llama):
                 assert [[t for t, _ in row] for row in tops[0]] == [[t for t, _ in row] for row in tops[1]]
 
 
-def test_retraction_and_grammars_beside_speculation(tiny_llama):
+@BOTH_MODES
+def test_retraction_and_grammars_beside_speculation(tiny_llama, spec):
     pytest.importorskip("xgrammar")
     prompts = shared_prefix_prompts(groups=4, per_group=6, prefix_len=30, seed=3) + looping_prompts(4, seed=5)
     schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
@@ -289,14 +293,15 @@ def test_retraction_and_grammars_beside_speculation(tiny_llama):
         for i in range(len(prompts))
     ]
     ref = tokens(make_llm(tiny_llama, page_size=2).generate(prompts, params))
-    small = make_llm(tiny_llama, page_size=2, max_total_tokens=260, **SPEC)
+    small = make_llm(tiny_llama, page_size=2, max_total_tokens=260, **spec)
     assert tokens(small.generate(prompts, params)) == ref
     stats = small.scheduler.stats()
     assert stats["retractions"] > 0 and stats["spec_verify_steps"] > 0
 
 
-def test_aborts_mid_verify_leak_nothing(tiny_llama):
-    llm = make_llm(tiny_llama, page_size=4, **SPEC)
+@BOTH_MODES
+def test_aborts_mid_verify_leak_nothing(tiny_llama, spec):
+    llm = make_llm(tiny_llama, page_size=4, **spec)
     sched = llm.scheduler
     reqs = [
         sched.add_request(p, SamplingParams(temperature=0.0, max_new_tokens=60, ignore_eos=True))
@@ -314,13 +319,14 @@ def test_aborts_mid_verify_leak_nothing(tiny_llama):
     assert not sched.running and not sched.inflight
 
 
-def test_unseeded_sampling_keeps_its_distribution(tiny_llama):
+@BOTH_MODES
+def test_unseeded_sampling_keeps_its_distribution(tiny_llama, spec):
     """Unseeded draws: each position's token distribution with speculation on matches off (a
     chi-square test on the pooled tokens of positions 2-6 after a repeating prompt)."""
     prompt = looping_prompts(1, seed=9)[0]
     params = SamplingParams(temperature=1.5, top_k=8, max_new_tokens=6, ignore_eos=True)
     counts = []
-    for kw in ({}, SPEC):
+    for kw in ({}, spec):
         llm = make_llm(tiny_llama, page_size=4, max_running_requests=16, seed=11 if kw else 12, **kw)
         outs = tokens(llm.generate([prompt] * 400, params))
         counts.append(Counter(t for o in outs for t in o[1:]))
@@ -336,7 +342,8 @@ def test_unseeded_sampling_keeps_its_distribution(tiny_llama):
     assert chi2 < dof + 5 * np.sqrt(2 * dof)  # ~5 sigma: fails only when the distributions differ
 
 
-def test_verify_steps_at_tp2_equal_one_process(tiny_llama):
+@BOTH_MODES
+def test_verify_steps_at_tp2_equal_one_process(tiny_llama, spec):
     """Two tensor-parallel ranks (gloo): verify steps sample on the sharded vocabulary and keep
     each run's last token (and the rows it rejected) on every rank, so greedy and seeded outputs
     and their logprobs equal one process's without speculation. The prompts run twice: the
@@ -352,7 +359,7 @@ def test_verify_steps_at_tp2_equal_one_process(tiny_llama):
     ] * 2
     kw = dict(device="cpu", dtype="float32", max_running_requests=8, page_size=2)
     want = LLM(str(tiny_llama), **kw).generate(prompts, params, top_logprobs=2)
-    llm = LLM(str(tiny_llama), tp_size=2, **kw, **SPEC)
+    llm = LLM(str(tiny_llama), tp_size=2, **kw, **spec)
     runs = [llm.generate(prompts, params, top_logprobs=2) for _ in range(2)]
     stats = llm.scheduler.stats()
     del llm
@@ -367,8 +374,9 @@ def test_verify_steps_at_tp2_equal_one_process(tiny_llama):
 
 
 @pytest.mark.cuda
+@BOTH_MODES
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_speculation_on_cuda_keeps_tokens(tmp_path, dtype):
+def test_speculation_on_cuda_keeps_tokens(tmp_path, dtype, spec):
     """On the GPU (FlashInfer verify chunks beside cascade decode rows, CUDA graphs, overlap):
     fp32 tokens equal speculation off; bf16 verify chunks may round differently from one-token
     steps, so only half the requests must agree there."""
@@ -382,7 +390,7 @@ def test_speculation_on_cuda_keeps_tokens(tmp_path, dtype):
         for i in range(len(prompts))
     ]
     outs, stats = [], None
-    for kw in ({}, SPEC):
+    for kw in ({}, spec):
         llm = LLM(str(path), device="cuda", dtype=dtype, max_total_tokens=8192, page_size=4, **kw)
         outs.append(tokens(llm.generate(prompts, params)))
         outs.append(tokens(llm.generate(prompts, params)))  # the second time, drafts from the tree

@@ -358,6 +358,12 @@ class Scheduler(ControlPlane):
             self._admit_compiled()
         got: list[Req] = []
         self._speculate = self.spec is not None and self.spec.rule.wants(len(self.decoding))
+        verifying = self._speculate or any(step[5] for step in self.inflight)
+        if verifying and self.inflight and not self.args.speculative_overlap:
+            # Without --speculative-overlap a verify step drafts from every token so far, and the
+            # step after one plans from the tokens it kept: both wait for the steps in flight.
+            while self.inflight:
+                got += self._process(self.inflight.popleft())
         batch, sampled, scored, routed, decode, drafts = self._schedule()
         if self.spec is not None:
             kind = (True if drafts else None if self._speculate else False) if decode else None

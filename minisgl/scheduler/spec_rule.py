@@ -1,16 +1,16 @@
 """When a step speculates (``--speculative-algorithm``): measured, not guessed.
 
-A verify step computes k + 1 rows per drafting request, and the step after it waits on the
-worker until the verify step's kept counts are on the host (``ForwardBatch.resolve_rows``);
-what that costs depends on the model and the machine. ``SpecRule`` times plain and verify
-steps, start to start, per batch size (bit length of the decoding requests), and keeps the
-tokens a verify step gives per decoding request; a step speculates while those tokens exceed
-the verify step's cost in plain steps. What is not measured yet is tried first, and the other
-choice is tried now and then, so a change of workload turns speculation back on or off. A try
-that confirms the choice doubles the interval to the next one, and one that changes it starts
-the interval again (when verify steps still waited for the scheduler, each try paid two drains
-of the pipeline: an isolated verify step cost ~4.6 ms on the H100 against ~1.2 ms inside a run
-of them, SmolLM2).
+A verify step computes k + 1 rows per drafting request and waits for the steps before it (or,
+with ``--speculative-overlap``, the step after it waits on the worker for the verify step's kept
+counts, ``ForwardBatch.resolve_rows``); what that costs depends on the model and the machine.
+``SpecRule`` times plain and verify steps, start to start, per batch size (bit length of the
+decoding requests), and keeps the tokens a verify step gives per decoding request; a step
+speculates while those tokens exceed the verify step's cost in plain steps. What is not
+measured yet is tried first, and the other choice is tried now and then, so a change of
+workload turns speculation back on or off. A try that confirms the choice doubles the interval
+to the next one, and one that changes it starts the interval again (a waiting try pays two
+drains of the pipeline, which the start-to-start timings leave out: an isolated verify step
+cost ~4.6 ms on the H100 against ~1.2 ms inside a run of them, SmolLM2).
 """
 
 from __future__ import annotations

@@ -14,14 +14,16 @@ equal speculation off token for token, and an unseeded request's distribution is
 (each position is still one draw from the target's distribution, keeping a draft token with
 exactly its probability).
 
-Verify steps keep overlap scheduling. A request's last token may still be in flight when its
-verify step is planned: its draft is then made from the tokens before it, the first drafted
-token standing in for the unknown one, and its run's first row takes the worker's own last
-token (a wrong guess only costs acceptance). While a verify step is in flight its requests
-count every draft row as kept; a step planned meanwhile gives them a plain row each whose
-length the worker lowers by the rows the verify step rejected (``ForwardBatch.resolve_rows``),
-and the pages past the real length go back once the tokens are here. Whether a step
-speculates is measured (``spec_rule.SpecRule``).
+By default a verify step waits for the steps in flight (its drafts follow every token so far),
+and so does the step after one. With ``--speculative-overlap`` verify steps keep overlap
+scheduling. A request's last token may then still be in flight when its verify step is
+planned: its draft is made from the tokens before it, the first drafted token standing in for
+the unknown one, and its run's first row takes the worker's own last token (a wrong guess only
+costs acceptance). A request whose verify run is in flight counts that draft as kept: it
+drafts after it (while drafts are kept whole) or takes a plain row, and the worker lowers those
+rows' lengths by the rows the run rejected (``ForwardBatch.resolve_rows``); the pages past the
+real length go back once the tokens are here. Whether a step speculates is measured
+(``spec_rule.SpecRule``).
 Requests whose sampling reads earlier outputs on the device (penalties), follow a grammar or
 return routed experts decode plainly.
 """
