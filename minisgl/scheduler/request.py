@@ -70,10 +70,10 @@ class Req:
     ngrams_upto: int = 0
     spec_misses: int = 0
     spec_pause: int = 0
-    # Its last verify step still in flight (-1: none) and that step's draft: until its tokens are
-    # back, kv_len counts the whole draft as kept (a step planned meanwhile has the worker find
-    # the real length). ``verify_chain``: the tokens that draft was made after are right so far,
-    # so the next may follow it.
+    # Its last verify step still in flight (-1: none) and that step's draft (empty exactly when
+    # none: drafts are never empty): until its tokens are back, kv_len counts the whole draft as
+    # kept (a step planned meanwhile has the worker find the real length). ``verify_chain``: the
+    # tokens that draft was made after are right so far, so the next may follow it.
     verify_step: int = -1
     verify_draft: list[int] = field(default_factory=list)
     verify_chain: bool = True

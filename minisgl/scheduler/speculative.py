@@ -154,7 +154,7 @@ class SpecPlanner:
         for req in decoding:
             # A verify step of it in flight: its draft is taken as kept, if the tokens it was
             # drafted after are known to be right (else a plain row while it comes back).
-            pending = req.verify_draft if req.verify_step >= 0 else []
+            pending = req.verify_draft
             if (pending and not req.verify_chain) or resting(req):
                 continue
             late = req.kv_len + 1 - len(req.all_ids) - len(pending)  # 1: its last token is in flight
@@ -197,7 +197,7 @@ class SpecPlanner:
         for (req, draft), n in zip(drafts, need):
             # Its run starts where its tokens end, a draft in flight taken as kept: the worker
             # moves it back by the rows that draft's run rejected (at most the whole draft).
-            unsure = len(req.verify_draft) if req.verify_step >= 0 else 0
+            unsure = len(req.verify_draft)
             here = unsure == 0 and len(req.all_ids) > req.kv_len  # its last token is on the host
             req.pages += pages[:n]
             pages = pages[n:]

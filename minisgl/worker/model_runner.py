@@ -587,10 +587,11 @@ class ModelRunner:
         first.scatter_reduce_(0, torch.from_numpy(run).to(dev, non_blocking=True), index, "amin")
         slots = torch.from_numpy(np.asarray(batch.slots, dtype=np.int64)[ends - 1]).to(dev, non_blocking=True)
         self.last_token[slots] = tokens[first]
-        starts = torch.from_numpy(ends - sizes).to(dev, non_blocking=True)
-        self.rejected[slots] = torch.from_numpy(sizes).to(dev, non_blocking=True) - (first - starts + 1)
-        self.rejected_host.copy_(self.rejected, non_blocking=self.device.type == "cuda")
-        if self.device.type == "cuda":
+        # The rows after each run's kept ones: from its first disagreeing row to its last row.
+        self.rejected[slots] = torch.from_numpy(ends - 1).to(dev, non_blocking=True) - first
+        on_gpu = dev.type == "cuda"
+        self.rejected_host.copy_(self.rejected, non_blocking=on_gpu)
+        if on_gpu:
             self._rejected_event = torch.cuda.Event()
             self._rejected_event.record()
 
