@@ -267,6 +267,8 @@ def main() -> None:
             quantize_lm_head=quantization == "fp8-head",
             enable_hierarchical_cache=args.hicache > 0,
             hicache_size=args.hicache,
+            # (its CUDA graphs then have room for verify rows; other variants run without it)
+            speculative_algorithm="NGRAM" if "ngram" in args.variants else None,
         )
         if args.profile:
             profile(llm, WORKLOADS[args.workloads[0]](llm.runner.vocab_size), args.profile == "host")

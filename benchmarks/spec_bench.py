@@ -15,7 +15,9 @@ speculation under the engine's measured rule and with every step that may specul
 ``--repeats N`` runs every mode N times, one pass after another, and reports each mode's
 median run: single runs of a ~2 s SmolLM2 workload moved 15% between leases. ``--overlap off on``
 runs each speculating mode with verify steps waiting for the steps before them and planned
-beside them (``--speculative-overlap``).
+beside them (``--speculative-overlap``). Every sample runs at once unless
+``--max-running-requests`` says otherwise; ``--disable-by-batch-size 32 1024`` runs each
+speculating mode under each bound (``--speculative-disable-by-batch-size``).
 """
 
 from __future__ import annotations
@@ -117,11 +119,19 @@ def run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tup
 
 def setup(args: argparse.Namespace) -> tuple[LLM, list[list[int]], list[SamplingParams]]:
     """The engine, and the workload's prompts (each ``--samples`` times) with seeded params."""
-    engine = {"dtype": args.dtype, "max_running_requests": max(256, args.samples)}
+    convs = WORKLOADS[args.workload](args.prompts, args.seed)
+    # Every sample at once by default, as an RL step submits them; speculation configured from
+    # the start, so the CUDA graphs have room for the verify rows (``ServerArgs.graph_batch_size``).
+    engine = {
+        "dtype": args.dtype,
+        "max_running_requests": args.max_running_requests or max(len(convs) * args.samples, 1),
+        "speculative_algorithm": "NGRAM",
+        "speculative_num_draft_tokens": max(args.num_draft_tokens),
+        "speculative_disable_by_batch_size": max(args.disable_by_batch_size),
+    }
     if args.device:
         engine["device"] = args.device
     llm = LLM(args.model, **engine)
-    convs = WORKLOADS[args.workload](args.prompts, args.seed)
     ids = [encode_chat(llm.tokenizer, c, None, None) for c in convs]
     prompts = [p for p in ids for _ in range(args.samples)]
     params = [
@@ -139,6 +149,9 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=64, help="samples per prompt")
     ap.add_argument("--max-new-tokens", type=int, default=1024)
     ap.add_argument("--temperature", type=float, default=0.8)
+    ap.add_argument(
+        "--max-running-requests", type=int, default=None, help="default: every sample at once (an RL step's batch)"
+    )
     ap.add_argument("--num-draft-tokens", type=int, nargs="+", default=[4])
     ap.add_argument(
         "--idle-after-no-draft",
@@ -153,6 +166,13 @@ def main() -> None:
         choices=["measured", "always"],
         default=["measured"],
         help="measured: SpecPlanner's rule decides each step; always: every step that may speculates",
+    )
+    ap.add_argument(
+        "--disable-by-batch-size",
+        type=int,
+        nargs="+",
+        default=[32],
+        help="--speculative-disable-by-batch-size of each speculating mode",
     )
     ap.add_argument(
         "--overlap",
@@ -170,11 +190,21 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     llm, prompts, params = setup(args)
-    modes = [("off", None, 0, "measured", False)] + [
-        (f"on k={k} idle={idle} {rule}" + (" overlapped" if overlap == "on" else ""), k, idle, rule, overlap == "on")
+    modes = [("off", None, 0, "measured", False, 0)] + [
+        (
+            f"on k={k} idle={idle} {rule}"
+            + (f" batch<={cap}" if len(args.disable_by_batch_size) > 1 else "")
+            + (" overlapped" if overlap == "on" else ""),
+            k,
+            idle,
+            rule,
+            overlap == "on",
+            cap,
+        )  # fmt: skip
         for k in args.num_draft_tokens
         for idle in args.idle_after_no_draft
         for rule in args.rules
+        for cap in args.disable_by_batch_size
         for overlap in args.overlap
     ]
     measured = spec_rule.SpecRule.pays
@@ -182,11 +212,12 @@ def main() -> None:
     runs: dict[str, list[dict]] = {name: [] for name, *_ in modes}
     # One warm-up pass, then the measured passes, each mode once a pass (drift hits every mode alike).
     for warm in [True] + [False] * args.repeats:
-        for name, k, idle, rule, overlap in modes:
+        for name, k, idle, rule, overlap, cap in modes:
             spec_rule.IDLE_AFTER_NO_DRAFT = idle
             spec_rule.SpecRule.pays = measured if rule == "measured" else lambda self, decoding: True
             llm.args.speculative_algorithm = None if k is None else "NGRAM"
             llm.args.speculative_overlap = overlap
+            llm.args.speculative_disable_by_batch_size = cap or 1
             llm.args.speculative_num_draft_tokens = k or 1
             llm.reset_scheduler()
             # Warm-up: a few requests (graphs, kernels); then the measured run on a fresh cache.

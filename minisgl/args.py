@@ -20,6 +20,9 @@ QUANTIZATIONS = ("fp8",)  # --quantization values (FP8 checkpoints need none)
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "bf16", "bfloat16")  # --kv-cache-dtype values (SGLang's names)
 MAX_RUNNING_CAP = 4096  # most running requests a derived default allows
 KV_TOKENS_PER_REQUEST = 512
+# With speculation, CUDA graphs are captured up to k + 1 rows a request of the largest batch
+# that may speculate, up to this many rows (the graphs' logits stay a few hundred MB).
+SPEC_GRAPH_ROWS = 1024
 # smg's policies (--router-policy)
 ROUTER_POLICIES = (
     "cache_aware",
@@ -71,6 +74,9 @@ class EngineArgs:
     # Verify steps planned while the step before is in flight (late and chained drafts, lengths
     # resolved on the worker) instead of waiting for it.
     speculative_overlap: bool = False
+    # No verify step while more requests decode (vLLM's name): trying one at a full batch of a
+    # large model costs several plain steps; a small model bound by the host may pay at any batch.
+    speculative_disable_by_batch_size: int = 32
     cuda_graph_max_bs: int | None = None  # None: max_running_requests; 0 disables graphs
     disable_cuda_graph: bool = False
     # Prefill steps of up to this many tokens replay CUDA graphs of the layers' pieces between
@@ -118,9 +124,15 @@ class EngineArgs:
 
     @property
     def graph_batch_size(self) -> int:
-        """Largest decode batch captured in CUDA graphs (when they are on), and so the size the
-        decode-sized collectives are set up for."""
-        return min(self.cuda_graph_max_bs or self.running_limit, self.running_limit)
+        """Most rows of a step captured in CUDA graphs (when they are on), and so the size the
+        decode-sized collectives are set up for: the largest decode batch, and with speculation
+        the verify rows of the largest batch that may speculate (k + 1 a request, up to
+        ``SPEC_GRAPH_ROWS``)."""
+        rows = min(self.cuda_graph_max_bs or self.running_limit, self.running_limit)
+        if self.speculative_algorithm is not None:
+            verifying = min(rows, self.speculative_disable_by_batch_size)
+            rows = max(rows, min(verifying * (self.speculative_num_draft_tokens + 1), SPEC_GRAPH_ROWS))
+        return rows
 
     def derive_max_running_requests(self, kv_tokens: int, on_gpu: bool) -> int:
         """Set max_running_requests from the KV pool unless given: one request per
@@ -205,6 +217,10 @@ class EngineArgs:
             raise ValueError(
                 f"--speculative-algorithm {self.speculative_algorithm!r} is not supported: NGRAM drafts from the "
                 "radix tree and needs no draft model"
+            )
+        if self.speculative_disable_by_batch_size < 1:
+            raise ValueError(
+                f"--speculative-disable-by-batch-size must be >= 1, got {self.speculative_disable_by_batch_size}"
             )
         if self.speculative_num_draft_tokens < 1:
             raise ValueError(f"--speculative-num-draft-tokens must be >= 1, got {self.speculative_num_draft_tokens}")
@@ -522,6 +538,13 @@ def add_engine_args(ap: argparse.ArgumentParser) -> dict[str, argparse._Argument
         type=int,
         default=1 << 18,
         help="n-gram index slots per match length (16 bytes each; newer n-grams replace older ones)",
+    )
+    spec.add_argument(
+        "--speculative-disable-by-batch-size",
+        type=int,
+        default=32,
+        help="(vLLM's name) no verify step while more requests decode; below it the measured rule decides. "
+        "Raise it for a small model bound by the host, where verify steps may pay at any batch",
     )
     spec.add_argument(
         "--speculative-overlap",

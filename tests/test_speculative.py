@@ -161,6 +161,40 @@ def test_verify_steps_keep_overlap_and_the_worker_finds_real_lengths(tiny_llama,
     assert mem["free_pages"] + mem["evictable_pages"] == mem["total_pages"]
 
 
+def test_drafting_reads_tokens_in_place_and_fruitless_requests_rest_longer():
+    """``tokens_at`` reads any span of prompt, outputs and a pending draft as the joined list
+    would; a request whose tries find nothing rests 2, 4, ... 32 steps between pairs of tries,
+    and one kept token starts over."""
+    from minisgl.scheduler import speculative as sp
+    from minisgl.scheduler.request import Req
+
+    rng = random.Random(0)
+    req = Req(rid=0, prompt_ids=[rng.randrange(99) for _ in range(7)], params=SamplingParams(), seed=0, max_len=99)
+    req.output_ids = [rng.randrange(99) for _ in range(5)]
+    pending = [1, 2, 3]
+    joined = req.all_ids + pending
+    for start in range(len(joined)):
+        for stop in range(start, len(joined) + 1):
+            assert sp.tokens_at(req, pending, start, stop) == joined[start:stop]
+    assert req.num_tokens == len(req.all_ids)
+
+    def tries(steps: int) -> list[int]:
+        out = []
+        for step in range(steps):
+            if not sp.resting(req):
+                out.append(step)
+                sp.count_try(req, False)
+        return out
+
+    rests = [2, 4, 8, 16, 32, 32]
+    starts = [0]
+    for rest in rests:
+        starts.append(starts[-1] + 2 + rest)
+    assert tries(starts[-1]) == [s + i for s in starts[:-1] for i in (0, 1)]
+    sp.count_try(req, True)
+    assert tries(6) == [0, 1, 4, 5]  # a kept token: the shortest rest again
+
+
 def test_the_rule_speculates_while_measured_verify_steps_pay():
     """Unmeasured choices are tried first; then a verify step runs only while its tokens per
     request beat its cost in plain steps, per batch size, with the other choice tried now and
@@ -170,7 +204,7 @@ def test_the_rule_speculates_while_measured_verify_steps_pay():
     plan = spec_rule.SpecRule()
     assert plan.wants(8)  # nothing measured: verify
     plan.observe(True, 8, 2.0)
-    plan.gain = 1.5
+    plan.verified(8, 1.5)
     assert not plan.wants(8)  # the plain step is not measured yet
     plan.observe(False, 8, 1.0)
     n = spec_rule.EXPLORE
@@ -191,7 +225,27 @@ def test_the_rule_speculates_while_measured_verify_steps_pay():
         plan.wants(8)
     assert plan.explore == spec_rule.MAX_EXPLORE
     assert plan.wants(20)  # another batch size: measured apart (not yet)
-    assert not plan.wants(spec_rule.MAX_BATCH + 1)
+
+    # A clear loss (tokens under half the cost: a large model's full batch) waits the longest
+    # interval before the next try, at any batch size.
+    plan = spec_rule.SpecRule(max_batch=512)  # (--speculative-disable-by-batch-size)
+    plan.observe(True, 300, 3.0)
+    plan.observe(False, 300, 1.0)
+    plan.verified(300, 1.2)
+    plan.streak = plan.explore - 1
+    assert plan.wants(300) and plan.wants(300) and not plan.wants(300)  # the try, then judged
+    assert plan.explore == spec_rule.MAX_EXPLORE
+    for _ in range(20):  # then the drafts turn good (a model looping): verify steps pay
+        plan.verified(300, 3.5)
+    assert plan.wants(300)
+
+    # A try that found no drafts gave one token a request: no verify step is needed to know
+    # speculation does not pay there (a full batch whose requests rest).
+    plan = spec_rule.SpecRule(max_batch=512)
+    assert plan.wants(256)
+    plan.no_drafts(256, looked=False)
+    assert not plan.wants(256) and plan.wants(16)
+    assert not spec_rule.SpecRule().wants(33)  # above the default bound: never
 
     plan = spec_rule.SpecRule()
     for now, kind in [(0.0, False), (1.0, False), (2.0, True), (5.0, True), (7.0, None), (9.0, False)]:
@@ -203,17 +257,18 @@ def test_the_rule_speculates_while_measured_verify_steps_pay():
 
 
 def test_verify_steps_fit_the_largest_captured_graph(tiny_llama):
-    """Drafts are cut so that a verify step's rows fit ``--cuda-graph-max-bs`` (a longer step
-    would run eagerly on the GPU)."""
+    """Drafts are cut so that a verify step's rows fit the largest captured graph (k + 1 rows a
+    request of ``--cuda-graph-max-bs``; a longer step would run eagerly on the GPU)."""
     prompts = looping_prompts(6, seed=3)
     params = SamplingParams(temperature=0.0, max_new_tokens=30, ignore_eos=True)
     off = make_llm(tiny_llama, page_size=2).generate(prompts, params)
-    llm = make_llm(tiny_llama, page_size=2, cuda_graph_max_bs=8, **SPEC)
+    llm = make_llm(tiny_llama, page_size=2, cuda_graph_max_bs=2, **SPEC)
+    assert llm.args.graph_batch_size == 2 * (llm.args.speculative_num_draft_tokens + 1)
     rows: list[int] = []
     launch = llm.scheduler.executor.launch
     llm.scheduler.executor.launch = lambda b: (rows.append(len(b.slots)) if b.verify_sizes else None, launch(b))[1]
     assert tokens(llm.generate(prompts, params)) == tokens(off)
-    assert rows and max(rows) <= 8 and llm.scheduler.stats()["spec_accepted_tokens"] > 0
+    assert rows and max(rows) == llm.args.graph_batch_size and llm.scheduler.stats()["spec_accepted_tokens"] > 0
 
 
 def test_pages_read_from_disk_are_indexed_for_drafts(tiny_llama, tmp_path):

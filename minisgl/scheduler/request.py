@@ -64,12 +64,16 @@ class Req:
     max_outputs: int = 0
     sent_tokens: int = 0  # output tokens the scheduler process has sent on (it sends the rest)
     # Speculative decoding: its own tokens' n-gram tables (n -> hash -> end position) as far as
-    # ``ngrams_upto``, verify steps in a row with nothing accepted, and plain steps before it
-    # drafts again.
+    # ``ngrams_upto``, the hashes of its last windows (``ngram_keys``, ending at ``ngram_keys_end``:
+    # the next step's new windows), fruitless tries in a row (no draft, or nothing accepted),
+    # plain steps before it drafts again, and the length of its next such rest.
     ngrams: dict[int, dict[int, int]] | None = None
     ngrams_upto: int = 0
+    ngram_keys: list[int] = field(default_factory=list)
+    ngram_keys_end: int = -1
     spec_misses: int = 0
     spec_pause: int = 0
+    spec_rest: int = 0
     # Its last verify step still in flight (-1: none) and that step's draft (empty exactly when
     # none: drafts are never empty): until its tokens are back, kv_len counts the whole draft as
     # kept (a step planned meanwhile has the worker find the real length). ``verify_chain``: the
@@ -85,6 +89,11 @@ class Req:
     def all_ids(self) -> list[int]:
         """Prompt and outputs (the prompt list itself while there are no outputs: do not mutate)."""
         return self.prompt_ids + self.output_ids if self.output_ids else self.prompt_ids
+
+    @property
+    def num_tokens(self) -> int:
+        """len(all_ids), without joining the lists."""
+        return len(self.prompt_ids) + len(self.output_ids)
 
     @property
     def scores_prompt(self) -> bool:

@@ -144,13 +144,19 @@ class Scheduler(ControlPlane):
         )
         self.spec: SpecPlanner | None = None
         self._speculate = False  # this step may verify drafts (``SpecRule.wants``)
+        self._drained: list[Req] = []  # requests of the steps this step processed before planning
         if args.speculative_algorithm is not None:
             n = (args.speculative_ngram_min_match_window_size, args.speculative_ngram_max_match_window_size)
             if isinstance(self.cache, RadixCacheManager):
                 self.cache.ngrams = NgramIndex(*n, args.speculative_ngram_capacity)
             drafter = Drafter(getattr(self.cache, "ngrams", None), *n)
             self.spec = SpecPlanner(
-                self.memory, self.decode, drafter, args.speculative_num_draft_tokens, args.graph_batch_size
+                self.memory,
+                self.decode,
+                drafter,
+                args.speculative_num_draft_tokens,
+                args.graph_batch_size,
+                args.speculative_disable_by_batch_size,
             )
         self.grammar = grammar
         self.compiling: list[Req] = []  # waiting for their grammar; others are scheduled meanwhile
@@ -356,17 +362,16 @@ class Scheduler(ControlPlane):
             self.spec.rule.step_started(time.perf_counter())
         if self.compiling:
             self._admit_compiled()
-        got: list[Req] = []
-        self._speculate = self.spec is not None and self.spec.rule.wants(len(self.decoding))
-        verifying = self._speculate or any(step[5] for step in self.inflight)
-        if verifying and self.inflight and not self.args.speculative_overlap:
-            # Without --speculative-overlap a verify step drafts from every token so far, and the
-            # step after one plans from the tokens it kept: both wait for the steps in flight.
-            while self.inflight:
-                got += self._process(self.inflight.popleft())
+        self._drained = []
+        self._speculate = self.spec is not None and self.spec.wants(len(self.decoding))
+        if any(step[5] for step in self.inflight) and not self.args.speculative_overlap:
+            # Without --speculative-overlap the step after a verify step plans from the tokens
+            # it kept (and a verify step waits too, in ``_schedule``, once it is one).
+            self._drain()
         batch, sampled, scored, routed, decode, drafts = self._schedule()
+        got = self._drained
         if self.spec is not None:
-            kind = (True if drafts else None if self._speculate else False) if decode else None
+            kind = self._speculate if decode else None  # (a try that found no drafts counts as one)
             self.spec.rule.launched(kind, len(self.decoding))
         if batch is None and self.memory.io_pending:  # host-tier copies (or disk writes) still to send
             batch = ForwardBatch(slots=[], cached_lens=[], new_lens=[], input_ids=[], sample=[])
@@ -451,6 +456,8 @@ class Scheduler(ControlPlane):
                 return batch, sampled, scored, routed, False, []
             retract = lambda: self._retract(self.running[-1])  # noqa: E731
             if self._speculate:
+                if not self.args.speculative_overlap:
+                    self._drain()  # a verify step drafts from every token so far
                 verify = self.spec.schedule(self.decoding, retract, c.steps)
                 if verify is not None:
                     batch, rows, drafts, routed = verify
@@ -466,6 +473,11 @@ class Scheduler(ControlPlane):
                 return None, [], [], [], False, []
             # Every running request is mid-prefill and none could get pages: make room.
             self._retract(self.running[-1])
+
+    def _drain(self) -> None:
+        """Process every step in flight (their requests in ``_drained``, this step's events)."""
+        while self.inflight:
+            self._drained += self._process(self.inflight.popleft())
 
     def _process(self, inflight: Inflight) -> list[Req]:
         sampled, scored, score_ids, step, routed, drafts = inflight

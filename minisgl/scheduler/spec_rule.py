@@ -4,34 +4,41 @@ A verify step computes k + 1 rows per drafting request and waits for the steps b
 with ``--speculative-overlap``, the step after it waits on the worker for the verify step's kept
 counts, ``ForwardBatch.resolve_rows``); what that costs depends on the model and the machine.
 ``SpecRule`` times plain and verify steps, start to start, per batch size (bit length of the
-decoding requests), and keeps the tokens a verify step gives per decoding request; a step
-speculates while those tokens exceed the verify step's cost in plain steps. What is not
-measured yet is tried first, and the other choice is tried now and then, so a change of
-workload turns speculation back on or off. A try that confirms the choice doubles the interval
-to the next one, and one that changes it starts the interval again (a waiting try pays two
-drains of the pipeline, which the start-to-start timings leave out: an isolated verify step
-cost ~4.6 ms on the H100 against ~1.2 ms inside a run of them, SmolLM2).
+decoding requests), and keeps the tokens a verify step gives per decoding request at each size;
+a step speculates while those tokens exceed the verify step's cost in plain steps, up to
+``--speculative-disable-by-batch-size`` decoding requests: above it even a try costs a large
+model several plain steps, while a small model on a big GPU is bound by the host at any batch (a
+verify step of k + 1 rows a request costs little more than a plain one; raise the bound). A step
+that looked for drafts and found none counts as a verify step that gave one token a request (at
+a full batch whose requests rest or find nothing, such tries turn speculation off before any
+verify step is timed; each drained the pipeline for nothing). What is not measured yet is tried
+first, and the other choice is tried now and then, so a change of workload turns speculation
+back on or off. A try that confirms the choice doubles the interval to the next one, and one
+that changes it starts the interval again (a waiting try pays two drains of the pipeline, which
+the start-to-start timings leave out: an isolated verify step cost ~4.6 ms on the H100 against
+~1.2 ms inside a run of them, SmolLM2).
 """
 
 from __future__ import annotations
 
-# Verify steps while at most this many requests decode: above it a step of k + 1 tokens per
-# request costs well over a one-token step (full batches keep overlap scheduling).
-MAX_BATCH = 32
 # Plain steps (with overlap) after a step in which no request found a draft.
 IDLE_AFTER_NO_DRAFT = 4
 # After this many steps of one choice, two of the other (the second is the one measured: the
 # first still waits on the step before it), so both estimates stay fresh; doubled after each try
-# that confirms the choice, up to MAX_EXPLORE.
+# that confirms the choice, up to MAX_EXPLORE; at once to MAX_EXPLORE when the verify steps'
+# tokens were under half their cost (full batches of a large model: a try costs several steps).
 EXPLORE = 32
 MAX_EXPLORE = 1024
+CLEAR_LOSS = 0.5
 SMOOTHING = 0.2  # weight of a new measurement in the moving averages
 
 
 class SpecRule:
-    def __init__(self) -> None:
+    def __init__(self, max_batch: int = 32) -> None:
+        self.max_batch = max_batch  # --speculative-disable-by-batch-size
         self.seconds: dict[tuple[bool, int], float] = {}  # (verify?, batch bit length) -> seconds a step
-        self.gain: float | None = None  # tokens a verify step gives per decoding request
+        self.gains: dict[int, float] = {}  # batch bit length -> tokens a verify step gives per decoding request
+        self.gain = 0.0  # at the last verify step's size (for stats)
         self.idle = 0  # steps left without speculation
         self.streak = 0  # steps of the current choice since the other was last tried
         self.trying = 0  # steps of the other choice still to take
@@ -42,19 +49,25 @@ class SpecRule:
         self._before: bool | None = None  # the kind of the step before that
 
     def wants(self, decoding: int) -> bool:
-        """Whether this step speculates: small batches only, not for a few steps after no
-        request found a draft, and only while ``pays`` says so (or the other choice is tried)."""
+        """Whether this step speculates: up to ``max_batch`` decoding requests, not for a few
+        steps after no request found a draft, and only while ``pays`` says so (or the other
+        choice is tried)."""
         if self.idle > 0:
             self.idle -= 1
             return False
-        if not 0 < decoding <= MAX_BATCH:
+        if not 0 < decoding <= self.max_batch:
             return False
         best = self.pays(decoding)
         if self.trying > 0:
             self.trying -= 1
             return not best
         if self._tried_against is not None:  # a try just ended: measured, it kept or changed the choice
-            self.explore = min(2 * self.explore, MAX_EXPLORE) if best == self._tried_against else EXPLORE
+            if best != self._tried_against:
+                self.explore = EXPLORE
+            elif not best and self.margin(decoding) < CLEAR_LOSS:
+                self.explore = MAX_EXPLORE
+            else:
+                self.explore = min(2 * self.explore, MAX_EXPLORE)
             self._tried_against = None
         self.streak += 1
         if self.streak >= self.explore:
@@ -67,19 +80,42 @@ class SpecRule:
         measurements; while one is missing, the choice that measures it."""
         bucket = decoding.bit_length()
         plain, verify = self.seconds.get((False, bucket)), self.seconds.get((True, bucket))
-        if verify is None or self.gain is None:
+        gain = self.gains.get(bucket)
+        if gain is None:
+            return True
+        if gain <= 1.0:  # tries found nothing to keep: no cost makes that pay
+            return False
+        if verify is None:
             return True
         if plain is None:
             return False
-        return self.gain > verify / plain
+        return gain > verify / plain
 
-    def no_drafts(self) -> None:
-        """A step meant to speculate found no draft: the next few keep overlap scheduling."""
-        self.idle = IDLE_AFTER_NO_DRAFT
+    def margin(self, decoding: int) -> float:
+        """A verify step's tokens over its cost in plain steps at this batch size (1: even)."""
+        bucket = decoding.bit_length()
+        plain, verify = self.seconds.get((False, bucket)), self.seconds.get((True, bucket))
+        if plain is None or verify is None or bucket not in self.gains:
+            return 1.0
+        return self.gains[bucket] * plain / verify
 
-    def verified(self, gain: float) -> None:
-        """A verify step gave ``gain`` tokens per decoding request."""
-        self.gain = gain if self.gain is None else self.gain + SMOOTHING * (gain - self.gain)
+    def no_drafts(self, decoding: int, looked: bool) -> None:
+        """A step of ``decoding`` requests meant to speculate found no draft: it gave one token
+        a request, and if any request ``looked`` for a draft, the next few steps keep overlap
+        scheduling."""
+        self._smooth(decoding, 1.0)
+        if looked:
+            self.idle = IDLE_AFTER_NO_DRAFT
+
+    def verified(self, decoding: int, gain: float) -> None:
+        """A verify step of ``decoding`` requests gave ``gain`` tokens per request."""
+        self.gain = self._smooth(decoding, gain)
+
+    def _smooth(self, decoding: int, gain: float) -> float:
+        bucket = decoding.bit_length()
+        last = self.gains.get(bucket)
+        self.gains[bucket] = gain if last is None else last + SMOOTHING * (gain - last)
+        return self.gains[bucket]
 
     def step_started(self, now: float) -> None:
         """A scheduler step starts: the step launched by the one before took until now. It is
@@ -93,9 +129,10 @@ class SpecRule:
         self._started = now
 
     def launched(self, verify: bool | None, decoding: int) -> None:
-        """What this scheduler step launched: a verify step (True), a plain decode step with
-        overlap (False), or anything else (None: a prefill, a plain step that waited for
-        drafts it did not find, nothing)."""
+        """What this scheduler step launched: a step that tried to speculate (True: a verify
+        step, or a plain one after drafts were looked for and not found, which may have waited
+        for the steps in flight), a plain decode step (False), or anything else (None: a
+        prefill, nothing)."""
         self._last = (verify, decoding, self._started)
 
     def observe(self, verify: bool, decoding: int, seconds: float) -> None:

@@ -44,9 +44,12 @@ from minisgl.scheduler.request import Req
 from minisgl.scheduler.spec_rule import SpecRule
 from minisgl.utils import cdiv
 
-# A request that had this many verify steps in a row with nothing accepted drafts again only
-# after as many plain steps.
+# A request whose tries to speculate were fruitless (no draft found, or nothing of it kept) this
+# many times in a row rests: it drafts again only after that many plain steps, then twice as many
+# after each further run of misses, up to ``MAX_REST`` (a kept token starts over). Drafting costs
+# host time per request, which a request that never finds anything should not pay every step.
 MISSES_BEFORE_PAUSE = 2
+MAX_REST = 32
 # New tokens of a request indexed one at a time in Python; more (a prompt) go through numpy.
 BULK = 16
 
@@ -61,12 +64,30 @@ def resting(req: Req) -> bool:
     return False
 
 
-def count_run(req: Req, accepted: int) -> None:
-    """A verify run of the request kept ``accepted`` draft tokens: after ``MISSES_BEFORE_PAUSE``
-    runs in a row that kept none, it rests as many steps."""
-    req.spec_misses = 0 if accepted else req.spec_misses + 1
+def count_try(req: Req, kept: bool) -> None:
+    """A try of the request to speculate kept a draft token (or did not: no draft, or its verify
+    run kept none); ``MISSES_BEFORE_PAUSE`` misses in a row start a rest, each longer than the last."""
+    if kept:
+        req.spec_misses = req.spec_rest = 0
+        return
+    req.spec_misses += 1
     if req.spec_misses >= MISSES_BEFORE_PAUSE:
-        req.spec_pause, req.spec_misses = MISSES_BEFORE_PAUSE, 0
+        req.spec_rest = min(max(2 * req.spec_rest, MISSES_BEFORE_PAUSE), MAX_REST)
+        req.spec_pause, req.spec_misses = req.spec_rest, 0
+
+
+def tokens_at(req: Req, pending: list[int], start: int, stop: int) -> list[int]:
+    """Positions [start, stop) of the request's prompt, outputs and then ``pending``, without
+    joining them whole (a per-step copy of a long context costs more than the lookups)."""
+    prompt, outputs = req.prompt_ids, req.output_ids
+    p = len(prompt)
+    out = prompt[start:stop] if start < p else []
+    if stop > p:
+        out += outputs[max(start - p, 0) : stop - p]
+        o = p + len(outputs)
+        if stop > o:
+            out += pending[max(start - o, 0) : stop - o]
+    return out
 
 
 class Drafter:
@@ -79,35 +100,44 @@ class Drafter:
         """Up to ``count`` tokens to follow ``req``'s tokens and then ``pending`` (a draft of it
         in flight, taken as kept): after its longest recent n-gram found (its own earlier tokens
         first at each length, then the tree's)."""
-        own = self._own_tables(req, req.all_ids)
-        ids = req.all_ids + list(pending) if pending else req.all_ids
-        keys = suffix_hashes(ids, self.max_n)
+        pending = list(pending)
+        known = req.num_tokens
+        own = self._own_tables(req, known)
+        length = known + len(pending)
+        tail = tokens_at(req, pending, max(length - self.max_n, 0), length)
+        keys = suffix_hashes(tail, self.max_n)
+        if not pending:  # the windows the next step's tables add, if one token comes
+            req.ngram_keys, req.ngram_keys_end = keys, length
         for n in range(len(keys), self.min_n - 1, -1):
-            tail, key = ids[-n:], keys[n - 1]
+            key = keys[n - 1]
             end = own[n].get(key)
-            if end is not None and ids[end - n : end] == tail:
-                return ids[end : end + count]
+            if end is not None and tokens_at(req, pending, end - n, end) == tail[-n:]:
+                return tokens_at(req, pending, end, min(end + count, length))
             if self.index is not None:
                 found = self.index.lookup(n, key, tail, count)
                 if found:
                     return found
         return []
 
-    def _own_tables(self, req: Req, ids: list[int]) -> dict[int, dict[int, int]]:
-        """The request's n-gram tables, brought up to all its windows but the last (whose
-        continuation is still to come)."""
+    def _own_tables(self, req: Req, known: int) -> dict[int, dict[int, int]]:
+        """The request's n-gram tables, brought up to all windows of its ``known`` tokens but
+        the last (whose continuation is still to come)."""
         if req.ngrams is None:
             req.ngrams = {n: {} for n in range(self.min_n, self.max_n + 1)}
-        upto, end = req.ngrams_upto, len(ids) - 1
+        upto, end = req.ngrams_upto, known - 1
         if 0 < end - upto <= BULK:  # a step's few new tokens: in Python
             for stop in range(upto + 1, end + 1):
-                for n, h in enumerate(suffix_hashes(ids, self.max_n, stop), 1):
+                if stop == req.ngram_keys_end:  # hashed as the last step's query
+                    keys = req.ngram_keys
+                else:
+                    keys = suffix_hashes(tokens_at(req, [], max(stop - self.max_n, 0), stop), self.max_n)
+                for n, h in enumerate(keys, 1):
                     if n >= self.min_n:
                         req.ngrams[n][h] = stop
             req.ngrams_upto = end
         elif end > upto:
             first = max(upto - self.max_n + 1, 0)
-            by_length = window_hashes(np.asarray(ids[first:end], dtype=np.int64), self.max_n)
+            by_length = window_hashes(np.asarray(tokens_at(req, [], first, end), dtype=np.int64), self.max_n)
             for n, table in req.ngrams.items():
                 if n > len(by_length):
                     break
@@ -123,7 +153,13 @@ class SpecPlanner:
     """Verify steps: which requests draft, their pages, the batch, and what a step accepted."""
 
     def __init__(
-        self, memory: Memory, decode: DecodePlanner, drafter: Drafter, num_draft_tokens: int, max_rows: int = 1 << 30
+        self,
+        memory: Memory,
+        decode: DecodePlanner,
+        drafter: Drafter,
+        num_draft_tokens: int,
+        max_rows: int = 1 << 30,
+        max_batch: int = 32,
     ):
         self.memory, self.decode, self.drafter = memory, decode, drafter
         self.k = num_draft_tokens
@@ -135,7 +171,12 @@ class SpecPlanner:
         self.verify_runs = 0  # drafting requests, summed over verify steps
         self.draft_seconds = 0.0  # host time spent drafting, over
         self.drafting_rows = 0  # the decoding requests it drafted for (summed over steps)
-        self.rule = SpecRule()  # whether a step speculates
+        self.rule = SpecRule(max_batch)  # whether a step speculates
+
+    def wants(self, decoding: int) -> bool:
+        """Whether this step may verify drafts: room in the largest captured graph for a draft
+        token beside every decoding request, and the rule's say."""
+        return decoding < self.max_rows and self.rule.wants(decoding)
 
     @staticmethod
     def eligible(req: Req) -> bool:
@@ -157,7 +198,7 @@ class SpecPlanner:
             pending = req.verify_draft
             if (pending and not req.verify_chain) or resting(req):
                 continue
-            late = req.kv_len + 1 - len(req.all_ids) - len(pending)  # 1: its last token is in flight
+            late = req.kv_len + 1 - req.num_tokens - len(pending)  # 1: its last token is in flight
             if late not in (0, 1):  # (defensive: decoding requests are at most one token behind)
                 continue
             # Room for the draft and the token after it, within its budget and context (and a
@@ -170,11 +211,13 @@ class SpecPlanner:
                 if draft:
                     drafts.append((req, draft))
                     spare_rows -= len(draft)
+                else:
+                    count_try(req, False)
         self.draft_seconds += time.perf_counter() - start
         self.drafting_rows += len(decoding)
         if not drafts:
-            if tried:  # (not when every request waits for its verify step, which drafts again next)
-                self.rule.no_drafts()
+            # (no pause when every request waits for its verify step, which drafts again next)
+            self.rule.no_drafts(len(decoding), tried > 0)
             return None
         drafting = {id(r) for r, _ in drafts}
         plain = [r for r in decoding if id(r) not in drafting]
@@ -198,7 +241,7 @@ class SpecPlanner:
             # Its run starts where its tokens end, a draft in flight taken as kept: the worker
             # moves it back by the rows that draft's run rejected (at most the whole draft).
             unsure = len(req.verify_draft)
-            here = unsure == 0 and len(req.all_ids) > req.kv_len  # its last token is on the host
+            here = unsure == 0 and req.num_tokens > req.kv_len  # its last token is on the host
             req.pages += pages[:n]
             pages = pages[n:]
             req.kv_len += 1 + len(draft)
@@ -210,7 +253,7 @@ class SpecPlanner:
             batch.slots += [req.slot] * n
             batch.cached_lens += range(start, start + n)
             batch.new_lens += [1] * n
-            batch.input_ids += [req.all_ids[start] if here else -1, *draft]
+            batch.input_ids += [tokens_at(req, [], start, start + 1)[0] if here else -1, *draft]
             batch.sample += [True] * n
             batch.verify_sizes.append(n)
             if self.decode.cascade:  # its rows read the pages before its draft once, as a group
@@ -254,7 +297,7 @@ class SpecPlanner:
             at += len(draft) + 1
             self.accepted_tokens += accepted
             step_accepted += accepted
-            count_run(req, accepted)
+            count_try(req, accepted > 0)
             if req.verify_step >= 0:  # (not aborted or retracted while the step ran)
                 if req.verify_step == step:
                     req.verify_step, req.verify_draft = -1, []
@@ -267,7 +310,7 @@ class SpecPlanner:
                     req.table_len = min(req.table_len, len(req.pages))
                     self.memory.allocator.free(spare)
         decoding = len(drafts) + len(out.tokens) - at  # (each plain row is a request)
-        self.rule.verified(1 + step_accepted / decoding)
+        self.rule.verified(decoding, 1 + step_accepted / decoding)
         keep += range(at, len(out.tokens))
         for name in ("tokens", "logprobs", "top_ids", "top_logprobs", "id_logprobs"):
             values = getattr(out, name)
@@ -285,5 +328,5 @@ class SpecPlanner:
             "spec_accept_length": 1 + self.accepted_tokens / max(self.verify_runs, 1),
             "spec_draft_us_per_request": 1e6 * self.draft_seconds / max(self.drafting_rows, 1),
             # what the rule weighs: tokens a verify step gives per decoding request (moving average)
-            "spec_step_gain": self.rule.gain or 0.0,
+            "spec_step_gain": self.rule.gain,
         }
