@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.workloads import save_result  # noqa: E402
 from minisgl.llm import LLM  # noqa: E402
 from minisgl.sampling import SamplingParams  # noqa: E402
-from minisgl.scheduler import spec_rule  # noqa: E402
+from minisgl.scheduler import spec_rule, speculative  # noqa: E402
 
 
 def main() -> None:
@@ -35,8 +35,17 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    spec_rule.MAX_BATCH = max(args.batch)
-    llm = LLM(args.model, load_format=args.load_format, max_running_requests=max(256, max(args.batch)))
+    # Every step verifies: the measured rule and the rests after misses are bypassed.
+    spec_rule.SpecRule.pays = lambda self, decoding: True
+    speculative.count_try = lambda req, kept: None
+    llm = LLM(
+        args.model,
+        load_format=args.load_format,
+        max_running_requests=max(256, max(args.batch)),
+        speculative_algorithm="NGRAM",  # (graphs with room for the verify rows)
+        speculative_num_draft_tokens=max(max(args.k), 1),
+        speculative_disable_by_batch_size=max(args.batch),
+    )
     rng = random.Random(0)
     vocab = llm.runner.vocab_size
     rows = []

@@ -220,7 +220,7 @@ def replay_once(
                 r.drafted += len(draft)
                 r.accepted += accepted
                 r.runs += 1
-                speculative.count_run(req, accepted)
+                speculative.count_try(req, accepted > 0)
             req.output_ids = truth[: at + accepted + 1]
             source.advanced(req)
         running = _retire(running, {q.rid: len(q.output_ids) >= q.max_outputs for q in running}, source, r, len(reqs))
@@ -273,7 +273,7 @@ def replay_overlap(prompts: list[list[int]], outputs: list[list[int]], k: int, m
                 r.drafted += len(draft)
                 r.accepted += kept
                 r.runs += 1
-                speculative.count_run(req, kept)
+                speculative.count_try(req, kept > 0)
         if speculate and tried and not any(d for d, *_ in launched.values()):
             idle = spec_rule.IDLE_AFTER_NO_DRAFT
         verifying = any(d for d, *_ in launched.values())
@@ -353,7 +353,7 @@ def main() -> None:
     rep.add_argument("recorded")
     rep.add_argument("--num-draft-tokens", type=int, nargs="+", default=[2, 4, 8])
     rep.add_argument("--policies", nargs="+", choices=list(POLICIES), default=list(POLICIES))
-    rep.add_argument("--max-batch", type=int, nargs="+", default=[spec_rule.MAX_BATCH])
+    rep.add_argument("--max-batch", type=int, nargs="+", default=[EngineArgs.speculative_disable_by_batch_size])
     rep.add_argument("--verify-cost", type=float, nargs="+", default=[1.2, 2.0])
     rep.add_argument(
         "--sit-out", action="store_true", help="also replay each with verified requests sitting out a step"

@@ -1,7 +1,9 @@
 """Every ``from minisgl... import name`` (and from tests and benchmarks) names something its
-module defines, checked from the source: imports inside functions on GPU-only paths never run
-on a CPU machine, so a helper moved or renamed breaks them unseen (a CUDA test of fp8
-attention imported a test helper that had moved, and failed only on the GPU)."""
+module defines, and so does every ``module.name`` read or set through a module imported that
+way, checked from the source: imports inside functions on GPU-only paths never run on a CPU
+machine, so a helper moved or renamed breaks them unseen (a CUDA test of fp8 attention imported
+a test helper that had moved, and failed only on the GPU; two benchmarks set a constant of the
+speculation rule that had become a flag)."""
 
 from __future__ import annotations
 
@@ -45,22 +47,38 @@ def _names(path: Path) -> frozenset[str]:
 
 
 def missing_imports(root: Path) -> list[str]:
-    """``path:line: module has no name`` for every such import in the sources under ``root``."""
+    """``path:line: module has no name`` for every such import, or attribute of a module
+    imported by name, in the sources under ``root``."""
     missing = []
     for path in sorted(p for pkg in (*PACKAGES, "scripts") for p in (root / pkg).rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        modules: dict[str, tuple[str, Path]] = {}  # local name -> (dotted name, file) of our modules
+        for node in ast.walk(tree):
+            where = f"{path.relative_to(root)}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    module = _module_file(root, alias.name) if alias.name.split(".")[0] in PACKAGES else None
+                    if module is not None and alias.asname:
+                        modules[alias.asname] = (alias.name, module)
             if not (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module):
                 continue
             if node.module.split(".")[0] not in PACKAGES:
                 continue
-            where = f"{path.relative_to(root)}:{node.lineno}"
             module = _module_file(root, node.module)
             if module is None:
                 missing.append(f"{where}: no module {node.module}")
                 continue
             for alias in node.names:
-                if alias.name not in _names(module) and _module_file(root, f"{node.module}.{alias.name}") is None:
+                sub = _module_file(root, f"{node.module}.{alias.name}")
+                if alias.name not in _names(module) and sub is None:
                     missing.append(f"{where}: {node.module} has no {alias.name}")
+                elif sub is not None and sub.name != "__init__.py":
+                    modules[alias.asname or alias.name] = (f"{node.module}.{alias.name}", sub)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules:
+                name, module = modules[node.value.id]
+                if node.attr not in _names(module):
+                    missing.append(f"{path.relative_to(root)}:{node.lineno}: {name} has no {node.attr}")
     return missing
 
 
@@ -78,7 +96,10 @@ def test_the_check_reports_a_moved_helper(tmp_path):
     (tmp_path / "minisgl" / "helpers.py").write_text("X: int = 1\nif True:\n    def f(): ...\n")
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "test_a.py").write_text(
-        "from minisgl import sub\nfrom minisgl.helpers import X, f\n\n\n"
-        "def test():\n    from minisgl.helpers import g\n"
+        "from minisgl import sub, helpers\nfrom minisgl.helpers import X, f\n\n\n"
+        "def test():\n    from minisgl.helpers import g\n    helpers.X = helpers.Y\n"
     )
-    assert missing_imports(tmp_path) == ["tests/test_a.py:6: minisgl.helpers has no g"]
+    assert missing_imports(tmp_path) == [
+        "tests/test_a.py:6: minisgl.helpers has no g",
+        "tests/test_a.py:7: minisgl.helpers has no Y",
+    ]

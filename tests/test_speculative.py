@@ -161,10 +161,10 @@ def test_verify_steps_keep_overlap_and_the_worker_finds_real_lengths(tiny_llama,
     assert mem["free_pages"] + mem["evictable_pages"] == mem["total_pages"]
 
 
-def test_drafting_reads_tokens_in_place_and_fruitless_requests_rest_longer():
+def test_drafting_reads_tokens_in_place_and_missing_requests_rest():
     """``tokens_at`` reads any span of prompt, outputs and a pending draft as the joined list
-    would; a request whose tries find nothing rests 2, 4, ... 32 steps between pairs of tries,
-    and one kept token starts over."""
+    would; a request whose verify runs kept nothing twice in a row rests two steps, and a kept
+    token clears its count."""
     from minisgl.scheduler import speculative as sp
     from minisgl.scheduler.request import Req
 
@@ -178,21 +178,19 @@ def test_drafting_reads_tokens_in_place_and_fruitless_requests_rest_longer():
             assert sp.tokens_at(req, pending, start, stop) == joined[start:stop]
     assert req.num_tokens == len(req.all_ids)
 
-    def tries(steps: int) -> list[int]:
-        out = []
-        for step in range(steps):
-            if not sp.resting(req):
-                out.append(step)
-                sp.count_try(req, False)
+    def tries(results: list[bool]) -> list[int]:
+        """The steps (of as many as needed) at which it drafts, each run keeping results[i]."""
+        out, step = [], 0
+        for kept in results:
+            while sp.resting(req):
+                step += 1
+            out.append(step)
+            sp.count_try(req, kept)
+            step += 1
         return out
 
-    rests = [2, 4, 8, 16, 32, 32]
-    starts = [0]
-    for rest in rests:
-        starts.append(starts[-1] + 2 + rest)
-    assert tries(starts[-1]) == [s + i for s in starts[:-1] for i in (0, 1)]
-    sp.count_try(req, True)
-    assert tries(6) == [0, 1, 4, 5]  # a kept token: the shortest rest again
+    assert tries([False, False, False, False]) == [0, 1, 4, 5]
+    assert tries([False, True, False, False, False]) == [2, 3, 4, 5, 8]  # (after the rest above)
 
 
 def test_the_rule_speculates_while_measured_verify_steps_pay():

@@ -65,15 +65,14 @@ class Req:
     sent_tokens: int = 0  # output tokens the scheduler process has sent on (it sends the rest)
     # Speculative decoding: its own tokens' n-gram tables (n -> hash -> end position) as far as
     # ``ngrams_upto``, the hashes of its last windows (``ngram_keys``, ending at ``ngram_keys_end``:
-    # the next step's new windows), fruitless tries in a row (no draft, or nothing accepted),
-    # plain steps before it drafts again, and the length of its next such rest.
+    # the next step's new windows), verify runs in a row with nothing accepted, and plain steps
+    # before it drafts again.
     ngrams: dict[int, dict[int, int]] | None = None
     ngrams_upto: int = 0
     ngram_keys: list[int] = field(default_factory=list)
     ngram_keys_end: int = -1
     spec_misses: int = 0
     spec_pause: int = 0
-    spec_rest: int = 0
     # Its last verify step still in flight (-1: none) and that step's draft (empty exactly when
     # none: drafts are never empty): until its tokens are back, kv_len counts the whole draft as
     # kept (a step planned meanwhile has the worker find the real length). ``verify_chain``: the
