@@ -37,7 +37,7 @@ def main() -> None:
     args = ap.parse_args()
     # Every step verifies: the measured rule and the rests after misses are bypassed.
     spec_rule.SpecRule.pays = lambda self, decoding: True
-    speculative.count_try = lambda req, kept: None
+    speculative.count_run = lambda req, kept: None
     llm = LLM(
         args.model,
         load_format=args.load_format,

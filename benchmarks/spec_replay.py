@@ -220,7 +220,7 @@ def replay_once(
                 r.drafted += len(draft)
                 r.accepted += accepted
                 r.runs += 1
-                speculative.count_try(req, accepted > 0)
+                speculative.count_run(req, accepted > 0)
             req.output_ids = truth[: at + accepted + 1]
             source.advanced(req)
         running = _retire(running, {q.rid: len(q.output_ids) >= q.max_outputs for q in running}, source, r, len(reqs))
@@ -273,7 +273,7 @@ def replay_overlap(prompts: list[list[int]], outputs: list[list[int]], k: int, m
                 r.drafted += len(draft)
                 r.accepted += kept
                 r.runs += 1
-                speculative.count_try(req, kept > 0)
+                speculative.count_run(req, kept > 0)
         if speculate and tried and not any(d for d, *_ in launched.values()):
             idle = spec_rule.IDLE_AFTER_NO_DRAFT
         verifying = any(d for d, *_ in launched.values())

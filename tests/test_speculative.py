@@ -185,7 +185,7 @@ def test_drafting_reads_tokens_in_place_and_missing_requests_rest():
             while sp.resting(req):
                 step += 1
             out.append(step)
-            sp.count_try(req, kept)
+            sp.count_run(req, kept)
             step += 1
         return out
 

@@ -63,7 +63,7 @@ def resting(req: Req) -> bool:
     return False
 
 
-def count_try(req: Req, kept: bool) -> None:
+def count_run(req: Req, kept: bool) -> None:
     """A verify run of the request kept a draft token (or none: ``MISSES_BEFORE_PAUSE`` such runs
     in a row make it rest as many steps)."""
     req.spec_misses = 0 if kept else req.spec_misses + 1
@@ -290,7 +290,7 @@ class SpecPlanner:
             at += len(draft) + 1
             self.accepted_tokens += accepted
             step_accepted += accepted
-            count_try(req, accepted > 0)
+            count_run(req, accepted > 0)
             if req.verify_step >= 0:  # (not aborted or retracted while the step ran)
                 if req.verify_step == step:
                     req.verify_step, req.verify_draft = -1, []
