@@ -117,18 +117,21 @@ def run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tup
     }
 
 
-def setup(args: argparse.Namespace) -> tuple[LLM, list[list[int]], list[SamplingParams]]:
-    """The engine, and the workload's prompts (each ``--samples`` times) with seeded params."""
+def setup(
+    args: argparse.Namespace, speculation: tuple[int, int] | None
+) -> tuple[LLM, list[list[int]], list[SamplingParams]]:
+    """The engine, and the workload's prompts (each ``--samples`` times) with seeded params.
+    ``speculation``: the most draft tokens and the largest batch bound any mode will use
+    (configured from the start, so the CUDA graphs have room for the verify rows:
+    ``EngineArgs.graph_batch_size``); None: an engine that never speculates."""
     convs = WORKLOADS[args.workload](args.prompts, args.seed)
-    # Every sample at once by default, as an RL step submits them; speculation configured from
-    # the start, so the CUDA graphs have room for the verify rows (``ServerArgs.graph_batch_size``).
-    engine = {
+    engine = {  # every sample at once by default, as an RL step submits them
         "dtype": args.dtype,
         "max_running_requests": args.max_running_requests or max(len(convs) * args.samples, 1),
-        "speculative_algorithm": "NGRAM",
-        "speculative_num_draft_tokens": max(args.num_draft_tokens),
-        "speculative_disable_by_batch_size": max(args.disable_by_batch_size),
     }
+    if speculation is not None:
+        engine["speculative_algorithm"] = "NGRAM"
+        engine["speculative_num_draft_tokens"], engine["speculative_disable_by_batch_size"] = speculation
     if args.device:
         engine["device"] = args.device
     llm = LLM(args.model, **engine)
@@ -189,7 +192,7 @@ def main() -> None:
     )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    llm, prompts, params = setup(args)
+    llm, prompts, params = setup(args, (max(args.num_draft_tokens), max(args.disable_by_batch_size)))
     modes = [("off", None, 0, "measured", False, 0)] + [
         (
             f"on k={k} idle={idle} {rule}"

@@ -41,7 +41,7 @@ from minisgl.scheduler.request import Req  # noqa: E402
 def record(args: argparse.Namespace) -> None:
     from benchmarks.spec_bench import run, setup
 
-    llm, prompts, params = setup(args)
+    llm, prompts, params = setup(args, None)
     reqs, result = run(llm, prompts, params)
     print(f"recorded {len(reqs)} samples, mean length {result['mean_output_len']:.1f}, {result['seconds']:.1f} s")
     # (each distinct prompt once: the samples of one prompt follow each other)
@@ -348,6 +348,7 @@ def main() -> None:
     rec.add_argument("--device", default=None)
     rec.add_argument("--dtype", default="auto")
     rec.add_argument("--seed", type=int, default=0)
+    rec.add_argument("--max-running-requests", type=int, default=None, help="default: every sample at once")
     rec.add_argument("--out", required=True)
     rep = sub.add_parser("replay")
     rep.add_argument("recorded")
