@@ -158,6 +158,10 @@ class Receiver(Generic[T]):
             return None
         return msgspec.msgpack.decode(self.sock.recv(copy=False).buffer, type=kind)
 
+    def waiting(self) -> bool:
+        """Whether a message is here (``recv`` would not block)."""
+        return bool(self.sock.poll(0))
+
     def recv_all(self) -> list[T]:
         """Every message already waiting, without blocking."""
         out: list[T] = []

@@ -77,6 +77,9 @@ class Executor(Protocol):
 
     def collect(self) -> StepOutput: ...
 
+    def oldest_done(self) -> bool:
+        """Whether ``collect`` would return without waiting."""
+
     def sample_masked(self, bitmask: bytes) -> None:
         """Allowed tokens for the last launched batch's ``mask_rows``; it samples once they come."""
 
@@ -458,6 +461,9 @@ class Scheduler(ControlPlane):
             if self._speculate:
                 if not self.args.speculative_overlap:
                     self._drain()  # a verify step drafts from every token so far
+                else:  # steps already back (the GPU ahead of a host-bound model): drafts follow them
+                    while self.inflight and self.executor.oldest_done():
+                        self._drained += self._process(self.inflight.popleft())
                 verify = self.spec.schedule(self.decoding, retract, c.steps)
                 if verify is not None:
                     batch, rows, drafts, routed = verify

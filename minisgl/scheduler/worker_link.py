@@ -11,8 +11,8 @@ from minisgl.messages import ForwardBatch, SampleMasks, StepOutput, ToWorker, Wo
 
 
 class WorkerLink:
-    """Sockets to the workers at ``addrs``: ``launch``, ``sample_masked`` and ``collect``, as a
-    ModelRunner has them."""
+    """Sockets to the workers at ``addrs``: ``launch``, ``sample_masked``, ``oldest_done`` and
+    ``collect``, as a ModelRunner has them."""
 
     def __init__(self, addrs: Addresses, tp_size: int):
         ctx = zmq.Context.instance()
@@ -28,6 +28,10 @@ class WorkerLink:
 
     def sample_masked(self, bitmask: bytes) -> None:
         self.broadcast(SampleMasks(bitmask))
+
+    def oldest_done(self) -> bool:
+        """Whether ``collect`` would return without waiting (rank 0 sent the oldest step's tokens)."""
+        return self.results.waiting()
 
     def collect(self) -> StepOutput:
         out = self.results.recv()
