@@ -58,7 +58,9 @@ def main() -> None:
             llm.args.speculative_num_draft_tokens = max(k, 1)
             llm.reset_scheduler()
             if k:
-                llm.scheduler.spec.drafter.draft = lambda req, count: [rng.randrange(vocab) for _ in range(count)]
+                llm.scheduler.spec.drafter.draft = lambda req, count, pending=(): [
+                    rng.randrange(vocab) for _ in range(count)
+                ]
             llm.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=1))  # prefill, cached
             start = time.perf_counter()
             llm.generate(prompts, params)

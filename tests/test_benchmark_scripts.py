@@ -1,12 +1,14 @@
 """The speculation benchmarks run end to end on the tiny checkpoint (CPU, a few tokens): their
-engine set-up follows the engine's flags, which a benchmark only meets on the GPU otherwise."""
+engine set-up and hooks follow the engine's flags and signatures, which a benchmark otherwise
+meets only on the GPU."""
 
 from __future__ import annotations
 
 import json
 import sys
 
-from benchmarks import spec_bench, spec_replay
+from benchmarks import spec_bench, spec_cost, spec_replay
+from minisgl.scheduler import spec_rule, speculative
 
 
 def test_spec_bench_runs_every_mode_with_the_samples_of_speculation_off(tiny_llama, tmp_path, monkeypatch):
@@ -31,3 +33,15 @@ def test_spec_replay_records_and_replays(tiny_llama, tmp_path, monkeypatch):
     spec_replay.main()
     rows = json.loads(replayed.read_text())["results"]
     assert rows and all(r["steps"] <= 11 for r in rows)
+
+
+def test_spec_cost_times_verify_steps_of_every_k(tiny_llama, tmp_path, monkeypatch):
+    out = tmp_path / "cost.json"
+    # (it bypasses the rule and the rests for its process: put them back afterwards)
+    monkeypatch.setattr(spec_rule.SpecRule, "pays", spec_rule.SpecRule.pays)
+    monkeypatch.setattr(speculative, "count_run", speculative.count_run)
+    argv = ["spec_cost.py", "--model", str(tiny_llama), "--batch", "2", "--k", "0", "2", "--steps", "6"]
+    monkeypatch.setattr(sys, "argv", argv + ["--context", "32", "--out", str(out)])
+    spec_cost.main()
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["k"], r["steps"]) for r in rows] == [(0, 5), (2, 5)]
