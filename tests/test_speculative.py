@@ -288,6 +288,13 @@ def test_verify_steps_fit_the_largest_captured_graph(tiny_llama):
     llm.scheduler.executor.launch = lambda b: (rows.append(len(b.slots)) if b.verify_sizes else None, launch(b))[1]
     assert tokens(llm.generate(prompts, params)) == tokens(off)
     assert rows and max(rows) == llm.args.graph_batch_size and llm.scheduler.stats()["spec_accepted_tokens"] > 0
+    # Fewer running requests than verify rows: a step has more rows than slots.
+    llm = make_llm(tiny_llama, page_size=2, max_running_requests=2, cuda_graph_max_bs=2, **SPEC)
+    rows.clear()
+    launch = llm.scheduler.executor.launch
+    llm.scheduler.executor.launch = lambda b: (rows.append(len(b.slots)) if b.verify_sizes else None, launch(b))[1]
+    assert tokens(llm.generate(prompts, params)) == tokens(off)
+    assert 2 < max(rows) <= llm.args.graph_batch_size
 
 
 def test_pages_read_from_disk_are_indexed_for_drafts(tiny_llama, tmp_path):
