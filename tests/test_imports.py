@@ -54,7 +54,6 @@ def missing_imports(root: Path) -> list[str]:
         tree = ast.parse(path.read_text())
         modules: dict[str, tuple[str, Path]] = {}  # local name -> (dotted name, file) of our modules
         for node in ast.walk(tree):
-            where = f"{path.relative_to(root)}:{getattr(node, 'lineno', 0)}"
             if isinstance(node, ast.Import):
                 for alias in node.names:
                     module = _module_file(root, alias.name) if alias.name.split(".")[0] in PACKAGES else None
@@ -64,6 +63,7 @@ def missing_imports(root: Path) -> list[str]:
                 continue
             if node.module.split(".")[0] not in PACKAGES:
                 continue
+            where = f"{path.relative_to(root)}:{node.lineno}"
             module = _module_file(root, node.module)
             if module is None:
                 missing.append(f"{where}: no module {node.module}")

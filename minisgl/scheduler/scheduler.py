@@ -459,11 +459,9 @@ class Scheduler(ControlPlane):
                 return batch, sampled, scored, routed, False, []
             retract = lambda: self._retract(self.running[-1])  # noqa: E731
             if self._speculate:
-                if not self.args.speculative_overlap:
-                    self._drain()  # a verify step drafts from every token so far
-                else:  # steps already back (the GPU ahead of a host-bound model): drafts follow them
-                    while self.inflight and self.executor.oldest_done():
-                        self._drained += self._process(self.inflight.popleft())
+                # Waiting, a verify step drafts from every token so far; overlapped, from the
+                # steps already back (the GPU ahead of a host-bound model).
+                self._drain(done_only=self.args.speculative_overlap)
                 verify = self.spec.schedule(self.decoding, retract, c.steps)
                 if verify is not None:
                     batch, rows, drafts, routed = verify
@@ -480,9 +478,10 @@ class Scheduler(ControlPlane):
             # Every running request is mid-prefill and none could get pages: make room.
             self._retract(self.running[-1])
 
-    def _drain(self) -> None:
-        """Process every step in flight (their requests in ``_drained``, this step's events)."""
-        while self.inflight:
+    def _drain(self, done_only: bool = False) -> None:
+        """Process every step in flight, or only those whose tokens are back (their requests in
+        ``_drained``, this step's events)."""
+        while self.inflight and (not done_only or self.executor.oldest_done()):
             self._drained += self._process(self.inflight.popleft())
 
     def _process(self, inflight: Inflight) -> list[Req]:

@@ -78,9 +78,7 @@ class SpecRule:
     def pays(self, decoding: int) -> bool:
         """Whether a verify step's tokens are worth its time at this batch size, by the
         measurements; while one is missing, the choice that measures it."""
-        bucket = decoding.bit_length()
-        plain, verify = self.seconds.get((False, bucket)), self.seconds.get((True, bucket))
-        gain = self.gains.get(bucket)
+        gain, plain, verify = self._measured(decoding)
         if gain is None:
             return True
         if gain <= 1.0:  # tries found nothing to keep: no cost makes that pay
@@ -93,11 +91,15 @@ class SpecRule:
 
     def margin(self, decoding: int) -> float:
         """A verify step's tokens over its cost in plain steps at this batch size (1: even)."""
-        bucket = decoding.bit_length()
-        plain, verify = self.seconds.get((False, bucket)), self.seconds.get((True, bucket))
-        if plain is None or verify is None or bucket not in self.gains:
+        gain, plain, verify = self._measured(decoding)
+        if gain is None or plain is None or verify is None:
             return 1.0
-        return self.gains[bucket] * plain / verify
+        return gain * plain / verify
+
+    def _measured(self, decoding: int) -> tuple[float | None, float | None, float | None]:
+        """The gain, plain step seconds and verify step seconds at this batch size (None: not yet)."""
+        bucket = decoding.bit_length()
+        return self.gains.get(bucket), self.seconds.get((False, bucket)), self.seconds.get((True, bucket))
 
     def no_drafts(self, decoding: int, looked: bool) -> None:
         """A step of ``decoding`` requests meant to speculate found no draft: it gave one token
