@@ -30,11 +30,12 @@ import sys
 import time
 from pathlib import Path
 
+import aiohttp
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.online_serving import stream_generate, summary  # noqa: E402
+from benchmarks.online_serving import client_session, stream_generate, summary  # noqa: E402
 from benchmarks.server import start_server  # noqa: E402
 from benchmarks.workloads import save_result  # noqa: E402
 
@@ -144,7 +145,7 @@ async def run_online_clients(args: argparse.Namespace, url: str, vocab: int) -> 
     gate = asyncio.Semaphore(args.max_parallel)
     results: list[dict] = []
 
-    async def conversation(c: int, client: httpx.AsyncClient) -> None:
+    async def conversation(c: int, client: aiohttp.ClientSession) -> None:
         for r in range(args.rounds):
             prompt = hist[c] + user[r][c]
             async with gate:
@@ -154,7 +155,7 @@ async def run_online_clients(args: argparse.Namespace, url: str, vocab: int) -> 
             hist[c] = prompt + res.pop("output_ids")
             results.append(res)
 
-    async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None)) as client:
+    async with client_session() as client:
         await stream_generate(client, url, [1] * 64, 4)  # warm up
         start = time.perf_counter()
         await asyncio.gather(*(conversation(c, client) for c in range(args.conversations)))

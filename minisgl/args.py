@@ -274,6 +274,12 @@ class ServerArgs(EngineArgs):
     enable_weight_update_from_tensor: bool = False
     dp_size: int = 1  # replicas behind the smg router
     router_policy: str = "cache_aware"
+    # smg's spill gate: a replica holding the prefix is passed over for the least loaded one when
+    # its in-flight requests exceed the replicas' mean by both margins. smg's defaults (64, 1.5)
+    # let a burst of 1024 shared-prefix requests land 368 / 96 on four replicas; these kept every
+    # replica within 15% at <= 1.5 points of hit rate (benchmarks/results/tp4_h200x4_2026-11-27.md).
+    router_balance_abs_threshold: int = 16
+    router_balance_rel_threshold: float = 1.1
 
     @property
     def model_name(self) -> str:
@@ -784,6 +790,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.router_policy,
         choices=ROUTER_POLICIES,
         help="how the smg router picks a replica with --dp-size (default %(default)s)",
+    )
+    groups["parallelism"].add_argument(
+        "--router-balance-abs-threshold",
+        type=int,
+        default=d.router_balance_abs_threshold,
+        help="cache_aware spill gate: in-flight requests a replica holding the prefix may have above the "
+        "replicas' mean before the least loaded one gets the request, with --router-balance-rel-threshold "
+        "(default %(default)s; smg's 64)",
+    )
+    groups["parallelism"].add_argument(
+        "--router-balance-rel-threshold",
+        type=float,
+        default=d.router_balance_rel_threshold,
+        help="cache_aware spill gate: the same as a multiple of the mean (default %(default)s; smg's 1.5)",
     )
     add_sglang_flags(ap)
     return ap

@@ -28,8 +28,9 @@ from minisgl.api.response_store import ResponseStore
 from minisgl.args import ServerArgs
 
 logger = logging.getLogger("minisgl.launch")
-# Flags the data-parallel launcher handles itself; the rest go to every replica unchanged.
-OWN_FLAGS = {"--dp-size", "--data-parallel-size", "--router-policy", "--host", "--port"}
+# Flags the data-parallel launcher handles itself (and every --router-*); the rest go to every
+# replica unchanged.
+OWN_FLAGS = {"--dp-size", "--data-parallel-size", "--host", "--port"}
 
 
 def find_smg() -> str | None:
@@ -46,7 +47,7 @@ def replica_argv(argv: list[str]) -> list[str]:
             skip = False
             continue
         name = arg.split("=", 1)[0]
-        if name in OWN_FLAGS:
+        if name in OWN_FLAGS or name.startswith("--router-"):
             skip = "=" not in arg
             continue
         out.append(arg)
@@ -189,6 +190,10 @@ class DataParallelLauncher:
             str(_free_port()),
             "--log-level",
             "warn" if self.args.log_level in ("warning", "error", "critical") else "info",
+            "--balance-abs-threshold",
+            str(self.args.router_balance_abs_threshold),
+            "--balance-rel-threshold",
+            str(self.args.router_balance_rel_threshold),
         ]
         if self.args.api_key:  # the router checks clients' keys and passes the key on to the replicas
             cmd += ["--api-key", self.args.api_key]

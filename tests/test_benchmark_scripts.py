@@ -45,3 +45,23 @@ def test_spec_cost_times_verify_steps_of_every_k(tiny_llama, tmp_path, monkeypat
     spec_cost.main()
     rows = json.loads(out.read_text())["results"]
     assert [(r["k"], r["steps"]) for r in rows] == [(0, 5), (2, 5)]
+
+
+def test_online_clients_stream_every_token_and_count_refusals(tiny_llama):
+    """The streaming client the online benchmarks share (aiohttp, several processes): every
+    token of every stream counted, one inter-token gap per token after the first, and a refused
+    request reported with the server's reason instead of ending the run."""
+    from benchmarks.online_serving import run_clients
+    from tests.server_utils import ServerProcess
+
+    srv = ServerProcess(tiny_llama, "--max-total-tokens", "8192")
+    try:
+        srv.wait_ready()
+        prompts = [[5 + i, 6, 7, 8] for i in range(6)] + [[3] * 2000]  # the last is over the context
+        results, elapsed, _ = run_clients(srv.url, prompts, [9] * 7, None, None, procs=2)
+    finally:
+        srv.stop()
+    ok = [r for r in results if "error" not in r]
+    assert [r["tokens"] for r in ok] == [9] * 6 and all(len(r["itl"]) == 8 for r in ok)
+    (refused,) = [r for r in results if "error" in r]
+    assert refused["error"].startswith("HTTP 400") and "context" in refused["error"] and elapsed > 0

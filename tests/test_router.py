@@ -34,6 +34,29 @@ def test_smg_cache_aware_router_over_two_servers(tiny_llama):
     assert {"num_running_reqs", "num_waiting_reqs"} <= set(report["loads_keys"]), report["loads_keys"]
 
 
+def test_router_flags_reach_smg_and_not_the_replicas(monkeypatch):
+    """--router-* flags become smg's own flags (by default a tighter spill gate than smg's, which
+    lets bursts pile onto one replica); the replicas get none of them."""
+    from minisgl import data_parallel
+    from minisgl.launch import parse_args
+
+    argv = ["--model", "m", "--dp-size", "2", "--router-balance-abs-threshold", "32"]
+    argv += ["--router-balance-rel-threshold=1.25", "--page-size", "4"]
+    launcher = data_parallel.DataParallelLauncher(parse_args(argv), argv)
+    started = []
+    monkeypatch.setattr(data_parallel.subprocess, "Popen", lambda cmd, **_: started.append(cmd))
+    launcher._start_router("smg")
+    cmd = " ".join(started[0])
+    assert "--balance-abs-threshold 32 --balance-rel-threshold 1.25" in cmd, cmd
+    assert not [a for a in launcher.argv if a.startswith("--router")] and "--page-size" in launcher.argv
+    launcher._stop_all()
+    started.clear()
+    launcher = data_parallel.DataParallelLauncher(parse_args(argv[:4]), argv[:4])
+    launcher._start_router("smg")
+    assert "--balance-abs-threshold 16 --balance-rel-threshold 1.1" in " ".join(started[0])
+    launcher._stop_all()
+
+
 def test_dp_size_two_behind_the_router(tiny_llama):
     """--dp-size 2: both APIs through the router; 4 groups x 8 requests sharing long prefixes
     compute each group's prefix once (the replicas' own counters, against the token trie of the
