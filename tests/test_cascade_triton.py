@@ -61,10 +61,11 @@ def check(device: str, dtype: torch.dtype, graph: bool) -> None:
     kernel and a cascade step both equal the single-level torch reference, and equal each other
     bit for bit. In graph mode, as CUDA graphs run it: captured on another plan with padding
     rows, replayed on this one, over stale states, giving the eager step's bits."""
-    from minisgl.attention import create_backend
+    from minisgl.attention import cascade_triton, create_backend
     from minisgl.attention.cascade_triton import TritonCascade
 
     torch.manual_seed(0)
+    small_batch = cascade_triton.SMALL_BATCH
     hq, hk, dim = (32, 8, 128) if device == "cuda" else (8, 2, 32)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
 
@@ -89,7 +90,10 @@ def check(device: str, dtype: torch.dtype, graph: bool) -> None:
             ref = ref_backend.forward(q, 1).float()
             meta = decode_metadata(page_size, groups, loose, device)
             k, v, scale = cache.k_cache(1), cache.v_cache(1), ref_backend.scale
-            for options in {**SPLITS, **(CUDA_SPLITS if device == "cuda" else {})}.values():
+            splits = {**SPLITS, **(CUDA_SPLITS if device == "cuda" else {})}
+            # Work lists planned in Python (the engine's few-row steps) and in numpy (larger ones).
+            for options, small in [(o, s) for o in splits.values() for s in (small_batch, 0)]:
+                cascade_triton.SMALL_BATCH = small
                 level = TritonCascade(hq, hk, dim, torch.device(device), **options)
                 group_pages = [level.shared_pages(p, page_size) for p in meta.group_pages]
                 level.plan(*plan_args(plain_meta, page_size, []), None)  # the same batch as a plain step
@@ -122,6 +126,7 @@ def check(device: str, dtype: torch.dtype, graph: bool) -> None:
                 level.plan(*plan_args(meta, page_size, group_pages, pad=3), size)
                 graph_obj.replay() if graph_obj is not None else step()
                 same(out_buf[:n], plain, "a graph replay returns the eager plain step's bits")
+    cascade_triton.SMALL_BATCH = small_batch
 
 
 def patch_interpreter_ranges() -> None:
@@ -179,6 +184,34 @@ def test_work_lists():
     # A shared part ending on a segment boundary: the own part starts the next segment afresh.
     work, counts = own_work(np.array([300]), np.array([256]), page_size=16, segment=128)
     assert work.tolist() == [[0, 1, 0, 44, 2, 0]] and counts.tolist() == [3]
+
+
+def test_small_batches_plan_the_numpy_work_lists():
+    """``small_work`` (Python, steps of a few rows) gives ``shared_work`` and ``own_work``'s lists,
+    and ``segment_tokens`` the same segment from a list as from an array."""
+    from minisgl.attention.cascade_triton import own_work, segment_tokens, shared_work, small_work
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        page, unit = int(rng.choice([1, 16])), int(rng.choice([16, 64]))
+        rows = int(rng.integers(1, 33))
+        sizes = []
+        while sum(sizes) < rows and rng.random() < 0.6:
+            sizes.append(int(rng.integers(1, rows - sum(sizes) + 1)))
+        group_tokens = [int(rng.integers(0, 40)) * unit for _ in sizes]
+        shared = [t for t, n in zip(group_tokens, sizes) for _ in range(n)] + [0] * (rows - sum(sizes))
+        lens = [s + int(rng.integers(1, 900)) for s in shared]
+        segment = segment_tokens(lens, unit, int(rng.integers(1, 200)), int(rng.choice([16, 256])))
+        members = int(rng.choice([2, 4, 8]))
+        flat, n_shared, counts = small_work(sizes, group_tokens, lens, shared, page, segment, members)
+        want_shared = shared_work(sizes, group_tokens, page, segment, members)
+        want_own, want_counts = own_work(np.asarray(lens), np.asarray(shared), page, segment)
+        assert flat[: 6 * n_shared] == want_shared.ravel().tolist()
+        assert flat[6 * n_shared :] == want_own.ravel().tolist()
+        assert counts == want_counts.tolist()
+    for lens in ([5], [1, 1], [300, 7, 1025], [4096] * 20):
+        for target in (1, 7, 66):
+            assert segment_tokens(lens, 64, target, 256) == segment_tokens(np.asarray(lens), 64, target, 256)
 
 
 @pytest.mark.parametrize("graph", [False, True])
@@ -252,12 +285,13 @@ def test_page_lists_are_cut_on_the_host_like_slices():
     from minisgl.attention.flashinfer_backend import FlashInferBackend
 
     rng = np.random.default_rng(0)
-    table = rng.integers(0, 1 << 20, size=(40, 30), dtype=np.int32)
-    rows = rng.permutation(40)[:25]
-    first = rng.integers(0, 10, size=25)
-    counts = rng.integers(0, 21, size=25)
-    counts[[0, 7]] = 0
-    got = FlashInferBackend._page_indices(table, rows, first, counts)
-    want = np.concatenate([table[r, f : f + c] for r, f, c in zip(rows, first, counts)])
-    assert got.dtype == np.int32 and np.array_equal(got, want)
+    table = rng.integers(0, 1 << 20, size=(400, 30), dtype=np.int32)
+    for n in (1, 25, 300):  # slices in Python up to SMALL_BATCH rows, numpy past it
+        rows = rng.permutation(400)[:n]
+        first = rng.integers(0, 10, size=n)
+        counts = rng.integers(0, 21, size=n)
+        counts[[0, n // 2]] = 0 if n > 1 else counts[[0, 0]]
+        got = FlashInferBackend._page_indices(table, rows, first, counts)
+        want = np.concatenate([table[r, f : f + c] for r, f, c in zip(rows, first, counts)])
+        assert got.dtype == np.int32 and np.array_equal(got, want)
     assert FlashInferBackend._page_indices(table, [], [], []).shape == (0,)

@@ -339,6 +339,7 @@ def test_constrained_decoding_on_cuda(tmp_path, dtype):
     """On the GPU (CUDA graphs in bf16, overlap), a mixed batch of free and constrained requests:
     every constrained output parses or matches and ends by its grammar; a constrained request
     gets the same tokens with CUDA graphs as without (the mask is applied outside the graph)."""
+    pytest.importorskip("xgrammar")  # the grammar extra (the GPU machine may not have it)
     prompts = shared_prefix_prompts(groups=2, per_group=8, prefix_len=24)
     shapes = schemas(len(prompts), seed=7)
     params = [

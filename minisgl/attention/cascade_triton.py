@@ -32,6 +32,14 @@ from minisgl.distributed import get_tp_info
 from minisgl.utils import cdiv
 
 MIN_SEGMENT_TOKENS = 256  # shortest segment worth its own item and state
+# Steps of at most this many rows plan their work lists in Python (``small_work``), larger ones in numpy.
+SMALL_BATCH = 32
+
+
+def header_size(rows: int, items: int) -> int:
+    """int32 entries of a step's uploaded header with room for ``rows`` rows and ``items`` items
+    a level: the two levels' item counts, each row's first state and fold count, two work lists."""
+    return 2 + 2 * rows + 12 * items
 
 
 def _expand(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -40,12 +48,12 @@ def _expand(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return owner, np.arange(len(owner)) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
-def segment_tokens(lens: np.ndarray, unit: int, target_items: int, min_tokens: int) -> int:
+def segment_tokens(lens: np.ndarray | list[int], unit: int, target_items: int, min_tokens: int) -> int:
     """Segment length (a multiple of ``unit``) for a batch of requests ``lens`` tokens long: the
     longest request splits into about as many parts as it holds shares of the batch's tokens
     divided among ``target_items`` items, none shorter than ``min_tokens``."""
-    per_item = lens.sum() / max(target_items, 1)
-    longest = int(lens.max())
+    total, longest = (int(lens.sum()), int(lens.max())) if isinstance(lens, np.ndarray) else (sum(lens), max(lens))
+    per_item = total / max(target_items, 1)
     parts = max(1, round(longest / per_item))
     return max(cdiv(cdiv(longest, parts), unit), cdiv(min_tokens, unit)) * unit
 
@@ -127,30 +135,69 @@ class _Level:
 
     def __init__(self, device: torch.device, launch: dict, graph_programs: int):
         self.device, self.launch, self.graph_programs = device, launch, graph_programs
+        self._indices: torch.Tensor | None = None
 
-    def init_cuda_graph(self, max_items: int, max_indices: int) -> None:
-        from minisgl.kernels.partial_attention import WORK_COLUMNS
-
-        self._work = torch.zeros(max_items, WORK_COLUMNS, dtype=torch.int32, device=self.device)
-        self._n_work = torch.zeros(1, dtype=torch.int32, device=self.device)
-        self._indices = torch.zeros(max_indices, dtype=torch.int32, device=self.device)
-
-    def plan(self, work: np.ndarray, indices: torch.Tensor, graph: bool) -> None:
+    def set_work(
+        self, work: torch.Tensor, n_work: torch.Tensor, items: int, indices: torch.Tensor, graph: bool
+    ) -> None:
+        """This step's work list (a view of the uploaded header), its live count on the device
+        and host, and its page list (host or device: copied into the fixed buffer under graphs)."""
+        self.work, self.n_work = work, n_work
         if not graph:
-            self.programs, self.indices = len(work), indices.to(self.device, non_blocking=True)
-            self.work = torch.from_numpy(work).to(self.device, non_blocking=True)
-            self.n_work = torch.tensor([len(work)], dtype=torch.int32).to(self.device, non_blocking=True)
+            self.programs, self.indices = items, indices.to(self.device, non_blocking=True)
             return
-        if len(work) > len(self._work) or len(indices) > len(self._indices):
-            raise ValueError(
-                f"{len(work)} work items on {len(indices)} pages; the graph holds "
-                f"{len(self._work)} on {len(self._indices)}"
-            )
+        if len(indices) > len(self._indices):
+            raise ValueError(f"{len(indices)} pages; the graph holds {len(self._indices)}")
         self._indices[: len(indices)].copy_(indices, non_blocking=True)
-        self._work[: len(work)].copy_(torch.from_numpy(work), non_blocking=True)
-        self._n_work.copy_(torch.tensor([len(work)], dtype=torch.int32), non_blocking=True)
-        self.programs = min(self.graph_programs, len(self._work))
-        self.indices, self.work, self.n_work = self._indices, self._work, self._n_work
+        self.programs = min(self.graph_programs, len(work))
+        self.indices = self._indices
+
+
+def small_work(
+    sizes: list[int],
+    group_tokens: list[int],
+    lens: list[int],
+    shared: list[int],
+    page_size: int,
+    segment: int,
+    members: int,
+) -> tuple[list[int], int, list[int]]:
+    """``shared_work`` then ``own_work`` for a few rows, in Python, flattened, with the number of
+    shared items and each row's segment count: the same lists without numpy's microseconds a
+    call (a step of one request made ~100 of them, ~0.4 ms of its host time on the H100's host)."""
+    from minisgl.kernels.partial_attention import FINAL, RESUME
+
+    flat: list[int] = []
+    first_row = entry = 0
+    for size, tokens in zip(sizes, group_tokens):
+        for run in range(0, size, members):
+            for seg in range(-(-tokens // segment)):
+                start = seg * segment
+                flat += (first_row + run, min(members, size - run), entry + start // page_size)
+                flat += (min(segment, tokens - start), seg, 0)
+        first_row += size
+        entry += tokens // page_size
+    n_shared = len(flat) // 6
+    counts: list[int] = []
+    entry = 0
+    for row, (length, before) in enumerate(zip(lens, shared)):
+        segments = -(-length // segment)
+        counts.append(segments)
+        final = FINAL if segments == 1 else 0
+        for seg in range(before // segment, segments):
+            seg_start = seg * segment
+            start = max(seg_start, before)
+            flags = (RESUME if start > seg_start else 0) | final
+            flat += (
+                row,
+                1,
+                entry + (start - before) // page_size,
+                min(seg_start + segment, length) - start,
+                seg,
+                flags,
+            )
+        entry += -(-length // page_size) - before // page_size
+    return flat, n_shared, counts
 
 
 class TritonCascade:
@@ -245,10 +292,12 @@ class TritonCascade:
     def init_cuda_graph(self, max_bs: int, max_pages_per_req: int) -> None:
         hq, _, dim = self.heads
         states = self.max_states(max_bs)
-        self.shared.init_cuda_graph(states, graph_groups(max_bs) * max_pages_per_req)
-        self.own.init_cuda_graph(states, max_bs * max_pages_per_req)
-        self._row_base = torch.zeros(max_bs, dtype=torch.int32, device=self.device)
-        self._counts = torch.zeros(max_bs, dtype=torch.int32, device=self.device)
+        self._caps = (max_bs, states)
+        self._header = torch.zeros(header_size(max_bs, states), dtype=torch.int32, device=self.device)
+        self.shared._indices = torch.zeros(
+            graph_groups(max_bs) * max_pages_per_req, dtype=torch.int32, device=self.device
+        )
+        self.own._indices = torch.zeros(max_bs * max_pages_per_req, dtype=torch.int32, device=self.device)
         self._acc = torch.zeros(states, hq, dim, dtype=torch.float32, device=self.device)
         self._m = torch.zeros(states, hq, dtype=torch.float32, device=self.device)
         self._l = torch.zeros(states, hq, dtype=torch.float32, device=self.device)
@@ -259,7 +308,7 @@ class TritonCascade:
         pages: list[int],
         page_size: int,
         shared_indices: torch.Tensor,
-        own_tokens: list[int],
+        own_tokens: list[int] | np.ndarray,
         own_indices: torch.Tensor,
         graph_batch_size: int | None,
     ) -> None:
@@ -267,36 +316,67 @@ class TritonCascade:
         each reads, as ``shared_pages`` gives them; ``shared_indices``: those pages in group order.
         ``own_tokens``: per request of the batch (graph padding included) its tokens past the
         shared part, on its pages ``own_indices`` (concatenated). Page lists int32, on the host or
-        the device."""
+        the device. The work lists and per-row counts go up in one copy (a header)."""
         hq, _, dim = self.heads
         graph = graph_batch_size is not None
-        group_tokens = np.asarray(pages, dtype=np.int64) * page_size
-        shared = np.zeros(len(own_tokens), dtype=np.int64)
-        shared[: sum(sizes)] = np.repeat(group_tokens, sizes)
-        lens = np.asarray(own_tokens, dtype=np.int64) + shared
-        # Segments from the batch's real requests: graph padding rows hold one token, a decoding
-        # request at least two; so a step splits alike padded or not.
-        real = lens[lens > 1] if (lens > 1).any() else lens
-        segment = segment_tokens(real, self.unit(page_size), self.target_items, self.min_segment_tokens)
-        work = shared_work(sizes, group_tokens, page_size, segment, self.members_per_item)
-        self.shared.plan(work, shared_indices, graph)
-        work, counts = own_work(lens, shared, page_size, segment)
-        self.own.launch = self.own_launches[bool(sizes)]
-        self.own.plan(work, own_indices, graph)
-        base = np.cumsum(counts) - counts
-        folds = np.where(counts > 1, counts, 0)  # rows of one segment are written by their item
-        host = torch.from_numpy(np.stack([base, folds]).astype(np.int32))
+        rows = len(own_tokens)
+        unit = self.unit(page_size)
+        if rows <= SMALL_BATCH:
+            group_tokens = [p * page_size for p in pages]
+            shared = [t for t, n in zip(group_tokens, sizes) for _ in range(n)]
+            shared += [0] * (rows - len(shared))
+            lens = [int(o) + s for o, s in zip(own_tokens, shared)]
+            # Segments from the batch's real requests: graph padding rows hold one token, a
+            # decoding request at least two; so a step splits alike padded or not.
+            segment = segment_tokens(
+                [n for n in lens if n > 1] or lens, unit, self.target_items, self.min_segment_tokens
+            )
+            flat, n_shared, counts = small_work(
+                sizes, group_tokens, lens, shared, page_size, segment, self.members_per_item
+            )
+            shared_items, own_items = np.asarray(flat[: 6 * n_shared]), np.asarray(flat[6 * n_shared :])
+            counts = np.asarray(counts, dtype=np.int64)
+        else:
+            group_tokens = np.asarray(pages, dtype=np.int64) * page_size
+            shared = np.zeros(rows, dtype=np.int64)
+            shared[: sum(sizes)] = np.repeat(group_tokens, sizes)
+            lens = np.asarray(own_tokens, dtype=np.int64) + shared
+            real = lens[lens > 1] if (lens > 1).any() else lens
+            segment = segment_tokens(real, unit, self.target_items, self.min_segment_tokens)
+            shared_items = shared_work(sizes, group_tokens, page_size, segment, self.members_per_item).ravel()
+            own_items, counts = own_work(lens, shared, page_size, segment)
+            own_items = own_items.ravel()
+        n_shared, n_own = len(shared_items) // 6, len(own_items) // 6
         total = int(counts.sum())
+        caps = self._caps if graph else (rows, max(n_shared, n_own))
+        if graph and (rows > caps[0] or max(n_shared, n_own, total) > caps[1]):
+            raise ValueError(f"{rows} rows, {max(n_shared, n_own)} items, {total} states; the graph holds {caps}")
+        # [items of each level] [row bases] [fold counts] [own work] [shared work]: a plain step's
+        # copy ends at its own work.
+        folds_at, own_at, shared_at = 2 + caps[0], 2 + 2 * caps[0], 2 + 2 * caps[0] + 6 * caps[1]
+        used = shared_at + len(shared_items) if n_shared else own_at + len(own_items)
+        host = np.zeros(used, dtype=np.int32)
+        host[:2] = n_shared, n_own
+        host[2 : 2 + rows] = np.cumsum(counts) - counts
+        host[folds_at : folds_at + rows] = np.where(counts > 1, counts, 0)
+        host[own_at : own_at + len(own_items)] = own_items
+        host[shared_at : shared_at + len(shared_items)] = shared_items
         if graph:
-            if total > len(self._acc):
-                raise ValueError(f"{total} partial states; the graph holds {len(self._acc)}")
-            rows = len(lens)
-            self._row_base[:rows].copy_(host[0], non_blocking=True)
-            self._counts[:rows].copy_(host[1], non_blocking=True)
-            self.row_base, self.counts = self._row_base[:rows], self._counts[:rows]
+            header = self._header
+            header[:used].copy_(torch.from_numpy(host), non_blocking=True)
+        else:
+            header = torch.from_numpy(host).to(self.device, non_blocking=True)
+        for level, at, count, n, indices in (
+            (self.shared, shared_at, header[0:1], n_shared, shared_indices),
+            (self.own, own_at, header[1:2], n_own, own_indices),
+        ):
+            room = caps[1] if graph else n  # (under graphs the launch covers the whole buffer)
+            level.set_work(header[at : at + 6 * room].view(-1, 6), count, n, indices, graph)
+        self.own.launch = self.own_launches[bool(sizes)]
+        self.row_base, self.counts = header[2 : 2 + rows], header[folds_at : folds_at + rows]
+        if graph:
             self.acc, self.m, self.l = self._acc, self._m, self._l
         else:
-            self.row_base, self.counts = host.to(self.device, non_blocking=True)
             self.acc = torch.empty(total, hq, dim, dtype=torch.float32, device=self.device)
             self.m = torch.empty(total, hq, dtype=torch.float32, device=self.device)
             self.l = torch.empty(total, hq, dtype=torch.float32, device=self.device)

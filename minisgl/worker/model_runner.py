@@ -54,6 +54,7 @@ logger = logging.getLogger(__name__)
 CPU_KV_BYTES = 256 << 20  # default KV pool on CPU (or one full context, if larger)
 CPU_WARMUP_TOKENS = 64
 WARMUP_ROWS = SAMPLE_BLOCK  # sampling rows of the warm-up step: the sampler's largest block
+SMALL_DECODE = 32  # decode steps of at most this many rows build their inputs in Python
 
 
 @dataclass
@@ -410,19 +411,29 @@ class ModelRunner:
         dev = self.device
         if batch.table_slots:
             self.page_table_host[batch.table_slots, batch.table_cols] = batch.table_pages
-        new_lens = np.asarray(batch.new_lens, dtype=np.int64)
-        cached = np.asarray(batch.cached_lens, dtype=np.int64)
-        req_of_token = np.repeat(np.arange(len(new_lens)), new_lens)
-        starts = np.cumsum(new_lens) - new_lens
-        positions = np.arange(len(req_of_token), dtype=np.int64) - starts[req_of_token] + cached[req_of_token]
-        slots = np.asarray(batch.slots, dtype=np.int64)
-        token_slots = slots[req_of_token]
-        # KV slots from the host copy of the page table: one copy up instead of kernels per step.
-        pages = self.page_table_host[token_slots, positions // self.page_size].astype(np.int64)
-        out_loc = pages * self.page_size + positions % self.page_size
-        host = torch.from_numpy(np.stack([positions, token_slots, np.asarray(batch.input_ids, np.int64), out_loc]))
+        page, table = self.page_size, self.page_table_host
+        if len(batch.input_ids) == len(batch.slots) <= SMALL_DECODE:
+            # A few decode rows (one token each) in Python: numpy's per-call cost is most of the
+            # step's host time at batch 1.
+            positions = batch.cached_lens
+            out_loc = [int(table[s, p // page]) * page + p % page for s, p in zip(batch.slots, positions)]
+            host = torch.tensor([positions, batch.slots, batch.input_ids, out_loc], dtype=torch.int64)
+            fed = min(batch.input_ids, default=0) < 0
+        else:
+            new_lens = np.asarray(batch.new_lens, dtype=np.int64)
+            cached = np.asarray(batch.cached_lens, dtype=np.int64)
+            req_of_token = np.repeat(np.arange(len(new_lens)), new_lens)
+            starts = np.cumsum(new_lens) - new_lens
+            positions = np.arange(len(req_of_token), dtype=np.int64) - starts[req_of_token] + cached[req_of_token]
+            token_slots = np.asarray(batch.slots, dtype=np.int64)[req_of_token]
+            # KV slots from the host copy of the page table: one copy up instead of kernels per step.
+            out_loc = table[token_slots, positions // page].astype(np.int64) * page + positions % page
+            ids = np.asarray(batch.input_ids, np.int64)
+            host = torch.from_numpy(np.stack([positions, token_slots, ids, out_loc]))
+            fed = bool((ids < 0).any())
         positions_t, token_slots_t, input_ids, out_loc_t = host.to(dev, non_blocking=True)
-        input_ids = torch.where(input_ids < 0, self.last_token[token_slots_t], input_ids)
+        if fed:  # rows whose input is -1: the token their slot sampled last
+            input_ids = torch.where(input_ids < 0, self.last_token[token_slots_t], input_ids)
         meta = AttentionMetadata(
             slots=batch.slots,
             cached_lens=batch.cached_lens,
