@@ -591,15 +591,18 @@ class ModelRunner:
         following = np.asarray(batch.input_ids[1:] + [-1], dtype=np.int64)
         following[ends - 1] = -1  # (a run's last row has no draft token after it)
         run = np.repeat(np.arange(len(sizes)), sizes)
-        dev = self.device
-        agree = tokens == torch.from_numpy(following).to(dev, non_blocking=True)
-        index = torch.arange(len(run), device=dev).masked_fill(agree, len(run))
-        first = torch.full((len(sizes),), len(run), dtype=torch.int64, device=dev)
-        first.scatter_reduce_(0, torch.from_numpy(run).to(dev, non_blocking=True), index, "amin")
-        slots = torch.from_numpy(np.asarray(batch.slots, dtype=np.int64)[ends - 1]).to(dev, non_blocking=True)
+        dev, rows, runs = self.device, len(run), len(sizes)
+        last_rows = ends - 1
+        host = np.concatenate([following, run, np.asarray(batch.slots, dtype=np.int64)[last_rows], last_rows])
+        following_t, run_t, slots, last_rows_t = (
+            torch.from_numpy(host).to(dev, non_blocking=True).split([rows, rows, runs, runs])
+        )  # (one copy up)
+        index = torch.arange(rows, device=dev).masked_fill(tokens == following_t, rows)
+        first = torch.full((runs,), rows, dtype=torch.int64, device=dev)
+        first.scatter_reduce_(0, run_t, index, "amin")
         self.last_token[slots] = tokens[first]
         # The rows after each run's kept ones: from its first disagreeing row to its last row.
-        self.rejected[slots] = torch.from_numpy(ends - 1).to(dev, non_blocking=True) - first
+        self.rejected[slots] = last_rows_t - first
         on_gpu = dev.type == "cuda"
         self.rejected_host.copy_(self.rejected, non_blocking=on_gpu)
         if on_gpu:
