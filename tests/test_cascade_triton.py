@@ -61,11 +61,11 @@ def check(device: str, dtype: torch.dtype, graph: bool) -> None:
     kernel and a cascade step both equal the single-level torch reference, and equal each other
     bit for bit. In graph mode, as CUDA graphs run it: captured on another plan with padding
     rows, replayed on this one, over stale states, giving the eager step's bits."""
-    from minisgl.attention import cascade_triton, create_backend
+    from minisgl.attention import base, create_backend
     from minisgl.attention.cascade_triton import TritonCascade
 
     torch.manual_seed(0)
-    small_batch = cascade_triton.SMALL_BATCH
+    few_rows = base.FEW_ROWS
     hq, hk, dim = (32, 8, 128) if device == "cuda" else (8, 2, 32)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
 
@@ -92,8 +92,8 @@ def check(device: str, dtype: torch.dtype, graph: bool) -> None:
             k, v, scale = cache.k_cache(1), cache.v_cache(1), ref_backend.scale
             splits = {**SPLITS, **(CUDA_SPLITS if device == "cuda" else {})}
             # Work lists planned in Python (the engine's few-row steps) and in numpy (larger ones).
-            for options, small in [(o, s) for o in splits.values() for s in (small_batch, 0)]:
-                cascade_triton.SMALL_BATCH = small
+            for options, small in [(o, s) for o in splits.values() for s in (few_rows, 0)]:
+                base.FEW_ROWS = small
                 level = TritonCascade(hq, hk, dim, torch.device(device), **options)
                 group_pages = [level.shared_pages(p, page_size) for p in meta.group_pages]
                 level.plan(*plan_args(plain_meta, page_size, []), None)  # the same batch as a plain step
@@ -126,7 +126,7 @@ def check(device: str, dtype: torch.dtype, graph: bool) -> None:
                 level.plan(*plan_args(meta, page_size, group_pages, pad=3), size)
                 graph_obj.replay() if graph_obj is not None else step()
                 same(out_buf[:n], plain, "a graph replay returns the eager plain step's bits")
-    cascade_triton.SMALL_BATCH = small_batch
+    base.FEW_ROWS = few_rows
 
 
 def patch_interpreter_ranges() -> None:
@@ -286,7 +286,7 @@ def test_page_lists_are_cut_on_the_host_like_slices():
 
     rng = np.random.default_rng(0)
     table = rng.integers(0, 1 << 20, size=(400, 30), dtype=np.int32)
-    for n in (1, 25, 300):  # slices in Python up to SMALL_BATCH rows, numpy past it
+    for n in (1, 25, 300):  # slices in Python up to FEW_ROWS rows, numpy past it
         rows = rng.permutation(400)[:n]
         first = rng.integers(0, 10, size=n)
         counts = rng.integers(0, 21, size=n)

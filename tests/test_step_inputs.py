@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from minisgl.attention import base
 from minisgl.messages import ForwardBatch
-from minisgl.worker import model_runner
 from minisgl.worker.model_runner import ModelRunner
 
 
@@ -30,8 +30,8 @@ def test_few_decode_rows_build_the_numpy_inputs(monkeypatch):
             sample=[True] * rows,
         )
         got = []
-        for small in (model_runner.SMALL_DECODE, 0):
-            monkeypatch.setattr(model_runner, "SMALL_DECODE", small)
+        for small in (base.FEW_ROWS, 0):
+            monkeypatch.setattr(base, "FEW_ROWS", small)
             runner = SimpleNamespace(device=torch.device("cpu"), page_size=page, page_table_host=table, last_token=last)
             meta, ids = ModelRunner._metadata(runner, batch)
             got.append((meta.positions, meta.out_loc, ids))

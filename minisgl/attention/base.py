@@ -14,6 +14,10 @@ from minisgl.kernels.rope_store import rope_store
 from minisgl.kvcache import BaseKVCache
 from minisgl.messages import MAX_CASCADE_GROUPS
 
+# Steps of at most this many rows build their host-side inputs, page lists and kernel work lists
+# in Python, larger ones in numpy: at a few rows numpy's microseconds a call outweigh the work.
+FEW_ROWS = 32
+
 
 def graph_groups(batch_size: int) -> int:
     """How many cascade groups the CUDA graph of a batch size has room for."""

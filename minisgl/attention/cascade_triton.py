@@ -27,13 +27,12 @@ import math
 import numpy as np
 import torch
 
+from minisgl.attention import base
 from minisgl.attention.base import graph_groups
 from minisgl.distributed import get_tp_info
 from minisgl.utils import cdiv
 
 MIN_SEGMENT_TOKENS = 256  # shortest segment worth its own item and state
-# Steps of at most this many rows plan their work lists in Python (``small_work``), larger ones in numpy.
-SMALL_BATCH = 32
 
 
 def header_size(rows: int, items: int) -> int:
@@ -322,7 +321,7 @@ class TritonCascade:
         graph = graph_batch_size is not None
         rows = len(own_tokens)
         unit = self.unit(page_size)
-        if rows <= SMALL_BATCH:
+        if rows <= base.FEW_ROWS:  # (work lists in Python: ``small_work``)
             group_tokens = [p * page_size for p in pages]
             shared = [t for t, n in zip(group_tokens, sizes) for _ in range(n)]
             shared += [0] * (rows - len(shared))

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from minisgl.attention import cascade_triton
+from minisgl.attention import base
 from minisgl.attention.base import AttentionBackend, AttentionMetadata
 from minisgl.kvcache import BaseKVCache
 from minisgl.utils import into
@@ -175,7 +175,7 @@ class FlashInferBackend(AttentionBackend):
         requests on the H100, with the gaps between them), before the step's graph could run.
         Each entry is its run's start in the flattened table plus its place in the output, less
         the run's first place: 256 runs of 152 pages ~0.1 ms, 4096 of 128 ~1 ms (this VM)."""
-        if len(rows) <= cascade_triton.SMALL_BATCH:  # a few rows: slices (numpy calls cost more than the work)
+        if len(rows) <= base.FEW_ROWS:  # a few rows: slices (numpy calls cost more than the work)
             parts = [table[r, f : f + c] for r, f, c in zip(rows, first, counts)]
             return np.concatenate(parts) if parts else table[:0, 0].copy()
         counts = np.asarray(counts, dtype=np.int64)

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from minisgl.args import EngineArgs
-from minisgl.attention import AttentionMetadata, create_backend
+from minisgl.attention import AttentionMetadata, base, create_backend
 from minisgl.attention.context import set_attention_backend
 from minisgl.distributed import get_tp_info, init_fused_all_reduce_norm, init_one_shot_all_reduce
 from minisgl.kvcache import HostKVPool, MHAKVCache
@@ -54,7 +54,6 @@ logger = logging.getLogger(__name__)
 CPU_KV_BYTES = 256 << 20  # default KV pool on CPU (or one full context, if larger)
 CPU_WARMUP_TOKENS = 64
 WARMUP_ROWS = SAMPLE_BLOCK  # sampling rows of the warm-up step: the sampler's largest block
-SMALL_DECODE = 32  # decode steps of at most this many rows build their inputs in Python
 
 
 @dataclass
@@ -412,7 +411,7 @@ class ModelRunner:
         if batch.table_slots:
             self.page_table_host[batch.table_slots, batch.table_cols] = batch.table_pages
         page, table = self.page_size, self.page_table_host
-        if len(batch.input_ids) == len(batch.slots) <= SMALL_DECODE:
+        if len(batch.input_ids) == len(batch.slots) <= base.FEW_ROWS:
             # A few decode rows (one token each) in Python: numpy's per-call cost is most of the
             # step's host time at batch 1.
             positions = batch.cached_lens
