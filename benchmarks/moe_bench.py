@@ -75,19 +75,25 @@ def breakdown(moe: FusedMoE, x, w, ids, config: kmoe.MoeConfig) -> dict[str, flo
     """Microseconds of each launch of ``kmoe.fused_experts``, each replayed alone."""
     quant, k, P = moe.quant, moe.top_k, ids.numel()
     group = None if quant is None else quant.block
+    silu = config.silu  # SiLU-and-mul inside the first GEMM
     alignment = kmoe.align(ids, moe.num_experts, config.bm)
     act = x if quant is None else quantize(x, group)
-    gate_up = kmoe._gemm(act, moe.w13_weight, moe.w13_weight_scale, alignment, P, k, x.dtype, config.up, None, group)
-    mid = kmoe.silu_and_mul(gate_up, quant)
+
+    def first() -> torch.Tensor:
+        scale = moe.w13_weight_scale
+        return kmoe._gemm(act, moe.w13_weight, scale, alignment, P, k, x.dtype, config.up, None, group, silu)
+
+    gate_up = first()
+    mid = kmoe.mid_activation(gate_up, quant, silu)
     out = kmoe._gemm(mid, moe.w2_weight, moe.w2_weight_scale, alignment, P, 1, x.dtype, config.down, w, group)
-    silu = config.silu and quant is None  # SiLU-and-mul inside the first GEMM: one part
     parts = {
         "align": lambda: kmoe.align(ids, moe.num_experts, config.bm),
         "quantize": (lambda: quantize(x, group)) if quant is not None else None,
-        "up": lambda: kmoe._gemm(
-            act, moe.w13_weight, moe.w13_weight_scale, alignment, P, k, x.dtype, config.up, None, group, silu
+        "up": first,
+        # SiLU-and-mul (fp8: quantizing), or fp8's quantization of what the first GEMM's SiLU made
+        "silu" if not silu else "quantize_mid": (
+            (lambda: kmoe.mid_activation(gate_up, quant, silu)) if not silu or quant is not None else None
         ),
-        "silu": None if silu else lambda: kmoe.silu_and_mul(gate_up, quant),
         "down": lambda: kmoe._gemm(
             mid, moe.w2_weight, moe.w2_weight_scale, alignment, P, 1, x.dtype, config.down, w, group
         ),
@@ -165,12 +171,15 @@ def tune(cfg: ModelConfig, kind: str, moe: FusedMoE) -> dict[str, list]:
             u, d = min(up_ms, key=up_ms.get), min(down_ms, key=down_ms.get)
             gate_up = up(u)
             up_total, entry = up_ms[u] + replay_ms(lambda: kmoe.silu_and_mul(gate_up, quant), iters=10), list(u)
-            silu = False
-            if quant is None:  # SiLU-and-mul inside the first GEMM, where that beats the two launches
-                fused_ms = timed(lambda c: up(c, silu=True), candidates)
-                f = min(fused_ms, key=fused_ms.get)
-                if fused_ms[f] < up_total:
-                    up_total, entry, silu = fused_ms[f], list(f), True
+            # SiLU-and-mul inside the first GEMM (fp8: then a quantization of its half-width
+            # output), where that beats the two launches
+            fused_ms = timed(lambda c: up(c, silu=True), candidates + [c._replace(bn=256) for c in candidates])
+            f = min(fused_ms, key=fused_ms.get)
+            half = up(f, silu=True)
+            fused_total = fused_ms[f] + (replay_ms(lambda: quantize(half, group), iters=10) if quant else 0.0)
+            silu = fused_total < up_total
+            if silu:
+                up_total, entry = fused_total, list(f)
             total = up_total + down_ms[d]
             print(
                 f"  {kind} T={tokens} BM={bm}: up{' with SiLU' if silu else ' + SiLU'} {up_total * 1e3:.1f} us "

@@ -216,21 +216,28 @@ def test_fused_experts_match_the_reference(quant, tokens, experts, top_k, hidden
 
 
 @cuda
+@pytest.mark.parametrize("quant", [None, "fp8", "fp8-b128"])
 @pytest.mark.parametrize("tokens", [1, 64, 333, 2048])
-def test_silu_inside_the_first_gemm_matches_the_reference(tokens):
-    """bf16 with SiLU-and-mul in the first GEMM's epilogue (what the tuner may pick per shape)."""
+def test_silu_inside_the_first_gemm_matches_the_reference(tokens, quant):
+    """SiLU-and-mul in the first GEMM's epilogue (what the tuner may pick per shape and kind),
+    at the table's widest product tiles too (256 columns: 128 outputs a program)."""
     from unittest import mock
 
     from minisgl.kernels import moe as kmoe
 
-    moe = make_moe(128, 8, 512, 256, device="cuda", dtype=torch.bfloat16)
+    torch.manual_seed(tokens)
+    scheme = {None: None, "fp8": Fp8Scheme(None, "test"), "fp8-b128": Fp8Scheme(128, "test")}[quant]
+    moe = make_moe(128, 8, 512, 256, scheme, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(tokens, 512, device="cuda", dtype=torch.bfloat16)
     w, ids = route(torch.randn(tokens, 128, device="cuda"), 8, True)
-    config = kmoe.default_config(tokens, 128, 8)._replace(silu=True)
-    with mock.patch.object(kmoe, "config_for", lambda *_: config):
-        got = moe(x, w, ids)
-    want = experts_torch(x, moe.w13_weight, moe.w2_weight, w, ids).float()
-    assert (got.float() - want).norm() / want.norm() < 2e-2
+    want = experts_torch(
+        x, moe.w13_weight, moe.w2_weight, w, ids, scheme, moe.w13_weight_scale, moe.w2_weight_scale
+    ).float()
+    default = kmoe.default_config(tokens, 128, 8)._replace(silu=True)
+    for config in (default, default._replace(up=default.up._replace(bn=256))):
+        with mock.patch.object(kmoe, "config_for", lambda *_, c=config: c):
+            got = moe(x, w, ids)
+        assert (got.float() - want).norm() / want.norm() < (2e-2 if quant is None else 3e-2), config
 
 
 @cuda

@@ -5,8 +5,8 @@ A step's T tokens each pick k experts: P = T * k (token, expert) pairs. ``align`
 by expert into blocks of BM rows (each expert's run padded to whole blocks, padding marked with
 the id P), so one GEMM program multiplies BM rows by one expert's weight tile. The first GEMM
 gathers token rows (pair // k) against [gate | up]; SiLU-and-mul follows (or runs inside that
-GEMM: ``MoeConfig.silu``); the second GEMM scales
-each pair's row by its routing weight and the k rows of a token are summed. The torch loop in
+GEMM: ``MoeConfig.silu``; fp8 then quantizes its output in a launch of its own); the second GEMM
+scales each pair's row by its routing weight and the k rows of a token are summed. The torch loop in
 ``layers.moe`` is the reference for all of it.
 """
 
@@ -27,6 +27,7 @@ from minisgl.layers.fp8_gemm import gpu_name
 from minisgl.layers.quantization import Fp8Act, quantize
 
 if TYPE_CHECKING:
+    from minisgl.layers.fp8_scheme import Fp8Scheme
     from minisgl.layers.moe import FusedMoE
 
 CONFIGS_PATH = Path(__file__).parent / "configs" / "moe.json"
@@ -265,9 +266,11 @@ def _expert_gemm_kernel(
     """C[pair] = A[pair // A_DIV] @ B[expert]^T for a BM-row block of pairs and BN columns; B is
     [E, N, K]. PRECISE: float32 products in full precision (not TF32). FP8: A and B are e4m3
     with per-row scales ([rows, 1] / [E, N]) or, with GROUP, one per row and GROUP columns
-    ([rows, a_groups] / [E, N, b_groups]). SILU (float only): B is [E, 2N, K], [gate | up],
-    and C = silu(A @ gate^T) * (A @ up^T): each program multiplies the gate and up rows of its
-    columns, so SiLU-and-mul is no launch of its own and the [P, 2N] product is never stored."""
+    ([rows, a_groups] / [E, N, b_groups]). SILU: B is [gate | up] (N = 2I rows) and C [P, I] =
+    silu(A @ gate^T) * (A @ up^T): a program's product columns take gate and up rows in turn
+    (column c is row c // 2 of gate for even c, of up for odd c), so one dot yields both halves
+    of BN / 2 outputs and the [P, 2I] product is never stored (half the bytes written, and no
+    SiLU-and-mul launch to read them back)."""
     pid = tl.program_id(0)
     n_m = tl.num_programs(0) // tl.cdiv(N, BN)
     n_n = tl.cdiv(N, BN)
@@ -283,26 +286,19 @@ def _expert_gemm_kernel(
     rows = (pairs // A_DIV).to(tl.int64)
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     rn = pid_n * BN + tl.arange(0, BN)
+    rb = (rn % 2) * (N // 2) + rn // 2 if SILU else rn  # B's row of each product column
     rk = tl.arange(0, BK)
     a_ptrs = a_ptr + rows[:, None] * K + rk[None, :]
-    b_ptrs = b_ptr + expert * (2 * N if SILU else N) * K + rn[:, None].to(tl.int64) * K + rk[None, :]
+    b_ptrs = b_ptr + expert * N * K + rb[:, None].to(tl.int64) * K + rk[None, :]
     acc = tl.zeros([BM, BN], tl.float32)
-    if SILU:  # (a compile-time branch: the other kernels are as before)
-        up = tl.zeros([BM, BN], tl.float32)
     for kb in range(0, tl.cdiv(K, BK)):
         k_left = K - kb * BK
         a = tl.load(a_ptrs, mask=valid[:, None] & (rk[None, :] < k_left), other=0.0)
         b = tl.load(b_ptrs, mask=(rn[:, None] < N) & (rk[None, :] < k_left), other=0.0)
-        if SILU:
-            b_up = tl.load(b_ptrs + N * K, mask=(rn[:, None] < N) & (rk[None, :] < k_left), other=0.0)
-            if PRECISE:
-                up = tl.dot(a, tl.trans(b_up), up, input_precision="ieee")
-            else:
-                up = tl.dot(a, tl.trans(b_up), up)
         if GROUP:
             g = kb * BK // GROUP
             sa = tl.load(a_scale_ptr + rows * a_groups + g, mask=valid, other=0.0)
-            sb = tl.load(b_scale_ptr + (expert * N + rn) * b_groups + g, mask=rn < N, other=0.0)
+            sb = tl.load(b_scale_ptr + (expert * N + rb) * b_groups + g, mask=rn < N, other=0.0)
             acc += tl.dot(a, tl.trans(b)) * sa[:, None] * sb[None, :]
         elif PRECISE:
             acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
@@ -312,14 +308,19 @@ def _expert_gemm_kernel(
         b_ptrs += BK
     if FP8 and not GROUP:
         sa = tl.load(a_scale_ptr + rows, mask=valid, other=0.0)
-        sb = tl.load(b_scale_ptr + expert * N + rn, mask=rn < N, other=0.0)
+        sb = tl.load(b_scale_ptr + expert * N + rb, mask=rn < N, other=0.0)
         acc = acc * sa[:, None] * sb[None, :]
-    if SILU:
-        acc = acc * tl.sigmoid(acc) * up
     if MUL_WEIGHT:
         acc = acc * tl.load(weights_ptr + pairs, mask=valid, other=0.0)[:, None]
-    c_ptrs = c_ptr + pairs[:, None].to(tl.int64) * N + rn[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & (rn[None, :] < N))
+    if SILU:
+        gate, up = tl.split(tl.reshape(acc, [BM, BN // 2, 2]))
+        cn = pid_n * (BN // 2) + tl.arange(0, BN // 2)
+        c_ptrs = c_ptr + pairs[:, None].to(tl.int64) * (N // 2) + cn[None, :]
+        out = gate * tl.sigmoid(gate) * up
+        tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=valid[:, None] & (cn[None, :] < N // 2))
+    else:
+        c_ptrs = c_ptr + pairs[:, None].to(tl.int64) * N + rn[None, :]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & (rn[None, :] < N))
 
 
 class GemmConfig(NamedTuple):
@@ -345,12 +346,12 @@ def expert_gemm(
     silu: bool = False,
 ) -> torch.Tensor:
     """[P, N]: each pair's row of A (row pair // a_div) times its expert's B [N, K], scaled by
-    ``weights`` [P] when given; with ``silu``, B is [2N, K] ([gate | up]) and the product goes
-    through SiLU-and-mul. Rows of padding blocks are never written."""
+    ``weights`` [P] when given; with ``silu``, B is [gate | up] and the product goes through
+    SiLU-and-mul ([P, N / 2]). Rows of padding blocks are never written."""
     fp8 = a_scale is not None
-    assert not (silu and fp8), "fp8 quantizes the whole SiLU-and-mul row: a launch of its own"
-    N, K = b.shape[1] // (2 if silu else 1), b.shape[2]
-    c = torch.empty(P, N, dtype=out_dtype, device=a.device)
+    N, K = b.shape[1], b.shape[2]
+    assert not silu or config.bn % 2 == 0, "SiLU pairs a gate and an up column"
+    c = torch.empty(P, N // 2 if silu else N, dtype=out_dtype, device=a.device)
     grid = (alignment.block_expert.numel() * triton.cdiv(N, config.bn),)
     _expert_gemm_kernel[grid](
         a, a_scale if fp8 else a, b, b_scale if fp8 else b, c, weights if weights is not None else c,
@@ -367,10 +368,10 @@ def expert_gemm(
 class MoeConfig(NamedTuple):
     """Tiles for one MoE layer at one token count: the block rows both GEMMs share, each GEMM's
     own (BN, BK, GROUP_M, warps, stages), and whether the first GEMM applies SiLU-and-mul itself
-    (float weights only; the tuner keeps it where it measures faster than the two launches)."""
+    (the tuner keeps it where it measures faster than the two launches)."""
 
     bm: int
-    up: GemmConfig  # [gate | up]: N = 2 * intermediate (intermediate with silu), K = hidden
+    up: GemmConfig  # [gate | up]: N = 2 * intermediate product columns, K = hidden
     down: GemmConfig  # N = hidden, K = intermediate
     silu: bool = False
 
@@ -433,7 +434,7 @@ def config_for(tokens: int, key: str, num_experts: int, top_k: int, device: torc
 
 def fused_experts(moe: FusedMoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """``layers.moe.experts_torch`` for x [T, H] (T > 0) on the GPU: align, [gate | up] GEMM,
-    SiLU-and-mul (quantizing for fp8; inside the GEMM where the table says so), weighted down
+    SiLU-and-mul (inside the GEMM where the table says so; quantizing for fp8), weighted down
     GEMM, sum of each token's k rows (``sum_rows``)."""
     T, H = x.shape
     k = moe.top_k
@@ -442,14 +443,21 @@ def fused_experts(moe: FusedMoE, x: torch.Tensor, weights: torch.Tensor, ids: to
     group = None if quant is None else quant.block
     config = config_for(T, layer_key(moe, x.dtype), moe.num_experts, k, x.device)
     alignment = align(ids, moe.num_experts, config.bm)
-    silu = config.silu and quant is None
     act: torch.Tensor | Fp8Act = x if quant is None else quantize(x, group)
-    up = _gemm(act, moe.w13_weight, moe.w13_weight_scale, alignment, P, k, x.dtype, config.up, None, group, silu)
-    act = up if silu else silu_and_mul(up, quant)
+    up = _gemm(act, moe.w13_weight, moe.w13_weight_scale, alignment, P, k, x.dtype, config.up, None, group, config.silu)
+    act = mid_activation(up, quant, config.silu)
     out = _gemm(
         act, moe.w2_weight, moe.w2_weight_scale, alignment, P, 1, x.dtype, config.down, weights.contiguous(), group
     )
     return sum_rows(out, k)
+
+
+def mid_activation(up: torch.Tensor, quant: Fp8Scheme | None, silu_done: bool) -> torch.Tensor | Fp8Act:
+    """The second GEMM's input from the first's output: SiLU-and-mul unless the GEMM applied it,
+    quantized per token (or group) for fp8 experts."""
+    if not silu_done:
+        return silu_and_mul(up, quant)
+    return up if quant is None else quantize(up, quant.block)
 
 
 @triton.jit
