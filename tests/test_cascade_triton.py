@@ -62,7 +62,7 @@ def check(device: str, dtype: torch.dtype, graph: bool) -> None:
     bit for bit. In graph mode, as CUDA graphs run it: captured on another plan with padding
     rows, replayed on this one, over stale states, giving the eager step's bits."""
     from minisgl.attention import base, create_backend
-    from minisgl.attention.cascade_triton import TritonCascade
+    from minisgl.attention.cascade_triton import TritonCascade, header_size
 
     torch.manual_seed(0)
     few_rows = base.FEW_ROWS
@@ -106,13 +106,16 @@ def check(device: str, dtype: torch.dtype, graph: bool) -> None:
                     same(out, plain, "a cascade step returns what a plain one does")
                     continue
                 size = n + 3
-                level.init_cuda_graph(size, meta.page_table_host.shape[1])
+                level.init_cuda_graph(size + 40, meta.page_table_host.shape[1])  # a ladder's larger sizes too
                 for stale in (level._acc, level._m, level._l):
                     stale.fill_(float("nan"))  # stale partial states must not leak into rows
                 q_buf = torch.cat([q, q[:3]])
                 out_buf = torch.zeros(size, hq, dim, dtype=dtype, device=device)
                 pair = decode_metadata(page_size, [(64 // page_size, [65] * 2)], [], device)
                 level.plan(*plan_args(pair, page_size, pair.group_pages, pad=size - 2), size)
+                # laid out for the captured size, not the largest: a small step copies a small header
+                end = level.shared.work.data_ptr() + 4 * level.shared.work.numel() - level._header.data_ptr()
+                assert end == 4 * header_size(size, level.max_states(size))
 
                 def step():
                     out_buf.copy_(level.forward(q_buf, k, v, scale))

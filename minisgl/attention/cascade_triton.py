@@ -292,7 +292,6 @@ class TritonCascade:
     def init_cuda_graph(self, max_bs: int, max_pages_per_req: int) -> None:
         hq, _, dim = self.heads
         states = self.max_states(max_bs)
-        self._caps = (max_bs, states)
         self._header = torch.zeros(header_size(max_bs, states), dtype=torch.int32, device=self.device)
         self.shared._indices = torch.zeros(
             graph_groups(max_bs) * max_pages_per_req, dtype=torch.int32, device=self.device
@@ -348,7 +347,10 @@ class TritonCascade:
             own_items = own_items.ravel()
         n_shared, n_own = len(shared_items) // 6, len(own_items) // 6
         total = int(counts.sum())
-        caps = self._caps if graph else (rows, max(n_shared, n_own))
+        # Under graphs the header is laid out for the captured size (its rows and the states a
+        # step of that size may need), so capture and replay agree and a small step copies a
+        # small header, not one laid out for --cuda-graph-max-bs.
+        caps = (graph_batch_size, self.max_states(graph_batch_size)) if graph else (rows, max(n_shared, n_own))
         if graph and (rows > caps[0] or max(n_shared, n_own, total) > caps[1]):
             raise ValueError(f"{rows} rows, {max(n_shared, n_own)} items, {total} states; the graph holds {caps}")
         # [items of each level] [row bases] [fold counts] [own work] [shared work]: a plain step's
