@@ -88,7 +88,8 @@ class ForwardBatch(msgspec.Struct, array_like=True, tag=True):
     route_rows: list[int] = []
     # Requests (indices into slots) whose verify step was still in flight when this one was
     # planned: their cached_lens count every row of that verify run as kept, and the worker
-    # lowers them by the rows it rejected (known on the device by the time this step starts).
+    # lowers them by the rows it rejected (known on the device by the time this step starts:
+    # the worker plans them at their shortest and the device adds back what was kept).
     resolve_rows: list[int] = []
 
 

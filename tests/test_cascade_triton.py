@@ -25,13 +25,22 @@ LAYOUTS = {  # (shared pages at page size 16, member sequence lengths) per group
 }
 
 
-def plan_args(meta: AttentionMetadata, page_size: int, group_pages: list[int], pad: int = 0) -> tuple:
+def plan_args(
+    meta: AttentionMetadata,
+    page_size: int,
+    group_pages: list[int],
+    pad: int = 0,
+    lens: np.ndarray | None = None,
+    page_lens: np.ndarray | None = None,
+) -> tuple:
     """TritonCascade.plan's arguments for ``meta`` with groups reading ``group_pages`` shared pages
-    (plus ``pad`` rows of one token on page 0)."""
+    (plus ``pad`` rows of one token on page 0); ``lens`` in place of its lengths, with page lists
+    for ``page_lens`` tokens (where rows may grow)."""
     skip = meta.skip_pages(group_pages).tolist() + [0] * pad
-    lens = meta.seq_lens.tolist() + [1] * pad
+    lens = (meta.seq_lens if lens is None else lens).tolist() + [1] * pad
+    page_lens = lens if page_lens is None else page_lens.tolist() + [1] * pad
     slots = meta.slots + [0] * pad
-    pages = [cdiv(n, page_size) - k for n, k in zip(lens, skip)]
+    pages = [cdiv(n, page_size) - k for n, k in zip(page_lens, skip)]
     table = torch.from_numpy(meta.page_table_host).to(meta.positions.device)
     own = torch.cat(
         [
@@ -129,6 +138,70 @@ def check(device: str, dtype: torch.dtype, graph: bool) -> None:
                 level.plan(*plan_args(meta, page_size, group_pages, pad=3), size)
                 graph_obj.replay() if graph_obj is not None else step()
                 same(out_buf[:n], plain, "a graph replay returns the eager plain step's bits")
+    base.FEW_ROWS = few_rows
+
+
+def check_gains(device: str, dtype: torch.dtype, graph: bool) -> None:
+    """Rows planned at their shortest with room to grow (``extra``), then lengthened on the device
+    (``gain``), attend as a plan at their real lengths does: plain and cascade steps, work lists
+    from both planners, eager and (on CUDA) replayed from a graph captured on another plan."""
+    from minisgl.attention import base
+    from minisgl.attention.cascade_triton import TritonCascade
+
+    torch.manual_seed(1)
+    rng = np.random.default_rng(1)
+    few_rows = base.FEW_ROWS
+    hq, hk, dim = (32, 8, 128) if device == "cuda" else (8, 2, 32)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    for page_size in (1, 16):
+        for groups, loose in LAYOUTS.values():
+            groups = [(pages * (16 // page_size), lens) for pages, lens in groups]
+            cache = MHAKVCache(4096 // page_size + 64, page_size, 2, hk, dim, dtype, torch.device(device))
+            cache.buffer.normal_()  # keys past a row's real length would change its output
+            k, v = cache.k_cache(1), cache.v_cache(1)
+            for cascade in (False, True):
+                meta = decode_metadata(page_size, groups, loose, device, cascade=cascade)
+                n = meta.num_reqs
+                q = torch.randn(n, hq, dim, dtype=dtype, device=device)
+                for options, small in [(o, f) for o in SPLITS.values() for f in (few_rows, 0)]:
+                    base.FEW_ROWS = small
+                    level = TritonCascade(hq, hk, dim, torch.device(device), **options)
+                    group_pages = [level.shared_pages(p, page_size) for p in meta.group_pages]
+                    longest = meta.seq_lens
+                    own = longest - meta.skip_pages(group_pages) * page_size
+                    most = np.minimum(rng.integers(0, 6, n), own - 1)  # (a row keeps one own token)
+                    gain = rng.integers(0, most + 1)
+                    real = longest - most + gain
+                    level.plan(*plan_args(meta, page_size, group_pages, lens=real), None)
+                    want = level.forward(q, k, v, 0.1)
+                    rows = np.flatnonzero(most)
+                    tokens = torch.from_numpy(gain[rows]).to(device)
+                    shortest = longest - most
+                    if not graph:
+                        level.plan(
+                            *plan_args(meta, page_size, group_pages, lens=shortest, page_lens=longest), None, most
+                        )
+                        level.gain(rows, tokens)
+                        torch.testing.assert_close(level.forward(q, k, v, 0.1), want, **tol)
+                        continue
+                    size = n + 3
+                    level.init_cuda_graph(size + 8, meta.page_table_host.shape[1])
+                    q_buf, out_buf = torch.cat([q, q[:3]]), torch.zeros(size, hq, dim, dtype=dtype, device=device)
+                    pair = decode_metadata(page_size, [(64 // page_size, [65] * 2)], [], device)
+                    level.plan(*plan_args(pair, page_size, pair.group_pages, pad=size - 2), size)
+
+                    def step():
+                        out_buf.copy_(level.forward(q_buf, k, v, 0.1))
+
+                    step()
+                    graph_obj = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph_obj):
+                        step()
+                    args = plan_args(meta, page_size, group_pages, pad=3, lens=shortest, page_lens=longest)
+                    level.plan(*args, size, np.concatenate([most, [0, 0, 0]]))
+                    level.gain(rows, tokens)
+                    graph_obj.replay()
+                    torch.testing.assert_close(out_buf[:n], want, **tol)
     base.FEW_ROWS = few_rows
 
 
@@ -236,6 +309,25 @@ def test_triton_interpreter_matches_reference(graph):
 @pytest.mark.parametrize("graph", [False, True])
 def test_triton_cascade_cuda(graph):
     check("cuda", torch.bfloat16, graph)
+
+
+def test_rows_that_gain_on_the_device_attend_as_planned_at_their_lengths():
+    """``TritonCascade.gain`` through Triton's interpreter (a child process, as above)."""
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    code = (
+        "from tests.test_cascade_triton import check_gains, patch_interpreter_ranges; import torch; "
+        "patch_interpreter_ranges(); check_gains('cpu', torch.float32, False)"
+    )
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("graph", [False, True])
+def test_rows_that_gain_on_the_device_attend_as_planned_at_their_lengths_cuda(graph):
+    check_gains("cuda", torch.bfloat16, graph)
 
 
 @pytest.mark.cuda

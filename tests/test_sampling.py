@@ -67,6 +67,19 @@ def test_top_k_top_p_min_p_restrict_support():
         assert seen <= allowed and len(seen) > 1, (params, seen, allowed)
 
 
+@pytest.mark.parametrize("block", [512, 4])
+def test_positions_shifted_on_the_device_draw_as_the_positions_themselves(monkeypatch, block):
+    """Rows whose positions grew on the device after the host planned them (speculation's
+    ``Gains``) draw what a row given the whole position draws, in blocks too."""
+    monkeypatch.setattr("minisgl.sampling.sampler.SAMPLE_BLOCK", block)
+    logits = torch.randn(6, V)
+    params = [SamplingParams(temperature=1.0, seed=7), SamplingParams(temperature=0.8, top_p=0.9)] * 3
+    want = sampler_with(*params).sample(logits, list(range(6)), [5, 9, 12, 3, 40, 8]).tokens
+    shift = torch.tensor([0, 3, 1, 0, 7, 2])
+    got = sampler_with(*params).sample(logits, list(range(6)), [5, 6, 11, 3, 33, 6], shift=shift).tokens
+    assert torch.equal(got, want)
+
+
 def test_seed_makes_draws_independent_of_batch():
     logits = torch.randn(4, V)
     seeded = SamplingParams(temperature=1.0, seed=1234)

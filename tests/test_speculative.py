@@ -131,25 +131,44 @@ def test_radix_tree_drafts_repeat_earlier_outputs(tiny_llama):
     assert after["spec_step_gain"] > 2  # what the rule weighs: most of each draft kept
 
 
-def test_verify_steps_keep_overlap_and_the_worker_finds_real_lengths(tiny_llama, monkeypatch):
+@pytest.mark.parametrize("on_device", [True, False], ids=["gains", "host_waits"])
+def test_verify_steps_keep_overlap_and_the_worker_finds_real_lengths(tiny_llama, monkeypatch, on_device):
     """Steps are planned while a verify step is in flight: runs drafted after a draft still
-    being verified (chained), and plain rows, whose lengths count the run in flight as kept; the
-    worker lowers them by the rows that run rejected. Outputs equal speculation off (greedy from
-    the tree, which chains whole drafts, and seeded sampling, which rejects some), and pages
-    past the real lengths go back."""
+    being verified (chained), and plain rows, whose lengths count the run in flight as kept.
+    The worker plans them at their shortest and the device adds what that run kept (``Gains``:
+    positions, KV slots, attention lengths, sampling positions), or, where the backend cannot,
+    the host waits for the run and lowers them (``_resolve``). Outputs equal speculation off
+    (greedy from the tree, which chains whole drafts, and seeded sampling, which rejects some),
+    and pages past the real lengths go back."""
+    from minisgl.attention.torch_backend import TorchBackend
     from minisgl.worker.model_runner import ModelRunner
 
     seen = {"rows": 0, "lowered": 0, "chained": 0}
-    resolve = ModelRunner._resolve
+    if on_device:
+        defer = ModelRunner._defer
 
-    def counting(self, batch):
-        rejected = self.rejected_host.numpy()
-        seen["rows"] += len(batch.resolve_rows)
-        seen["lowered"] += sum(int(rejected[batch.slots[i]] > 0) for i in batch.resolve_rows)
-        seen["chained"] += sum(i < sum(batch.verify_sizes) for i in batch.resolve_rows)
-        resolve(self, batch)
+        def counting(self, batch):
+            rows = list(batch.resolve_rows)
+            gains = defer(self, batch)
+            assert gains is not None
+            seen["rows"] += len(rows)
+            seen["lowered"] += int((gains.tokens.cpu().numpy() < gains.most).sum())
+            seen["chained"] += sum(i < sum(batch.verify_sizes) for i in rows)
+            return gains
 
-    monkeypatch.setattr(ModelRunner, "_resolve", counting)
+        monkeypatch.setattr(ModelRunner, "_defer", counting)
+    else:
+        monkeypatch.setattr(TorchBackend, "plans_gains", lambda self, cascade: False)
+        resolve = ModelRunner._resolve
+
+        def counting(self, batch):
+            rejected = self.rejected_host.numpy()
+            seen["rows"] += len(batch.resolve_rows)
+            seen["lowered"] += sum(int(rejected[batch.slots[i]] > 0) for i in batch.resolve_rows)
+            seen["chained"] += sum(i < sum(batch.verify_sizes) for i in batch.resolve_rows)
+            resolve(self, batch)
+
+        monkeypatch.setattr(ModelRunner, "_resolve", counting)
     rng = random.Random(4)
     prompts = [[rng.randrange(3, 900) for _ in range(40)] for _ in range(3)]
     off, on = make_llm(tiny_llama, page_size=4), make_llm(tiny_llama, page_size=4, **OVERLAPPED)

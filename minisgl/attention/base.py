@@ -25,6 +25,18 @@ def graph_groups(batch_size: int) -> int:
 
 
 @dataclass
+class Gains:
+    """Rows planned shorter than they may turn out: row ``rows[i]`` was planned at its shortest
+    and is ``tokens[i]`` (on the device, not yet known to the host) <= ``most[i]`` tokens longer.
+    A step planned while a verify run it follows is still on the device uses them: the rows that
+    run rejected are only known there."""
+
+    rows: np.ndarray  # int64, indices into the step's requests
+    most: np.ndarray  # int64
+    tokens: torch.Tensor  # int64, on the device
+
+
+@dataclass
 class AttentionMetadata:
     """What one forward step attends over, built once per step by the model runner.
 
@@ -47,6 +59,7 @@ class AttentionMetadata:
     group_sizes: list[int] = field(default_factory=list)
     group_pages: list[int] = field(default_factory=list)
     prefill_reqs: int = 0
+    gains: Gains | None = None  # (decode steps on a backend that ``plans_gains``)
 
     @property
     def num_reqs(self) -> int:
@@ -133,6 +146,11 @@ class AttentionBackend(ABC):
     def plan(self, meta: AttentionMetadata, graph_batch_size: int | None = None) -> None:
         """Plan a step of one kind (``prepare`` says what)."""
         self.meta = meta
+
+    def plans_gains(self, cascade: bool) -> bool:
+        """Whether a decode step (with cascade groups or not) may carry ``Gains``: rows whose
+        lengths grow on the device after the host planned them."""
+        return False
 
     def decode_part(self) -> AttentionBackend:
         """The backend a mixed step's decode rows attend with: a shallow copy (same cache and

@@ -87,11 +87,13 @@ def shared_work(
     )
 
 
-def own_work(lens: np.ndarray, shared: np.ndarray, page_size: int, segment: int) -> tuple[np.ndarray, np.ndarray]:
+def own_work(
+    lens: np.ndarray, shared: np.ndarray, page_size: int, segment: int, page_lens: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Items for each request of ``lens`` tokens past its first ``shared`` (a group's shared level
-    reads those), on its pages past the shared ones (concatenated in request order), one per
-    segment, resuming the shared level's state inside a segment it started; and each request's
-    segment count (its state slots)."""
+    reads those), on its pages past the shared ones (concatenated in request order; pages for
+    ``page_lens`` tokens where a request may grow), one per segment, resuming the shared level's
+    state inside a segment it started; and each request's segment count (its state slots)."""
     from minisgl.kernels.partial_attention import FINAL, RESUME
 
     segments = -(-lens // segment)
@@ -100,7 +102,7 @@ def own_work(lens: np.ndarray, shared: np.ndarray, page_size: int, segment: int)
     seg_start = seg * segment
     start = np.maximum(seg_start, shared[row])
     end = np.minimum(seg_start + segment, lens[row])
-    own_pages = -(-lens // page_size) - shared // page_size
+    own_pages = -(-(lens if page_lens is None else page_lens) // page_size) - shared // page_size
     entry = (np.cumsum(own_pages) - own_pages)[row] + (start - shared[row]) // page_size
     flags = RESUME * (start > seg_start) + FINAL * (segments[row] == 1)
     return _work(row, np.ones_like(row), entry, end - start, seg, flags), segments
@@ -160,6 +162,7 @@ def small_work(
     page_size: int,
     segment: int,
     members: int,
+    page_lens: list[int] | None = None,
 ) -> tuple[list[int], int, list[int]]:
     """``shared_work`` then ``own_work`` for a few rows, in Python, flattened, with the number of
     shared items and each row's segment count: the same lists without numpy's microseconds a
@@ -196,7 +199,7 @@ def small_work(
                 seg,
                 flags,
             )
-        entry += -(-length // page_size) - before // page_size
+        entry += -(-(length if page_lens is None else page_lens[row]) // page_size) - before // page_size
     return flat, n_shared, counts
 
 
@@ -310,12 +313,14 @@ class TritonCascade:
         own_tokens: list[int] | np.ndarray,
         own_indices: torch.Tensor,
         graph_batch_size: int | None,
+        extra: np.ndarray | None = None,
     ) -> None:
         """``sizes`` and ``pages``: the groups (their rows first, in order) and the shared pages
         each reads, as ``shared_pages`` gives them; ``shared_indices``: those pages in group order.
         ``own_tokens``: per request of the batch (graph padding included) its tokens past the
         shared part, on its pages ``own_indices`` (concatenated). Page lists int32, on the host or
-        the device. The work lists and per-row counts go up in one copy (a header)."""
+        the device. The work lists and per-row counts go up in one copy (a header). ``extra``:
+        tokens each request may gain on the device (``gain``); its pages cover them."""
         hq, _, dim = self.heads
         graph = graph_batch_size is not None
         rows = len(own_tokens)
@@ -330,8 +335,9 @@ class TritonCascade:
             segment = segment_tokens(
                 [n for n in lens if n > 1] or lens, unit, self.target_items, self.min_segment_tokens
             )
+            page_lens = None if extra is None else [n + int(e) for n, e in zip(lens, extra)]
             flat, n_shared, counts = small_work(
-                sizes, group_tokens, lens, shared, page_size, segment, self.members_per_item
+                sizes, group_tokens, lens, shared, page_size, segment, self.members_per_item, page_lens
             )
             shared_items, own_items = np.asarray(flat[: 6 * n_shared]), np.asarray(flat[6 * n_shared :])
             counts = np.asarray(counts, dtype=np.int64)
@@ -343,7 +349,7 @@ class TritonCascade:
             real = lens[lens > 1] if (lens > 1).any() else lens
             segment = segment_tokens(real, unit, self.target_items, self.min_segment_tokens)
             shared_items = shared_work(sizes, group_tokens, page_size, segment, self.members_per_item).ravel()
-            own_items, counts = own_work(lens, shared, page_size, segment)
+            own_items, counts = own_work(lens, shared, page_size, segment, None if extra is None else lens + extra)
             own_items = own_items.ravel()
         n_shared, n_own = len(shared_items) // 6, len(own_items) // 6
         total = int(counts.sum())
@@ -376,12 +382,21 @@ class TritonCascade:
             level.set_work(header[at : at + 6 * room].view(-1, 6), count, n, indices, graph)
         self.own.launch = self.own_launches[bool(sizes)]
         self.row_base, self.counts = header[2 : 2 + rows], header[folds_at : folds_at + rows]
+        if extra is not None:  # each request's last own item (items come in request order)
+            self._last_items = np.cumsum(counts - np.asarray(shared, dtype=np.int64) // segment) - 1
         if graph:
             self.acc, self.m, self.l = self._acc, self._m, self._l
         else:
             self.acc = torch.empty(total, hq, dim, dtype=torch.float32, device=self.device)
             self.m = torch.empty(total, hq, dtype=torch.float32, device=self.device)
             self.l = torch.empty(total, hq, dtype=torch.float32, device=self.device)
+
+    def gain(self, rows: np.ndarray, tokens: torch.Tensor) -> None:
+        """Lengthen requests ``rows`` of the planned step (planned with ``extra``) by ``tokens``
+        (on the device, each at most its ``extra``): their last items read that many keys more,
+        on pages the plan already lists. Queued on the stream: the host never waits for them."""
+        items = torch.from_numpy(self._last_items[rows]).to(self.device, non_blocking=True)
+        self.own.work[items, 3] += tokens.to(torch.int32)
 
     def _run(
         self,

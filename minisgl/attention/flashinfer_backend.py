@@ -201,7 +201,11 @@ class FlashInferBackend(AttentionBackend):
         # A group's shared level reads whole tiles of its prefix; each member reads the rest.
         group_pages = [self.cascade.shared_pages(p, page_size) for p in meta.group_pages]
         skip = meta.skip_pages(group_pages)
-        num_pages = -(-seq_lens // page_size) - skip
+        gains, extra = meta.gains, None
+        if gains is not None:  # rows that may grow on the device: their page lists cover it
+            extra = np.zeros(meta.num_reqs, dtype=np.int64)
+            extra[gains.rows] = gains.most
+        num_pages = -(-(seq_lens if extra is None else seq_lens + extra) // page_size) - skip
         kv_lens = seq_lens - skip * page_size  # past the skipped shared pages
         host_indices = self._page_indices(meta.page_table_host, meta.slots, skip, num_pages)
         indices = torch.from_numpy(host_indices)
@@ -210,8 +214,11 @@ class FlashInferBackend(AttentionBackend):
             sizes, pages = list(meta.group_sizes), group_pages
             leaders = np.asarray(meta.slots)[np.cumsum([0] + sizes[:-1])] if sizes else []
             shared = torch.from_numpy(self._page_indices(meta.page_table_host, leaders, [0] * len(pages), pages))
-            self.cascade.plan(sizes, pages, page_size, shared, kv_lens, indices, graph_batch_size)
+            self.cascade.plan(sizes, pages, page_size, shared, kv_lens, indices, graph_batch_size, extra)
+            if gains is not None:
+                self.cascade.gain(gains.rows, gains.tokens)
             return
+        assert gains is None, "FlashInfer plans lengths on the host (plans_gains)"
         self.step = "flashinfer"
         kv_indptr = torch.from_numpy(np.concatenate([[0], np.cumsum(num_pages)]).astype(np.int32))
         last_page_len = torch.from_numpy((seq_lens - (-(-seq_lens // page_size) - 1) * page_size).astype(np.int32))
@@ -229,6 +236,10 @@ class FlashInferBackend(AttentionBackend):
                 self.wrapper, (self.wide_pages, indices) = self.prefill_wide, wide
                 common["kv_data_type"] = self.q_dtype
             self.wrapper.plan(qo_indptr, kv_indptr, indices, last_page_len, *heads, causal=True, **common)
+
+    def plans_gains(self, cascade: bool) -> bool:
+        """Decode steps on our kernel: its work lists are lengthened on the device (``gain``)."""
+        return cascade or self.triton_decode
 
     def _wide_indices(self, meta: AttentionMetadata, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor] | None:
         """For a prefill chunk on an fp8 cache that pays for widening: the distinct pool pages of

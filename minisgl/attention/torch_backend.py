@@ -8,6 +8,8 @@ partial results merge by their log-sum-exp. Tests compare it with the single-lev
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -31,6 +33,11 @@ class TorchBackend(AttentionBackend):
         """Also work out once what every layer of the step shares: a decode step's pages and
         padding mask, and the rotary rows of its positions (per layer, they were a tenth of a
         CPU decode step of SmolLM2)."""
+        if meta.gains is not None:  # the reference reads its rows' gains back (the host waits)
+            cached = list(meta.cached_lens)
+            for row, tokens in zip(meta.gains.rows.tolist(), meta.gains.tokens.tolist()):
+                cached[row] += tokens
+            meta = dataclasses.replace(meta, cached_lens=cached, gains=None)
         super().plan(meta, graph_batch_size)
         self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
         # The batch's page-table rows, in request order (a copy: the runner edits its table).
@@ -38,6 +45,9 @@ class TorchBackend(AttentionBackend):
         rows = meta.page_table_host[np.asarray(meta.slots, dtype=np.int64), :cols]
         self._pages = torch.from_numpy(rows).to(self.kv_cache.buffer.device).long()
         self._decode = self._plan_decode(meta) if meta.is_decode and not meta.cascade else None
+
+    def plans_gains(self, cascade: bool) -> bool:
+        return True
 
     def _plan_decode(self, meta: AttentionMetadata) -> tuple[torch.Tensor, int, torch.Tensor | None]:
         """Each request's pages [B, P], the longest length, and the mask [B, 1, 1, L] that hides

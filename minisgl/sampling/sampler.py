@@ -188,9 +188,12 @@ class Sampler:
         slots: np.ndarray,
         seq_lens: np.ndarray,
         masks: tuple[list[int], torch.Tensor] | None = None,
+        shift: torch.Tensor | None = None,
     ) -> SampleOutput:
-        """logits [B, V] for requests in ``slots_list``; ``seq_lens`` give each one's position.
-        ``masks`` (rows, int32 bit words [rows, ceil(V / 32)] on the host): those rows may only
+        """logits [B, V] for requests in ``slots_list``; ``seq_lens`` give each one's position,
+        plus ``shift`` (int64 [B] on the device) where only the device knows it (rows that grew
+        there after the host planned them; the stop-token ban of min_new_tokens must not depend
+        on it). ``masks`` (rows, int32 bit words [rows, ceil(V / 32)] on the host): those rows may only
         take the tokens whose bit is set (structured output). Batches larger than SAMPLE_BLOCK
         rows go in blocks: the float32 copies of [B, V] logits are what sampling's memory
         costs, and the pool is sized with one block's."""
@@ -201,7 +204,7 @@ class Sampler:
         top_n = int(self.h_top_n[slots].max())
         id_union = sorted({t for s in slots.tolist() for t in self.h_ids[s]})
         if len(slots) <= SAMPLE_BLOCK:
-            return self._sample(logits, slots, seq_lens, masks, top_n, id_union)
+            return self._sample(logits, slots, seq_lens, masks, top_n, id_union, shift)
         parts = []
         for at in range(0, len(slots), SAMPLE_BLOCK):
             end = at + SAMPLE_BLOCK
@@ -209,7 +212,10 @@ class Sampler:
             if masks is not None:
                 keep = [i for i, r in enumerate(masks[0]) if at <= r < end]
                 block_masks = ([masks[0][i] - at for i in keep], masks[1][keep]) if keep else None
-            parts.append(self._sample(logits[at:end], slots[at:end], seq_lens[at:end], block_masks, top_n, id_union))
+            block_shift = None if shift is None else shift[at:end]
+            parts.append(
+                self._sample(logits[at:end], slots[at:end], seq_lens[at:end], block_masks, top_n, id_union, block_shift)
+            )
         joined = SampleOutput(tokens=torch.cat([p.tokens for p in parts]), id_union=parts[0].id_union)
         for name in ("logprobs", "top_ids", "top_logprobs", "id_logprobs"):
             if getattr(parts[0], name) is not None:
@@ -224,6 +230,7 @@ class Sampler:
         masks: tuple[list[int], torch.Tensor] | None,
         top_n: int,
         id_union: list[int],
+        shift: torch.Tensor | None = None,
     ) -> SampleOutput:
         if masks is not None:
             logits = self._apply_masks(logits, *masks)
@@ -246,7 +253,7 @@ class Sampler:
         if all_greedy:
             tokens = greedy_tokens
         else:
-            sampled = self._sample_random(logits, slots, slots_np, seq_lens)
+            sampled = self._sample_random(logits, slots, slots_np, seq_lens, shift)
             tokens = torch.where(self.greedy[slots].bool(), greedy_tokens, sampled)
         out = SampleOutput(tokens=tokens)
         if top_n >= 0 or id_union:
@@ -272,9 +279,16 @@ class Sampler:
         return logits
 
     def _sample_random(
-        self, logits: torch.Tensor, slots: torch.Tensor, slots_np: np.ndarray, seq_lens: np.ndarray
+        self,
+        logits: torch.Tensor,
+        slots: torch.Tensor,
+        slots_np: np.ndarray,
+        seq_lens: np.ndarray,
+        shift: torch.Tensor | None = None,
     ) -> torch.Tensor:
         positions = self._to_device(torch.from_numpy(seq_lens))
+        if shift is not None:
+            positions = positions + shift
         truncating = self.h_truncate[slots_np].any() or self.h_min_p[slots_np].any()
         if logits.is_cuda and not truncating:  # one fused pass (minisgl.kernels.sample)
             from minisgl.kernels.sample import race_sample

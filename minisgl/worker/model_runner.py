@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from minisgl.args import EngineArgs
 from minisgl.attention import AttentionMetadata, base, create_backend
+from minisgl.attention.base import Gains
 from minisgl.attention.context import set_attention_backend
 from minisgl.distributed import get_tp_info, init_fused_all_reduce_norm, init_one_shot_all_reduce
 from minisgl.kvcache import HostKVPool, MHAKVCache
@@ -111,7 +112,9 @@ class ModelRunner:
         )
         self.vocab_size = self.config.vocab_size
         self.pending: deque[_Pending] = deque()
-        self._parked: tuple[ForwardBatch, torch.Tensor] | None = None  # forward done, waiting for masks
+        # forward done, waiting for masks (with the step's gains)
+        self._parked: tuple[ForwardBatch, torch.Tensor, Gains | None] | None = None
+        self._gains: Gains | None = None  # the launching step's (``_defer``), read by ``_metadata``
         self._extras: dict[str, torch.Tensor] = {}  # the last forward's prompt scores and routed experts
         self.routed: RoutedExperts | None = None
         self.graphs = None
@@ -225,6 +228,8 @@ class ModelRunner:
         self.rejected = torch.zeros(n + 1, dtype=torch.int64, device=self.device)
         self.rejected_host = torch.zeros(n + 1, dtype=torch.int64, pin_memory=on_gpu)
         self._rejected_event: torch.cuda.Event | None = None
+        # The most rows each slot's last verify run could reject (its draft's length), on the host.
+        self.most_rejected = np.zeros(n + 1, dtype=np.int64)
         self.sampler = Sampler(n, self.vocab_size, self.device)
 
     def _make_cache(self, num_pages: int) -> MHAKVCache:
@@ -433,6 +438,8 @@ class ModelRunner:
         positions_t, token_slots_t, input_ids, out_loc_t = host.to(dev, non_blocking=True)
         if fed:  # rows whose input is -1: the token their slot sampled last
             input_ids = torch.where(input_ids < 0, self.last_token[token_slots_t], input_ids)
+        if self._gains is not None:
+            self._add_gains(batch, positions_t, out_loc_t)
         meta = AttentionMetadata(
             slots=batch.slots,
             cached_lens=batch.cached_lens,
@@ -443,8 +450,26 @@ class ModelRunner:
             group_sizes=batch.group_sizes,
             group_pages=batch.group_pages,
             prefill_reqs=batch.prefill_reqs,
+            gains=self._gains,
         )
         return meta, input_ids
+
+    def _add_gains(self, batch: ForwardBatch, positions: torch.Tensor, out_loc: torch.Tensor) -> None:
+        """Move the gaining rows (decode rows: a token each) on by their gains, on the device: each
+        row's KV slot is picked from those of the positions it may take (host page table)."""
+        gains, page, table = self._gains, self.page_size, self.page_table_host
+        width = int(gains.most.max()) + 1
+        rows = gains.rows.tolist()
+        host = np.empty((len(rows), width + 1), dtype=np.int64)
+        host[:, 0] = gains.rows
+        for i, (row, most) in enumerate(zip(rows, gains.most.tolist())):
+            slot, first = batch.slots[row], batch.cached_lens[row]
+            ends = [first + min(j, most) for j in range(width)]  # (past ``most``: never picked)
+            host[i, 1:] = [int(table[slot, p // page]) * page + p % page for p in ends]
+        up = torch.from_numpy(host).to(self.device, non_blocking=True)
+        rows_t, choices = up[:, 0], up[:, 1:]
+        positions[rows_t] += gains.tokens
+        out_loc[rows_t] = choices.gather(1, gains.tokens[:, None]).squeeze(1)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, gather: bool = True) -> torch.Tensor:
@@ -533,25 +558,34 @@ class ModelRunner:
             io_event, self._io_event = self._io_event, None
             self.pending.append(_Pending([], {}, None, io_event=io_event))
             return
-        if batch.resolve_rows:
+        gains = self._defer(batch) if batch.resolve_rows else None
+        if batch.resolve_rows and gains is None:
             self._resolve(batch)
         self.add_requests(batch.new_requests)
-        logits = self.forward(batch, gather=False)
+        self._gains = gains
+        try:
+            logits = self.forward(batch, gather=False)
+        finally:
+            self._gains = None
         if batch.mask_rows:  # constrained rows: sample when their masks come (sample_masked)
-            self._parked = (batch, logits)
+            self._parked = (batch, logits, gains)
             return
-        self._sample(batch, logits)
+        self._sample(batch, logits, gains=gains)
 
     @torch.inference_mode()  # as launch: the sampler updates inference tensors (penalty counts)
     def sample_masked(self, bitmask: bytes) -> None:
         """Sample the parked batch, its ``mask_rows`` limited to the tokens ``bitmask`` allows."""
-        batch, logits = self._parked
+        batch, logits, gains = self._parked
         self._parked = None
         words = torch.frombuffer(bytearray(bitmask), dtype=torch.int32).view(len(batch.mask_rows), -1)
-        self._sample(batch, logits, (batch.mask_rows, words))
+        self._sample(batch, logits, (batch.mask_rows, words), gains)
 
     def _sample(
-        self, batch: ForwardBatch, logits: torch.Tensor, masks: tuple[list[int], torch.Tensor] | None = None
+        self,
+        batch: ForwardBatch,
+        logits: torch.Tensor,
+        masks: tuple[list[int], torch.Tensor] | None = None,
+        gains: Gains | None = None,
     ) -> None:
         chosen = np.asarray(batch.sample, dtype=bool)
         slots = np.asarray(batch.slots, dtype=np.int64)[chosen]
@@ -564,12 +598,36 @@ class ModelRunner:
             if masks is None and self.sampler.plain_greedy(slots, seq_lens):
                 out = SampleOutput(tokens=head.greedy(logits))
             else:
-                out = self.sampler.sample(head.gather(logits), slots, seq_lens, masks)
+                shift = None
+                if gains is not None:  # (every decode row samples: row i is sampled row i)
+                    shift = torch.zeros(len(slots), dtype=torch.int64, device=self.device)
+                    shift[torch.from_numpy(gains.rows).to(self.device, non_blocking=True)] = gains.tokens
+                out = self.sampler.sample(head.gather(logits), slots, seq_lens, masks, shift)
             if batch.verify_sizes:
                 self._last_verified(batch, out.tokens)
             else:
                 self.last_token[torch.from_numpy(slots).to(self.device, non_blocking=True)] = out.tokens
         self.pending.append(self._to_host(out, slots, self._extras, batch.score_top))
+
+    def _defer(self, batch: ForwardBatch) -> Gains | None:
+        """Plan the ``resolve_rows`` at their shortest (as if the verify run before them rejected
+        every draft row) and leave what it kept to the device (``Gains``), so the host never waits
+        for that run; None where the step cannot take gains (the host waits: ``_resolve``)."""
+        decode = not batch.prefill_reqs and max(batch.new_lens) == 1 and all(batch.sample)
+        if not decode or not self.attn.plans_gains(bool(batch.group_sizes)):
+            return None
+        rows = np.asarray(batch.resolve_rows, dtype=np.int64)
+        slots = np.asarray(batch.slots, dtype=np.int64)[rows]
+        most = self.most_rejected[slots]
+        shortest = np.asarray(batch.cached_lens, dtype=np.int64)[rows] - most
+        # min_new_tokens bans stop tokens by a row's length on the host: the gain must not change it
+        min_len = self.sampler.h_min_len[slots]
+        if ((shortest + 1 < min_len) != (shortest + 1 + most < min_len)).any():
+            return None
+        for row, length in zip(batch.resolve_rows, shortest.tolist()):
+            batch.cached_lens[row] = length
+        slots_t, most_t = torch.from_numpy(np.stack([slots, most])).to(self.device, non_blocking=True)
+        return Gains(rows, most, most_t - self.rejected[slots_t])
 
     def _resolve(self, batch: ForwardBatch) -> None:
         """Lower the ``resolve_rows``' lengths by the rows their slots' verify runs rejected:
@@ -592,7 +650,9 @@ class ModelRunner:
         run = np.repeat(np.arange(len(sizes)), sizes)
         dev, rows, runs = self.device, len(run), len(sizes)
         last_rows = ends - 1
-        host = np.concatenate([following, run, np.asarray(batch.slots, dtype=np.int64)[last_rows], last_rows])
+        run_slots = np.asarray(batch.slots, dtype=np.int64)[last_rows]
+        self.most_rejected[run_slots] = sizes - 1  # (a row past the runs: a run of one)
+        host = np.concatenate([following, run, run_slots, last_rows])
         following_t, run_t, slots, last_rows_t = (
             torch.from_numpy(host).to(dev, non_blocking=True).split([rows, rows, runs, runs])
         )  # (one copy up)
