@@ -295,11 +295,14 @@ def test_triton_interpreter_matches_reference(graph):
     """The kernels' logic on CPU: Triton's interpreter must be switched on before triton loads,
     so it runs in a child process."""
     pytest.importorskip("triton")
+    in_interpreter(f"check('cpu', torch.float32, {graph})")
+
+
+def in_interpreter(call: str) -> None:
+    """Run ``call`` (a function of this file) under Triton's interpreter in a child process."""
     root = Path(__file__).resolve().parents[1]
-    code = (
-        "from tests.test_cascade_triton import check, patch_interpreter_ranges; import torch; "
-        f"patch_interpreter_ranges(); check('cpu', torch.float32, {graph})"
-    )
+    imports = "from tests.test_cascade_triton import check, check_gains, patch_interpreter_ranges; import torch"
+    code = f"{imports}; patch_interpreter_ranges(); {call}"
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
     done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -314,14 +317,7 @@ def test_triton_cascade_cuda(graph):
 def test_rows_that_gain_on_the_device_attend_as_planned_at_their_lengths():
     """``TritonCascade.gain`` through Triton's interpreter (a child process, as above)."""
     pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[1]
-    code = (
-        "from tests.test_cascade_triton import check_gains, patch_interpreter_ranges; import torch; "
-        "patch_interpreter_ranges(); check_gains('cpu', torch.float32, False)"
-    )
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
-    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
+    in_interpreter("check_gains('cpu', torch.float32, False)")
 
 
 @pytest.mark.cuda
