@@ -458,15 +458,12 @@ class ModelRunner:
         """Move the gaining rows (decode rows: a token each) on by their gains, on the device: each
         row's KV slot is picked from those of the positions it may take (host page table)."""
         gains, page, table = self._gains, self.page_size, self.page_table_host
-        width = int(gains.most.max()) + 1
-        rows = gains.rows.tolist()
-        host = np.empty((len(rows), width + 1), dtype=np.int64)
-        host[:, 0] = gains.rows
-        for i, (row, most) in enumerate(zip(rows, gains.most.tolist())):
-            slot, first = batch.slots[row], batch.cached_lens[row]
-            ends = [first + min(j, most) for j in range(width)]  # (past ``most``: never picked)
-            host[i, 1:] = [int(table[slot, p // page]) * page + p % page for p in ends]
-        up = torch.from_numpy(host).to(self.device, non_blocking=True)
+        slots = np.asarray(batch.slots, dtype=np.int64)[gains.rows]
+        first = np.asarray(batch.cached_lens, dtype=np.int64)[gains.rows]
+        steps = np.minimum(np.arange(int(gains.most.max()) + 1)[None, :], gains.most[:, None])  # (past most: unused)
+        reach = first[:, None] + steps
+        choices = table[slots[:, None], reach // page].astype(np.int64) * page + reach % page
+        up = torch.from_numpy(np.concatenate([gains.rows[:, None], choices], axis=1)).to(self.device, non_blocking=True)
         rows_t, choices = up[:, 0], up[:, 1:]
         positions[rows_t] += gains.tokens
         out_loc[rows_t] = choices.gather(1, gains.tokens[:, None]).squeeze(1)
