@@ -169,9 +169,11 @@ def check_gains(device: str, dtype: torch.dtype, graph: bool) -> None:
                     group_pages = [level.shared_pages(p, page_size) for p in meta.group_pages]
                     longest = meta.seq_lens
                     own = longest - meta.skip_pages(group_pages) * page_size
-                    most = np.minimum(rng.integers(0, 6, n), own - 1)  # (a row keeps one own token)
+                    # (some rows planned with no key past their group's shared pages: those shrink)
+                    most = np.minimum(rng.integers(0, 6, n), np.minimum(own, longest - 1))
                     gain = rng.integers(0, most + 1)
                     real = longest - most + gain
+                    group_pages = level.growing_shared_pages(group_pages, meta.group_sizes, longest - most, page_size)
                     level.plan(*plan_args(meta, page_size, group_pages, lens=real), None)
                     want = level.forward(q, k, v, 0.1)
                     rows = np.flatnonzero(most)
@@ -312,6 +314,17 @@ def in_interpreter(call: str) -> None:
 @pytest.mark.parametrize("graph", [False, True])
 def test_triton_cascade_cuda(graph):
     check("cuda", torch.bfloat16, graph)
+
+
+def test_growing_rows_keep_a_key_past_their_groups_shared_pages():
+    from minisgl.attention.cascade_triton import TritonCascade
+
+    level = TritonCascade(8, 2, 32, torch.device("cpu"), block_n=16)
+    # groups of 2 and 3 rows (page 16, tiles of 16): the first group's shortest row ends on its
+    # shared pages' end, the second keeps a key past them
+    lens = np.array([64, 70, 100, 90, 95, 5])
+    assert level.growing_shared_pages([4, 5], [2, 3], lens, 16) == [3, 5]
+    assert level.growing_shared_pages([], [], lens, 16) == []
 
 
 def test_rows_that_gain_on_the_device_attend_as_planned_at_their_lengths():

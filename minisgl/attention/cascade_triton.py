@@ -286,6 +286,14 @@ class TritonCascade:
         unit_pages = self.unit(page_size) // page_size
         return pages // unit_pages * unit_pages
 
+    def growing_shared_pages(self, pages: list[int], sizes: list[int], lens: np.ndarray, page_size: int) -> list[int]:
+        """``pages`` (each group's, from ``shared_pages``) cut so that every member of ``lens``
+        tokens keeps a key past them: a request that may grow on the device (``gain``) needs an
+        item of its own to lengthen, and a member read whole at the shared level has none."""
+        firsts = np.cumsum([0] + sizes[:-1])
+        shortest = np.minimum.reduceat(np.asarray(lens[: sum(sizes)], dtype=np.int64), firsts) if sizes else []
+        return [self.shared_pages(min(p, (int(n) - 1) // page_size), page_size) for p, n in zip(pages, shortest)]
+
     def max_states(self, batch_size: int) -> int:
         """At most states (and items per level) a step of ``batch_size`` requests needs: every
         request has at most one segment more than its share of ``target_items``, and the

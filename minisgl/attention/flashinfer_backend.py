@@ -200,11 +200,12 @@ class FlashInferBackend(AttentionBackend):
         seq_lens = meta.seq_lens
         # A group's shared level reads whole tiles of its prefix; each member reads the rest.
         group_pages = [self.cascade.shared_pages(p, page_size) for p in meta.group_pages]
-        skip = meta.skip_pages(group_pages)
         gains, extra = meta.gains, None
         if gains is not None:  # rows that may grow on the device: their page lists cover it
             extra = np.zeros(meta.num_reqs, dtype=np.int64)
             extra[gains.rows] = gains.most
+            group_pages = self.cascade.growing_shared_pages(group_pages, meta.group_sizes, seq_lens, page_size)
+        skip = meta.skip_pages(group_pages)
         num_pages = -(-(seq_lens if extra is None else seq_lens + extra) // page_size) - skip
         kv_lens = seq_lens - skip * page_size  # past the skipped shared pages
         host_indices = self._page_indices(meta.page_table_host, meta.slots, skip, num_pages)
