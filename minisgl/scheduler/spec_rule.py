@@ -1,8 +1,9 @@
 """When a step speculates (``--speculative-algorithm``): measured, not guessed.
 
 A verify step computes k + 1 rows per drafting request and waits for the steps before it (or,
-with ``--speculative-overlap``, the step after it waits on the worker for the verify step's kept
-counts, ``ForwardBatch.resolve_rows``); what that costs depends on the model and the machine.
+with ``--speculative-overlap``, is planned beside them, the step after it carrying rows whose
+lengths the device corrects, ``ForwardBatch.resolve_rows``); what that costs depends on the
+model and the machine.
 ``SpecRule`` times plain and verify steps, start to start, per batch size (bit length of the
 decoding requests), and keeps the tokens a verify step gives per decoding request at each size;
 a step speculates while those tokens exceed the verify step's cost in plain steps, up to
