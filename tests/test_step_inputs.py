@@ -80,7 +80,7 @@ def test_rows_that_gain_on_the_device_take_their_positions_and_kv_slots(monkeypa
             want, _ = ModelRunner._metadata(
                 fake_runner(page, table, last), ForwardBatch(slots, real, [1] * n, ids, [True] * n)
             )
-            gains = Gains(rows, most, torch.from_numpy(gain))
+            gains = Gains(rows, most, torch.from_numpy(gain), torch.from_numpy(rows))
             got, _ = ModelRunner._metadata(
                 fake_runner(page, table, last, gains), ForwardBatch(slots, short, [1] * n, ids, [True] * n)
             )

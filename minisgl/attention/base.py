@@ -34,6 +34,7 @@ class Gains:
     rows: np.ndarray  # int64, indices into the step's requests
     most: np.ndarray  # int64
     tokens: torch.Tensor  # int64, on the device
+    rows_on_device: torch.Tensor  # ``rows``, uploaded once for every use
 
 
 @dataclass

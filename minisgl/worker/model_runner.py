@@ -463,10 +463,9 @@ class ModelRunner:
         steps = np.minimum(np.arange(int(gains.most.max()) + 1)[None, :], gains.most[:, None])  # (past most: unused)
         reach = first[:, None] + steps
         choices = table[slots[:, None], reach // page].astype(np.int64) * page + reach % page
-        up = torch.from_numpy(np.concatenate([gains.rows[:, None], choices], axis=1)).to(self.device, non_blocking=True)
-        rows_t, choices = up[:, 0], up[:, 1:]
-        positions[rows_t] += gains.tokens
-        out_loc[rows_t] = choices.gather(1, gains.tokens[:, None]).squeeze(1)
+        choices_t = torch.from_numpy(choices).to(self.device, non_blocking=True)
+        positions[gains.rows_on_device] += gains.tokens
+        out_loc[gains.rows_on_device] = choices_t.gather(1, gains.tokens[:, None]).squeeze(1)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, gather: bool = True) -> torch.Tensor:
@@ -598,7 +597,7 @@ class ModelRunner:
                 shift = None
                 if gains is not None:  # (every decode row samples: row i is sampled row i)
                     shift = torch.zeros(len(slots), dtype=torch.int64, device=self.device)
-                    shift[torch.from_numpy(gains.rows).to(self.device, non_blocking=True)] = gains.tokens
+                    shift[gains.rows_on_device] = gains.tokens
                 out = self.sampler.sample(head.gather(logits), slots, seq_lens, masks, shift)
             if batch.verify_sizes:
                 self._last_verified(batch, out.tokens)
@@ -623,8 +622,8 @@ class ModelRunner:
             return None
         for row, length in zip(batch.resolve_rows, shortest.tolist()):
             batch.cached_lens[row] = length
-        slots_t, most_t = torch.from_numpy(np.stack([slots, most])).to(self.device, non_blocking=True)
-        return Gains(rows, most, most_t - self.rejected[slots_t])
+        rows_t, slots_t, most_t = torch.from_numpy(np.stack([rows, slots, most])).to(self.device, non_blocking=True)
+        return Gains(rows, most, most_t - self.rejected[slots_t], rows_t)
 
     def _resolve(self, batch: ForwardBatch) -> None:
         """Lower the ``resolve_rows``' lengths by the rows their slots' verify runs rejected:
