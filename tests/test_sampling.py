@@ -223,21 +223,45 @@ def test_seeded_top_p_one_is_the_same_alone_and_in_a_mixed_batch():
 
 
 def race_check(device: str) -> None:
-    """The fused temperature-sampling kernel picks what the torch path picks: argmax of
-    softmax(logits / T) / noise, on the same noise."""
+    """The fused sampling kernel picks what the torch path picks: for a temperature row the
+    argmax of softmax(logits / T) / noise on the same noise, for a greedy row the argmax; each
+    row reads its slot's parameters (strided tables) at its position plus its shift."""
     from minisgl.kernels.sample import race_sample
-    from minisgl.sampling.sampler import row_hash
 
     gen = torch.Generator().manual_seed(0)
     rows, vocab = (96, 50_000) if device == "cuda" else (6, 3000)  # the interpreter is slow
     logits = (3 * torch.randn(rows, vocab, generator=gen)).to(device)
     logits[1, 17] = float("-inf")  # banned or masked tokens never win
-    temps = torch.linspace(0.3, 1.7, rows).to(device)
-    seeds = torch.randint(0, 2**62, (rows,), generator=gen).to(device)
-    positions = torch.arange(rows).to(device) * 7 + 3
-    ref = (torch.softmax(logits / temps[:, None], dim=-1) / exponential_noise(seeds, positions, vocab)).argmax(-1)
-    got = race_sample(logits, temps, row_hash(seeds, positions))
+    slots_n = 2 * rows
+    table_f = torch.rand(slots_n, 6, generator=gen) + 0.3  # temperature in column 0, as Sampler keeps it
+    table_i = torch.randint(0, 2**62, (slots_n, 3), generator=gen)  # seed in column 1, greedy flag in 2
+    table_i[:, 2] = torch.arange(slots_n) % 3 == 0
+    table_f, table_i = table_f.to(device), table_i.to(device)
+    slots = torch.randperm(slots_n, generator=gen)[:rows]
+    positions = torch.arange(rows) * 7 + 3
+    shift = torch.randint(0, 9, (rows,), generator=gen)
+    temps, seeds, greedy = table_f[:, 0], table_i[:, 1], table_i[:, 2]
+    s_d, at = slots.to(device), (positions + shift).to(device)
+    drawn = torch.softmax(logits / temps[s_d][:, None], dim=-1) / exponential_noise(seeds[s_d], at, vocab)
+    ref = torch.where(greedy[s_d].bool(), logits.argmax(-1), drawn.argmax(-1))
+    assert greedy[s_d].any() and not greedy[s_d].all()
+    rows_t = torch.stack([slots, positions]).to(device)
+    got = race_sample(logits, rows_t, shift.to(device), temps, seeds, greedy)
     assert torch.equal(got, ref)
+    unshifted = torch.where(
+        greedy[s_d].bool(),
+        logits.argmax(-1),
+        (
+            torch.softmax(logits / temps[s_d][:, None], dim=-1)
+            / exponential_noise(seeds[s_d], positions.to(device), vocab)
+        ).argmax(-1),
+    )
+    assert torch.equal(race_sample(logits, rows_t, None, temps, seeds, greedy), unshifted)
+    half = logits.to(torch.bfloat16)  # 16-bit logits are read as they are (their float32 values)
+    assert torch.equal(
+        race_sample(half, rows_t, shift.to(device), temps, seeds, greedy),
+        race_sample(half.float(), rows_t, shift.to(device), temps, seeds, greedy),
+    )
 
 
 @pytest.mark.cuda

@@ -232,12 +232,18 @@ class Sampler:
         id_union: list[int],
         shift: torch.Tensor | None = None,
     ) -> SampleOutput:
-        if masks is not None:
-            logits = self._apply_masks(logits, *masks)
         penalized = bool(self.h_penalty[slots_np].any())
         all_greedy = bool(self.h_greedy[slots_np].all())
         biased = bool(self.h_bias[slots_np].any())
         banning = seq_lens < self.h_min_len[slots_np]
+        truncating = bool(self.h_truncate[slots_np].any() or self.h_min_p[slots_np].any())
+        if logits.is_cuda and not (
+            masks or penalized or biased or banning.any() or truncating or top_n >= 0 or id_union
+        ):
+            # Nothing changes the logits and only tokens come back: one kernel takes the raw logits.
+            return SampleOutput(tokens=self._race(logits, slots_np, seq_lens, shift))
+        if masks is not None:
+            logits = self._apply_masks(logits, *masks)
         slots = self._to_device(torch.from_numpy(slots_np))
         logits = logits.float()
         if biased:  # OpenAI's logit_bias: added to the logits before penalties and sampling
@@ -249,12 +255,13 @@ class Sampler:
             logits = torch.where(banned.isfinite().any(dim=-1, keepdim=True), banned, logits) if masks else banned
         if penalized:
             logits = self._apply_penalties(logits, slots)
-        greedy_tokens = logits.argmax(dim=-1)
         if all_greedy:
-            tokens = greedy_tokens
+            tokens = logits.argmax(dim=-1)
+        elif logits.is_cuda and not truncating:  # (greedy rows too: the kernel takes their argmax)
+            tokens = self._race(logits, slots_np, seq_lens, shift)
         else:
             sampled = self._sample_random(logits, slots, slots_np, seq_lens, shift)
-            tokens = torch.where(self.greedy[slots].bool(), greedy_tokens, sampled)
+            tokens = torch.where(self.greedy[slots].bool(), logits.argmax(dim=-1), sampled)
         out = SampleOutput(tokens=tokens)
         if top_n >= 0 or id_union:
             logprobs = torch.log_softmax(logits, dim=-1)
@@ -289,11 +296,6 @@ class Sampler:
         positions = self._to_device(torch.from_numpy(seq_lens))
         if shift is not None:
             positions = positions + shift
-        truncating = self.h_truncate[slots_np].any() or self.h_min_p[slots_np].any()
-        if logits.is_cuda and not truncating:  # one fused pass (minisgl.kernels.sample)
-            from minisgl.kernels.sample import race_sample
-
-            return race_sample(logits, self.temperature[slots], row_hash(self.seed[slots], positions))
         probs = torch.softmax(logits / self.temperature[slots, None], dim=-1)
         if self.h_truncate[slots_np].any():
             probs = self._top_k_top_p(probs, self.top_k[slots], self.top_p[slots])
@@ -302,6 +304,16 @@ class Sampler:
             probs = probs.masked_fill(probs < floor, 0.0)
         noise = exponential_noise(self.seed[slots], positions, probs.shape[-1])
         return (probs / noise).argmax(dim=-1)
+
+    def _race(
+        self, logits: torch.Tensor, slots_np: np.ndarray, seq_lens: np.ndarray, shift: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Each row's token by the fused exponential race (``minisgl.kernels.sample``; CUDA):
+        temperature rows draw, greedy rows take the argmax, slots and positions go up in one copy."""
+        from minisgl.kernels.sample import race_sample
+
+        rows = self._to_device(torch.from_numpy(np.stack([slots_np, seq_lens])))
+        return race_sample(logits, rows, shift, self.temperature, self.seed, self.greedy)
 
     @staticmethod
     def _top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
