@@ -74,6 +74,9 @@ class EngineArgs:
     # Verify steps planned while the step before is in flight (late and chained drafts, lengths
     # resolved on the worker) instead of waiting for it.
     speculative_overlap: bool = False
+    # Waiting verify steps planned and loaded while the step before runs; only their draft tokens
+    # wait for its tokens (the drafts still follow every token so far).
+    speculative_late_drafts: bool = False
     # No verify step while more requests decode (vLLM's name): trying one at a full batch of a
     # large model costs several plain steps; a small model bound by the host may pay at any batch.
     speculative_disable_by_batch_size: int = 32
@@ -221,6 +224,10 @@ class EngineArgs:
         if self.speculative_disable_by_batch_size < 1:
             raise ValueError(
                 f"--speculative-disable-by-batch-size must be >= 1, got {self.speculative_disable_by_batch_size}"
+            )
+        if self.speculative_overlap and self.speculative_late_drafts:
+            raise ValueError(
+                "--speculative-overlap and --speculative-late-drafts are two ways to plan verify steps: choose one"
             )
         if self.speculative_num_draft_tokens < 1:
             raise ValueError(f"--speculative-num-draft-tokens must be >= 1, got {self.speculative_num_draft_tokens}")
@@ -559,6 +566,13 @@ def add_engine_args(ap: argparse.ArgumentParser) -> dict[str, argparse._Argument
         "drafts made before a request's last token is known (or after its draft still being verified), "
         "lengths corrected on the worker. Keeps the GPU busy on host-bound models at the cost of "
         "acceptance; off: verify steps wait for the tokens before them",
+    )
+    spec.add_argument(
+        "--speculative-late-drafts",
+        action="store_true",
+        help="(minisgl) plan and load each verify step while the step before is still running, as "
+        "--speculative-overlap does, but send its draft tokens only once that step's tokens are back, "
+        "so drafts follow every token so far (lengths corrected on the worker). Experimental",
     )
     hicache.add_argument(
         "--enable-hierarchical-cache",

@@ -91,6 +91,16 @@ class ForwardBatch(msgspec.Struct, array_like=True, tag=True):
     # lowers them by the rows it rejected (known on the device by the time this step starts:
     # the worker plans them at their shortest and the device adds back what was kept).
     resolve_rows: list[int] = []
+    # Rows whose input ids come after the batch, in a DraftIds (--speculative-late-drafts): a
+    # verify step's draft tokens, made once the steps before it are back, while the worker loads
+    # the step's inputs and plans its attention.
+    draft_rows: list[int] = []
+
+
+class DraftIds(msgspec.Struct, array_like=True, tag=True):
+    """Scheduler -> worker, after a batch with draft_rows: the input id of each such row."""
+
+    ids: list[int]
 
 
 class SampleMasks(msgspec.Struct, array_like=True, tag=True):
@@ -178,7 +188,7 @@ class LocalTensors:
     named: list[tuple[str, Any]]
 
 
-ToWorker = ForwardBatch | SampleMasks | ProfileReq | WorkerTask
+ToWorker = ForwardBatch | DraftIds | SampleMasks | ProfileReq | WorkerTask
 
 
 class WorkerReply(msgspec.Struct, array_like=True, tag=True):

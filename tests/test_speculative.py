@@ -19,7 +19,8 @@ from tests.test_scheduler import make_llm, shared_prefix_prompts, tokens
 
 SPEC = {"speculative_algorithm": "NGRAM"}
 OVERLAPPED = {**SPEC, "speculative_overlap": True}  # verify steps planned while the step before runs
-BOTH_MODES = pytest.mark.parametrize("spec", [SPEC, OVERLAPPED], ids=["waiting", "overlapped"])
+LATE = {**SPEC, "speculative_late_drafts": True}  # ...and drafted once the steps before are back
+BOTH_MODES = pytest.mark.parametrize("spec", [SPEC, OVERLAPPED, LATE], ids=["waiting", "overlapped", "late"])
 
 
 @pytest.fixture(autouse=True)
@@ -112,6 +113,21 @@ def test_greedy_and_seeded_outputs_equal_speculation_off(tiny_llama, overlap, ca
     assert [r["meta_info"]["finish_reason"] for r in on] == [r["meta_info"]["finish_reason"] for r in off]
     assert stats["spec_verify_steps"] > 0 and stats["spec_accepted_tokens"] > 0
     assert (stats["cascade_steps"] > 0) == cascade
+
+
+def test_small_verify_steps_read_their_runs_as_loose_rows(tiny_llama, cheap_cascade, monkeypatch):
+    """A verify step's runs form cascade groups only where the decode planner's rule would take a
+    cascade step (``cascade.MIN_BATCH`` rows); below it they are loose rows, with the same tokens."""
+    from minisgl.scheduler import cascade
+
+    prompts = looping_prompts(2, seed=1)
+    params = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
+    for min_batch, grouped in ((32, False), (1, True)):
+        monkeypatch.setattr(cascade, "MIN_BATCH", min_batch)
+        off, on, stats = both(tiny_llama, prompts, params, page_size=4)
+        assert tokens(on) == tokens(off)
+        assert stats["spec_verify_steps"] > 0
+        assert (stats["cascade_steps"] > 0) == grouped, min_batch
 
 
 def test_radix_tree_drafts_repeat_earlier_outputs(tiny_llama):

@@ -80,6 +80,9 @@ class Executor(Protocol):
     def oldest_done(self) -> bool:
         """Whether ``collect`` would return without waiting."""
 
+    def fill_drafts(self, ids: list[int]) -> None:
+        """Input ids of the last launched batch's ``draft_rows``; its forward runs once they come."""
+
     def sample_masked(self, bitmask: bytes) -> None:
         """Allowed tokens for the last launched batch's ``mask_rows``; it samples once they come."""
 
@@ -160,6 +163,7 @@ class Scheduler(ControlPlane):
                 args.speculative_num_draft_tokens,
                 args.graph_batch_size,
                 args.speculative_disable_by_batch_size,
+                late=args.speculative_late_drafts,
             )
         self.grammar = grammar
         self.compiling: list[Req] = []  # waiting for their grammar; others are scheduled meanwhile
@@ -289,6 +293,12 @@ class Scheduler(ControlPlane):
         return (self.has_requests and not self.held) or bool(self.inflight) or self.memory.io_pending
 
     @property
+    def _plans_ahead(self) -> bool:
+        """Whether verify steps, and the steps after them, are planned while the steps before
+        run (``--speculative-overlap``, ``--speculative-late-drafts``) rather than after them."""
+        return self.args.speculative_overlap or self.args.speculative_late_drafts
+
+    @property
     def held(self) -> bool:
         """No request may run: paused, or the weights or KV pool are released."""
         return self.paused or bool(self.released & {"weights", "kv_cache"})
@@ -367,7 +377,7 @@ class Scheduler(ControlPlane):
             self._admit_compiled()
         self._drained = []
         self._speculate = self.spec is not None and self.spec.wants(len(self.decoding))
-        if any(step[5] for step in self.inflight) and not self.args.speculative_overlap:
+        if any(step[5] for step in self.inflight) and not self._plans_ahead:
             # Without --speculative-overlap the step after a verify step plans from the tokens
             # it kept (and a verify step waits too, in ``_schedule``, once it is one).
             self._drain()
@@ -390,6 +400,12 @@ class Scheduler(ControlPlane):
                 self.memory.take_io(batch)
             self.executor.launch(batch)
             self.inflight.append((sampled, scored, batch.score_logprob_ids, self.counters.steps, routed, drafts))
+            if batch.draft_rows:
+                # Its drafts follow every token so far: the steps before it are processed first
+                # (the worker loads this step's inputs and plans its attention meanwhile).
+                while len(self.inflight) > 1:
+                    got += self._process(self.inflight.popleft())
+                self.executor.fill_drafts(self.spec.redraft(drafts, self.counters.steps))
             if batch.mask_rows:
                 # The batch samples once its constrained rows' masks come, and a matcher must
                 # first see every token sampled before: process the batch before this one (its
@@ -461,7 +477,7 @@ class Scheduler(ControlPlane):
             if self._speculate:
                 # Waiting, a verify step drafts from every token so far; overlapped, from the
                 # steps already back (the GPU ahead of a host-bound model).
-                self._drain(done_only=self.args.speculative_overlap)
+                self._drain(done_only=self._plans_ahead)
                 verify = self.spec.schedule(self.decoding, retract, c.steps)
                 if verify is not None:
                     batch, rows, drafts, routed = verify

@@ -37,6 +37,7 @@ import numpy as np
 
 from minisgl.kvcache.ngram_index import NgramIndex, suffix_hashes, window_hashes
 from minisgl.messages import MAX_CASCADE_GROUPS, ForwardBatch, StepOutput
+from minisgl.scheduler import cascade
 from minisgl.scheduler.decode import DecodePlanner
 from minisgl.scheduler.pages import Memory
 from minisgl.scheduler.prefill_batch import append_rows, write_table
@@ -155,8 +156,10 @@ class SpecPlanner:
         num_draft_tokens: int,
         max_rows: int = 1 << 30,
         max_batch: int = 32,
+        late: bool = False,
     ):
         self.memory, self.decode, self.drafter = memory, decode, drafter
+        self.late = late  # drafts sent after the steps before are processed (``redraft``)
         self.k = num_draft_tokens
         self.max_rows = max_rows  # rows a step may have and still replay a captured graph
         self.page_size = memory.page_size
@@ -191,7 +194,7 @@ class SpecPlanner:
             # A verify step of it in flight: its draft is taken as kept, if the tokens it was
             # drafted after are known to be right (else a plain row while it comes back).
             pending = req.verify_draft
-            if (pending and not req.verify_chain) or resting(req):
+            if (pending and not req.verify_chain and not self.late) or resting(req):
                 continue
             late = req.kv_len + 1 - req.num_tokens - len(pending)  # 1: its last token is in flight
             if late not in (0, 1):  # (defensive: decoding requests are at most one token behind)
@@ -230,6 +233,12 @@ class SpecPlanner:
                 return None
         batch = ForwardBatch(slots=[], cached_lens=[], new_lens=[], input_ids=[], sample=[])
         rows: list[Req] = []
+        # Each run reads the pages before its draft once, as a cascade group, where the cascade's
+        # second launch and merge pay: the step has groups anyway, or as many rows as the decode
+        # planner's rule asks of a cascade step. Below that the plain decode, latency-bound, is
+        # cheaper (a lone request's verify step on SmolLM2: ~0.1 ms more GPU time grouped).
+        n_rows = sum(1 + len(d) for _, d in drafts) + (len(decode.slots) if decode is not None else 0)
+        grouped = self.decode.cascade and (n_rows >= cascade.MIN_BATCH or bool(decode and decode.group_sizes))
         for (req, draft), n in zip(drafts, need):
             # Its run starts where its tokens end, a draft in flight taken as kept: the worker
             # moves it back by the rows that draft's run rejected (at most the whole draft).
@@ -246,10 +255,12 @@ class SpecPlanner:
             batch.slots += [req.slot] * n
             batch.cached_lens += range(start, start + n)
             batch.new_lens += [1] * n
+            if self.late:  # (its draft is made again once the steps before are back)
+                batch.draft_rows += range(len(batch.slots) - n + 1, len(batch.slots))
             batch.input_ids += [tokens_at(req, [], start, start + 1)[0] if here else -1, *draft]
             batch.sample += [True] * n
             batch.verify_sizes.append(n)
-            if self.decode.cascade:  # its rows read the pages before its draft once, as a group
+            if grouped:
                 batch.group_sizes.append(n)
                 batch.group_pages.append((start - unsure + 1) // self.page_size)  # (at its shortest)
             write_table(batch, req)
@@ -267,6 +278,22 @@ class SpecPlanner:
         self.verify_runs += len(drafts)
         self.drafted_tokens += sum(len(d) for _, d in drafts)
         return batch, rows, drafts, routed
+
+    def redraft(self, drafts: Drafts, step: int) -> list[int]:
+        """The draft tokens of verify step ``step`` (``ForwardBatch.draft_rows``), made once every
+        step before it is processed: each run of a request still verifying in it drafts again from
+        all its tokens, keeping its length (a shorter draft ends with the planned one's tokens).
+        ``drafts`` is updated in place (what ``accept`` compares with)."""
+        start = time.perf_counter()
+        ids: list[int] = []
+        for i, (req, draft) in enumerate(drafts):
+            if req.verify_step == step and not req.finished:
+                found = self.drafter.draft(req, len(draft))
+                draft = found + draft[len(found) :]
+                req.verify_draft, drafts[i] = draft, (req, draft)
+            ids += draft
+        self.draft_seconds += time.perf_counter() - start
+        return ids
 
     def accept(self, rows: list[Req], drafts: Drafts, out: StepOutput, step: int) -> list[Req]:
         """Keep each drafting request's accepted rows of verify step ``step``'s ``out`` (edited

@@ -7,12 +7,12 @@ from __future__ import annotations
 import zmq
 
 from minisgl.ipc import Addresses, Receiver, Sender
-from minisgl.messages import ForwardBatch, SampleMasks, StepOutput, ToWorker, WorkerReply, WorkerTask
+from minisgl.messages import DraftIds, ForwardBatch, SampleMasks, StepOutput, ToWorker, WorkerReply, WorkerTask
 
 
 class WorkerLink:
-    """Sockets to the workers at ``addrs``: ``launch``, ``sample_masked``, ``oldest_done`` and
-    ``collect``, as a ModelRunner has them."""
+    """Sockets to the workers at ``addrs``: ``launch``, ``fill_drafts``, ``sample_masked``,
+    ``oldest_done`` and ``collect``, as a ModelRunner has them."""
 
     def __init__(self, addrs: Addresses, tp_size: int):
         ctx = zmq.Context.instance()
@@ -25,6 +25,9 @@ class WorkerLink:
 
     def launch(self, batch: ForwardBatch) -> None:
         self.broadcast(batch)
+
+    def fill_drafts(self, ids: list[int]) -> None:
+        self.broadcast(DraftIds(ids))
 
     def sample_masked(self, bitmask: bytes) -> None:
         self.broadcast(SampleMasks(bitmask))

@@ -162,10 +162,20 @@ class CudaGraphRunner:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits of the batch's sampling requests (this rank's vocabulary slice), from the graph
         of the next size up."""
-        size = self._size(batch)
-        key = (size, bool(batch.group_sizes))
-        self._load(self._pad(batch, size))
-        self.graphs[key].replay()
+        self.load(batch)
+        return self.replay(batch)
+
+    def load(self, batch: ForwardBatch) -> None:
+        """The batch's inputs into the graph's buffers and its attention planned (``replay`` runs it)."""
+        self._load(self._pad(batch, self._size(batch)))
+
+    def set_input_ids(self, rows: torch.Tensor, ids: torch.Tensor) -> None:
+        """Input ids of some rows of the loaded batch (device int64), set after ``load``."""
+        self.inputs.input_ids[rows] = ids
+
+    def replay(self, batch: ForwardBatch) -> torch.Tensor:
+        """``forward``'s logits for the batch last loaded."""
+        self.graphs[self._size(batch), bool(batch.group_sizes)].replay()
         logits = self.logits[: len(batch.slots)]
         if all(batch.sample):
             return logits

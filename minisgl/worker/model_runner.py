@@ -114,6 +114,8 @@ class ModelRunner:
         self.pending: deque[_Pending] = deque()
         # forward done, waiting for masks (with the step's gains)
         self._parked: tuple[ForwardBatch, torch.Tensor, Gains | None] | None = None
+        # A launched batch waiting for its draft tokens: it, its gains, whether its graph is loaded.
+        self._drafting: tuple[ForwardBatch, Gains | None, bool] | None = None
         self._gains: Gains | None = None  # the launching step's (``_defer``), read by ``_metadata``
         self._extras: dict[str, torch.Tensor] = {}  # the last forward's prompt scores and routed experts
         self.routed: RoutedExperts | None = None
@@ -558,15 +560,50 @@ class ModelRunner:
         if batch.resolve_rows and gains is None:
             self._resolve(batch)
         self.add_requests(batch.new_requests)
-        self._gains = gains
-        try:
-            logits = self.forward(batch, gather=False)
-        finally:
-            self._gains = None
+        if batch.draft_rows:  # the step runs once its draft tokens come (fill_drafts)
+            loaded = self.graphs is not None and self.graphs.can_run(batch)
+            if loaded:  # its inputs and attention plan now, while the step before runs
+                self._copies(batch)
+                self._extras, self._gains = {}, gains
+                try:
+                    if self.kv_cache.layer_events:  # (as _forward: a captured step waits for all)
+                        torch.cuda.current_stream().wait_event(self.kv_cache.layer_events[-1])
+                    self.graphs.load(batch)
+                finally:
+                    self._gains, self.kv_cache.layer_events = None, []
+            self._drafting = (batch, gains, loaded)
+            return
+        self._run(batch, gains)
+
+    def _run(self, batch: ForwardBatch, gains: Gains | None, logits: torch.Tensor | None = None) -> None:
+        """The step's forward (unless its ``logits`` came from a graph loaded earlier), then its
+        sampling, or its parking until its masks come."""
+        if logits is None:
+            self._gains = gains
+            try:
+                logits = self.forward(batch, gather=False)
+            finally:
+                self._gains = None
         if batch.mask_rows:  # constrained rows: sample when their masks come (sample_masked)
             self._parked = (batch, logits, gains)
             return
         self._sample(batch, logits, gains=gains)
+
+    @torch.inference_mode()
+    def fill_drafts(self, ids: list[int]) -> None:
+        """Run the launched batch whose ``draft_rows`` waited for their input ``ids``."""
+        batch, gains, loaded = self._drafting
+        self._drafting = None
+        for row, token in zip(batch.draft_rows, ids):
+            batch.input_ids[row] = token  # (the verify step's accept reads them from the batch)
+        if not loaded:
+            self._run(batch, gains)
+            return
+        rows_t, ids_t = torch.tensor([batch.draft_rows, ids], dtype=torch.int64).to(self.device, non_blocking=True)
+        self.graphs.set_input_ids(rows_t, ids_t)
+        logits = self.graphs.replay(batch)
+        self._routing(batch)
+        self._run(batch, gains, logits)
 
     @torch.inference_mode()  # as launch: the sampler updates inference tensors (penalty counts)
     def sample_masked(self, bitmask: bytes) -> None:
@@ -724,7 +761,9 @@ class ModelRunner:
 
     def run_task(self, task: WorkerTask | LocalTensors) -> WorkerReply:
         """A control-plane task (new weights, memory release or resume), run between steps."""
-        assert not self.pending and self._parked is None, "a control task came with steps in flight"
+        assert not self.pending and self._parked is None and self._drafting is None, (
+            "a control task came with steps in flight"
+        )
         if isinstance(task, MemoryOccupation):
             if self.memory_saver is None:
                 from minisgl.worker.memory_saver import MemorySaver

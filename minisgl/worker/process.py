@@ -19,7 +19,7 @@ import zmq
 from minisgl.args import EngineArgs
 from minisgl.distributed import set_tp_info
 from minisgl.ipc import Addresses, Receiver, Sender, become_child, cpu_worker_threads
-from minisgl.messages import EngineInfo, ForwardBatch, ProfileReq, SampleMasks, ToWorker, WorkerTask
+from minisgl.messages import DraftIds, EngineInfo, ForwardBatch, ProfileReq, SampleMasks, ToWorker, WorkerTask
 from minisgl.utils import init_logging
 from minisgl.worker.model_runner import ModelRunner
 from minisgl.worker.profiler import StepProfiler
@@ -88,6 +88,8 @@ def run_worker(args: EngineArgs, rank: int, addrs: Addresses, log_level: str) ->
         if isinstance(msg, ForwardBatch):
             runner.launch(msg)
             profiler.step()
+        elif isinstance(msg, DraftIds):
+            runner.fill_drafts(msg.ids)
         elif isinstance(msg, SampleMasks):
             runner.sample_masked(msg.bitmask)
         elif isinstance(msg, ProfileReq):
