@@ -15,7 +15,7 @@ speculation under the engine's measured rule and with every step that may specul
 ``--repeats N`` runs every mode N times, one pass after another, and reports each mode's
 median run: single runs of a ~2 s SmolLM2 workload moved 15% between leases. ``--overlap off on``
 runs each speculating mode with verify steps waiting for the steps before them and planned
-beside them (``--speculative-overlap``). Every sample runs at once unless
+beside them (``--speculative-overlap``); ``late`` adds ``--speculative-late-drafts``. Every sample runs at once unless
 ``--max-running-requests`` says otherwise; ``--disable-by-batch-size 32 1024`` runs each
 speculating mode under each bound (``--speculative-disable-by-batch-size``).
 """
@@ -180,9 +180,10 @@ def main() -> None:
     ap.add_argument(
         "--overlap",
         nargs="+",
-        choices=["off", "on"],
+        choices=["off", "on", "late"],
         default=["off"],
-        help="verify steps wait for the steps before them (off) or are planned beside them (on: --speculative-overlap)",
+        help="verify steps wait for the steps before them (off), are planned beside them (on: --speculative-overlap), "
+        "or are loaded beside them and drafted after them (late: --speculative-late-drafts)",
     )
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default="auto")
@@ -193,15 +194,15 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     llm, prompts, params = setup(args, (max(args.num_draft_tokens), max(args.disable_by_batch_size)))
-    modes = [("off", None, 0, "measured", False, 0)] + [
+    modes = [("off", None, 0, "measured", "off", 0)] + [
         (
             f"on k={k} idle={idle} {rule}"
             + (f" batch<={cap}" if len(args.disable_by_batch_size) > 1 else "")
-            + (" overlapped" if overlap == "on" else ""),
+            + {"off": "", "on": " overlapped", "late": " late drafts"}[overlap],
             k,
             idle,
             rule,
-            overlap == "on",
+            overlap,
             cap,
         )  # fmt: skip
         for k in args.num_draft_tokens
@@ -219,7 +220,8 @@ def main() -> None:
             spec_rule.IDLE_AFTER_NO_DRAFT = idle
             spec_rule.SpecRule.pays = measured if rule == "measured" else lambda self, decoding: True
             llm.args.speculative_algorithm = None if k is None else "NGRAM"
-            llm.args.speculative_overlap = overlap
+            llm.args.speculative_overlap = overlap == "on"
+            llm.args.speculative_late_drafts = overlap == "late"
             llm.args.speculative_disable_by_batch_size = cap or 1
             llm.args.speculative_num_draft_tokens = k or 1
             llm.reset_scheduler()
