@@ -559,3 +559,51 @@ def test_host_tier_under_the_tree_keeps_drafts_and_tokens(tiny_llama):
     assert tokens(llm.generate(prompts, params)) == off  # again: prompts come back from the host tier
     stats = llm.scheduler.stats()
     assert stats["spec_accepted_tokens"] > 0 and stats["prefix_host_hit_tokens"] > 0
+
+
+def verified_check(device: str) -> None:
+    """The kept-tokens kernel writes what its torch reference writes: each run's first sample that
+    differs from the next row's input, and the rows after it; runs of one (plain rows) too."""
+    import torch
+
+    from minisgl.kernels.verify import last_verified
+    from minisgl.worker.model_runner import last_verified_torch
+
+    rng = np.random.default_rng(3)
+    for trial in range(20):
+        sizes = rng.integers(1, 10, size=rng.integers(1, 12))
+        ends = np.cumsum(sizes)
+        rows = int(ends[-1])
+        tokens = rng.integers(0, 5, size=rows)  # few ids: drafts often match
+        following = tokens.copy() if trial % 2 else rng.integers(0, 5, size=rows)  # (odd: every sample matches)
+        following[ends - 1] = -1
+        slots = rng.permutation(40)[: len(sizes)]
+        info = torch.from_numpy(np.concatenate([following, ends - sizes, ends, slots])).to(device)
+        tokens_t = torch.from_numpy(tokens).to(device)
+        got = [torch.full((41,), -7, dtype=torch.int64, device=device) for _ in range(2)]
+        ref = [t.clone() for t in got]
+        last_verified(tokens_t, info, len(sizes), int(sizes.max()), *got)
+        last_verified_torch(tokens_t, info, len(sizes), int(sizes.max()), *ref)
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), trial
+        if trial % 2:  # every draft token matched: each run keeps all its rows
+            assert (ref[1][torch.from_numpy(slots).to(device)] == 0).all()
+
+
+@pytest.mark.cuda
+def test_kept_tokens_kernel_matches_torch_on_cuda():
+    verified_check("cuda")
+
+
+def test_kept_tokens_kernel_under_the_interpreter():
+    """Under Triton's interpreter (on before triton loads: a child process)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
+    code = "from tests.test_speculative import verified_check; verified_check('cpu')"
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]

@@ -78,6 +78,25 @@ def _available_host_bytes() -> int:
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
 
 
+def last_verified_torch(
+    tokens: torch.Tensor,
+    runs_info: torch.Tensor,
+    runs: int,
+    longest: int,
+    last_token: torch.Tensor,
+    rejected: torch.Tensor,
+) -> None:
+    """``kernels.verify.last_verified`` in torch (any device): the CPU path, and the kernel's reference."""
+    rows = tokens.shape[0]
+    following, starts, ends, slots = runs_info.split([rows, runs, runs, runs])
+    run = torch.repeat_interleave(torch.arange(runs, device=tokens.device), ends - starts)
+    index = torch.arange(rows, device=tokens.device).masked_fill(tokens == following, rows)
+    first = torch.full((runs,), rows, dtype=torch.int64, device=tokens.device)
+    first.scatter_reduce_(0, run, index, "amin")  # (a run's last row always differs: following -1)
+    last_token[slots] = tokens[first]
+    rejected[slots] = ends - 1 - first
+
+
 class ModelRunner:
     def __init__(self, args: EngineArgs, model_dir: Path | None = None):
         args.validate()
@@ -680,22 +699,18 @@ class ModelRunner:
         ends = np.cumsum(sizes)
         following = np.asarray(batch.input_ids[1:] + [-1], dtype=np.int64)
         following[ends - 1] = -1  # (a run's last row has no draft token after it)
-        run = np.repeat(np.arange(len(sizes)), sizes)
-        dev, rows, runs = self.device, len(run), len(sizes)
-        last_rows = ends - 1
-        run_slots = np.asarray(batch.slots, dtype=np.int64)[last_rows]
+        dev = self.device
+        run_slots = np.asarray(batch.slots, dtype=np.int64)[ends - 1]
         self.most_rejected[run_slots] = sizes - 1  # (a row past the runs: a run of one)
-        host = np.concatenate([following, run, run_slots, last_rows])
-        following_t, run_t, slots, last_rows_t = (
-            torch.from_numpy(host).to(dev, non_blocking=True).split([rows, rows, runs, runs])
-        )  # (one copy up)
-        index = torch.arange(rows, device=dev).masked_fill(tokens == following_t, rows)
-        first = torch.full((runs,), rows, dtype=torch.int64, device=dev)
-        first.scatter_reduce_(0, run_t, index, "amin")
-        self.last_token[slots] = tokens[first]
-        # The rows after each run's kept ones: from its first disagreeing row to its last row.
-        self.rejected[slots] = last_rows_t - first
         on_gpu = dev.type == "cuda"
+        info = torch.from_numpy(np.concatenate([following, ends - sizes, ends, run_slots]))  # (one copy up)
+        info = info.pin_memory().to(dev, non_blocking=True) if on_gpu else info
+        # One launch on the GPU (minisgl.kernels.verify); torch steps, its reference, on a CPU.
+        if on_gpu:
+            from minisgl.kernels.verify import last_verified as apply
+        else:
+            apply = last_verified_torch
+        apply(tokens, info, len(sizes), int(sizes.max()), self.last_token, self.rejected)
         self.rejected_host.copy_(self.rejected, non_blocking=on_gpu)
         if on_gpu:
             self._rejected_event = torch.cuda.Event()
