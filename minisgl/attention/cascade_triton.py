@@ -404,7 +404,7 @@ class TritonCascade:
         (on the device, each at most its ``extra``): their last items read that many keys more,
         on pages the plan already lists. Queued on the stream: the host never waits for them."""
         items = torch.from_numpy(self._last_items[rows]).to(self.device, non_blocking=True)
-        self.own.work[items, 3] += tokens.to(torch.int32)
+        self.own.work[:, 3].index_add_(0, items, tokens.to(torch.int32))  # (items are distinct)
 
     def _run(
         self,

@@ -485,7 +485,7 @@ class ModelRunner:
         reach = first[:, None] + steps
         choices = table[slots[:, None], reach // page].astype(np.int64) * page + reach % page
         choices_t = torch.from_numpy(choices).to(self.device, non_blocking=True)
-        positions[gains.rows_on_device] += gains.tokens
+        positions.index_add_(0, gains.rows_on_device, gains.tokens)  # (one launch; rows are distinct)
         out_loc[gains.rows_on_device] = choices_t.gather(1, gains.tokens[:, None]).squeeze(1)
 
     @torch.inference_mode()
