@@ -3,11 +3,6 @@ reference: on CPU through Triton's interpreter (when triton is installed), on CU
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -16,6 +11,7 @@ from minisgl.attention.base import AttentionMetadata
 from minisgl.attention.synthetic import decode_metadata
 from minisgl.kvcache import MHAKVCache
 from minisgl.utils import cdiv
+from tests.interpreter import run_interpreted
 
 LAYOUTS = {  # (shared pages at page size 16, member sequence lengths) per group; loose requests
     "even": ([(4, [70, 90, 65]), (3, [50, 49])], [33, 7]),
@@ -302,12 +298,8 @@ def test_triton_interpreter_matches_reference(graph):
 
 def in_interpreter(call: str) -> None:
     """Run ``call`` (a function of this file) under Triton's interpreter in a child process."""
-    root = Path(__file__).resolve().parents[1]
     imports = "from tests.test_cascade_triton import check, check_gains, patch_interpreter_ranges; import torch"
-    code = f"{imports}; patch_interpreter_ranges(); {call}"
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
-    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_interpreted(f"{imports}; patch_interpreter_ranges(); {call}")
 
 
 @pytest.mark.cuda

@@ -5,17 +5,13 @@ architecture is ``test_models``'s.)"""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from minisgl.layers.fp8_scheme import Fp8Scheme
 from minisgl.layers.moe import FusedMoE, experts_torch, route
 from minisgl.tiny_model import make_tiny_model
+from tests.interpreter import run_interpreted
 
 cuda = pytest.mark.cuda
 
@@ -165,12 +161,7 @@ def test_fused_kernels_on_cpu_through_the_interpreter():
     """The fused path's logic (routing, alignment, both GEMMs and the SiLU inside the first) on
     CPU: Triton's interpreter must be on before triton loads, so it runs in a child process.
     (On CPU the fp8 values stay float32 on the e4m3 grid, so fp8 matches the torch loop too.)"""
-    pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[1]
-    code = "from tests.test_moe import check_fused_kernels; check_fused_kernels()"
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
-    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_interpreted("from tests.test_moe import check_fused_kernels; check_fused_kernels()")
 
 
 @cuda

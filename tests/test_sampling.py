@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from minisgl.sampling import Sampler, SamplingParams
 from minisgl.sampling.sampler import exponential_noise
+from tests.interpreter import run_interpreted
 
 V = 50
 
@@ -272,15 +268,4 @@ def test_race_sampling_kernel_matches_torch_on_cuda():
 def test_race_sampling_kernel_under_the_interpreter():
     """The kernel's logic (the hash, the race, ties) on CPU: Triton's interpreter must be on
     before triton loads, so it runs in a child process."""
-    pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
-    done = subprocess.run(
-        [sys.executable, "-c", "from tests.test_sampling import race_check; race_check('cpu')"],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_interpreted("from tests.test_sampling import race_check; race_check('cpu')", timeout=600)

@@ -15,6 +15,7 @@ import pytest
 from minisgl.kvcache.ngram_index import NgramIndex, suffix_hashes, window_hashes
 from minisgl.kvcache.radix_manager import RadixCacheManager
 from minisgl.sampling import SamplingParams
+from tests.interpreter import run_interpreted
 from tests.test_scheduler import make_llm, shared_prefix_prompts, tokens
 
 SPEC = {"speculative_algorithm": "NGRAM"}
@@ -596,14 +597,4 @@ def test_kept_tokens_kernel_matches_torch_on_cuda():
 
 def test_kept_tokens_kernel_under_the_interpreter():
     """Under Triton's interpreter (on before triton loads: a child process)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(root))
-    code = "from tests.test_speculative import verified_check; verified_check('cpu')"
-    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_interpreted("from tests.test_speculative import verified_check; verified_check('cpu')", timeout=600)
