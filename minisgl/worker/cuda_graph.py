@@ -159,14 +159,9 @@ class CudaGraphRunner:
             return False
         return not batch.group_sizes or self._fits(self._size(batch), len(batch.group_sizes))
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits of the batch's sampling requests (this rank's vocabulary slice), from the graph
-        of the next size up."""
-        self.load(batch)
-        return self.replay(batch)
-
     def load(self, batch: ForwardBatch) -> None:
-        """The batch's inputs into the graph's buffers and its attention planned (``replay`` runs it)."""
+        """The batch's inputs into the buffers of the graph of the next size up and its attention
+        planned (``replay`` runs it)."""
         self._load(self._pad(batch, self._size(batch)))
 
     def set_input_ids(self, rows: torch.Tensor, ids: torch.Tensor) -> None:
@@ -174,7 +169,7 @@ class CudaGraphRunner:
         self.inputs.input_ids[rows] = ids
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
-        """``forward``'s logits for the batch last loaded."""
+        """Logits of the loaded batch's sampling requests (this rank's vocabulary slice)."""
         self.graphs[self._size(batch), bool(batch.group_sizes)].replay()
         logits = self.logits[: len(batch.slots)]
         if all(batch.sample):

@@ -515,11 +515,8 @@ class ModelRunner:
     def _forward(self, batch: ForwardBatch, gather: bool) -> torch.Tensor:
         self._extras = {}
         if self.graphs is not None and self.graphs.can_run(batch):
-            if self.kv_cache.layer_events:  # a captured step cannot wait per layer: all before it
-                torch.cuda.current_stream().wait_event(self.kv_cache.layer_events[-1])
-            logits = self.graphs.forward(batch)
-            self._routing(batch)
-            return self.model.lm_head.gather(logits) if gather else logits
+            self._load_graph(batch)
+            return self._replay_graph(batch, gather)
         if self.piecewise is not None and self.piecewise.can_run(batch):
             hidden = self.piecewise.forward(batch)
         else:
@@ -533,6 +530,18 @@ class ModelRunner:
         last = np.cumsum(batch.new_lens) - 1
         rows = torch.from_numpy(last[np.asarray(batch.sample, dtype=bool)]).to(self.device, non_blocking=True)
         return self.model.compute_logits(hidden[rows], gather)
+
+    def _load_graph(self, batch: ForwardBatch) -> None:
+        """The batch's inputs into its CUDA graph's buffers and its attention planned."""
+        if self.kv_cache.layer_events:  # a captured step cannot wait per layer: all before it
+            torch.cuda.current_stream().wait_event(self.kv_cache.layer_events[-1])
+        self.graphs.load(batch)
+
+    def _replay_graph(self, batch: ForwardBatch, gather: bool) -> torch.Tensor:
+        """``_forward``'s logits of the batch ``_load_graph`` loaded."""
+        logits = self.graphs.replay(batch)
+        self._routing(batch)
+        return self.model.lm_head.gather(logits) if gather else logits
 
     def _routing(self, batch: ForwardBatch) -> None:
         """The expert ids of the rows whose requests return their routing (``route_rows``)."""
@@ -585,9 +594,7 @@ class ModelRunner:
                 self._copies(batch)
                 self._extras, self._gains = {}, gains
                 try:
-                    if self.kv_cache.layer_events:  # (as _forward: a captured step waits for all)
-                        torch.cuda.current_stream().wait_event(self.kv_cache.layer_events[-1])
-                    self.graphs.load(batch)
+                    self._load_graph(batch)
                 finally:
                     self._gains, self.kv_cache.layer_events = None, []
             self._drafting = (batch, gains, loaded)
@@ -620,9 +627,7 @@ class ModelRunner:
             return
         rows_t, ids_t = torch.tensor([batch.draft_rows, ids], dtype=torch.int64).to(self.device, non_blocking=True)
         self.graphs.set_input_ids(rows_t, ids_t)
-        logits = self.graphs.replay(batch)
-        self._routing(batch)
-        self._run(batch, gains, logits)
+        self._run(batch, gains, self._replay_graph(batch, gather=False))
 
     @torch.inference_mode()  # as launch: the sampler updates inference tensors (penalty counts)
     def sample_masked(self, bitmask: bytes) -> None:
