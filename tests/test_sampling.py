@@ -237,22 +237,17 @@ def race_check(device: str) -> None:
     positions = torch.arange(rows) * 7 + 3
     shift = torch.randint(0, 9, (rows,), generator=gen)
     temps, seeds, greedy = table_f[:, 0], table_i[:, 1], table_i[:, 2]
-    s_d, at = slots.to(device), (positions + shift).to(device)
-    drawn = torch.softmax(logits / temps[s_d][:, None], dim=-1) / exponential_noise(seeds[s_d], at, vocab)
-    ref = torch.where(greedy[s_d].bool(), logits.argmax(-1), drawn.argmax(-1))
+    s_d = slots.to(device)
+
+    def reference(at: torch.Tensor) -> torch.Tensor:  # the torch path's tokens at positions ``at``
+        drawn = torch.softmax(logits / temps[s_d][:, None], dim=-1) / exponential_noise(seeds[s_d], at, vocab)
+        return torch.where(greedy[s_d].bool(), logits.argmax(-1), drawn.argmax(-1))
+
     assert greedy[s_d].any() and not greedy[s_d].all()
     rows_t = torch.stack([slots, positions]).to(device)
     got = race_sample(logits, rows_t, shift.to(device), temps, seeds, greedy)
-    assert torch.equal(got, ref)
-    unshifted = torch.where(
-        greedy[s_d].bool(),
-        logits.argmax(-1),
-        (
-            torch.softmax(logits / temps[s_d][:, None], dim=-1)
-            / exponential_noise(seeds[s_d], positions.to(device), vocab)
-        ).argmax(-1),
-    )
-    assert torch.equal(race_sample(logits, rows_t, None, temps, seeds, greedy), unshifted)
+    assert torch.equal(got, reference((positions + shift).to(device)))
+    assert torch.equal(race_sample(logits, rows_t, None, temps, seeds, greedy), reference(positions.to(device)))
     half = logits.to(torch.bfloat16)  # 16-bit logits are read as they are (their float32 values)
     assert torch.equal(
         race_sample(half, rows_t, shift.to(device), temps, seeds, greedy),
