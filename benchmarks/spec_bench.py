@@ -13,9 +13,8 @@ samples finished (the tail a repeated-sampling step waits for). Each mode runs o
 engine (``LLM.reset_scheduler``), first a warm-up round. ``--rules measured always`` runs
 speculation under the engine's measured rule and with every step that may speculate doing so.
 ``--repeats N`` runs every mode N times, one pass after another, and reports each mode's
-median run: single runs of a ~2 s SmolLM2 workload moved 15% between leases. ``--overlap off on``
-runs each speculating mode with verify steps waiting for the steps before them and planned
-beside them (``--speculative-overlap``); ``late`` adds ``--speculative-late-drafts``. Every sample runs at once unless
+median run: single runs of a ~2 s SmolLM2 workload moved 15% between leases. ``--schedules late
+wait overlap`` runs each speculating mode under each ``--speculative-schedule``. Every sample runs at once unless
 ``--max-running-requests`` says otherwise; ``--disable-by-batch-size 32 1024`` runs each
 speculating mode under each bound (``--speculative-disable-by-batch-size``).
 """
@@ -31,6 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.workloads import save_result  # noqa: E402
+from minisgl.args import SPEC_SCHEDULES  # noqa: E402
 from minisgl.llm import LLM  # noqa: E402
 from minisgl.sampling import SamplingParams  # noqa: E402
 from minisgl.scheduler import spec_rule  # noqa: E402
@@ -178,12 +178,11 @@ def main() -> None:
         help="--speculative-disable-by-batch-size of each speculating mode",
     )
     ap.add_argument(
-        "--overlap",
+        "--schedules",
         nargs="+",
-        choices=["off", "on", "late"],
-        default=["off"],
-        help="verify steps wait for the steps before them (off), are planned beside them (on: --speculative-overlap), "
-        "or are loaded beside them and drafted after them (late: --speculative-late-drafts)",
+        choices=list(SPEC_SCHEDULES),
+        default=["late"],
+        help="--speculative-schedule of each speculating mode",
     )
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default="auto")
@@ -194,34 +193,33 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     llm, prompts, params = setup(args, (max(args.num_draft_tokens), max(args.disable_by_batch_size)))
-    modes = [("off", None, 0, "measured", "off", 0)] + [
+    modes = [("off", None, 0, "measured", "late", 0)] + [
         (
             f"on k={k} idle={idle} {rule}"
             + (f" batch<={cap}" if len(args.disable_by_batch_size) > 1 else "")
-            + {"off": "", "on": " overlapped", "late": " late drafts"}[overlap],
+            + f" {schedule}",
             k,
             idle,
             rule,
-            overlap,
+            schedule,
             cap,
         )  # fmt: skip
         for k in args.num_draft_tokens
         for idle in args.idle_after_no_draft
         for rule in args.rules
         for cap in args.disable_by_batch_size
-        for overlap in args.overlap
+        for schedule in args.schedules
     ]
     measured = spec_rule.SpecRule.pays
     rows, outputs = [], []
     runs: dict[str, list[dict]] = {name: [] for name, *_ in modes}
     # One warm-up pass, then the measured passes, each mode once a pass (drift hits every mode alike).
     for warm in [True] + [False] * args.repeats:
-        for name, k, idle, rule, overlap, cap in modes:
+        for name, k, idle, rule, schedule, cap in modes:
             spec_rule.IDLE_AFTER_NO_DRAFT = idle
             spec_rule.SpecRule.pays = measured if rule == "measured" else lambda self, decoding: True
             llm.args.speculative_algorithm = None if k is None else "NGRAM"
-            llm.args.speculative_overlap = overlap == "on"
-            llm.args.speculative_late_drafts = overlap == "late"
+            llm.args.speculative_schedule = schedule
             llm.args.speculative_disable_by_batch_size = cap or 1
             llm.args.speculative_num_draft_tokens = k or 1
             llm.reset_scheduler()

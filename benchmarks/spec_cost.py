@@ -6,8 +6,8 @@ plain decode step, by batch size, on one engine (dummy weights in a real shape).
 Every request drafts ``k`` random tokens each step (so nearly none are accepted and each step
 still advances one token): the time per step is what a verify step costs. ``k = 0`` is
 speculation off. Together with an acceptance rate measured on real weights (spec_bench.py),
-speedup ~= (1 + accepted per step) x plain step / verify step. ``--late-drafts`` times verify steps
-loaded while the step before runs and drafted after it (``--speculative-late-drafts``).
+speedup ~= (1 + accepted per step) x plain step / verify step. ``--schedule`` is the verify
+steps' ``--speculative-schedule`` (late: loaded while the step before runs, drafted after it).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.workloads import save_result  # noqa: E402
+from minisgl.args import SPEC_SCHEDULES  # noqa: E402
 from minisgl.llm import LLM  # noqa: E402
 from minisgl.sampling import SamplingParams  # noqa: E402
 from minisgl.scheduler import spec_rule, speculative  # noqa: E402
@@ -34,11 +35,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, nargs="+", default=[0, 2, 4, 8])
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=64)
-    ap.add_argument(
-        "--late-drafts",
-        action="store_true",
-        help="verify steps loaded beside the step before and drafted after it (--speculative-late-drafts)",
-    )
+    ap.add_argument("--schedule", choices=list(SPEC_SCHEDULES), default="late", help="--speculative-schedule")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     # Every step verifies: the measured rule and the rests after misses are bypassed.
@@ -62,7 +59,7 @@ def main() -> None:
         for k in args.k:
             llm.args.speculative_algorithm = "NGRAM" if k else None
             llm.args.speculative_num_draft_tokens = max(k, 1)
-            llm.args.speculative_late_drafts = bool(k) and args.late_drafts
+            llm.args.speculative_schedule = args.schedule
             llm.reset_scheduler()
             if k:
                 llm.scheduler.spec.drafter.draft = lambda req, count, pending=(): [

@@ -1,6 +1,6 @@
 """Where a decode step's host time goes: the scheduler's and worker's phases timed on a real run.
 
-    python benchmarks/step_phases.py --model SmolLM2-135M-Instruct.Q4_1.gguf --modes off waiting late
+    python benchmarks/step_phases.py --model SmolLM2-135M-Instruct.Q4_1.gguf --modes off wait late
 
 Runs ``spec_bench.py``'s workload (its prompts, samples and seeded params) once per mode, with a
 wall-clock timer around each phase of a step (scheduling, drafting, the step's inputs, attention
@@ -25,18 +25,14 @@ import torch  # noqa: E402
 
 from benchmarks import spec_bench  # noqa: E402
 from benchmarks.workloads import save_result  # noqa: E402
+from minisgl.args import SPEC_SCHEDULES  # noqa: E402
 from minisgl.attention import base as attention_base  # noqa: E402
 from minisgl.attention import cascade_triton  # noqa: E402
 from minisgl.sampling import sampler  # noqa: E402
 from minisgl.scheduler import scheduler, spec_rule, speculative  # noqa: E402
 from minisgl.worker import cuda_graph, model_runner  # noqa: E402
 
-MODES = {  # name: (speculating, --speculative-overlap, --speculative-late-drafts)
-    "off": (False, False, False),
-    "waiting": (True, False, False),
-    "overlapped": (True, True, False),
-    "late": (True, False, True),
-}
+MODES = ["off", *SPEC_SCHEDULES]  # speculation off, or on under each --speculative-schedule
 Runner = model_runner.ModelRunner
 PHASES = [  # (class, method): the phases timed
     (scheduler.Scheduler, "_schedule"),
@@ -128,9 +124,8 @@ def main() -> None:
     rows = []
     for warm in (True, False):  # a warm-up pass (graphs, kernels), then the measured one
         for mode in args.modes:
-            speculating, overlap, late = MODES[mode]
-            llm.args.speculative_algorithm = "NGRAM" if speculating else None
-            llm.args.speculative_overlap, llm.args.speculative_late_drafts = overlap, late
+            llm.args.speculative_algorithm = None if mode == "off" else "NGRAM"
+            llm.args.speculative_schedule = "late" if mode == "off" else mode
             llm.args.speculative_disable_by_batch_size = args.disable_by_batch_size
             llm.args.speculative_num_draft_tokens = args.num_draft_tokens
             llm.reset_scheduler()

@@ -23,6 +23,7 @@ KV_TOKENS_PER_REQUEST = 512
 # With speculation, CUDA graphs are captured up to k + 1 rows a request of the largest batch
 # that may speculate, up to this many rows (the graphs' logits stay a few hundred MB).
 SPEC_GRAPH_ROWS = 1024
+SPEC_SCHEDULES = ("late", "wait", "overlap")  # --speculative-schedule values
 # smg's policies (--router-policy)
 ROUTER_POLICIES = (
     "cache_aware",
@@ -71,12 +72,10 @@ class EngineArgs:
     speculative_ngram_min_match_window_size: int = 2
     speculative_ngram_max_match_window_size: int = 6
     speculative_ngram_capacity: int = 1 << 18  # index slots per match length (16 bytes each)
-    # Verify steps planned while the step before is in flight (late and chained drafts, lengths
-    # resolved on the worker) instead of waiting for it.
-    speculative_overlap: bool = False
-    # Waiting verify steps planned and loaded while the step before runs; only their draft tokens
-    # wait for its tokens (the drafts still follow every token so far).
-    speculative_late_drafts: bool = False
+    # How verify steps meet the step before them: "late" (planned and loaded while it runs, drafts
+    # sent once its tokens are back), "wait" (planned after it), "overlap" (planned and drafted
+    # while it runs: drafts a token late or chained on a draft in flight).
+    speculative_schedule: str = "late"
     # No verify step while more requests decode (vLLM's name): trying one at a full batch of a
     # large model costs several plain steps; a small model bound by the host may pay at any batch.
     speculative_disable_by_batch_size: int = 32
@@ -225,9 +224,9 @@ class EngineArgs:
             raise ValueError(
                 f"--speculative-disable-by-batch-size must be >= 1, got {self.speculative_disable_by_batch_size}"
             )
-        if self.speculative_overlap and self.speculative_late_drafts:
+        if self.speculative_schedule not in SPEC_SCHEDULES:
             raise ValueError(
-                "--speculative-overlap and --speculative-late-drafts are two ways to plan verify steps: choose one"
+                f"--speculative-schedule must be one of {', '.join(SPEC_SCHEDULES)}, got {self.speculative_schedule!r}"
             )
         if self.speculative_num_draft_tokens < 1:
             raise ValueError(f"--speculative-num-draft-tokens must be >= 1, got {self.speculative_num_draft_tokens}")
@@ -560,19 +559,13 @@ def add_engine_args(ap: argparse.ArgumentParser) -> dict[str, argparse._Argument
         "Raise it for a small model bound by the host, where verify steps may pay at any batch",
     )
     spec.add_argument(
-        "--speculative-overlap",
-        action="store_true",
-        help="(minisgl) plan verify steps while the step before is still running, as plain steps are: "
-        "drafts made before a request's last token is known (or after its draft still being verified), "
-        "lengths corrected on the worker. Keeps the GPU busy on host-bound models at the cost of "
-        "acceptance; off: verify steps wait for the tokens before them",
-    )
-    spec.add_argument(
-        "--speculative-late-drafts",
-        action="store_true",
-        help="(minisgl) plan and load each verify step while the step before is still running, as "
-        "--speculative-overlap does, but send its draft tokens only once that step's tokens are back, "
-        "so drafts follow every token so far (lengths corrected on the worker). Experimental",
+        "--speculative-schedule",
+        default=d.speculative_schedule,
+        choices=list(SPEC_SCHEDULES),
+        help="(minisgl) how a verify step meets the step before it. late: planned and loaded while that "
+        "step runs, its draft tokens sent once that step's tokens are back (drafts follow every token, "
+        "lengths corrected on the worker); wait: planned after that step's tokens are back; overlap: "
+        "planned and drafted while it runs (drafts a token late, or chained on a draft in flight)",
     )
     hicache.add_argument(
         "--enable-hierarchical-cache",

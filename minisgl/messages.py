@@ -91,7 +91,7 @@ class ForwardBatch(msgspec.Struct, array_like=True, tag=True):
     # lowers them by the rows it rejected (known on the device by the time this step starts:
     # the worker plans them at their shortest and the device adds back what was kept).
     resolve_rows: list[int] = []
-    # Rows whose input ids come after the batch, in a DraftIds (--speculative-late-drafts): a
+    # Rows whose input ids come after the batch, in a DraftIds (--speculative-schedule late): a
     # verify step's draft tokens, made once the steps before it are back, while the worker loads
     # the step's inputs and plans its attention.
     draft_rows: list[int] = []

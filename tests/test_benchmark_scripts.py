@@ -14,12 +14,12 @@ from minisgl.scheduler import spec_rule, speculative
 def test_spec_bench_runs_every_mode_with_the_samples_of_speculation_off(tiny_llama, tmp_path, monkeypatch):
     out = tmp_path / "bench.json"
     argv = ["spec_bench.py", "--model", str(tiny_llama), "--prompts", "1", "--samples", "3", "--max-new-tokens", "12"]
-    argv += ["--device", "cpu", "--dtype", "float32", "--temperature", "0", "--overlap", "off", "on"]
+    argv += ["--device", "cpu", "--dtype", "float32", "--temperature", "0", "--schedules", "wait", "overlap", "late"]
     argv += ["--disable-by-batch-size", "2", "32", "--out", str(out)]
     monkeypatch.setattr(sys, "argv", argv)
     spec_bench.main()
     rows = json.loads(out.read_text())["results"]
-    assert [r["mode"] for r in rows][0] == "off" and len(rows) == 5
+    assert [r["mode"] for r in rows][0] == "off" and len(rows) == 7
     assert all(r["same_as_off"] == 1.0 and r["output_tokens"] == 36 for r in rows)
 
 

@@ -18,17 +18,17 @@ from minisgl.sampling import SamplingParams
 from tests.interpreter import run_interpreted
 from tests.test_scheduler import make_llm, shared_prefix_prompts, tokens
 
-SPEC = {"speculative_algorithm": "NGRAM"}
-OVERLAPPED = {**SPEC, "speculative_overlap": True}  # verify steps planned while the step before runs
-LATE = {**SPEC, "speculative_late_drafts": True}  # ...and drafted once the steps before are back
-BOTH_MODES = pytest.mark.parametrize("spec", [SPEC, OVERLAPPED, LATE], ids=["waiting", "overlapped", "late"])
+SPEC = {"speculative_algorithm": "NGRAM"}  # verify steps loaded beside the step before, drafted after it
+WAITING = {**SPEC, "speculative_schedule": "wait"}  # verify steps planned after the steps before
+OVERLAPPED = {**SPEC, "speculative_schedule": "overlap"}  # ...planned and drafted beside them
+SCHEDULES = pytest.mark.parametrize("spec", [SPEC, WAITING, OVERLAPPED], ids=["late", "wait", "overlap"])
 
 
 @pytest.fixture(autouse=True)
 def verify_steps_pay(monkeypatch, request):
     """Steps speculate whenever they may: the measured rule weighs this machine's timings, which
     would make these tests' verify steps depend on its load (the rule has its own test). And
-    with ``--speculative-overlap`` no step in flight is ever back early (on a CPU every step is
+    with a schedule that plans ahead no step in flight is ever back early (on a CPU every step is
     done at launch, which would leave the late and chained drafts untested; one test lifts it)."""
     if "measured" not in request.node.name:
         monkeypatch.setattr("minisgl.scheduler.spec_rule.SpecRule.pays", lambda self, decoding: True)
@@ -88,7 +88,7 @@ def test_index_follows_inserts_splits_and_evictions():
     assert not index.nodes
 
 
-@BOTH_MODES
+@SCHEDULES
 @pytest.mark.parametrize("overlap,cascade", [(True, True), (False, True), (True, False)])
 def test_greedy_and_seeded_outputs_equal_speculation_off(tiny_llama, overlap, cascade, spec, request):
     """Verify runs read their shared pages as cascade groups (beside the plain rows' groups) or
@@ -114,21 +114,6 @@ def test_greedy_and_seeded_outputs_equal_speculation_off(tiny_llama, overlap, ca
     assert [r["meta_info"]["finish_reason"] for r in on] == [r["meta_info"]["finish_reason"] for r in off]
     assert stats["spec_verify_steps"] > 0 and stats["spec_accepted_tokens"] > 0
     assert (stats["cascade_steps"] > 0) == cascade
-
-
-def test_small_verify_steps_read_their_runs_as_loose_rows(tiny_llama, cheap_cascade, monkeypatch):
-    """A verify step's runs form cascade groups only where the decode planner's rule would take a
-    cascade step (``cascade.MIN_BATCH`` rows); below it they are loose rows, with the same tokens."""
-    from minisgl.scheduler import cascade
-
-    prompts = looping_prompts(2, seed=1)
-    params = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
-    for min_batch, grouped in ((32, False), (1, True)):
-        monkeypatch.setattr(cascade, "MIN_BATCH", min_batch)
-        off, on, stats = both(tiny_llama, prompts, params, page_size=4)
-        assert tokens(on) == tokens(off)
-        assert stats["spec_verify_steps"] > 0
-        assert (stats["cascade_steps"] > 0) == grouped, min_batch
 
 
 def test_radix_tree_drafts_repeat_earlier_outputs(tiny_llama):
@@ -235,12 +220,12 @@ def test_drafting_reads_tokens_in_place_and_missing_requests_rest():
 
 
 def test_overlapped_verify_steps_draft_after_steps_back_early(tiny_llama):
-    """With ``--speculative-overlap``, steps whose tokens are already back when a verify step is
+    """With ``--speculative-schedule overlap``, steps whose tokens are already back when a verify step is
     planned (on a CPU: all of them) are processed first, so drafts follow every token as in the
     waiting mode: the same tokens as speculation off and as many accepted as waiting."""
     prompts = looping_prompts(6, seed=5)
     params = SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
-    off, waiting, stats_waiting = both(tiny_llama, prompts, params, SPEC, page_size=2)
+    off, waiting, stats_waiting = both(tiny_llama, prompts, params, WAITING, page_size=2)
     llm = make_llm(tiny_llama, page_size=2, **OVERLAPPED)
     early = llm.generate(prompts, params)
     stats = llm.scheduler.stats()
@@ -257,49 +242,65 @@ def test_the_rule_speculates_while_measured_verify_steps_pay():
     from minisgl.scheduler import spec_rule
 
     plan = spec_rule.SpecRule()
-    assert plan.wants(8)  # nothing measured: verify
+    for _ in range(spec_rule.MIN_GAINS):
+        assert plan.wants(8)  # no verdict on the tokens yet: verify
+        plan.verified(8, 1.5)
     plan.observe(True, 8, 2.0)
-    plan.verified(8, 1.5)
     assert not plan.wants(8)  # the plain step is not measured yet
     plan.observe(False, 8, 1.0)
     n = spec_rule.EXPLORE
     # each try that keeps the choice doubles the wait for the next (n, 2n, 4n steps between)
     tried = [n - 1, n, 3 * n, 3 * n + 1, 7 * n + 1, 7 * n + 2]
-    plan.streak = 0
+    plan.streak[4] = 0
     choices = [plan.wants(8) for _ in range(8 * n)]
     # 1.5 tokens a request for twice the time: plain, the verify step tried twice in a row now and then
     assert [i for i, c in enumerate(choices) if c] == tried
     # a try that changes the choice starts the interval again: the verify steps now pay
-    plan.streak = plan.explore - 1
+    plan.streak[4] = plan.explore[4] - 1
     assert plan.wants(8) and plan.wants(8)  # a try of two verify steps ...
-    plan.seconds[(True, 4)] = 1.0  # ... after which a verify step costs what a plain one does
+    for _ in range(spec_rule.WINDOW):  # ... after which a verify step costs what a plain one does
+        plan.observe(True, 8, 1.0)
     choices = [plan.wants(8) for _ in range(n + 1)]
-    assert plan.explore == n and [i for i, c in enumerate(choices) if not c] == [n - 1, n]
-    plan.explore = spec_rule.MAX_EXPLORE
+    assert plan.explore[4] == n and [i for i, c in enumerate(choices) if not c] == [n - 1, n]
+    plan.explore[4] = spec_rule.MAX_EXPLORE
     for _ in range(3 * spec_rule.MAX_EXPLORE):  # confirmed again and again, it stays at the cap
         plan.wants(8)
-    assert plan.explore == spec_rule.MAX_EXPLORE
+    assert plan.explore[4] == spec_rule.MAX_EXPLORE
     assert plan.wants(20)  # another batch size: measured apart (not yet)
 
+    # One step that took 100 times the others (a kernel compiled for a new shape) moves nothing.
+    plan.observe(True, 8, 100.0)
+    assert plan.wants(8) and plan.margin(8) == 1.5
+
     # A clear loss (tokens under half the cost: a large model's full batch) waits the longest
-    # interval before the next try, at any batch size.
+    # interval before the next try, at that batch size only.
     plan = spec_rule.SpecRule(max_batch=512)  # (--speculative-disable-by-batch-size)
     plan.observe(True, 300, 3.0)
     plan.observe(False, 300, 1.0)
-    plan.verified(300, 1.2)
-    plan.streak = plan.explore - 1
+    for _ in range(spec_rule.MIN_GAINS):
+        plan.verified(300, 1.2)
+    plan.streak[9] = spec_rule.EXPLORE - 1
     assert plan.wants(300) and plan.wants(300) and not plan.wants(300)  # the try, then judged
-    assert plan.explore == spec_rule.MAX_EXPLORE
+    assert plan.explore[9] == spec_rule.MAX_EXPLORE and 1 not in plan.explore
     for _ in range(20):  # then the drafts turn good (a model looping): verify steps pay
         plan.verified(300, 3.5)
     assert plan.wants(300)
 
-    # A try that found no drafts gave one token a request: no verify step is needed to know
-    # speculation does not pay there (a full batch whose requests rest).
+    # Tries that found no drafts gave one token a request: no verify step is needed to know
+    # speculation does not pay there (a full batch whose requests rest); one such try is no
+    # verdict (a lone request's tail finds drafts some steps and not others).
     plan = spec_rule.SpecRule(max_batch=512)
-    assert plan.wants(256)
-    plan.no_drafts(256, looked=False)
+    for _ in range(spec_rule.MIN_GAINS):
+        assert plan.wants(256)
+        plan.no_drafts(256, looked=False)
     assert not plan.wants(256) and plan.wants(16)
+    # a mean over the window: empty tries and a long kept draft at one request pay together
+    plan.no_drafts(1, looked=False)
+    plan.verified(1, 5.0)
+    plan.no_drafts(1, looked=False)
+    plan.observe(True, 1, 1.5)
+    plan.observe(False, 1, 1.0)
+    assert plan.wants(1) and plan.margin(1) == (1 + 5 + 1) / 3 / 1.5
     assert not spec_rule.SpecRule().wants(33)  # above the default bound: never
 
     plan = spec_rule.SpecRule()
@@ -308,7 +309,7 @@ def test_the_rule_speculates_while_measured_verify_steps_pay():
         plan.launched(kind, 8)
     plan.step_started(10.0)
     # the first of each kind waited on the step before it: not measured; after None, nothing
-    assert plan.seconds == {(False, 4): 1.0, (True, 4): 2.0}
+    assert {key: list(times) for key, times in plan.seconds.items()} == {(False, 4): [1.0], (True, 4): [2.0]}
 
 
 def test_verify_steps_fit_the_largest_captured_graph(tiny_llama):
@@ -398,7 +399,7 @@ def test_stops_lengths_and_logprobs_hold(tiny_llama):
                 assert [[t for t, _ in row] for row in tops[0]] == [[t for t, _ in row] for row in tops[1]]
 
 
-@BOTH_MODES
+@SCHEDULES
 def test_retraction_and_grammars_beside_speculation(tiny_llama, spec):
     pytest.importorskip("xgrammar")
     prompts = shared_prefix_prompts(groups=4, per_group=6, prefix_len=30, seed=3) + looping_prompts(4, seed=5)
@@ -416,7 +417,7 @@ def test_retraction_and_grammars_beside_speculation(tiny_llama, spec):
     assert stats["retractions"] > 0 and stats["spec_verify_steps"] > 0
 
 
-@BOTH_MODES
+@SCHEDULES
 def test_aborts_mid_verify_leak_nothing(tiny_llama, spec):
     llm = make_llm(tiny_llama, page_size=4, **spec)
     sched = llm.scheduler
@@ -436,7 +437,7 @@ def test_aborts_mid_verify_leak_nothing(tiny_llama, spec):
     assert not sched.running and not sched.inflight
 
 
-@BOTH_MODES
+@SCHEDULES
 def test_unseeded_sampling_keeps_its_distribution(tiny_llama, spec):
     """Unseeded draws: each position's token distribution with speculation on matches off (a
     chi-square test on the pooled tokens of positions 2-6 after a repeating prompt)."""
@@ -459,7 +460,7 @@ def test_unseeded_sampling_keeps_its_distribution(tiny_llama, spec):
     assert chi2 < dof + 5 * np.sqrt(2 * dof)  # ~5 sigma: fails only when the distributions differ
 
 
-@BOTH_MODES
+@SCHEDULES
 def test_verify_steps_at_tp2_equal_one_process(tiny_llama, spec):
     """Two tensor-parallel ranks (gloo): verify steps sample on the sharded vocabulary and keep
     each run's last token (and the rows it rejected) on every rank, so greedy and seeded outputs
@@ -491,7 +492,7 @@ def test_verify_steps_at_tp2_equal_one_process(tiny_llama, spec):
 
 
 @pytest.mark.cuda
-@BOTH_MODES
+@SCHEDULES
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_speculation_on_cuda_keeps_tokens(tmp_path, dtype, spec):
     """On the GPU (FlashInfer verify chunks beside cascade decode rows, CUDA graphs, overlap):

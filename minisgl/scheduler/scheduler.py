@@ -163,7 +163,7 @@ class Scheduler(ControlPlane):
                 args.speculative_num_draft_tokens,
                 args.graph_batch_size,
                 args.speculative_disable_by_batch_size,
-                late=args.speculative_late_drafts,
+                late=args.speculative_schedule == "late",
             )
         self.grammar = grammar
         self.compiling: list[Req] = []  # waiting for their grammar; others are scheduled meanwhile
@@ -295,8 +295,8 @@ class Scheduler(ControlPlane):
     @property
     def _plans_ahead(self) -> bool:
         """Whether verify steps, and the steps after them, are planned while the steps before
-        run (``--speculative-overlap``, ``--speculative-late-drafts``) rather than after them."""
-        return self.args.speculative_overlap or self.args.speculative_late_drafts
+        run (``--speculative-schedule`` late or overlap) rather than after them."""
+        return self.args.speculative_schedule != "wait"
 
     @property
     def held(self) -> bool:
@@ -378,7 +378,7 @@ class Scheduler(ControlPlane):
         self._drained = []
         self._speculate = self.spec is not None and self.spec.wants(len(self.decoding))
         if any(step[5] for step in self.inflight) and not self._plans_ahead:
-            # Without --speculative-overlap the step after a verify step plans from the tokens
+            # With --speculative-schedule wait the step after a verify step plans from the tokens
             # it kept (and a verify step waits too, in ``_schedule``, once it is one).
             self._drain()
         batch, sampled, scored, routed, decode, drafts = self._schedule()

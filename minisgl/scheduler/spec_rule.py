@@ -1,9 +1,9 @@
 """When a step speculates (``--speculative-algorithm``): measured, not guessed.
 
-A verify step computes k + 1 rows per drafting request and waits for the steps before it (or,
-with ``--speculative-overlap``, is planned beside them, the step after it carrying rows whose
-lengths the device corrects, ``ForwardBatch.resolve_rows``); what that costs depends on the
-model and the machine.
+A verify step computes k + 1 rows per drafting request, planned beside the steps before it (the
+step after it carrying rows whose lengths the device corrects, ``ForwardBatch.resolve_rows``)
+or, with ``--speculative-schedule wait``, after them; what that costs depends on the model and
+the machine.
 ``SpecRule`` times plain and verify steps, start to start, per batch size (bit length of the
 decoding requests), and keeps the tokens a verify step gives per decoding request at each size;
 a step speculates while those tokens exceed the verify step's cost in plain steps, up to
@@ -17,10 +17,21 @@ first, and the other choice is tried now and then, so a change of workload turns
 back on or off. A try that confirms the choice doubles the interval to the next one, and one
 that changes it starts the interval again (a waiting try pays two drains of the pipeline, which
 the start-to-start timings leave out: an isolated verify step cost ~4.6 ms on the H100 against
-~1.2 ms inside a run of them, SmolLM2).
+~1.2 ms inside a run of them, SmolLM2). Each batch size keeps its own interval: a run's tail
+passes from large batches to one request, and a loss at 32 requests says nothing about one.
+
+Estimates are over the last ``WINDOW`` steps: the median step time (a step that compiled a
+kernel for a new shape took ~190 ms against ~2 ms, H100; one such step in a moving average read
+as a clear loss and stopped tries for 1024 steps) and the mean gain (a request's tail alternates
+between tries that find no draft, one token, and long kept drafts; their mean is what speculating
+gives, where a moving average after a few empty tries turned speculation off at one request
+while verify steps there kept 2.4 tokens on average).
 """
 
 from __future__ import annotations
+
+import statistics
+from collections import deque
 
 # Plain steps (with overlap) after a step in which no request found a draft.
 IDLE_AFTER_NO_DRAFT = 4
@@ -31,20 +42,22 @@ IDLE_AFTER_NO_DRAFT = 4
 EXPLORE = 32
 MAX_EXPLORE = 1024
 CLEAR_LOSS = 0.5
-SMOOTHING = 0.2  # weight of a new measurement in the moving averages
+WINDOW = 8  # steps (or verify steps' gains) an estimate is taken over, per batch size
+MIN_GAINS = 3  # tries at a batch size before its gain counts (one empty try is not a verdict)
 
 
 class SpecRule:
     def __init__(self, max_batch: int = 32) -> None:
         self.max_batch = max_batch  # --speculative-disable-by-batch-size
-        self.seconds: dict[tuple[bool, int], float] = {}  # (verify?, batch bit length) -> seconds a step
-        self.gains: dict[int, float] = {}  # batch bit length -> tokens a verify step gives per decoding request
+        # (verify?, batch bit length) -> seconds of its last steps
+        self.seconds: dict[tuple[bool, int], deque[float]] = {}
+        self.gains: dict[int, deque[float]] = {}  # batch bit length -> tokens its last verify steps gave a request
         self.gain = 0.0  # at the last verify step's size (for stats)
         self.idle = 0  # steps left without speculation
-        self.streak = 0  # steps of the current choice since the other was last tried
+        self.streak: dict[int, int] = {}  # per batch bit length: steps of its choice since the other was tried
+        self.explore: dict[int, int] = {}  # per batch bit length: steps of one choice before the other is tried
         self.trying = 0  # steps of the other choice still to take
-        self.explore = EXPLORE  # steps of one choice before the other is tried
-        self._tried_against: bool | None = None  # the choice the last try questioned, until it is judged
+        self._tried: tuple[int, bool] | None = None  # (requests, choice questioned) of the last try, until judged
         self._started = 0.0  # when the current scheduler step started
         self._last: tuple[bool | None, int, float] | None = None  # (kind, requests, start) of the last step
         self._before: bool | None = None  # the kind of the step before that
@@ -62,17 +75,21 @@ class SpecRule:
         if self.trying > 0:
             self.trying -= 1
             return not best
-        if self._tried_against is not None:  # a try just ended: measured, it kept or changed the choice
-            if best != self._tried_against:
-                self.explore = EXPLORE
-            elif not best and self.margin(decoding) < CLEAR_LOSS:
-                self.explore = MAX_EXPLORE
+        if self._tried is not None:  # a try just ended: measured, it kept or changed the choice
+            tried_at, against = self._tried
+            now = self.pays(tried_at)
+            size = tried_at.bit_length()
+            if now != against:
+                self.explore[size] = EXPLORE
+            elif not now and self.margin(tried_at) < CLEAR_LOSS:
+                self.explore[size] = MAX_EXPLORE
             else:
-                self.explore = min(2 * self.explore, MAX_EXPLORE)
-            self._tried_against = None
-        self.streak += 1
-        if self.streak >= self.explore:
-            self.streak, self.trying, self._tried_against = 0, 1, best
+                self.explore[size] = min(2 * self.explore.get(size, EXPLORE), MAX_EXPLORE)
+            self._tried = None
+        size = decoding.bit_length()
+        self.streak[size] = self.streak.get(size, 0) + 1
+        if self.streak[size] >= self.explore.get(size, EXPLORE):
+            self.streak[size], self.trying, self._tried = 0, 1, (decoding, best)
             return not best
         return best
 
@@ -100,25 +117,30 @@ class SpecRule:
     def _measured(self, decoding: int) -> tuple[float | None, float | None, float | None]:
         """The gain, plain step seconds and verify step seconds at this batch size (None: not yet)."""
         bucket = decoding.bit_length()
-        return self.gains.get(bucket), self.seconds.get((False, bucket)), self.seconds.get((True, bucket))
+        gains = self.gains.get(bucket)
+        plain, verify = self.seconds.get((False, bucket)), self.seconds.get((True, bucket))
+        return (
+            statistics.fmean(gains) if gains and len(gains) >= MIN_GAINS else None,
+            statistics.median(plain) if plain else None,
+            statistics.median(verify) if verify else None,
+        )
 
     def no_drafts(self, decoding: int, looked: bool) -> None:
         """A step of ``decoding`` requests meant to speculate found no draft: it gave one token
         a request, and if any request ``looked`` for a draft, the next few steps keep overlap
         scheduling."""
-        self._smooth(decoding, 1.0)
+        self._add_gain(decoding, 1.0)
         if looked:
             self.idle = IDLE_AFTER_NO_DRAFT
 
     def verified(self, decoding: int, gain: float) -> None:
         """A verify step of ``decoding`` requests gave ``gain`` tokens per request."""
-        self.gain = self._smooth(decoding, gain)
+        self.gain = self._add_gain(decoding, gain)
 
-    def _smooth(self, decoding: int, gain: float) -> float:
-        bucket = decoding.bit_length()
-        last = self.gains.get(bucket)
-        self.gains[bucket] = gain if last is None else last + SMOOTHING * (gain - last)
-        return self.gains[bucket]
+    def _add_gain(self, decoding: int, gain: float) -> float:
+        window = self.gains.setdefault(decoding.bit_length(), deque(maxlen=WINDOW))
+        window.append(gain)
+        return statistics.fmean(window)
 
     def step_started(self, now: float) -> None:
         """A scheduler step starts: the step launched by the one before took until now. It is
@@ -140,6 +162,4 @@ class SpecRule:
 
     def observe(self, verify: bool, decoding: int, seconds: float) -> None:
         """A decode step of ``decoding`` requests took ``seconds``."""
-        key = (verify, decoding.bit_length())
-        last = self.seconds.get(key)
-        self.seconds[key] = seconds if last is None else last + SMOOTHING * (seconds - last)
+        self.seconds.setdefault((verify, decoding.bit_length()), deque(maxlen=WINDOW)).append(seconds)

@@ -14,16 +14,18 @@ equal speculation off token for token, and an unseeded request's distribution is
 (each position is still one draw from the target's distribution, keeping a draft token with
 exactly its probability).
 
-By default a verify step waits for the steps in flight (its drafts follow every token so far),
-and so does the step after one. With ``--speculative-overlap`` verify steps keep overlap
-scheduling. A request's last token may then still be in flight when its verify step is
-planned: its draft is made from the tokens before it, the first drafted token standing in for
-the unknown one, and its run's first row takes the worker's own last token (a wrong guess only
-costs acceptance). A request whose verify run is in flight counts that draft as kept: it
-drafts after it (while drafts are kept whole) or takes a plain row, and the worker lowers those
-rows' lengths by the rows the run rejected (``ForwardBatch.resolve_rows``); the pages past the
-real length go back once the tokens are here. Whether a step speculates is measured
-(``spec_rule.SpecRule``).
+A verify step is planned and loaded while the step before it runs, and its draft tokens are
+made and sent once that step's tokens are back (``--speculative-schedule late``, ``redraft``),
+so drafts follow every token so far. With ``wait`` a verify step waits for the steps in flight
+before it is planned, and so does the step after one. Planned beside the step in flight (late
+or ``overlap``), a request's last token may still be in flight: its draft is made from the
+tokens before it, the first drafted token standing in for the unknown one (``overlap``;
+``late`` drafts again once it is known), and its run's first row takes the worker's own last
+token (a wrong guess only costs acceptance). A request whose verify run is in flight counts
+that draft as kept: it drafts after it (while drafts are kept whole) or takes a plain row, and
+the worker lowers those rows' lengths by the rows the run rejected
+(``ForwardBatch.resolve_rows``); the pages past the real length go back once the tokens are
+here. Whether a step speculates is measured (``spec_rule.SpecRule``).
 Requests whose sampling reads earlier outputs on the device (penalties), follow a grammar or
 return routed experts decode plainly.
 """
@@ -37,7 +39,6 @@ import numpy as np
 
 from minisgl.kvcache.ngram_index import NgramIndex, suffix_hashes, window_hashes
 from minisgl.messages import MAX_CASCADE_GROUPS, ForwardBatch, StepOutput
-from minisgl.scheduler import cascade
 from minisgl.scheduler.decode import DecodePlanner
 from minisgl.scheduler.pages import Memory
 from minisgl.scheduler.prefill_batch import append_rows, write_table
@@ -233,12 +234,6 @@ class SpecPlanner:
                 return None
         batch = ForwardBatch(slots=[], cached_lens=[], new_lens=[], input_ids=[], sample=[])
         rows: list[Req] = []
-        # Each run reads the pages before its draft once, as a cascade group, where the cascade's
-        # second launch and merge pay: the step has groups anyway, or as many rows as the decode
-        # planner's rule asks of a cascade step. Below that the plain decode, latency-bound, is
-        # cheaper (a lone request's verify step on SmolLM2: ~0.1 ms more GPU time grouped).
-        n_rows = sum(1 + len(d) for _, d in drafts) + (len(decode.slots) if decode is not None else 0)
-        grouped = self.decode.cascade and (n_rows >= cascade.MIN_BATCH or bool(decode and decode.group_sizes))
         for (req, draft), n in zip(drafts, need):
             # Its run starts where its tokens end, a draft in flight taken as kept: the worker
             # moves it back by the rows that draft's run rejected (at most the whole draft).
@@ -260,7 +255,7 @@ class SpecPlanner:
             batch.input_ids += [tokens_at(req, [], start, start + 1)[0] if here else -1, *draft]
             batch.sample += [True] * n
             batch.verify_sizes.append(n)
-            if grouped:
+            if self.decode.cascade:  # its rows read the pages before its draft once, as a group
                 batch.group_sizes.append(n)
                 batch.group_pages.append((start - unsure + 1) // self.page_size)  # (at its shortest)
             write_table(batch, req)
