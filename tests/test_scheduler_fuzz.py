@@ -1,9 +1,11 @@
 """The scheduler under random load, with a fake executor and fake grammars (no model):
 arrivals in bursts of identical prompts (as n > 1 and repeated sampling send them), constrained
 requests whose grammars compile late or fail, aborts at any point, a pool small enough to evict
-and retract, both policies, overlap on and off, radix cache on and off. The cache, pages, slots
+and retract, both policies, overlap on and off, radix cache on and off, and speculation under
+each verify schedule (the fake model often samples what was drafted). The cache, pages, slots
 and request lists agree after every step, a constrained batch's masks come before the next
-launch, and once drained nothing is left behind."""
+launch, a verify step's drafts come before anything else, and once drained nothing is left
+behind."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from concurrent.futures import Future
 
 import pytest
 
-from minisgl.args import EngineArgs
+from minisgl.args import SPEC_SCHEDULES, EngineArgs
 from minisgl.messages import ForwardBatch, StepOutput
 from minisgl.sampling import SamplingParams
 from minisgl.scheduler import Scheduler
@@ -27,17 +29,38 @@ class FakeExecutor:
 
     def __init__(self, rng: random.Random):
         self.rng = rng
-        self.launched: deque[list[int]] = deque()  # per batch: [rows sampled, constrained rows awaiting masks]
+        # per batch: [the batch, constrained rows awaiting masks, draft rows awaiting their ids]
+        self.launched: deque[list] = deque()
 
     def launch(self, batch: ForwardBatch) -> None:
-        assert len(set(batch.slots)) == len(batch.slots), "a slot twice in one batch"
-        assert not (self.launched and self.launched[-1][1]), "a batch launched before the last one's masks came"
-        self.launched.append([sum(batch.sample), len(batch.mask_rows)])
+        assert len(set(batch.slots)) == len(batch.slots) or batch.verify_sizes, "a slot twice in one batch"
+        assert not (self.launched and (self.launched[-1][1] or self.launched[-1][2])), (
+            "a batch launched before the last one's masks or drafts came"
+        )
+        self.launched.append([batch, len(batch.mask_rows), len(batch.draft_rows)])
+
+    def fill_drafts(self, ids: list[int]) -> None:
+        last = self.launched[-1]
+        assert last[2] == len(ids) and all(EOS <= i < VOCAB for i in ids)
+        for row, token in zip(last[0].draft_rows, ids):
+            last[0].input_ids[row] = token
+        last[2] = 0
+
+    def oldest_done(self) -> bool:
+        return self.rng.random() < 0.5
+
+    def _token(self) -> int:
+        return EOS if self.rng.random() < 0.03 else self.rng.randrange(2, VOCAB)
 
     def collect(self) -> StepOutput:
-        n, awaiting = self.launched.popleft()
-        assert not awaiting, "a batch collected before its masks came"
-        return StepOutput(tokens=[EOS if self.rng.random() < 0.03 else self.rng.randrange(2, VOCAB) for _ in range(n)])
+        batch, awaiting, drafts = self.launched.popleft()
+        assert not awaiting and not drafts, "a batch collected before its masks or drafts came"
+        tokens, row = [], 0
+        for size in batch.verify_sizes:  # a run: each row samples its next draft token most of the time
+            ids = batch.input_ids[row + 1 : row + size]
+            tokens += [t if self.rng.random() < 0.8 else self._token() for t in ids] + [self._token()]
+            row += size
+        return StepOutput(tokens=tokens + [self._token() for _ in range(sum(batch.sample) - row)])
 
     def sample_masked(self, bitmask: bytes) -> None:
         last = self.launched[-1]
@@ -101,6 +124,19 @@ class FakeGrammars:
 
 @pytest.mark.parametrize("seed", range(8))
 def test_fuzzed_scheduler_stays_consistent_and_leaks_nothing(seed):
+    fuzz(seed)
+
+
+@pytest.mark.parametrize("schedule", SPEC_SCHEDULES)
+@pytest.mark.parametrize("seed", range(4))  # (odd seeds: overlap off, every schedule alike; 3: radix off)
+def test_fuzzed_speculation_stays_consistent_and_leaks_nothing(seed, schedule, monkeypatch):
+    monkeypatch.setattr("minisgl.scheduler.spec_rule.SpecRule.pays", lambda self, decoding: True)
+    stats = fuzz(seed, speculative_algorithm="NGRAM", speculative_schedule=schedule, speculative_num_draft_tokens=4)
+    assert stats["spec_verify_steps"] > 0 and stats["spec_accepted_tokens"] > 0
+
+
+def fuzz(seed: int, **spec) -> dict[str, float]:
+    """300 steps of random load, then drained; the scheduler's stats."""
     rng = random.Random(seed)
     page = rng.choice([1, 4, 16])
     args = EngineArgs(
@@ -111,6 +147,7 @@ def test_fuzzed_scheduler_stays_consistent_and_leaks_nothing(seed):
         schedule_policy=rng.choice(["lpm", "fcfs"]),
         disable_overlap_schedule=seed % 2 == 1,
         disable_radix_cache=seed % 4 == 3,
+        **spec,
     )
     num_pages = 600 // page  # room for a few requests of up to ~280 tokens: eviction and retraction
     grammars = FakeGrammars(rng)
@@ -157,6 +194,7 @@ def test_fuzzed_scheduler_stays_consistent_and_leaks_nothing(seed):
             assert len(r.output_ids) == len(r.params.regex) or r.output_ids[-1] == EOS
         elif r.finish_reason == "stop" and not r.params.ignore_eos:
             assert r.output_ids[-1] == EOS
+    return sched.stats()
 
 
 def test_fuzzing_reaches_retraction():
