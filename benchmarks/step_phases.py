@@ -6,9 +6,11 @@ Runs ``spec_bench.py``'s workload (its prompts, samples and seeded params) once 
 wall-clock timer around each phase of a step (scheduling, drafting, the step's inputs, attention
 planning, graph replay, sampling, processing the tokens, waiting for them), and reports each
 phase's milliseconds per scheduler step, and the time between step starts by batch size and kind
-(plain or verify). The timers cost a few microseconds a call, so compare phases and modes within
-one run rather than totals with ``spec_bench.py``'s. Every speculating mode verifies on every step
-that may (the measured rule is bypassed, as ``spec_bench.py --rules always`` does).
+(plain or verify) with the largest phases inside the scheduler steps that launched that kind
+(phases nest: ``launch`` holds ``_metadata``). The timers cost a few microseconds a call, so
+compare phases and modes within one run rather than totals with ``spec_bench.py``'s. Every
+speculating mode verifies on every step that may (the measured rule is bypassed, as
+``spec_bench.py --rules always`` does).
 """
 
 from __future__ import annotations
@@ -111,13 +113,19 @@ def main() -> None:
     timers = Timers()
     timers.install()
     starts: list[tuple[float, int, bool]] = []  # per scheduler step: start, decoding requests, verified
+    # per (bucket, verified): each phase's seconds inside the scheduler steps that launched that kind
+    by_step: dict[tuple[str, bool], dict[str, float]] = collections.defaultdict(lambda: collections.defaultdict(float))
     step = scheduler.Scheduler.step
 
     def logged_step(self: scheduler.Scheduler):
         start, decoding = time.perf_counter(), len(self.decoding)
         verified = self.spec.verify_steps if self.spec is not None else 0
+        before = dict(timers.seconds)
         events = step(self)
-        starts.append((start, decoding, self.spec is not None and self.spec.verify_steps > verified))
+        kind = (bucket(decoding), self.spec is not None and self.spec.verify_steps > verified)
+        starts.append((start, decoding, kind[1]))
+        for label, seconds in timers.seconds.items():
+            by_step[kind][label] += seconds - before.get(label, 0.0)
         return events
 
     scheduler.Scheduler.step = logged_step
@@ -132,6 +140,7 @@ def main() -> None:
             timers.seconds.clear()
             timers.calls.clear()
             starts.clear()
+            by_step.clear()
             count = 4 if warm else len(prompts)
             _, result = spec_bench.run(llm, prompts[:count], params[:count])
             if warm:
@@ -144,12 +153,16 @@ def main() -> None:
                 kinds[bucket(decoding), verified][0] += 1
                 kinds[bucket(decoding), verified][1] += t1 - t0
             phases = {k: 1e3 * v / steps for k, v in sorted(timers.seconds.items(), key=lambda kv: -kv[1])}
-            by_kind = {
-                f"{b} {'verify' if v else 'plain'}": (n, 1e3 * s / n) for (b, v), (n, s) in sorted(kinds.items())
-            }
             print(f"== {mode}: {result['seconds']:.3f} s, last 10% {result['last_10pct_s']:.3f} s, {steps} steps")
-            for kind, (n, ms) in by_kind.items():
-                print(f"   batch {kind:14s} {n:5d} steps {ms:7.3f} ms apart")
+            by_kind = {}  # per kind: steps, ms between starts, and its six largest phases (host ms a step)
+            for (b, v), (n, s) in sorted(kinds.items()):
+                top = sorted(by_step[b, v].items(), key=lambda kv: -kv[1])[:6]
+                name = f"{b} {'verify' if v else 'plain'}"
+                by_kind[name] = {"steps": n, "ms_apart": 1e3 * s / n, "phases": {k: 1e3 * t / n for k, t in top}}
+                print(
+                    f"   batch {name:14s} {n:5d} steps {1e3 * s / n:7.3f} ms apart; host ms a step in: "
+                    + ", ".join(f"{k.split('.')[-1]} {ms:.3f}" for k, ms in by_kind[name]["phases"].items())
+                )
             for label, ms in phases.items():
                 print(f"   {ms:7.3f} ms/step  {timers.calls[label] / steps:5.2f} calls/step  {label}")
             rows.append({"mode": mode, **result, "steps": steps, "ms_per_step": phases, "by_kind": by_kind})

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import sys
 
-from benchmarks import spec_bench, spec_cost, spec_replay
+from benchmarks import spec_bench, spec_cost, spec_replay, step_phases
 from minisgl.scheduler import spec_rule, speculative
 
 
@@ -45,6 +45,25 @@ def test_spec_cost_times_verify_steps_of_every_k(tiny_llama, tmp_path, monkeypat
     spec_cost.main()
     rows = json.loads(out.read_text())["results"]
     assert [(r["k"], r["steps"]) for r in rows] == [(0, 5), (2, 5)]
+
+
+def test_step_phases_times_each_mode_by_kind(tiny_llama, tmp_path, monkeypatch):
+    out = tmp_path / "phases.json"
+    # (it wraps the engine's methods with timers and bypasses the rule: put them back afterwards)
+    for cls, name in step_phases.PHASES:
+        monkeypatch.setattr(cls, name, getattr(cls, name))
+    monkeypatch.setattr(spec_rule.SpecRule, "pays", spec_rule.SpecRule.pays)
+    monkeypatch.setattr(step_phases.scheduler.Scheduler, "step", step_phases.scheduler.Scheduler.step)
+    argv = ["step_phases.py", "--model", str(tiny_llama), "--prompts", "1", "--samples", "3", "--max-new-tokens"]
+    argv += ["12", "--device", "cpu", "--dtype", "float32", "--modes", "off", "late", "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    step_phases.main()
+    rows = json.loads(out.read_text())["results"]
+    assert [r["mode"] for r in rows] == ["off", "late"]
+    for row in rows:
+        assert row["ms_per_step"]["ModelRunner.launch"] > 0
+        assert sum(kind["steps"] for kind in row["by_kind"].values()) == row["steps"] - 1
+        assert all(kind["phases"] for kind in row["by_kind"].values())
 
 
 def test_online_clients_stream_every_token_and_count_refusals(tiny_llama):
