@@ -20,12 +20,11 @@ the start-to-start timings leave out: an isolated verify step cost ~4.6 ms on th
 ~1.2 ms inside a run of them, SmolLM2). Each batch size keeps its own interval: a run's tail
 passes from large batches to one request, and a loss at 32 requests says nothing about one.
 
-Estimates are over the last ``WINDOW`` steps: the median step time (a step that compiled a
-kernel for a new shape took ~190 ms against ~2 ms, H100; one such step in a moving average read
-as a clear loss and stopped tries for 1024 steps) and the mean gain (a request's tail alternates
-between tries that find no draft, one token, and long kept drafts; their mean is what speculating
-gives, where a moving average after a few empty tries turned speculation off at one request
-while verify steps there kept 2.4 tokens on average).
+Estimates are over the last ``WINDOW`` steps: the median step time (a step that compiles a
+kernel for a new shape takes ~100 times the others; in a moving average one such step reads as a
+clear loss and stops tries for the longest interval) and the mean gain (a request's tail
+alternates between tries that find no draft, one token, and long kept drafts: their mean is what
+speculating gives, where a moving average after a few empty tries reads as a loss).
 """
 
 from __future__ import annotations
