@@ -21,6 +21,7 @@ def test_spec_bench_runs_every_mode_with_the_samples_of_speculation_off(tiny_lla
     rows = json.loads(out.read_text())["results"]
     assert [r["mode"] for r in rows][0] == "off" and len(rows) == 7
     assert all(r["same_as_off"] == 1.0 and r["output_tokens"] == 36 for r in rows)
+    assert rows[0]["paired_speedup"] == 1.0 and all(r["paired_speedup"] > 0 for r in rows)
 
 
 def test_spec_replay_records_and_replays(tiny_llama, tmp_path, monkeypatch):
