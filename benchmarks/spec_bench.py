@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -248,15 +249,15 @@ def main() -> None:
     for name, results in runs.items():  # per mode, the run of median time (with every run's seconds)
         # and the median of its speedups over speculation off in the same pass (drift between
         # passes, 10-30% on the H100, cancels within one)
-        paired = sorted(o["seconds"] / r["seconds"] for o, r in zip(off, results))
-        paired_tail = sorted(o["last_10pct_s"] / max(r["last_10pct_s"], 1e-9) for o, r in zip(off, results))
+        paired = [o["seconds"] / r["seconds"] for o, r in zip(off, results)]
+        paired_tail = [o["last_10pct_s"] / max(r["last_10pct_s"], 1e-9) for o, r in zip(off, results)]
         results = sorted(results, key=lambda r: r["seconds"])
         rows.append(
             {
                 **results[len(results) // 2],
                 "seconds_all": [r["seconds"] for r in results],
-                "paired_speedup": paired[len(paired) // 2],
-                "paired_tail_speedup": paired_tail[len(paired_tail) // 2],
+                "paired_speedup": statistics.median_high(paired),
+                "paired_tail_speedup": statistics.median_high(paired_tail),
             }
         )
     base = rows[0]

@@ -33,7 +33,13 @@ class FakeExecutor:
         self.launched: deque[list] = deque()
 
     def launch(self, batch: ForwardBatch) -> None:
-        assert len(set(batch.slots)) == len(batch.slots) or batch.verify_sizes, "a slot twice in one batch"
+        firsts, row = [], 0  # a verify run's rows share its request's slot: one slot a request
+        for size in batch.verify_sizes:
+            assert len(set(batch.slots[row : row + size])) == 1, "a verify run over two slots"
+            firsts.append(batch.slots[row])
+            row += size
+        slots = firsts + batch.slots[row:]
+        assert len(set(slots)) == len(slots), "a slot twice in one batch"
         assert not (self.launched and (self.launched[-1][1] or self.launched[-1][2])), (
             "a batch launched before the last one's masks or drafts came"
         )
