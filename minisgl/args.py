@@ -68,7 +68,7 @@ class EngineArgs:
     disable_cascade_attention: bool = False  # decode reads shared prefixes once per group (radix cache only)
     # Speculative decoding drafted from the radix tree and each request's own tokens (NGRAM).
     speculative_algorithm: str | None = None
-    speculative_num_draft_tokens: int = 4  # draft tokens verified per request per step, at most
+    speculative_num_draft_tokens: int = 8  # draft tokens verified per request per step, at most
     speculative_ngram_min_match_window_size: int = 2
     speculative_ngram_max_match_window_size: int = 6
     speculative_ngram_capacity: int = 1 << 18  # index slots per match length (16 bytes each)
@@ -530,7 +530,7 @@ def add_engine_args(ap: argparse.ArgumentParser) -> dict[str, argparse._Argument
     spec.add_argument(
         "--speculative-num-draft-tokens",
         type=int,
-        default=4,
+        default=d.speculative_num_draft_tokens,
         help="draft tokens verified per request per step, at most",
     )
     spec.add_argument(

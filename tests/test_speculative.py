@@ -286,10 +286,10 @@ def test_the_rule_speculates_while_measured_verify_steps_pay():
         plan.verified(300, 3.5)
     assert plan.wants(300)
 
-    # Tries that found no drafts gave one token a request: no verify step is needed to know
-    # speculation does not pay there (a full batch whose requests rest); one such try is no
+    # Waiting, tries that found no drafts gave one token a request: no verify step is needed to
+    # know speculation does not pay there (a full batch whose requests rest); one such try is no
     # verdict (a lone request's tail finds drafts some steps and not others).
-    plan = spec_rule.SpecRule(max_batch=512)
+    plan = spec_rule.SpecRule(max_batch=512, waits=True)
     for _ in range(spec_rule.MIN_GAINS):
         assert plan.wants(256)
         plan.no_drafts(256, looked=False)
@@ -301,6 +301,17 @@ def test_the_rule_speculates_while_measured_verify_steps_pay():
     plan.observe(True, 1, 1.5)
     plan.observe(False, 1, 1.0)
     assert plan.wants(1) and plan.margin(1) == (1 + 5 + 1) / 3 / 1.5
+    # Planned beside the steps in flight, a look that found nothing cost no drain: it is no try,
+    # and the verify steps' own tokens decide (new text between spans the siblings wrote).
+    plan = spec_rule.SpecRule()
+    plan.observe(True, 1, 1.2)
+    plan.observe(False, 1, 1.0)
+    for _ in range(spec_rule.MIN_GAINS):
+        plan.verified(1, 3.0)
+    for _ in range(2 * spec_rule.WINDOW):
+        plan.no_drafts(1, looked=True)
+        assert [plan.wants(1) for _ in range(spec_rule.IDLE_AFTER_NO_DRAFT + 1)][-1]
+    assert plan.margin(1) == 2.5
     assert not spec_rule.SpecRule().wants(33)  # above the default bound: never
 
     plan = spec_rule.SpecRule()

@@ -164,6 +164,7 @@ class Scheduler(ControlPlane):
                 args.graph_batch_size,
                 args.speculative_disable_by_batch_size,
                 late=args.speculative_schedule == "late",
+                waits=not self._plans_ahead,
             )
         self.grammar = grammar
         self.compiling: list[Req] = []  # waiting for their grammar; others are scheduled meanwhile
@@ -384,7 +385,8 @@ class Scheduler(ControlPlane):
         batch, sampled, scored, routed, decode, drafts = self._schedule()
         got = self._drained
         if self.spec is not None:
-            kind = self._speculate if decode else None  # (a try that found no drafts counts as one)
+            # Waiting, a try that found no drafts drained the pipeline: timed as a verify step.
+            kind = (self._speculate and (bool(drafts) or not self._plans_ahead)) if decode else None
             self.spec.rule.launched(kind, len(self.decoding))
         if batch is None and self.memory.io_pending:  # host-tier copies (or disk writes) still to send
             batch = ForwardBatch(slots=[], cached_lens=[], new_lens=[], input_ids=[], sample=[])

@@ -9,10 +9,14 @@ decoding requests), and keeps the tokens a verify step gives per decoding reques
 a step speculates while those tokens exceed the verify step's cost in plain steps, up to
 ``--speculative-disable-by-batch-size`` decoding requests: above it even a try costs a large
 model several plain steps, while a small model on a big GPU is bound by the host at any batch (a
-verify step of k + 1 rows a request costs little more than a plain one; raise the bound). A step
-that looked for drafts and found none counts as a verify step that gave one token a request (at
-a full batch whose requests rest or find nothing, such tries turn speculation off before any
-verify step is timed; each drained the pipeline for nothing). What is not measured yet is tried
+verify step of k + 1 rows a request costs little more than a plain one; raise the bound). With
+``--speculative-schedule wait`` a step that looked for drafts and found none counts as a verify
+step that gave one token a request (it drained the pipeline for nothing; at a full batch whose
+requests rest or find nothing, such tries turn speculation off before any verify step is
+timed). Planned beside the steps in flight (late, overlap), such a step is a plain one that
+also looked, and counts as one: a request's tail alternates between spans its siblings wrote
+(long kept drafts) and new text (no draft), and counting the looks as losses stopped the
+verify steps through the next span. What is not measured yet is tried
 first, and the other choice is tried now and then, so a change of workload turns speculation
 back on or off. A try that confirms the choice doubles the interval to the next one, and one
 that changes it starts the interval again (a waiting try pays two drains of the pipeline, which
@@ -46,8 +50,9 @@ MIN_GAINS = 3  # tries at a batch size before its gain counts (one empty try is 
 
 
 class SpecRule:
-    def __init__(self, max_batch: int = 32) -> None:
+    def __init__(self, max_batch: int = 32, waits: bool = False) -> None:
         self.max_batch = max_batch  # --speculative-disable-by-batch-size
+        self.waits = waits  # a step that speculates waits for the steps in flight (schedule "wait")
         # (verify?, batch bit length) -> seconds of its last steps
         self.seconds: dict[tuple[bool, int], deque[float]] = {}
         self.gains: dict[int, deque[float]] = {}  # batch bit length -> tokens its last verify steps gave a request
@@ -125,10 +130,11 @@ class SpecRule:
         )
 
     def no_drafts(self, decoding: int, looked: bool) -> None:
-        """A step of ``decoding`` requests meant to speculate found no draft: it gave one token
-        a request, and if any request ``looked`` for a draft, the next few steps keep overlap
-        scheduling."""
-        self._add_gain(decoding, 1.0)
+        """A step of ``decoding`` requests meant to speculate found no draft: waiting, it was a
+        try that gave one token a request; and if any request ``looked`` for a draft, the next
+        few steps do not look (waiting, they keep overlap scheduling)."""
+        if self.waits:
+            self._add_gain(decoding, 1.0)
         if looked:
             self.idle = IDLE_AFTER_NO_DRAFT
 

@@ -158,6 +158,7 @@ class SpecPlanner:
         max_rows: int = 1 << 30,
         max_batch: int = 32,
         late: bool = False,
+        waits: bool = False,
     ):
         self.memory, self.decode, self.drafter = memory, decode, drafter
         self.late = late  # drafts sent after the steps before are processed (``redraft``)
@@ -170,7 +171,7 @@ class SpecPlanner:
         self.verify_runs = 0  # drafting requests, summed over verify steps
         self.draft_seconds = 0.0  # host time spent drafting, over
         self.drafting_rows = 0  # the decoding requests it drafted for (summed over steps)
-        self.rule = SpecRule(max_batch)  # whether a step speculates
+        self.rule = SpecRule(max_batch, waits)  # whether a step speculates
 
     def wants(self, decoding: int) -> bool:
         """Whether this step may verify drafts: room in the largest captured graph for a draft
