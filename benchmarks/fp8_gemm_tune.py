@@ -27,6 +27,7 @@ from benchmarks.decode_bench import replay_ms  # noqa: E402
 from benchmarks.fp8_layer_bench import layer_shapes  # noqa: E402
 from benchmarks.workloads import save_result  # noqa: E402
 from minisgl.kernels.fp8 import block_matmul  # noqa: E402
+from minisgl.layers import tuned_tables  # noqa: E402
 from minisgl.layers.fp8_gemm import GEMM_CONFIGS_PATH, GEMM_ROW_BUCKETS, scaled_mm  # noqa: E402
 from minisgl.model_config import ModelConfig  # noqa: E402
 
@@ -114,6 +115,7 @@ def main() -> None:
         timings += rows
     table_path.parent.mkdir(parents=True, exist_ok=True)
     table_path.write_text(table_text(table))
+    tuned_tables.record_chip(0)
     print(f"wrote {table_path}")
     save_result(
         {"gpu": gpu, "models": args.models, "rows": timings},

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.decode_bench import replay_ms  # noqa: E402
 from benchmarks.workloads import save_result  # noqa: E402
 from minisgl.kernels import moe as kmoe  # noqa: E402
-from minisgl.layers.fp8_gemm import gpu_name  # noqa: E402
+from minisgl.layers import tuned_tables  # noqa: E402
 from minisgl.layers.fp8_scheme import Fp8Scheme  # noqa: E402
 from minisgl.layers.moe import FusedMoE, route  # noqa: E402
 from minisgl.layers.quantization import FP8, quantize  # noqa: E402
@@ -200,7 +200,7 @@ def main() -> None:
     args = ap.parse_args()
     cfg = ModelConfig.from_path(args.model)
     bandwidth = read_bandwidth()
-    gpu = gpu_name(0)
+    gpu = tuned_tables.gpu(0)[0]
     print(f"{gpu}: read bandwidth {bandwidth / 1e12:.2f} TB/s")
     results = {"gpu": gpu, "model": args.model, "read_bandwidth_tbs": bandwidth / 1e12, "rows": []}
     for kind in args.kinds:
@@ -212,7 +212,8 @@ def main() -> None:
             tables = json.loads(path.read_text()) if path.exists() else {}
             tables.setdefault(gpu, {})[key] = table
             path.write_text(table_json(tables))
-            kmoe._table.cache_clear()
+            tuned_tables.record_chip(0)
+            tuned_tables.table.cache_clear()
             kmoe.moe_config.cache_clear()
             print(f"wrote {key} to {path}")
         for tokens in SIZES:

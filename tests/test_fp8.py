@@ -482,3 +482,26 @@ def test_regexes_hold_under_fp8(tiny_llama):
     params = [SamplingParams(max_new_tokens=MAX_NEW, temperature=0.8, seed=i, regex=p) for i, p in enumerate(REGEXES)]
     for r, pattern in zip(llm.generate([f"Answer {i}:" for i in range(len(REGEXES))], params), REGEXES):
         assert r["meta_info"]["finish_reason"] == "stop" and re.fullmatch(pattern, r["text"]), (pattern, r["text"])
+
+
+def test_a_gpu_takes_the_tiles_its_table_lacks_from_its_chip(tmp_path):
+    """Tuned tables are per GPU name; shapes a GPU's own table lacks come from tables tuned on
+    the same chip (an H200 runs the H100's tiles), never from another chip's."""
+    from minisgl.kernels import moe as kmoe
+    from minisgl.layers import tuned_tables
+
+    path = tmp_path / "tiles.json"
+    h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+    path.write_text(json.dumps({h100: {"a": 1, "b": 2}, h200: {"b": 3}, "NVIDIA A100": {"c": 4}}))
+    assert tuned_tables.table(path, h200, "sm90x132") == {"a": 1, "b": 3}  # its own first
+    assert tuned_tables.table(path, "NVIDIA H800", "sm90x132") == {"a": 1, "b": 2}  # (the first name of two)
+    assert tuned_tables.table(path, "NVIDIA H800", "sm80x108") == {}
+    assert tuned_tables.table(path, h200) == {"b": 3}  # (no chip: its own alone)
+    # the shipped tables: the H200 has fp8 GEMM tiles for the 8B shapes alone, and no MoE tiles
+    n, k = 1024, 1024  # Qwen3-0.6B's o_proj, tuned on the H100
+    assert tuned_gemm(64, n, k, h200) == (False, None)
+    assert tuned_gemm(64, n, k, h200, "sm90x132") == tuned_gemm(64, n, k, h100) != (False, None)
+    key = kmoe.table_key(128, 768, 2048, 8, kmoe.table_kind(torch.bfloat16, None, True))
+    assert kmoe.moe_config(256, key, 128, 8, h200) == kmoe.default_config(256, 128, 8)
+    assert kmoe.moe_config(256, key, 128, 8, h200, "sm90x132") == kmoe.moe_config(256, key, 128, 8, h100)
+    assert kmoe.moe_config(256, key, 128, 8, h100) != kmoe.default_config(256, 128, 8)

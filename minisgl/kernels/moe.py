@@ -13,7 +13,6 @@ scales each pair's row by its routing weight and the k rows of a token are summe
 from __future__ import annotations
 
 import functools
-import json
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
@@ -23,7 +22,7 @@ import triton
 import triton.language as tl
 
 from minisgl.kernels.fused import silu_and_mul
-from minisgl.layers.fp8_gemm import gpu_name
+from minisgl.layers import tuned_tables
 from minisgl.layers.quantization import Fp8Act, quantize
 
 if TYPE_CHECKING:
@@ -400,12 +399,6 @@ def layer_key(moe: FusedMoE, dtype: torch.dtype) -> str:
     return table_key(moe.num_experts, moe.local, moe.hidden, moe.top_k, kind)
 
 
-@functools.cache
-def _table(gpu: str) -> dict[str, dict[str, list]]:
-    tables = json.loads(CONFIGS_PATH.read_text()) if CONFIGS_PATH.exists() else {}
-    return tables.get(gpu, {})
-
-
 def default_config(tokens: int, num_experts: int, top_k: int) -> MoeConfig:
     """Tiles by the rows an expert gets on average, for shapes no tuned table covers."""
     per_expert = tokens * top_k / num_experts
@@ -417,10 +410,11 @@ def default_config(tokens: int, num_experts: int, top_k: int) -> MoeConfig:
 
 
 @functools.lru_cache(maxsize=1 << 12)
-def moe_config(tokens: int, key: str, num_experts: int, top_k: int, gpu: str) -> MoeConfig:
-    """The tiles tuned for the token count nearest ``tokens`` (by ratio) on this GPU and shape
-    (``benchmarks/moe_bench.py --tune`` writes ``configs/moe.json``), else ``default_config``."""
-    entry = _table(gpu).get(key)
+def moe_config(tokens: int, key: str, num_experts: int, top_k: int, gpu: str, chip: str = "") -> MoeConfig:
+    """The tiles tuned for the token count nearest ``tokens`` (by ratio) on this GPU, or one of
+    its chip, and shape (``benchmarks/moe_bench.py --tune`` writes ``configs/moe.json``), else
+    ``default_config``."""
+    entry = tuned_tables.table(CONFIGS_PATH, gpu, chip).get(key)
     if not entry:
         return default_config(tokens, num_experts, top_k)
     nearest = min(entry, key=lambda b: abs(math.log(int(b) / max(tokens, 1))))
@@ -429,7 +423,7 @@ def moe_config(tokens: int, key: str, num_experts: int, top_k: int, gpu: str) ->
 
 
 def config_for(tokens: int, key: str, num_experts: int, top_k: int, device: torch.device) -> MoeConfig:
-    return moe_config(tokens, key, num_experts, top_k, gpu_name(device.index or 0))
+    return moe_config(tokens, key, num_experts, top_k, *tuned_tables.gpu(device.index or 0))
 
 
 def fused_experts(moe: FusedMoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -5,10 +5,11 @@ tile, by a table tuned per GPU and weight shape (``kernels/configs/fp8_gemm.json
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 
 import torch
+
+from minisgl.layers import tuned_tables as tuned
 
 # Per-channel GEMMs on a GPU and shape that the tuned table below lacks: small weights at decode
 # sizes take our Triton kernel in 64 x 64 tiles: cuBLAS picks one 128 x 128 row-scaled kernel for
@@ -28,23 +29,13 @@ GEMM_CONFIGS_PATH = Path(__file__).parents[1] / "kernels" / "configs" / "fp8_gem
 GEMM_ROW_BUCKETS = (16, 32, 64, 128, 192, 256, 384, 512)
 
 
-@functools.cache
-def _gemm_table(gpu: str) -> dict[str, dict[str, list[int] | None]]:
-    tables = json.loads(GEMM_CONFIGS_PATH.read_text()) if GEMM_CONFIGS_PATH.exists() else {}
-    return tables.get(gpu, {})
-
-
-@functools.cache
-def gpu_name(index: int) -> str:
-    return torch.cuda.get_device_name(index)
-
-
 @functools.lru_cache(maxsize=1 << 14)
-def tuned_gemm(rows: int, n: int, k: int, gpu: str) -> tuple[bool, tuple[int, int, int, int] | None]:
-    """Whether ``gpu`` has a tuned kernel for ``rows`` x weights [n, k], and which: a Triton
-    config for ``kernels.fp8.block_matmul``, or None for cuBLAS. Cached: every GEMM of every
-    step asks (eager prefill chunks are host-bound on small models)."""
-    by_rows = _gemm_table(gpu).get(f"{n}x{k}")
+def tuned_gemm(rows: int, n: int, k: int, gpu: str, chip: str = "") -> tuple[bool, tuple[int, int, int, int] | None]:
+    """Whether ``gpu`` (or a GPU of its ``chip``, ``layers.tuned_tables``) has a tuned kernel for
+    ``rows`` x weights [n, k], and which: a Triton config for ``kernels.fp8.block_matmul``, or
+    None for cuBLAS. Cached: every GEMM of every step asks (eager prefill chunks are host-bound
+    on small models)."""
+    by_rows = tuned.table(GEMM_CONFIGS_PATH, gpu, chip).get(f"{n}x{k}")
     if by_rows is None or rows > GEMM_ROW_BUCKETS[-1]:
         return False, None
     bucket = next(b for b in GEMM_ROW_BUCKETS if b >= rows)

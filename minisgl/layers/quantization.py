@@ -22,12 +22,12 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from minisgl.layers import tuned_tables
 from minisgl.layers.fp8_gemm import (
     LOGITS_TRITON_ROWS,
     SMALL_GEMM_CONFIG,
     SMALL_GEMM_ROWS,
     SMALL_GEMM_WEIGHTS,
-    gpu_name,
     scaled_mm,
     tuned_gemm,
 )
@@ -179,7 +179,7 @@ def fp8_linear(
             out = block_matmul(act.data, act.scale, weight, scale, block, out_dtype or act.dtype)
         else:
             rows = act.data.shape[0]
-            tuned, config = tuned_gemm(rows, *weight.shape, gpu_name(act.data.device.index))
+            tuned, config = tuned_gemm(rows, *weight.shape, *tuned_tables.gpu(act.data.device.index))
             if not tuned and rows <= SMALL_GEMM_ROWS and weight.numel() <= SMALL_GEMM_WEIGHTS:
                 config = SMALL_GEMM_CONFIG
             if config is not None:
