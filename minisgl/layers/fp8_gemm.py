@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from minisgl.layers import tuned_tables as tuned
+from minisgl.layers import tuned_tables
 
 # Per-channel GEMMs on a GPU and shape that the tuned table below lacks: small weights at decode
 # sizes take our Triton kernel in 64 x 64 tiles: cuBLAS picks one 128 x 128 row-scaled kernel for
@@ -35,7 +35,7 @@ def tuned_gemm(rows: int, n: int, k: int, gpu: str, chip: str = "") -> tuple[boo
     ``rows`` x weights [n, k], and which: a Triton config for ``kernels.fp8.block_matmul``, or
     None for cuBLAS. Cached: every GEMM of every step asks (eager prefill chunks are host-bound
     on small models)."""
-    by_rows = tuned.table(GEMM_CONFIGS_PATH, gpu, chip).get(f"{n}x{k}")
+    by_rows = tuned_tables.table(GEMM_CONFIGS_PATH, gpu, chip).get(f"{n}x{k}")
     if by_rows is None or rows > GEMM_ROW_BUCKETS[-1]:
         return False, None
     bucket = next(b for b in GEMM_ROW_BUCKETS if b >= rows)
