@@ -321,6 +321,13 @@ def test_the_rule_speculates_while_measured_verify_steps_pay():
     plan.step_started(10.0)
     # the first of each kind waited on the step before it: not measured; after None, nothing
     assert {key: list(times) for key, times in plan.seconds.items()} == {(False, 4): [1.0], (True, 4): [2.0]}
+    # a try that found no drafts: timed as a verify step when it waited, as a plain one beside
+    for waits, kind in ((True, True), (False, False)):
+        plan = spec_rule.SpecRule(waits=waits)
+        for now in (0.0, 1.0, 2.0):
+            plan.step_started(now)
+            plan.launched(True, 8, verified=False)
+        assert list(plan.seconds) == [(kind, 4)]
 
 
 def test_verify_steps_fit_the_largest_captured_graph(tiny_llama):

@@ -385,9 +385,7 @@ class Scheduler(ControlPlane):
         batch, sampled, scored, routed, decode, drafts = self._schedule()
         got = self._drained
         if self.spec is not None:
-            # Waiting, a try that found no drafts drained the pipeline: timed as a verify step.
-            kind = (self._speculate and (bool(drafts) or not self._plans_ahead)) if decode else None
-            self.spec.rule.launched(kind, len(self.decoding))
+            self.spec.rule.launched(self._speculate if decode else None, len(self.decoding), bool(drafts))
         if batch is None and self.memory.io_pending:  # host-tier copies (or disk writes) still to send
             batch = ForwardBatch(slots=[], cached_lens=[], new_lens=[], input_ids=[], sample=[])
         if self._retracted_tokens:  # one line per step, however many went back

@@ -158,12 +158,13 @@ class SpecRule:
             self._before = kind
         self._started = now
 
-    def launched(self, verify: bool | None, decoding: int) -> None:
-        """What this scheduler step launched: a step that tried to speculate (True: a verify
-        step, or a plain one after drafts were looked for and not found, which may have waited
-        for the steps in flight), a plain decode step (False), or anything else (None: a
-        prefill, nothing)."""
-        self._last = (verify, decoding, self._started)
+    def launched(self, tried: bool | None, decoding: int, verified: bool = True) -> None:
+        """What this scheduler step launched: a decode step that tried to speculate (True), a
+        plain decode step (False), or anything else (None: a prefill, nothing). A try timed as a
+        verify step: one that ``verified`` drafts, or, waiting, one that found none (it drained
+        the pipeline); planned beside the steps in flight, that is a plain step."""
+        kind = tried and (verified or self.waits) if tried is not None else None
+        self._last = (kind, decoding, self._started)
 
     def observe(self, verify: bool, decoding: int, seconds: float) -> None:
         """A decode step of ``decoding`` requests took ``seconds``."""
