@@ -2,6 +2,7 @@
 
     python benchmarks/moe_bench.py --model benchmarks/configs/qwen3-30b-a3b            # time
     python benchmarks/moe_bench.py --model benchmarks/configs/qwen3-30b-a3b --tune     # tune, then time
+    python benchmarks/moe_bench.py --tune --tokens 256 1024   # those buckets only (others kept)
 
 One sparse layer's experts (alignment, both grouped GEMMs, SiLU-and-mul, the weighted sum; the
 router excluded), replayed from a CUDA graph with uniformly random routing, at batch 1, 16, 64,
@@ -130,7 +131,7 @@ def timed(fn, candidates: list[kmoe.GemmConfig]) -> dict[kmoe.GemmConfig, float]
     return times
 
 
-def tune(cfg: ModelConfig, kind: str, moe: FusedMoE) -> dict[str, list]:
+def tune(cfg: ModelConfig, kind: str, moe: FusedMoE, sizes: list[int]) -> dict[str, list]:
     """The fastest (BM, up tiles, down tiles[, SiLU inside the first GEMM]) per token bucket,
     each GEMM timed alone (the first with its SiLU-and-mul)."""
     quant = moe.quant
@@ -140,7 +141,7 @@ def tune(cfg: ModelConfig, kind: str, moe: FusedMoE) -> dict[str, list]:
     # fp8 is bound to its 128-column groups
     bks = [64, 128] if quant is None else [128, 256] if group is None else [128]
     table = {}
-    for tokens in TUNE_SIZES:
+    for tokens in sizes:
         x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16)
         w, ids = routing(tokens, cfg)
         per_expert = tokens * k / cfg.num_experts
@@ -152,6 +153,9 @@ def tune(cfg: ModelConfig, kind: str, moe: FusedMoE) -> dict[str, list]:
         act = x if quant is None else quantize(x, group)
         best = None
         for bm in bms:
+            # blocks larger than an expert's usual run multiply half their rows where those
+            # suffice (an expert's weights read once for up to BM rows)
+            tiles = [c._replace(halves=bm >= 64 and per_expert < bm) for c in candidates]
             alignment = kmoe.align(ids, cfg.num_experts, bm)
             P = tokens * k
             mid = torch.randn(P, moe.local, device="cuda", dtype=torch.bfloat16)
@@ -167,13 +171,13 @@ def tune(cfg: ModelConfig, kind: str, moe: FusedMoE) -> dict[str, list]:
                     mid_act, moe.w2_weight, moe.w2_weight_scale, alignment, P, 1, x.dtype, c, w.contiguous(), group
                 )
 
-            up_ms, down_ms = timed(up, candidates), timed(down, candidates)
+            up_ms, down_ms = timed(up, tiles), timed(down, tiles)
             u, d = min(up_ms, key=up_ms.get), min(down_ms, key=down_ms.get)
             gate_up = up(u)
             up_total, entry = up_ms[u] + replay_ms(lambda: kmoe.silu_and_mul(gate_up, quant), iters=10), list(u)
             # SiLU-and-mul inside the first GEMM (fp8: then a quantization of its half-width
             # output), where that beats the two launches
-            fused_ms = timed(lambda c: up(c, silu=True), candidates + [c._replace(bn=256) for c in candidates])
+            fused_ms = timed(lambda c: up(c, silu=True), tiles + [c._replace(bn=256) for c in tiles])
             f = min(fused_ms, key=fused_ms.get)
             half = up(f, silu=True)
             fused_total = fused_ms[f] + (replay_ms(lambda: quantize(half, group), iters=10) if quant else 0.0)
@@ -196,6 +200,7 @@ def main() -> None:
     ap.add_argument("--model", default="benchmarks/configs/qwen3-30b-a3b")
     ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
     ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--tokens", type=int, nargs="+", default=None, help="token counts to time (and tune) only")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cfg = ModelConfig.from_path(args.model)
@@ -207,16 +212,16 @@ def main() -> None:
         moe = dummy_moe(cfg, KINDS[kind])
         key = kmoe.layer_key(moe, torch.bfloat16)
         if args.tune:
-            table = tune(cfg, kind, moe)
+            table = tune(cfg, kind, moe, args.tokens or TUNE_SIZES)
             path = kmoe.CONFIGS_PATH
             tables = json.loads(path.read_text()) if path.exists() else {}
-            tables.setdefault(gpu, {})[key] = table
+            tables.setdefault(gpu, {}).setdefault(key, {}).update(table)
             path.write_text(table_json(tables))
             tuned_tables.record_chip(0)
             tuned_tables.table.cache_clear()
             kmoe.moe_config.cache_clear()
             print(f"wrote {key} to {path}")
-        for tokens in SIZES:
+        for tokens in args.tokens or SIZES:
             x = torch.randn(tokens, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
             w, ids = routing(tokens, cfg)
             us = replay_ms(lambda: moe(x, w, ids), iters=10) * 1e3

@@ -492,16 +492,23 @@ def test_a_gpu_takes_the_tiles_its_table_lacks_from_its_chip(tmp_path):
 
     path = tmp_path / "tiles.json"
     h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
-    path.write_text(json.dumps({h100: {"a": 1, "b": 2}, h200: {"b": 3}, "NVIDIA A100": {"c": 4}}))
-    assert tuned_tables.table(path, h200, "sm90x132") == {"a": 1, "b": 3}  # its own first
-    assert tuned_tables.table(path, "NVIDIA H800", "sm90x132") == {"a": 1, "b": 2}  # (the first name of two)
+    tables = {h100: {"a": {"1": 1}, "b": {"1": 2, "8": 2}}, h200: {"b": {"8": 3}}, "NVIDIA A100": {"c": {"1": 4}}}
+    path.write_text(json.dumps(tables))
+    # its own buckets first, its chip's at the sizes it was not tuned at
+    assert tuned_tables.table(path, h200, "sm90x132") == {"a": {"1": 1}, "b": {"1": 2, "8": 3}}
+    assert tuned_tables.table(path, "NVIDIA H800", "sm90x132") == tables[h100]  # (the first name of two)
     assert tuned_tables.table(path, "NVIDIA H800", "sm80x108") == {}
-    assert tuned_tables.table(path, h200) == {"b": 3}  # (no chip: its own alone)
-    # the shipped tables: the H200 has fp8 GEMM tiles for the 8B shapes alone, and no MoE tiles
+    assert tuned_tables.table(path, h200) == {"b": {"8": 3}}  # (no chip: its own alone)
+    # the shipped tables: the H200 has fp8 GEMM tiles for the 8B shapes alone, MoE tiles at 256
+    # and 1024 tokens (bf16 and fp8) and none for block-wise fp8 experts
     n, k = 1024, 1024  # Qwen3-0.6B's o_proj, tuned on the H100
     assert tuned_gemm(64, n, k, h200) == (False, None)
     assert tuned_gemm(64, n, k, h200, "sm90x132") == tuned_gemm(64, n, k, h100) != (False, None)
     key = kmoe.table_key(128, 768, 2048, 8, kmoe.table_kind(torch.bfloat16, None, True))
-    assert kmoe.moe_config(256, key, 128, 8, h200) == kmoe.default_config(256, 128, 8)
-    assert kmoe.moe_config(256, key, 128, 8, h200, "sm90x132") == kmoe.moe_config(256, key, 128, 8, h100)
-    assert kmoe.moe_config(256, key, 128, 8, h100) != kmoe.default_config(256, 128, 8)
+    assert kmoe.moe_config(16, key, 128, 8, h200, "sm90x132") == kmoe.moe_config(16, key, 128, 8, h100)
+    assert kmoe.moe_config(1024, key, 128, 8, h200, "sm90x132") == kmoe.moe_config(1024, key, 128, 8, h200)
+    assert kmoe.moe_config(1024, key, 128, 8, h200) != kmoe.moe_config(1024, key, 128, 8, h100)
+    block = kmoe.table_key(128, 768, 2048, 8, kmoe.table_kind(torch.bfloat16, 128, True))
+    assert kmoe.moe_config(256, block, 128, 8, h200) == kmoe.default_config(256, 128, 8)
+    assert kmoe.moe_config(256, block, 128, 8, h200, "sm90x132") == kmoe.moe_config(256, block, 128, 8, h100)
+    assert kmoe.moe_config(256, block, 128, 8, h100) != kmoe.default_config(256, 128, 8)

@@ -86,7 +86,8 @@ def test_moe_checkpoint_radix_on_and_off_give_the_same_tokens(tmp_path):
 
 def check_fused_kernels() -> None:
     """``kmoe.fused_experts`` against the torch loop, float and fp8 (per channel and 32-column
-    groups), with SiLU-and-mul apart and inside the first GEMM, at 1, 20 and 600 tokens (1200
+    groups), with SiLU-and-mul apart and inside the first GEMM, in 16-row blocks and in 32-row
+    blocks that multiply 16 rows where those hold every pair, at 1, 20 and 600 tokens (1200
     pairs: the many-program alignment); the alignment alone at 5600 pairs of 128 experts. Random
     data from a fixed seed."""
     from unittest import mock
@@ -101,15 +102,18 @@ def check_fused_kernels() -> None:
             w, ids = route(torch.randn(tokens, 8), 2, False)
             scales = (moe.w13_weight_scale, moe.w2_weight_scale)
             want = experts_torch(x, moe.w13_weight, moe.w2_weight, w, ids, quant, *scales)
-            for silu in (False, True):
-                tiles = kmoe.GemmConfig(32, 32, 1, 4, 1)
-                config = kmoe.MoeConfig(16, tiles, tiles, silu)
+            tiles = kmoe.GemmConfig(32, 32, 1, 4, 1)
+            halves = tiles._replace(halves=True)  # 32-row blocks, 16 rows where those suffice
+            configs = [
+                kmoe.MoeConfig(bm, t, t, silu) for bm, t in ((16, tiles), (32, halves)) for silu in (False, True)
+            ]
+            for config in configs:
                 with mock.patch.object(kmoe, "config_for", lambda *_, c=config: c):
                     got = kmoe.fused_experts(moe, x, w, ids)
                 error = ((got - want).norm() / want.norm()).item()
                 # fp8: a float32 sum in another order can round an activation to the next e4m3
                 # value (6% of one element); a wrong row, scale or expert moves it by ~1
-                assert error < (1e-5 if quant is None else 1e-3), (quant, tokens, silu, error)
+                assert error < (1e-5 if quant is None else 1e-3), (quant, tokens, config, error)
     # Qwen3-30B-A3B's routing shape past one chunk: 700 tokens x 8 of 128 experts, 6 chunks
     ids = torch.stack([torch.randperm(128)[:8] for _ in range(700)]).int()
     check_alignment(ids, 128, 64)
@@ -211,7 +215,8 @@ def test_fused_experts_match_the_reference(quant, tokens, experts, top_k, hidden
 @pytest.mark.parametrize("tokens", [1, 64, 333, 2048])
 def test_silu_inside_the_first_gemm_matches_the_reference(tokens, quant):
     """SiLU-and-mul in the first GEMM's epilogue (what the tuner may pick per shape and kind),
-    at the table's widest product tiles too (256 columns: 128 outputs a program)."""
+    at the table's widest product tiles too (256 columns: 128 outputs a program), and in
+    128-row blocks that multiply 64 rows where those hold every pair."""
     from unittest import mock
 
     from minisgl.kernels import moe as kmoe
@@ -225,7 +230,8 @@ def test_silu_inside_the_first_gemm_matches_the_reference(tokens, quant):
         x, moe.w13_weight, moe.w2_weight, w, ids, scheme, moe.w13_weight_scale, moe.w2_weight_scale
     ).float()
     default = kmoe.default_config(tokens, 128, 8)._replace(silu=True)
-    for config in (default, default._replace(up=default.up._replace(bn=256))):
+    halves = default._replace(bm=128, up=default.up._replace(halves=True), down=default.down._replace(halves=True))
+    for config in (default, default._replace(up=default.up._replace(bn=256)), halves):
         with mock.patch.object(kmoe, "config_for", lambda *_, c=config: c):
             got = moe(x, w, ids)
         assert (got.float() - want).norm() / want.norm() < (2e-2 if quant is None else 3e-2), config

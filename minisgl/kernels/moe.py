@@ -236,16 +236,16 @@ def align(topk_ids: torch.Tensor, num_experts: int, bm: int) -> Alignment:
 
 
 @triton.jit
-def _expert_gemm_kernel(
+def _rows_times_expert(
     a_ptr,
     a_scale_ptr,
     b_ptr,
     b_scale_ptr,
     c_ptr,
     weights_ptr,
-    sorted_ptr,
-    block_expert_ptr,
-    num_padded_ptr,
+    pairs,
+    expert,
+    pid_n,
     P,
     N,
     K,
@@ -257,39 +257,19 @@ def _expert_gemm_kernel(
     FP8: tl.constexpr,
     GROUP: tl.constexpr,
     PRECISE: tl.constexpr,
-    BM: tl.constexpr,
+    ROWS: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
-    GROUP_M: tl.constexpr,
 ):
-    """C[pair] = A[pair // A_DIV] @ B[expert]^T for a BM-row block of pairs and BN columns; B is
-    [E, N, K]. PRECISE: float32 products in full precision (not TF32). FP8: A and B are e4m3
-    with per-row scales ([rows, 1] / [E, N]) or, with GROUP, one per row and GROUP columns
-    ([rows, a_groups] / [E, N, b_groups]). SILU: B is [gate | up] (N = 2I rows) and C [P, I] =
-    silu(A @ gate^T) * (A @ up^T): a program's product columns take gate and up rows in turn
-    (column c is row c // 2 of gate for even c, of up for odd c), so one dot yields both halves
-    of BN / 2 outputs and the [P, 2I] product is never stored (half the bytes written, and no
-    SiLU-and-mul launch to read them back)."""
-    pid = tl.program_id(0)
-    n_m = tl.num_programs(0) // tl.cdiv(N, BN)
-    n_n = tl.cdiv(N, BN)
-    group = pid // (GROUP_M * n_n)
-    first_m = group * GROUP_M
-    size_m = min(n_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * n_n)) % size_m
-    pid_n = (pid % (GROUP_M * n_n)) // size_m
-    if pid_m * BM >= tl.load(num_padded_ptr):
-        return
-    pairs = tl.load(sorted_ptr + pid_m * BM + tl.arange(0, BM))
+    """The product of ROWS pairs (``pairs``, P for padding) and BN columns of one expert, stored."""
     valid = pairs < P
     rows = (pairs // A_DIV).to(tl.int64)
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     rn = pid_n * BN + tl.arange(0, BN)
     rb = (rn % 2) * (N // 2) + rn // 2 if SILU else rn  # B's row of each product column
     rk = tl.arange(0, BK)
     a_ptrs = a_ptr + rows[:, None] * K + rk[None, :]
     b_ptrs = b_ptr + expert * N * K + rb[:, None].to(tl.int64) * K + rk[None, :]
-    acc = tl.zeros([BM, BN], tl.float32)
+    acc = tl.zeros([ROWS, BN], tl.float32)
     for kb in range(0, tl.cdiv(K, BK)):
         k_left = K - kb * BK
         a = tl.load(a_ptrs, mask=valid[:, None] & (rk[None, :] < k_left), other=0.0)
@@ -312,7 +292,7 @@ def _expert_gemm_kernel(
     if MUL_WEIGHT:
         acc = acc * tl.load(weights_ptr + pairs, mask=valid, other=0.0)[:, None]
     if SILU:
-        gate, up = tl.split(tl.reshape(acc, [BM, BN // 2, 2]))
+        gate, up = tl.split(tl.reshape(acc, [ROWS, BN // 2, 2]))
         cn = pid_n * (BN // 2) + tl.arange(0, BN // 2)
         c_ptrs = c_ptr + pairs[:, None].to(tl.int64) * (N // 2) + cn[None, :]
         out = gate * tl.sigmoid(gate) * up
@@ -322,12 +302,79 @@ def _expert_gemm_kernel(
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & (rn[None, :] < N))
 
 
+@triton.jit
+def _expert_gemm_kernel(
+    a_ptr,
+    a_scale_ptr,
+    b_ptr,
+    b_scale_ptr,
+    c_ptr,
+    weights_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    num_padded_ptr,
+    P,
+    N,
+    K,
+    a_groups,
+    b_groups,
+    A_DIV: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+    SILU: tl.constexpr,
+    FP8: tl.constexpr,
+    GROUP: tl.constexpr,
+    PRECISE: tl.constexpr,
+    HALVES: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """C[pair] = A[pair // A_DIV] @ B[expert]^T for a BM-row block of pairs and BN columns; B is
+    [E, N, K]. PRECISE: float32 products in full precision (not TF32). FP8: A and B are e4m3
+    with per-row scales ([rows, 1] / [E, N]) or, with GROUP, one per row and GROUP columns
+    ([rows, a_groups] / [E, N, b_groups]). SILU: B is [gate | up] (N = 2I rows) and C [P, I] =
+    silu(A @ gate^T) * (A @ up^T): a program's product columns take gate and up rows in turn
+    (column c is row c // 2 of gate for even c, of up for odd c), so one dot yields both halves
+    of BN / 2 outputs and the [P, 2I] product is never stored (half the bytes written, and no
+    SiLU-and-mul launch to read them back). HALVES: a block whose second half is all padding
+    multiplies its first BM / 2 rows only, so large blocks read an expert's weights once for up
+    to BM rows without paying BM rows of products for an expert that has fewer than BM / 2."""
+    pid = tl.program_id(0)
+    n_m = tl.num_programs(0) // tl.cdiv(N, BN)
+    n_n = tl.cdiv(N, BN)
+    group = pid // (GROUP_M * n_n)
+    first_m = group * GROUP_M
+    size_m = min(n_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * n_n)) % size_m
+    pid_n = (pid % (GROUP_M * n_n)) // size_m
+    if pid_m * BM >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    first = sorted_ptr + pid_m * BM
+    # padding comes last in a block: its second half is unused when its middle row is padding
+    half_only = tl.load(first + BM // 2) >= P if HALVES else False
+    if half_only:
+        _rows_times_expert(
+            a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, weights_ptr, tl.load(first + tl.arange(0, BM // 2)),
+            expert, pid_n, P, N, K, a_groups, b_groups,
+            A_DIV, MUL_WEIGHT, SILU, FP8, GROUP, PRECISE, BM // 2, BN, BK,
+        )  # fmt: skip
+    else:
+        _rows_times_expert(
+            a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr, weights_ptr, tl.load(first + tl.arange(0, BM)),
+            expert, pid_n, P, N, K, a_groups, b_groups,
+            A_DIV, MUL_WEIGHT, SILU, FP8, GROUP, PRECISE, BM, BN, BK,
+        )  # fmt: skip
+
+
 class GemmConfig(NamedTuple):
     bn: int
     bk: int
     group_m: int
     warps: int
     stages: int
+    halves: bool = False  # a block with at most BM / 2 rows in use multiplies BM / 2 rows only
 
 
 def expert_gemm(
@@ -357,7 +404,7 @@ def expert_gemm(
         alignment.sorted_ids, alignment.block_expert, alignment.num_padded, P, N, K,
         a_scale.shape[-1] if fp8 else 1, b_scale.shape[-1] if fp8 and group else 1,
         A_DIV=a_div, MUL_WEIGHT=weights is not None, SILU=silu, FP8=fp8, GROUP=group or 0,
-        PRECISE=a.dtype == torch.float32,
+        PRECISE=a.dtype == torch.float32, HALVES=config.halves,
         BM=alignment.bm, BN=config.bn, BK=min(config.bk, group) if group else config.bk, GROUP_M=config.group_m,
         num_warps=config.warps, num_stages=config.stages,
     )  # fmt: skip

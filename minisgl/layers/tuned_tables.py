@@ -28,14 +28,16 @@ def read(path: Path) -> dict:
 
 @functools.cache
 def table(path: Path, name: str, chip: str = "") -> dict:
-    """GPU ``name``'s table in ``path``, completed by those of other GPUs of the same ``chip``
-    (where two have a shape, the first by name)."""
+    """GPU ``name``'s table in ``path`` ({shape: {bucket: tiles}}), completed bucket by bucket
+    by those of other GPUs of the same ``chip`` (where two have a bucket, the first by name), so
+    a GPU tuned at a few sizes keeps its chip's tiles at the others."""
     tables, chips = read(path), read(CHIPS_PATH)
+    others = [t for t in sorted(tables) if t != name and chip and chips.get(t) == chip]
     merged: dict = {}
-    for other in sorted(tables):
-        if other != name and chip and chips.get(other) == chip:
-            merged = {**tables[other], **merged}
-    return {**merged, **tables.get(name, {})}
+    for source in [*reversed(others), name]:  # later sources win
+        for shape, buckets in tables.get(source, {}).items():
+            merged[shape] = {**merged.get(shape, {}), **buckets}
+    return merged
 
 
 def record_chip(index: int = 0) -> None:
