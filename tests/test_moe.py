@@ -123,7 +123,7 @@ def check_fused_kernels() -> None:
 
 def check_alignment(ids: torch.Tensor, experts: int, bm: int) -> None:
     """``align``: every pair once, in a block of its own expert; blocks padded to BM rows each."""
-    from minisgl.kernels.moe import align
+    from minisgl.kernels.moe_align import align
 
     a = align(ids, experts, bm)
     P = ids.numel()
