@@ -111,11 +111,11 @@ class LLM:
     def continue_generation(self) -> None:
         self.scheduler.resume()
 
-    def _encode(self, prompt: Prompt) -> list[int]:
+    def _encode(self, prompt: Prompt, special: bool = True) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass token ids instead of text")
-            return self.tokenizer.encode(prompt, add_special_tokens=True)
+            return self.tokenizer.encode(prompt, add_special_tokens=special)
         return list(prompt)
 
     def _result(self, req: Req, text: str | None) -> dict[str, Any]:
@@ -165,6 +165,7 @@ class LLM:
         cache_salt: str | None = None,
         return_routed_experts: bool = False,
         routed_experts_start: int = 0,
+        predictions: list[Prompt | None] | None = None,
     ) -> list[dict[str, Any]]:
         """Generate for every prompt (text or token ids); results come back in prompt order.
 
@@ -175,12 +176,17 @@ class LLM:
         ``return_routed_experts`` (MoE, ``enable_return_routed_experts=True``): the expert ids per
         layer of each position from ``routed_experts_start`` on in ``meta_info["routed_experts"]``,
         as the server sends them (``utils.routed_experts_array`` decodes them).
+        ``predictions``: per prompt, text (or ids) its answer will largely repeat (OpenAI's
+        predicted output): drafts under ``speculative_algorithm="NGRAM"``, no result changes.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
+        predictions = predictions if predictions is not None else [None] * len(prompts)
+        if len(predictions) != len(prompts):
+            raise ValueError(f"{len(predictions)} predictions for {len(prompts)} prompts")
         params = [p if isinstance(p, SamplingParams) else msgspec.convert(p or {}, SamplingParams) for p in params]
         if self.scheduler.held:
             raise ValueError(
@@ -189,7 +195,7 @@ class LLM:
         self.scheduler.take_events()  # (those of earlier calls)
         reqs: list[Req] = []
         try:
-            for prompt, sp in zip(prompts, params):
+            for prompt, sp, predicted in zip(prompts, params, predictions):
                 reqs.append(
                     self.scheduler.add_request(
                         self._encode(prompt),
@@ -198,6 +204,7 @@ class LLM:
                         logprob_start,
                         cache_salt=cache_salt,
                         routed_start=routed_experts_start if return_routed_experts else -1,
+                        prediction_ids=self._encode(predicted, special=False) if predicted else None,
                     )
                 )
         except ValueError:

@@ -249,6 +249,7 @@ class GenerateReq(msgspec.Struct):
     # SGLang's return_routed_experts (with routed_experts_start_len): each position's experts per
     # layer from this position on, with the last message (-1: none).
     routed_start: int = -1
+    prediction: str | None = None  # OpenAI's predicted output: a draft source, no result depends on it
 
 
 class GenerateBatch(msgspec.Struct, tag=True):
@@ -270,6 +271,7 @@ class TokenizedReq(msgspec.Struct):
     logprob_ids: list[int] = []
     cache_salt: str | None = None  # shares cached prefixes only with requests of the same salt
     routed_start: int = -1
+    prediction_ids: list[int] = []
 
 
 class TokenizedBatch(msgspec.Struct, tag=True):

@@ -91,6 +91,24 @@ def test_every_field_is_honoured_accepted_or_refused_by_name(server: ServerProce
     idle_and_clean(server)
 
 
+def test_a_predicted_output_is_taken_and_changes_no_token(server: ServerProcess):
+    """OpenAI's ``prediction`` (text or text parts) is accepted and changes no answer (it only
+    drafts under speculative decoding); a malformed one is a 400 naming it."""
+    url, body = f"{server.url}/v1/chat/completions", {**BASES["/v1/chat/completions"], "max_tokens": 6}
+    want = httpx.post(url, json=body, timeout=60).json()["choices"][0]["message"]["content"]
+    for content in ("Hello there, how are you?", [{"type": "text", "text": "Hello"}, {"type": "text", "text": "!"}]):
+        r = httpx.post(url, json={**body, "prediction": {"type": "content", "content": content}}, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == want, r.text
+    for bad in (
+        {"type": "audio", "content": "x"},
+        {"type": "content", "content": 3},
+        {"content": [{"type": "image_url"}]},
+    ):
+        r = httpx.post(url, json={**body, "prediction": bad}, timeout=60)
+        assert r.status_code == 400 and "prediction" in r.json()["error"]["message"], (bad, r.text)
+    idle_and_clean(server)
+
+
 def test_unknown_fields_are_ignored_with_one_warning(server: ServerProcess):
     for _ in range(2):
         for route in BASES:

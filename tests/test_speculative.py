@@ -617,3 +617,40 @@ def test_kept_tokens_kernel_matches_torch_on_cuda():
 def test_kept_tokens_kernel_under_the_interpreter():
     """Under Triton's interpreter (on before triton loads: a child process)."""
     run_interpreted("from tests.test_speculative import verified_check; verified_check('cpu')", timeout=600)
+
+
+def test_a_predicted_output_drafts_from_where_the_answer_is_in_it():
+    """OpenAI's predicted output is a draft source, ahead of the request's own tokens at each
+    n-gram length; of two places an n-gram occurs in it, the one at or after the last draft's."""
+    from minisgl.scheduler.request import Req
+    from minisgl.scheduler.speculative import Drafter
+
+    predicted = [5, 6, 7, 8, 1, 2, 3, 9, 9, 1, 2, 3, 4, 4, 4]
+    req = Req(rid=0, prompt_ids=[40, 41], params=SamplingParams(), seed=0, max_len=99, prediction_ids=predicted)
+    drafter = Drafter(None, 2, 3)
+    req.output_ids = [5, 6, 7]
+    assert drafter.draft(req, 3) == [8, 1, 2]
+    req.output_ids += [8, 1, 2, 3, 9, 9]
+    assert drafter.draft(req, 3) == [1, 2, 3]  # after [3, 9, 9], which occurs once
+    req.output_ids += [1, 2, 3]
+    assert drafter.draft(req, 3) == [4, 4, 4]  # [1, 2, 3] again: its second place, where the answer is
+    req.output_ids += [7, 7]
+    assert drafter.draft(req, 3) == []  # an answer that left the prediction drafts from it no more
+    req.output_ids += [5, 6]  # ... until it meets it again
+    assert drafter.draft(req, 2, pending=[7]) == [8, 1]
+
+
+def test_a_predicted_output_speeds_decoding_and_changes_no_token(tiny_llama):
+    """Greedy answers with a prediction (each one's own answer, a stretch of it changed) keep
+    more drafts than with none and equal speculation off token for token."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 900) for _ in range(24)] for _ in range(3)]
+    params = SamplingParams(temperature=0.0, max_new_tokens=48, ignore_eos=True)
+    off = tokens(make_llm(tiny_llama, page_size=2).generate(prompts, params))
+    predictions = [t[:20] + [rng.randrange(3, 900) for _ in range(6)] + t[26:] for t in off]
+    kept = {}
+    for name, given in (("none", None), ("predicted", predictions)):
+        llm = make_llm(tiny_llama, page_size=2, disable_radix_cache=True, **SPEC)
+        assert tokens(llm.generate(prompts, params, predictions=given)) == off
+        kept[name] = llm.scheduler.stats()["spec_accepted_tokens"]
+    assert kept["predicted"] > max(2 * kept["none"], len(prompts) * 48 // 2), kept

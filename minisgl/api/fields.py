@@ -286,6 +286,7 @@ CHAT = Schema(
         "separate_reasoning",
         "stream_reasoning",
         "reasoning_effort",
+        "prediction",
     },
     inert=(_OPENAI_COMMON["inert"] - {"separate_reasoning", "stream_reasoning"}) | {"modalities"},
     default_only={
@@ -293,7 +294,6 @@ CHAT = Schema(
         "functions": None,
         "function_call": None,
         "continue_final_message": False,
-        "prediction": None,
         "audio": None,
         "web_search_options": None,
     },

@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse, Response
 
 from minisgl.api.base import ApiBase, Run, merge, read_body
 from minisgl.api.fields import CHAT, COMPLETION
-from minisgl.api.protocol import ChatCompletionRequest, CompletionRequest, check_sequences
+from minisgl.api.protocol import ChatCompletionRequest, CompletionRequest, check_sequences, parts_text
 from minisgl.api.streaming import SSE_DONE, sse
 from minisgl.messages import GenerateReq, ReqUpdate, TokenLogprob
 from minisgl.parsers.chat_output import ChatOutput
@@ -206,6 +206,7 @@ class OpenAIRoutes(ApiBase):
         body.check()
         plan = body.tool_plan(self.info.tool_call_parser)
         messages = [m.flat() for m in body.messages]
+        predicted = parts_text(body.prediction.content, "prediction") if body.prediction else None
         max_new = body.max_new_tokens
         reqs = []
         for j in range(body.n):
@@ -221,6 +222,7 @@ class OpenAIRoutes(ApiBase):
                     tools=plan.tools,
                     cache_salt=body.cache_salt,
                     chat_template_kwargs=body.template_kwargs(),
+                    prediction=predicted,
                 )
             )
         runs = await self._start(reqs)

@@ -399,6 +399,26 @@ class ToolCallIn(msgspec.Struct, forbid_unknown_fields=True):
     index: int | None = None  # sent back by clients that echo streamed calls
 
 
+def parts_text(content: str | list[ContentPart] | None, param: str) -> str:
+    """Message content as text: a string, or text parts joined (other parts are refused)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise BadRequest(f"{param} content of type {part.type!r} is not supported; only text", param=param)
+        texts.append(part.text)
+    return "".join(texts)
+
+
+class Prediction(msgspec.Struct, forbid_unknown_fields=True):
+    """OpenAI's predicted output: text the answer will largely repeat (a file being edited).
+    No result depends on it; with speculative decoding on, its tokens are drafts."""
+
+    content: str | list[ContentPart]
+    type: Literal["content"] = "content"
+
+
 class ChatMessageIn(msgspec.Struct, forbid_unknown_fields=True):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
@@ -417,17 +437,7 @@ class ChatMessageIn(msgspec.Struct, forbid_unknown_fields=True):
                 }
                 for c in self.tool_calls
             ]
-        return ChatMessage(self.role, self._text(), calls, self.tool_call_id, self.name)
-
-    def _text(self) -> str:
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        texts = []
-        for part in self.content:
-            if part.type != "text" or part.text is None:
-                raise BadRequest(f"message content of type {part.type!r} is not supported; only text", param="messages")
-            texts.append(part.text)
-        return "".join(texts)
+        return ChatMessage(self.role, parts_text(self.content, "messages"), calls, self.tool_call_id, self.name)
 
 
 class FunctionDef(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -476,6 +486,7 @@ class ChatCompletionRequest(_OpenAIBase, kw_only=True):
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     separate_reasoning: bool = True  # SGLang: reasoning_content apart from content (with --reasoning-parser)
     stream_reasoning: bool = True  # SGLang: false sends the reasoning whole once it ends
+    prediction: Prediction | None = None
 
     def template_kwargs(self) -> dict[str, Any] | None:
         """chat_template_kwargs, with reasoning_effort among them when it is given (theirs wins)."""

@@ -106,6 +106,7 @@ class SchedulerProcess:
                 msg.logprob_ids,
                 msg.cache_salt,
                 msg.routed_start,
+                msg.prediction_ids,
             )
         except ValueError as e:
             self.outbox.append(TokenOut(msg.rid, error=str(e)))

@@ -73,6 +73,9 @@ class Req:
     ngram_keys_end: int = -1
     spec_misses: int = 0
     spec_pause: int = 0
+    # OpenAI's predicted output, tokenized, and its n-gram tables once it drafts (``Prediction``).
+    prediction_ids: list[int] = field(default_factory=list)
+    prediction: Any = None
     # Its last verify step still in flight (-1: none) and that step's draft (empty exactly when
     # none: drafts are never empty): until its tokens are back, kv_len counts the whole draft as
     # kept (a step planned meanwhile has the worker find the real length). ``verify_chain``: the

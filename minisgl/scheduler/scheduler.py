@@ -198,9 +198,11 @@ class Scheduler(ControlPlane):
         logprob_ids: list[int] | None = None,
         cache_salt: str | None = None,
         routed_start: int = -1,
+        prediction_ids: list[int] | None = None,
     ) -> Req:
         """Validate and queue a request. Raises ValueError naming what is wrong. ``routed_start``
-        >= 0: return the routed experts of positions from there on."""
+        >= 0: return the routed experts of positions from there on. ``prediction_ids``: OpenAI's
+        predicted output, a draft source under speculative decoding (no result depends on it)."""
         if routed_start >= 0 and not self.args.enable_return_routed_experts:
             raise ValueError("return_routed_experts needs a server started with --enable-return-routed-experts")
         params.validate(self.vocab_size)
@@ -214,6 +216,8 @@ class Scheduler(ControlPlane):
             raise ValueError(f"input_ids must be in [0, {self.vocab_size})")
         if len(prompt_ids) >= self.context_len:
             raise ValueError(context_overflow(self.context_len, len(prompt_ids)))
+        if prediction_ids and not ids_in_range(prediction_ids, self.vocab_size):
+            raise ValueError(f"prediction token ids must be in [0, {self.vocab_size})")
         max_len = min(len(prompt_ids) + params.max_new_tokens, self.context_len)
         if cdiv(max_len, self.page_size) > self.allocator.num_pages:
             raise ValueError(
@@ -240,6 +244,7 @@ class Scheduler(ControlPlane):
             logprob_ids=list(logprob_ids or []) if top_logprobs >= 0 else [],
             cache_salt=cache_salt or None,
             routed_start=min(routed_start, len(prompt_ids)) if routed_start >= 0 else -1,
+            prediction_ids=list(prediction_ids or [])[: self.context_len] if self.spec else [],
         )
         self._next_rid += 1
         self._unfrozen += 1

@@ -1,8 +1,9 @@
 """Speculative decoding drafted from the radix tree (``--speculative-algorithm NGRAM``).
 
 While few requests decode, each one's last tokens are looked up in an n-gram index over the
-radix tree's token paths (the other samples of its prompt, earlier requests: ``NgramIndex``)
-and over its own tokens; what followed them there is its draft. A verify step is a decode step
+radix tree's token paths (the other samples of its prompt, earlier requests: ``NgramIndex``),
+over its own tokens and over its predicted output (``Prediction``); what followed them there is
+its draft. A verify step is a decode step
 whose drafting requests each take a run of rows, one per position (its last token, then its
 draft), all on its page-table row: each row attends up to its own position, the run reads the
 pages before it once as a cascade group, and the step replays the decode CUDA graphs. Every
@@ -41,6 +42,7 @@ from minisgl.kvcache.ngram_index import NgramIndex, suffix_hashes, window_hashes
 from minisgl.messages import MAX_CASCADE_GROUPS, ForwardBatch, StepOutput
 from minisgl.scheduler.decode import DecodePlanner
 from minisgl.scheduler.pages import Memory
+from minisgl.scheduler.prediction import Prediction
 from minisgl.scheduler.prefill_batch import append_rows, write_table
 from minisgl.scheduler.request import Req
 from minisgl.scheduler.spec_rule import SpecRule
@@ -88,18 +90,20 @@ def tokens_at(req: Req, pending: list[int], start: int, stop: int) -> list[int]:
 
 
 class Drafter:
-    """Drafts from the tree's index and from each request's own tokens."""
+    """Drafts from the tree's index, each request's own tokens and its predicted output."""
 
     def __init__(self, index: NgramIndex | None, min_n: int, max_n: int):
         self.index, self.min_n, self.max_n = index, min_n, max_n
 
     def draft(self, req: Req, count: int, pending: list[int] = ()) -> list[int]:
         """Up to ``count`` tokens to follow ``req``'s tokens and then ``pending`` (a draft of it
-        in flight, taken as kept): after its longest recent n-gram found (its own earlier tokens
-        first at each length, then the tree's)."""
+        in flight, taken as kept): after its longest recent n-gram found (at each length its
+        predicted output first, then its own earlier tokens, then the tree's)."""
         pending = list(pending)
         known = req.num_tokens
         own = self._own_tables(req, known)
+        if req.prediction_ids and req.prediction is None:
+            req.prediction = Prediction(req.prediction_ids, self.min_n, self.max_n)
         length = known + len(pending)
         tail = tokens_at(req, pending, max(length - self.max_n, 0), length)
         keys = suffix_hashes(tail, self.max_n)
@@ -107,6 +111,10 @@ class Drafter:
             req.ngram_keys, req.ngram_keys_end = keys, length
         for n in range(len(keys), self.min_n - 1, -1):
             key = keys[n - 1]
+            if req.prediction is not None:
+                found = req.prediction.draft(n, key, tail, count)
+                if found:
+                    return found
             end = own[n].get(key)
             if end is not None and tokens_at(req, pending, end - n, end) == tail[-n:]:
                 return tokens_at(req, pending, end, min(end + count, length))

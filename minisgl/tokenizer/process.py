@@ -247,6 +247,14 @@ class TokenizerProcess:
             return encode_chat(self.tokenizer, messages, req.tools, req.chat_template_kwargs)
         return self.tokenizer.encode(req.text, add_special_tokens=True)
 
+    def _prediction(self, req: GenerateReq) -> list[int]:
+        """The predicted output's tokens (none without a tokenizer, or past what a context holds)."""
+        if not req.prediction or self.tokenizer is None:
+            return []
+        assert self.info is not None
+        text = req.prediction[: self.info.context_len * MAX_CHARS_PER_TOKEN]
+        return self.tokenizer.encode(text, add_special_tokens=False)[: self.info.context_len]
+
     def _check_length(self, req: GenerateReq, n: int) -> None:
         assert self.info is not None
         limit = self.info.context_len
@@ -267,6 +275,7 @@ class TokenizerProcess:
             try:
                 ids = self._encode(req)
                 self._check_length(req, len(ids))
+                predicted = self._prediction(req)
             except ValueError as e:
                 refused.append(ReqUpdate(req.rid, error=str(e)))
                 continue
@@ -285,6 +294,7 @@ class TokenizerProcess:
                     req.logprob_ids,
                     req.cache_salt,
                     req.routed_start,
+                    predicted,
                 )
             )
         if refused:
