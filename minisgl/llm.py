@@ -146,14 +146,19 @@ class LLM:
         top_logprobs: int = -1,
         tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> list[dict[str, Any]]:
         """``generate`` for conversations (one, or a list of them) through the checkpoint's chat
         template, as the server's /v1/chat/completions renders them (``tools``: OpenAI tool
-        definitions shown to the model; its calls come back as text)."""
+        definitions shown to the model; its calls come back as text; ``continue_final_message``:
+        the last message, an assistant's start, is continued rather than answered)."""
         if self.tokenizer is None or not self.tokenizer.chat_template:
             raise ValueError("this model has no chat template; use generate()")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [encode_chat(self.tokenizer, c, tools, chat_template_kwargs) for c in conversations]
+        prompts = [
+            encode_chat(self.tokenizer, c, tools, chat_template_kwargs, continue_final=continue_final_message)
+            for c in conversations
+        ]
         return self.generate(prompts, sampling_params, top_logprobs)
 
     def generate(

@@ -250,6 +250,7 @@ class GenerateReq(msgspec.Struct):
     # layer from this position on, with the last message (-1: none).
     routed_start: int = -1
     prediction: str | None = None  # OpenAI's predicted output: a draft source, no result depends on it
+    continue_final: bool = False  # continue_final_message: the last message is left open and continued
 
 
 class GenerateBatch(msgspec.Struct, tag=True):

@@ -12,6 +12,7 @@ import pytest
 
 from minisgl.api import fields
 from minisgl.llm import LLM
+from minisgl.tokenizer.chat import encode_chat
 from tests.server_utils import ServerProcess
 from tests.test_server import greedy, idle_and_clean, offline, server, sse_events  # noqa: F401 (fixtures)
 
@@ -106,6 +107,18 @@ def test_a_predicted_output_is_taken_and_changes_no_token(server: ServerProcess)
     ):
         r = httpx.post(url, json={**body, "prediction": bad}, timeout=60)
         assert r.status_code == 400 and "prediction" in r.json()["error"]["message"], (bad, r.text)
+    idle_and_clean(server)
+
+
+def test_continue_final_message_continues_the_assistants_text(server: ServerProcess, offline: LLM):
+    """The chat ends inside the assistant's last message and the answer goes on from there: the
+    offline engine's greedy tokens after the same rendering."""
+    messages = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hello! I am"}]
+    body = {"model": "tiny", "messages": messages, "max_tokens": 6, "temperature": 0, "continue_final_message": True}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+    ids = encode_chat(offline.tokenizer, messages, continue_final=True)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(ids), r.text
+    assert r.json()["choices"][0]["message"]["content"] == greedy(offline, ids, 6)["text"]
     idle_and_clean(server)
 
 

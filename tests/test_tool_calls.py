@@ -204,6 +204,17 @@ def test_chat_template_kwargs_are_template_variables_only(tiny_llama):
             encode_chat(tok, HISTORY, None, {key: value})
 
 
+def test_a_final_message_is_left_open_to_be_continued(tiny_llama):
+    """continue_final_message: the conversation ends inside its last message (an assistant's
+    start), where an answered one closes it and opens a new turn."""
+    tok = load_tokenizer(tiny_llama)
+    start = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "My favourite color is"}]
+    left_open = tok.decode(encode_chat(tok, start, continue_final=True))
+    assert left_open.endswith("My favourite color is")
+    assert left_open.startswith(tok.decode(encode_chat(tok, start[:1])))  # (the turn it continues)
+    assert not tok.decode(encode_chat(tok, start)).endswith("My favourite color is")
+
+
 def test_rendering_a_template_is_time_bound(tiny_llama):
     """A template whose work grows with a client's variable stops at its time bound with a
     ValueError naming it (the API's 400); the next conversation renders as before."""

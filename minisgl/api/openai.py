@@ -223,6 +223,7 @@ class OpenAIRoutes(ApiBase):
                     cache_salt=body.cache_salt,
                     chat_template_kwargs=body.template_kwargs(),
                     prediction=predicted,
+                    continue_final=body.continue_final_message,
                 )
             )
         runs = await self._start(reqs)

@@ -487,6 +487,8 @@ class ChatCompletionRequest(_OpenAIBase, kw_only=True):
     separate_reasoning: bool = True  # SGLang: reasoning_content apart from content (with --reasoning-parser)
     stream_reasoning: bool = True  # SGLang: false sends the reasoning whole once it ends
     prediction: Prediction | None = None
+    # SGLang's and vLLM's: the last message (an assistant's start) is continued, not answered
+    continue_final_message: bool = False
 
     def template_kwargs(self) -> dict[str, Any] | None:
         """chat_template_kwargs, with reasoning_effort among them when it is given (theirs wins)."""

@@ -131,11 +131,13 @@ def encode_chat(
     tools: list[dict[str, Any]] | None = None,
     template_kwargs: dict[str, Any] | None = None,
     timeout: float = RENDER_TIMEOUT_S,
+    continue_final: bool = False,
 ) -> list[int]:
     """Token ids of a conversation ready for the assistant's turn (the template adds any special
-    tokens itself). A call's arguments are given to the template as an object, as templates
-    expect; a tool message's content stays text. Rendering longer than ``timeout`` seconds raises
-    ``TemplateTimeout``."""
+    tokens itself), or with ``continue_final`` (the API's ``continue_final_message``) left open
+    at the end of its last message, which the model goes on writing. A call's arguments are given
+    to the template as an object, as templates expect; a tool message's content stays text.
+    Rendering longer than ``timeout`` seconds raises ``TemplateTimeout``."""
     messages = [_with_parsed_arguments(m) for m in messages]
     has_calls = any(m.get("tool_calls") for m in messages)
     kwargs = dict(template_kwargs or {})
@@ -150,7 +152,13 @@ def encode_chat(
     if tools:
         kwargs["tools"] = tools
     with _time_bound(timeout):
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+        text = tokenizer.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=not continue_final,
+            continue_final_message=continue_final,
+            **kwargs,
+        )
     return tokenizer.encode(text, add_special_tokens=False)
 
 

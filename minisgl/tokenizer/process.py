@@ -244,7 +244,9 @@ class TokenizerProcess:
             if not self.tokenizer.chat_template:
                 raise ValueError("this model has no chat template; use /v1/completions or /generate")
             messages = [msgspec.structs.asdict(m) for m in req.messages]
-            return encode_chat(self.tokenizer, messages, req.tools, req.chat_template_kwargs)
+            return encode_chat(
+                self.tokenizer, messages, req.tools, req.chat_template_kwargs, continue_final=req.continue_final
+            )
         return self.tokenizer.encode(req.text, add_special_tokens=True)
 
     def _prediction(self, req: GenerateReq) -> list[int]:
