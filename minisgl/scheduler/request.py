@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 
 from minisgl.kvcache import CacheHandle
 from minisgl.sampling import SamplingParams
+from minisgl.scheduler.prediction import Prediction
 
 PromptScore = tuple[float, list[tuple[int, float]], list[float]]  # (logprob, top (id, logprob), ids' logprobs)
 
@@ -75,7 +76,7 @@ class Req:
     spec_pause: int = 0
     # OpenAI's predicted output, tokenized, and its n-gram tables once it drafts (``Prediction``).
     prediction_ids: list[int] = field(default_factory=list)
-    prediction: Any = None
+    prediction: Prediction | None = None
     # Its last verify step still in flight (-1: none) and that step's draft (empty exactly when
     # none: drafts are never empty): until its tokens are back, kv_len counts the whole draft as
     # kept (a step planned meanwhile has the worker find the real length). ``verify_chain``: the

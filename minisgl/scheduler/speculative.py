@@ -3,10 +3,10 @@
 While few requests decode, each one's last tokens are looked up in an n-gram index over the
 radix tree's token paths (the other samples of its prompt, earlier requests: ``NgramIndex``),
 over its own tokens and over its predicted output (``Prediction``); what followed them there is
-its draft. A verify step is a decode step
-whose drafting requests each take a run of rows, one per position (its last token, then its
-draft), all on its page-table row: each row attends up to its own position, the run reads the
-pages before it once as a cascade group, and the step replays the decode CUDA graphs. Every
+its draft. A verify step is a decode step whose drafting requests each take a run of rows, one
+per position (its last token, then its draft), all on its page-table row: each row attends up
+to its own position, the run reads the pages before it once as a cascade group, and the step
+replays the decode CUDA graphs. Every
 row samples by its request's own rule. The worker's sampler draws position p's token from
 (seed, p) alone, so the token each row samples is the one a plain decode step would have
 sampled there: a draft token is kept while it equals the token sampled before it, and the first
