@@ -251,6 +251,7 @@ class GenerateReq(msgspec.Struct):
     routed_start: int = -1
     prediction: str | None = None  # OpenAI's predicted output: a draft source, no result depends on it
     continue_final: bool = False  # continue_final_message: the last message is left open and continued
+    truncate: bool = False  # the Responses API's truncation "auto": the oldest messages dropped to fit
 
 
 class GenerateBatch(msgspec.Struct, tag=True):

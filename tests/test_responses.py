@@ -325,3 +325,51 @@ def test_processes_opening_one_new_store_at_once_all_start(tmp_path):
     procs = [subprocess.Popen([sys.executable, "-c", code, str(path), start], stderr=subprocess.PIPE) for _ in range(8)]
     errors = [p.communicate(timeout=60)[1].decode() for p in procs]
     assert [p.returncode for p in procs] == [0] * 8, errors
+
+
+def test_truncation_auto_leaves_out_the_oldest_messages_until_the_prompt_fits(server):
+    """A conversation that with its max_output_tokens does not fit the context (8192 tokens): a
+    400 with truncation "disabled" (OpenAI's default), an answer with "auto"."""
+    turns = [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": f"Note {i}: " + "the river runs past the mill " * 12}
+        for i in range(8)
+    ]
+    body = {
+        "model": "default",
+        "instructions": "Answer briefly.",
+        "input": turns + [{"role": "user", "content": "Say hello."}],
+        "max_output_tokens": 7900,
+        "temperature": 0,
+        "stop": [" ", "\n", "."],
+    }
+    r = httpx.post(f"{server.url}/v1/responses", json=body, timeout=120)
+    assert r.status_code == 400 and "context" in r.text, r.text
+    r = httpx.post(f"{server.url}/v1/responses", json={**body, "truncation": "auto"}, timeout=120)
+    assert r.status_code == 200, r.text
+    response = r.json()
+    assert response["truncation"] == "auto" and 0 < response["usage"]["input_tokens"] <= 8192 - 7900
+    idle_and_clean(server)
+
+
+def test_truncation_keeps_system_messages_the_last_message_and_calls_with_their_results():
+    """``fit_chat`` (one token per character of content here): the fewest oldest messages left
+    out, the leading system message and the last message kept, no tool result without its call."""
+    from minisgl.tokenizer.chat import fit_chat
+
+    def encode(messages: list[dict]) -> list[int]:
+        return [0] * sum(len(m["content"]) for m in messages)
+
+    chat = [
+        {"role": "system", "content": "s" * 5},
+        {"role": "user", "content": "u" * 10},
+        {"role": "assistant", "content": "a" * 10, "tool_calls": [{}]},
+        {"role": "tool", "content": "t" * 10},
+        {"role": "user", "content": "v" * 10},
+        {"role": "assistant", "content": "b" * 10},
+        {"role": "user", "content": "w" * 10},
+    ]
+    assert len(fit_chat(chat, encode, lambda n: n <= 65)) == 65  # fits whole
+    assert len(fit_chat(chat, encode, lambda n: n <= 60)) == 55  # from the call on
+    assert len(fit_chat(chat, encode, lambda n: n <= 54)) == 35  # from "v": the call goes with its result
+    assert len(fit_chat(chat, encode, lambda n: n <= 15)) == 15  # the system message and the last one
+    assert len(fit_chat(chat, encode, lambda n: n <= 14)) == 15  # nothing fits: the shortest, refused by the caller

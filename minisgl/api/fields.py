@@ -328,6 +328,7 @@ RESPONSES = Schema(
         "stop",
         "seed",
         "cache_salt",
+        "truncation",
     },
     inert={
         "include",
@@ -347,7 +348,6 @@ RESPONSES = Schema(
         "background": False,
         "conversation": None,
         "prompt": None,
-        "truncation": "disabled",
         "top_logprobs": 0,
         "max_tool_calls": None,
         "stop_regex": None,
@@ -357,7 +357,6 @@ RESPONSES = Schema(
         "background": "background responses are not supported",
         "conversation": "conversations are not supported; continue with previous_response_id",
         "prompt": "stored prompt templates are not supported",
-        "truncation": "the context is never truncated; a prompt that does not fit is refused",
         "top_logprobs": "logprobs are not returned on this route; use /v1/chat/completions",
         "max_tool_calls": "use parallel_tool_calls: false for one call",
         "lora_path": "LoRA adapters are not supported",

@@ -199,9 +199,12 @@ class OpenAIRoutes(ApiBase):
         events = _chunks(runs, head, body, choice)
         return self._stream(runs, events)
 
-    async def _chat_runs(self, body: ChatCompletionRequest, rid: str) -> tuple[list[Run], list[ChatOutput]]:
+    async def _chat_runs(
+        self, body: ChatCompletionRequest, rid: str, truncate: bool = False
+    ) -> tuple[list[Run], list[ChatOutput]]:
         """Start a chat request's runs (one per choice, ids ``rid-j``), each with the reader of its
-        answer (reasoning, content, tool calls)."""
+        answer (reasoning, content, tool calls); ``truncate``: the oldest messages are dropped
+        until the prompt fits (the Responses API's truncation "auto")."""
         self._check_model(body.model)
         body.check()
         plan = body.tool_plan(self.info.tool_call_parser)
@@ -224,6 +227,7 @@ class OpenAIRoutes(ApiBase):
                     chat_template_kwargs=body.template_kwargs(),
                     prediction=predicted,
                     continue_final=body.continue_final_message,
+                    truncate=truncate,
                 )
             )
         runs = await self._start(reqs)

@@ -9,7 +9,8 @@ Streamed, the same items arrive as the typed events the openai client and the Ag
 ``MAX_STORED`` of them within ``MAX_STORED_BYTES``, so ``previous_response_id`` continues a
 conversation: each stored response keeps its own input and output messages and the id of the one
 it continued. A stored response belongs to its request's ``cache_salt`` (the tenant): only a
-request or a GET / DELETE (``?cache_salt=``) with the same salt finds it.
+request or a GET / DELETE (``?cache_salt=``) with the same salt finds it. With ``truncation:
+"auto"`` the tokenizer leaves out the oldest messages until the prompt fits (``chat.fit_chat``).
 """
 
 from __future__ import annotations
@@ -251,7 +252,7 @@ class ResponsesRoutes(OpenAIRoutes):
             "reasoning": msgspec.to_builtins(body.reasoning) if body.reasoning else None,
             "metadata": body.metadata or {},
             "store": body.store,
-            "truncation": "disabled",
+            "truncation": body.truncation,
             "user": body.user,
             "usage": None,
         }
@@ -292,7 +293,7 @@ class ResponsesRoutes(OpenAIRoutes):
         own = body.messages()
         chat = body.chat(self._history(body.previous_response_id, body.cache_salt) + own)
         rid = _id("resp")
-        runs, outputs = await self._chat_runs(chat, rid)
+        runs, outputs = await self._chat_runs(chat, rid, truncate=body.truncation == "auto")
         run, output = runs[0], outputs[0]
         response = self._head(body, rid)
         if not body.stream:

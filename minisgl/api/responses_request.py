@@ -88,6 +88,9 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     stop: str | list[str] | None = None
     seed: Int64 | None = None
     cache_salt: str | None = None
+    # "auto": the oldest messages (of this input and the responses it continues) are left out
+    # until the prompt fits the context, instead of a 400
+    truncation: Literal["auto", "disabled"] = "disabled"
 
     def messages(self) -> list[ChatMessageIn]:
         """``input`` as chat messages (without ``instructions``, which are not carried over to

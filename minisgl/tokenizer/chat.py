@@ -13,7 +13,7 @@ import inspect
 import json
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -160,6 +160,30 @@ def encode_chat(
             **kwargs,
         )
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def fit_chat(
+    messages: list[dict[str, Any]], encode: Callable[[list[dict[str, Any]]], list[int]], fits: Callable[[int], bool]
+) -> list[int]:
+    """The conversation with the fewest oldest messages left out for its tokens to fit (the
+    Responses API's ``truncation: "auto"``): its leading system messages and its last message
+    always stay, and a tool result never stays without the call it answers. Rendered O(log n)
+    times (a binary search over where the kept part starts). Returns the last rendering tried
+    when nothing fits (the caller refuses it)."""
+    ids = encode(messages)
+    if fits(len(ids)):
+        return ids
+    head = next((i for i, m in enumerate(messages) if m.get("role") != "system"), len(messages))
+    starts = [i for i in range(head + 1, len(messages)) if messages[i].get("role") != "tool"]
+    lo, hi, best = 0, len(starts) - 1, None  # fewer messages dropped at lower indices
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        tried = encode(messages[:head] + messages[starts[mid] :])
+        if fits(len(tried)):
+            best, hi = tried, mid - 1
+        else:
+            ids, lo = tried, mid + 1
+    return best if best is not None else ids
 
 
 def _with_parsed_arguments(message: dict[str, Any]) -> dict[str, Any]:

@@ -34,7 +34,7 @@ from minisgl.messages import (
     UpdateBatch,
 )
 from minisgl.tokenizer import load_tokenizer
-from minisgl.tokenizer.chat import detect_tool_parser, encode_chat
+from minisgl.tokenizer.chat import detect_tool_parser, encode_chat, fit_chat
 from minisgl.tokenizer.detokenizer import StopRegexTooSlow, TextStream, decode_ids
 from minisgl.utils import context_overflow, init_logging, keep_torch_out
 
@@ -244,9 +244,13 @@ class TokenizerProcess:
             if not self.tokenizer.chat_template:
                 raise ValueError("this model has no chat template; use /v1/completions or /generate")
             messages = [msgspec.structs.asdict(m) for m in req.messages]
-            return encode_chat(
-                self.tokenizer, messages, req.tools, req.chat_template_kwargs, continue_final=req.continue_final
-            )
+
+            def encode(kept: list[dict[str, Any]]) -> list[int]:
+                return encode_chat(
+                    self.tokenizer, kept, req.tools, req.chat_template_kwargs, continue_final=req.continue_final
+                )
+
+            return fit_chat(messages, encode, lambda n: self._fits(req, n)) if req.truncate else encode(messages)
         return self.tokenizer.encode(req.text, add_special_tokens=True)
 
     def _prediction(self, req: GenerateReq) -> list[int]:
@@ -256,6 +260,12 @@ class TokenizerProcess:
         assert self.info is not None
         text = req.prediction[: self.info.context_len * MAX_CHARS_PER_TOKEN]
         return self.tokenizer.encode(text, add_special_tokens=False)[: self.info.context_len]
+
+    def _fits(self, req: GenerateReq, n: int) -> bool:
+        """Whether a prompt of n tokens passes ``_check_length``."""
+        assert self.info is not None
+        limit = self.info.context_len
+        return 0 < n < limit and (req.fill_context or n + req.sampling.max_new_tokens <= limit)
 
     def _check_length(self, req: GenerateReq, n: int) -> None:
         assert self.info is not None
