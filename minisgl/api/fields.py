@@ -343,13 +343,13 @@ RESPONSES = Schema(
         "rid",
         "request_id",
         "priority",
+        "max_tool_calls",  # OpenAI's bound on calls to its built-in tools: function tools only here
     },
     default_only={
         "background": False,
         "conversation": None,
         "prompt": None,
         "top_logprobs": 0,
-        "max_tool_calls": None,
         "stop_regex": None,
         "lora_path": None,
     },
@@ -358,7 +358,6 @@ RESPONSES = Schema(
         "conversation": "conversations are not supported; continue with previous_response_id",
         "prompt": "stored prompt templates are not supported",
         "top_logprobs": "logprobs are not returned on this route; use /v1/chat/completions",
-        "max_tool_calls": "use parallel_tool_calls: false for one call",
         "lora_path": "LoRA adapters are not supported",
     },
 )
