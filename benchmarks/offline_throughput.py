@@ -232,11 +232,6 @@ def main() -> None:
         default=1,
         help="tensor-parallel ranks (worker processes; the in-process ablations and --profile need 1)",
     )
-    ap.add_argument(
-        "--enable-two-batch-overlap",
-        action="store_true",
-        help="tensor parallelism: all-reduces of one half of a step's rows behind the other half's GEMMs",
-    )
     args = ap.parse_args()
     init_logging("info")  # pool size, derived limits, CUDA-graph capture time
     if ("hicache" in args.variants) != (args.hicache > 0):
@@ -266,7 +261,6 @@ def main() -> None:
             chunked_prefill_size=args.chunked_prefill_size,
             context_length=args.context_length,
             tp_size=args.tp_size,
-            enable_two_batch_overlap=args.enable_two_batch_overlap,
             cuda_graph_max_bs=args.cuda_graph_max_bs,
             quantization=None if quantization == "none" else "fp8",
             kv_cache_dtype=kv_dtype,

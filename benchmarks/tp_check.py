@@ -59,10 +59,6 @@ VARIANTS = {  # tp=2 all-reduce variants: extra server flags
     "nccl": ["--disable-custom-all-reduce"],
     "one-shot": [],
     "fp32": ["--enable-fp32-all-reduce"],
-    "overlap": ["--enable-two-batch-overlap"],
-    "overlap8": ["--enable-two-batch-overlap", "--x-carveout", "8"],  # EXPERIMENT
-    "overlap16": ["--enable-two-batch-overlap", "--x-carveout", "16"],
-    "overlap32": ["--enable-two-batch-overlap", "--x-carveout", "32"],
 }
 
 
@@ -184,12 +180,10 @@ def _step_rank(
     from minisgl.messages import ForwardBatch
     from minisgl.worker.model_runner import ModelRunner
 
-    if "--x-carveout" in flags:  # EXPERIMENT
-        os.environ["MINISGL_SM_CARVEOUT"] = _flag_value(flags, "--x-carveout", "0")
     if world > 1:
         torch.cuda.set_device(rank)
         dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world)
-        set_tp_info(rank, world, "--enable-fp32-all-reduce" in flags, "--enable-two-batch-overlap" in flags)
+        set_tp_info(rank, world, "--enable-fp32-all-reduce" in flags)
     args = EngineArgs(
         model=model,
         load_format="dummy",

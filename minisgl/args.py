@@ -88,7 +88,6 @@ class EngineArgs:
     piecewise_cuda_graph_tokens: list[int] | None = None  # the sizes captured (default: a ladder to the maximum)
     disable_custom_all_reduce: bool = False  # tp on GPUs: NCCL for every all-reduce, not the one-shot kernels
     enable_fp32_all_reduce: bool = False  # tp: fp32 partial sums, fp8 row scales across ranks (tp=2 rounds as tp=1)
-    enable_two_batch_overlap: bool = False  # tp: two halves of a step's rows hide each other's all-reduces
     max_prefill_tokens: int | None = None  # tokens of one prefill step (None: chunked_prefill_size)
     revision: str | None = None  # of a hub model
     chat_template: str | None = None  # a Jinja template file (or the template itself) to use instead
@@ -502,13 +501,6 @@ def add_engine_args(ap: argparse.ArgumentParser) -> dict[str, argparse._Argument
         "float32 and rounded once (bf16: greedy tokens at tp=2 matched tp=1 on 56/64 instead of 27/64 "
         "requests; decode ~5%% slower), and under per-token fp8 their inputs are quantized with the "
         "whole row's scale (an all-reduced amax) instead of each rank's columns'",
-    )
-    parallel.add_argument(
-        "--enable-two-batch-overlap",
-        action="store_true",
-        help="tensor parallelism: between attentions a step's rows run as two halves, whose "
-        "all-reduces (on a second CUDA stream) overlap the other half's GEMMs; dense models, "
-        "steps of 32 rows or more",
     )
     sched.add_argument(
         "--disable-overlap-schedule", action="store_true", help="wait for each step's tokens before scheduling the next"

@@ -128,21 +128,3 @@ def test_fp8_at_tp2_with_scales_across_ranks_follows_tp1(tmp_path):
     got = _outputs(path, prompts, tp_size=2, enable_fp32_all_reduce=True, **kw)
     same = sum(a == b for a, b in zip(want, got))
     assert same >= len(prompts) * 3 // 4, f"{same} of {len(prompts)} requests agree with tp=1"
-
-
-def test_two_batch_overlap_at_tp2_keeps_greedy_tokens(tmp_path):
-    """--enable-two-batch-overlap at tp=2 on GPUs: the halves' all-reduces on a second stream,
-    captured in the decode and prefill graphs, against the whole-batch step. In float32 (one-shot
-    all-reduce, then the norm) every token must match; in bf16 (the fused all-reduce + norm)
-    the row-split GEMMs may round a near-tie the other way in a request or two."""
-    from minisgl.tiny_model import make_tiny_model
-    from tests.test_scheduler import shared_prefix_prompts
-
-    path = make_tiny_model("llama", tmp_path / "llama-hd128", overrides={"head_dim": 128})
-    prompts = shared_prefix_prompts(4, 16, 100) + [[7] * 700, list(range(3, 40))]
-    for dtype, slack in (("float32", 0), ("bfloat16", 2)):
-        kw = dict(dtype=dtype, tp_size=2, chunked_prefill_size=1024)
-        plain = _outputs(path, prompts, **kw)
-        overlap = _outputs(path, prompts, enable_two_batch_overlap=True, **kw)
-        same = sum(a == b for a, b in zip(plain, overlap))
-        assert same >= len(prompts) - slack, f"{dtype}: {same} of {len(prompts)} requests agree"

@@ -170,22 +170,19 @@ class AttentionBackend(ABC):
         cos_sin: torch.Tensor,
         norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
         out: torch.Tensor | None = None,
-        rows: slice | None = None,
     ) -> torch.Tensor:
         """From a layer's qkv projection [T, (Hq + 2 Hk) * D]: per-head q/k norm (``norm``),
         rotary, K/V written to the new tokens' slots. Returns q [T, Hq, D] for ``forward``
-        (``out`` if given). With ``rows``, ``qkv`` holds only those rows of the step's tokens
-        (``positions`` is all of them): two micro-batches store their halves apart."""
+        (``out`` if given)."""
         self.kv_cache.wait_layer(layer_id)  # host-tier copies into (or out of) this layer's pages
-        rows = slice(None) if rows is None else rows
         return rope_store(
             qkv,
             self.num_qo_heads,
-            positions[rows],
+            positions,
             cos_sin,
             self.kv_cache.k_cache(layer_id),
             self.kv_cache.v_cache(layer_id),
-            self.out_loc[rows],
+            self.out_loc,
             norm,
             self.kv_cache.scales[layer_id],
             out,

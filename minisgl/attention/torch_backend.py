@@ -69,24 +69,22 @@ class TorchBackend(AttentionBackend):
         cos_sin: torch.Tensor,
         norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
         out: torch.Tensor | None = None,
-        rows: slice | None = None,
     ) -> torch.Tensor:
         if qkv.is_cuda:  # the CUDA kernel, as on the other backends
-            return super().rope_store(qkv, positions, layer_id, cos_sin, norm, out, rows)
+            return super().rope_store(qkv, positions, layer_id, cos_sin, norm, out)
         if self._rows is None:
             self._rows = rope_rows(cos_sin, positions, qkv.dtype)
-        rows = slice(None) if rows is None else rows
         return into(
             rope_store_torch(
                 qkv,
                 self.num_qo_heads,
-                positions[rows],
+                positions,
                 cos_sin,
                 self.kv_cache.k_cache(layer_id),
                 self.kv_cache.v_cache(layer_id),
-                self.out_loc[rows],
+                self.out_loc,
                 norm,
-                tuple(t[rows] for t in self._rows),
+                self._rows,
                 self.kv_cache.scales[layer_id],
             ),
             out,

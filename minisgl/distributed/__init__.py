@@ -29,9 +29,6 @@ class TPInfo:
     # Row-parallel partial sums all-reduced in float32, rounded once to the model's dtype as at
     # tp=1 (--enable-fp32-all-reduce): tp=2 then matches tp=1's greedy tokens far more often.
     reduce_fp32: bool = False
-    # Between attentions the rows run as two halves whose all-reduces hide behind each other's
-    # GEMMs (--enable-two-batch-overlap, models/overlap.py).
-    overlap: bool = False
 
     @property
     def is_primary(self) -> bool:
@@ -41,9 +38,9 @@ class TPInfo:
 _TP = TPInfo()
 
 
-def set_tp_info(rank: int, size: int, reduce_fp32: bool = False, overlap: bool = False) -> None:
+def set_tp_info(rank: int, size: int, reduce_fp32: bool = False) -> None:
     global _TP
-    _TP = TPInfo(rank, size, reduce_fp32, overlap)
+    _TP = TPInfo(rank, size, reduce_fp32)
 
 
 def get_tp_info() -> TPInfo:

@@ -25,7 +25,6 @@ from minisgl.layers.norm import RMSNorm
 from minisgl.layers.quantization import Fp8Act
 from minisgl.layers.rotary import RotaryEmbedding
 from minisgl.model_config import ModelConfig
-from minisgl.models.overlap import TwoBatchOverlap
 
 
 class Attention(nn.Module):
@@ -44,18 +43,13 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
 
     def project(
-        self,
-        x: torch.Tensor | Fp8Act,
-        positions: torch.Tensor,
-        out: torch.Tensor | None = None,
-        rows: slice | None = None,
+        self, x: torch.Tensor | Fp8Act, positions: torch.Tensor, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         """The query [T, Hq, D] of the qkv projection (written into ``out`` if given), with K and V
-        stored in the cache: everything before attention that the step's metadata decides. With
-        ``rows``, ``x`` holds only those rows of the step's tokens (``positions`` all of them)."""
+        stored in the cache: everything before attention that the step's metadata decides."""
         backend = get_attention_backend()
         norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if hasattr(self, "q_norm") else None
-        return backend.rope_store(self.qkv_proj(x), positions, self.layer_id, self.rotary.cos_sin, norm, out, rows)
+        return backend.rope_store(self.qkv_proj(x), positions, self.layer_id, self.rotary.cos_sin, norm, out)
 
 
 class MLP(nn.Module):
@@ -129,6 +123,12 @@ class DecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm(x, residual, self.defer)
         return self.mlp(x, not self.defer), residual
 
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        q, residual = self.attention_input(x, residual, positions)
+        return self.attention_output(get_attention_backend().forward(q, self.self_attn.layer_id), residual)
+
 
 def defers_reduce(config: ModelConfig) -> bool:
     """Whether the row-parallel projections leave their all-reduce to the next norm: under
@@ -146,39 +146,13 @@ class DecoderModel(nn.Module):
         rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta, config.rope_scaling)
         self.layers = nn.ModuleList(DecoderLayer(config, i, rotary) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # Dense layers only: a sparse block's routing capture records whole steps.
-        dense = not any(config.is_moe_layer(i) for i in range(config.num_layers))
-        self.overlap = TwoBatchOverlap() if self.defer and get_tp_info().overlap and dense else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        q, residual = self.layers[0].attention_input(self.embed_tokens(input_ids), None, positions)
-        backend = get_attention_backend()
-        for i, layer in enumerate(self.layers):
-            q, residual = self.after_attention(i, backend.forward(q, layer.self_attn.layer_id), residual, positions)
-        return q
-
-    def after_attention(
-        self,
-        i: int,
-        attn: torch.Tensor,
-        residual: torch.Tensor,
-        positions: torch.Tensor,
-        out: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """From layer i's attention output [T, Hq, D] through layer i+1's query (see
-        ``Attention.project``), or after the last layer through the final norm (hidden [T, H]);
-        written to ``out`` if given. Returns it with the residual stream. Under tensor
-        parallelism with ``overlap`` the rows run as two halves whose all-reduces hide behind
-        each other's GEMMs (``TwoBatchOverlap``)."""
-        layer = self.layers[i]
-        nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
-        if self.overlap is not None and self.overlap.takes(attn.shape[0]):
-            return self.overlap(layer, nxt, self.norm, attn, residual, positions, out)
-        x, residual = layer.attention_output(attn, residual)
-        if nxt is not None:
-            return nxt.attention_input(x, residual, positions, out)
-        hidden = self.norm(x, residual, self.defer)[0]
-        return (hidden if out is None else out.copy_(hidden)), residual
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(x, residual, positions)
+        x, _ = self.norm(x, residual, self.defer)
+        return x
 
     @property
     def num_pieces(self) -> int:
@@ -200,10 +174,13 @@ class DecoderModel(nn.Module):
         written to ``hidden_out``). The residual stream lives in ``residual`` between pieces.
         Running every piece with each layer's attention between them is ``forward``."""
         if i == 0:
-            _, res = self.layers[0].attention_input(self.embed_tokens(input_ids), None, positions, q_out)
+            x, res = self.embed_tokens(input_ids), None
         else:
-            out = q_out if i < len(self.layers) else hidden_out
-            _, res = self.after_attention(i - 1, attn, residual, positions, out)
+            x, res = self.layers[i - 1].attention_output(attn, residual)
+        if i < len(self.layers):
+            _, res = self.layers[i].attention_input(x, res, positions, q_out)
+        else:
+            hidden_out.copy_(self.norm(x, res, self.defer)[0])
         if res.data_ptr() != residual.data_ptr():  # the fused norms update it in place; the torch ones do not
             residual.copy_(res)
 

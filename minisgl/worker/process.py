@@ -42,7 +42,7 @@ def _init_distributed(args: EngineArgs, rank: int, addrs: Addresses) -> None:
         world_size=args.tp_size,
         device_id=device,
     )
-    set_tp_info(rank, args.tp_size, args.enable_fp32_all_reduce, args.enable_two_batch_overlap)
+    set_tp_info(rank, args.tp_size, args.enable_fp32_all_reduce)
 
 
 def run_worker(args: EngineArgs, rank: int, addrs: Addresses, log_level: str) -> None:
