@@ -407,6 +407,7 @@ class EngineInfo(msgspec.Struct, tag=True):
     storage_fingerprint: str = ""  # what the KV bytes mean (model, layout, dtype): the disk tier's folder
     weight_version: str = "default"  # of the weights serving now (--weight-version, then each update's)
     device: str = "cpu"  # the workers' device type (the scheduler itself never loads torch)
+    speculative: bool = False  # the scheduler drafts tokens (a request's predicted output is a draft source)
 
 
 ToTokenizer = GenerateBatch | AbortReq | ControlReq | ControlReply | TextReq | TokenBatch | EngineInfo

@@ -654,3 +654,36 @@ def test_a_predicted_output_speeds_decoding_and_changes_no_token(tiny_llama):
         assert tokens(llm.generate(prompts, params, predictions=given)) == off
         kept[name] = llm.scheduler.stats()["spec_accepted_tokens"]
     assert kept["predicted"] > max(2 * kept["none"], len(prompts) * 48 // 2), kept
+
+
+def test_the_server_drafts_from_a_predicted_output(smollm2_gguf):
+    """Through /v1/chat/completions the tokenizer hands a prediction's tokens to a speculating
+    scheduler: the same greedy answer, asked again with itself as the prediction (radix cache
+    off, so no tree remembers it), keeps more drafts and reads the same. (SmolLM2: its answers
+    are text that encodes back to their tokens.)"""
+    import httpx
+
+    from tests.server_utils import running_server
+
+    body = {
+        "model": "smol",
+        "messages": [{"role": "user", "content": "Write a short poem about the sea."}],
+        "max_tokens": 48,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    args = ("--speculative-algorithm", "NGRAM", "--disable-radix-cache")
+    with running_server(smollm2_gguf, *args) as srv:
+
+        def ask(**extra) -> tuple[str, int]:
+            """The answer and how many drafted tokens it kept."""
+            before = srv.server_info()["scheduler"]["spec_accepted_tokens"]
+            r = httpx.post(f"{srv.url}/v1/chat/completions", json={**body, **extra}, timeout=120)
+            assert r.status_code == 200, r.text
+            kept = srv.server_info()["scheduler"]["spec_accepted_tokens"] - before
+            return r.json()["choices"][0]["message"]["content"], kept
+
+        text, alone = ask()
+        again, predicted = ask(prediction={"type": "content", "content": text})
+    assert again == text
+    assert predicted > max(2 * alone, 48 // 2), (alone, predicted)

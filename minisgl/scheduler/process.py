@@ -76,6 +76,7 @@ class SchedulerProcess:
         self._last_log, self._tokens_since_log, self._logged_steps = time.monotonic(), 0, 0
         self._turned = time.monotonic()  # when the main loop last came round
         self._in_control = False  # a control task (new weights, memory) runs: not a hung step
+        info.speculative = self.sched.spec is not None
         self.tokenizer.send(info)
 
     # ---- messages ------------------------------------------------------------------------------

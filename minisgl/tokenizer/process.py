@@ -250,35 +250,41 @@ class TokenizerProcess:
                     self.tokenizer, kept, req.tools, req.chat_template_kwargs, continue_final=req.continue_final
                 )
 
-            return fit_chat(messages, encode, lambda n: self._fits(req, n)) if req.truncate else encode(messages)
+            if not req.truncate:
+                return encode(messages)
+            return fit_chat(messages, encode, lambda n: self._length_error(req, n) is None)
         return self.tokenizer.encode(req.text, add_special_tokens=True)
 
     def _prediction(self, req: GenerateReq) -> list[int]:
-        """The predicted output's tokens (none without a tokenizer, or past what a context holds)."""
-        if not req.prediction or self.tokenizer is None:
-            return []
+        """The predicted output's tokens: a draft source when the scheduler speculates (none
+        without a tokenizer, or past what a context holds)."""
         assert self.info is not None
+        if not req.prediction or self.tokenizer is None or not self.info.speculative:
+            return []
         text = req.prediction[: self.info.context_len * MAX_CHARS_PER_TOKEN]
         return self.tokenizer.encode(text, add_special_tokens=False)[: self.info.context_len]
 
-    def _fits(self, req: GenerateReq, n: int) -> bool:
-        """Whether a prompt of n tokens passes ``_check_length``."""
-        assert self.info is not None
-        limit = self.info.context_len
-        return 0 < n < limit and (req.fill_context or n + req.sampling.max_new_tokens <= limit)
-
-    def _check_length(self, req: GenerateReq, n: int) -> None:
+    def _length_error(self, req: GenerateReq, n: int) -> str | None:
+        """Why a prompt of n tokens cannot run with this request's max_new_tokens (None: it can;
+        under ``fill_context`` the answer takes what the context leaves)."""
         assert self.info is not None
         limit = self.info.context_len
         if n == 0:
-            raise ValueError("the prompt is empty")
+            return "the prompt is empty"
         if n >= limit:
-            raise ValueError(context_overflow(limit, n))
+            return context_overflow(limit, n)
+        if not req.fill_context and n + req.sampling.max_new_tokens > limit:
+            return context_overflow(limit, n, req.sampling.max_new_tokens)
+        return None
+
+    def _check_length(self, req: GenerateReq, n: int) -> None:
+        error = self._length_error(req, n)
+        if error is not None:
+            raise ValueError(error)
         if req.fill_context:  # what the context leaves, within what the KV pool can hold
+            assert self.info is not None
             pool = self.info.num_pages * self.info.page_size
-            req.sampling.max_new_tokens = max(1, min(limit, pool) - n)
-        elif n + req.sampling.max_new_tokens > limit:
-            raise ValueError(context_overflow(limit, n, req.sampling.max_new_tokens))
+            req.sampling.max_new_tokens = max(1, min(self.info.context_len, pool) - n)
 
     def _on_generate(self, reqs: list[GenerateReq]) -> None:
         """Tokenize one HTTP request's sequences; the accepted ones go on to the scheduler together."""
