@@ -201,6 +201,8 @@ def test_the_agents_sdk_runs_a_tool_round_trip(server):
         ({"metadata": {"k" * 65: "v"}}, "metadata"),
         ({"metadata": {"k": 5}}, "metadata"),
         ({"user": "u" * 257}, "user"),
+        ({"top_logprobs": 21, "include": ["message.output_text.logprobs"]}, "top_logprobs"),
+        ({"include": ["message.output_text.tokens"]}, "include"),
     ],
 )
 def test_bad_bodies_are_refused_by_name(server, body, param):
@@ -230,6 +232,60 @@ def test_whole_and_streamed_items_come_from_one_path():
         whole = items([text])
         assert whole == items([text[:5], text[5:12], text[12:]])
         assert [it["type"] for it in whole] == ["reasoning", "message"]
+
+
+def test_output_text_logprobs_are_its_tokens_only():
+    """With a reasoning parser the output_text's logprobs are those of the tokens after the
+    reasoning, however the updates split the tokens; each token once."""
+    from minisgl.api.protocol import ToolPlan
+    from minisgl.api.responses import TextLogprobs, _Events
+    from minisgl.messages import TokenLogprob
+    from minisgl.parsers.chat_output import ChatOutput
+
+    pieces = ["<think>", "pl", "an", "</think>", "Par", "is", "."]
+    lps = [TokenLogprob(i, t, -0.1 * i, [(i, t, -0.1 * i)]) for i, t in enumerate(pieces)]
+
+    def logprobs(cuts: list[int]) -> list[str]:
+        out, lp = ChatOutput(ToolPlan(), "qwen3"), TextLogprobs()
+        stream = _Events(lp)
+        for a, b in zip([0, *cuts], [*cuts, len(lps)]):
+            lp.add(lps[a:b])
+            stream.delta(out.delta("".join(pieces[a:b]), b == len(lps)))
+        stream.finish()
+        message = next(it for it in stream.items if it["type"] == "message")
+        assert message["content"][0]["text"] == "Paris."
+        got = message["content"][0]["logprobs"]
+        assert [g["logprob"] for g in got] == [-0.1 * i for i in (4, 5, 6)]
+        assert all(g["top_logprobs"][0]["token"] == g["token"] for g in got)
+        return [g["token"] for g in got]
+
+    for cuts in ([], [1, 2, 3, 4, 5, 6], [3, 5], [4], [6]):
+        assert logprobs(cuts) == ["Par", "is", "."], cuts
+
+
+def test_output_text_logprobs_equal_the_chat_routes(server, client):
+    """include: ["message.output_text.logprobs"] gives the output_text the chat route's logprobs
+    for the same greedy answer, whole and streamed; without it they stay empty."""
+    messages = [{"role": "user", "content": "Name a color."}]
+    chat = client.chat.completions.create(
+        model="default", messages=messages, temperature=0, max_tokens=8, logprobs=True, top_logprobs=2
+    )
+    want = [(t.token, t.logprob, [a.token for a in t.top_logprobs]) for t in chat.choices[0].logprobs.content]
+    body = {"model": "default", "input": "Name a color.", "max_output_tokens": 8, "temperature": 0}
+    asked = {**body, "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    r = httpx.post(f"{server.url}/v1/responses", json=asked, timeout=60).json()
+    part = r["output"][0]["content"][0]
+    assert part["text"] == chat.choices[0].message.content and r["top_logprobs"] == 2
+    got = [(t["token"], t["logprob"], [a["token"] for a in t["top_logprobs"]]) for t in part["logprobs"]]
+    assert [g[0] for g in got] == [w[0] for w in want] and [g[2] for g in got] == [w[2] for w in want]
+    assert max(abs(g[1] - w[1]) for g, w in zip(got, want)) < 1e-4
+    events = list(client.responses.create(**{**asked, "stream": True}))
+    streamed = [t.token for e in events if e.type == "response.output_text.delta" for t in e.logprobs]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert streamed == [t.token for t in done.logprobs] == [w[0] for w in want]
+    plain = httpx.post(f"{server.url}/v1/responses", json=body, timeout=60).json()
+    assert plain["output"][0]["content"][0]["logprobs"] == []
+    idle_and_clean(server)
 
 
 def test_stored_responses_belong_to_their_tenant(server, client):

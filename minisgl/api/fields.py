@@ -329,9 +329,10 @@ RESPONSES = Schema(
         "seed",
         "cache_salt",
         "truncation",
+        "include",
+        "top_logprobs",
     },
     inert={
-        "include",
         "service_tier",
         "safety_identifier",
         "prompt_cache_key",
@@ -349,7 +350,6 @@ RESPONSES = Schema(
         "background": False,
         "conversation": None,
         "prompt": None,
-        "top_logprobs": 0,
         "stop_regex": None,
         "lora_path": None,
     },
@@ -357,7 +357,6 @@ RESPONSES = Schema(
         "background": "background responses are not supported",
         "conversation": "conversations are not supported; continue with previous_response_id",
         "prompt": "stored prompt templates are not supported",
-        "top_logprobs": "logprobs are not returned on this route; use /v1/chat/completions",
         "lora_path": "LoRA adapters are not supported",
     },
 )

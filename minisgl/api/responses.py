@@ -11,6 +11,8 @@ conversation: each stored response keeps its own input and output messages and t
 it continued. A stored response belongs to its request's ``cache_salt`` (the tenant): only a
 request or a GET / DELETE (``?cache_salt=``) with the same salt finds it. With ``truncation:
 "auto"`` the tokenizer leaves out the oldest messages until the prompt fits (``chat.fit_chat``).
+With ``include: ["message.output_text.logprobs"]`` the output_text carries its tokens' logprobs
+(``TextLogprobs``: reasoning and tool-call tokens are not part of it).
 """
 
 from __future__ import annotations
@@ -26,10 +28,11 @@ from starlette.responses import JSONResponse, Response
 
 from minisgl.api.base import Run, merge, read_body
 from minisgl.api.fields import RESPONSES
-from minisgl.api.openai import OpenAIRoutes, _usage
+from minisgl.api.openai import OpenAIRoutes, _openai_logprob, _usage
 from minisgl.api.protocol import BadRequest, ChatMessageIn, FunctionCallIn, ToolCallIn
 from minisgl.api.response_store import MAX_STORED, ResponseStore, Stored
 from minisgl.api.responses_request import ResponsesRequest
+from minisgl.messages import TokenLogprob
 
 _encoder = msgspec.json.Encoder()
 
@@ -74,10 +77,55 @@ def _answer(items: list[dict[str, Any]]) -> ChatMessageIn:
     return ChatMessageIn("assistant", text or None, tool_calls=calls or None)
 
 
-class _Events:
-    """A streamed answer's deltas as Responses events, items opened and closed in order."""
+class TextLogprobs:
+    """Which tokens make up the output_text, whose logprobs go with it. The answer is its tokens'
+    texts joined; the output_text (the chat content) is one stretch of it, after any reasoning
+    and before any tool call: found once where its first characters follow the reasoning text,
+    then each content delta covers the next characters, and the tokens that overlap them are
+    that delta's (each token once)."""
 
     def __init__(self) -> None:
+        self.text = ""  # every token's text so far, joined
+        self.ends: list[int] = []  # where each token's text ends in it
+        self.lps: list[TokenLogprob] = []
+        self.start: int | None = None  # where the output_text begins in ``text``
+        self.shown = 0  # output_text characters handed out
+        self.taken = 0  # tokens looked at
+
+    def add(self, lps: list[TokenLogprob]) -> None:
+        for lp in lps:
+            self.text += lp.text
+            self.ends.append(len(self.text))
+            self.lps.append(lp)
+
+    def take(self, content: str, reasoning: str) -> list[dict[str, Any]]:
+        """The logprobs of the tokens behind the output_text's next characters ``content``;
+        ``reasoning``: the reasoning text so far."""
+        if self.start is None:
+            at = self.text.find(reasoning) if reasoning else -1
+            after = at + len(reasoning) if at >= 0 else 0
+            found = self.text.find(content, after)
+            self.start = found if found >= 0 else after
+        self.shown += len(content)
+        end, out = self.start + self.shown, []
+        while self.taken < len(self.lps):
+            lp, stop = self.lps[self.taken], self.ends[self.taken]
+            begin = stop - len(lp.text)
+            if begin > end or (begin == end and lp.text):  # past these characters
+                break
+            if stop > self.start or (not lp.text and begin >= self.start):
+                out.append(_openai_logprob(lp))
+            self.taken += 1
+        return out
+
+
+class _Events:
+    """A streamed answer's deltas as Responses events, items opened and closed in order;
+    ``logprobs`` (if asked for) gives each output_text delta its tokens' logprobs."""
+
+    def __init__(self, logprobs: TextLogprobs | None = None) -> None:
+        self.logprobs = logprobs
+        self.reasoning = ""  # all reasoning text so far
         self.seq = 0
         self.items: list[dict[str, Any]] = []  # finished items
         self.open: dict[str, Any] | None = None  # the item being streamed
@@ -112,6 +160,7 @@ class _Events:
                 out += self.open_item(_reasoning_item())
             part = self.open["content"][0]
             part["text"] += delta["reasoning_content"]
+            self.reasoning += delta["reasoning_content"]
             out.append(
                 self.event(
                     "response.reasoning_text.delta",
@@ -126,6 +175,8 @@ class _Events:
                 out += self.open_item(_message_item())
             part = self.open["content"][0]
             part["text"] += delta["content"]
+            logprobs = self.logprobs.take(delta["content"], self.reasoning) if self.logprobs else []
+            part["logprobs"] += logprobs
             out.append(
                 self.event(
                     "response.output_text.delta",
@@ -133,7 +184,7 @@ class _Events:
                     output_index=len(self.items),
                     content_index=0,
                     delta=delta["content"],
-                    logprobs=[],
+                    logprobs=logprobs,
                 )
             )
         for call in delta.get("tool_calls", []):
@@ -185,7 +236,7 @@ class _Events:
                     output_index=index,
                     content_index=0,
                     text=part["text"],
-                    logprobs=[],
+                    logprobs=part["logprobs"],
                 )
             )
             out.append(
@@ -253,6 +304,7 @@ class ResponsesRoutes(OpenAIRoutes):
             "metadata": body.metadata or {},
             "store": body.store,
             "truncation": body.truncation,
+            "top_logprobs": body.top_logprobs,
             "user": body.user,
             "usage": None,
         }
@@ -299,16 +351,22 @@ class ResponsesRoutes(OpenAIRoutes):
         if not body.stream:
             if not await self._collect(runs, request):
                 return Response(status_code=499)
-            whole = _Events()  # the whole answer as one final delta: the items a stream ends with
+            logprobs = TextLogprobs() if body.logprobs else None
+            if logprobs is not None:
+                logprobs.add(run.logprobs)
+            whole = _Events(logprobs)  # the whole answer as one final delta: the items a stream ends with
             whole.delta(output.delta(run.text, True))
             whole.finish()
             return JSONResponse(self._finish(body, response, run, whole.items, own))
 
         async def events() -> AsyncIterator[bytes]:
-            stream = _Events()
+            logprobs = TextLogprobs() if body.logprobs else None
+            stream = _Events(logprobs)
             yield stream.event("response.created", response=dict(response))
             yield stream.event("response.in_progress", response=dict(response))
             async for _, upd in merge(runs):
+                if logprobs is not None:
+                    logprobs.add(upd.logprobs)
                 for chunk in stream.delta(output.delta(upd.text, upd.finish_reason is not None)):
                     yield chunk
             for chunk in stream.finish():

@@ -15,6 +15,7 @@ from typing import Any, Literal
 import msgspec
 
 from minisgl.api.protocol import (
+    MAX_TOP_LOGPROBS,
     BadRequest,
     ChatCompletionRequest,
     ChatMessageIn,
@@ -33,6 +34,19 @@ TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_te
 ROLES = ("user", "system", "developer", "assistant")
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's limits
 MAX_USER = 256
+LOGPROBS = "message.output_text.logprobs"
+# OpenAI's other ``include`` values name outputs of its built-in tools, images and encrypted
+# reasoning, none of which this server produces: accepted, with nothing to add.
+INCLUDE = (
+    LOGPROBS,
+    "web_search_call.action.sources",
+    "web_search_call.results",
+    "code_interpreter_call.outputs",
+    "computer_call_output.output.image_url",
+    "file_search_call.results",
+    "message.input_image.image_url",
+    "reasoning.encrypted_content",
+)
 
 
 class TextFormat(msgspec.Struct, forbid_unknown_fields=True):
@@ -91,6 +105,14 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     # "auto": the oldest messages (of this input and the responses it continues) are left out
     # until the prompt fits the context, instead of a 400
     truncation: Literal["auto", "disabled"] = "disabled"
+    # logprobs of the output_text's tokens come with include: ["message.output_text.logprobs"],
+    # each with its top_logprobs most likely alternatives
+    include: list[str] | None = None
+    top_logprobs: Int32 = 0
+
+    @property
+    def logprobs(self) -> bool:
+        return LOGPROBS in (self.include or [])
 
     def messages(self) -> list[ChatMessageIn]:
         """``input`` as chat messages (without ``instructions``, which are not carried over to
@@ -153,6 +175,11 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
         if self.max_output_tokens is not None and self.max_output_tokens < 1:
             raise BadRequest(f"max_output_tokens must be >= 1, got {self.max_output_tokens}", param="max_output_tokens")
         self._check_stored_fields()
+        for value in self.include or []:
+            if value not in INCLUDE:
+                raise BadRequest(f"include has {value!r}; known values: {', '.join(INCLUDE)}", param="include")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise BadRequest(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs")
         messages = ([ChatMessageIn("system", self.instructions)] if self.instructions else []) + history
         return ChatCompletionRequest(
             model=self.model,
@@ -175,6 +202,8 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
             stop=self.stop,
             seed=self.seed,
             cache_salt=self.cache_salt,
+            logprobs=self.logprobs,
+            top_logprobs=self.top_logprobs if self.logprobs else None,
         )
 
     def _tools(self) -> list[Tool] | None:
