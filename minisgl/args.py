@@ -96,6 +96,7 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"  # auto (the model dtype), fp8_e4m3, bf16
     quantize_lm_head: bool = False  # the LM head in fp8 too (per vocabulary row), with fp8 linear layers
     enable_return_routed_experts: bool = False  # MoE: requests may ask for each token's experts
+    enable_return_hidden_states: bool = False  # requests may ask for each token's last hidden state
     grammar_compile_timeout_secs: float = 15.0  # a request whose grammar is not compiled by then ends with an error
     # Hierarchical cache: a host-memory tier under the radix tree (SGLang's HiCache flags).
     enable_hierarchical_cache: bool = False
@@ -366,6 +367,14 @@ def add_engine_args(ap: argparse.ArgumentParser) -> dict[str, argparse._Argument
         help="mixture-of-experts models: a /generate request with return_routed_experts gets each "
         "token's top-k expert ids per layer in meta_info.routed_experts (base64 int32, [tokens, "
         "layers, k], -1 for dense layers), for trainers that replay the routing",
+    )
+    model.add_argument(
+        "--enable-return-hidden-states",
+        action="store_true",
+        help="a request with return_hidden_states gets the model's last hidden state (after the "
+        "final norm, the LM head's input) of every prompt position and every output token but the "
+        "last, in meta_info.hidden_states (SGLang's layout: the prompt's rows first, then one row "
+        "per token); the chat and completions routes give each choice its last one",
     )
     model.add_argument(
         "--kv-cache-dtype",

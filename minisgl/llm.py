@@ -18,6 +18,7 @@ from minisgl.scheduler.output import prompt_scores
 from minisgl.tokenizer import eos_ids, load_tokenizer
 from minisgl.tokenizer.chat import encode_chat
 from minisgl.tokenizer.detokenizer import StopRegexTooSlow, TextStream, decode_ids
+from minisgl.utils import hidden_state_rows
 from minisgl.worker import ModelRunner
 from minisgl.worker.spawn import WorkerGroup
 
@@ -128,8 +129,10 @@ class LLM:
         }
         if req.error is not None:  # ended by an error (its grammar rejected a sampled token)
             meta["error"] = req.error
-        if req.routed_start >= 0:
-            meta["routed_experts"] = base64.b64encode(b"".join(req.routed)).decode()
+        if req.routed_from >= 0:
+            meta["routed_experts"] = base64.b64encode(req.routed_experts()).decode()
+        if req.hidden:
+            meta["hidden_states"] = hidden_state_rows(req.hidden_states(), self.runner.hidden_size, len(req.prompt_ids))
         if req.top_logprobs >= 0:
             meta["output_token_logprobs"] = req.output_logprobs
             if req.top_logprobs > 0:
@@ -171,6 +174,7 @@ class LLM:
         return_routed_experts: bool = False,
         routed_experts_start: int = 0,
         predictions: list[Prompt | None] | None = None,
+        return_hidden_states: bool = False,
     ) -> list[dict[str, Any]]:
         """Generate for every prompt (text or token ids); results come back in prompt order.
 
@@ -183,6 +187,9 @@ class LLM:
         as the server sends them (``utils.routed_experts_array`` decodes them).
         ``predictions``: per prompt, text (or ids) its answer will largely repeat (OpenAI's
         predicted output): drafts under ``speculative_algorithm="NGRAM"``, no result changes.
+        ``return_hidden_states`` (``enable_return_hidden_states=True``): the last hidden state of
+        every prompt position and every output token but the last in
+        ``meta_info["hidden_states"]`` (the prompt's rows as one list, then one row per token).
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -210,6 +217,7 @@ class LLM:
                         cache_salt=cache_salt,
                         routed_start=routed_experts_start if return_routed_experts else -1,
                         prediction_ids=self._encode(predicted, special=False) if predicted else None,
+                        hidden_states=return_hidden_states,
                     )
                 )
         except ValueError:

@@ -84,7 +84,8 @@ class ForwardBatch(msgspec.Struct, array_like=True, tag=True):
     disk_read_pages: list[int] = []
     disk_write_keys: list[bytes] = []
     disk_write_pages: list[int] = []
-    # Rows of the step's new tokens whose expert ids come back (--enable-return-routed-experts).
+    # Rows of the step's new tokens whose expert ids (--enable-return-routed-experts) and last
+    # hidden states (--enable-return-hidden-states) come back.
     route_rows: list[int] = []
     # Requests (indices into slots) whose verify step was still in flight when this one was
     # planned: their cached_lens count every row of that verify run as kept, and the worker
@@ -214,8 +215,10 @@ class StepOutput(msgspec.Struct, array_like=True, tag=True):
     # score row, every id of ``ForwardBatch.score_logprob_ids``.
     id_logprobs: list[list[float]] | None = None
     score_id_logprobs: list[list[float]] | None = None
-    # Per ``ForwardBatch.route_rows`` entry, every layer's top-k expert ids: int32 [rows, layers, k].
+    # Per ``ForwardBatch.route_rows`` entry, every layer's top-k expert ids: int32 [rows, layers, k],
+    # and (--enable-return-hidden-states) its last hidden state: float32 [rows, hidden].
     routed_experts: bytes = b""
+    hidden_states: bytes = b""
 
 
 # ---- serving: API <-> tokenizer <-> scheduler <-> worker ----------------------------------------
@@ -249,6 +252,7 @@ class GenerateReq(msgspec.Struct):
     # SGLang's return_routed_experts (with routed_experts_start_len): each position's experts per
     # layer from this position on, with the last message (-1: none).
     routed_start: int = -1
+    hidden_states: bool = False  # SGLang's return_hidden_states: every position's, with the last message
     prediction: str | None = None  # OpenAI's predicted output: a draft source, no result depends on it
     continue_final: bool = False  # continue_final_message: the last message is left open and continued
     truncate: bool = False  # the Responses API's truncation "auto": the oldest messages dropped to fit
@@ -274,6 +278,7 @@ class TokenizedReq(msgspec.Struct):
     cache_salt: str | None = None  # shares cached prefixes only with requests of the same salt
     routed_start: int = -1
     prediction_ids: list[int] = []
+    hidden_states: bool = False
 
 
 class TokenizedBatch(msgspec.Struct, tag=True):
@@ -351,8 +356,10 @@ class TokenOut(msgspec.Struct, array_like=True):
     id_logprobs: list[list[float]] = []  # per token, the logprobs of the request's logprob_ids
     input_id_logprobs: list[list[float]] = []
     # With the last message, if asked: int32 [positions, layers, k] expert ids of every position
-    # the model computed for it (prompt and outputs but the last).
+    # the model computed for it (prompt and outputs but the last); float32 [positions, hidden]
+    # last hidden states of every position.
     routed_experts: bytes = b""
+    hidden_states: bytes = b""
 
 
 class TokenBatch(msgspec.Struct, tag=True):
@@ -383,6 +390,7 @@ class ReqUpdate(msgspec.Struct, array_like=True):
     matched: str | None = None  # the stop string that finished it (finish_reason "stop")
     input_logprobs: list[TokenLogprob] = []  # the prompt's, from its logprob_start on (once)
     routed_experts: bytes = b""  # with the last update (``TokenOut.routed_experts``)
+    hidden_states: bytes = b""  # with the last update (``TokenOut.hidden_states``)
 
 
 class UpdateBatch(msgspec.Struct, tag=True):
@@ -407,6 +415,7 @@ class EngineInfo(msgspec.Struct, tag=True):
     storage_fingerprint: str = ""  # what the KV bytes mean (model, layout, dtype): the disk tier's folder
     weight_version: str = "default"  # of the weights serving now (--weight-version, then each update's)
     device: str = "cpu"  # the workers' device type (the scheduler itself never loads torch)
+    hidden_size: int = 0  # of the model's hidden states (rows of return_hidden_states)
     speculative: bool = False  # the scheduler drafts tokens (a request's predicted output is a draft source)
 
 

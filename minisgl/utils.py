@@ -120,6 +120,25 @@ def context_overflow(limit: int, prompt: int, new: int = 0) -> str:
     return f"Requested token count exceeds the model's maximum context length of {limit} tokens: {asked}"
 
 
+def hidden_state_rows(data: bytes, hidden_size: int, prompt_tokens: int) -> list[Any]:
+    """float32 [positions, hidden] bytes (prompt positions first, then one per output token but
+    the last) in SGLang's ``meta_info["hidden_states"]`` layout: the prompt's rows as one list of
+    rows, then each output token's row."""
+    from array import array
+
+    flat = array("f", data)
+    rows = [flat[i : i + hidden_size].tolist() for i in range(0, len(flat), hidden_size)]
+    return [rows[:prompt_tokens], *rows[prompt_tokens:]]
+
+
+def last_hidden_state(data: bytes, hidden_size: int) -> list[float]:
+    """The last row of float32 [positions, hidden] bytes: the hidden state that gave the last
+    token (the chat and completions routes' ``hidden_states``)."""
+    from array import array
+
+    return array("f", data[-4 * hidden_size :]).tolist() if data else []
+
+
 def routed_experts_array(meta_info: dict[str, Any], num_layers: int, top_k: int) -> Any:
     """A result's ``meta_info["routed_experts"]`` (base64 of int32) as a numpy array [positions,
     layers, k]: position p's expert ids in each layer (-1 in dense layers), for every position

@@ -48,6 +48,7 @@ class Run:
         self.matched: str | None = None  # the stop string that finished it
         self.prompt_tokens = self.cached_tokens = 0
         self.routed_experts = b""  # with the last update, when the request asked for them
+        self.hidden_states = b""  # likewise
         self.e2e_latency = 0.0
         self._first: ReqUpdate | None = first
 
@@ -63,6 +64,8 @@ class Run:
             self.matched = upd.matched
         if upd.routed_experts:
             self.routed_experts = upd.routed_experts
+        if upd.hidden_states:
+            self.hidden_states = upd.hidden_states
         if upd.finish_reason is not None:
             self.finish_reason = upd.finish_reason
             self.e2e_latency = self.timer.finished(upd.finish_reason, self.prompt_tokens, self.cached_tokens)

@@ -60,6 +60,7 @@ def joined(first: ReqUpdate, later: ReqUpdate) -> ReqUpdate:
         later.matched,
         first.input_logprobs + later.input_logprobs,
         later.routed_experts or first.routed_experts,
+        later.hidden_states or first.hidden_states,
     )
 
 

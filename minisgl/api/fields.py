@@ -140,6 +140,7 @@ GENERATE = Schema(
         "logprob_start_len",
         "return_routed_experts",
         "routed_experts_start_len",
+        "return_hidden_states",
     },
     inert={
         "model",
@@ -164,7 +165,6 @@ GENERATE = Schema(
         "video_data": None,
         "audio_data": None,
         "use_audio_in_video": False,
-        "return_hidden_states": False,
         "return_indexer_topk": False,
         "modalities": None,
         "session_params": None,
@@ -230,6 +230,7 @@ _OPENAI_COMMON = dict(
         "ebnf",
         "cache_salt",
         "stop_regex",
+        "return_hidden_states",
     },
     inert={
         "store",
@@ -250,7 +251,6 @@ _OPENAI_COMMON = dict(
     default_only={
         "lora_path": None,
         "session_params": None,
-        "return_hidden_states": False,
     },
     why={"lora_path": "LoRA adapters are not supported"},
 )

@@ -33,6 +33,7 @@ from minisgl.api.protocol import (
 from minisgl.api.streaming import SSE_DONE, sse
 from minisgl.messages import GenerateReq, ProfileReq
 from minisgl.sampling import SamplingParams
+from minisgl.utils import hidden_state_rows
 
 # Monitoring (/get_server_info, /metrics, /v1/loads) waits this long for fresh stats from the
 # scheduler, then answers from the last ones it gave, with their age: a busy engine must never
@@ -62,7 +63,13 @@ class NativeRoutes(ApiBase):
     _stats_task: asyncio.Future | None = None
 
     def _generate_body(
-        self, run: Run, top_logprobs: int, with_text: bool, logprob_ids: bool, routed: bool = False
+        self,
+        run: Run,
+        top_logprobs: int,
+        with_text: bool,
+        logprob_ids: bool,
+        routed: bool = False,
+        hidden: bool = False,
     ) -> dict[str, Any]:
         meta: dict[str, Any] = {
             "id": run.rid,
@@ -89,6 +96,8 @@ class NativeRoutes(ApiBase):
                     ]
         if routed:
             meta["routed_experts"] = base64.b64encode(run.routed_experts).decode()
+        if hidden and run.hidden_states:  # (with the last update)
+            meta["hidden_states"] = hidden_state_rows(run.hidden_states, self.info.hidden_size, run.prompt_tokens)
         return {"text": run.text, "output_ids": run.token_ids, "meta_info": meta}
 
     async def generate(self, request: Request) -> Response:
@@ -106,6 +115,7 @@ class NativeRoutes(ApiBase):
                     logprob_ids=it.logprob_ids,
                     cache_salt=it.cache_salt,
                     routed_start=it.routed_start,
+                    hidden_states=it.hidden_states,
                 )
                 for it in items
             ]
@@ -115,7 +125,12 @@ class NativeRoutes(ApiBase):
         def result(i: int) -> dict[str, Any]:
             item = items[i]
             out = self._generate_body(
-                runs[i], item.top_logprobs, with_text, bool(item.logprob_ids), item.routed_start >= 0
+                runs[i],
+                item.top_logprobs,
+                with_text,
+                bool(item.logprob_ids),
+                item.routed_start >= 0,
+                item.hidden_states,
             )
             return {**out, "index": i} if batch else out
 

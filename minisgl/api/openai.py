@@ -16,6 +16,7 @@ from minisgl.api.protocol import ChatCompletionRequest, CompletionRequest, check
 from minisgl.api.streaming import SSE_DONE, sse
 from minisgl.messages import GenerateReq, ReqUpdate, TokenLogprob
 from minisgl.parsers.chat_output import ChatOutput
+from minisgl.utils import last_hidden_state
 
 
 def _openai_logprob(lp: TokenLogprob) -> dict[str, Any]:
@@ -95,6 +96,7 @@ class OpenAIRoutes(ApiBase):
                 cache_salt=body.cache_salt,
                 fill_context=body.max_tokens is None,
                 logprob_start=0 if body.echo else -1,
+                hidden_states=body.return_hidden_states,
             )
             for i, p in enumerate(prompts)
             for j in range(body.n)
@@ -115,6 +117,7 @@ class OpenAIRoutes(ApiBase):
                         "finish_reason": r.finish_reason,
                         "matched_stop": r.matched_stop,
                         "logprobs": _completion_logprobs(lps, 0) if body.logprobs is not None else None,
+                        **self._hidden(body, r),
                     }
                 )
             return JSONResponse(
@@ -143,6 +146,7 @@ class OpenAIRoutes(ApiBase):
                 "logprobs": logprobs,
                 "finish_reason": upd.finish_reason,
                 "matched_stop": runs[i].matched_stop if upd.finish_reason else None,
+                **(self._hidden(body, runs[i]) if upd.finish_reason else {}),
             }
 
         events = _chunks(runs, head, body, choice)
@@ -165,6 +169,7 @@ class OpenAIRoutes(ApiBase):
                         "logprobs": {"content": [_openai_logprob(lp) for lp in r.logprobs]} if body.logprobs else None,
                         "finish_reason": out.finish_reason(r.finish_reason),
                         "matched_stop": r.matched_stop,
+                        **self._hidden(body, r),
                     }
                 )
             return JSONResponse(
@@ -188,6 +193,8 @@ class OpenAIRoutes(ApiBase):
             delta = {"reasoning_content": None, **outputs[i].delta(upd.text, upd.finish_reason is not None)}
             if not started[i]:
                 delta, started[i] = {"role": "assistant", "content": "", **delta}, True
+            if upd.finish_reason:
+                delta.update(self._hidden(body, runs[i]))
             return {
                 "index": i,
                 "delta": delta,
@@ -228,11 +235,19 @@ class OpenAIRoutes(ApiBase):
                     prediction=predicted,
                     continue_final=body.continue_final_message,
                     truncate=truncate,
+                    hidden_states=body.return_hidden_states,
                 )
             )
         runs = await self._start(reqs)
         reasoning = self.args.reasoning_parser if body.separate_reasoning else None
         return runs, [ChatOutput(plan, reasoning, body.stream_reasoning) for _ in runs]
+
+    def _hidden(self, body: CompletionRequest | ChatCompletionRequest, run: Run) -> dict[str, Any]:
+        """SGLang's ``hidden_states`` of a finished choice, if asked: the last hidden state, the
+        one that gave its last token."""
+        if not body.return_hidden_states:
+            return {}
+        return {"hidden_states": last_hidden_state(run.hidden_states, self.info.hidden_size)}
 
     def _card(self) -> dict[str, Any]:
         return {

@@ -101,6 +101,7 @@ class GenerateItem(msgspec.Struct):
     logprob_ids: list[int] = []  # token_ids_logprob
     cache_salt: str | None = None  # extra_key: shares cached prefixes only with the same key
     routed_start: int = -1  # routed experts of the positions from here on (-1: none)
+    hidden_states: bool = False  # every position's last hidden state
 
 
 class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -120,6 +121,7 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
     extra_key: str | list[str] | None = None  # SGLang's cache isolation key (the OpenAI routes' cache_salt)
     return_routed_experts: bool = False  # MoE: each position's experts (--enable-return-routed-experts)
     routed_experts_start_len: Int32 = 0  # from this position on (0: the whole prompt too)
+    return_hidden_states: bool | list[bool] = False  # (--enable-return-hidden-states)
 
     @property
     def is_batch(self) -> bool:
@@ -163,6 +165,7 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
         starts = self._per_prompt(self.logprob_start_len, "logprob_start_len", count, -1)
         ids = self._logprob_ids(count)
         keys = self._per_prompt(self.extra_key, "extra_key", count, None)
+        hidden = self._per_prompt(self.return_hidden_states, "return_hidden_states", count, False)
         if len({s.n for s in sampling}) > 1:
             raise BadRequest("every sampling_params of a batch must have the same n", param="sampling_params.n")
         n = sampling[0].n
@@ -194,6 +197,7 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
                         ids[i] if want[i] else [],
                         keys[i],
                         self.routed_experts_start_len if self.return_routed_experts else -1,
+                        hidden[i],
                     )
                 )
         return out
@@ -277,6 +281,7 @@ class _OpenAIBase(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     stop_regex: str | list[str] | None = None  # SGLang's
+    return_hidden_states: bool = False  # SGLang's: each choice's last hidden state (--enable-return-hidden-states)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: Int64 | None = None

@@ -108,6 +108,7 @@ class SchedulerProcess:
                 msg.cache_salt,
                 msg.routed_start,
                 msg.prediction_ids,
+                msg.hidden_states,
             )
         except ValueError as e:
             self.outbox.append(TokenOut(msg.rid, error=str(e)))
@@ -226,7 +227,7 @@ class SchedulerProcess:
             if req.logprob_ids:
                 out.input_id_logprobs = [ids for _, _, ids in scores]
         if req.routed_start >= 0 and req.finished:
-            out.routed_experts = b"".join(req.routed)
+            out.routed_experts, out.hidden_states = req.routed_experts(), req.hidden_states()
         return out
 
     # ---- main loop -----------------------------------------------------------------------------

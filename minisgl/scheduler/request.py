@@ -24,12 +24,17 @@ class Req:
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     logprob_ids: list[int] = field(default_factory=list)  # SGLang's token_ids_logprob
-    # SGLang's return_routed_experts from position ``routed_start`` (-1: none): the expert ids
-    # (int32 [layers, k] bytes) of positions routed_start, routed_start + 1, ... as recorded,
-    # sent when it finishes. Those prompt positions are computed, not taken from the cache,
-    # except the ones already recorded (a retracted request reuses them).
+    # What the model computes per position, kept from position ``routed_start`` on (-1: nothing):
+    # SGLang's return_routed_experts from ``routed_from`` (-1: not asked), the expert ids (int32
+    # [layers, k] bytes), and its return_hidden_states (``hidden``: from position 0), the last
+    # hidden state (float32 [hidden] bytes): ``captures`` holds (experts, hidden) of positions
+    # routed_start, routed_start + 1, ... as recorded, sent when it finishes. Those prompt
+    # positions are computed, not taken from the cache, except the ones already recorded (a
+    # retracted request reuses them).
     routed_start: int = -1
-    routed: list[bytes] = field(default_factory=list)
+    routed_from: int = -1
+    hidden: bool = False
+    captures: list[tuple[bytes, bytes]] = field(default_factory=list)
     output_id_logprobs: list[list[float]] = field(default_factory=list)  # per output token, per logprob_ids
     finish_reason: str | None = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache instead of computed
@@ -112,7 +117,16 @@ class Req:
     @property
     def routed_until(self) -> int:
         """The first position whose experts are not recorded (a huge number if none are asked)."""
-        return self.routed_start + len(self.routed) if self.routed_start >= 0 else 1 << 62
+        return self.routed_start + len(self.captures) if self.routed_start >= 0 else 1 << 62
+
+    def routed_experts(self) -> bytes:
+        """The expert ids of the positions it asked for, from ``routed_from`` on."""
+        if self.routed_from < 0:
+            return b""
+        return b"".join(experts for experts, _ in self.captures[self.routed_from - self.routed_start :])
+
+    def hidden_states(self) -> bytes:
+        return b"".join(hidden for _, hidden in self.captures) if self.hidden else b""
 
     @property
     def prefilling(self) -> bool:

@@ -145,7 +145,7 @@ class Scheduler(ControlPlane):
         self.decode = DecodePlanner(
             self.memory,
             not args.disable_cascade_attention and (on_gpu or cascade.ON_CPU),
-            args.enable_return_routed_experts,
+            args.enable_return_routed_experts or args.enable_return_hidden_states,
             args.speculative_algorithm is not None,
         )
         self.spec: SpecPlanner | None = None
@@ -199,12 +199,16 @@ class Scheduler(ControlPlane):
         cache_salt: str | None = None,
         routed_start: int = -1,
         prediction_ids: list[int] | None = None,
+        hidden_states: bool = False,
     ) -> Req:
         """Validate and queue a request. Raises ValueError naming what is wrong. ``routed_start``
         >= 0: return the routed experts of positions from there on. ``prediction_ids``: OpenAI's
-        predicted output, a draft source under speculative decoding (no result depends on it)."""
+        predicted output, a draft source under speculative decoding (no result depends on it).
+        ``hidden_states``: return every position's last hidden state."""
         if routed_start >= 0 and not self.args.enable_return_routed_experts:
             raise ValueError("return_routed_experts needs a server started with --enable-return-routed-experts")
+        if hidden_states and not self.args.enable_return_hidden_states:
+            raise ValueError("return_hidden_states needs a server started with --enable-return-hidden-states")
         params.validate(self.vocab_size)
         if params.stop_token_ids and max(params.stop_token_ids) >= self.vocab_size:  # they never match: dropped
             params.stop_token_ids = [t for t in params.stop_token_ids if t < self.vocab_size]
@@ -243,7 +247,9 @@ class Scheduler(ControlPlane):
             logprob_start=min(logprob_start, len(prompt_ids)),
             logprob_ids=list(logprob_ids or []) if top_logprobs >= 0 else [],
             cache_salt=cache_salt or None,
-            routed_start=min(routed_start, len(prompt_ids)) if routed_start >= 0 else -1,
+            routed_start=0 if hidden_states else min(routed_start, len(prompt_ids)) if routed_start >= 0 else -1,
+            routed_from=min(routed_start, len(prompt_ids)) if routed_start >= 0 else -1,
+            hidden=hidden_states,
             prediction_ids=list(prediction_ids or [])[: self.context_len] if self.spec else [],
         )
         self._next_rid += 1
@@ -514,7 +520,7 @@ class Scheduler(ControlPlane):
         if line is not None:  # (the time includes waiting for the steps launched before it)
             logger.debug("%s; tokens back %.1f ms after launch", line[0], 1e3 * (time.perf_counter() - line[1]))
         if routed:
-            record_routed(routed, out.routed_experts)
+            record_routed(routed, out)
         if drafts:
             sampled = self.spec.accept(sampled, drafts, out, step)
             return list(dict.fromkeys(apply_output(sampled, scored, score_ids, out, self.finish)))

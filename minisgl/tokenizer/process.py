@@ -88,6 +88,7 @@ class RequestState:
             prompt_tokens=self.prompt_tokens,
             cached_tokens=out.cached_tokens,
             routed_experts=out.routed_experts,
+            hidden_states=out.hidden_states,
         )
         if self.text is not None:
             upd.text = self.text.add(out.tokens, final)
@@ -118,6 +119,7 @@ class RequestState:
                 matched=upd.matched,
                 input_logprobs=h.input_logprobs + upd.input_logprobs,
                 routed_experts=upd.routed_experts,
+                hidden_states=upd.hidden_states,
             )
         if upd.finish_reason is None and 0 < len(upd.token_ids) < self.interval:
             self.held = upd
@@ -313,6 +315,7 @@ class TokenizerProcess:
                     req.cache_salt,
                     req.routed_start,
                     predicted,
+                    req.hidden_states,
                 )
             )
         if refused:

@@ -87,6 +87,9 @@ class CudaGraphRunner:
         # own output held size x vocab float32 per graph: 27 GB for a ladder to 1024 at a
         # 128k vocabulary, out of memory on the H100. The price is one more [size, vocab] copy.)
         self.logits: torch.Tensor | None = None
+        # The model's last hidden states, kept for requests that return them (one buffer too).
+        self.keep_hidden = runner.args.enable_return_hidden_states
+        self.hidden: torch.Tensor | None = None
         runner.attn.init_cuda_graph(max_bs, runner.page_table_host.shape[1])
         self._capture()
 
@@ -105,7 +108,12 @@ class CudaGraphRunner:
     def _run_model(self, size: int, out: torch.Tensor | None = None) -> torch.Tensor:
         model = self.runner.model
         inputs = self.inputs
-        return model.compute_logits(model(inputs.input_ids[:size], inputs.positions[:size]), gather=False, out=out)
+        hidden = model(inputs.input_ids[:size], inputs.positions[:size])
+        if self.keep_hidden:
+            if self.hidden is None:  # the largest size comes first
+                self.hidden = torch.empty_like(hidden)
+            self.hidden[:size].copy_(hidden)
+        return model.compute_logits(hidden, gather=False, out=out)
 
     def _capture_batch(self, size: int, cascade: bool) -> ForwardBatch:
         """A padding batch that plans what the graph must hold: for cascade, as many groups as

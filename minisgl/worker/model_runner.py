@@ -129,7 +129,7 @@ class ModelRunner:
             args.quantization,
             args.quantize_lm_head,
         )
-        self.vocab_size = self.config.vocab_size
+        self.vocab_size, self.hidden_size = self.config.vocab_size, self.config.hidden_size
         self.pending: deque[_Pending] = deque()
         # forward done, waiting for masks (with the step's gains)
         self._parked: tuple[ForwardBatch, torch.Tensor, Gains | None] | None = None
@@ -526,7 +526,7 @@ class ModelRunner:
             hidden = self.model(input_ids, meta.positions)
         if batch.score_rows:
             self._extras = self._score(hidden, batch)
-        self._routing(batch)
+        self._routing(batch, hidden)
         last = np.cumsum(batch.new_lens) - 1
         rows = torch.from_numpy(last[np.asarray(batch.sample, dtype=bool)]).to(self.device, non_blocking=True)
         return self.model.compute_logits(hidden[rows], gather)
@@ -540,14 +540,19 @@ class ModelRunner:
     def _replay_graph(self, batch: ForwardBatch, gather: bool) -> torch.Tensor:
         """``_forward``'s logits of the batch ``_load_graph`` loaded."""
         logits = self.graphs.replay(batch)
-        self._routing(batch)
+        self._routing(batch, self.graphs.hidden)
         return self.model.lm_head.gather(logits) if gather else logits
 
-    def _routing(self, batch: ForwardBatch) -> None:
-        """The expert ids of the rows whose requests return their routing (``route_rows``)."""
-        if batch.route_rows and self.routed is not None:
-            rows = torch.tensor(batch.route_rows, dtype=torch.int64).to(self.device, non_blocking=True)
+    def _routing(self, batch: ForwardBatch, hidden: torch.Tensor | None) -> None:
+        """The expert ids and last hidden states (``hidden``: the step's, one row per new token)
+        of the rows whose requests return them (``route_rows``)."""
+        if not batch.route_rows:
+            return
+        rows = torch.tensor(batch.route_rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        if self.routed is not None:
             self._extras["routed_experts"] = self.routed.rows(rows)
+        if hidden is not None and self.args.enable_return_hidden_states:
+            self._extras["hidden_states"] = hidden[rows].float()
 
     SCORE_BLOCK = 512  # prompt rows scored at once: logits of a block are [rows, vocab] float32
 
@@ -760,6 +765,8 @@ class ModelRunner:
         msg = StepOutput(tokens=h["tokens"].tolist() if "tokens" in h else [])
         if "routed_experts" in h:
             msg.routed_experts = h["routed_experts"].numpy().tobytes()
+        if "hidden_states" in h:
+            msg.hidden_states = h["hidden_states"].numpy().tobytes()
         if "score_logprobs" in h:
             msg.score_logprobs = h["score_logprobs"].tolist()
             if p.score_top:

@@ -72,6 +72,7 @@ def run_worker(args: EngineArgs, rank: int, addrs: Addresses, log_level: str) ->
                 num_host_pages=runner.num_host_pages,
                 storage_fingerprint=runner.storage_fingerprint,
                 device=runner.device.type,
+                hidden_size=runner.hidden_size,
             )
         )
     profiler = StepProfiler(rank, runner.device)

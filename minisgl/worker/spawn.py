@@ -45,6 +45,7 @@ class WorkerGroup(WorkerLink):
             raise
         self.model_dir = Path(info.model_path)
         self.vocab_size, self.num_pages, self.context_len = info.vocab_size, info.num_pages, info.context_len
+        self.hidden_size = info.hidden_size
         self.num_host_pages, self.storage_fingerprint = info.num_host_pages, info.storage_fingerprint
         self.kv_bytes_per_page = info.kv_bytes_per_token * info.page_size
         self.on_gpu = info.device == "cuda"
