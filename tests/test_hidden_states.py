@@ -80,6 +80,30 @@ def test_hidden_states_and_routed_experts_keep_their_own_starts(tiny_models):
     )
 
 
+def test_hidden_states_at_tp2_and_under_speculation_equal_one_plain_process(tiny_llama):
+    """Two ranks (gloo; rank 0's rows after the final norm's all-reduce) and a speculating
+    scheduler (a request returning its states decodes plainly) give the rows of one process
+    without speculation."""
+    import gc
+
+    from minisgl.llm import LLM
+
+    prompts = [list(range(3, 30)), [7, 8, 9] * 8]
+
+    def rows(**kw) -> list[tuple[list[int], torch.Tensor]]:
+        llm = LLM(str(tiny_llama), device="cpu", enable_return_hidden_states=True, max_running_requests=8, **kw)
+        out = llm.generate(prompts, PARAMS, return_hidden_states=True)
+        del llm
+        gc.collect()
+        return [(r["output_ids"], _rows(r["meta_info"])) for r in out]
+
+    want = rows()
+    for kw in (dict(tp_size=2), dict(speculative_algorithm="NGRAM", page_size=2)):
+        for (ids, got), (want_ids, expected) in zip(rows(**kw), want):
+            assert ids == want_ids
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
 def test_hidden_states_need_the_server_flag(tiny_llama):
     from minisgl.llm import LLM
 
