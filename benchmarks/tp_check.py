@@ -182,7 +182,9 @@ def _step_rank(
 
     if world > 1:
         torch.cuda.set_device(rank)
-        dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world)
+        dist.init_process_group(
+            "nccl", init_method=init, rank=rank, world_size=world, device_id=torch.device(f"cuda:{rank}")
+        )
         set_tp_info(rank, world, "--enable-fp32-all-reduce" in flags)
     args = EngineArgs(
         model=model,
