@@ -659,8 +659,10 @@ def test_a_predicted_output_speeds_decoding_and_changes_no_token(tiny_llama):
 def test_the_server_drafts_from_a_predicted_output(smollm2_gguf):
     """Through /v1/chat/completions the tokenizer hands a prediction's tokens to a speculating
     scheduler: the same greedy answer, asked again with itself as the prediction (radix cache
-    off, so no tree remembers it), keeps more drafts and reads the same. (SmolLM2: its answers
-    are text that encodes back to their tokens.)"""
+    off, so no tree remembers it), keeps more drafts and reads the same. Each ask runs on a
+    fresh server: the scheduler's rule for when to speculate (``spec_rule``) learns from the
+    steps before, and the first ask's few kept drafts would turn it off for the second.
+    (SmolLM2: its answers are text that encodes back to their tokens.)"""
     import httpx
 
     from tests.server_utils import running_server
@@ -673,17 +675,15 @@ def test_the_server_drafts_from_a_predicted_output(smollm2_gguf):
         "ignore_eos": True,
     }
     args = ("--speculative-algorithm", "NGRAM", "--disable-radix-cache")
-    with running_server(smollm2_gguf, *args) as srv:
 
-        def ask(**extra) -> tuple[str, int]:
-            """The answer and how many drafted tokens it kept."""
-            before = srv.server_info()["scheduler"]["spec_accepted_tokens"]
+    def ask(**extra) -> tuple[str, int]:
+        """The answer and how many drafted tokens it kept."""
+        with running_server(smollm2_gguf, *args) as srv:
             r = httpx.post(f"{srv.url}/v1/chat/completions", json={**body, **extra}, timeout=120)
             assert r.status_code == 200, r.text
-            kept = srv.server_info()["scheduler"]["spec_accepted_tokens"] - before
-            return r.json()["choices"][0]["message"]["content"], kept
+            return r.json()["choices"][0]["message"]["content"], srv.server_info()["scheduler"]["spec_accepted_tokens"]
 
-        text, alone = ask()
-        again, predicted = ask(prediction={"type": "content", "content": text})
+    text, alone = ask()
+    again, predicted = ask(prediction={"type": "content", "content": text})
     assert again == text
     assert predicted > max(2 * alone, 48 // 2), (alone, predicted)
