@@ -21,7 +21,7 @@ from minisgl.scheduler.request import Req
 class DecodePlanner:
     def __init__(self, memory: Memory, cascade: bool, routing: bool = False, speculative: bool = False):
         self.memory = memory
-        self.routing = routing  # requests may return their routed experts: find their rows
+        self.routing = routing  # requests may return routed experts or hidden states: find their rows
         self.speculative = speculative  # requests may have a verify step in flight: find their rows
         self.page_size = memory.page_size
         self.cascade = cascade
@@ -55,11 +55,12 @@ class DecodePlanner:
         return self._batch(self.order, needy, self.speculative)
 
     def routed(self, batch: ForwardBatch) -> list[tuple[Req, int]]:
-        """The (request, position) of the step's rows whose experts come back (``route_rows``)."""
+        """The (request, position) of the step's rows whose experts or hidden states come back
+        (``route_rows``)."""
         if not self.routing:
             return []
         reqs = self.order.reqs
-        batch.route_rows = [i for i, r in enumerate(reqs) if 0 <= r.routed_start < r.kv_len]
+        batch.route_rows = [i for i, r in enumerate(reqs) if 0 <= r.capture_start < r.kv_len]
         return [(reqs[i], reqs[i].kv_len - 1) for i in batch.route_rows]
 
     @staticmethod

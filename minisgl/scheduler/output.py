@@ -18,13 +18,13 @@ def prompt_scores(req: Req) -> tuple[int, list[PromptScore]]:
     return first, [req.prompt_scores[j] for j in range(first, len(req.prompt_ids))]
 
 
-def record_routed(routed: list[tuple[Req, int]], out: StepOutput) -> None:
+def record_captures(captured: list[tuple[Req, int]], out: StepOutput) -> None:
     """Give each (request, position) its row of the step's routed experts and hidden states; a
     position already recorded (recomputed after a retraction) keeps its first record."""
     experts, hidden = out.routed_experts, out.hidden_states
-    e, h = len(experts) // len(routed), len(hidden) // len(routed)
-    for i, (req, pos) in enumerate(routed):
-        if pos == req.routed_until:
+    e, h = len(experts) // len(captured), len(hidden) // len(captured)
+    for i, (req, pos) in enumerate(captured):
+        if pos == req.captured_until:
             req.captures.append((experts[i * e : (i + 1) * e], hidden[i * h : (i + 1) * h]))
 
 

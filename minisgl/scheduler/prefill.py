@@ -30,7 +30,7 @@ def reusable(req: Req, upto: int) -> int:
     through the model, so those positions are computed again."""
     if req.scores_prompt:
         upto = min(upto, max(req.logprob_start - 1, 0))
-    return min(upto, req.routed_until)
+    return min(upto, req.captured_until)
 
 
 class PrefillPlanner:

@@ -29,8 +29,8 @@ def prefill_batch(
             batch.score_top = max(batch.score_top, req.top_logprobs)
             if req.logprob_ids:
                 batch.score_logprob_ids = sorted(set(batch.score_logprob_ids) | set(req.logprob_ids))
-        if req.routed_start >= 0 and req.kv_len > req.routed_start:
-            first = max(start, req.routed_start)
+        if req.capture_start >= 0 and req.kv_len > req.capture_start:
+            first = max(start, req.capture_start)
             batch.route_rows += range(row + first - start, row + new)
             routed += [(req, pos) for pos in range(first, req.kv_len)]
         row += new

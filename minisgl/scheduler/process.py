@@ -226,7 +226,7 @@ class SchedulerProcess:
                 out.input_top_logprobs = [[lp for _, lp in top] for _, top, _ in scores]
             if req.logprob_ids:
                 out.input_id_logprobs = [ids for _, _, ids in scores]
-        if req.routed_start >= 0 and req.finished:
+        if req.capture_start >= 0 and req.finished:
             out.routed_experts, out.hidden_states = req.routed_experts(), req.hidden_states()
         return out
 

@@ -24,14 +24,14 @@ class Req:
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     logprob_ids: list[int] = field(default_factory=list)  # SGLang's token_ids_logprob
-    # What the model computes per position, kept from position ``routed_start`` on (-1: nothing):
+    # What the model computes per position, kept from position ``capture_start`` on (-1: nothing):
     # SGLang's return_routed_experts from ``routed_from`` (-1: not asked), the expert ids (int32
     # [layers, k] bytes), and its return_hidden_states (``hidden``: from position 0), the last
     # hidden state (float32 [hidden] bytes): ``captures`` holds (experts, hidden) of positions
-    # routed_start, routed_start + 1, ... as recorded, sent when it finishes. Those prompt
+    # capture_start, capture_start + 1, ... as recorded, sent when it finishes. Those prompt
     # positions are computed, not taken from the cache, except the ones already recorded (a
     # retracted request reuses them).
-    routed_start: int = -1
+    capture_start: int = -1
     routed_from: int = -1
     hidden: bool = False
     captures: list[tuple[bytes, bytes]] = field(default_factory=list)
@@ -112,18 +112,18 @@ class Req:
     def recomputes_prompt(self) -> bool:
         """It computes prompt positions the cache may hold (for their logprobs or experts): its
         pages enter the cache when it ends, never while an identical prompt may run."""
-        return self.scores_prompt or self.routed_until < len(self.prompt_ids)
+        return self.scores_prompt or self.captured_until < len(self.prompt_ids)
 
     @property
-    def routed_until(self) -> int:
-        """The first position whose experts are not recorded (a huge number if none are asked)."""
-        return self.routed_start + len(self.captures) if self.routed_start >= 0 else 1 << 62
+    def captured_until(self) -> int:
+        """The first position not recorded (a huge number if nothing is asked)."""
+        return self.capture_start + len(self.captures) if self.capture_start >= 0 else 1 << 62
 
     def routed_experts(self) -> bytes:
         """The expert ids of the positions it asked for, from ``routed_from`` on."""
         if self.routed_from < 0:
             return b""
-        return b"".join(experts for experts, _ in self.captures[self.routed_from - self.routed_start :])
+        return b"".join(experts for experts, _ in self.captures[self.routed_from - self.capture_start :])
 
     def hidden_states(self) -> bytes:
         return b"".join(hidden for _, hidden in self.captures) if self.hidden else b""

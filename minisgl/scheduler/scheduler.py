@@ -37,7 +37,7 @@ from minisgl.scheduler.control import ControlPlane
 from minisgl.scheduler.counters import Counters
 from minisgl.scheduler.decode import DecodePlanner
 from minisgl.scheduler.grammar import GrammarBackend
-from minisgl.scheduler.output import apply_output, record_routed
+from minisgl.scheduler.output import apply_output, record_captures
 from minisgl.scheduler.pages import Memory
 from minisgl.scheduler.prefill import PrefillPlanner
 from minisgl.scheduler.prefill_batch import mixed_batch, prefill_batch
@@ -92,8 +92,8 @@ class Executor(Protocol):
 
 # A launched step: the requests it samples a token for (in row order), the (request, position)
 # of each scored prompt row, the token ids scored at each of those rows, and its step number.
-# Then: the (request, position) of each row whose routed experts come back; last, a verify
-# step's drafting requests with their drafts (speculative decoding).
+# Then: the (request, position) of each row whose routed experts or hidden states come back;
+# last, a verify step's drafting requests with their drafts (speculative decoding).
 Inflight = tuple[list[Req], list[tuple[Req, int]], list[int], int, list[tuple[Req, int]], Drafts]
 
 
@@ -237,6 +237,7 @@ class Scheduler(ControlPlane):
                 "tool_choice) needs xgrammar, which this install lacks: pip install 'minisgl[grammar]'"
             )
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        routed_from = min(routed_start, len(prompt_ids)) if routed_start >= 0 else -1
         req = Req(
             self._next_rid,
             list(prompt_ids),
@@ -247,8 +248,8 @@ class Scheduler(ControlPlane):
             logprob_start=min(logprob_start, len(prompt_ids)),
             logprob_ids=list(logprob_ids or []) if top_logprobs >= 0 else [],
             cache_salt=cache_salt or None,
-            routed_start=0 if hidden_states else min(routed_start, len(prompt_ids)) if routed_start >= 0 else -1,
-            routed_from=min(routed_start, len(prompt_ids)) if routed_start >= 0 else -1,
+            capture_start=0 if hidden_states else routed_from,
+            routed_from=routed_from,
             hidden=hidden_states,
             prediction_ids=list(prediction_ids or [])[: self.context_len] if self.spec else [],
         )
@@ -520,7 +521,7 @@ class Scheduler(ControlPlane):
         if line is not None:  # (the time includes waiting for the steps launched before it)
             logger.debug("%s; tokens back %.1f ms after launch", line[0], 1e3 * (time.perf_counter() - line[1]))
         if routed:
-            record_routed(routed, out)
+            record_captures(routed, out)
         if drafts:
             sampled = self.spec.accept(sampled, drafts, out, step)
             return list(dict.fromkeys(apply_output(sampled, scored, score_ids, out, self.finish)))

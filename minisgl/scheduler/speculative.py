@@ -28,7 +28,7 @@ the worker lowers those rows' lengths by the rows the run rejected
 (``ForwardBatch.resolve_rows``); the pages past the real length go back once the tokens are
 here. Whether a step speculates is measured (``spec_rule.SpecRule``).
 Requests whose sampling reads earlier outputs on the device (penalties), follow a grammar or
-return routed experts decode plainly.
+return routed experts or hidden states decode plainly.
 """
 
 from __future__ import annotations
@@ -188,14 +188,14 @@ class SpecPlanner:
 
     @staticmethod
     def eligible(req: Req) -> bool:
-        return req.matcher is None and not req.params.has_penalty and req.routed_start < 0
+        return req.matcher is None and not req.params.has_penalty and req.capture_start < 0
 
     def schedule(
         self, decoding: list[Req], retract_newest: Callable[[], None], step: int
     ) -> tuple[ForwardBatch, list[Req], Drafts, list[tuple[Req, int]]] | None:
         """Verify step ``step`` (None: no request has a draft, or no pages for them): its batch,
         the request of each row, each drafting request with its draft, and the (request,
-        position) of the plain rows whose routed experts come back."""
+        position) of the plain rows whose routed experts or hidden states come back."""
         start = time.perf_counter()
         drafts: Drafts = []
         spare_rows = self.max_rows - len(decoding)  # a step past the largest captured graph runs eagerly
