@@ -190,7 +190,8 @@ def test_the_agents_sdk_runs_a_tool_round_trip(server):
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input"),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input"),
         ({"input": [{"role": "robot", "content": "hi"}]}, "input"),
-        ({"background": True}, "background"),
+        ({"background": True, "store": False}, "background"),
+        ({"background": True, "stream": True}, "background"),
         ({"conversation": "conv_1"}, "conversation"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
         ({"tool_choice": {"type": "file_search"}, "tools": TOOLS}, "tool_choice"),
@@ -285,6 +286,38 @@ def test_output_text_logprobs_equal_the_chat_routes(server, client):
     assert streamed == [t.token for t in done.logprobs] == [w[0] for w in want]
     plain = httpx.post(f"{server.url}/v1/responses", json=body, timeout=60).json()
     assert plain["output"][0]["content"][0]["logprobs"] == []
+    idle_and_clean(server)
+
+
+def test_a_background_response_is_read_until_it_ends_and_can_be_cancelled(server, client):
+    """background: the response comes back in progress and a GET reads it until it ends, with
+    the answer a foreground request gets; a follow-up may not continue it before then. A cancel
+    ends a running one (stored cancelled); a finished one stays as it is."""
+    import time
+
+    base = {"model": "default", "input": "Name a color.", "max_output_tokens": 8, "temperature": 0}
+    want = httpx.post(f"{server.url}/v1/responses", json=base, timeout=60).json()
+    r = httpx.post(f"{server.url}/v1/responses", json={**base, "background": True}, timeout=60)
+    assert r.status_code == 200 and r.json()["status"] == "in_progress" and r.json()["background"] is True
+    rid = r.json()["id"]
+    deadline = time.monotonic() + 60
+    while (got := httpx.get(f"{server.url}/v1/responses/{rid}", timeout=10).json())["status"] == "in_progress":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert got["status"] == want["status"] and got["output"][0]["content"] == want["output"][0]["content"]
+    done = httpx.post(f"{server.url}/v1/responses/{rid}/cancel", timeout=10).json()
+    assert done["status"] == want["status"]
+    # A long greedy answer, cancelled while it runs; a follow-up meanwhile is refused.
+    long = {**base, "input": "Count from one to one thousand.", "max_output_tokens": 2000, "background": True}
+    rid = httpx.post(f"{server.url}/v1/responses", json=long, timeout=60).json()["id"]
+    follow = httpx.post(f"{server.url}/v1/responses", json={**base, "previous_response_id": rid}, timeout=60)
+    assert follow.status_code == 400 and "in progress" in follow.text
+    cancelled = httpx.post(f"{server.url}/v1/responses/{rid}/cancel", timeout=60).json()
+    assert cancelled["status"] == "cancelled"
+    assert httpx.get(f"{server.url}/v1/responses/{rid}", timeout=10).json()["status"] == "cancelled"
+    plain = httpx.post(f"{server.url}/v1/responses", json=base, timeout=60).json()["id"]
+    r = httpx.post(f"{server.url}/v1/responses/{plain}/cancel", timeout=10)
+    assert r.status_code == 400 and "background" in r.text
     idle_and_clean(server)
 
 

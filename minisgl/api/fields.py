@@ -331,6 +331,7 @@ RESPONSES = Schema(
         "truncation",
         "include",
         "top_logprobs",
+        "background",
     },
     inert={
         "service_tier",
@@ -347,14 +348,12 @@ RESPONSES = Schema(
         "max_tool_calls",  # OpenAI's bound on calls to its built-in tools: function tools only here
     },
     default_only={
-        "background": False,
         "conversation": None,
         "prompt": None,
         "stop_regex": None,
         "lora_path": None,
     },
     why={
-        "background": "background responses are not supported",
         "conversation": "conversations are not supported; continue with previous_response_id",
         "prompt": "stored prompt templates are not supported",
         "lora_path": "LoRA adapters are not supported",

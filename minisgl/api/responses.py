@@ -12,11 +12,14 @@ it continued. A stored response belongs to its request's ``cache_salt`` (the ten
 request or a GET / DELETE (``?cache_salt=``) with the same salt finds it. With ``truncation:
 "auto"`` the tokenizer leaves out the oldest messages until the prompt fits (``chat.fit_chat``).
 With ``include: ["message.output_text.logprobs"]`` the output_text carries its tokens' logprobs
-(``TextLogprobs``: reasoning and tool-call tokens are not part of it).
+(``TextLogprobs``: reasoning and tool-call tokens are not part of it). With ``background`` the
+response comes back at once, in progress, and is stored again when it ends (completed,
+incomplete, cancelled by ``POST /v1/responses/{id}/cancel``, or failed); a GET reads it meanwhile.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -33,6 +36,7 @@ from minisgl.api.protocol import BadRequest, ChatMessageIn, FunctionCallIn, Tool
 from minisgl.api.response_store import MAX_STORED, ResponseStore, Stored
 from minisgl.api.responses_request import ResponsesRequest
 from minisgl.messages import TokenLogprob
+from minisgl.parsers.chat_output import ChatOutput
 
 _encoder = msgspec.json.Encoder()
 
@@ -264,6 +268,7 @@ class ResponsesRoutes(OpenAIRoutes):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.stored = ResponseStore(self.args.responses_store or ":memory:")
+        self._background: dict[str, tuple[list[Run], asyncio.Task]] = {}  # running, by response id
 
     def _history(self, previous: str | None, salt: str | None) -> list[ChatMessageIn]:
         """The messages of the responses ``previous`` continues, oldest first."""
@@ -276,6 +281,8 @@ class ResponsesRoutes(OpenAIRoutes):
                     f"the latest {MAX_STORED})",
                     param="previous_response_id",
                 )
+            if stored.response["status"] == "in_progress":
+                raise BadRequest(f"response {previous!r} is still in progress", param="previous_response_id")
             chain.append(stored.messages)
             previous = stored.previous
         return [m for messages in reversed(chain) for m in messages]
@@ -303,6 +310,7 @@ class ResponsesRoutes(OpenAIRoutes):
             "reasoning": msgspec.to_builtins(body.reasoning) if body.reasoning else None,
             "metadata": body.metadata or {},
             "store": body.store,
+            "background": body.background,
             "truncation": body.truncation,
             "top_logprobs": body.top_logprobs,
             "user": body.user,
@@ -333,12 +341,37 @@ class ResponsesRoutes(OpenAIRoutes):
                 "total_tokens": usage["total_tokens"],
             },
         )
-        if body.store and status != "cancelled":
-            messages = own + [_answer(items)]
-            size = len(_encoder.encode(response)) + len(_encoder.encode(messages))
-            stored = Stored(response, messages, body.previous_response_id, body.cache_salt, size)
-            self.stored.put(response["id"], stored)
+        if body.store and (status != "cancelled" or body.background):  # a GET finds a cancelled one
+            self._store(body, response, own + [_answer(items)])
         return response
+
+    def _store(self, body: ResponsesRequest, response: dict[str, Any], messages: list[ChatMessageIn]) -> None:
+        size = len(_encoder.encode(response)) + len(_encoder.encode(messages))
+        self.stored.put(response["id"], Stored(response, messages, body.previous_response_id, body.cache_salt, size))
+
+    @staticmethod
+    def _whole(body: ResponsesRequest, run: Run, output: ChatOutput) -> list[dict[str, Any]]:
+        """A finished answer's output items: those its stream would end with."""
+        logprobs = TextLogprobs() if body.logprobs else None
+        if logprobs is not None:
+            logprobs.add(run.logprobs)
+        whole = _Events(logprobs)
+        whole.delta(output.delta(run.text, True))
+        whole.finish()
+        return whole.items
+
+    async def _run_background(
+        self, body: ResponsesRequest, response: dict[str, Any], run: Run, output: ChatOutput, own: list[ChatMessageIn]
+    ) -> None:
+        """Wait for a background response's answer and store how it ended."""
+        try:
+            await run.wait()
+            self._finish(body, response, run, self._whole(body, run, output), own)
+        except Exception as e:  # the engine failed it: stored as failed, as OpenAI reports one
+            response.update(status="failed", error={"code": "server_error", "message": str(e)})
+            self._store(body, response, own)
+        finally:
+            self._background.pop(response["id"], None)
 
     async def responses(self, request: Request) -> Response:
         body: ResponsesRequest = await read_body(request, ResponsesRequest, self.args, RESPONSES)
@@ -348,16 +381,15 @@ class ResponsesRoutes(OpenAIRoutes):
         runs, outputs = await self._chat_runs(chat, rid, truncate=body.truncation == "auto")
         run, output = runs[0], outputs[0]
         response = self._head(body, rid)
+        if body.background:
+            self._store(body, response, own)
+            task = asyncio.create_task(self._run_background(body, response, run, output, own))
+            self._background[rid] = (runs, task)
+            return JSONResponse(response)
         if not body.stream:
             if not await self._collect(runs, request):
                 return Response(status_code=499)
-            logprobs = TextLogprobs() if body.logprobs else None
-            if logprobs is not None:
-                logprobs.add(run.logprobs)
-            whole = _Events(logprobs)  # the whole answer as one final delta: the items a stream ends with
-            whole.delta(output.delta(run.text, True))
-            whole.finish()
-            return JSONResponse(self._finish(body, response, run, whole.items, own))
+            return JSONResponse(self._finish(body, response, run, self._whole(body, run, output), own))
 
         async def events() -> AsyncIterator[bytes]:
             logprobs = TextLogprobs() if body.logprobs else None
@@ -385,6 +417,20 @@ class ResponsesRoutes(OpenAIRoutes):
         return stored
 
     async def get_response(self, request: Request) -> Response:
+        return JSONResponse(self._stored(request).response)
+
+    async def cancel_response(self, request: Request) -> Response:
+        """End a background response (its answer so far stays, status cancelled); one that has
+        ended already comes back as it is."""
+        stored = self._stored(request)
+        if not stored.response.get("background"):
+            raise BadRequest("only background responses can be cancelled", param="response_id")
+        running = self._background.get(stored.response["id"])
+        if running is not None:
+            runs, task = running
+            for r in runs:
+                r.abort()
+            await asyncio.shield(task)  # until it is stored as cancelled
         return JSONResponse(self._stored(request).response)
 
     async def delete_response(self, request: Request) -> Response:

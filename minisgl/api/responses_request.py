@@ -109,6 +109,8 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     # each with its top_logprobs most likely alternatives
     include: list[str] | None = None
     top_logprobs: Int32 = 0
+    # the response comes back at once, in progress; GET /v1/responses/{id} reads it until it ends
+    background: bool = False
 
     @property
     def logprobs(self) -> bool:
@@ -180,6 +182,12 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
                 raise BadRequest(f"include has {value!r}; known values: {', '.join(INCLUDE)}", param="include")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise BadRequest(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs")
+        if self.background and not self.store:
+            raise BadRequest("background responses are stored: give store true", param="background")
+        if self.background and self.stream:
+            raise BadRequest(
+                "background responses are not streamed here: poll GET /v1/responses/{id}", param="background"
+            )
         messages = ([ChatMessageIn("system", self.instructions)] if self.instructions else []) + history
         return ChatCompletionRequest(
             model=self.model,

@@ -150,6 +150,7 @@ def create_app(client: EngineClient, info: EngineInfo, args: ServerArgs, pids: d
         ("/v1/responses", api.responses, ["POST"]),
         ("/v1/responses/{response_id}", api.get_response, ["GET"]),
         ("/v1/responses/{response_id}", api.delete_response, ["DELETE"]),
+        ("/v1/responses/{response_id}/cancel", api.cancel_response, ["POST"]),
         ("/v1/score", api.score, ["POST"]),
         ("/tokenize", api.tokenize, ["POST"]),
         ("/v1/tokenize", api.tokenize, ["POST"]),
