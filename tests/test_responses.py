@@ -239,7 +239,7 @@ def test_output_text_logprobs_are_its_tokens_only():
     """With a reasoning parser the output_text's logprobs are those of the tokens after the
     reasoning, however the updates split the tokens; each token once."""
     from minisgl.api.protocol import ToolPlan
-    from minisgl.api.responses import TextLogprobs, _Events
+    from minisgl.api.responses import _Events
     from minisgl.messages import TokenLogprob
     from minisgl.parsers.chat_output import ChatOutput
 
@@ -247,11 +247,9 @@ def test_output_text_logprobs_are_its_tokens_only():
     lps = [TokenLogprob(i, t, -0.1 * i, [(i, t, -0.1 * i)]) for i, t in enumerate(pieces)]
 
     def logprobs(cuts: list[int]) -> list[str]:
-        out, lp = ChatOutput(ToolPlan(), "qwen3"), TextLogprobs()
-        stream = _Events(lp)
+        out, stream = ChatOutput(ToolPlan(), "qwen3"), _Events(logprobs=True)
         for a, b in zip([0, *cuts], [*cuts, len(lps)]):
-            lp.add(lps[a:b])
-            stream.delta(out.delta("".join(pieces[a:b]), b == len(lps)))
+            stream.delta(out.delta("".join(pieces[a:b]), b == len(lps)), lps[a:b])
         stream.finish()
         message = next(it for it in stream.items if it["type"] == "message")
         assert message["content"][0]["text"] == "Paris."

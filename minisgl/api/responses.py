@@ -124,11 +124,11 @@ class TextLogprobs:
 
 
 class _Events:
-    """A streamed answer's deltas as Responses events, items opened and closed in order;
-    ``logprobs`` (if asked for) gives each output_text delta its tokens' logprobs."""
+    """A streamed answer's deltas as Responses events, items opened and closed in order; with
+    ``logprobs`` each output_text delta carries its tokens' logprobs (``TextLogprobs``)."""
 
-    def __init__(self, logprobs: TextLogprobs | None = None) -> None:
-        self.logprobs = logprobs
+    def __init__(self, logprobs: bool = False) -> None:
+        self.logprobs = TextLogprobs() if logprobs else None
         self.reasoning = ""  # all reasoning text so far
         self.seq = 0
         self.items: list[dict[str, Any]] = []  # finished items
@@ -156,8 +156,10 @@ class _Events:
             )
         return out
 
-    def delta(self, delta: dict[str, Any]) -> list[bytes]:
-        """The events of one chat delta (``ChatOutput.delta``)."""
+    def delta(self, delta: dict[str, Any], tokens: list[TokenLogprob] = ()) -> list[bytes]:
+        """The events of one chat delta (``ChatOutput.delta``) and of the ``tokens`` behind it."""
+        if self.logprobs is not None:
+            self.logprobs.add(tokens)
         out: list[bytes] = []
         if delta.get("reasoning_content"):
             if self.open is None or self.open["type"] != "reasoning":
@@ -352,11 +354,8 @@ class ResponsesRoutes(OpenAIRoutes):
     @staticmethod
     def _whole(body: ResponsesRequest, run: Run, output: ChatOutput) -> list[dict[str, Any]]:
         """A finished answer's output items: those its stream would end with."""
-        logprobs = TextLogprobs() if body.logprobs else None
-        if logprobs is not None:
-            logprobs.add(run.logprobs)
-        whole = _Events(logprobs)
-        whole.delta(output.delta(run.text, True))
+        whole = _Events(body.logprobs)
+        whole.delta(output.delta(run.text, True), run.logprobs)
         whole.finish()
         return whole.items
 
@@ -392,14 +391,11 @@ class ResponsesRoutes(OpenAIRoutes):
             return JSONResponse(self._finish(body, response, run, self._whole(body, run, output), own))
 
         async def events() -> AsyncIterator[bytes]:
-            logprobs = TextLogprobs() if body.logprobs else None
-            stream = _Events(logprobs)
+            stream = _Events(body.logprobs)
             yield stream.event("response.created", response=dict(response))
             yield stream.event("response.in_progress", response=dict(response))
             async for _, upd in merge(runs):
-                if logprobs is not None:
-                    logprobs.add(upd.logprobs)
-                for chunk in stream.delta(output.delta(upd.text, upd.finish_reason is not None)):
+                for chunk in stream.delta(output.delta(upd.text, upd.finish_reason is not None), upd.logprobs):
                     yield chunk
             for chunk in stream.finish():
                 yield chunk
