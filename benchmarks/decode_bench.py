@@ -62,6 +62,17 @@ def active_share(config: ModelConfig, batch: int) -> float:
     return 1 - (1 - config.num_experts_per_tok / config.num_experts) ** batch
 
 
+def fill_adapters(runner: ModelRunner) -> None:
+    """Random adapters in every LoRA slot, and request slot i under adapter i % slots."""
+    from minisgl.models.lora_adapter import lora_weights
+
+    for w in lora_weights(runner.model):
+        w.a.normal_(std=0.01)
+        w.b.normal_(std=0.01)
+    slots = runner.lora_rows.slots
+    runner.adapter_of_slot[:-1] = torch.arange(len(runner.adapter_of_slot) - 1).numpy() % slots
+
+
 def step_times(runner: ModelRunner, bs: int, context: int, iters: int) -> tuple[float, float]:
     """(sync, pipelined) seconds per decode step for ``bs`` requests of ``context`` tokens."""
     pages_per_req = cdiv(context + 1, runner.page_size)
@@ -354,6 +365,17 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"])
     ap.add_argument("--parts", type=int, nargs="+", default=[1, 2, 3], help="which parts to run")
     ap.add_argument(
+        "--lora",
+        type=int,
+        nargs=2,
+        default=None,
+        metavar=("SLOTS", "RANK"),
+        help="part 1 with LoRA on every module: SLOTS random adapters of RANK, request i under "
+        "adapter i %% SLOTS (every adapter in every step past batch SLOTS); add --lora-base for rows "
+        "under the base model (what enabling LoRA costs requests that use none)",
+    )
+    ap.add_argument("--lora-base", action="store_true", help="with --lora: every row under the base model")
+    ap.add_argument(
         "--cascade-cases",
         nargs="+",
         default=None,
@@ -380,6 +402,7 @@ def main() -> None:
     cfg = ModelConfig.from_path(Path(args.model))
     result = {
         "model": args.model,
+        "lora": args.lora,
         "gpu": torch.cuda.get_device_name(),
         "copy_bandwidth": bw,
         "context": args.context,
@@ -420,8 +443,15 @@ def main() -> None:
             max_total_tokens=max_bs * cdiv(args.context + 1, args.page_size) * args.page_size,
             quantization=args.quantization,
             kv_cache_dtype=args.kv_cache_dtype,
+            **(
+                dict(enable_lora=True, max_loras_per_batch=args.lora[0], max_lora_rank=args.lora[1])
+                if args.lora
+                else {}
+            ),
         )
     )
+    if args.lora and not args.lora_base:
+        fill_adapters(runner)
     weight_bytes = sum(p.numel() * p.element_size() for n, p in runner.model.named_parameters() if ".experts." not in n)
     expert_bytes = sum(p.numel() * p.element_size() for n, p in runner.model.named_parameters() if ".experts." in n)
     kv_per_token = runner.kv_cache.buffer.nbytes // ((runner.num_pages + 1) * args.page_size)

@@ -4,6 +4,7 @@ ServerArgs (the HTTP server), and the one definition of every flag (``build_pars
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 from dataclasses import dataclass, fields
@@ -24,6 +25,8 @@ KV_TOKENS_PER_REQUEST = 512
 # that may speculate, up to this many rows (the graphs' logits stay a few hundred MB).
 SPEC_GRAPH_ROWS = 1024
 SPEC_SCHEDULES = ("late", "wait", "overlap")  # --speculative-schedule values
+# Checkpoint module names a LoRA adapter may adapt (--lora-target-modules; "all" is every one).
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # smg's policies (--router-policy)
 ROUTER_POLICIES = (
     "cache_aware",
@@ -109,6 +112,14 @@ class EngineArgs:
     hicache_storage_backend: str | None = None  # "file": a disk tier under the host tier
     hicache_storage_dir: str | None = None  # its folder ($SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, /tmp/hicache)
     weight_version: str = "default"  # the name of the weights served first (outputs carry it)
+    # LoRA adapters (SGLang's flags): every loaded adapter lives in one of max_loras_per_batch
+    # device slots, so any mix of them runs in one batch (layers/lora.py).
+    enable_lora: bool = False
+    lora_paths: list[str] | None = None  # NAME=PATH, PATH, or SGLang's JSON {"lora_name", "lora_path", "pinned"}
+    max_loras_per_batch: int = 8
+    max_lora_rank: int | None = None  # None: the largest of lora_paths' (16 without any)
+    lora_target_modules: list[str] | None = None  # None: the union of lora_paths' (every module without any)
+    max_loaded_loras: int | None = None  # at most max_loras_per_batch here: loaded adapters stay on the device
 
     @property
     def storage_dir(self) -> str:
@@ -247,6 +258,56 @@ class EngineArgs:
             raise ValueError(
                 f"--hicache-io-backend must be one of {', '.join(HICACHE_IO_BACKENDS)}, got {self.hicache_io_backend!r}"
             )
+        self._validate_lora()
+
+    @property
+    def lora_enabled(self) -> bool:
+        """--enable-lora, or --lora-paths (which turns it on, as in SGLang)."""
+        return self.enable_lora or bool(self.lora_paths)
+
+    def _validate_lora(self) -> None:
+        if not self.lora_enabled:
+            return
+        if self.max_loras_per_batch < 1:
+            raise ValueError(f"--max-loras-per-batch must be >= 1, got {self.max_loras_per_batch}")
+        if self.max_lora_rank is not None and self.max_lora_rank < 1:
+            raise ValueError(f"--max-lora-rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_loaded_loras is not None and self.max_loaded_loras > self.max_loras_per_batch:
+            raise ValueError(
+                f"--max-loaded-loras {self.max_loaded_loras} is above --max-loras-per-batch "
+                f"{self.max_loras_per_batch}: loaded adapters all stay on the device here (raise --max-loras-per-batch)"
+            )
+        unknown = sorted(set(self.lora_target_modules or []) - {*LORA_TARGET_MODULES, "all"})
+        if unknown:
+            raise ValueError(
+                f"--lora-target-modules: {', '.join(unknown)} not served ({', '.join(LORA_TARGET_MODULES)} or all)"
+            )
+        if self.quantization is not None:
+            raise ValueError("--enable-lora with --quantization fp8 is not supported: serve the adapters in bf16")
+        names = [name for name, _, _ in parse_lora_paths(self.lora_paths or [])]
+        if len(names) > self.max_loras_per_batch:
+            raise ValueError(f"--lora-paths names {len(names)} adapters for {self.max_loras_per_batch} slots")
+        if len(set(names)) != len(names):
+            raise ValueError(f"--lora-paths names an adapter twice: {names}")
+
+
+def parse_lora_paths(items: list[str]) -> list[tuple[str, str, bool]]:
+    """SGLang's --lora-paths items as (name, path, pinned): NAME=PATH, PATH (named by itself), or
+    JSON {"lora_name": ..., "lora_path": ..., "pinned": ...}."""
+    out = []
+    for item in items:
+        if item.lstrip().startswith("{"):
+            try:
+                spec = json.loads(item)
+                out.append((str(spec["lora_name"]), str(spec["lora_path"]), bool(spec.get("pinned", False))))
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"--lora-paths {item!r}: JSON needs lora_name and lora_path ({e})") from None
+        elif "=" in item:
+            name, path = item.split("=", 1)
+            out.append((name, path, False))
+        else:
+            out.append((item, item, False))
+    return out
 
 
 @dataclass
@@ -622,6 +683,46 @@ def add_engine_args(ap: argparse.ArgumentParser) -> dict[str, argparse._Argument
         default=d.weight_version,
         help="the name of the weights served at start; outputs carry it in meta_info.weight_version "
         "and weight updates may rename it (SGLang's flag)",
+    )
+    lora = ap.add_argument_group("LoRA adapters")
+    lora.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters beside the base model: requests name one (/generate lora_path, an "
+        "OpenAI model of base:adapter or the adapter's name); /load_lora_adapter and "
+        "/unload_lora_adapter change them while serving",
+    )
+    lora.add_argument(
+        "--lora-paths",
+        nargs="+",
+        default=None,
+        help="adapters loaded at start (turns --enable-lora on): NAME=PATH, PATH, or JSON "
+        '{"lora_name": ..., "lora_path": ..., "pinned": ...}; a PEFT folder or hub id',
+    )
+    lora.add_argument(
+        "--max-loras-per-batch",
+        type=int,
+        default=d.max_loras_per_batch,
+        help="device slots for adapters: every loaded adapter keeps one, and any mix of them runs in one batch",
+    )
+    lora.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=None,
+        help="largest adapter rank the slots hold (default: the largest of --lora-paths, else 16)",
+    )
+    lora.add_argument(
+        "--lora-target-modules",
+        nargs="+",
+        default=None,
+        help=f"modules adapters may adapt: {', '.join(LORA_TARGET_MODULES)} or all (default: the union "
+        "of --lora-paths', else all)",
+    )
+    lora.add_argument(
+        "--max-loaded-loras",
+        type=int,
+        default=None,
+        help="at most --max-loras-per-batch here: loaded adapters all stay on the device",
     )
     hicache.add_argument(
         "--hicache-storage-dir",

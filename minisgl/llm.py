@@ -67,6 +67,7 @@ class LLM:
             self.runner.storage_fingerprint,
             self.runner.kv_bytes_per_page,
             on_gpu=self._on_gpu,
+            loras=old.loras if old is not None else None,  # (the workers keep the adapters)
         )
 
     # ---- the RL control plane, under SGLang's Engine method names -------------------------------
@@ -94,6 +95,22 @@ class LLM:
 
         payload = base64.b64decode(encode_named_tensors(named_tensors, load_format == "flattened_bucket"))
         return self._task(TensorWeights([payload] * self.args.tp_size, load_format or "direct"), flush_cache)
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> tuple[bool, str]:
+        """Load a PEFT adapter under a name requests use (``enable_lora=True``); every loaded
+        adapter stays on the device (``pinned`` changes nothing); (success, message)."""
+        try:
+            reply = self.scheduler.load_lora(lora_name, lora_path)
+        except ControlError as e:
+            return False, str(e)
+        return reply.ok, reply.message
+
+    def unload_lora_adapter(self, lora_name: str) -> tuple[bool, str]:
+        try:
+            self.scheduler.unload_lora(lora_name)
+        except ControlError as e:
+            return False, str(e)
+        return True, f"unloaded LoRA adapter {lora_name!r}"
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> tuple[bool, str]:
         """Give the device memory of ``tags`` (weights, kv_cache, cuda_graph; default all) back."""
@@ -175,6 +192,7 @@ class LLM:
         routed_experts_start: int = 0,
         predictions: list[Prompt | None] | None = None,
         return_hidden_states: bool = False,
+        lora_path: str | list[str | None] | None = None,
     ) -> list[dict[str, Any]]:
         """Generate for every prompt (text or token ids); results come back in prompt order.
 
@@ -190,6 +208,8 @@ class LLM:
         ``return_hidden_states`` (``enable_return_hidden_states=True``): the last hidden state of
         every prompt position and every output token but the last in
         ``meta_info["hidden_states"]`` (the prompt's rows as one list, then one row per token).
+        ``lora_path`` (``enable_lora=True``): the name of a loaded LoRA adapter for every prompt,
+        or one per prompt (None: the base model).
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -199,6 +219,9 @@ class LLM:
         predictions = predictions if predictions is not None else [None] * len(prompts)
         if len(predictions) != len(prompts):
             raise ValueError(f"{len(predictions)} predictions for {len(prompts)} prompts")
+        loras = lora_path if isinstance(lora_path, list) else [lora_path] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(loras)} lora_path entries for {len(prompts)} prompts")
         params = [p if isinstance(p, SamplingParams) else msgspec.convert(p or {}, SamplingParams) for p in params]
         if self.scheduler.held:
             raise ValueError(
@@ -207,7 +230,7 @@ class LLM:
         self.scheduler.take_events()  # (those of earlier calls)
         reqs: list[Req] = []
         try:
-            for prompt, sp, predicted in zip(prompts, params, predictions):
+            for prompt, sp, predicted, lora in zip(prompts, params, predictions, loras):
                 reqs.append(
                     self.scheduler.add_request(
                         self._encode(prompt),
@@ -218,6 +241,7 @@ class LLM:
                         routed_start=routed_experts_start if return_routed_experts else -1,
                         prediction_ids=self._encode(predicted, special=False) if predicted else None,
                         hidden_states=return_hidden_states,
+                        lora=lora,
                     )
                 )
         except ValueError:

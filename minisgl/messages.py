@@ -26,6 +26,7 @@ class NewRequest(msgspec.Struct, array_like=True):
     prompt_len: int = 0
     ban_ids: list[int] = []  # masked until min_new_tokens are out (EOS and stop tokens)
     logprob_ids: list[int] = []  # token ids whose logprobs come with every output token
+    lora_slot: int = -1  # the adapter slot its rows use (-1: the base model)
 
 
 class ForwardBatch(msgspec.Struct, array_like=True, tag=True):
@@ -178,7 +179,16 @@ class MemoryOccupation(msgspec.Struct, array_like=True, tag=True):
     tags: list[str] = msgspec.field(default_factory=lambda: ["weights", "kv_cache", "cuda_graph"])
 
 
-WorkerTask = LoadWeights | TensorWeights | JoinWeightGroup | BroadcastWeights | LeaveWeightGroup | MemoryOccupation
+class LoadLora(msgspec.Struct, array_like=True, tag=True):
+    """Write the LoRA adapter at ``path`` into adapter slot ``slot`` (--enable-lora)."""
+
+    slot: int
+    path: str
+
+
+WorkerTask = (
+    LoadWeights | TensorWeights | JoinWeightGroup | BroadcastWeights | LeaveWeightGroup | MemoryOccupation | LoadLora
+)
 
 
 @dataclass
@@ -256,6 +266,7 @@ class GenerateReq(msgspec.Struct):
     prediction: str | None = None  # OpenAI's predicted output: a draft source, no result depends on it
     continue_final: bool = False  # continue_final_message: the last message is left open and continued
     truncate: bool = False  # the Responses API's truncation "auto": the oldest messages dropped to fit
+    lora: str | None = None  # the LoRA adapter it runs under (SGLang's lora_path: a loaded adapter's name)
 
 
 class GenerateBatch(msgspec.Struct, tag=True):
@@ -279,6 +290,7 @@ class TokenizedReq(msgspec.Struct):
     routed_start: int = -1
     prediction_ids: list[int] = []
     hidden_states: bool = False
+    lora: str | None = None
 
 
 class TokenizedBatch(msgspec.Struct, tag=True):
@@ -298,7 +310,8 @@ class ControlReq(msgspec.Struct, tag=True):
     """A question for the scheduler, answered by ControlReply. op: "stats", "flush_cache",
     "profile" (hands ``profile`` to every worker), "pause" (``mode``), "continue", "weights"
     (runs ``task`` on every worker; ``abort_all``, ``flush_cache``, ``weight_version`` say what
-    it means for requests and the cache), "weight_version" (``weight_version`` None: read it)."""
+    it means for requests and the cache), "weight_version" (``weight_version`` None: read it),
+    "lora_load" and "lora_unload" (``lora_name``, ``lora_path``)."""
 
     cid: int
     op: str
@@ -309,6 +322,8 @@ class ControlReq(msgspec.Struct, tag=True):
     flush_cache: bool = True
     weight_version: str | None = None
     keep_pause: bool = False  # stay paused after the update
+    lora_name: str = ""  # "lora_load" (with lora_path) and "lora_unload"
+    lora_path: str = ""
 
 
 class ControlReply(msgspec.Struct, tag=True):
@@ -417,6 +432,7 @@ class EngineInfo(msgspec.Struct, tag=True):
     device: str = "cpu"  # the workers' device type (the scheduler itself never loads torch)
     hidden_size: int = 0  # of the model's hidden states (rows of return_hidden_states)
     speculative: bool = False  # the scheduler drafts tokens (a request's predicted output is a draft source)
+    lora_adapters: dict[str, str] = {}  # loaded LoRA adapters, name -> path (--lora-paths)
 
 
 ToTokenizer = GenerateBatch | AbortReq | ControlReq | ControlReply | TextReq | TokenBatch | EngineInfo

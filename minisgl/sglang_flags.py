@@ -36,6 +36,10 @@ INERT: dict[str, tuple[int, str]] = {
     "--speculative-ngram-max-bfs-breadth": (ONE, "NGRAM drafts are chains, not trees"),
     "--speculative-ngram-branch-length": (ONE, "every token of the radix tree and of each request is indexed"),
     "--speculative-ngram-match-type": (ONE, "NGRAM drafts follow the longest match"),
+    "--lora-backend": (ONE, "one LoRA path: masked GEMMs over every adapter slot at once"),
+    "--max-lora-chunk-size": (ONE, "one LoRA path: masked GEMMs over every adapter slot at once"),
+    "--lora-eviction-policy": (ONE, "loaded adapters stay on the device: none is evicted"),
+    "--enable-lora-overlap-loading": (SWITCH, "adapters load between steps, while no step runs"),
 }
 # flag -> (takes, why not); refused with the reason.
 REFUSED: dict[str, tuple[int, str]] = {
@@ -51,9 +55,6 @@ REFUSED: dict[str, tuple[int, str]] = {
     ),
     "--speculative-num-steps": (ONE, "drafts are chains of --speculative-num-draft-tokens (NGRAM)"),
     "--speculative-eagle-topk": (ONE, "no EAGLE drafts: --speculative-algorithm NGRAM drafts chains"),
-    "--enable-lora": (SWITCH, "LoRA adapters are not supported"),
-    "--lora-paths": (MANY, "LoRA adapters are not supported"),
-    "--max-loras-per-batch": (ONE, "LoRA adapters are not supported"),
     "--allow-auto-truncate": (SWITCH, "an over-long prompt is refused with a 400, never truncated"),
     "--json-model-override-args": (ONE, "the model's config.json is used as it is: edit a copy instead"),
     "--preferred-sampling-params": (ONE, "server-wide sampling defaults are not supported: send them per request"),

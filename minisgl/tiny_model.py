@@ -5,6 +5,9 @@ Python (stdlib docstrings), ChatML special tokens and chat template, and a gener
 
     python scripts/make_tiny_model.py --arch llama --out checkpoints/tiny-llama
     from minisgl.tiny_model import make_tiny_model
+
+``make_lora_adapter`` writes a random PEFT LoRA adapter for any checkpoint's config (a tiny one,
+or a real model's shape for benchmarks).
 """
 
 from __future__ import annotations
@@ -158,6 +161,67 @@ def make_tiny_model(
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out, **kwargs)
     tokenizer.save_pretrained(out)
+    return out
+
+
+LORA_KEY = "base_model.model.model.layers.{layer}.{block}.{module}.lora_{ab}.weight"
+
+
+def make_lora_adapter(
+    model_dir: str | Path,
+    out: str | Path,
+    modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    rank: int = 8,
+    alpha: float | None = None,
+    seed: int = 0,
+    std: float = 0.1,
+    use_rslora: bool = False,
+) -> Path:
+    """A PEFT LoRA adapter (adapter_config.json, adapter_model.safetensors) for the checkpoint at
+    ``model_dir``, A and B both random (PEFT starts B at zero: this one changes the outputs).
+    The MLP modules are left out of a mixture of experts' sparse layers. ``alpha``: 2 * rank."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from minisgl.model_config import ModelConfig
+
+    cfg = ModelConfig.from_path(Path(model_dir))
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    shapes = {  # module -> (block, in, out)
+        "q_proj": ("self_attn", cfg.hidden_size, q),
+        "k_proj": ("self_attn", cfg.hidden_size, kv),
+        "v_proj": ("self_attn", cfg.hidden_size, kv),
+        "o_proj": ("self_attn", q, cfg.hidden_size),
+        "gate_proj": ("mlp", cfg.hidden_size, cfg.intermediate_size),
+        "up_proj": ("mlp", cfg.hidden_size, cfg.intermediate_size),
+        "down_proj": ("mlp", cfg.intermediate_size, cfg.hidden_size),
+    }
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(cfg.num_layers):
+        for module in modules:
+            block, fan_in, fan_out = shapes[module]
+            if block == "mlp" and cfg.is_moe_layer(layer):
+                continue
+            key = dict(layer=layer, block=block, module=module)
+            tensors[LORA_KEY.format(**key, ab="A")] = torch.randn(rank, fan_in, generator=gen) * std
+            tensors[LORA_KEY.format(**key, ab="B")] = torch.randn(fan_out, rank, generator=gen) * std
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out / "adapter_model.safetensors")
+    config = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": 2 * rank if alpha is None else alpha,
+        "use_rslora": use_rslora,
+        "target_modules": list(modules),
+        "bias": "none",
+        "base_model_name_or_path": str(model_dir),
+        "task_type": "CAUSAL_LM",
+    }
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
     return out
 
 

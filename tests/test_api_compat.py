@@ -153,7 +153,8 @@ def test_smg_router_and_bench_serving_fields(server: ServerProcess, offline: LLM
     r = httpx.post(f"{server.url}/generate", json=body, timeout=60)
     assert r.status_code == 200, r.text
     assert r.json()["output_ids"] == greedy(offline, "Hello", 6, ignore_eos=True)["output_ids"]
-    # SGLang's hicache bench_multiturn says "no adapter" with an empty string; an adapter is refused.
+    # SGLang's hicache bench_multiturn says "no adapter" with an empty string; an adapter this server
+    # has not loaded is refused.
     r = httpx.post(f"{server.url}/generate", json={**body, "lora_path": ""}, timeout=60)
     assert r.status_code == 200, r.text
     r = httpx.post(f"{server.url}/generate", json={**body, "lora_path": "adapter-a"}, timeout=60)

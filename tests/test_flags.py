@@ -115,10 +115,13 @@ def test_check_model_name_refuses_other_models_only_when_asked():
 
     routes = object.__new__(OpenAIRoutes)
     routes.args = ServerArgs(model="/models/tiny", served_model_name="tiny")
+    routes.adapters = {"a1": "/adapters/a1"}
     routes._check_model("gpt-4")  # SGLang's behaviour: any name is served
     routes.args.check_model_name = True
-    for name in ("tiny", "/models/tiny", "default"):
+    for name in ("tiny", "/models/tiny", "default", "a1", "tiny:a1"):  # a LoRA adapter, by its name or SGLang's
         routes._check_model(name)
+    with pytest.raises(BadRequest, match="no LoRA adapter named 'a2'"):
+        routes._check_model("tiny:a2")
     with pytest.raises(BadRequest, match="'gpt-4' does not exist"):
         routes._check_model("gpt-4")
     assert parse_args(["--model", "m", "--check-model-name"]).check_model_name

@@ -222,6 +222,7 @@ class ApiBase:
         self.created = int(time.time())
         self.generation = uuid.uuid4().hex  # tells a router this process from a restarted one
         self.weight_version = info.weight_version  # stamped on every output (updates change it)
+        self.adapters = dict(info.lora_adapters)  # loaded LoRA adapters, name -> path (as the scheduler says)
 
     # ---- starting and finishing requests --------------------------------------------------------
 
@@ -277,12 +278,28 @@ class ApiBase:
 
         return EventStream(events, close)
 
+    def _adapter(self, model: str, lora_path: str | None) -> str | None:
+        """The LoRA adapter an OpenAI request names: ``lora_path``, a ``model`` of
+        ``<served model>:<adapter>`` (SGLang's), or a ``model`` that is an adapter's name (vLLM's).
+        An unknown adapter is a 400 (the scheduler refuses it too, should it go meanwhile)."""
+        base, sep, suffix = model.rpartition(":")
+        named = lora_path or None  # ("": none, as SGLang's benchmark client sends)
+        if named is None and sep and base in (self.args.model_name, self.args.model, "default"):
+            named = suffix
+        elif named is None and model in self.adapters:
+            named = model
+        if named is not None and named not in self.adapters:
+            field = "lora_path" if lora_path else "model"
+            loaded = ", ".join(sorted(self.adapters)) or "none; LoRA needs --enable-lora or --lora-paths"
+            raise BadRequest(f"{field}: no LoRA adapter named {named!r} is loaded (loaded: {loaded})", param=field)
+        return named
+
     def _check_model(self, model: str, always: bool = False) -> None:
         """Requests may name any model, as SGLang serves them; with --check-model-name (as vLLM)
         only the served name, the model path and "default" (``always``: a catalog lookup)."""
         if not (always or self.args.check_model_name):
             return
-        if model not in (self.args.model_name, self.args.model, "default"):
+        if model not in (self.args.model_name, self.args.model, "default") and self._adapter(model, None) is None:
             raise BadRequest(
                 f"model {model!r} does not exist; this server serves {self.args.model_name!r}",
                 status=404,

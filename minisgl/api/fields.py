@@ -1,10 +1,9 @@
 """Which request fields the server honours, accepts as inert, or refuses: SGLang's and OpenAI's.
 
-Real clients send fields this server has no use for (SGLang's benchmark client sends
-``lora_path: null``, the smg router ``log_metrics`` and ``return_bytes``, the openai client
-``user``), so refusing every unknown field breaks them. Dropping one that changes the result,
-though, returns wrong answers without a word (lm-eval scored a wrong accuracy when ``echo``
-was dropped). Each schema below sorts a body's fields into:
+Real clients send fields this server has no use for (the smg router sends ``log_metrics`` and
+``return_bytes``, the openai client ``user``), so refusing every unknown field breaks them.
+Dropping one that changes the result, though, returns wrong answers without a word (lm-eval
+scored a wrong accuracy when ``echo`` was dropped). Each schema below sorts a body's fields into:
 
 - ``implemented``: passed on to the request's Struct;
 - ``inert``: accepted whatever the value (routing hints, logging switches, cache salts);
@@ -141,6 +140,7 @@ GENERATE = Schema(
         "return_routed_experts",
         "routed_experts_start_len",
         "return_hidden_states",
+        "lora_path",
     },
     inert={
         "model",
@@ -168,7 +168,6 @@ GENERATE = Schema(
         "return_indexer_topk": False,
         "modalities": None,
         "session_params": None,
-        "lora_path": None,
         "lora_id": None,
         "custom_logit_processor": None,
         "positional_embed_overrides": None,
@@ -192,7 +191,6 @@ GENERATE = Schema(
         "image_data": MULTIMODAL,
         "video_data": MULTIMODAL,
         "audio_data": MULTIMODAL,
-        "lora_path": "LoRA adapters are not supported",
     },
     nested={"sampling_params": SAMPLING},
 )
@@ -231,6 +229,7 @@ _OPENAI_COMMON = dict(
         "cache_salt",
         "stop_regex",
         "return_hidden_states",
+        "lora_path",
     },
     inert={
         "store",
@@ -248,11 +247,8 @@ _OPENAI_COMMON = dict(
         "separate_reasoning",
         "return_text_in_logprobs",
     },
-    default_only={
-        "lora_path": None,
-        "session_params": None,
-    },
-    why={"lora_path": "LoRA adapters are not supported"},
+    default_only={"session_params": None},
+    why={},
 )
 
 COMPLETION = Schema(
@@ -332,6 +328,7 @@ RESPONSES = Schema(
         "include",
         "top_logprobs",
         "background",
+        "lora_path",
     },
     inert={
         "service_tier",
@@ -351,12 +348,10 @@ RESPONSES = Schema(
         "conversation": None,
         "prompt": None,
         "stop_regex": None,
-        "lora_path": None,
     },
     why={
         "conversation": "conversations are not supported; continue with previous_response_id",
         "prompt": "stored prompt templates are not supported",
-        "lora_path": "LoRA adapters are not supported",
     },
 )
 

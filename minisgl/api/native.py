@@ -116,6 +116,7 @@ class NativeRoutes(ApiBase):
                     cache_salt=it.cache_salt,
                     routed_start=it.routed_start,
                     hidden_states=it.hidden_states,
+                    lora=it.lora,
                 )
                 for it in items
             ]

@@ -84,6 +84,7 @@ class OpenAIRoutes(ApiBase):
         body: CompletionRequest = await read_body(request, CompletionRequest, self.args, COMPLETION)
         self._check_model(body.model)
         body.check()
+        lora = self._adapter(body.model, body.lora_path)
         cid, prompts = f"cmpl-{uuid.uuid4().hex}", body.prompts()
         check_sequences(len(prompts) * body.n, self.args.max_sequences_per_request)  # before any is built
         reqs = [  # echo with max_tokens 0 scores the prompt and generates nothing
@@ -97,6 +98,7 @@ class OpenAIRoutes(ApiBase):
                 fill_context=body.max_tokens is None,
                 logprob_start=0 if body.echo else -1,
                 hidden_states=body.return_hidden_states,
+                lora=lora,
             )
             for i, p in enumerate(prompts)
             for j in range(body.n)
@@ -214,6 +216,7 @@ class OpenAIRoutes(ApiBase):
         until the prompt fits (the Responses API's truncation "auto")."""
         self._check_model(body.model)
         body.check()
+        lora = self._adapter(body.model, body.lora_path)
         plan = body.tool_plan(self.info.tool_call_parser)
         messages = [m.flat() for m in body.messages]
         predicted = parts_text(body.prediction.content, "prediction") if body.prediction else None
@@ -236,6 +239,7 @@ class OpenAIRoutes(ApiBase):
                     continue_final=body.continue_final_message,
                     truncate=truncate,
                     hidden_states=body.return_hidden_states,
+                    lora=lora,
                 )
             )
         runs = await self._start(reqs)
@@ -260,7 +264,13 @@ class OpenAIRoutes(ApiBase):
         }
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [self._card()]})
+        """The served model, then each loaded LoRA adapter (its ``parent`` the model, as vLLM lists them)."""
+        cards = [self._card()]
+        cards += [
+            {**self._card(), "id": name, "root": path, "parent": self.args.model_name}
+            for name, path in self.adapters.items()
+        ]
+        return JSONResponse({"object": "list", "data": cards})
 
     async def model(self, request: Request) -> Response:
         self._check_model(request.path_params["model"], always=True)

@@ -102,6 +102,7 @@ class GenerateItem(msgspec.Struct):
     cache_salt: str | None = None  # extra_key: shares cached prefixes only with the same key
     routed_start: int = -1  # routed experts of the positions from here on (-1: none)
     hidden_states: bool = False  # every position's last hidden state
+    lora: str | None = None  # the LoRA adapter's name (lora_path)
 
 
 class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -122,6 +123,7 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
     return_routed_experts: bool = False  # MoE: each position's experts (--enable-return-routed-experts)
     routed_experts_start_len: Int32 = 0  # from this position on (0: the whole prompt too)
     return_hidden_states: bool | list[bool] = False  # (--enable-return-hidden-states)
+    lora_path: str | list[str | None] | None = None  # a loaded LoRA adapter's name, or one per prompt
 
     @property
     def is_batch(self) -> bool:
@@ -166,6 +168,7 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
         ids = self._logprob_ids(count)
         keys = self._per_prompt(self.extra_key, "extra_key", count, None)
         hidden = self._per_prompt(self.return_hidden_states, "return_hidden_states", count, False)
+        loras = [name or None for name in self._per_prompt(self.lora_path, "lora_path", count, None)]  # "": none
         if len({s.n for s in sampling}) > 1:
             raise BadRequest("every sampling_params of a batch must have the same n", param="sampling_params.n")
         n = sampling[0].n
@@ -198,6 +201,7 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
                         keys[i],
                         self.routed_experts_start_len if self.return_routed_experts else -1,
                         hidden[i],
+                        loras[i],
                     )
                 )
         return out
@@ -282,6 +286,7 @@ class _OpenAIBase(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stop: str | list[str] | None = None
     stop_regex: str | list[str] | None = None  # SGLang's
     return_hidden_states: bool = False  # SGLang's: each choice's last hidden state (--enable-return-hidden-states)
+    lora_path: str | None = None  # SGLang's: a loaded LoRA adapter's name (or model "base:adapter")
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: Int64 | None = None

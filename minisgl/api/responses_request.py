@@ -79,6 +79,7 @@ class FunctionTool(msgspec.Struct):
 class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     input: str | list[dict[str, Any]]
     model: str = "default"
+    lora_path: str | None = None  # SGLang's: a loaded LoRA adapter's name (or model "base:adapter")
     instructions: str | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
@@ -191,6 +192,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
         messages = ([ChatMessageIn("system", self.instructions)] if self.instructions else []) + history
         return ChatCompletionRequest(
             model=self.model,
+            lora_path=self.lora_path,
             messages=messages,
             max_completion_tokens=self.max_output_tokens,
             temperature=self.temperature,

@@ -24,6 +24,7 @@ from starlette.routing import Route
 from minisgl.api.base import error_response
 from minisgl.api.client import EngineClient, EngineError
 from minisgl.api.fields import IGNORED
+from minisgl.api.lora import LoraRoutes
 from minisgl.api.native import NativeRoutes
 from minisgl.api.protocol import BadRequest
 from minisgl.api.responses import ResponsesRoutes
@@ -36,7 +37,7 @@ logger = logging.getLogger("minisgl.api")
 OPEN_PATHS = {"/health"}  # reachable without the API key (liveness probes)
 
 
-class Api(NativeRoutes, ResponsesRoutes, RlRoutes):
+class Api(NativeRoutes, ResponsesRoutes, RlRoutes, LoraRoutes):
     """Every route's handler, on one shared state."""
 
 
@@ -183,6 +184,8 @@ def create_app(client: EngineClient, info: EngineInfo, args: ServerArgs, pids: d
         ("/get_weight_version", api.get_weight_version, ["GET"]),
         ("/update_weight_version", api.update_weight_version, ["POST"]),
         ("/release_memory_occupation", api.release_memory_occupation, ["POST"]),
+        ("/load_lora_adapter", api.load_lora_adapter, ["POST"]),
+        ("/unload_lora_adapter", api.unload_lora_adapter, ["POST"]),
         ("/resume_memory_occupation", api.resume_memory_occupation, ["POST"]),
     ]
 

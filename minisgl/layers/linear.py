@@ -17,6 +17,7 @@ from torch import nn
 
 from minisgl.distributed import all_reduce, get_tp_info
 from minisgl.layers.fp8_scheme import Fp8Scheme
+from minisgl.layers.lora import LoraWeights
 from minisgl.layers.quantization import FP8, Fp8Act, fp8_linear, quantize_across_ranks, quantize_weight, row_scales
 from minisgl.utils import cdiv, divide
 
@@ -52,6 +53,7 @@ class ColumnParallelLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(sum(self.local_sizes)), requires_grad=False)
             self.bias.weight_loader = self.load_shard
+        self.lora: LoraWeights | None = None  # --enable-lora: the adapters' stacked weights
 
     def _local_size(self, part: int, size: int, tp_size: int) -> int:
         return divide(size, tp_size)
@@ -87,7 +89,8 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor | Fp8Act) -> torch.Tensor:
         if self.quant is not None:
             return fp8_linear(x, self.weight, self.weight_scale, self.bias, self.quant.block)
-        return F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight, self.bias)
+        return y if self.lora is None else self.lora.add(x, y)
 
 
 def make_weight(rows: int, cols: int, quant: Fp8Scheme | None, *lead: int) -> tuple[nn.Parameter, nn.Parameter | None]:
@@ -221,6 +224,7 @@ class RowParallelLinear(nn.Module):
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+        self.lora: LoraWeights | None = None  # --enable-lora: this rank's input columns of A
 
     def checkpoint_shape(self, attr: str, part: None = None) -> tuple[int, ...] | None:
         """The full checkpoint tensor ``attr`` loads from; None for fp8 scales."""
@@ -248,7 +252,8 @@ class RowParallelLinear(nn.Module):
 
     def _matmul(self, x: torch.Tensor | Fp8Act, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         if self.quant is None:
-            return F.linear(x, self.weight) if out_dtype is None else linear_fp32(x, self.weight)
+            y = F.linear(x, self.weight) if out_dtype is None else linear_fp32(x, self.weight)
+            return y if self.lora is None else self.lora.add(x, y)
         if isinstance(x, torch.Tensor) and self.scales_across_ranks:
             x = quantize_across_ranks(x.reshape(-1, x.shape[-1]))
         return fp8_linear(x, self.weight, self.weight_scale, None, self.quant.block, out_dtype)

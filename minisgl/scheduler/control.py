@@ -13,8 +13,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from minisgl.args import parse_lora_paths
 from minisgl.messages import (
     BroadcastWeights,
+    LoadLora,
     LoadWeights,
     LocalTensors,
     MemoryOccupation,
@@ -22,6 +24,7 @@ from minisgl.messages import (
     WorkerReply,
     WorkerTask,
 )
+from minisgl.scheduler.lora import Adapter, LoraError
 from minisgl.scheduler.request import Req, ReqEvent
 
 if TYPE_CHECKING:
@@ -41,15 +44,18 @@ class ControlPlane:
 
     def _queue(self: Scheduler, req: Req, front: bool = False) -> None:
         """Queue a request under the current weights' tree of the cache."""
-        self.waiting.rekey(req, self.kv_salt(req.cache_salt))
+        self.waiting.rekey(req, self.kv_salt(req))
         self.waiting.push(req, self.counters.steps, front=front)
 
-    def kv_salt(self: Scheduler, cache_salt: str | None) -> str | None:
-        """The cache tree of ``cache_salt`` under the current weights (the salt itself until the
-        first update)."""
+    def kv_salt(self: Scheduler, req: Req) -> str | None:
+        """The cache tree of the request's ``cache_salt`` and LoRA adapter under the current
+        weights (the salt itself without an adapter until the first update)."""
+        salt = req.cache_salt
+        if req.lora_key is not None:
+            salt = f"{salt or ''}\x00{req.lora_key}"
         if not self.weights_epoch:
-            return cache_salt
-        return f"{cache_salt or ''}\x00weights-{self.weights_epoch}-{self._epoch_tag}"
+            return salt
+        return f"{salt or ''}\x00weights-{self.weights_epoch}-{self._epoch_tag}"
 
     def collect_inflight(self: Scheduler) -> None:
         """Process every launched step, so the workers are idle (outputs become events)."""
@@ -111,7 +117,7 @@ class ControlPlane:
         cache; with ``flush_cache`` every page no running request holds is freed now."""
         self.weights_epoch += 1
         for req in self.waiting.requests():
-            self.waiting.rekey(req, self.kv_salt(req.cache_salt))
+            self.waiting.rekey(req, self.kv_salt(req))
         if flush_cache:
             self.drop_cache()
 
@@ -122,6 +128,48 @@ class ControlPlane:
             self.allocator.free(self.cache.reset())
         else:
             self.allocator.free(self.cache.evict(self.cache.size_info().evictable))
+
+    # ---- LoRA adapters -----------------------------------------------------------------------
+
+    def lora_adapter(self: Scheduler, name: str | None) -> Adapter | None:
+        """The loaded adapter a request names (None: none named); ValueError naming what is wrong."""
+        if name is None:
+            return None
+        if self.loras is None:
+            raise LoraError("lora_path needs a server started with --enable-lora (or --lora-paths)")
+        return self.loras.get(name)
+
+    def load_lora(self: Scheduler, name: str, path: str) -> WorkerReply:
+        """Load an adapter into a free slot of every worker, between steps."""
+        if self.loras is None:
+            raise ControlError("LoRA adapters need a server started with --enable-lora")
+        if not name or not path:
+            raise ControlError("lora_name and lora_path must both be given")
+        self.collect_inflight()
+        try:
+            slot = self.loras.free_slot(name, [*self.running, *self.waiting.requests(), *self.compiling])
+        except LoraError as e:
+            raise ControlError(str(e)) from None
+        reply = self.executor.run_task(LoadLora(slot, path))
+        if reply.ok:
+            self.loras.add(name, path, slot)
+        return reply
+
+    def unload_lora(self: Scheduler, name: str) -> None:
+        """Refuse the adapter to new requests; its slot frees once the requests holding it end."""
+        if self.loras is None:
+            raise ControlError("LoRA adapters need a server started with --enable-lora")
+        try:
+            self.loras.remove(name)
+        except LoraError as e:
+            raise ControlError(str(e)) from None
+
+    def load_startup_loras(self: Scheduler) -> None:
+        """--lora-paths, loaded before the first request."""
+        for name, path, _ in parse_lora_paths(self.args.lora_paths or []):
+            reply = self.load_lora(name, path)
+            if not reply.ok:
+                raise ValueError(f"--lora-paths {name}={path}: {reply.message}")
 
     def _memory(self: Scheduler, task: MemoryOccupation) -> WorkerReply:
         unknown = sorted(set(task.tags) - set(MEMORY_TAGS))

@@ -101,4 +101,5 @@ def new_request(req: Req, eos_ids: set[int]) -> NewRequest:
         prompt_len=len(req.prompt_ids),
         ban_ids=ban,
         logprob_ids=req.logprob_ids,
+        lora_slot=req.lora_slot,
     )

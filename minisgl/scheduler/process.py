@@ -7,6 +7,7 @@ process. When idle it blocks on its socket; every few seconds of activity it log
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -77,6 +78,7 @@ class SchedulerProcess:
         self._turned = time.monotonic()  # when the main loop last came round
         self._in_control = False  # a control task (new weights, memory) runs: not a hung step
         info.speculative = self.sched.spec is not None
+        info.lora_adapters = self.sched.loras.paths() if self.sched.loras is not None else {}
         self.tokenizer.send(info)
 
     # ---- messages ------------------------------------------------------------------------------
@@ -109,6 +111,7 @@ class SchedulerProcess:
                 msg.routed_start,
                 msg.prediction_ids,
                 msg.hidden_states,
+                msg.lora,
             )
         except ValueError as e:
             self.outbox.append(TokenOut(msg.rid, error=str(e)))
@@ -147,6 +150,8 @@ class SchedulerProcess:
                 return ControlReply(cid, True, {"weight_version": self.info.weight_version})
             if msg.op == "weights" and msg.task is not None:
                 return self._weights(msg)
+            if msg.op in ("lora_load", "lora_unload"):
+                return self._lora(msg)
         except ControlError as e:
             return ControlReply(cid, False, {"error": str(e)})
         return ControlReply(cid, False, {"error": f"unknown control op {msg.op!r}"})
@@ -171,6 +176,17 @@ class SchedulerProcess:
             "num_paused_requests": held,
         }
         return ControlReply(msg.cid, reply.ok, data if reply.ok else {**data, "error": reply.message})
+
+    def _lora(self, msg: ControlReq) -> ControlReply:
+        """Load or unload an adapter; the answer lists the loaded ones (JSON, name -> path)."""
+        if msg.op == "lora_load":
+            reply = self.sched.load_lora(msg.lora_name, msg.lora_path)
+            ok, message = reply.ok, reply.message
+        else:
+            self.sched.unload_lora(msg.lora_name)
+            ok, message = True, f"unloaded LoRA adapter {msg.lora_name!r}"
+        data = {"message": message, "loaded_adapters": json.dumps(self.sched.loras.paths())}
+        return ControlReply(msg.cid, ok, data if ok else {**data, "error": message})
 
     def _events(self, events: list[ReqEvent]) -> None:
         """Each request event as its message to the tokenizer process, in order: the first one

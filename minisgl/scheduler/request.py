@@ -42,6 +42,9 @@ class Req:
     # The tree of the prefix cache it reads and fills: its salt's, under the weights current when
     # it was queued (KV of older weights is never matched; ``Scheduler.new_weights``).
     kv_salt: str | None = None
+    # Its LoRA adapter's slot on the workers (-1: none) and that adapter's key (its cache tree).
+    lora_slot: int = -1
+    lora_key: str | None = None
     queued_step: int = 0  # the scheduler step at which it last came to the queue (for aging)
     retracted: bool = False  # re-prefills its own tokens: no longer counts cache hits
     # Prompt logprobs from this position (-1: none): position j's logprob given tokens < j, with

@@ -37,6 +37,7 @@ from minisgl.scheduler.control import ControlPlane
 from minisgl.scheduler.counters import Counters
 from minisgl.scheduler.decode import DecodePlanner
 from minisgl.scheduler.grammar import GrammarBackend
+from minisgl.scheduler.lora import LoraRegistry
 from minisgl.scheduler.output import apply_output, record_captures
 from minisgl.scheduler.pages import Memory
 from minisgl.scheduler.prefill import PrefillPlanner
@@ -111,7 +112,10 @@ class Scheduler(ControlPlane):
         storage_fingerprint: str = "",
         page_bytes: int = 0,
         on_gpu: bool = False,
+        loras: LoraRegistry | None = None,
     ):
+        """``loras``: the adapters an earlier scheduler over the same workers loaded (else
+        --lora-paths are loaded now)."""
         self.args = args
         self.page_size = args.page_size
         self.context_len = context_len
@@ -186,6 +190,10 @@ class Scheduler(ControlPlane):
         self.released: set[str] = set()
         self.weights_epoch = 0
         self._epoch_tag = os.urandom(4).hex()
+        self.loras = loras
+        if loras is None and args.lora_enabled:
+            self.loras = LoraRegistry(args.max_loras_per_batch)
+            self.load_startup_loras()
 
     # ---- requests in and out -------------------------------------------------------------------
 
@@ -200,15 +208,18 @@ class Scheduler(ControlPlane):
         routed_start: int = -1,
         prediction_ids: list[int] | None = None,
         hidden_states: bool = False,
+        lora: str | None = None,
     ) -> Req:
         """Validate and queue a request. Raises ValueError naming what is wrong. ``routed_start``
         >= 0: return the routed experts of positions from there on. ``prediction_ids``: OpenAI's
         predicted output, a draft source under speculative decoding (no result depends on it).
-        ``hidden_states``: return every position's last hidden state."""
+        ``hidden_states``: return every position's last hidden state. ``lora``: the name of a
+        loaded LoRA adapter to run under."""
         if routed_start >= 0 and not self.args.enable_return_routed_experts:
             raise ValueError("return_routed_experts needs a server started with --enable-return-routed-experts")
         if hidden_states and not self.args.enable_return_hidden_states:
             raise ValueError("return_hidden_states needs a server started with --enable-return-hidden-states")
+        adapter = self.lora_adapter(lora)
         params.validate(self.vocab_size)
         if params.stop_token_ids and max(params.stop_token_ids) >= self.vocab_size:  # they never match: dropped
             params.stop_token_ids = [t for t in params.stop_token_ids if t < self.vocab_size]
@@ -252,6 +263,8 @@ class Scheduler(ControlPlane):
             routed_from=routed_from,
             hidden=hidden_states,
             prediction_ids=list(prediction_ids or [])[: self.context_len] if self.spec else [],
+            lora_slot=adapter.slot if adapter else -1,
+            lora_key=adapter.key if adapter else None,
         )
         self._next_rid += 1
         self._unfrozen += 1

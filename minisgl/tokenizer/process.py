@@ -316,6 +316,7 @@ class TokenizerProcess:
                     req.routed_start,
                     predicted,
                     req.hidden_states,
+                    req.lora,
                 )
             )
         if refused:

@@ -29,10 +29,12 @@ from minisgl.distributed import get_tp_info, init_fused_all_reduce_norm, init_on
 from minisgl.kvcache import HostKVPool, MHAKVCache
 from minisgl.kvcache.disk_store import DiskStore, fingerprint
 from minisgl.layers.fp8_scheme import parse_kv_cache_dtype
+from minisgl.layers.lora import LoraRows
 from minisgl.layers.moe import RoutedExperts
 from minisgl.layers.quantization import FP8
 from minisgl.messages import (
     ForwardBatch,
+    LoadLora,
     LocalTensors,
     MemoryOccupation,
     NewRequest,
@@ -130,6 +132,7 @@ class ModelRunner:
             args.quantize_lm_head,
         )
         self.vocab_size, self.hidden_size = self.config.vocab_size, self.config.hidden_size
+        self.lora_rows = self._attach_lora()
         self.pending: deque[_Pending] = deque()
         # forward done, waiting for masks (with the step's gains)
         self._parked: tuple[ForwardBatch, torch.Tensor, Gains | None] | None = None
@@ -235,6 +238,24 @@ class ModelRunner:
                 layer.mlp.capture = routed
         return routed
 
+    def _attach_lora(self) -> LoraRows | None:
+        """--enable-lora: every targeted layer's adapter slots (zeros until adapters load), and
+        the buffer of each step's rows' slots, as long as the longest step graphs capture."""
+        args = self.args
+        if not args.lora_enabled:
+            return None
+        from minisgl.models.lora_adapter import attach_lora, lora_layout
+
+        self.lora_rank, targets = lora_layout(args)
+        rows = max(args.prefill_budget(self.context_len), args.graph_batch_size, WARMUP_ROWS)
+        lora_rows = attach_lora(
+            self.model, self.config, self.lora_rank, args.max_loras_per_batch, targets, rows, self.device
+        )
+        logger.info(
+            "LoRA: %d adapter slots of rank %d on %s", args.max_loras_per_batch, self.lora_rank, ", ".join(targets)
+        )
+        return lora_rows
+
     def _slots(self, n: int) -> None:
         """Page-table rows, last sampled tokens and sampling state for ``n`` requests, plus the
         padding row of CUDA-graph batches (it points at the scratch page)."""
@@ -252,6 +273,7 @@ class ModelRunner:
         # The most rows each slot's last verify run could reject (its draft's length), on the host.
         self.most_rejected = np.zeros(n + 1, dtype=np.int64)
         self.sampler = Sampler(n, self.vocab_size, self.device)
+        self.adapter_of_slot = np.full(n + 1, -1, dtype=np.int64)  # each request's LoRA slot (-1: none)
 
     def _make_cache(self, num_pages: int) -> MHAKVCache:
         return MHAKVCache(
@@ -430,6 +452,7 @@ class ModelRunner:
                 r.ban_ids,
                 r.logprob_ids,
             )
+            self.adapter_of_slot[r.slot] = r.lora_slot
 
     def _metadata(self, batch: ForwardBatch) -> tuple[AttentionMetadata, torch.Tensor]:
         """Apply page-table writes and build positions, inputs and KV slots for the new tokens."""
@@ -457,6 +480,9 @@ class ModelRunner:
             host = torch.from_numpy(np.stack([positions, token_slots, ids, out_loc]))
             fed = bool((ids < 0).any())
         positions_t, token_slots_t, input_ids, out_loc_t = host.to(dev, non_blocking=True)
+        if self.lora_rows is not None:  # each row's adapter, from its request's slot
+            row_slots = batch.slots if len(input_ids) == len(batch.slots) else token_slots
+            self.lora_rows.set(torch.from_numpy(self.adapter_of_slot[row_slots]).to(dev, non_blocking=True))
         if fed:  # rows whose input is -1: the token their slot sampled last
             input_ids = torch.where(input_ids < 0, self.last_token[token_slots_t], input_ids)
         if self._gains is not None:
@@ -803,9 +829,24 @@ class ModelRunner:
             return WorkerReply(True, message, time.perf_counter() - start)
         if self.memory_saver is not None and "weights" in self.memory_saver.released:
             return WorkerReply(False, "the weights are released: resume_memory_occupation first")
+        if isinstance(task, LoadLora):
+            return self._load_lora(task)
         reply = self.updater().run(task)
         logger.info("%s (%.2f s)", reply.message, reply.seconds)
         return reply
+
+    def _load_lora(self, task: LoadLora) -> WorkerReply:
+        from minisgl.models.lora_adapter import AdapterError, install_adapter
+
+        start = time.perf_counter()
+        if self.lora_rows is None:
+            return WorkerReply(False, "LoRA adapters need a server started with --enable-lora")
+        try:
+            message = install_adapter(self.model, self.config, task.slot, task.path, self.lora_rank)
+        except AdapterError as e:
+            return WorkerReply(False, str(e))
+        logger.info("%s", message)
+        return WorkerReply(True, message, time.perf_counter() - start)
 
     def updater(self) -> WeightUpdater:
         if self.weight_updater is None:

@@ -1,0 +1,128 @@
+"""LoRA adapters served beside the base weights, several in one batch (``--enable-lora``).
+
+Every adapted linear layer keeps ``slots`` adapters of rank up to ``rank`` in two stacked
+matrices: A [parts * slots * rank, in] (each fused part's A, e.g. q, k and v of qkv_proj) and B
+[out, slots * rank] (each output row belongs to one part). A step's rows each name the slot of
+their request's adapter (-1: none, the base model) in ``LoraRows``; a layer computes x A^T for
+every slot at once, zeroes the columns of the slots a row does not use, and adds each part's
+product with B to that part's output columns. Masked columns are exact zeros, so a row gets
+exactly its own adapter's x A^T B^T; a smaller rank is zero-padded to ``rank``. The cost is
+two thin GEMMs over slots * rank columns per layer, whatever the mix of adapters in the batch,
+with no gather and nothing that depends on the batch's composition: the same code runs eagerly,
+in the decode CUDA graphs and in the piecewise prefill graphs (the rows' slots live in a fixed
+buffer the graphs read).
+
+Under tensor parallelism a column-parallel layer holds the whole A and its rows of B; a
+row-parallel layer holds its input columns of A and the whole B, so its product is a partial
+sum that goes into the same all-reduce as the base layer's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Checkpoint module names an adapter may target, and the layer (with part) each lands in.
+TARGETS = {
+    "q_proj": ("self_attn.qkv_proj", 0),
+    "k_proj": ("self_attn.qkv_proj", 1),
+    "v_proj": ("self_attn.qkv_proj", 2),
+    "o_proj": ("self_attn.o_proj", 0),
+    "gate_proj": ("mlp.gate_up_proj", 0),
+    "up_proj": ("mlp.gate_up_proj", 1),
+    "down_proj": ("mlp.down_proj", 0),
+}
+
+
+def slot_rank(rank: int) -> int:
+    """The rank a slot holds for adapters up to ``rank``: a power of two, at least 16 (the GPU
+    kernels' smallest tile)."""
+    return max(16, 1 << (rank - 1).bit_length())
+
+
+class LoraRows:
+    """Which adapter slot each row of the step uses: the rows' slots in a fixed buffer (CUDA
+    graphs read it), and the columns of the stacked products each slot owns."""
+
+    def __init__(self, rows: int, slots: int, rank: int, device: torch.device):
+        self.slots, self.rank = slots, slot_rank(rank)
+        self.buffer = torch.full((rows,), -1, dtype=torch.int64, device=device)
+        self.current = self.buffer
+        # On the GPU, the rows in the order of their slots (the kernels' tiles), and their slots.
+        self.order_buffer = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.sorted_buffer = torch.full((rows,), -1, dtype=torch.int64, device=device)
+        self.order, self.sorted = self.order_buffer, self.sorted_buffer
+        self.column_slot = torch.arange(slots * self.rank, device=device) // self.rank
+
+    def set(self, row_slots: torch.Tensor) -> None:
+        """The step's rows' slots (device int64, -1 for none). A step longer than the buffer (an
+        eager one only: graphs are captured within it) gets a tensor of its own."""
+        n = row_slots.shape[0]
+        sorted_slots, order = torch.sort(row_slots, stable=True) if row_slots.is_cuda else (row_slots, row_slots)
+        if n <= self.buffer.shape[0]:
+            self.buffer[:n].copy_(row_slots)
+            self.current = self.buffer
+            if row_slots.is_cuda:
+                self.sorted_buffer[:n].copy_(sorted_slots)
+                self.order_buffer[:n].copy_(order)
+                self.order, self.sorted = self.order_buffer, self.sorted_buffer
+        else:
+            self.current, self.order, self.sorted = row_slots, order, sorted_slots
+
+    def mask(self, n: int, parts: int, dtype: torch.dtype) -> torch.Tensor:
+        """[n, parts * slots * rank]: 1 where the column belongs to the row's adapter."""
+        own = self.current[:n, None] == self.column_slot[None, :]
+        return own.to(dtype).repeat(1, parts) if parts > 1 else own.to(dtype)
+
+
+class LoraWeights:
+    """The stacked adapters of one linear layer (see the module docstring)."""
+
+    def __init__(
+        self,
+        rows: LoraRows,
+        input_size: int,
+        part_sizes: list[int],
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        self.rows = rows
+        self.part_sizes = part_sizes
+        self.offsets = [sum(part_sizes[:i]) for i in range(len(part_sizes))]
+        width = rows.slots * rows.rank
+        self.a = torch.zeros(len(part_sizes) * width, input_size, dtype=dtype, device=device)
+        self.b = torch.zeros(sum(part_sizes), width, dtype=dtype, device=device)
+
+    def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y + each row's adapter's x A^T B^T (y: the base layer's output for x, [T, out]); on
+        the GPU in place, by ``kernels.lora`` (this is its reference)."""
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.is_cuda:
+            from minisgl.kernels.lora import lora_add
+
+            n, rows = x2.shape[0], self.rows
+            return lora_add(
+                x2.contiguous(), y, self.a, self.b, rows.order[:n], rows.sorted[:n], self.part_sizes, rows.rank
+            )
+        parts = len(self.part_sizes)
+        u = (x2 @ self.a.t()) * self.rows.mask(x2.shape[0], parts, x2.dtype)
+        if parts == 1:
+            return torch.addmm(y, u, self.b.t()) if y.dtype == u.dtype else y.add_(u @ self.b.t())
+        width = self.b.shape[1]
+        for p, (start, size) in enumerate(zip(self.offsets, self.part_sizes)):
+            y[:, start : start + size].addmm_(u[:, p * width : (p + 1) * width], self.b[start : start + size].t())
+        return y
+
+    def clear(self, slot: int) -> None:
+        """Zero one slot's columns (before an adapter is written into it)."""
+        r, width = self.rows.rank, self.b.shape[1]
+        for p in range(len(self.part_sizes)):
+            self.a[p * width + slot * r : p * width + (slot + 1) * r].zero_()
+        self.b[:, slot * r : (slot + 1) * r].zero_()
+
+    def write(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        """One part's adapter (this rank's share): a [r, in], b [part rows, r], scaling folded in."""
+        r, width = a.shape[0], self.b.shape[1]
+        at = part * width + slot * self.rows.rank
+        self.a[at : at + r].copy_(a)
+        start = self.offsets[part]
+        self.b[start : start + b.shape[0], slot * self.rows.rank : slot * self.rows.rank + r].copy_(b)

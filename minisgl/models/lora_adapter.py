@@ -1,0 +1,183 @@
+"""PEFT LoRA adapters: reading an adapter folder (``adapter_config.json`` and
+``adapter_model.safetensors``, as PEFT saves them) and writing it into one slot of the model's
+stacked adapters (``layers.lora``).
+
+Supported: plain LoRA (scaling ``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with rsLoRA) on
+the attention projections and the dense MLP's, any rank up to ``--max-lora-rank``. Refused by
+name: DoRA, LoRA biases, per-module rank or alpha patterns, modules saved whole
+(``modules_to_save``), embeddings, the LM head, and the experts of a mixture of experts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from minisgl.args import LORA_TARGET_MODULES, EngineArgs, parse_lora_paths
+from minisgl.distributed import get_tp_info
+from minisgl.layers.linear import ColumnParallelLinear, RowParallelLinear
+from minisgl.layers.lora import TARGETS, LoraRows, LoraWeights
+from minisgl.model_config import ModelConfig
+
+# base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (an adapter name may follow lora_A)
+_KEY = re.compile(r"\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+DEFAULT_RANK = 16  # --max-lora-rank when neither it nor --lora-paths says
+
+
+class AdapterError(ValueError):
+    """An adapter this server cannot serve (the message says why)."""
+
+
+@dataclass
+class AdapterFiles:
+    rank: int
+    scaling: float
+    weights: Path
+    modules: set[str]  # checkpoint module names it adapts
+
+
+def _folder(path: str) -> Path:
+    folder = Path(path).expanduser()
+    if folder.is_dir():
+        return folder
+    if path.startswith((".", "/", "~")) or path.count("/") != 1:
+        raise AdapterError(f"LoRA adapter folder {path!r} does not exist and is not a hub id (org/name)")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(path, allow_patterns=["adapter_config.json", "*.safetensors"]))
+    except Exception as e:  # offline, unknown repo: the hub's reason
+        raise AdapterError(f"could not get LoRA adapter {path!r} from the Hugging Face hub: {e}") from e
+
+
+def read_adapter(path: str) -> AdapterFiles:
+    """The adapter's config checked and its tensors' names read (no tensor loaded)."""
+    folder = _folder(path)
+    try:
+        cfg = json.loads((folder / "adapter_config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise AdapterError(f"{folder}: no readable adapter_config.json ({e})") from e
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise AdapterError(f"{folder}: peft_type {cfg.get('peft_type')!r} is not LORA")
+    refused = {
+        "use_dora": "DoRA adapters are not supported",
+        "modules_to_save": "modules saved whole (modules_to_save) are not supported",
+        "rank_pattern": "per-module ranks (rank_pattern) are not supported",
+        "alpha_pattern": "per-module alphas (alpha_pattern) are not supported",
+    }
+    for key, why in refused.items():
+        if cfg.get(key):
+            raise AdapterError(f"{folder}: {why}")
+    if cfg.get("bias", "none") != "none":
+        raise AdapterError(f"{folder}: LoRA biases (bias {cfg['bias']!r}) are not supported")
+    weights = folder / "adapter_model.safetensors"
+    if not weights.is_file():
+        raise AdapterError(
+            f"{folder}: no adapter_model.safetensors (pickled .bin adapters are never read: save with safetensors)"
+        )
+    rank = int(cfg.get("r", 8))
+    alpha = float(cfg.get("lora_alpha", rank))
+    scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
+    modules = set()
+    with safe_open(weights, framework="pt") as f:
+        for name in f.keys():
+            m = _KEY.search(name)
+            if m is None or m.group(2) not in LORA_TARGET_MODULES:
+                raise AdapterError(
+                    f"{folder}: tensor {name!r} adapts a module LoRA is not served on here "
+                    f"({', '.join(LORA_TARGET_MODULES)})"
+                )
+            modules.add(m.group(2))
+    return AdapterFiles(rank, scaling, weights, modules)
+
+
+def lora_layout(args: EngineArgs) -> tuple[int, list[str]]:
+    """The rank the slots hold and the modules adapted: the flags, else what --lora-paths need
+    (their largest rank, the union of their modules), else DEFAULT_RANK and every module."""
+    files = [read_adapter(path) for _, path, _ in parse_lora_paths(args.lora_paths or [])]
+    rank = args.max_lora_rank or max((f.rank for f in files), default=DEFAULT_RANK)
+    targets = args.lora_target_modules
+    if targets is None and files:
+        return rank, sorted(set().union(*(f.modules for f in files)))
+    return rank, list(LORA_TARGET_MODULES) if not targets or "all" in targets else targets
+
+
+def _layer(model: nn.Module, layer: int, module: str) -> tuple[ColumnParallelLinear | RowParallelLinear, int] | None:
+    path, part = TARGETS[module]
+    obj = model.model.layers[layer]
+    for attr in path.split("."):
+        obj = getattr(obj, attr, None)
+    return (obj, part) if isinstance(obj, (ColumnParallelLinear, RowParallelLinear)) else None
+
+
+def attach_lora(
+    model: nn.Module, config: ModelConfig, rank: int, slots: int, targets: list[str], rows: int, device: torch.device
+) -> LoraRows:
+    """Give every targeted linear layer its stacked adapters (zeros: no adapter yet)."""
+    lora_rows = LoraRows(rows, slots, rank, device)
+    dtype = model.model.embed_tokens.weight.dtype
+    for layer in range(config.num_layers):
+        for module in targets:
+            found = _layer(model, layer, module)
+            if found is None or found[0].lora is not None:  # (an expert MLP; a part of a layer already given)
+                continue
+            lin = found[0]
+            if isinstance(lin, ColumnParallelLinear):
+                lin.lora = LoraWeights(lora_rows, lin.input_size, lin.local_sizes, dtype, device)
+            else:
+                lin.lora = LoraWeights(lora_rows, lin.local_input, [lin.weight.shape[0]], dtype, device)
+    return lora_rows
+
+
+def install_adapter(model: nn.Module, config: ModelConfig, slot: int, path: str, max_rank: int) -> str:
+    """Read the adapter at ``path`` and write this rank's share of it into ``slot`` (scaling
+    folded into B); returns what was loaded. Raises AdapterError (the slot unchanged) when the
+    adapter does not fit this model or these slots."""
+    files = read_adapter(path)
+    if files.rank > max_rank:
+        raise AdapterError(f"{path}: rank {files.rank} is above --max-lora-rank {max_rank}")
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    with safe_open(files.weights, framework="pt") as f:
+        for name in f.keys():
+            m = _KEY.search(name)
+            pairs.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = f.get_tensor(name)
+    tp = get_tp_info()
+    writes = []
+    for (layer, module), ab in sorted(pairs.items()):
+        found = _layer(model, layer, module) if layer < config.num_layers else None
+        if found is None or found[0].lora is None:
+            why = "the layer has no such module" if found is None else "not among --lora-target-modules"
+            raise AdapterError(f"{path}: layer {layer} {module}: {why}")
+        if set(ab) != {"A", "B"}:
+            raise AdapterError(f"{path}: layer {layer} {module} lacks its lora_{'B' if 'A' in ab else 'A'}")
+        lin, part = found
+        a, b = ab["A"], ab["B"] * files.scaling
+        rows = lin.output_sizes[part] if isinstance(lin, ColumnParallelLinear) else lin.weight.shape[0]
+        r = a.shape[0]
+        if a.shape != (r, lin.input_size) or b.shape != (rows, r) or r > max_rank:
+            raise AdapterError(
+                f"{path}: layer {layer} {module}: A {tuple(a.shape)} and B {tuple(b.shape)} do not fit "
+                f"[r <= {max_rank}, {lin.input_size}] and [{rows}, r]"
+            )
+        if isinstance(lin, ColumnParallelLinear):
+            b = b.narrow(0, lin._source_start(part, tp.rank), lin.local_sizes[part])
+        else:
+            a = a.narrow(1, tp.rank * lin.local_input, lin.local_input)
+        writes.append((lin.lora, part, a, b))
+    for weights in lora_weights(model):  # modules the adapter leaves alone: zero
+        weights.clear(slot)
+    for weights, part, a, b in writes:
+        weights.write(slot, part, a.to(weights.a.dtype), b.to(weights.b.dtype))
+    return f"LoRA adapter {path} (rank {files.rank}, {', '.join(sorted(files.modules))}) in slot {slot}"
+
+
+def lora_weights(model: nn.Module) -> set[LoraWeights]:
+    """Every adapted layer's stacked adapters."""
+    return {m.lora for m in model.modules() if isinstance(getattr(m, "lora", None), LoraWeights)}
