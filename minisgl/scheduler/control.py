@@ -1,5 +1,6 @@
 """The scheduler's side of the RL control plane: pausing and continuing generation, weight
-updates and memory release, and what each means for requests and for the prefix cache.
+updates and memory release, loading and unloading LoRA adapters (``scheduler.lora``), and what
+each means for requests and for the prefix cache.
 
 A task for the workers (new weights, memory) runs between steps: every step in flight is
 collected first, so no batch ever runs on half-updated weights. After new weights the prefix
