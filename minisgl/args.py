@@ -112,14 +112,14 @@ class EngineArgs:
     hicache_storage_backend: str | None = None  # "file": a disk tier under the host tier
     hicache_storage_dir: str | None = None  # its folder ($SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, /tmp/hicache)
     weight_version: str = "default"  # the name of the weights served first (outputs carry it)
-    # LoRA adapters (SGLang's flags): every loaded adapter lives in one of max_loras_per_batch
-    # device slots, so any mix of them runs in one batch (layers/lora.py).
+    # LoRA adapters (SGLang's flags): loaded adapters live in host memory; max_loras_per_batch
+    # device slots hold the ones running requests use (scheduler/lora.py, layers/lora.py).
     enable_lora: bool = False
     lora_paths: list[str] | None = None  # NAME=PATH, PATH, or SGLang's JSON {"lora_name", "lora_path", "pinned"}
     max_loras_per_batch: int = 8
     max_lora_rank: int | None = None  # None: the largest of lora_paths' (16 without any)
     lora_target_modules: list[str] | None = None  # None: the union of lora_paths' (every module without any)
-    max_loaded_loras: int | None = None  # at most max_loras_per_batch here: loaded adapters stay on the device
+    max_loaded_loras: int | None = None  # adapters in host memory at once (None: no limit), >= max_loras_per_batch
 
     @property
     def storage_dir(self) -> str:
@@ -272,10 +272,9 @@ class EngineArgs:
             raise ValueError(f"--max-loras-per-batch must be >= 1, got {self.max_loras_per_batch}")
         if self.max_lora_rank is not None and self.max_lora_rank < 1:
             raise ValueError(f"--max-lora-rank must be >= 1, got {self.max_lora_rank}")
-        if self.max_loaded_loras is not None and self.max_loaded_loras > self.max_loras_per_batch:
+        if self.max_loaded_loras is not None and self.max_loaded_loras < self.max_loras_per_batch:
             raise ValueError(
-                f"--max-loaded-loras {self.max_loaded_loras} is above --max-loras-per-batch "
-                f"{self.max_loras_per_batch}: loaded adapters all stay on the device here (raise --max-loras-per-batch)"
+                f"--max-loaded-loras {self.max_loaded_loras} is below --max-loras-per-batch {self.max_loras_per_batch}"
             )
         unknown = sorted(set(self.lora_target_modules or []) - {*LORA_TARGET_MODULES, "all"})
         if unknown:
@@ -285,8 +284,8 @@ class EngineArgs:
         if self.quantization is not None:
             raise ValueError("--enable-lora with --quantization fp8 is not supported: serve the adapters in bf16")
         names = [name for name, _, _ in parse_lora_paths(self.lora_paths or [])]
-        if len(names) > self.max_loras_per_batch:
-            raise ValueError(f"--lora-paths names {len(names)} adapters for {self.max_loras_per_batch} slots")
+        if self.max_loaded_loras is not None and len(names) > self.max_loaded_loras:
+            raise ValueError(f"--lora-paths names {len(names)} adapters; --max-loaded-loras is {self.max_loaded_loras}")
         if len(set(names)) != len(names):
             raise ValueError(f"--lora-paths names an adapter twice: {names}")
 
@@ -703,7 +702,8 @@ def add_engine_args(ap: argparse.ArgumentParser) -> dict[str, argparse._Argument
         "--max-loras-per-batch",
         type=int,
         default=d.max_loras_per_batch,
-        help="device slots for adapters: every loaded adapter keeps one, and any mix of them runs in one batch",
+        help="device slots for adapters: the most distinct adapters one batch runs (a request whose adapter "
+        "finds no slot free of running requests waits)",
     )
     lora.add_argument(
         "--max-lora-rank",
@@ -722,7 +722,7 @@ def add_engine_args(ap: argparse.ArgumentParser) -> dict[str, argparse._Argument
         "--max-loaded-loras",
         type=int,
         default=None,
-        help="at most --max-loras-per-batch here: loaded adapters all stay on the device",
+        help="most adapters loaded (in host memory) at once, at least --max-loras-per-batch (default: no limit)",
     )
     hicache.add_argument(
         "--hicache-storage-dir",

@@ -97,10 +97,10 @@ class LLM:
         return self._task(TensorWeights([payload] * self.args.tp_size, load_format or "direct"), flush_cache)
 
     def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> tuple[bool, str]:
-        """Load a PEFT adapter under a name requests use (``enable_lora=True``); every loaded
-        adapter stays on the device (``pinned`` changes nothing); (success, message)."""
+        """Load a PEFT adapter under a name requests use (``enable_lora=True``); a ``pinned``
+        one keeps a device slot for good; (success, message)."""
         try:
-            reply = self.scheduler.load_lora(lora_name, lora_path)
+            reply = self.scheduler.load_lora(lora_name, lora_path, pinned)
         except ControlError as e:
             return False, str(e)
         return reply.ok, reply.message

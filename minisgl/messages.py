@@ -97,6 +97,11 @@ class ForwardBatch(msgspec.Struct, array_like=True, tag=True):
     # verify step's draft tokens, made once the steps before it are back, while the worker loads
     # the step's inputs and plans its attention.
     draft_rows: list[int] = []
+    # LoRA adapters (scheduler/lora.py): copy adapter lora_swap_keys[i] (held in host memory) into
+    # device slot lora_swap_slots[i] before this step's forward; free the host copies of lora_drops.
+    lora_swap_slots: list[int] = []
+    lora_swap_keys: list[str] = []
+    lora_drops: list[str] = []
 
 
 class DraftIds(msgspec.Struct, array_like=True, tag=True):
@@ -180,9 +185,10 @@ class MemoryOccupation(msgspec.Struct, array_like=True, tag=True):
 
 
 class LoadLora(msgspec.Struct, array_like=True, tag=True):
-    """Write the LoRA adapter at ``path`` into adapter slot ``slot`` (--enable-lora)."""
+    """Read the LoRA adapter at ``path`` into host memory under ``key`` (--enable-lora); batches
+    copy it into device slots (``ForwardBatch.lora_swap_slots``)."""
 
-    slot: int
+    key: str
     path: str
 
 
@@ -322,8 +328,9 @@ class ControlReq(msgspec.Struct, tag=True):
     flush_cache: bool = True
     weight_version: str | None = None
     keep_pause: bool = False  # stay paused after the update
-    lora_name: str = ""  # "lora_load" (with lora_path) and "lora_unload"
+    lora_name: str = ""  # "lora_load" (with lora_path, lora_pinned) and "lora_unload"
     lora_path: str = ""
+    lora_pinned: bool = False
 
 
 class ControlReply(msgspec.Struct, tag=True):

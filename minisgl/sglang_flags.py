@@ -38,8 +38,8 @@ INERT: dict[str, tuple[int, str]] = {
     "--speculative-ngram-match-type": (ONE, "NGRAM drafts follow the longest match"),
     "--lora-backend": (ONE, "one LoRA path: masked GEMMs over every adapter slot at once"),
     "--max-lora-chunk-size": (ONE, "one LoRA path: masked GEMMs over every adapter slot at once"),
-    "--lora-eviction-policy": (ONE, "loaded adapters stay on the device: none is evicted"),
-    "--enable-lora-overlap-loading": (SWITCH, "adapters load between steps, while no step runs"),
+    "--lora-eviction-policy": (ONE, "a device slot goes to the least recently used adapter (lru)"),
+    "--enable-lora-overlap-loading": (SWITCH, "adapters are copied into slots from pinned memory, before the step"),
 }
 # flag -> (takes, why not); refused with the reason.
 REFUSED: dict[str, tuple[int, str]] = {

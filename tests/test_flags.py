@@ -280,3 +280,24 @@ def test_sglang_launch_flags_never_end_in_a_bare_argparse_error(capsys):
     assert parse_args(["--model", "m", "--cuda-graph-bs", "1", "8", "32"]).cuda_graph_max_bs == 32
     for backend in ("triton", "fa3"):  # SGLang's attention backends: minisgl's own choice
         assert parse_args(["--model", "m", "--attention-backend", backend]).attention_backend == "auto"
+
+
+def test_sglang_lora_flags():
+    """SGLang's LoRA flags: --lora-paths in its three forms turns LoRA on; its backend knobs are
+    accepted and ignored; fewer loaded adapters than slots is refused by name."""
+    from minisgl.args import parse_lora_paths
+
+    args = parse_args(
+        ["--model", "m", "--lora-paths", "a=/x/a", "/x/b", '{"lora_name": "c", "lora_path": "/x/c", "pinned": true}']
+        + ["--max-loras-per-batch", "4", "--lora-backend", "csgmv", "--max-lora-rank", "32"]
+    )
+    assert args.lora_enabled and not args.enable_lora and args.max_loras_per_batch == 4 and args.max_lora_rank == 32
+    assert parse_lora_paths(args.lora_paths) == [("a", "/x/a", False), ("/x/b", "/x/b", False), ("c", "/x/c", True)]
+    for bad, why in (
+        (["--lora-paths", "a=/x", "a=/y"], "names an adapter twice"),
+        (["--lora-paths", '{"lora_name": "a"}'], "lora_name and lora_path"),
+        (["--enable-lora", "--lora-target-modules", "q_proj", "lm_head"], "lm_head"),
+        (["--enable-lora", "--max-loras-per-batch", "4", "--max-loaded-loras", "3"], "max-loaded-loras"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            parse_args(["--model", "m", *bad]).validate()

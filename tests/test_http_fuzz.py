@@ -22,6 +22,8 @@ ROUTES = [
     "/flush_cache",
     "/tokenize",
     "/detokenize",
+    "/load_lora_adapter",
+    "/unload_lora_adapter",
 ]
 FIELDS = [
     "text",
@@ -53,6 +55,8 @@ FIELDS = [
     "tokens",
     "add_special_tokens",
     "skip_special_tokens",
+    "lora_path",
+    "lora_name",
 ]
 
 HUGE_INTS = st.sampled_from([2**31, 2**63, 2**64 - 1, 2**64 + 7, -(2**63) - 1, 10**40, -1, 0])

@@ -108,28 +108,48 @@ def test_the_cache_is_never_shared_across_adapters(tiny_llama, adapters, referen
     llm.scheduler.check_integrity()
 
 
-def test_adapters_load_and_unload_while_serving(tiny_llama, adapters, tmp_path):
-    """Slots fill, free once their adapter is unloaded and its requests end; every refusal says why."""
-    llm = _llm(tiny_llama, enable_lora=True, max_loras_per_batch=2, max_lora_rank=4)
+def test_adapters_load_and_unload_while_serving(tiny_llama, adapters, references, tmp_path):
+    """More adapters than device slots: requests wait for a slot and every one gets its own
+    adapter's tokens; an unloaded adapter serves the requests queued under it, then its host copy
+    goes; pinned adapters keep a slot; every refusal says why."""
+    llm = _llm(tiny_llama, enable_lora=True, max_loras_per_batch=2, max_loaded_loras=3, max_lora_rank=4)
+    sched = llm.scheduler
     assert llm.load_lora_adapter("a2", str(adapters["a2"]))[0]
     ok, message = llm.load_lora_adapter("a1", str(adapters["a1"]))  # rank 8
     assert not ok and "--max-lora-rank 4" in message
     assert llm.load_lora_adapter("a3", str(adapters["a3"]))[0]
     ok, message = llm.load_lora_adapter("a3", str(adapters["a3"]))
     assert not ok and "already loaded" in message
+    assert llm.load_lora_adapter("copy", str(adapters["a3"]))[0]  # three adapters, two slots
     ok, message = llm.load_lora_adapter("more", str(adapters["a3"]))
-    assert not ok and "--max-loras-per-batch" in message
-    # A queued request holds its adapter's slot after an unload: no load may take it meanwhile.
-    held = llm.scheduler.add_request(PROMPTS[0], msgspec.convert(PARAMS, SamplingParams), lora="a3")
+    assert not ok and "--max-loaded-loras" in message
+    names = ["a2", "a3", "copy", None, "copy", "a2"]
+    out = llm.generate([PROMPTS[i % 2] for i in range(len(names))], PARAMS, lora_path=names)
+    want = [references["a3" if n == "copy" else n][i % 2] for i, n in enumerate(names)]
+    assert [r["output_ids"] for r in out] == want
+    assert sched.loras.slot_users == [0, 0]
+    # Unloaded while queued: the request still runs under it; then the host copy goes.
+    queued = sched.add_request(PROMPTS[0], msgspec.convert(PARAMS, SamplingParams), lora="copy")
+    key = queued.lora_key
+    assert llm.unload_lora_adapter("copy")[0] and key in llm.runner.lora_host
+    with pytest.raises(ValueError, match="no LoRA adapter named 'copy'"):
+        llm.generate([PROMPTS[0]], PARAMS, lora_path="copy")
+    while not queued.finished:
+        sched.step()
+    while sched.has_work:
+        sched.step()
+    assert queued.output_ids == references["a3"][0]
+    llm.generate([PROMPTS[1]], PARAMS)  # the next batch carries the drop
+    assert key not in llm.runner.lora_host and key not in sched.loras.slot_key
+    assert not llm.unload_lora_adapter("copy")[0]
+    # Pinned: keeps its slot; at most slots - 1 of them.
     assert llm.unload_lora_adapter("a3")[0]
-    ok, message = llm.load_lora_adapter("more", str(adapters["a3"]))
-    assert not ok and "serve running requests" in message
-    llm.scheduler.finish(held, "abort")
-    assert llm.load_lora_adapter("more", str(adapters["a3"]))[0]
-    with pytest.raises(ValueError, match="no LoRA adapter named 'a3'"):
-        llm.generate([PROMPTS[0]], PARAMS, lora_path="a3")
-    assert not llm.unload_lora_adapter("a3")[0]
-    assert llm.unload_lora_adapter("more")[0]
+    assert llm.load_lora_adapter("pin", str(adapters["a3"]), pinned=True)[0]
+    ok, message = llm.load_lora_adapter("pin2", str(adapters["a2"]), pinned=True)
+    assert not ok and "pinned" in message
+    out = llm.generate(PROMPTS[:2] * 2, PARAMS, lora_path=["a2", "pin", "pin", "a2"])
+    assert [r["output_ids"] for r in out] == [references[n][i % 2] for i, n in enumerate(["a2", "a3", "a3", "a2"])]
+    assert sched.loras.slot_key.count(next(a.key for a in sched.loras.adapters.values() if a.name == "pin")) == 1
     for bad, why in (
         (tmp_path / "missing", "does not exist"),
         (tiny_llama, "adapter_config.json"),
@@ -139,9 +159,10 @@ def test_adapters_load_and_unload_while_serving(tiny_llama, adapters, tmp_path):
     pickled = tmp_path / "pickled"
     pickled.mkdir()
     shutil.copy(adapters["a2"] / "adapter_config.json", pickled)
+    assert llm.unload_lora_adapter("a2")[0]
     ok, message = llm.load_lora_adapter("bad", str(pickled))
     assert not ok and "never read" in message
-    llm.scheduler.check_integrity()
+    sched.check_integrity()
 
 
 def test_lora_needs_the_flag_and_refuses_what_it_cannot_serve(tiny_llama, tiny_models, adapters, tmp_path):
@@ -155,7 +176,7 @@ def test_lora_needs_the_flag_and_refuses_what_it_cannot_serve(tiny_llama, tiny_m
     with pytest.raises(ValueError, match="--quantization fp8"):
         EngineArgs(model="m", enable_lora=True, quantization="fp8").validate()
     with pytest.raises(ValueError, match="max-loaded-loras"):
-        EngineArgs(model="m", enable_lora=True, max_loaded_loras=9).validate()
+        EngineArgs(model="m", enable_lora=True, max_loaded_loras=4).validate()
     dora = make_lora_adapter(tiny_llama, tmp_path / "dora", ("q_proj",))
     cfg = json.loads((dora / "adapter_config.json").read_text())
     (dora / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
@@ -193,7 +214,15 @@ def test_the_server_serves_adapters_by_every_name(tiny_llama, adapters, referenc
     from tests.server_utils import running_server
 
     with running_server(
-        tiny_llama, "--served-model-name", "tiny", "--lora-paths", f"a1={adapters['a1']}", "--max-loras-per-batch", "2"
+        tiny_llama,
+        "--served-model-name",
+        "tiny",
+        "--lora-paths",
+        f"a1={adapters['a1']}",
+        "--max-loras-per-batch",
+        "2",
+        "--max-loaded-loras",
+        "2",
     ) as srv:
         url = srv.url
         body = {"input_ids": PROMPTS[:2], "sampling_params": PARAMS, "lora_path": ["a1", None]}
@@ -218,14 +247,13 @@ def test_the_server_serves_adapters_by_every_name(tiny_llama, adapters, referenc
         got = httpx.post(f"{url}/generate", json={**body, "lora_path": ["a2", "a1"]}, timeout=60).json()
         assert [g["output_ids"] for g in got] == [references["a2"][0], references["a1"][1]]
         r = httpx.post(f"{url}/load_lora_adapter", json={"lora_name": "a3", "lora_path": str(adapters["a3"])})
-        assert r.status_code == 400 and not r.json()["success"] and "--max-loras-per-batch" in r.json()["error_message"]
+        assert r.status_code == 400 and not r.json()["success"] and "--max-loaded-loras" in r.json()["error_message"]
         r = httpx.post(f"{url}/unload_lora_adapter", json={"lora_name": "a1"})
         assert r.status_code == 200 and r.json()["loaded_adapters"] == {"a2": str(adapters["a2"])}
         r = httpx.post(f"{url}/generate", json={**body, "lora_path": "a1"}, timeout=60)
         assert r.status_code == 400 and "a1" in r.text
-        r = httpx.post(
-            f"{url}/v1/chat/completions", json={"model": "a1", "messages": [{"role": "user", "content": "x"}]}
-        )
+        chat = {"model": "a1", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4}
+        r = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60)
         assert r.status_code == 200  # no longer an adapter's name: any model name serves the base model
         assert httpx.post(f"{url}/unload_lora_adapter", json={"lora_name": "a1"}).status_code == 400
 

@@ -1,7 +1,8 @@
 """SGLang's LoRA adapter routes: /load_lora_adapter and /unload_lora_adapter, while serving.
 
-Each becomes one control message for the scheduler, which loads the adapter between steps (a
-free device slot on every worker) or refuses it to new requests. The answer keeps SGLang's shape
+Each becomes one control message for the scheduler, which reads the adapter into the workers'
+host memory between steps (a pinned one also takes a device slot for good) or refuses it to new
+requests. The answer keeps SGLang's shape
 (``success``, ``error_message``, ``loaded_adapters``), and the API keeps the scheduler's list of
 adapters for the OpenAI routes' ``model`` names and ``/v1/models``.
 """
@@ -19,8 +20,8 @@ from minisgl.api.fields import Schema
 
 # A load reads the adapter from disk (or the hub) on every worker.
 LOAD_TIMEOUT_S = 600.0
-_INERT = {"pinned", "lora_id", "rid", "http_worker_ipc"}  # pinned: every adapter stays on the device
-LOAD = Schema("load_lora_adapter", implemented={"lora_name", "lora_path"}, inert=_INERT)
+_INERT = {"lora_id", "rid", "http_worker_ipc"}
+LOAD = Schema("load_lora_adapter", implemented={"lora_name", "lora_path", "pinned"}, inert=_INERT)
 UNLOAD = Schema("unload_lora_adapter", implemented={"lora_name"}, inert=_INERT)
 
 
@@ -35,8 +36,10 @@ class UnloadAdapter(msgspec.Struct, kw_only=True):
 
 
 class LoraRoutes(ApiBase):
-    async def _lora(self, op: str, name: str, path: str = "") -> Response:
-        reply = await self.client.control(op, timeout=LOAD_TIMEOUT_S, lora_name=name, lora_path=path)
+    async def _lora(self, op: str, name: str, path: str = "", pinned: bool = False) -> Response:
+        reply = await self.client.control(
+            op, timeout=LOAD_TIMEOUT_S, lora_name=name, lora_path=path, lora_pinned=pinned
+        )
         if "loaded_adapters" in reply.data:
             self.adapters = json.loads(str(reply.data["loaded_adapters"]))
         error = "" if reply.ok else str(reply.data.get("error", ""))
@@ -45,7 +48,7 @@ class LoraRoutes(ApiBase):
 
     async def load_lora_adapter(self, request: Request) -> Response:
         body: LoadAdapter = await read_body(request, LoadAdapter, self.args, LOAD)
-        return await self._lora("lora_load", body.lora_name, body.lora_path)
+        return await self._lora("lora_load", body.lora_name, body.lora_path, body.pinned)
 
     async def unload_lora_adapter(self, request: Request) -> Response:
         body: UnloadAdapter = await read_body(request, UnloadAdapter, self.args, UNLOAD)

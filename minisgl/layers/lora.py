@@ -123,6 +123,8 @@ class LoraWeights:
         """One part's adapter (this rank's share): a [r, in], b [part rows, r], scaling folded in."""
         r, width = a.shape[0], self.b.shape[1]
         at = part * width + slot * self.rows.rank
-        self.a[at : at + r].copy_(a)
+        self.a[at : at + r].copy_(a, non_blocking=True)  # (from pinned host memory on a GPU)
         start = self.offsets[part]
-        self.b[start : start + b.shape[0], slot * self.rows.rank : slot * self.rows.rank + r].copy_(b)
+        self.b[start : start + b.shape[0], slot * self.rows.rank : slot * self.rows.rank + r].copy_(
+            b, non_blocking=True
+        )

@@ -136,10 +136,13 @@ def attach_lora(
     return lora_rows
 
 
-def install_adapter(model: nn.Module, config: ModelConfig, slot: int, path: str, max_rank: int) -> str:
-    """Read the adapter at ``path`` and write this rank's share of it into ``slot`` (scaling
-    folded into B); returns what was loaded. Raises AdapterError (the slot unchanged) when the
-    adapter does not fit this model or these slots."""
+Shards = list[tuple[LoraWeights, int, torch.Tensor, torch.Tensor]]  # (layer's adapters, part, a, b)
+
+
+def read_shards(model: nn.Module, config: ModelConfig, path: str, max_rank: int) -> tuple[Shards, str]:
+    """This rank's share of the adapter at ``path`` (scaling folded into B), in host memory
+    (pinned when the model is on a GPU), and what was read. Raises AdapterError when the
+    adapter does not fit this model or its slots."""
     files = read_adapter(path)
     if files.rank > max_rank:
         raise AdapterError(f"{path}: rank {files.rank} is above --max-lora-rank {max_rank}")
@@ -149,7 +152,7 @@ def install_adapter(model: nn.Module, config: ModelConfig, slot: int, path: str,
             m = _KEY.search(name)
             pairs.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = f.get_tensor(name)
     tp = get_tp_info()
-    writes = []
+    shards: Shards = []
     for (layer, module), ab in sorted(pairs.items()):
         found = _layer(model, layer, module) if layer < config.num_layers else None
         if found is None or found[0].lora is None:
@@ -170,12 +173,19 @@ def install_adapter(model: nn.Module, config: ModelConfig, slot: int, path: str,
             b = b.narrow(0, lin._source_start(part, tp.rank), lin.local_sizes[part])
         else:
             a = a.narrow(1, tp.rank * lin.local_input, lin.local_input)
-        writes.append((lin.lora, part, a, b))
-    for weights in lora_weights(model):  # modules the adapter leaves alone: zero
+        dtype, pin = lin.lora.a.dtype, lin.lora.a.is_cuda
+        a, b = (t.to(dtype).contiguous() for t in (a, b))
+        shards.append((lin.lora, part, a.pin_memory() if pin else a, b.pin_memory() if pin else b))
+    return shards, f"LoRA adapter {path} (rank {files.rank}, {', '.join(sorted(files.modules))})"
+
+
+def write_slot(model: nn.Module, slot: int, shards: Shards) -> None:
+    """Put an adapter read by ``read_shards`` into ``slot`` (the modules it leaves alone: zero),
+    on the current stream, after whatever was queued before."""
+    for weights in lora_weights(model):
         weights.clear(slot)
-    for weights, part, a, b in writes:
-        weights.write(slot, part, a.to(weights.a.dtype), b.to(weights.b.dtype))
-    return f"LoRA adapter {path} (rank {files.rank}, {', '.join(sorted(files.modules))}) in slot {slot}"
+    for weights, part, a, b in shards:
+        weights.write(slot, part, a, b)
 
 
 def lora_weights(model: nn.Module) -> set[LoraWeights]:

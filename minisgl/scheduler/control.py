@@ -140,24 +140,25 @@ class ControlPlane:
             raise LoraError("lora_path needs a server started with --enable-lora (or --lora-paths)")
         return self.loras.get(name)
 
-    def load_lora(self: Scheduler, name: str, path: str) -> WorkerReply:
-        """Load an adapter into a free slot of every worker, between steps."""
+    def load_lora(self: Scheduler, name: str, path: str, pinned: bool = False) -> WorkerReply:
+        """Read an adapter into every worker's host memory, between steps; a pinned one also
+        takes a device slot for good."""
         if self.loras is None:
             raise ControlError("LoRA adapters need a server started with --enable-lora")
         if not name or not path:
             raise ControlError("lora_name and lora_path must both be given")
         self.collect_inflight()
         try:
-            slot = self.loras.free_slot(name, [*self.running, *self.waiting.requests(), *self.compiling])
+            adapter = self.loras.new(name, path, pinned)
         except LoraError as e:
             raise ControlError(str(e)) from None
-        reply = self.executor.run_task(LoadLora(slot, path))
+        reply = self.executor.run_task(LoadLora(adapter.key, path))
         if reply.ok:
-            self.loras.add(name, path, slot)
+            self.loras.add(adapter)
         return reply
 
     def unload_lora(self: Scheduler, name: str) -> None:
-        """Refuse the adapter to new requests; its slot frees once the requests holding it end."""
+        """Refuse the adapter to new requests; its slot and host copy go once no request names it."""
         if self.loras is None:
             raise ControlError("LoRA adapters need a server started with --enable-lora")
         try:
@@ -167,10 +168,15 @@ class ControlPlane:
 
     def load_startup_loras(self: Scheduler) -> None:
         """--lora-paths, loaded before the first request."""
-        for name, path, _ in parse_lora_paths(self.args.lora_paths or []):
-            reply = self.load_lora(name, path)
+        for name, path, pinned in parse_lora_paths(self.args.lora_paths or []):
+            reply = self.load_lora(name, path, pinned)
             if not reply.ok:
                 raise ValueError(f"--lora-paths {name}={path}: {reply.message}")
+
+    def _lora_ended(self: Scheduler, req: Req) -> None:
+        """A request under an adapter ended: the adapter's host copy may go if it was unloaded."""
+        if req.lora_key is not None and self.loras is not None:
+            self.loras.ended(req)
 
     def _memory(self: Scheduler, task: MemoryOccupation) -> WorkerReply:
         unknown = sorted(set(task.tags) - set(MEMORY_TAGS))

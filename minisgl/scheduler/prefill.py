@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from minisgl.args import EngineArgs
 from minisgl.scheduler.counters import Counters
+from minisgl.scheduler.lora import LoraRegistry
 from minisgl.scheduler.pages import Memory
 from minisgl.scheduler.queue import WaitingQueue
 from minisgl.scheduler.request import Req
@@ -34,8 +35,11 @@ def reusable(req: Req, upto: int) -> int:
 
 
 class PrefillPlanner:
-    def __init__(self, args: EngineArgs, context_len: int, memory: Memory, counters: Counters):
+    def __init__(
+        self, args: EngineArgs, context_len: int, memory: Memory, counters: Counters, loras: LoraRegistry | None = None
+    ):
         self.memory = memory
+        self.loras = loras  # LoRA adapters: an admitted request's adapter goes into a device slot
         self.page_size = args.page_size
         self.budget = args.prefill_budget(context_len)
         self.chunk = args.prefill_chunk(context_len)
@@ -104,9 +108,12 @@ class PrefillPlanner:
             if len(memory.free_slots) < self.admit_together:
                 return entries, admitted
             self.filling = True  # from here, admit every step until the slots or the queue run out
+        loras = self.loras
         for req in queue.order(step, memory.cache):
             if budget <= 0 or not memory.free_slots:
                 break
+            if loras is not None and not loras.place(req):
+                continue  # every adapter slot serves running requests of other adapters: later
             # Pages coming back from the host tier are copied by this very batch, whose prefill
             # waits for each layer's copies before that layer (online multi-turn on the 8B: 47.3 s
             # against 50.4 s when the prefill waited beside decode steps until they were done).
@@ -115,7 +122,10 @@ class PrefillPlanner:
             entry = self.chunk_of(req, min(budget, self.chunk), admitted=True)
             if entry is None:
                 memory.release(req)  # not enough pages now: try again after others finish
+                req.lora_slot = -1
                 break
+            if loras is not None:
+                loras.hold(req)
             admitted.append(req)
             if not req.retracted:
                 self.counters.prefix_queried_tokens += req.prefill_target

@@ -180,7 +180,7 @@ class SchedulerProcess:
     def _lora(self, msg: ControlReq) -> ControlReply:
         """Load or unload an adapter; the answer lists the loaded ones (JSON, name -> path)."""
         if msg.op == "lora_load":
-            reply = self.sched.load_lora(msg.lora_name, msg.lora_path)
+            reply = self.sched.load_lora(msg.lora_name, msg.lora_path, msg.lora_pinned)
             ok, message = reply.ok, reply.message
         else:
             self.sched.unload_lora(msg.lora_name)

@@ -145,7 +145,12 @@ class Scheduler(ControlPlane):
         policy = "fcfs" if args.schedule_policy == "lpm" and not self.cache.reuses_prefixes else args.schedule_policy
         self.waiting = WaitingQueue(policy, args.page_size)
         self.counters = Counters()
-        self.prefill = PrefillPlanner(args, context_len, self.memory, self.counters)
+        self.loras = (
+            loras
+            if loras is not None or not args.lora_enabled
+            else LoraRegistry(args.max_loras_per_batch, args.max_loaded_loras)
+        )
+        self.prefill = PrefillPlanner(args, context_len, self.memory, self.counters, self.loras)
         self.decode = DecodePlanner(
             self.memory,
             not args.disable_cascade_attention and (on_gpu or cascade.ON_CPU),
@@ -190,9 +195,7 @@ class Scheduler(ControlPlane):
         self.released: set[str] = set()
         self.weights_epoch = 0
         self._epoch_tag = os.urandom(4).hex()
-        self.loras = loras
-        if loras is None and args.lora_enabled:
-            self.loras = LoraRegistry(args.max_loras_per_batch)
+        if loras is None and self.loras is not None:
             self.load_startup_loras()
 
     # ---- requests in and out -------------------------------------------------------------------
@@ -263,7 +266,6 @@ class Scheduler(ControlPlane):
             routed_from=routed_from,
             hidden=hidden_states,
             prediction_ids=list(prediction_ids or [])[: self.context_len] if self.spec else [],
-            lora_slot=adapter.slot if adapter else -1,
             lora_key=adapter.key if adapter else None,
         )
         self._next_rid += 1
@@ -274,6 +276,8 @@ class Scheduler(ControlPlane):
         req.stop_ids = frozenset((params.stop_token_ids or []) + ([] if params.ignore_eos else list(self.eos_ids)))
         req.max_outputs = max_len - len(prompt_ids)
         req.plain = top_logprobs < 0 and grammar is None and params.max_new_tokens > 0
+        if adapter is not None and not (params.max_new_tokens == 0 and not req.scores_prompt):
+            self.loras.named(req)  # (counted until it ends: its adapter's host copy stays)
         if params.max_new_tokens == 0 and not req.scores_prompt:
             req.finish_reason = "length"
         elif grammar is not None:
@@ -291,6 +295,7 @@ class Scheduler(ControlPlane):
         if req.finished:
             return
         req.finish_reason = reason
+        self._lora_ended(req)
         req.matcher = None
         if req in self.compiling:
             self.compiling.remove(req)
@@ -382,11 +387,13 @@ class Scheduler(ControlPlane):
                     f"({self.args.grammar_compile_timeout_secs:g} s)"
                 )
                 req.finish_reason = "abort"
+                self._lora_ended(req)
             else:
                 try:
                     req.matcher = self.grammar.matcher(fut.result())
                 except ValueError as e:
                     req.error, req.finish_reason = str(e), "abort"
+                    self._lora_ended(req)
                 else:
                     self._queue(req)
             self.events.append(ReqEvent("accepted", req, req.finished))
@@ -423,6 +430,8 @@ class Scheduler(ControlPlane):
         if batch is not None:
             if self.memory.host is not None:
                 self.memory.take_io(batch)
+            if self.loras is not None:
+                self.loras.stamp(batch)
             self.executor.launch(batch)
             self.inflight.append((sampled, scored, batch.score_logprob_ids, self.counters.steps, routed, drafts))
             if batch.draft_rows:
@@ -545,6 +554,8 @@ class Scheduler(ControlPlane):
     def _release(self, req: Req) -> None:
         req.verify_step, req.verify_draft = -1, []  # (a verify step in flight finds it gone: its pages went back here)
         self.memory.release(req)
+        if self.loras is not None:
+            self.loras.let_go(req)
         self.running.remove(req)
         (self.prefilling if req in self.prefilling else self.decoding).remove(req)
 

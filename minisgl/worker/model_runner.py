@@ -50,6 +50,7 @@ from minisgl.sampling.sampler import SAMPLE_BLOCK
 from minisgl.utils import cdiv, resolve_device, resolve_dtype
 
 if TYPE_CHECKING:
+    from minisgl.models.lora_adapter import Shards
     from minisgl.worker.weight_update import WeightUpdater
 
 logger = logging.getLogger(__name__)
@@ -247,6 +248,7 @@ class ModelRunner:
         from minisgl.models.lora_adapter import attach_lora, lora_layout
 
         self.lora_rank, targets = lora_layout(args)
+        self.lora_host: dict[str, Shards] = {}  # loaded adapters in host memory, by key
         rows = max(args.prefill_budget(self.context_len), args.graph_batch_size, WARMUP_ROWS)
         lora_rows = attach_lora(
             self.model, self.config, self.lora_rank, args.max_loras_per_batch, targets, rows, self.device
@@ -610,6 +612,8 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, batch: ForwardBatch) -> None:
         """Queue one step on the device; its tokens come back through ``collect``."""
+        if batch.lora_swap_slots or batch.lora_drops:
+            self._swap_loras(batch)
         if not batch.slots:  # host-tier copies only, sent while the scheduler is idle
             self._copies(batch)
             io_event, self._io_event = self._io_event, None
@@ -836,17 +840,28 @@ class ModelRunner:
         return reply
 
     def _load_lora(self, task: LoadLora) -> WorkerReply:
-        from minisgl.models.lora_adapter import AdapterError, install_adapter
+        """Read an adapter into host memory; steps copy it into a device slot when one runs it."""
+        from minisgl.models.lora_adapter import AdapterError, read_shards
 
         start = time.perf_counter()
         if self.lora_rows is None:
             return WorkerReply(False, "LoRA adapters need a server started with --enable-lora")
         try:
-            message = install_adapter(self.model, self.config, task.slot, task.path, self.lora_rank)
+            self.lora_host[task.key], message = read_shards(self.model, self.config, task.path, self.lora_rank)
         except AdapterError as e:
             return WorkerReply(False, str(e))
         logger.info("%s", message)
         return WorkerReply(True, message, time.perf_counter() - start)
+
+    def _swap_loras(self, batch: ForwardBatch) -> None:
+        """The batch's adapter copies into device slots (before its forward, after every earlier
+        step's on the stream), and the host copies it lets go of."""
+        from minisgl.models.lora_adapter import write_slot
+
+        for slot, key in zip(batch.lora_swap_slots, batch.lora_swap_keys):
+            write_slot(self.model, slot, self.lora_host[key])
+        for key in batch.lora_drops:
+            self.lora_host.pop(key, None)
 
     def updater(self) -> WeightUpdater:
         if self.weight_updater is None:
