@@ -332,3 +332,36 @@ def test_lora_kernels_equal_the_reference_interpreted():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_lora_kernels_equal_the_reference_on_the_gpu():
     check_lora_kernels()
+
+
+def test_a_request_waiting_for_a_slot_gets_one_while_others_keep_coming():
+    """Two slots busy with adapters a and b: a request under c waits, the slot with fewer running
+    requests takes no more of them, and once it empties c gets it."""
+    from minisgl.scheduler.lora import LoraRegistry
+    from minisgl.scheduler.request import Req
+
+    reg = LoraRegistry(2)
+    keys = {}
+    for name in "abc":
+        adapter = reg.new(name, f"/{name}")
+        reg.add(adapter)
+        keys[name] = adapter.key
+
+    def req(name: str) -> Req:
+        r = Req(0, [1], SamplingParams(), 0, 8, lora_key=keys[name])
+        reg.named(r)
+        return r
+
+    running = []
+    for name in "aab":
+        r = req(name)
+        assert reg.place(r)
+        reg.hold(r)
+        running.append(r)
+    waiting = req("c")
+    assert not reg.place(waiting) and reg.draining == reg.slot_key.index(keys["b"])
+    assert reg.place(req("a"))  # a's slot is not draining
+    assert not reg.place(req("b"))  # b's slot drains: no new b request
+    reg.let_go(running[2])
+    assert reg.place(waiting) and reg.slot_key[waiting.lora_slot] == keys["c"] and reg.draining is None
+    assert [k for _, k in reg.swaps][-1] == keys["c"]

@@ -6,7 +6,8 @@ is not on the device, admission puts it into a slot no running request uses (an 
 the least recently used), and the step's batch carries the copy (``lora_swap_slots``): the
 worker makes it before that step's forward, after every earlier step's, so a step in flight
 still reads what it was planned with. A request whose adapter finds no such slot waits while
-later requests are admitted. Pinned adapters keep their slot.
+later requests are admitted, and one slot (the one with the fewest running requests) stops
+taking new ones until it empties, so the waiting request gets it. Pinned adapters keep their slot.
 
 Unloading refuses the name to new requests at once; its host copy is dropped (``lora_drops``)
 once no request names it. Each load gets a fresh key, and a request's prefix-cache tree is
@@ -48,6 +49,9 @@ class LoraRegistry:
         self.refs: Counter[str] = Counter()  # live requests (queued or running) per key
         self.unloaded: set[str] = set()  # keys unloaded while requests still named them
         self.swaps: list[tuple[int, str]] = []  # (slot, key) copies for the next batch
+        # A slot admits no more requests while a request waits for one (so it empties: requests
+        # of resident adapters arriving all the time would otherwise keep every slot busy).
+        self.draining: int | None = None
         self.drops: list[str] = []  # host copies the workers may free
         self._tick = 0
 
@@ -108,11 +112,18 @@ class LoraRegistry:
         self._tick += 1
         if req.lora_key in self.slot_key:
             slot = self.slot_key.index(req.lora_key)
+            if slot == self.draining and self.slot_users[slot]:
+                return False
         else:
             slot = self._free_slot()
             if slot is None:
+                if self.draining is None:  # the unpinned slot with the fewest running requests
+                    busy = [s for s in range(self.slots) if self.slot_key[s] not in self.pinned]
+                    self.draining = min(busy, key=lambda s: self.slot_users[s])
                 return False
             self._put(slot, req.lora_key)
+            if slot == self.draining:
+                self.draining = None
         req.lora_slot, self.last_used[slot] = slot, self._tick
         return True
 
