@@ -28,7 +28,10 @@ from minisgl.sampling import SamplingParams  # noqa: E402
 from minisgl.utils import init_logging  # noqa: E402
 
 
-def run(llm: LLM, prompts: list[list[int]], output_lens: list[int], temperature: float = 0.0) -> dict[str, float]:
+def run(
+    llm: LLM, prompts: list[list[int]], output_lens: list[int], temperature: float = 0.0, loras: list[str] | None = None
+) -> dict[str, float]:
+    """``loras``: request i runs under adapter loras[i % len(loras)]."""
     params = [SamplingParams(temperature=temperature, max_new_tokens=n, ignore_eos=True) for n in output_lens]
     device = getattr(llm.runner, "device", None)  # none at tp > 1: the ranks are other processes, idle here
     cuda = device is not None and device.type == "cuda"
@@ -49,7 +52,8 @@ def run(llm: LLM, prompts: list[list[int]], output_lens: list[int], temperature:
     gc.callbacks.append(on_gc)
     start = time.perf_counter()
     try:
-        results = llm.generate(prompts, params)
+        names = [loras[i % len(loras)] for i in range(len(prompts))] if loras else None
+        results = llm.generate(prompts, params, lora_path=names)
     finally:
         elapsed = time.perf_counter() - start
         gc.callbacks.remove(on_gc)
@@ -227,6 +231,15 @@ def main() -> None:
         "everything fits on the device)",
     )
     ap.add_argument(
+        "--lora",
+        type=int,
+        nargs=2,
+        default=None,
+        metavar=("ADAPTERS", "RANK"),
+        help="serve ADAPTERS random LoRA adapters of RANK on every module (as many device slots), "
+        "request i under adapter i %% ADAPTERS",
+    )
+    ap.add_argument(
         "--tp-size",
         type=int,
         default=1,
@@ -269,11 +282,17 @@ def main() -> None:
             hicache_size=args.hicache,
             # (its CUDA graphs then have room for verify rows; other variants run without it)
             speculative_algorithm="NGRAM" if "ngram" in args.variants else None,
+            **(
+                dict(enable_lora=True, max_loras_per_batch=args.lora[0], max_lora_rank=args.lora[1])
+                if args.lora
+                else {}
+            ),
         )
+        args.lora_names = load_random_adapters(llm, args.model, *args.lora) if args.lora else None
         if args.profile:
             profile(llm, WORKLOADS[args.workloads[0]](llm.runner.vocab_size), args.profile == "host")
             return
-        mode = {"quantization": quantization, "kv_cache_dtype": kv_dtype}
+        mode = {"quantization": quantization, "kv_cache_dtype": kv_dtype, "lora": args.lora}
         if len(pairs) > 1:
             print(f"== quantization {quantization}, KV cache {kv_dtype}", flush=True)
         run_workloads(llm, args, mode, rows)
@@ -299,6 +318,22 @@ def main() -> None:
             )
 
 
+def load_random_adapters(llm: LLM, model: str, count: int, rank: int) -> list[str]:
+    """``count`` random adapters of ``rank`` on every module of ``model``'s shape, loaded."""
+    import tempfile
+
+    from minisgl.tiny_model import make_lora_adapter
+
+    root = Path(tempfile.mkdtemp(prefix="lora-bench-"))
+    names = [f"a{i}" for i in range(count)]
+    for i, name in enumerate(names):
+        ok, message = llm.load_lora_adapter(
+            name, str(make_lora_adapter(model, root / name, rank=rank, seed=i, std=0.01))
+        )
+        assert ok, message
+    return names
+
+
 def run_workloads(llm: LLM, args: argparse.Namespace, mode: dict[str, str], rows: list[dict]) -> None:
     """Every workload under every variant (and temperature) on one engine; rows are appended."""
     graphs = getattr(llm.runner, "graphs", None)
@@ -311,7 +346,7 @@ def run_workloads(llm: LLM, args: argparse.Namespace, mode: dict[str, str], rows
         # Untimed: kernels a workload's shapes first need (Triton specializations, FlashInfer
         # modules) compile here, not inside a timed run.
         llm.reset_scheduler(disable_radix_cache=False)
-        run(llm, wl.prompts[:16], [4] * 16)
+        run(llm, wl.prompts[:16], [4] * min(16, len(wl.prompts)), loras=args.lora_names)
         for temperature, variant in [(t, v) for t in args.temperature for v in variants]:
             radix_off, cascade_off, (use_graphs, use_pieces), overlap = VARIANTS[variant]
             if args.tp_size == 1:
@@ -324,7 +359,7 @@ def run_workloads(llm: LLM, args: argparse.Namespace, mode: dict[str, str], rows
             results = []
             for _ in range(args.repeats):
                 llm.reset_scheduler(disable_radix_cache=radix_off)  # empty cache per run
-                results.append(run(llm, wl.prompts, wl.output_lens, temperature))
+                results.append(run(llm, wl.prompts, wl.output_lens, temperature, args.lora_names))
             result = sorted(results, key=lambda r: r["seconds"])[len(results) // 2]  # the median run
             result["seconds_all"] = [r["seconds"] for r in results]
             result["distinct_prompt_tokens"] = distinct
