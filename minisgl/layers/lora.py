@@ -57,16 +57,16 @@ class LoraRows:
         """The step's rows' slots (device int64, -1 for none). A step longer than the buffer (an
         eager one only: graphs are captured within it) gets a tensor of its own."""
         n = row_slots.shape[0]
-        sorted_slots, order = torch.sort(row_slots, stable=True) if row_slots.is_cuda else (row_slots, row_slots)
-        if n <= self.buffer.shape[0]:
+        own = n > self.buffer.shape[0]
+        self.current = row_slots if own else self.buffer
+        if not own:
             self.buffer[:n].copy_(row_slots)
-            self.current = self.buffer
-            if row_slots.is_cuda:
-                self.sorted_buffer[:n].copy_(sorted_slots)
+        if row_slots.is_cuda:  # the kernels' order (the CPU reference needs none)
+            sorted_slots, order = torch.sort(row_slots, stable=True)
+            self.order, self.sorted = (order, sorted_slots) if own else (self.order_buffer, self.sorted_buffer)
+            if not own:
                 self.order_buffer[:n].copy_(order)
-                self.order, self.sorted = self.order_buffer, self.sorted_buffer
-        else:
-            self.current, self.order, self.sorted = row_slots, order, sorted_slots
+                self.sorted_buffer[:n].copy_(sorted_slots)
 
     def mask(self, n: int, parts: int, dtype: torch.dtype) -> torch.Tensor:
         """[n, parts * slots * rank]: 1 where the column belongs to the row's adapter."""
