@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import base64
+import json
 import logging
 from typing import Any
 
 import msgspec
 
 from minisgl.args import EngineArgs
-from minisgl.messages import LoadWeights, LocalTensors, MemoryOccupation, TensorWeights, WorkerTask
+from minisgl.messages import (
+    LoadLora,
+    LoadWeights,
+    LocalLora,
+    LocalTensors,
+    MemoryOccupation,
+    TensorWeights,
+    WorkerTask,
+)
 from minisgl.sampling import SamplingParams
 from minisgl.scheduler import Req, Scheduler
 from minisgl.scheduler.control import ControlError
@@ -101,6 +110,31 @@ class LLM:
         one keeps a device slot for good; (success, message)."""
         try:
             reply = self.scheduler.load_lora(lora_name, lora_path, pinned)
+        except ControlError as e:
+            return False, str(e)
+        return reply.ok, reply.message
+
+    def load_lora_adapter_from_tensors(
+        self,
+        lora_name: str,
+        tensors: dict[str, Any] | list[tuple[str, Any]],
+        config_dict: dict[str, Any],
+        load_format: str | None = None,
+        pinned: bool = False,
+    ) -> tuple[bool, str]:
+        """Load an adapter a trainer holds in memory: PEFT's tensor names (``lora_A`` and
+        ``lora_B`` weights) and its adapter_config.json fields (r, lora_alpha, ...), SGLang's
+        Engine method; (success, message)."""
+        named = dict(tensors)
+        if isinstance(self.runner, ModelRunner):  # this process holds the model: no handles to pass
+            task: LoadLora | LocalLora = LocalLora("", named, dict(config_dict))
+        else:
+            from minisgl.worker.tensor_payload import encode_named_tensors
+
+            payload = base64.b64decode(encode_named_tensors(named.items(), load_format == "flattened_bucket"))
+            task = LoadLora("", "", payload, json.dumps(config_dict), load_format or "direct")
+        try:
+            reply = self.scheduler.load_lora(lora_name, "", pinned, task)
         except ControlError as e:
             return False, str(e)
         return reply.ok, reply.message

@@ -186,10 +186,15 @@ class MemoryOccupation(msgspec.Struct, array_like=True, tag=True):
 
 class LoadLora(msgspec.Struct, array_like=True, tag=True):
     """Read the LoRA adapter at ``path`` into host memory under ``key`` (--enable-lora); batches
-    copy it into device slots (``ForwardBatch.lora_swap_slots``)."""
+    copy it into device slots (``ForwardBatch.lora_swap_slots``). Without a path: SGLang's
+    serialized tensors (``payload``, one for every rank, decoded as TensorWeights' are) with the
+    adapter's config as JSON."""
 
     key: str
     path: str
+    payload: bytes = b""
+    config_json: str = ""
+    load_format: str = "direct"
 
 
 WorkerTask = (
@@ -203,6 +208,16 @@ class LocalTensors:
     the tensors path without the pickle. Never sent over a socket."""
 
     named: list[tuple[str, Any]]
+
+
+@dataclass
+class LocalLora:
+    """A LoRA adapter handed over in-process as tensors (the offline API holding its only rank):
+    LoadLora's payload without the pickle. Never sent over a socket."""
+
+    key: str
+    named: dict[str, Any]
+    config: dict[str, Any]
 
 
 ToWorker = ForwardBatch | DraftIds | SampleMasks | ProfileReq | WorkerTask

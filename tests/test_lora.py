@@ -192,6 +192,31 @@ def test_lora_needs_the_flag_and_refuses_what_it_cannot_serve(tiny_llama, tiny_m
     )
 
 
+def _in_memory(adapter: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """An adapter as a trainer holds it: PEFT's named tensors and its config."""
+    return load_file(adapter / "adapter_model.safetensors"), json.loads((adapter / "adapter_config.json").read_text())
+
+
+def test_adapters_from_a_trainers_tensors(tiny_llama, adapters, references):
+    """SGLang's load_lora_adapter_from_tensors: in one process the tensors themselves, over
+    worker processes (tp=2) the pickled payload through the restricted unpickler; a bad config
+    is refused by name."""
+    import gc
+
+    for kw in ({}, dict(tp_size=2)):
+        llm = _llm(tiny_llama, enable_lora=True, max_loras_per_batch=2, **kw)
+        tensors, config = _in_memory(adapters["a2"])
+        ok, message = llm.load_lora_adapter_from_tensors("t", tensors, config)
+        assert ok, message
+        out = llm.generate(PROMPTS, PARAMS, lora_path="t")
+        assert [r["output_ids"] for r in out] == references["a2"], kw
+        fresh = {k: v.clone() for k, v in tensors.items()}  # (shared-memory tensors travel once)
+        ok, message = llm.load_lora_adapter_from_tensors("dora", fresh, {**config, "use_dora": True})
+        assert not ok and "DoRA" in message
+        del llm
+        gc.collect()
+
+
 def test_lora_at_tp2_and_under_speculation_equals_one_plain_process(tiny_llama, adapters, references):
     """Column-parallel layers hold their rows of B, row-parallel ones their columns of A (a
     partial sum in the all-reduce): two ranks (gloo) give one process's tokens; so does NGRAM
@@ -208,6 +233,10 @@ def test_lora_at_tp2_and_under_speculation_equals_one_plain_process(tiny_llama, 
         gc.collect()
 
 
+def body_a3(prompt: list[int]) -> dict:
+    return {"input_ids": prompt, "sampling_params": PARAMS, "lora_path": "a3"}
+
+
 def test_the_server_serves_adapters_by_every_name(tiny_llama, adapters, references):
     """/generate lora_path (one per prompt), the OpenAI routes' model "base:adapter", the adapter's
     own name and lora_path, /v1/models, and /load_lora_adapter and /unload_lora_adapter."""
@@ -222,7 +251,8 @@ def test_the_server_serves_adapters_by_every_name(tiny_llama, adapters, referenc
         "--max-loras-per-batch",
         "2",
         "--max-loaded-loras",
-        "2",
+        "3",
+        "--enable-weight-update-from-tensor",
     ) as srv:
         url = srv.url
         body = {"input_ids": PROMPTS[:2], "sampling_params": PARAMS, "lora_path": ["a1", None]}
@@ -246,8 +276,20 @@ def test_the_server_serves_adapters_by_every_name(tiny_llama, adapters, referenc
         }
         got = httpx.post(f"{url}/generate", json={**body, "lora_path": ["a2", "a1"]}, timeout=60).json()
         assert [g["output_ids"] for g in got] == [references["a2"][0], references["a1"][1]]
-        r = httpx.post(f"{url}/load_lora_adapter", json={"lora_name": "a3", "lora_path": str(adapters["a3"])})
+        # A trainer's tensors (shared memory on this host), SGLang's route and payload.
+        from minisgl.worker.tensor_payload import encode_named_tensors
+
+        tensors, config = _in_memory(adapters["a3"])
+        sent = {"lora_name": "a3", "serialized_tensors": encode_named_tensors(tensors.items()), "config_dict": config}
+        r = httpx.post(f"{url}/load_lora_adapter_from_tensors", json=sent, timeout=60)
+        assert r.status_code == 200 and r.json()["loaded_adapters"]["a3"] == "<tensors>", r.text
+        got = httpx.post(f"{url}/generate", json={**body_a3(PROMPTS[0])}, timeout=60).json()
+        assert got["output_ids"] == references["a3"][0]
+        r = httpx.post(f"{url}/load_lora_adapter", json={"lora_name": "a4", "lora_path": str(adapters["a3"])})
         assert r.status_code == 400 and not r.json()["success"] and "--max-loaded-loras" in r.json()["error_message"]
+        r = httpx.post(f"{url}/load_lora_adapter_from_tensors", json={**sent, "serialized_tensors": "%%"})
+        assert r.status_code == 400 and "serialized_tensors" in r.text
+        assert httpx.post(f"{url}/unload_lora_adapter", json={"lora_name": "a3"}).status_code == 200
         r = httpx.post(f"{url}/unload_lora_adapter", json={"lora_name": "a1"})
         assert r.status_code == 200 and r.json()["loaded_adapters"] == {"a2": str(adapters["a2"])}
         r = httpx.post(f"{url}/generate", json={**body, "lora_path": "a1"}, timeout=60)

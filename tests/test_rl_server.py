@@ -360,6 +360,9 @@ def test_tensor_route_needs_its_flag(tiny_llama):
     with running_server(tiny_llama, "--max-total-tokens", "4096") as srv:
         r = post(srv, "/update_weights_from_tensor", {"serialized_named_tensors": [json.dumps("x")]})
         assert r.status_code == 403 and "--enable-weight-update-from-tensor" in r.text
+        body = {"lora_name": "a", "serialized_tensors": "x", "config_dict": {}}
+        r = post(srv, "/load_lora_adapter_from_tensors", body)
+        assert r.status_code == 403 and "--enable-weight-update-from-tensor" in r.text
 
 
 def test_bodies_rl_frameworks_send_are_accepted(server, checkpoints, reference):

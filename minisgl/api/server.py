@@ -185,6 +185,7 @@ def create_app(client: EngineClient, info: EngineInfo, args: ServerArgs, pids: d
         ("/update_weight_version", api.update_weight_version, ["POST"]),
         ("/release_memory_occupation", api.release_memory_occupation, ["POST"]),
         ("/load_lora_adapter", api.load_lora_adapter, ["POST"]),
+        ("/load_lora_adapter_from_tensors", api.load_lora_adapter_from_tensors, ["POST"]),
         ("/unload_lora_adapter", api.unload_lora_adapter, ["POST"]),
         ("/resume_memory_occupation", api.resume_memory_occupation, ["POST"]),
     ]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,11 +37,23 @@ class AdapterError(ValueError):
 
 
 @dataclass
-class AdapterFiles:
+class Adapter:
+    """An adapter checked against what is served here, its tensors not read yet."""
+
+    where: str  # its folder, or "tensors" (what errors name)
     rank: int
     scaling: float
-    weights: Path
     modules: set[str]  # checkpoint module names it adapts
+    weights: Path | None = None  # adapter_model.safetensors (None: ``named``)
+    named: dict[str, torch.Tensor] | None = None  # tensors handed over in memory
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.named is not None:
+            yield from self.named.items()
+            return
+        with safe_open(self.weights, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
 
 
 def _folder(path: str) -> Path:
@@ -57,15 +70,13 @@ def _folder(path: str) -> Path:
         raise AdapterError(f"could not get LoRA adapter {path!r} from the Hugging Face hub: {e}") from e
 
 
-def read_adapter(path: str) -> AdapterFiles:
-    """The adapter's config checked and its tensors' names read (no tensor loaded)."""
-    folder = _folder(path)
-    try:
-        cfg = json.loads((folder / "adapter_config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise AdapterError(f"{folder}: no readable adapter_config.json ({e})") from e
+def _checked(where: str, cfg: dict, names: Iterable[str]) -> tuple[int, float, set[str]]:
+    """An adapter config's rank and scaling, and the modules its tensor names adapt; AdapterError
+    for what is not served here."""
+    if not isinstance(cfg, dict):
+        raise AdapterError(f"{where}: the adapter config is not a JSON object")
     if cfg.get("peft_type", "LORA") != "LORA":
-        raise AdapterError(f"{folder}: peft_type {cfg.get('peft_type')!r} is not LORA")
+        raise AdapterError(f"{where}: peft_type {cfg.get('peft_type')!r} is not LORA")
     refused = {
         "use_dora": "DoRA adapters are not supported",
         "modules_to_save": "modules saved whole (modules_to_save) are not supported",
@@ -74,28 +85,48 @@ def read_adapter(path: str) -> AdapterFiles:
     }
     for key, why in refused.items():
         if cfg.get(key):
-            raise AdapterError(f"{folder}: {why}")
+            raise AdapterError(f"{where}: {why}")
     if cfg.get("bias", "none") != "none":
-        raise AdapterError(f"{folder}: LoRA biases (bias {cfg['bias']!r}) are not supported")
+        raise AdapterError(f"{where}: LoRA biases (bias {cfg['bias']!r}) are not supported")
+    try:
+        rank = int(cfg.get("r", 8))
+        alpha = float(cfg.get("lora_alpha", rank))
+    except (TypeError, ValueError):
+        raise AdapterError(f"{where}: r and lora_alpha must be numbers") from None
+    if rank < 1:
+        raise AdapterError(f"{where}: r must be >= 1, got {rank}")
+    scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
+    modules = set()
+    for name in names:
+        m = _KEY.search(name)
+        if m is None or m.group(2) not in LORA_TARGET_MODULES:
+            served = ", ".join(LORA_TARGET_MODULES)
+            raise AdapterError(f"{where}: tensor {name!r} adapts a module LoRA is not served on here ({served})")
+        modules.add(m.group(2))
+    return rank, scaling, modules
+
+
+def read_adapter(path: str) -> Adapter:
+    """A PEFT folder's adapter, checked (its tensors' names read, not the tensors)."""
+    folder = _folder(path)
+    try:
+        cfg = json.loads((folder / "adapter_config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise AdapterError(f"{folder}: no readable adapter_config.json ({e})") from e
     weights = folder / "adapter_model.safetensors"
     if not weights.is_file():
         raise AdapterError(
             f"{folder}: no adapter_model.safetensors (pickled .bin adapters are never read: save with safetensors)"
         )
-    rank = int(cfg.get("r", 8))
-    alpha = float(cfg.get("lora_alpha", rank))
-    scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
-    modules = set()
     with safe_open(weights, framework="pt") as f:
-        for name in f.keys():
-            m = _KEY.search(name)
-            if m is None or m.group(2) not in LORA_TARGET_MODULES:
-                raise AdapterError(
-                    f"{folder}: tensor {name!r} adapts a module LoRA is not served on here "
-                    f"({', '.join(LORA_TARGET_MODULES)})"
-                )
-            modules.add(m.group(2))
-    return AdapterFiles(rank, scaling, weights, modules)
+        names = list(f.keys())
+    return Adapter(str(folder), *_checked(str(folder), cfg, names), weights=weights)
+
+
+def tensor_adapter(named: dict[str, torch.Tensor], cfg: dict) -> Adapter:
+    """An adapter handed over as tensors (PEFT's names) with its config (adapter_config.json's
+    fields), checked."""
+    return Adapter("tensors", *_checked("tensors", cfg, named), named=named)
 
 
 def lora_layout(args: EngineArgs) -> tuple[int, list[str]]:
@@ -139,18 +170,17 @@ def attach_lora(
 Shards = list[tuple[LoraWeights, int, torch.Tensor, torch.Tensor]]  # (layer's adapters, part, a, b)
 
 
-def read_shards(model: nn.Module, config: ModelConfig, path: str, max_rank: int) -> tuple[Shards, str]:
-    """This rank's share of the adapter at ``path`` (scaling folded into B), in host memory
-    (pinned when the model is on a GPU), and what was read. Raises AdapterError when the
-    adapter does not fit this model or its slots."""
-    files = read_adapter(path)
+def read_shards(model: nn.Module, config: ModelConfig, files: Adapter, max_rank: int) -> tuple[Shards, str]:
+    """This rank's share of an adapter (scaling folded into B), in host memory (pinned when the
+    model is on a GPU), and what was read. Raises AdapterError when the adapter does not fit
+    this model or its slots."""
+    path = files.where
     if files.rank > max_rank:
         raise AdapterError(f"{path}: rank {files.rank} is above --max-lora-rank {max_rank}")
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    with safe_open(files.weights, framework="pt") as f:
-        for name in f.keys():
-            m = _KEY.search(name)
-            pairs.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = f.get_tensor(name)
+    for name, tensor in files.tensors():
+        m = _KEY.search(name)
+        pairs.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = tensor
     tp = get_tp_info()
     shards: Shards = []
     for (layer, module), ab in sorted(pairs.items()):
@@ -161,7 +191,7 @@ def read_shards(model: nn.Module, config: ModelConfig, path: str, max_rank: int)
         if set(ab) != {"A", "B"}:
             raise AdapterError(f"{path}: layer {layer} {module} lacks its lora_{'B' if 'A' in ab else 'A'}")
         lin, part = found
-        a, b = ab["A"], ab["B"] * files.scaling
+        a, b = ab["A"].to("cpu", copy=True), ab["B"].cpu() * files.scaling  # (never the sender's memory)
         rows = lin.output_sizes[part] if isinstance(lin, ColumnParallelLinear) else lin.weight.shape[0]
         r = a.shape[0]
         if a.shape != (r, lin.input_size) or b.shape != (rows, r) or r > max_rank:

@@ -19,6 +19,7 @@ from minisgl.messages import (
     BroadcastWeights,
     LoadLora,
     LoadWeights,
+    LocalLora,
     LocalTensors,
     MemoryOccupation,
     TensorWeights,
@@ -140,19 +141,23 @@ class ControlPlane:
             raise LoraError("lora_path needs a server started with --enable-lora (or --lora-paths)")
         return self.loras.get(name)
 
-    def load_lora(self: Scheduler, name: str, path: str, pinned: bool = False) -> WorkerReply:
-        """Read an adapter into every worker's host memory, between steps; a pinned one also
-        takes a device slot for good."""
+    def load_lora(
+        self: Scheduler, name: str, path: str, pinned: bool = False, tensors: LoadLora | LocalLora | None = None
+    ) -> WorkerReply:
+        """Read an adapter (the folder at ``path``, or ``tensors``: its key is set here) into
+        every worker's host memory, between steps; a pinned one also takes a device slot for good."""
         if self.loras is None:
             raise ControlError("LoRA adapters need a server started with --enable-lora")
-        if not name or not path:
+        if not name or not (path or tensors):
             raise ControlError("lora_name and lora_path must both be given")
         self.collect_inflight()
         try:
-            adapter = self.loras.new(name, path, pinned)
+            adapter = self.loras.new(name, path or "<tensors>", pinned)
         except LoraError as e:
             raise ControlError(str(e)) from None
-        reply = self.executor.run_task(LoadLora(adapter.key, path))
+        task = tensors or LoadLora(adapter.key, path)
+        task.key = adapter.key
+        reply = self.executor.run_task(task)
         if reply.ok:
             self.loras.add(adapter)
         return reply

@@ -22,6 +22,7 @@ from minisgl.messages import (
     ControlReply,
     ControlReq,
     EngineInfo,
+    LoadLora,
     TokenBatch,
     TokenizedBatch,
     TokenizedReq,
@@ -180,7 +181,8 @@ class SchedulerProcess:
     def _lora(self, msg: ControlReq) -> ControlReply:
         """Load or unload an adapter; the answer lists the loaded ones (JSON, name -> path)."""
         if msg.op == "lora_load":
-            reply = self.sched.load_lora(msg.lora_name, msg.lora_path, msg.lora_pinned)
+            tensors = msg.task if isinstance(msg.task, LoadLora) else None  # (/load_lora_adapter_from_tensors)
+            reply = self.sched.load_lora(msg.lora_name, msg.lora_path, msg.lora_pinned, tensors)
             ok, message = reply.ok, reply.message
         else:
             self.sched.unload_lora(msg.lora_name)

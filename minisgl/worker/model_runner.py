@@ -35,6 +35,7 @@ from minisgl.layers.quantization import FP8
 from minisgl.messages import (
     ForwardBatch,
     LoadLora,
+    LocalLora,
     LocalTensors,
     MemoryOccupation,
     NewRequest,
@@ -79,6 +80,20 @@ def _available_host_bytes() -> int:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
+
+
+def _decoded_adapter(task: LoadLora) -> tuple[dict[str, torch.Tensor], dict]:
+    """SGLang's serialized LoRA tensors (a dict or a list of (name, tensor) pairs, through the
+    restricted unpickler) and the adapter's config."""
+    import json
+
+    from minisgl.worker.tensor_payload import decode_named_tensors
+
+    try:
+        config = json.loads(task.config_json)
+    except ValueError:
+        raise ValueError("config_dict is not JSON") from None
+    return dict(decode_named_tensors(task.payload, task.load_format)), config
 
 
 def last_verified_torch(
@@ -816,7 +831,7 @@ class ModelRunner:
             msg.id_logprobs = [[row[column[t]] for t in ids] for row, ids in zip(h["id_logprobs"].tolist(), p.ids)]
         return msg
 
-    def run_task(self, task: WorkerTask | LocalTensors) -> WorkerReply:
+    def run_task(self, task: WorkerTask | LocalTensors | LocalLora) -> WorkerReply:
         """A control-plane task (new weights, memory release or resume), run between steps."""
         assert not self.pending and self._parked is None and self._drafting is None, (
             "a control task came with steps in flight"
@@ -833,22 +848,29 @@ class ModelRunner:
             return WorkerReply(True, message, time.perf_counter() - start)
         if self.memory_saver is not None and "weights" in self.memory_saver.released:
             return WorkerReply(False, "the weights are released: resume_memory_occupation first")
-        if isinstance(task, LoadLora):
+        if isinstance(task, (LoadLora, LocalLora)):
             return self._load_lora(task)
         reply = self.updater().run(task)
         logger.info("%s (%.2f s)", reply.message, reply.seconds)
         return reply
 
-    def _load_lora(self, task: LoadLora) -> WorkerReply:
-        """Read an adapter into host memory; steps copy it into a device slot when one runs it."""
-        from minisgl.models.lora_adapter import AdapterError, read_shards
+    def _load_lora(self, task: LoadLora | LocalLora) -> WorkerReply:
+        """Read an adapter (a folder, or tensors) into host memory; steps copy it into a device
+        slot when one runs it."""
+        from minisgl.models.lora_adapter import AdapterError, read_adapter, read_shards, tensor_adapter
 
         start = time.perf_counter()
         if self.lora_rows is None:
             return WorkerReply(False, "LoRA adapters need a server started with --enable-lora")
         try:
-            self.lora_host[task.key], message = read_shards(self.model, self.config, task.path, self.lora_rank)
-        except AdapterError as e:
+            if isinstance(task, LocalLora):
+                adapter = tensor_adapter(dict(task.named), task.config)
+            elif task.path:
+                adapter = read_adapter(task.path)
+            else:
+                adapter = tensor_adapter(*_decoded_adapter(task))
+            self.lora_host[task.key], message = read_shards(self.model, self.config, adapter, self.lora_rank)
+        except (AdapterError, ValueError) as e:
             return WorkerReply(False, str(e))
         logger.info("%s", message)
         return WorkerReply(True, message, time.perf_counter() - start)

@@ -94,8 +94,10 @@ def decode_named_tensors(payload: bytes | str, load_format: str | None = "direct
         raise ValueError(f"serialized_named_tensors: {type(e).__name__}: {e}") from None
     if load_format == "flattened_bucket":
         return _from_bucket(obj)
+    if isinstance(obj, dict):  # (SGLang's LoRA tensors: name -> tensor)
+        obj = list(obj.items())
     if not isinstance(obj, (list, tuple)) or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in obj):
-        raise ValueError("serialized_named_tensors: load_format direct takes a list of (name, tensor) pairs")
+        raise ValueError("serialized_named_tensors: load_format direct takes (name, tensor) pairs or a dict of them")
     return [(str(name), _tensor(t, f"tensor {name!r}")) for name, t in obj]
 
 
