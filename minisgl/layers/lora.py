@@ -3,14 +3,13 @@
 Every adapted linear layer keeps ``slots`` adapters of rank up to ``rank`` in two stacked
 matrices: A [parts * slots * rank, in] (each fused part's A, e.g. q, k and v of qkv_proj) and B
 [out, slots * rank] (each output row belongs to one part). A step's rows each name the slot of
-their request's adapter (-1: none, the base model) in ``LoraRows``; a layer computes x A^T for
-every slot at once, zeroes the columns of the slots a row does not use, and adds each part's
-product with B to that part's output columns. Masked columns are exact zeros, so a row gets
-exactly its own adapter's x A^T B^T; a smaller rank is zero-padded to ``rank``. The cost is
-two thin GEMMs over slots * rank columns per layer, whatever the mix of adapters in the batch,
-with no gather and nothing that depends on the batch's composition: the same code runs eagerly,
-in the decode CUDA graphs and in the piecewise prefill graphs (the rows' slots live in a fixed
-buffer the graphs read).
+their request's adapter (-1: none, the base model) in ``LoraRows``, a fixed buffer the decode
+CUDA graphs and the piecewise prefill graphs read. On the CPU (the reference) a layer computes
+x A^T for every slot at once, zeroes the columns of the slots a row does not use, and adds each
+part's product with B to that part's output columns: masked columns are exact zeros, so a row
+gets exactly its own adapter's x A^T B^T (a smaller rank is zero-padded to ``rank``). On the GPU
+``kernels.lora`` computes the same in two launches that multiply only the slots the rows use.
+Which adapter sits in which slot is the scheduler's (``scheduler.lora``).
 
 Under tensor parallelism a column-parallel layer holds the whole A and its rows of B; a
 row-parallel layer holds its input columns of A and the whole B, so its product is a partial
