@@ -13,15 +13,21 @@ import torch
 
 from minisgl.attention import base
 from minisgl.attention.base import Gains
+from minisgl.layers.lora import LoraRows
 from minisgl.messages import ForwardBatch
 from minisgl.worker.model_runner import ModelRunner
 
 
-def fake_runner(page: int, table: np.ndarray, last: torch.Tensor, gains: Gains | None = None) -> SimpleNamespace:
-    """What ``ModelRunner._metadata`` reads of a runner."""
+def fake_runner(
+    page: int, table: np.ndarray, last: torch.Tensor, gains: Gains | None = None, lora: bool = False
+) -> SimpleNamespace:
+    """What ``ModelRunner._metadata`` reads of a runner; with ``lora``, slot s's requests under
+    adapter s % 3 (-1 for s % 4 == 3)."""
     runner = SimpleNamespace(
         device=torch.device("cpu"), page_size=page, page_table_host=table, last_token=last, _gains=gains
     )
+    runner.lora_rows = LoraRows(64, 3, 16, runner.device) if lora else None
+    runner.adapter_of_slot = np.asarray([-1 if s % 4 == 3 else s % 3 for s in range(len(table))], dtype=np.int64)
     runner._add_gains = functools.partial(ModelRunner._add_gains, runner)
     return runner
 
@@ -44,9 +50,11 @@ def test_few_decode_rows_build_the_numpy_inputs(monkeypatch):
         got = []
         for small in (base.FEW_ROWS, 0):
             monkeypatch.setattr(base, "FEW_ROWS", small)
-            runner = fake_runner(page, table, last)
+            runner = fake_runner(page, table, last, lora=True)
             meta, ids = ModelRunner._metadata(runner, batch)
             got.append((meta.positions, meta.out_loc, ids))
+            # each row's LoRA slot: its request's
+            assert runner.lora_rows.current[:rows].tolist() == runner.adapter_of_slot[slots].tolist()
         for a, b in zip(*got):
             assert torch.equal(a, b)
         # -1 takes the slot's last sampled token; KV slots come from the page table
