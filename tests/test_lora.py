@@ -403,7 +403,15 @@ def test_a_request_waiting_for_a_slot_gets_one_while_others_keep_coming():
     waiting = req("c")
     assert not reg.place(waiting) and reg.draining == reg.slot_key.index(keys["b"])
     assert reg.place(req("a"))  # a's slot is not draining
-    assert not reg.place(req("b"))  # b's slot drains: no new b request
+    later_b = req("b")
+    assert not reg.place(later_b)  # b's slot drains: no new b request
     reg.let_go(running[2])
+    assert not reg.place(later_b)  # empty now, but kept for the request that waits
     assert reg.place(waiting) and reg.slot_key[waiting.lora_slot] == keys["c"] and reg.draining is None
     assert [k for _, k in reg.swaps][-1] == keys["c"]
+    # Once no request of the adapter a slot drains for is left (aborted), the draining ends.
+    reg.hold(waiting)
+    assert not reg.place(later_b) and reg.draining is not None
+    for r in (running[2], later_b):
+        reg.ended(r)
+    assert reg.place(req("a")) and reg.draining is None

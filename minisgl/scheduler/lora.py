@@ -52,6 +52,7 @@ class LoraRegistry:
         # A slot admits no more requests while a request waits for one (so it empties: requests
         # of resident adapters arriving all the time would otherwise keep every slot busy).
         self.draining: int | None = None
+        self.drain_for: str | None = None  # the waiting request's adapter (draining ends with its requests)
         self.drops: list[str] = []  # host copies the workers may free
         self._tick = 0
 
@@ -110,9 +111,11 @@ class LoraRegistry:
         if req.lora_key is None:
             return True
         self._tick += 1
+        if self.draining is not None and not self.refs[self.drain_for]:
+            self.draining = None  # nothing waits for it any more
         if req.lora_key in self.slot_key:
             slot = self.slot_key.index(req.lora_key)
-            if slot == self.draining and self.slot_users[slot]:
+            if slot == self.draining:
                 return False
         else:
             slot = self._free_slot()
@@ -120,6 +123,7 @@ class LoraRegistry:
                 if self.draining is None:  # the unpinned slot with the fewest running requests
                     busy = [s for s in range(self.slots) if self.slot_key[s] not in self.pinned]
                     self.draining = min(busy, key=lambda s: self.slot_users[s])
+                    self.drain_for = req.lora_key
                 return False
             self._put(slot, req.lora_key)
             if slot == self.draining:
