@@ -20,9 +20,10 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from minisgl.api.base import ApiBase, error_response, read_body
+from minisgl.api.base import ApiBase, read_body
 from minisgl.api.fields import Schema
 from minisgl.api.protocol import BadRequest
+from minisgl.api.rl import refuse_pickled
 from minisgl.messages import LoadLora
 
 # A load reads the adapter from disk (or the hub) on every worker.
@@ -75,12 +76,9 @@ class LoraRoutes(ApiBase):
         return await self._lora("lora_load", body.lora_name, body.lora_path, body.pinned)
 
     async def load_lora_adapter_from_tensors(self, request: Request) -> Response:
-        if not self.args.enable_weight_update_from_tensor:
-            return error_response(
-                403,
-                "load_lora_adapter_from_tensors unpickles its payload: start the server with "
-                "--enable-weight-update-from-tensor (and --api-key) to accept it",
-            )
+        refused = refuse_pickled(self.args, "load_lora_adapter_from_tensors")
+        if refused is not None:
+            return refused
         body: AdapterTensors = await read_body(request, AdapterTensors, self.args, FROM_TENSORS)
         try:
             payload = base64.b64decode(body.serialized_tensors, validate=True)

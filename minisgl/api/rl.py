@@ -108,6 +108,17 @@ WEIGHT_VERSION = _schema("update_weight_version", {"new_version", "abort_all_req
 MEMORY = _schema("release_memory_occupation", {"tags"})
 
 
+def refuse_pickled(args: Any, route: str) -> Response | None:
+    """The 403 of a route whose payload is unpickled, unless --enable-weight-update-from-tensor."""
+    if args.enable_weight_update_from_tensor:
+        return None
+    return error_response(
+        403,
+        f"{route} unpickles its payload: start the server with --enable-weight-update-from-tensor "
+        "(and --api-key) to accept it",
+    )
+
+
 def _answer(reply: ControlReply, **extra: Any) -> Response:
     """SGLang's shape: success and message, 200 or 400."""
     data = dict(reply.data)
@@ -143,12 +154,9 @@ class RlRoutes(ApiBase):
         return await self._weights(LoadWeights(body.model_path, body.load_format or "auto"), body)
 
     async def update_weights_from_tensor(self, request: Request) -> Response:
-        if not self.args.enable_weight_update_from_tensor:
-            return error_response(
-                403,
-                "update_weights_from_tensor unpickles its payload: start the server with "
-                "--enable-weight-update-from-tensor (and --api-key) to accept it",
-            )
+        refused = refuse_pickled(self.args, "update_weights_from_tensor")
+        if refused is not None:
+            return refused
         body: FromTensor = await self._body(request, FromTensor, FROM_TENSOR)
         try:
             payloads = [base64.b64decode(p, validate=True) for p in body.serialized_named_tensors]
