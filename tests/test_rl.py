@@ -4,6 +4,7 @@ release, the cache epochs after an update, and the restricted unpickler of tenso
 from __future__ import annotations
 
 import base64
+import io
 import os
 import pickle
 from pathlib import Path
@@ -158,6 +159,8 @@ def test_the_tensor_payload_decoder_imports_nothing_else(tmp_path):
     with pytest.raises(ValueError, match="load_format"):
         decode_named_tensors(encode_named_tensors([("w", torch.ones(2))]), "safetensors")
     with pytest.raises(ValueError, match="pairs"):
+        decode_named_tensors(base64.b64encode(pickle.dumps(5)))
+    with pytest.raises(ValueError, match="not a tensor"):  # (a dict of them, as LoRA tensors come, is read too)
         decode_named_tensors(base64.b64encode(pickle.dumps({"a": 1})))
     named = [("a", torch.arange(6, dtype=torch.float32).view(2, 3)), ("b", torch.ones(4, dtype=torch.bfloat16))]
     for flattened in (False, True):
@@ -165,6 +168,18 @@ def test_the_tensor_payload_decoder_imports_nothing_else(tmp_path):
             encode_named_tensors(named, flattened), "flattened_bucket" if flattened else "direct"
         )
         assert [n for n, _ in out] == ["a", "b"] and all(torch.equal(x, y) for (_, x), (_, y) in zip(out, named))
+    # SGLang's LoRA tensors come as a dict of them.
+    from multiprocessing.reduction import ForkingPickler
+
+    strategy = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    try:
+        buf = io.BytesIO()
+        ForkingPickler(buf).dump(dict(named))
+    finally:
+        torch.multiprocessing.set_sharing_strategy(strategy)
+    out = decode_named_tensors(buf.getvalue())
+    assert [n for n, _ in out] == ["a", "b"] and all(torch.equal(x, y) for (_, x), (_, y) in zip(out, named))
 
 
 @pytest.mark.parametrize("mode", ["abort", "retract", "in_place"])
