@@ -862,6 +862,7 @@ class ModelRunner:
         start = time.perf_counter()
         if self.lora_rows is None:
             return WorkerReply(False, "LoRA adapters need a server started with --enable-lora")
+        shards, problem = None, None
         try:
             if isinstance(task, LocalLora):
                 adapter = tensor_adapter(dict(task.named), task.config)
@@ -869,9 +870,13 @@ class ModelRunner:
                 adapter = read_adapter(task.path)
             else:
                 adapter = tensor_adapter(*_decoded_adapter(task))
-            self.lora_host[task.key], message = read_shards(self.model, self.config, adapter, self.lora_rank)
+            shards, message = read_shards(self.model, self.config, adapter, self.lora_rank)
         except (AdapterError, ValueError) as e:
-            return WorkerReply(False, str(e))
+            problem = str(e)
+        problem = self.updater().agree(problem, raise_=False)  # every rank holds it, or none
+        if problem is not None:
+            return WorkerReply(False, problem)
+        self.lora_host[task.key] = shards
         logger.info("%s", message)
         return WorkerReply(True, message, time.perf_counter() - start)
 

@@ -111,7 +111,7 @@ class WeightUpdater:
             wmap.check(checkpoint_shapes(folder), complete=True)
         except (ValueError, FileNotFoundError, OSError) as e:
             problem = f"{task.model_path}: {e}"
-        self._agree(problem)
+        self.agree(problem)
         wmap.load(iter_weights(folder))
         self._after_load(None)
         return f"loaded {task.model_path}"
@@ -144,7 +144,7 @@ class WeightUpdater:
                 wmap.check(((n, tuple(t.shape)) for n, t in named), complete=False)
             except ValueError as e:
                 problem = str(e)
-        self._agree(problem)
+        self.agree(problem)
         wmap.load(iter(named))
         self._after_load([n for n, _ in named])
         return f"updated {len(named)} tensors"
@@ -186,7 +186,7 @@ class WeightUpdater:
             problem = str(e)
         # The trainer broadcasts whatever the request lists: receive it all whatever happens, so
         # it never hangs, and load it only if every rank accepted the list.
-        problem = self._agree(problem, raise_=False)
+        problem = self.agree(problem, raise_=False)
         if task.load_format == "flattened_bucket":
             received: Iterator[tuple[str, torch.Tensor]] = iter(
                 self._receive_bucket(group, task.names, dtypes, task.shapes)
@@ -224,7 +224,7 @@ class WeightUpdater:
 
     # ---- agreement and fix-ups ---------------------------------------------------------------
 
-    def _agree(self, problem: str | None, raise_: bool = True) -> str | None:
+    def agree(self, problem: str | None, raise_: bool = True) -> str | None:
         """Every rank's verdict on the checked update: the problem of this rank, or of another
         (named by rank) if only that one refused; raised unless ``raise_`` is False."""
         tp = get_tp_info()
