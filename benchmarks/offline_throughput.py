@@ -31,7 +31,7 @@ from minisgl.utils import init_logging  # noqa: E402
 def run(
     llm: LLM, prompts: list[list[int]], output_lens: list[int], temperature: float = 0.0, loras: list[str] | None = None
 ) -> dict[str, float]:
-    """``loras``: request i runs under adapter loras[i % len(loras)]."""
+    """``loras``: the adapters requests run under, one per tenant (``tenant_adapters``)."""
     params = [SamplingParams(temperature=temperature, max_new_tokens=n, ignore_eos=True) for n in output_lens]
     device = getattr(llm.runner, "device", None)  # none at tp > 1: the ranks are other processes, idle here
     cuda = device is not None and device.type == "cuda"
@@ -52,7 +52,7 @@ def run(
     gc.callbacks.append(on_gc)
     start = time.perf_counter()
     try:
-        names = [loras[i % len(loras)] for i in range(len(prompts))] if loras else None
+        names = tenant_adapters(prompts, loras) if loras else None
         results = llm.generate(prompts, params, lora_path=names)
     finally:
         elapsed = time.perf_counter() - start
@@ -316,6 +316,14 @@ def main() -> None:
                 f"{r['seconds']:.2f} s vs {pairs[0][0]}/{pairs[0][1]} {base['seconds']:.2f} s = "
                 f"{base['seconds'] / r['seconds']:.2f}x throughput"
             )
+
+
+def tenant_adapters(prompts: list[list[int]], loras: list[str], prefix: int = 64) -> list[str]:
+    """Each request's adapter: requests whose prompts start alike (a tenant's system prompt) share
+    one, and each new start takes the next adapter in turn, as a server with one adapter per
+    tenant sees them (so the tenant's requests still share their prefix's cache)."""
+    tenant: dict[tuple[int, ...], str] = {}
+    return [tenant.setdefault(tuple(p[:prefix]), loras[len(tenant) % len(loras)]) for p in prompts]
 
 
 def load_random_adapters(llm: LLM, model: str, count: int, rank: int) -> list[str]:

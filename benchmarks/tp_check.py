@@ -250,7 +250,7 @@ def _step_rank(
         while runner.pending:
             runner.collect()
         loop = (time.perf_counter() - start) / steps
-    graph = runner.graphs.graphs[runner.graphs._size(decode_batch(k)), groups > 0]
+    graph = runner.graphs.graphs[runner.graphs._size(decode_batch(k)), groups > 0, False]
     if world > 1:
         dist.barrier()
     torch.cuda.synchronize()

@@ -304,7 +304,8 @@ def test_the_server_serves_adapters_by_every_name(tiny_llama, adapters, referenc
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_lora_on_the_gpu_equals_the_cpu(tmp_path):
     """Decode replayed from CUDA graphs and prefill from its pieces (the rows' adapters in a fixed
-    buffer) give eager bf16's tokens; float32 on the GPU gives the CPU's."""
+    buffer) give eager bf16's tokens; float32 on the GPU gives the CPU's. Steps of base requests
+    only (the graphs captured without adapters) give a server without LoRA's tokens."""
     from minisgl.llm import LLM
     from minisgl.tiny_model import make_tiny_model
 
@@ -324,9 +325,13 @@ def test_lora_on_the_gpu_equals_the_cpu(tmp_path):
     }.items():
         llm = LLM(str(path), max_running_requests=8, max_total_tokens=4096, lora_paths=paths, **kw)
         runs[name] = [r["output_ids"] for r in llm.generate(prompts, {**PARAMS, "max_new_tokens": 16}, lora_path=loras)]
+        runs[name + "-base"] = [r["output_ids"] for r in llm.generate(prompts[:3], {**PARAMS, "max_new_tokens": 16})]
         del llm
+    plain = LLM(str(path), max_running_requests=8, max_total_tokens=4096, device="cuda", dtype="bfloat16")
+    without = [r["output_ids"] for r in plain.generate(prompts[:3], {**PARAMS, "max_new_tokens": 16})]
     assert runs["cuda-fp32"] == runs["cpu"]
     assert runs["bf16-graphs"] == runs["bf16-eager"]
+    assert runs["bf16-graphs-base"] == runs["bf16-eager-base"] == without
 
 
 def check_lora_kernels() -> None:

@@ -55,6 +55,8 @@ def test_few_decode_rows_build_the_numpy_inputs(monkeypatch):
             got.append((meta.positions, meta.out_loc, ids))
             # each row's LoRA slot: its request's
             assert runner.lora_rows.current[:rows].tolist() == runner.adapter_of_slot[slots].tolist()
+            # a step none of whose rows uses an adapter skips them (and replays graphs without them)
+            assert runner.lora_rows.active == any(s % 4 != 3 for s in slots)
         for a, b in zip(*got):
             assert torch.equal(a, b)
         # -1 takes the slot's last sampled token; KV slots come from the page table

@@ -4,7 +4,9 @@ Every adapted linear layer keeps ``slots`` adapters of rank up to ``rank`` in tw
 matrices: A [parts * slots * rank, in] (each fused part's A, e.g. q, k and v of qkv_proj) and B
 [out, slots * rank] (each output row belongs to one part). A step's rows each name the slot of
 their request's adapter (-1: none, the base model) in ``LoraRows``, a fixed buffer the decode
-CUDA graphs and the piecewise prefill graphs read. On the CPU (the reference) a layer computes
+CUDA graphs and the piecewise prefill graphs read; a step none of whose rows uses an adapter
+skips the adapters (``LoraRows.active``: eager steps, and decode graphs captured without them).
+On the CPU (the reference) a layer computes
 x A^T for every slot at once, zeroes the columns of the slots a row does not use, and adds each
 part's product with B to that part's output columns: masked columns are exact zeros, so a row
 gets exactly its own adapter's x A^T B^T (a smaller rank is zero-padded to ``rank``). On the GPU
@@ -51,10 +53,15 @@ class LoraRows:
         self.sorted_buffer = torch.full((rows,), -1, dtype=torch.int64, device=device)
         self.order, self.sorted = self.order_buffer, self.sorted_buffer
         self.column_slot = torch.arange(slots * self.rank, device=device) // self.rank
+        # Whether any row of the step uses an adapter (from the host copy of the rows' slots):
+        # when none does, layers skip the adapter products, and decode replays a graph without them.
+        self.active = True
 
-    def set(self, row_slots: torch.Tensor) -> None:
-        """The step's rows' slots (device int64, -1 for none). A step longer than the buffer (an
-        eager one only: graphs are captured within it) gets a tensor of its own."""
+    def set(self, row_slots: torch.Tensor, active: bool = True) -> None:
+        """The step's rows' slots (device int64, -1 for none; ``active``: whether any is not). A
+        step longer than the buffer (an eager one only: graphs are captured within it) gets a
+        tensor of its own."""
+        self.active = active
         n = row_slots.shape[0]
         own = n > self.buffer.shape[0]
         self.current = row_slots if own else self.buffer
@@ -94,6 +101,8 @@ class LoraWeights:
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y + each row's adapter's x A^T B^T (y: the base layer's output for x, [T, out]); on
         the GPU in place, by ``kernels.lora`` (this is its reference)."""
+        if not self.rows.active:
+            return y
         x2 = x.reshape(-1, x.shape[-1])
         if x2.is_cuda:
             from minisgl.kernels.lora import lora_add

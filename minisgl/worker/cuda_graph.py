@@ -6,7 +6,9 @@ captured size with dummy requests that live in the runner's padding slot (its pa
 points at a scratch page, so their K/V writes land nowhere that matters). Inputs go through
 static buffers; the attention backend plans each step into per-size buffers outside the graph.
 Unless cascade attention or the radix cache is off, each size also has a cascade graph (two-level attention over
-cascade groups, see ``ForwardBatch``), replayed for steps that carry groups.
+cascade groups, see ``ForwardBatch``), replayed for steps that carry groups. With LoRA on, every
+graph also has a twin captured without the adapter products, replayed for steps none of whose
+rows uses an adapter (so base-model traffic on a LoRA server pays no adapter kernels).
 """
 
 from __future__ import annotations
@@ -82,7 +84,9 @@ class CudaGraphRunner:
         self.inputs = StepInputs(max_bs, runner.device)
         # Groups come from the radix tree: without it no step carries any.
         self.cascade = not (runner.args.disable_cascade_attention or runner.args.disable_radix_cache)
-        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # by (size, cascade)
+        self.lora_rows = runner.lora_rows
+        self.graphs: dict[tuple[int, bool, bool], torch.cuda.CUDAGraph] = {}  # by (size, cascade, lora)
+        self.loaded_lora = False  # whether the loaded step uses an adapter (its graph's third key)
         # Every graph writes its logits here: one buffer for all sizes. (Each graph keeping its
         # own output held size x vocab float32 per graph: 27 GB for a ladder to 1024 at a
         # 128k vocabulary, out of memory on the H100. The price is one more [size, vocab] copy.)
@@ -131,9 +135,18 @@ class CudaGraphRunner:
         start = time.perf_counter()
         pool = None
         stream = torch.cuda.Stream()
-        keys = [(s, c) for s in sorted(self.sizes, reverse=True) for c in (False, True) if not c or self._fits(s)]
-        for size, cascade in progress(keys, get_tp_info().is_primary, desc="Capturing CUDA graphs", unit="graph"):
+        loras = (True, False) if self.lora_rows is not None else (False,)
+        keys = [
+            (s, c, lora)
+            for s in sorted(self.sizes, reverse=True)
+            for c in (False, True)
+            if not c or self._fits(s)
+            for lora in loras
+        ]
+        for size, cascade, lora in progress(keys, get_tp_info().is_primary, desc="Capturing CUDA graphs", unit="graph"):
             self._load(self._capture_batch(size, cascade))
+            if self.lora_rows is not None:
+                self.lora_rows.active = lora
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 warm = self._run_model(size)  # warm-up outside the graph (lazy inits, autotuning)
@@ -145,13 +158,13 @@ class CudaGraphRunner:
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 self._run_model(size, out=self.logits[:size])  # the head writes the fixed buffer itself
             pool = graph.pool()
-            self.graphs[size, cascade] = graph
+            self.graphs[size, cascade, lora] = graph
         torch.cuda.synchronize()
         logger.info(
             "captured %d CUDA graphs (batch sizes up to %d%s) in %.1f s",
             len(keys),
             self.max_bs,
-            ", plain and cascade" if self.cascade else "",
+            (", plain and cascade" if self.cascade else "") + (", with and without LoRA" if len(loras) > 1 else ""),
             time.perf_counter() - start,
         )
 
@@ -171,6 +184,7 @@ class CudaGraphRunner:
         """The batch's inputs into the buffers of the graph of the next size up and its attention
         planned (``replay`` runs it)."""
         self._load(self._pad(batch, self._size(batch)))
+        self.loaded_lora = self.lora_rows is not None and self.lora_rows.active
 
     def set_input_ids(self, rows: torch.Tensor, ids: torch.Tensor) -> None:
         """Input ids of some rows of the loaded batch (device int64), set after ``load``."""
@@ -178,7 +192,7 @@ class CudaGraphRunner:
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits of the loaded batch's sampling requests (this rank's vocabulary slice)."""
-        self.graphs[self._size(batch), bool(batch.group_sizes)].replay()
+        self.graphs[self._size(batch), bool(batch.group_sizes), self.loaded_lora].replay()
         logits = self.logits[: len(batch.slots)]
         if all(batch.sample):
             return logits

@@ -499,7 +499,8 @@ class ModelRunner:
         positions_t, token_slots_t, input_ids, out_loc_t = host.to(dev, non_blocking=True)
         if self.lora_rows is not None:  # each row's adapter, from its request's slot
             row_slots = batch.slots if len(input_ids) == len(batch.slots) else token_slots
-            self.lora_rows.set(torch.from_numpy(self.adapter_of_slot[row_slots]).to(dev, non_blocking=True))
+            adapters = self.adapter_of_slot[row_slots]
+            self.lora_rows.set(torch.from_numpy(adapters).to(dev, non_blocking=True), bool((adapters >= 0).any()))
         if fed:  # rows whose input is -1: the token their slot sampled last
             input_ids = torch.where(input_ids < 0, self.last_token[token_slots_t], input_ids)
         if self._gains is not None:

@@ -138,6 +138,8 @@ class PiecewiseGraphRunner:
             unit="size",
         ):
             self._load(self._padding(size), size, size)  # tokens whose K/V go to the scratch page
+            if self.runner.lora_rows is not None:  # pieces hold the adapter products (rows without one skip them)
+                self.runner.lora_rows.active = True
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 self._run(size, size, None)  # warm-up outside the graphs (lazy inits, first compiles)
