@@ -288,6 +288,7 @@ class GenerateReq(msgspec.Struct):
     continue_final: bool = False  # continue_final_message: the last message is left open and continued
     truncate: bool = False  # the Responses API's truncation "auto": the oldest messages dropped to fit
     lora: str | None = None  # the LoRA adapter it runs under (SGLang's lora_path: a loaded adapter's name)
+    prompt_ids: bool = False  # SGLang's return_prompt_token_ids: the prompt's ids come back with the first update
 
 
 class GenerateBatch(msgspec.Struct, tag=True):
@@ -383,6 +384,7 @@ class TokenOut(msgspec.Struct, array_like=True):
     top_logprobs: list[list[float]] = []
     finish_reason: str | None = None
     cached_tokens: int = 0
+    host_cached_tokens: int = 0  # of cached_tokens, those the host tier supplied
     error: str | None = None
     # With the first token of a request that asked for prompt logprobs: positions
     # input_start.. of the prompt, each its logprob given the tokens before it.
@@ -428,6 +430,8 @@ class ReqUpdate(msgspec.Struct, array_like=True):
     input_logprobs: list[TokenLogprob] = []  # the prompt's, from its logprob_start on (once)
     routed_experts: bytes = b""  # with the last update (``TokenOut.routed_experts``)
     hidden_states: bytes = b""  # with the last update (``TokenOut.hidden_states``)
+    prompt_ids: list[int] = []  # with the first update, when the request asked (``GenerateReq.prompt_ids``)
+    host_cached_tokens: int = 0  # of cached_tokens, those the host tier supplied
 
 
 class UpdateBatch(msgspec.Struct, tag=True):

@@ -441,3 +441,75 @@ def test_tokenize_and_detokenize_routes(server: ServerProcess, offline: LLM):
         r = post(route, body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
     idle_and_clean(server)
+
+
+def test_token_in_token_out(server: ServerProcess, offline: LLM):
+    """What RL trainers read back to train on the exact tokens: /generate's prompt_token_ids;
+    completions' and chat's token_ids and prompt_token_ids (return_token_ids, chat's
+    return_prompt_token_ids), whole or streamed chunk by chunk; chat's meta_info (its logprobs
+    with logprobs); a chat given its rendered input_ids; cache_salt on /generate; where cached
+    tokens came from (sglext)."""
+    url = server.url
+    prompt_ids = offline.tokenizer.encode("Hello")
+    want = greedy(offline, prompt_ids, 6, ignore_eos=True)["output_ids"]
+    gen = {"text": "Hello", "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}
+    r = httpx.post(f"{url}/generate", json={**gen, "return_prompt_token_ids": True}, timeout=60).json()
+    assert r["prompt_token_ids"] == prompt_ids and r["output_ids"] == want
+    batch = httpx.post(f"{url}/generate", json={**gen, "text": ["Hello", "Hi"], "return_prompt_token_ids": True})
+    assert [b["prompt_token_ids"] for b in batch.json()] == [prompt_ids, offline.tokenizer.encode("Hi")]
+    assert "prompt_token_ids" not in httpx.post(f"{url}/generate", json=gen, timeout=60).json()
+
+    comp = {**BASES["/v1/completions"], "max_tokens": 6, "ignore_eos": True, "return_token_ids": True}
+    choice = httpx.post(f"{url}/v1/completions", json=comp, timeout=60).json()["choices"][0]
+    assert choice["prompt_token_ids"] == prompt_ids and choice["token_ids"] == want
+    with httpx.stream("POST", f"{url}/v1/completions", json={**comp, "stream": True}, timeout=60) as s:
+        chunks = [e for e in sse_events(s.iter_lines())[:-1] if e["choices"]]
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == prompt_ids
+    assert all("prompt_token_ids" not in c["choices"][0] for c in chunks[1:])
+    assert sum((c["choices"][0]["token_ids"] for c in chunks), []) == want
+
+    messages = [{"role": "user", "content": "Hello"}]
+    chat_ids = encode_chat(offline.tokenizer, messages)
+    chat_want = greedy(offline, chat_ids, 6, ignore_eos=True)["output_ids"]
+    chat = {**BASES["/v1/chat/completions"], "max_tokens": 6, "ignore_eos": True, "logprobs": True}
+    r = httpx.post(f"{url}/v1/chat/completions", json={**chat, "return_prompt_token_ids": True}, timeout=60).json()
+    assert r["choices"][0]["prompt_token_ids"] == chat_ids and "token_ids" not in r["choices"][0]
+    r = httpx.post(f"{url}/v1/chat/completions", json={**chat, "return_token_ids": True}, timeout=60).json()
+    assert r["choices"][0]["token_ids"] == chat_want and r["prompt_token_ids"] == chat_ids  # (vLLM's place too)
+    r = httpx.post(f"{url}/v1/chat/completions", json={**chat, "return_meta_info": True}, timeout=60).json()
+    meta = r["choices"][0]["meta_info"]
+    assert [e[1] for e in meta["output_token_logprobs"]] == chat_want
+    assert [e[0] for e in meta["output_token_logprobs"]] == [
+        lp["logprob"] for lp in r["choices"][0]["logprobs"]["content"]
+    ]
+    assert meta["prompt_tokens"] == len(chat_ids) and meta["completion_tokens"] == 6
+    assert meta["finish_reason"] == {"type": "length", "length": 6}
+    body = {**chat, "return_meta_info": True, "return_token_ids": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as s:
+        chunks = [e for e in sse_events(s.iter_lines())[:-1] if e["choices"]]
+    assert sum((c["choices"][0]["token_ids"] for c in chunks), []) == chat_want
+    assert chunks[-1]["choices"][0]["meta_info"]["completion_tokens"] == 6
+    assert all("meta_info" not in c["choices"][0] for c in chunks[:-1])
+    # the rendered prompt's ids instead of the template: the same answer
+    other = [{"role": "user", "content": "something else"}]
+    r = httpx.post(f"{url}/v1/chat/completions", json={**chat, "messages": other, "input_ids": chat_ids}, timeout=60)
+    assert r.json()["usage"]["prompt_tokens"] == len(chat_ids)
+    assert [lp["token"] for lp in r.json()["choices"][0]["logprobs"]["content"]] == [
+        offline.tokenizer.decode([t]) for t in chat_want
+    ]
+    bad = httpx.post(f"{url}/v1/chat/completions", json={**chat, "input_ids": ["x"]}, timeout=60)
+    assert bad.status_code == 400 and "input_ids" in bad.text
+
+    # cached tokens: from the device pool (no host tier here); a cache_salt shares none
+    body = {**comp, "prompt": "A longer prompt about the cache " * 4, "return_cached_tokens_details": True}
+    httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+    details = r["sglext"]["cached_tokens_details"]
+    assert details["host"] == 0 and details["device"] == r["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    salted = {"text": body["prompt"], "sampling_params": {"max_new_tokens": 1}, "cache_salt": "tenant-b"}
+    assert httpx.post(f"{url}/generate", json=salted, timeout=60).json()["meta_info"]["cached_tokens"] == 0
+    assert httpx.post(f"{url}/generate", json=salted, timeout=60).json()["meta_info"]["cached_tokens"] > 0
+    # routed experts need an MoE model and --enable-return-routed-experts: named in the refusal
+    r = httpx.post(f"{url}/v1/completions", json={**comp, "return_routed_experts": True}, timeout=60)
+    assert r.status_code == 400 and "routed" in r.text
+    idle_and_clean(server)

@@ -490,3 +490,37 @@ def test_gguf_moe_files_give_the_checkpoints_tokens(tiny_models, tmp_path, arch)
         torch.testing.assert_close(
             g["meta_info"]["output_token_logprobs"], w["meta_info"]["output_token_logprobs"], atol=1e-5, rtol=0
         )
+
+
+def test_routed_experts_through_the_openai_routes(tiny_models):
+    """SGLang's return_routed_experts on /v1/completions and /v1/chat/completions: the first
+    choice's experts in the response's sglext (also as the last streamed chunk), or each
+    choice's in its meta_info with return_meta_info; the offline engine's, from
+    routed_experts_start_len on."""
+    import httpx
+
+    from minisgl.llm import LLM
+    from tests.server_utils import ServerProcess
+    from tests.test_server import sse_events
+
+    path = tiny_models["qwen3_moe"]
+    prompt = list(range(40, 70))
+    params = {"max_new_tokens": 5, "temperature": 0.0, "ignore_eos": True}
+    llm = LLM(str(path), device="cpu", enable_return_routed_experts=True, max_running_requests=4)
+    want = llm.generate(prompt, params, return_routed_experts=True, routed_experts_start=7)[0]["meta_info"]
+    del llm
+    srv = ServerProcess(path, "--enable-return-routed-experts", "--served-model-name", "moe")
+    try:
+        srv.wait_ready()
+        body = {"model": "moe", "prompt": prompt, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+        body.update(return_routed_experts=True, routed_experts_start_len=7)
+        r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["sglext"]["routed_experts"] == want["routed_experts"]
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json={**body, "stream": True}, timeout=60) as s:
+            events = sse_events(s.iter_lines())
+        assert events[-1] == "[DONE]" and events[-2]["sglext"]["routed_experts"] == want["routed_experts"]
+        bad = httpx.post(f"{srv.url}/v1/completions", json={**body, "routed_experts_start_len": -1}, timeout=60)
+        assert bad.status_code == 400 and "routed_experts_start_len" in bad.text
+    finally:
+        srv.stop()

@@ -4,6 +4,7 @@ collecting or streaming them, and the JSON error shape."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import time
 import uuid
@@ -20,8 +21,13 @@ from minisgl.api.protocol import BadRequest, check_sequences, decode
 from minisgl.api.streaming import EventStream
 from minisgl.args import ServerArgs
 from minisgl.messages import EngineInfo, GenerateReq, ReqUpdate, TokenLogprob
+from minisgl.utils import hidden_state_rows
 
 logger = logging.getLogger("minisgl.api")
+
+
+def _logprob_entry(logprob: float | None, token: int, text: str, with_text: bool) -> list[Any]:
+    return [logprob, token, text if with_text else None]
 
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -46,7 +52,8 @@ class Run:
         self.input_logprobs: list[TokenLogprob] = []
         self.finish_reason: str | None = None
         self.matched: str | None = None  # the stop string that finished it
-        self.prompt_tokens = self.cached_tokens = 0
+        self.prompt_tokens = self.cached_tokens = self.host_cached_tokens = 0
+        self.prompt_ids: list[int] = []  # with the first update, when the request asked for them
         self.routed_experts = b""  # with the last update, when the request asked for them
         self.hidden_states = b""  # likewise
         self.e2e_latency = 0.0
@@ -59,6 +66,9 @@ class Run:
         self.logprobs += upd.logprobs
         self.input_logprobs += upd.input_logprobs
         self.prompt_tokens, self.cached_tokens = upd.prompt_tokens or self.prompt_tokens, upd.cached_tokens
+        self.host_cached_tokens = upd.host_cached_tokens
+        if upd.prompt_ids:
+            self.prompt_ids = upd.prompt_ids
         self.timer.tokens_arrived(len(upd.token_ids))
         if upd.matched is not None:
             self.matched = upd.matched
@@ -277,6 +287,48 @@ class ApiBase:
                 r.abort()
 
         return EventStream(events, close)
+
+    def meta_info(
+        self,
+        run: Run,
+        top_logprobs: int = -1,
+        with_text: bool = False,
+        logprob_ids: bool = False,
+        routed: bool = False,
+        hidden: bool = False,
+    ) -> dict[str, Any]:
+        """SGLang's ``meta_info`` of a run (/generate's, and a chat choice's with return_meta_info):
+        counts, finish, latency, and what the request asked for: logprobs (``top_logprobs`` >= 0;
+        ``with_text``: each entry's token text; ``logprob_ids``: token_ids_logprob's), the routed
+        experts and the hidden states."""
+        meta: dict[str, Any] = {
+            "id": run.rid,
+            "prompt_tokens": run.prompt_tokens,
+            "completion_tokens": len(run.token_ids),
+            "cached_tokens": run.cached_tokens,
+            "finish_reason": run.finish_info(),
+            "e2e_latency": run.e2e_latency,
+            "weight_version": self.weight_version,
+        }
+        if top_logprobs >= 0:
+            for kind, lps in (("input", run.input_logprobs), ("output", run.logprobs)):
+                meta[f"{kind}_token_logprobs"] = [
+                    _logprob_entry(lp.logprob, lp.token_id, lp.text, with_text) for lp in lps
+                ]
+                meta[f"{kind}_top_logprobs"] = [
+                    None if lp.logprob is None else [_logprob_entry(p, t, s, with_text) for t, s, p in lp.top]
+                    for lp in lps
+                ]
+                if logprob_ids:
+                    meta[f"{kind}_token_ids_logprobs"] = [
+                        None if lp.logprob is None else [_logprob_entry(p, t, s, with_text) for t, s, p in lp.ids]
+                        for lp in lps
+                    ]
+        if routed:
+            meta["routed_experts"] = base64.b64encode(run.routed_experts).decode()
+        if hidden and run.hidden_states:  # (with the last update)
+            meta["hidden_states"] = hidden_state_rows(run.hidden_states, self.info.hidden_size, run.prompt_tokens)
+        return meta
 
     def _adapter(self, model: str, lora_path: str | None) -> str | None:
         """The LoRA adapter an OpenAI request names: ``lora_path``, a ``model`` of

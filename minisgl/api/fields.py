@@ -141,9 +141,14 @@ GENERATE = Schema(
         "routed_experts_start_len",
         "return_hidden_states",
         "lora_path",
+        "cache_salt",
+        "return_prompt_token_ids",
     },
     inert={
         "model",
+        "session_id",  # SGLang: a session's identity for routing and metrics; the prompt is unchanged
+        "kv_router_hint",
+        "encoder_urls",
         "log_metrics",
         "background",
         "no_logs",
@@ -185,12 +190,24 @@ GENERATE = Schema(
         "image_max_dynamic_patch": None,
         "video_max_dynamic_patch": None,
         "multi_item_delimiter_indices": None,
+        "mm_hashes": None,
+        "mm_content_hashes": None,
+        "video_config": None,
+        "images_config": None,
+        "return_sampling_mask": False,
+        "return_flat_raw_top_logprobs": False,
+        "return_flat_raw_top_logprobs_b64": False,
+        "max_thinking_tokens": None,
     },
     why={
         "input_embeds": MULTIMODAL,
         "image_data": MULTIMODAL,
         "video_data": MULTIMODAL,
         "audio_data": MULTIMODAL,
+        "mm_hashes": MULTIMODAL,
+        "mm_content_hashes": MULTIMODAL,
+        "video_config": MULTIMODAL,
+        "images_config": MULTIMODAL,
     },
     nested={"sampling_params": SAMPLING},
 )
@@ -230,8 +247,17 @@ _OPENAI_COMMON = dict(
         "stop_regex",
         "return_hidden_states",
         "lora_path",
+        "return_token_ids",
+        "return_routed_experts",
+        "routed_experts_start_len",
+        "return_cached_tokens_details",
     },
     inert={
+        "session_id",
+        "ngram_corpus_id",  # SGLang: an n-gram corpus for drafting; drafts change no token
+        "custom_labels",
+        "custom_params",  # (read only by custom logit processors, which are refused)
+        "disagg_prefill_dp_rank",
         "store",
         "metadata",
         "service_tier",
@@ -247,8 +273,8 @@ _OPENAI_COMMON = dict(
         "separate_reasoning",
         "return_text_in_logprobs",
     },
-    default_only={"session_params": None},
-    why={},
+    default_only={"session_params": None, "custom_logit_processor": None, "images_config": None},
+    why={"images_config": MULTIMODAL},
 )
 
 COMPLETION = Schema(
@@ -284,16 +310,32 @@ CHAT = Schema(
         "reasoning_effort",
         "prediction",
         "continue_final_message",
+        "return_prompt_token_ids",
+        "return_meta_info",
+        "input_ids",
     },
-    inert=(_OPENAI_COMMON["inert"] - {"separate_reasoning", "stream_reasoning"}) | {"modalities"},
+    # task: DeepSeek-V4's quick-instruction token, which SGLang's other templates ignore too
+    inert=(_OPENAI_COMMON["inert"] - {"separate_reasoning", "stream_reasoning"}) | {"modalities", "task"},
     default_only={
         **_OPENAI_COMMON["default_only"],
         "functions": None,
         "function_call": None,
         "audio": None,
         "web_search_options": None,
+        "max_dynamic_patch": None,
+        "min_dynamic_patch": None,
+        "use_audio_in_video": False,
+        "return_sampling_mask": False,
+        "return_spec_tokens_details": False,
     },
-    why={**_OPENAI_COMMON["why"], "functions": LEGACY_FUNCTIONS, "function_call": LEGACY_FUNCTIONS},
+    why={
+        **_OPENAI_COMMON["why"],
+        "functions": LEGACY_FUNCTIONS,
+        "function_call": LEGACY_FUNCTIONS,
+        "max_dynamic_patch": MULTIMODAL,
+        "min_dynamic_patch": MULTIMODAL,
+        "use_audio_in_video": MULTIMODAL,
+    },
     nested={"stream_options": STREAM_OPTIONS, "messages": MESSAGE},
 )
 

@@ -4,7 +4,6 @@ and model info, metrics, cache flush and abort."""
 from __future__ import annotations
 
 import asyncio
-import base64
 import math
 import os
 import time
@@ -18,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 import minisgl
-from minisgl.api.base import ApiBase, Run, error_response, merge, read_body
+from minisgl.api.base import ApiBase, error_response, merge, read_body
 from minisgl.api.client import EngineError
 from minisgl.api.fields import DETOKENIZE, GENERATE, SCORE, TOKENIZE
 from minisgl.api.protocol import (
@@ -33,17 +32,12 @@ from minisgl.api.protocol import (
 from minisgl.api.streaming import SSE_DONE, sse
 from minisgl.messages import GenerateReq, ProfileReq
 from minisgl.sampling import SamplingParams
-from minisgl.utils import hidden_state_rows
 
 # Monitoring (/get_server_info, /metrics, /v1/loads) waits this long for fresh stats from the
 # scheduler, then answers from the last ones it gave, with their age: a busy engine must never
 # fail a scrape. Only with none yet (and a scheduler that never answers) is the answer a 503.
 STATS_WAIT_S = 1.0
 STATS_TIMEOUT_S = 30.0
-
-
-def _logprob_entry(logprob: float | None, token: int, text: str, with_text: bool) -> list[Any]:
-    return [logprob, token, text if with_text else None]
 
 
 def plain_name(part: str) -> bool:
@@ -62,44 +56,6 @@ class NativeRoutes(ApiBase):
     _snapshot: tuple[dict[str, Any], float] | None = None  # the last stats and when they came
     _stats_task: asyncio.Future | None = None
 
-    def _generate_body(
-        self,
-        run: Run,
-        top_logprobs: int,
-        with_text: bool,
-        logprob_ids: bool,
-        routed: bool = False,
-        hidden: bool = False,
-    ) -> dict[str, Any]:
-        meta: dict[str, Any] = {
-            "id": run.rid,
-            "prompt_tokens": run.prompt_tokens,
-            "completion_tokens": len(run.token_ids),
-            "cached_tokens": run.cached_tokens,
-            "finish_reason": run.finish_info(),
-            "e2e_latency": run.e2e_latency,
-            "weight_version": self.weight_version,
-        }
-        if top_logprobs >= 0:
-            for kind, lps in (("input", run.input_logprobs), ("output", run.logprobs)):
-                meta[f"{kind}_token_logprobs"] = [
-                    _logprob_entry(lp.logprob, lp.token_id, lp.text, with_text) for lp in lps
-                ]
-                meta[f"{kind}_top_logprobs"] = [
-                    None if lp.logprob is None else [_logprob_entry(p, t, s, with_text) for t, s, p in lp.top]
-                    for lp in lps
-                ]
-                if logprob_ids:
-                    meta[f"{kind}_token_ids_logprobs"] = [
-                        None if lp.logprob is None else [_logprob_entry(p, t, s, with_text) for t, s, p in lp.ids]
-                        for lp in lps
-                    ]
-        if routed:
-            meta["routed_experts"] = base64.b64encode(run.routed_experts).decode()
-        if hidden and run.hidden_states:  # (with the last update)
-            meta["hidden_states"] = hidden_state_rows(run.hidden_states, self.info.hidden_size, run.prompt_tokens)
-        return {"text": run.text, "output_ids": run.token_ids, "meta_info": meta}
-
     async def generate(self, request: Request) -> Response:
         body: GenerateRequest = await read_body(request, GenerateRequest, self.args, GENERATE)
         items = body.items(self.args.max_sequences_per_request)  # counted before any is built
@@ -117,6 +73,7 @@ class NativeRoutes(ApiBase):
                     routed_start=it.routed_start,
                     hidden_states=it.hidden_states,
                     lora=it.lora,
+                    prompt_ids=it.prompt_ids,
                 )
                 for it in items
             ]
@@ -124,15 +81,13 @@ class NativeRoutes(ApiBase):
         with_text, batch = body.return_text_in_logprobs, len(items) > 1 or body.is_batch
 
         def result(i: int) -> dict[str, Any]:
-            item = items[i]
-            out = self._generate_body(
-                runs[i],
-                item.top_logprobs,
-                with_text,
-                bool(item.logprob_ids),
-                item.routed_start >= 0,
-                item.hidden_states,
+            item, run = items[i], runs[i]
+            meta = self.meta_info(
+                run, item.top_logprobs, with_text, bool(item.logprob_ids), item.routed_start >= 0, item.hidden_states
             )
+            out = {"text": run.text, "output_ids": run.token_ids, "meta_info": meta}
+            if item.prompt_ids:
+                out["prompt_token_ids"] = run.prompt_ids
             return {**out, "index": i} if batch else out
 
         if not body.stream:

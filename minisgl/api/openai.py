@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -41,6 +42,31 @@ def _completion_logprobs(lps: list[TokenLogprob], offset: int) -> dict[str, Any]
     }
 
 
+def _token_ids(prompt: bool, output: bool, run: Run) -> dict[str, Any]:
+    """A finished choice's ``prompt_token_ids`` and ``token_ids``, where asked."""
+    out: dict[str, Any] = {"prompt_token_ids": run.prompt_ids} if prompt else {}
+    if output:
+        out["token_ids"] = run.token_ids
+    return out
+
+
+class _StreamedIds:
+    """Token ids in streamed chunks (vLLM's way): each chunk's new ``token_ids``, and the
+    choice's ``prompt_token_ids`` with its first chunk."""
+
+    def __init__(self, runs: list[Run], prompt: bool, output: bool):
+        self.runs, self.prompt, self.output = runs, prompt, output
+        self.unsent = [prompt] * len(runs)
+
+    def chunk(self, i: int, upd: ReqUpdate) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.unsent[i]:
+            out["prompt_token_ids"], self.unsent[i] = self.runs[i].prompt_ids, False
+        if self.output:
+            out["token_ids"] = upd.token_ids
+        return out
+
+
 def _echo(prompt: str | list[int], prompt_logprobs: list[TokenLogprob]) -> str:
     """The prompt as echo shows it: its text, or a token-id prompt's tokens' texts."""
     return prompt if isinstance(prompt, str) else "".join(lp.text for lp in prompt_logprobs)
@@ -62,11 +88,15 @@ def _usage(runs: list[Run], n: int = 1) -> dict[str, Any]:
 
 
 async def _chunks(
-    runs: list[Run], head: dict[str, Any], body: Any, choice: Callable[[int, ReqUpdate], dict[str, Any]]
+    runs: list[Run],
+    head: dict[str, Any],
+    body: Any,
+    choice: Callable[[int, ReqUpdate], dict[str, Any]],
+    sglext: Callable[[], dict[str, Any] | None],
 ) -> AsyncIterator[bytes]:
     """The SSE chunks of a streamed completion: one per update that carries tokens, text or an
-    end (``choice`` makes its choice), usage in each (continuous_usage_stats) and at the end
-    (include_usage), then [DONE]."""
+    end (``choice`` makes its choice), usage in each (continuous_usage_stats), SGLang's
+    ``sglext`` once all are done (when asked), usage at the end (include_usage), then [DONE]."""
     async for i, upd in merge(runs):
         if not (upd.token_ids or upd.text or upd.finish_reason):
             continue
@@ -74,6 +104,9 @@ async def _chunks(
         if body.continuous_usage:
             chunk["usage"] = _usage(runs, body.n)
         yield sse(chunk)
+    ext = sglext()
+    if ext is not None:
+        yield sse({**head, "choices": [], "sglext": ext})
     if body.include_usage:
         yield sse({**head, "choices": [], "usage": _usage(runs, body.n)})
     yield SSE_DONE
@@ -99,6 +132,8 @@ class OpenAIRoutes(ApiBase):
                 logprob_start=0 if body.echo else -1,
                 hidden_states=body.return_hidden_states,
                 lora=lora,
+                prompt_ids=body.return_token_ids,
+                routed_start=body.routed_start,
             )
             for i, p in enumerate(prompts)
             for j in range(body.n)
@@ -120,16 +155,10 @@ class OpenAIRoutes(ApiBase):
                         "matched_stop": r.matched_stop,
                         "logprobs": _completion_logprobs(lps, 0) if body.logprobs is not None else None,
                         **self._hidden(body, r),
+                        **_token_ids(body.return_token_ids, body.return_token_ids, r),
                     }
                 )
-            return JSONResponse(
-                {
-                    **head,
-                    "choices": choices,
-                    "usage": _usage(runs, body.n),
-                    "metadata": {"weight_version": self.weight_version},
-                }
-            )
+            return self._response(body, runs, {**head, "choices": choices})
 
         offsets, echoed = [0] * len(runs), [not body.echo] * len(runs)
 
@@ -149,9 +178,11 @@ class OpenAIRoutes(ApiBase):
                 "finish_reason": upd.finish_reason,
                 "matched_stop": runs[i].matched_stop if upd.finish_reason else None,
                 **(self._hidden(body, runs[i]) if upd.finish_reason else {}),
+                **ids.chunk(i, upd),
             }
 
-        events = _chunks(runs, head, body, choice)
+        ids = _StreamedIds(runs, body.return_token_ids, body.return_token_ids)
+        events = _chunks(runs, head, body, choice, lambda: self._sglext(body, runs))
         return self._stream(runs, events)
 
     async def chat_completions(self, request: Request) -> Response:
@@ -172,17 +203,12 @@ class OpenAIRoutes(ApiBase):
                         "finish_reason": out.finish_reason(r.finish_reason),
                         "matched_stop": r.matched_stop,
                         **self._hidden(body, r),
+                        **_token_ids(body.wants_prompt_ids, body.return_token_ids, r),
+                        **self._chat_meta(body, r),
                     }
                 )
-            return JSONResponse(
-                {
-                    **head,
-                    "object": "chat.completion",
-                    "choices": choices,
-                    "usage": _usage(runs, body.n),
-                    "metadata": {"weight_version": self.weight_version},
-                }
-            )
+            top = {"prompt_token_ids": runs[0].prompt_ids} if body.return_token_ids else {}  # (vLLM's place)
+            return self._response(body, runs, {**head, "object": "chat.completion", "choices": choices, **top})
 
         head["object"] = "chat.completion.chunk"
 
@@ -203,9 +229,12 @@ class OpenAIRoutes(ApiBase):
                 "logprobs": logprobs,
                 "finish_reason": outputs[i].finish_reason(upd.finish_reason),
                 "matched_stop": runs[i].matched_stop if upd.finish_reason else None,
+                **ids.chunk(i, upd),
+                **(self._chat_meta(body, runs[i]) if upd.finish_reason else {}),
             }
 
-        events = _chunks(runs, head, body, choice)
+        ids = _StreamedIds(runs, body.wants_prompt_ids, body.return_token_ids)
+        events = _chunks(runs, head, body, choice, lambda: self._sglext(body, runs))
         return self._stream(runs, events)
 
     async def _chat_runs(
@@ -219,6 +248,7 @@ class OpenAIRoutes(ApiBase):
         lora = self._adapter(body.model, body.lora_path)
         plan = body.tool_plan(self.info.tool_call_parser)
         messages = [m.flat() for m in body.messages]
+        given = list(body.input_ids) if body.input_ids is not None else None  # the template is not run
         predicted = parts_text(body.prediction.content, "prediction") if body.prediction else None
         max_new = body.max_new_tokens
         reqs = []
@@ -229,7 +259,8 @@ class OpenAIRoutes(ApiBase):
                 GenerateReq(
                     f"{rid}-{j}",
                     sampling,
-                    messages=messages,
+                    messages=messages if given is None else None,
+                    input_ids=given,
                     top_logprobs=body.num_top_logprobs,
                     fill_context=max_new is None,
                     tools=plan.tools,
@@ -240,6 +271,8 @@ class OpenAIRoutes(ApiBase):
                     truncate=truncate,
                     hidden_states=body.return_hidden_states,
                     lora=lora,
+                    prompt_ids=body.wants_prompt_ids,
+                    routed_start=body.routed_start,
                 )
             )
         runs = await self._start(reqs)
@@ -252,6 +285,34 @@ class OpenAIRoutes(ApiBase):
         if not body.return_hidden_states:
             return {}
         return {"hidden_states": last_hidden_state(run.hidden_states, self.info.hidden_size)}
+
+    def _chat_meta(self, body: ChatCompletionRequest, run: Run) -> dict[str, Any]:
+        """SGLang's return_meta_info: a choice's /generate meta_info (its logprobs with logprobs,
+        its routed experts with return_routed_experts)."""
+        if not body.return_meta_info:
+            return {}
+        return {"meta_info": self.meta_info(run, body.num_top_logprobs, True, routed=body.return_routed_experts)}
+
+    def _sglext(self, body: CompletionRequest | ChatCompletionRequest, runs: list[Run]) -> dict[str, Any] | None:
+        """SGLang's response-level extensions, from the first choice (as SGLang answers): its
+        routed experts (base64 int32 [positions, layers, k]; in meta_info instead when that is
+        asked) and where its cached prompt tokens came from (device pool or host tier)."""
+        ext: dict[str, Any] = {}
+        first = runs[0]
+        if body.return_routed_experts and not getattr(body, "return_meta_info", False):
+            ext["routed_experts"] = base64.b64encode(first.routed_experts).decode()
+        if body.return_cached_tokens_details:
+            host = first.host_cached_tokens
+            ext["cached_tokens_details"] = {"device": first.cached_tokens - host, "host": host}
+        return ext or None
+
+    def _response(self, body: CompletionRequest | ChatCompletionRequest, runs: list[Run], out: dict) -> JSONResponse:
+        """A finished completion's JSON: its choices with usage, the weights' version and sglext."""
+        out.update(usage=_usage(runs, body.n), metadata={"weight_version": self.weight_version})
+        ext = self._sglext(body, runs)
+        if ext is not None:
+            out["sglext"] = ext
+        return JSONResponse(out)
 
     def _card(self) -> dict[str, Any]:
         return {

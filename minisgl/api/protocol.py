@@ -103,6 +103,7 @@ class GenerateItem(msgspec.Struct):
     routed_start: int = -1  # routed experts of the positions from here on (-1: none)
     hidden_states: bool = False  # every position's last hidden state
     lora: str | None = None  # the LoRA adapter's name (lora_path)
+    prompt_ids: bool = False  # return_prompt_token_ids
 
 
 class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -120,6 +121,8 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
     return_text_in_logprobs: bool = False
     rid: str | list[str] | None = None
     extra_key: str | list[str] | None = None  # SGLang's cache isolation key (the OpenAI routes' cache_salt)
+    cache_salt: str | list[str] | None = None  # SGLang's other one: prefixes shared only when both match
+    return_prompt_token_ids: bool = False  # the prompt's token ids beside the output's (prompt_token_ids)
     return_routed_experts: bool = False  # MoE: each position's experts (--enable-return-routed-experts)
     routed_experts_start_len: Int32 = 0  # from this position on (0: the whole prompt too)
     return_hidden_states: bool | list[bool] = False  # (--enable-return-hidden-states)
@@ -166,7 +169,13 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
         tops = self._per_prompt(self.top_logprobs_num, "top_logprobs_num", count, 0)
         starts = self._per_prompt(self.logprob_start_len, "logprob_start_len", count, -1)
         ids = self._logprob_ids(count)
-        keys = self._per_prompt(self.extra_key, "extra_key", count, None)
+        keys = [
+            "\x00".join(k for k in (key, salt) if k) or None  # either isolates; both: the pair does
+            for key, salt in zip(
+                self._per_prompt(self.extra_key, "extra_key", count, None),
+                self._per_prompt(self.cache_salt, "cache_salt", count, None),
+            )
+        ]
         hidden = self._per_prompt(self.return_hidden_states, "return_hidden_states", count, False)
         loras = [name or None for name in self._per_prompt(self.lora_path, "lora_path", count, None)]  # "": none
         if len({s.n for s in sampling}) > 1:
@@ -202,6 +211,7 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
                         self.routed_experts_start_len if self.return_routed_experts else -1,
                         hidden[i],
                         loras[i],
+                        self.return_prompt_token_ids,
                     )
                 )
         return out
@@ -306,6 +316,13 @@ class _OpenAIBase(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     json_schema: str | None = None  # SGLang's extensions: constrain the output directly
     regex: str | None = None
     ebnf: str | None = None
+    # Token in, token out (SGLang's and vLLM's): each choice's token_ids and prompt_token_ids.
+    return_token_ids: bool = False
+    # SGLang's: the routed experts (of the first choice, as SGLang answers) and where the cached
+    # prompt tokens came from, both in the response's ``sglext``.
+    return_routed_experts: bool = False
+    routed_experts_start_len: Int32 = 0
+    return_cached_tokens_details: bool = False
 
     def _check_common(self, max_tokens: int | None) -> None:
         if max_tokens is not None and max_tokens < 1:
@@ -314,6 +331,8 @@ class _OpenAIBase(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise BadRequest(f"n must be in [1, {MAX_N}], got {self.n}", param="n")
         if not 0.0 <= self.temperature <= 2.0:
             raise BadRequest(f"temperature must be in [0, 2], got {self.temperature}", param="temperature")
+        if self.routed_experts_start_len < 0:
+            raise BadRequest("routed_experts_start_len must be >= 0", param="routed_experts_start_len")
 
     def sampling(self, max_tokens: int | None, choice: int) -> SamplingParams:
         """Choice ``choice``'s parameters (a given seed is offset so the n choices differ)."""
@@ -346,6 +365,11 @@ class _OpenAIBase(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             params.json_schema = self.response_format.schema_text()
         _validate(params)
         return params
+
+    @property
+    def routed_start(self) -> int:
+        """The first position whose routed experts come back (-1: none asked)."""
+        return self.routed_experts_start_len if self.return_routed_experts else -1
 
     @property
     def include_usage(self) -> bool:
@@ -499,6 +523,9 @@ class ChatCompletionRequest(_OpenAIBase, kw_only=True):
     prediction: Prediction | None = None
     # SGLang's and vLLM's: the last message (an assistant's start) is continued, not answered
     continue_final_message: bool = False
+    return_prompt_token_ids: bool = False  # SGLang's: each choice's prompt_token_ids
+    return_meta_info: bool = False  # SGLang's: each choice's /generate meta_info (logprobs with logprobs)
+    input_ids: list[Any] | None = None  # SGLang's: the rendered prompt's ids, used instead of the template's
 
     def template_kwargs(self) -> dict[str, Any] | None:
         """chat_template_kwargs, with reasoning_effort among them when it is given (theirs wins)."""
@@ -543,6 +570,10 @@ class ChatCompletionRequest(_OpenAIBase, kw_only=True):
         self._check_common(self.max_new_tokens)
         if not self.messages:
             raise BadRequest("messages must not be empty", param="messages")
+        if self.input_ids is not None and not (self.input_ids and all(map(_is_token, self.input_ids))):
+            raise BadRequest(
+                f"input_ids must be a non-empty list of token ids in [0, {MAX_TOKEN_ID}]", param="input_ids"
+            )
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
@@ -556,6 +587,10 @@ class ChatCompletionRequest(_OpenAIBase, kw_only=True):
     @property
     def num_top_logprobs(self) -> int:
         return (self.top_logprobs or 0) if self.logprobs else -1
+
+    @property
+    def wants_prompt_ids(self) -> bool:
+        return self.return_prompt_token_ids or self.return_token_ids
 
 
 class ProfileRequest(msgspec.Struct):

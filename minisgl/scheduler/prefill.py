@@ -130,6 +130,7 @@ class PrefillPlanner:
             if not req.retracted:
                 self.counters.prefix_queried_tokens += req.prefill_target
                 self.counters.prefix_host_hit_tokens += loaded
+                req.host_cached_tokens += loaded
             self.count_hit(req, matched)
             entries.append(entry)
             budget -= entry[1]

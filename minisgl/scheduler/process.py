@@ -226,6 +226,7 @@ class SchedulerProcess:
             req.output_ids[new],
             finish_reason=req.finish_reason,
             cached_tokens=req.cached_tokens,
+            host_cached_tokens=req.host_cached_tokens,
             error=req.error,
         )
         if req.top_logprobs >= 0:

@@ -38,6 +38,7 @@ class Req:
     output_id_logprobs: list[list[float]] = field(default_factory=list)  # per output token, per logprob_ids
     finish_reason: str | None = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache instead of computed
+    host_cached_tokens: int = 0  # of those, tokens the host tier held (loaded back)
     cache_salt: str | None = None  # shares cached pages only with requests of the same salt
     # The tree of the prefix cache it reads and fills: its salt's, under the weights current when
     # it was queued (KV of older weights is never matched; ``Scheduler.new_weights``).

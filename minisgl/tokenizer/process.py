@@ -54,6 +54,7 @@ class RequestState:
         self.held: ReqUpdate | None = None
         self.prompt_tokens = len(prompt_ids)
         self.prompt_ids = prompt_ids if req.logprob_start >= 0 else []
+        self.unsent_prompt = prompt_ids if req.prompt_ids else []  # goes out with the first update
         self.logprob_start = req.logprob_start
         self.top_logprobs = req.top_logprobs
         self.logprob_ids = req.logprob_ids if req.top_logprobs >= 0 else []
@@ -89,7 +90,10 @@ class RequestState:
             cached_tokens=out.cached_tokens,
             routed_experts=out.routed_experts,
             hidden_states=out.hidden_states,
+            prompt_ids=self.unsent_prompt,
+            host_cached_tokens=out.host_cached_tokens,
         )
+        self.unsent_prompt = []
         if self.text is not None:
             upd.text = self.text.add(out.tokens, final)
             if self.text.stopped:
@@ -120,6 +124,8 @@ class RequestState:
                 input_logprobs=h.input_logprobs + upd.input_logprobs,
                 routed_experts=upd.routed_experts,
                 hidden_states=upd.hidden_states,
+                prompt_ids=h.prompt_ids or upd.prompt_ids,
+                host_cached_tokens=upd.host_cached_tokens,
             )
         if upd.finish_reason is None and 0 < len(upd.token_ids) < self.interval:
             self.held = upd
