@@ -176,6 +176,11 @@ class LLM:
             "prompt_tokens": len(req.prompt_ids),
             "completion_tokens": len(req.output_ids),
             "cached_tokens": req.cached_tokens,
+            # where the cached prompt tokens came from (SGLang's cached_tokens_details)
+            "cached_tokens_details": {
+                "device": req.cached_tokens - req.host_cached_tokens,
+                "host": req.host_cached_tokens,
+            },
             "finish_reason": req.finish_reason,
         }
         if req.error is not None:  # ended by an error (its grammar rejected a sampled token)

@@ -308,9 +308,10 @@ def test_flush_frees_both_tiers():
 # ---- the real engine ----------------------------------------------------------------------------
 
 
-def multi_turn(llm, rounds: int = 3, convs: int = 8) -> list[list[int]]:
+def multi_turn(llm, rounds: int = 3, convs: int = 8, metas: list | None = None) -> list[list[int]]:
     """Conversations that come back after the others: each round appends a user turn and the
-    answer to every history, so the working set outgrows a small device pool."""
+    answer to every history, so the working set outgrows a small device pool (``metas``: each
+    result's meta_info is added to it)."""
     rng = random.Random(0)
     histories = [[rng.randrange(5, 500) for _ in range(200)] for _ in range(convs)]
     outs = []
@@ -323,6 +324,8 @@ def multi_turn(llm, rounds: int = 3, convs: int = 8) -> list[list[int]]:
         for h, r in zip(histories, results):
             h += r["output_ids"]
             outs.append(r["output_ids"])
+            if metas is not None:
+                metas.append(r["meta_info"])
         llm.scheduler.check_integrity()
     return outs
 
@@ -346,10 +349,15 @@ def test_engine_with_host_tier_gives_the_tokens_of_one_big_pool(tiny_llama):
             hicache_ratio=4,
             hicache_write_policy=policy,
         )
-        assert multi_turn(llm) == reference, policy
+        metas: list[dict] = []
+        assert multi_turn(llm, metas=metas) == reference, policy
         stats = llm.scheduler.stats()
         if policy == "write_through":
             assert stats["prefix_host_hit_tokens"] > 0 and stats["host_loaded_pages"] > 0
+        # each request's cached tokens split by where they came from (SGLang's cached_tokens_details)
+        details = [m["cached_tokens_details"] for m in metas]
+        assert sum(d["host"] for d in details) == stats["prefix_host_hit_tokens"]
+        assert all(d["device"] + d["host"] == m["cached_tokens"] and d["device"] >= 0 for d, m in zip(details, metas))
         cache, runner = llm.scheduler.cache, llm.runner
         for node in cache._nodes():
             if node.pages is not None and node.host is not None and node.io_step < cache.host.step:
