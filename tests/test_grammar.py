@@ -109,6 +109,47 @@ def test_bad_grammars_are_refused_offline(llm):
     llm.scheduler.check_integrity()
 
 
+def test_structural_tags_hold(llm):
+    """SGLang's structural_tag: a tag's content follows its JSON schema; xgrammar's format and
+    SGLang's older structures-and-triggers both (free text outside the tags, any tag entered at
+    its trigger)."""
+    import jsonschema
+
+    # (scalars: xgrammar's tag content admits any whitespace inside JSON, where a random-weight
+    # model can wander until max_new_tokens; objects are checked on strings below)
+    for schema in ({"enum": ["red", "green", "blue"]}, {"type": "integer", "minimum": 0, "maximum": 999}):
+        tag = {"begin": "<call>", "content": {"type": "json_schema", "json_schema": schema}, "end": "</call>"}
+        fmt = json.dumps({"type": "structural_tag", "format": {"type": "tag", **tag}})
+        for i in range(4):
+            params = SamplingParams(max_new_tokens=64, temperature=0.8 * (i % 2), seed=i, structural_tag=fmt)
+            r = llm.generate(f"Call {i}:", params)[0]
+            assert r["meta_info"]["finish_reason"] == "stop", r
+            inner = re.fullmatch("<call>(.*)</call>", r["text"], re.S)
+            assert inner, r["text"]
+            jsonschema.validate(json.loads(inner.group(1)), schema)
+    legacy = {
+        "type": "structural_tag",
+        "structures": [
+            {
+                "begin": "<f=get>",
+                "schema": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                "end": "</f>",
+            }
+        ],
+        "triggers": ["<f="],
+    }
+    grammar = llm.scheduler.grammar
+    compiled = grammar.compile("structural_tag", json.dumps(legacy)).result()
+    assert grammar.matcher(compiled).accept_string('Sure. <f=get>{"a": 1}</f> done')
+    assert not grammar.matcher(compiled).accept_string('Sure. <f=get>{"b": 1}')
+    assert not grammar.matcher(compiled).accept_string("<f=nope>")  # past the trigger only a tag's begin
+    for bad in ("{not json", "[1]", '{"type": "structural_tag", "structures": [{"schema": {}}], "triggers": []}'):
+        with pytest.raises(ValueError, match="structural_tag"):
+            llm.generate("Hi", SamplingParams(max_new_tokens=4, structural_tag=bad))
+    assert not llm.scheduler.has_work
+    llm.scheduler.check_integrity()
+
+
 def test_structured_output_over_http(server):  # noqa: F811
     """SGLang's fields on /generate, OpenAI's response_format (json_object, json_schema) through
     the openai client, streamed and not; bad grammars answer 400 naming the field; the server
@@ -157,7 +198,35 @@ def test_structured_output_over_http(server):  # noqa: F811
         model="tiny", prompt="x", max_tokens=32, temperature=0, extra_body={"regex": REGEXES[1]}
     )
     assert re.fullmatch(REGEXES[1], done.choices[0].text)
+    # a structural tag as SGLang's response_format (xgrammar's format), and in sampling_params
+    number = {"type": "integer", "minimum": 0, "maximum": 999}
+    tagged = {
+        "type": "structural_tag",
+        "format": {
+            "type": "tag",
+            "begin": "<r>",
+            "content": {"type": "json_schema", "json_schema": number},
+            "end": "</r>",
+        },
+    }
+    out = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "tag"}],
+        max_tokens=64,
+        temperature=0,
+        response_format=tagged,
+    )
+    jsonschema.validate(json.loads(re.fullmatch("<r>(.*)</r>", out.choices[0].message.content, re.S).group(1)), number)
+    params = {"max_new_tokens": 64, "temperature": 0, "structural_tag": json.dumps(tagged)}
+    r = httpx.post(f"{server.url}/generate", json={"text": "tag", "sampling_params": params}, timeout=60).json()
+    assert re.fullmatch("<r>(.*)</r>", r["text"], re.S), r
     bad = [
+        ("/generate", {"text": "x", "sampling_params": {"structural_tag": "{oops"}}, "structural_tag"),
+        (
+            "/v1/chat/completions",
+            {**BASES["/v1/chat/completions"], "response_format": {"type": "structural_tag"}},
+            "response_format",
+        ),
         ("/generate", {"text": "x", "sampling_params": {"regex": "(unclosed"}}, "regex"),
         ("/generate", {"text": "x", "sampling_params": {"json_schema": "{oops"}}, "json_schema"),
         ("/v1/chat/completions", {**BASES["/v1/chat/completions"], "ebnf": "root ::= nothing_here"}, "ebnf"),

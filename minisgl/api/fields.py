@@ -86,7 +86,6 @@ def _is_default(value: Any, default: Any) -> bool:
     return isinstance(default, tuple) and value in default
 
 
-STRUCTURAL_TAG = "structural tags are not supported yet (json_schema, regex and ebnf are)"
 LEGACY_FUNCTIONS = "the legacy functions API is not supported; use tools and tool_choice"
 MULTIMODAL = "this server serves text-only models"
 
@@ -116,11 +115,10 @@ SAMPLING = Schema(
         "json_schema",
         "regex",
         "ebnf",
+        "structural_tag",
         "stop_regex",
     },
     inert={"custom_params"},
-    default_only={"structural_tag": None},
-    why={"structural_tag": STRUCTURAL_TAG},
 )
 
 GENERATE = Schema(

@@ -267,20 +267,33 @@ class JsonSchemaFormat(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True):
-    """OpenAI's response_format: text, a JSON object, or JSON following a schema."""
+    """OpenAI's response_format: text, a JSON object, or JSON following a schema; or SGLang's
+    structural tag (xgrammar's ``format``, or the older ``structures`` with ``triggers``)."""
 
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    format: dict[str, Any] | None = None
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
+    at_least_one: bool | None = None
 
-    def schema_text(self) -> str | None:
+    def constraint(self) -> tuple[str, str] | None:
+        """(SamplingParams field, text) of the constraint it asks for (None: text)."""
         if self.type == "text":
             return None
         if self.type == "json_object":
-            return '{"type": "object"}'
+            return "json_schema", '{"type": "object"}'
+        if self.type == "structural_tag":
+            if (self.format is None) == (self.structures is None):
+                raise BadRequest(
+                    "response_format of type structural_tag needs a format or structures", param="response_format"
+                )
+            given = {k: v for k, v in msgspec.structs.asdict(self).items() if v is not None}
+            return "structural_tag", json.dumps(given)
         if self.json_schema is None:
             raise BadRequest("response_format of type json_schema needs a json_schema", param="response_format")
         schema = self.json_schema.schema
-        return json.dumps(schema if schema is not None else {})
+        return "json_schema", json.dumps(schema if schema is not None else {})
 
 
 class _OpenAIBase(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -359,10 +372,11 @@ class _OpenAIBase(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             regex=self.regex,
             ebnf=self.ebnf,
         )
-        if self.response_format is not None and self.response_format.type != "text":
+        constraint = self.response_format.constraint() if self.response_format is not None else None
+        if constraint is not None:
             if params.grammar is not None:
                 raise BadRequest(f"response_format and {params.grammar[0]} cannot be combined", param="response_format")
-            params.json_schema = self.response_format.schema_text()
+            setattr(params, *constraint)
         _validate(params)
         return params
 

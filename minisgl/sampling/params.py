@@ -14,7 +14,8 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024
 
 
-GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")  # the output constraints, at most one per request
+# The output constraints, at most one per request.
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -44,10 +45,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     no_stop_trim: bool = False  # keep the matched stop string at the end of the text
     logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> added logit
     stream_interval: Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)] | None = None  # tokens per streamed update
-    # Structured output (at most one): the tokens must follow a JSON schema, a regex or an EBNF grammar.
+    # Structured output (at most one): the tokens must follow a JSON schema, a regex or an EBNF
+    # grammar; or free text whose tagged parts follow JSON schemas (a structural tag: xgrammar's
+    # JSON, or SGLang's older {"structures": [{"begin", "schema", "end"}], "triggers"}).
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    structural_tag: str | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -63,8 +67,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     @property
     def grammar(self) -> tuple[str, str] | None:
-        """(kind, text) of the output's constraint: json_schema, regex or ebnf (validate checks
-        that at most one is given)."""
+        """(kind, text) of the output's constraint: json_schema, regex, ebnf or structural_tag
+        (validate checks that at most one is given)."""
         for kind in GRAMMAR_KINDS:
             if getattr(self, kind) is not None:
                 return kind, getattr(self, kind)

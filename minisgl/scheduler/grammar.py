@@ -29,6 +29,33 @@ MAX_GRAMMAR_BYTES = 256 << 10  # a longer schema, regex or grammar is refused (a
 SMALL_GRAMMAR_BYTES = 8 << 10  # texts up to this compile on the small pool
 
 
+def structural_tag(text: str) -> str:
+    """A structural tag in xgrammar's format: SGLang's older one (``structures`` of begin, JSON
+    schema and end, entered at ``triggers``) becomes the triggered tags it means."""
+    tag = json.loads(text)
+    if not isinstance(tag, dict):
+        raise ValueError("a structural tag is a JSON object")
+    if "structures" not in tag:
+        return text
+    structures = tag["structures"]
+    if not isinstance(structures, list) or not all(
+        isinstance(s, dict) and isinstance(s.get("begin"), str) and isinstance(s.get("end"), str) for s in structures
+    ):
+        raise ValueError("structures must be a list of {begin, schema, end} with begin and end strings")
+    tags = [
+        {"begin": s["begin"], "content": {"type": "json_schema", "json_schema": s.get("schema") or {}}, "end": s["end"]}
+        for s in structures
+    ]
+    fmt = {
+        "type": "triggered_tags",
+        "triggers": tag.get("triggers", []),
+        "tags": tags,
+        "at_least_one": bool(tag.get("at_least_one", False)),
+        "stop_after_first": False,
+    }
+    return json.dumps({"type": "structural_tag", "format": fmt})
+
+
 class GrammarBackend:
     def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int, eos_ids: list[int], threads: int = 2):
         # xgrammar is an extra (minisgl[grammar]): on Linux x86-64 it brings triton, 1 GB a CPU
@@ -83,6 +110,8 @@ class GrammarBackend:
                 compiled = compiler.compile_json_schema(text, any_whitespace=False, strict_mode=True)
             elif kind == "regex":
                 compiled = compiler.compile_regex(text)
+            elif kind == "structural_tag":
+                compiled = compiler.compile_structural_tag(structural_tag(text))
             else:
                 compiled = compiler.compile_grammar(text)
         except Exception as e:  # xgrammar raises RuntimeError / ValueError with its parser's message
