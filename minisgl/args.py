@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 from minisgl.parsers.reasoning import PARSERS as REASONING_PARSERS
 from minisgl.parsers.tool_calls import PARSERS as TOOL_PARSERS
 from minisgl.sglang_flags import ATTENTION_BACKENDS, add_sglang_flags
+from minisgl.tokenizer.completion import TEMPLATES as COMPLETION_TEMPLATES
 
 logger = logging.getLogger("minisgl.launch")
 
@@ -335,6 +336,7 @@ class ServerArgs(EngineArgs):
     max_stop_length: int = 1024  # characters of one stop string
     strict_request_fields: bool = False  # 400 for a field no schema knows (default: ignored, named in a header)
     tool_call_parser: str | None = None  # llama3, qwen25 (None: read from the chat template)
+    completion_template: str | None = None  # suffix's fill-in-the-middle format (None: from the tokenizer's tokens)
     reasoning_parser: str | None = None  # qwen3, qwen3-thinking, deepseek-r1
     # /update_weights_from_tensor unpickles its payload (restricted to torch's shared-tensor
     # rebuilders): off unless asked for.
@@ -870,6 +872,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         choices=TOOL_PARSERS,
         help="format of tool calls in answers (default: read from the chat template)",
+    )
+    server.add_argument(
+        "--completion-template",
+        default=None,
+        choices=sorted(COMPLETION_TEMPLATES),
+        help="fill-in-the-middle format of /v1/completions' suffix (default: the one whose special "
+        "tokens the tokenizer has)",
     )
     server.add_argument(
         "--reasoning-parser",

@@ -115,14 +115,13 @@ class Launcher:
             ctx.Process(
                 target=run_tokenizer,
                 name="tokenizer",
-                args=(
-                    self.addrs,
-                    args.tokenizer,
-                    level,
-                    args.chat_template,
-                    args.stream_interval,
-                    args.tool_call_parser,
-                    args.skip_tokenizer_init,
+                args=(self.addrs, args.tokenizer, level),
+                kwargs=dict(
+                    chat_template=args.chat_template,
+                    stream_interval=args.stream_interval,
+                    tool_call_parser=args.tool_call_parser,
+                    completion_template=args.completion_template,
+                    skip_init=args.skip_tokenizer_init,
                 ),
             ),
             ctx.Process(target=run_scheduler, args=(args, self.addrs, level, args.watchdog_timeout), name="scheduler"),

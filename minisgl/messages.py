@@ -289,6 +289,7 @@ class GenerateReq(msgspec.Struct):
     truncate: bool = False  # the Responses API's truncation "auto": the oldest messages dropped to fit
     lora: str | None = None  # the LoRA adapter it runs under (SGLang's lora_path: a loaded adapter's name)
     prompt_ids: bool = False  # SGLang's return_prompt_token_ids: the prompt's ids come back with the first update
+    suffix: str | None = None  # completions' suffix: the text after the hole a fill-in-the-middle prompt fills
 
 
 class GenerateBatch(msgspec.Struct, tag=True):
@@ -432,6 +433,26 @@ class ReqUpdate(msgspec.Struct, array_like=True):
     hidden_states: bytes = b""  # with the last update (``TokenOut.hidden_states``)
     prompt_ids: list[int] = []  # with the first update, when the request asked (``GenerateReq.prompt_ids``)
     host_cached_tokens: int = 0  # of cached_tokens, those the host tier supplied
+
+    def then(self, later: ReqUpdate) -> ReqUpdate:
+        """One update saying what this one and then ``later`` said (updates held back or queued
+        are sent as one)."""
+        return ReqUpdate(
+            self.rid,
+            self.text + later.text,
+            self.token_ids + later.token_ids,
+            self.logprobs + later.logprobs,
+            later.finish_reason,
+            later.prompt_tokens or self.prompt_tokens,
+            later.cached_tokens,
+            later.error,
+            later.matched,
+            self.input_logprobs + later.input_logprobs,
+            later.routed_experts or self.routed_experts,
+            later.hidden_states or self.hidden_states,
+            self.prompt_ids or later.prompt_ids,
+            later.host_cached_tokens,
+        )
 
 
 class UpdateBatch(msgspec.Struct, tag=True):

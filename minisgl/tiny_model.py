@@ -65,7 +65,7 @@ def corpus() -> list[str]:
     return lines + EXTRA_TEXT * 50
 
 
-def train_tokenizer(vocab_size: int):
+def train_tokenizer(vocab_size: int, extra_tokens: tuple[str, ...] = ()):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -74,7 +74,7 @@ def train_tokenizer(vocab_size: int):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=SPECIAL_TOKENS + list(extra_tokens),
         min_frequency=2,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
@@ -146,13 +146,15 @@ def make_tiny_model(
     vocab_size: int = 1024,
     max_shard_size: str | None = None,
     overrides: dict | None = None,
+    extra_tokens: tuple[str, ...] = (),
 ) -> Path:
-    """``overrides`` replaces config fields, e.g. {"head_dim": 128} for FlashInfer-sized heads."""
+    """``overrides`` replaces config fields, e.g. {"head_dim": 128} for FlashInfer-sized heads;
+    ``extra_tokens``: special tokens the tokenizer also has (e.g. a code model's FIM tokens)."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     out = Path(out)
-    tokenizer = train_tokenizer(vocab_size)
+    tokenizer = train_tokenizer(vocab_size, extra_tokens)
     bos, eos = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
     config = model_config(arch, len(tokenizer), bos, eos, overrides)
     torch.manual_seed(seed)

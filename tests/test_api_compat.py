@@ -513,3 +513,53 @@ def test_token_in_token_out(server: ServerProcess, offline: LLM):
     r = httpx.post(f"{url}/v1/completions", json={**comp, "return_routed_experts": True}, timeout=60)
     assert r.status_code == 400 and "routed" in r.text
     idle_and_clean(server)
+
+
+def test_fill_in_the_middle_suffix(tiny_llama, tmp_path):
+    """/v1/completions' suffix: the prompt and suffix around the model's fill-in-the-middle tokens
+    (StarCoder's, found in the tokenizer; --completion-template names another format), as the
+    offline engine completes that text; refused by name without FIM tokens, with echo, or with
+    token-id prompts."""
+    from minisgl.tiny_model import make_tiny_model
+    from minisgl.tokenizer.completion import TEMPLATES, fim_prompt
+
+    star = TEMPLATES["star_coder"]
+    path = make_tiny_model("llama", tmp_path / "fim", extra_tokens=(star.prefix, star.suffix, star.middle))
+    llm = LLM(str(path), device="cpu", max_total_tokens=4096)
+    text = fim_prompt("star_coder", "def add(a, b):\n    ", "\n    return total\n")
+    ids = llm.tokenizer.encode(text)
+    assert ids[0] == llm.tokenizer.convert_tokens_to_ids(star.prefix)  # its special tokens are single tokens
+    want = greedy(llm, ids, 8, ignore_eos=True)["output_ids"]
+    body = {"model": "m", "prompt": "def add(a, b):\n    ", "suffix": "\n    return total\n", "max_tokens": 8}
+    body.update(temperature=0, ignore_eos=True, return_token_ids=True)
+    srv = ServerProcess(path)
+    try:
+        srv.wait_ready()
+        choice = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+        assert choice["prompt_token_ids"] == ids and choice["token_ids"] == want
+        r = httpx.post(f"{srv.url}/v1/completions", json={**body, "suffix": ""}, timeout=60).json()  # "": none
+        assert r["choices"][0]["prompt_token_ids"] == llm.tokenizer.encode(body["prompt"])
+        for bad in ({"echo": True}, {"prompt": [5, 6, 7]}):
+            r = httpx.post(f"{srv.url}/v1/completions", json={**body, **bad}, timeout=60)
+            assert r.status_code == 400 and "suffix" in r.json()["error"]["message"], r.text
+    finally:
+        srv.stop()
+    srv = ServerProcess(tiny_llama, "--completion-template", "qwen_coder")  # tokens it lacks: plain text then
+    try:
+        srv.wait_ready()
+        r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        rendered = fim_prompt("qwen_coder", body["prompt"], body["suffix"])
+        assert r.json()["choices"][0]["prompt_token_ids"] == LLM(str(tiny_llama), device="cpu").tokenizer.encode(
+            rendered
+        )
+    finally:
+        srv.stop()
+
+
+def test_suffix_without_fim_tokens_is_refused_by_name(server: ServerProcess):
+    body = {**BASES["/v1/completions"], "suffix": "tail"}
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400 and "suffix" in r.json()["error"]["message"], r.text
+    assert "completion-template" in r.json()["error"]["message"]
+    idle_and_clean(server)

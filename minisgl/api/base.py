@@ -14,7 +14,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from minisgl.api.client import EngineClient, RequestStream, joined
+from minisgl.api.client import EngineClient, RequestStream
 from minisgl.api.fields import IGNORED, Schema
 from minisgl.api.metrics import Metrics, RequestTimer
 from minisgl.api.protocol import BadRequest, check_sequences, decode
@@ -212,7 +212,7 @@ async def merge(runs: list[Run]) -> AsyncIterator[tuple[int, ReqUpdate]]:
                 if upd is None:
                     left -= 1
                 else:
-                    pending[i] = joined(pending[i], upd) if i in pending else upd
+                    pending[i] = pending[i].then(upd) if i in pending else upd
             for i, upd in pending.items():
                 runs[i].apply(upd)
                 yield i, upd

@@ -46,24 +46,6 @@ class EngineError(ValueError):
         self.status = status
 
 
-def joined(first: ReqUpdate, later: ReqUpdate) -> ReqUpdate:
-    """One update saying what ``first`` and then ``later`` said (neither an error)."""
-    return ReqUpdate(
-        first.rid,
-        first.text + later.text,
-        first.token_ids + later.token_ids,
-        first.logprobs + later.logprobs,
-        later.finish_reason,
-        later.prompt_tokens or first.prompt_tokens,
-        later.cached_tokens,
-        None,
-        later.matched,
-        first.input_logprobs + later.input_logprobs,
-        later.routed_experts or first.routed_experts,
-        later.hidden_states or first.hidden_states,
-    )
-
-
 class RequestStream:
     """Updates of one accepted request, ending with the one that has a finish_reason.
 
@@ -92,7 +74,7 @@ class RequestStream:
             if later.error is not None:  # the tokens before it go out first, as they would have
                 self._held = later
                 break
-            upd = joined(upd, later)
+            upd = upd.then(later)
         return upd
 
     async def _iter(self) -> AsyncIterator[ReqUpdate]:

@@ -277,10 +277,10 @@ _OPENAI_COMMON = dict(
 
 COMPLETION = Schema(
     "OpenAI completions",
-    implemented=_OPENAI_COMMON["implemented"] | {"prompt", "best_of", "echo"},
+    implemented=_OPENAI_COMMON["implemented"] | {"prompt", "best_of", "echo", "suffix"},
     inert=_OPENAI_COMMON["inert"],
-    default_only={**_OPENAI_COMMON["default_only"], "suffix": None},
-    why={**_OPENAI_COMMON["why"], "suffix": "fill-in-the-middle is not supported"},
+    default_only=_OPENAI_COMMON["default_only"],
+    why=_OPENAI_COMMON["why"],
     nested={"stream_options": STREAM_OPTIONS},
 )
 

@@ -126,6 +126,7 @@ class OpenAIRoutes(ApiBase):
                 body.sampling(body.max_tokens, j),
                 text=p if isinstance(p, str) else None,
                 input_ids=None if isinstance(p, str) else p,
+                suffix=body.suffix,
                 top_logprobs=body.top_logprobs,
                 cache_salt=body.cache_salt,
                 fill_context=body.max_tokens is None,

@@ -400,6 +400,7 @@ class CompletionRequest(_OpenAIBase, kw_only=True):
     logprobs: Int32 | None = None
     best_of: Int32 | None = None
     echo: bool = False  # the prompt (and, with logprobs, its logprobs) before the completion
+    suffix: str | None = None  # the text after the completion: the model fills the hole between (FIM)
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -422,6 +423,11 @@ class CompletionRequest(_OpenAIBase, kw_only=True):
             raise BadRequest(f"best_of={self.best_of} is not supported yet: only best_of equal to n", param="best_of")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise BadRequest(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]", param="logprobs")
+        if self.suffix:
+            if self.echo:
+                raise BadRequest("suffix and echo cannot be combined", param="suffix")
+            if not all(isinstance(p, str) for p in self.prompts()):
+                raise BadRequest("suffix needs text prompts (the hole is filled between texts)", param="suffix")
 
     @property
     def top_logprobs(self) -> int:

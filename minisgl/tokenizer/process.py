@@ -35,6 +35,7 @@ from minisgl.messages import (
 )
 from minisgl.tokenizer import load_tokenizer
 from minisgl.tokenizer.chat import detect_tool_parser, encode_chat, fit_chat
+from minisgl.tokenizer.completion import detect_completion_template, fim_prompt
 from minisgl.tokenizer.detokenizer import StopRegexTooSlow, TextStream, decode_ids
 from minisgl.utils import context_overflow, init_logging, keep_torch_out
 
@@ -110,23 +111,7 @@ class RequestState:
         """Hold updates back until ``interval`` tokens are out (SGLang's stream interval); the
         first (the request was accepted) and the last go at once."""
         if self.held is not None:
-            h = self.held
-            upd = ReqUpdate(
-                self.rid,
-                text=h.text + upd.text,
-                token_ids=h.token_ids + upd.token_ids,
-                logprobs=h.logprobs + upd.logprobs,
-                finish_reason=upd.finish_reason,
-                prompt_tokens=upd.prompt_tokens,
-                cached_tokens=upd.cached_tokens,
-                error=upd.error,
-                matched=upd.matched,
-                input_logprobs=h.input_logprobs + upd.input_logprobs,
-                routed_experts=upd.routed_experts,
-                hidden_states=upd.hidden_states,
-                prompt_ids=h.prompt_ids or upd.prompt_ids,
-                host_cached_tokens=upd.host_cached_tokens,
-            )
+            upd = self.held.then(upd)
         if upd.finish_reason is None and 0 < len(upd.token_ids) < self.interval:
             self.held = upd
             return None
@@ -154,6 +139,7 @@ class TokenizerProcess:
         chat_template: str | None = None,
         stream_interval: int = 1,
         tool_call_parser: str | None = None,
+        completion_template: str | None = None,
         skip_init: bool = False,
     ):
         ctx = zmq.Context()
@@ -165,6 +151,7 @@ class TokenizerProcess:
         self.chat_template = chat_template
         self.stream_interval = stream_interval
         self.tool_call_parser = tool_call_parser
+        self.completion_template = completion_template  # (else read from the tokenizer's tokens)
         self.skip_init = skip_init  # --skip-tokenizer-init: token ids in and out
         self.tokenizer: Any = None
         self.info: EngineInfo | None = None
@@ -195,6 +182,8 @@ class TokenizerProcess:
                         parser,
                         "" if self.tool_call_parser else " (from the chat template; --tool-call-parser sets it)",
                     )
+                if self.completion_template is None:
+                    self.completion_template = detect_completion_template(self.tokenizer)
                 self.info = msgspec.structs.replace(msg, tool_call_parser=parser)
                 self.launcher.send(self.info)
 
@@ -243,7 +232,7 @@ class TokenizerProcess:
         if req.input_ids is not None:
             return req.input_ids
         assert self.info is not None
-        chars = len(req.text or "") + sum(len(m.content) for m in req.messages or [])
+        chars = len(req.text or "") + len(req.suffix or "") + sum(len(m.content) for m in req.messages or [])
         chars += len(msgspec.json.encode(req.tools)) if req.tools else 0
         self._check_chars(chars)
         if self.tokenizer is None:
@@ -261,7 +250,15 @@ class TokenizerProcess:
             if not req.truncate:
                 return encode(messages)
             return fit_chat(messages, encode, lambda n: self._length_error(req, n) is None)
-        return self.tokenizer.encode(req.text, add_special_tokens=True)
+        text = req.text
+        if req.suffix:  # ("": none, as SGLang reads it)
+            if self.completion_template is None:
+                raise ValueError(
+                    "suffix: this model's tokenizer has no fill-in-the-middle tokens known here; "
+                    "--completion-template names the format"
+                )
+            text = fim_prompt(self.completion_template, text, req.suffix)
+        return self.tokenizer.encode(text, add_special_tokens=True)
 
     def _prediction(self, req: GenerateReq) -> list[int]:
         """The predicted output's tokens: a draft source when the scheduler speculates (none
@@ -372,10 +369,13 @@ def run_tokenizer(
     chat_template: str | None = None,
     stream_interval: int = 1,
     tool_call_parser: str | None = None,
+    completion_template: str | None = None,
     skip_init: bool = False,
 ) -> None:
     """Process entry point (spawned by the launcher)."""
     become_child()
     keep_torch_out()
     init_logging(log_level)
-    TokenizerProcess(addrs, tokenizer_path, chat_template, stream_interval, tool_call_parser, skip_init).run()
+    TokenizerProcess(
+        addrs, tokenizer_path, chat_template, stream_interval, tool_call_parser, completion_template, skip_init
+    ).run()
