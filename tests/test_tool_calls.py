@@ -8,6 +8,7 @@ import json
 import httpx
 import pytest
 
+from minisgl.api.protocol import BadRequest
 from minisgl.parsers.reasoning import ReasoningParser
 from minisgl.parsers.tool_calls import ToolCallParser, deltas
 from minisgl.tokenizer import load_tokenizer
@@ -245,13 +246,26 @@ def test_reasoning_effort_reaches_templates_that_take_it(tiny_llama):
         b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "reasoning_effort": "high"}',
         type=ChatCompletionRequest,
     )
-    assert body.template_kwargs() == {"reasoning_effort": "high"}
+    # (as SGLang: an effort but "none" also turns thinking on, for the templates that read either name)
+    assert body.template_kwargs() == {"reasoning_effort": "high", "thinking": True, "enable_thinking": True}
     tok = load_tokenizer(tiny_llama)
     assert encode_chat(tok, HISTORY, None, body.template_kwargs()) == encode_chat(tok, HISTORY)
     tok.chat_template = "{{ reasoning_effort | default('unset') }}:{{ messages[-1]['content'] }}"
     assert tok.decode(encode_chat(tok, HISTORY, None, body.template_kwargs())).startswith("high:")
     body.chat_template_kwargs = {"reasoning_effort": "low"}
     assert tok.decode(encode_chat(tok, HISTORY, None, body.template_kwargs())).startswith("low:")
+    # SGLang's reasoning object: its effort wins; enabled alone turns thinking on; "none" turns it off
+    body.chat_template_kwargs = None
+    body.reasoning = {"effort": "none"}
+    assert body.template_kwargs() == {"reasoning_effort": "none", "thinking": False, "enable_thinking": False}
+    body.reasoning_effort, body.reasoning = None, {"enabled": "true"}
+    assert body.template_kwargs() == {"thinking": True, "enable_thinking": True}
+    body.chat_template_kwargs = {"enable_thinking": False}  # the caller's own value wins
+    assert body.template_kwargs() == {"enable_thinking": False, "thinking": True}
+    for bad in ({"effort": "extreme"}, {"effort": 1.5}, {"effort": True}):
+        body.reasoning = bad
+        with pytest.raises(BadRequest, match="reasoning.effort"):
+            body.template_kwargs()
 
 
 @pytest.fixture(scope="module")

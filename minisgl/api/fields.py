@@ -306,6 +306,7 @@ CHAT = Schema(
         "separate_reasoning",
         "stream_reasoning",
         "reasoning_effort",
+        "reasoning",
         "prediction",
         "continue_final_message",
         "return_prompt_token_ids",

@@ -527,6 +527,18 @@ class ToolPlan(msgspec.Struct):
     schema: str | None = None  # JSON schema text the answer is constrained to
 
 
+Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+TRUE_WORDS = ("1", "true", "yes", "y", "on")
+
+
+def _check_effort(effort: Any, param: str) -> None:
+    """A reasoning effort: one of OpenAI's (and SGLang's) words, or SGLang's number in [0, 0.99]."""
+    if isinstance(effort, bool) or not (
+        effort in Effort.__args__ or (isinstance(effort, (int, float)) and 0.0 <= effort <= 0.99)
+    ):
+        raise BadRequest(f"{param} must be one of {', '.join(Effort.__args__)} or a number in [0, 0.99]", param=param)
+
+
 class ChatCompletionRequest(_OpenAIBase, kw_only=True):
     messages: list[ChatMessageIn]
     max_completion_tokens: Int32 | None = None
@@ -536,8 +548,11 @@ class ChatCompletionRequest(_OpenAIBase, kw_only=True):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    # OpenAI's: a template variable for templates that take it (gpt-oss's), inert for the others.
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    # OpenAI's: a template variable for templates that take it (gpt-oss's); as in SGLang, any
+    # effort but "none" also turns thinking on (thinking, enable_thinking), "none" off. SGLang
+    # also takes a number in [0, 0.99].
+    reasoning_effort: Effort | float | None = None
+    reasoning: dict[str, Any] | None = None  # SGLang's: {"effort", "enabled"} (the effort wins over reasoning_effort)
     separate_reasoning: bool = True  # SGLang: reasoning_content apart from content (with --reasoning-parser)
     stream_reasoning: bool = True  # SGLang: false sends the reasoning whole once it ends
     prediction: Prediction | None = None
@@ -548,10 +563,27 @@ class ChatCompletionRequest(_OpenAIBase, kw_only=True):
     input_ids: list[Any] | None = None  # SGLang's: the rendered prompt's ids, used instead of the template's
 
     def template_kwargs(self) -> dict[str, Any] | None:
-        """chat_template_kwargs, with reasoning_effort among them when it is given (theirs wins)."""
-        if self.reasoning_effort is None:
-            return self.chat_template_kwargs
-        return {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
+        """chat_template_kwargs, with the reasoning effort and whether to think among them when
+        the request gives them (chat_template_kwargs' own values win)."""
+        effort, thinking = self.reasoning_effort, None
+        if self.reasoning is not None:
+            given = self.reasoning.get("effort", self.reasoning.get("reasoning_effort"))
+            effort = given if given is not None else effort
+            enabled = self.reasoning.get("enabled", self.reasoning.get("enable"))
+            if enabled is True or (isinstance(enabled, str) and enabled.strip().lower() in TRUE_WORDS):
+                thinking = True
+        if effort is not None:
+            _check_effort(
+                effort, "reasoning.effort" if self.reasoning and "effort" in self.reasoning else "reasoning_effort"
+            )
+            thinking = effort != "none"
+        kwargs = dict(self.chat_template_kwargs or {})
+        if effort is not None:
+            kwargs.setdefault("reasoning_effort", effort)
+        if thinking is not None:  # Qwen3's and GLM's templates read enable_thinking, DeepSeek's and Kimi's thinking
+            kwargs.setdefault("thinking", thinking)
+            kwargs.setdefault("enable_thinking", thinking)
+        return kwargs or None
 
     def tool_plan(self, parser: str | None) -> ToolPlan:
         """How this request's tools run, given the server's tool-call format (None: unknown)."""

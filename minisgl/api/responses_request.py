@@ -19,6 +19,7 @@ from minisgl.api.protocol import (
     BadRequest,
     ChatCompletionRequest,
     ChatMessageIn,
+    Effort,
     FunctionCallIn,
     FunctionDef,
     JsonSchemaFormat,
@@ -63,7 +64,7 @@ class TextConfig(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class ReasoningConfig(msgspec.Struct, forbid_unknown_fields=True):
-    effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    effort: Effort | None = None
     summary: str | None = None  # OpenAI's summaries of hidden reasoning; ours is shown whole
     generate_summary: str | None = None
 
