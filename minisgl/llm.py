@@ -189,6 +189,8 @@ class LLM:
             meta["routed_experts"] = base64.b64encode(req.routed_experts()).decode()
         if req.hidden:
             meta["hidden_states"] = hidden_state_rows(req.hidden_states(), self.runner.hidden_size, len(req.prompt_ids))
+        if req.entropy:
+            meta["output_token_entropy"] = req.output_entropy
         if req.top_logprobs >= 0:
             meta["output_token_logprobs"] = req.output_logprobs
             if req.top_logprobs > 0:
@@ -232,6 +234,7 @@ class LLM:
         predictions: list[Prompt | None] | None = None,
         return_hidden_states: bool = False,
         lora_path: str | list[str | None] | None = None,
+        return_entropy: bool = False,
     ) -> list[dict[str, Any]]:
         """Generate for every prompt (text or token ids); results come back in prompt order.
 
@@ -248,7 +251,8 @@ class LLM:
         every prompt position and every output token but the last in
         ``meta_info["hidden_states"]`` (the prompt's rows as one list, then one row per token).
         ``lora_path`` (``enable_lora=True``): the name of a loaded LoRA adapter for every prompt,
-        or one per prompt (None: the base model).
+        or one per prompt (None: the base model). ``return_entropy``: each output token's
+        distribution's entropy in ``meta_info["output_token_entropy"]`` (SGLang's return_entropy).
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -281,6 +285,7 @@ class LLM:
                         prediction_ids=self._encode(predicted, special=False) if predicted else None,
                         hidden_states=return_hidden_states,
                         lora=lora,
+                        entropy=return_entropy,
                     )
                 )
         except ValueError:

@@ -27,6 +27,7 @@ class NewRequest(msgspec.Struct, array_like=True):
     ban_ids: list[int] = []  # masked until min_new_tokens are out (EOS and stop tokens)
     logprob_ids: list[int] = []  # token ids whose logprobs come with every output token
     lora_slot: int = -1  # the adapter slot its rows use (-1: the base model)
+    entropy: bool = False  # each output token comes with its distribution's entropy
 
 
 class ForwardBatch(msgspec.Struct, array_like=True, tag=True):
@@ -236,6 +237,7 @@ class StepOutput(msgspec.Struct, array_like=True, tag=True):
 
     tokens: list[int]
     logprobs: list[float] | None = None
+    entropy: list[float] | None = None  # of each row's distribution (rows of requests that ask)
     top_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
     # Prompt logprobs, one per ``ForwardBatch.score_rows`` entry (top ones cut to ``score_top``).
@@ -289,6 +291,7 @@ class GenerateReq(msgspec.Struct):
     truncate: bool = False  # the Responses API's truncation "auto": the oldest messages dropped to fit
     lora: str | None = None  # the LoRA adapter it runs under (SGLang's lora_path: a loaded adapter's name)
     prompt_ids: bool = False  # SGLang's return_prompt_token_ids: the prompt's ids come back with the first update
+    entropy: bool = False  # SGLang's return_entropy: each output token's distribution's entropy
     suffix: str | None = None  # completions' suffix: the text after the hole a fill-in-the-middle prompt fills
 
 
@@ -314,6 +317,7 @@ class TokenizedReq(msgspec.Struct):
     prediction_ids: list[int] = []
     hidden_states: bool = False
     lora: str | None = None
+    entropy: bool = False
 
 
 class TokenizedBatch(msgspec.Struct, tag=True):
@@ -395,6 +399,7 @@ class TokenOut(msgspec.Struct, array_like=True):
     input_top_logprobs: list[list[float]] = []
     id_logprobs: list[list[float]] = []  # per token, the logprobs of the request's logprob_ids
     input_id_logprobs: list[list[float]] = []
+    entropy: list[float] = []  # per token, its distribution's entropy (requests that ask)
     # With the last message, if asked: int32 [positions, layers, k] expert ids of every position
     # the model computed for it (prompt and outputs but the last); float32 [positions, hidden]
     # last hidden states of every position.
@@ -433,6 +438,7 @@ class ReqUpdate(msgspec.Struct, array_like=True):
     hidden_states: bytes = b""  # with the last update (``TokenOut.hidden_states``)
     prompt_ids: list[int] = []  # with the first update, when the request asked (``GenerateReq.prompt_ids``)
     host_cached_tokens: int = 0  # of cached_tokens, those the host tier supplied
+    entropy: list[float] = []  # per new token, when the request asked (``GenerateReq.entropy``)
 
     def then(self, later: ReqUpdate) -> ReqUpdate:
         """One update saying what this one and then ``later`` said (updates held back or queued
@@ -452,6 +458,7 @@ class ReqUpdate(msgspec.Struct, array_like=True):
             later.hidden_states or self.hidden_states,
             self.prompt_ids or later.prompt_ids,
             later.host_cached_tokens,
+            self.entropy + later.entropy,
         )
 
 

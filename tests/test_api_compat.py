@@ -9,6 +9,7 @@ import math
 import httpx
 import openai
 import pytest
+import torch
 
 from minisgl.api import fields
 from minisgl.llm import LLM
@@ -562,4 +563,39 @@ def test_suffix_without_fim_tokens_is_refused_by_name(server: ServerProcess):
     r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
     assert r.status_code == 400 and "suffix" in r.json()["error"]["message"], r.text
     assert "completion-template" in r.json()["error"]["message"]
+    idle_and_clean(server)
+
+
+def test_return_entropy_is_each_tokens_distributions(server: ServerProcess, offline: LLM, tiny_llama):
+    """SGLang's return_entropy: meta_info.output_token_entropy holds, per output token, the
+    entropy of the distribution its logprob comes from (transformers' fp32 logits), greedy or
+    sampled, alone or beside requests that ask nothing; the server's equal the offline engine's
+    (also as disjoint or whole streamed events)."""
+    ids = offline.tokenizer.encode("Entropy of the next token")
+    params = [
+        {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True},
+        {"max_new_tokens": 6, "temperature": 0.9, "seed": 3, "ignore_eos": True},
+    ]
+    out = offline.generate([ids, ids, ids], params + [params[0]], return_entropy=True)
+    for r in out:
+        seq = ids + r["output_ids"][:-1]
+        logprobs = _reference_matrix(tiny_llama, seq)[len(ids) - 1 :]
+        want = -(logprobs.exp() * logprobs).sum(-1)
+        got = torch.tensor(r["meta_info"]["output_token_entropy"])
+        assert got.shape == want.shape and torch.allclose(got, want, atol=1e-4), (got, want)
+    plain = offline.generate(ids, params[0])[0]
+    assert "output_token_entropy" not in plain["meta_info"] and plain["output_ids"] == out[0]["output_ids"]
+    body = {
+        "input_ids": ids,
+        "sampling_params": {**params[1], "seed": None, "sampling_seed": 3},
+        "return_entropy": True,
+    }
+    r = httpx.post(f"{server.url}/generate", json=body, timeout=60).json()
+    assert r["output_ids"] == out[1]["output_ids"]
+    assert r["meta_info"]["output_token_entropy"] == pytest.approx(
+        out[1]["meta_info"]["output_token_entropy"], abs=1e-5
+    )
+    with httpx.stream("POST", f"{server.url}/generate", json={**body, "stream": True}, timeout=60) as s:
+        events = sse_events(s.iter_lines())[:-1]
+    assert events[-1]["meta_info"]["output_token_entropy"] == r["meta_info"]["output_token_entropy"]
     idle_and_clean(server)

@@ -57,6 +57,16 @@ FIELDS = [
     "skip_special_tokens",
     "lora_path",
     "lora_name",
+    "suffix",
+    "return_token_ids",
+    "return_prompt_token_ids",
+    "return_meta_info",
+    "return_cached_tokens_details",
+    "structural_tag",
+    "response_format",
+    "reasoning",
+    "reasoning_effort",
+    "cache_salt",
 ]
 
 HUGE_INTS = st.sampled_from([2**31, 2**63, 2**64 - 1, 2**64 + 7, -(2**63) - 1, 10**40, -1, 0])

@@ -394,7 +394,8 @@ def test_radix_off_drafts_from_own_tokens(tiny_llama):
 
 
 def test_stops_lengths_and_logprobs_hold(tiny_llama):
-    """A stop token inside an accepted draft ends the request there; logprobs come per token."""
+    """A stop token inside an accepted draft ends the request there; logprobs (and entropies)
+    come per token."""
     prompts = looping_prompts(5, seed=3)
     free = make_llm(tiny_llama, page_size=4).generate(
         prompts, SamplingParams(temperature=0.0, max_new_tokens=40, ignore_eos=True)
@@ -404,8 +405,11 @@ def test_stops_lengths_and_logprobs_hold(tiny_llama):
         for i, r in enumerate(free)
     ]
     for top in (-1, 2):
-        off = make_llm(tiny_llama, page_size=4).generate(prompts, params, top_logprobs=top)
-        on = make_llm(tiny_llama, page_size=4, **SPEC).generate(prompts, params, top_logprobs=top)
+        entropy = top >= 0
+        off = make_llm(tiny_llama, page_size=4).generate(prompts, params, top_logprobs=top, return_entropy=entropy)
+        on = make_llm(tiny_llama, page_size=4, **SPEC).generate(
+            prompts, params, top_logprobs=top, return_entropy=entropy
+        )
         assert tokens(on) == tokens(off)
         assert [r["meta_info"]["finish_reason"] for r in on] == ["stop"] * 5
         if top >= 0:
@@ -415,6 +419,9 @@ def test_stops_lengths_and_logprobs_hold(tiny_llama):
                 np.testing.assert_allclose(got, want, atol=1e-4)
                 tops = a["meta_info"]["output_top_logprobs"], b["meta_info"]["output_top_logprobs"]
                 assert [[t for t, _ in row] for row in tops[0]] == [[t for t, _ in row] for row in tops[1]]
+                got, want = a["meta_info"]["output_token_entropy"], b["meta_info"]["output_token_entropy"]
+                assert len(got) == len(a["output_ids"])
+                np.testing.assert_allclose(got, want, atol=1e-4)
 
 
 @SCHEDULES

@@ -54,6 +54,7 @@ class Run:
         self.matched: str | None = None  # the stop string that finished it
         self.prompt_tokens = self.cached_tokens = self.host_cached_tokens = 0
         self.prompt_ids: list[int] = []  # with the first update, when the request asked for them
+        self.entropy: list[float] = []  # each output token's distribution's, when asked
         self.routed_experts = b""  # with the last update, when the request asked for them
         self.hidden_states = b""  # likewise
         self.e2e_latency = 0.0
@@ -64,6 +65,7 @@ class Run:
         self.text += upd.text
         self.token_ids += upd.token_ids
         self.logprobs += upd.logprobs
+        self.entropy += upd.entropy
         self.input_logprobs += upd.input_logprobs
         self.prompt_tokens, self.cached_tokens = upd.prompt_tokens or self.prompt_tokens, upd.cached_tokens
         self.host_cached_tokens = upd.host_cached_tokens

@@ -141,6 +141,7 @@ GENERATE = Schema(
         "lora_path",
         "cache_salt",
         "return_prompt_token_ids",
+        "return_entropy",
     },
     inert={
         "model",
@@ -180,7 +181,6 @@ GENERATE = Schema(
         "bootstrap_pair_key": None,
         "decode_tp_size": None,
         "require_reasoning": False,
-        "return_entropy": False,
         "need_wait_for_mm_inputs": None,
         "num_items_assigned": None,
         "max_dynamic_patch": None,

@@ -74,6 +74,7 @@ class NativeRoutes(ApiBase):
                     hidden_states=it.hidden_states,
                     lora=it.lora,
                     prompt_ids=it.prompt_ids,
+                    entropy=it.entropy,
                 )
                 for it in items
             ]
@@ -85,6 +86,8 @@ class NativeRoutes(ApiBase):
             meta = self.meta_info(
                 run, item.top_logprobs, with_text, bool(item.logprob_ids), item.routed_start >= 0, item.hidden_states
             )
+            if item.entropy:
+                meta["output_token_entropy"] = run.entropy
             out = {"text": run.text, "output_ids": run.token_ids, "meta_info": meta}
             if item.prompt_ids:
                 out["prompt_token_ids"] = run.prompt_ids
@@ -103,7 +106,12 @@ class NativeRoutes(ApiBase):
                     out = result(i)
                     if self.args.stream_output:  # SGLang's disjoint segments: only what is new
                         out["text"], out["output_ids"] = upd.text, out["output_ids"][sent[i] :]
-                        for key in ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs"):
+                        for key in (
+                            "output_token_logprobs",
+                            "output_top_logprobs",
+                            "output_token_ids_logprobs",
+                            "output_token_entropy",
+                        ):
                             if key in out["meta_info"]:
                                 out["meta_info"][key] = out["meta_info"][key][sent[i] :]
                         sent[i] = len(runs[i].token_ids)

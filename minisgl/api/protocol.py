@@ -104,6 +104,7 @@ class GenerateItem(msgspec.Struct):
     hidden_states: bool = False  # every position's last hidden state
     lora: str | None = None  # the LoRA adapter's name (lora_path)
     prompt_ids: bool = False  # return_prompt_token_ids
+    entropy: bool = False  # return_entropy
 
 
 class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -123,6 +124,7 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
     extra_key: str | list[str] | None = None  # SGLang's cache isolation key (the OpenAI routes' cache_salt)
     cache_salt: str | list[str] | None = None  # SGLang's other one: prefixes shared only when both match
     return_prompt_token_ids: bool = False  # the prompt's token ids beside the output's (prompt_token_ids)
+    return_entropy: bool = False  # each output token's distribution's entropy (output_token_entropy)
     return_routed_experts: bool = False  # MoE: each position's experts (--enable-return-routed-experts)
     routed_experts_start_len: Int32 = 0  # from this position on (0: the whole prompt too)
     return_hidden_states: bool | list[bool] = False  # (--enable-return-hidden-states)
@@ -212,6 +214,7 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
                         hidden[i],
                         loras[i],
                         self.return_prompt_token_ids,
+                        self.return_entropy,
                     )
                 )
         return out

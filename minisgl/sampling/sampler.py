@@ -47,6 +47,7 @@ def exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) 
 class SampleOutput:
     tokens: torch.Tensor  # [B] int64
     logprobs: torch.Tensor | None = None  # [B] log-probability of each chosen token
+    entropy: torch.Tensor | None = None  # [B] entropy of each row's distribution (the logprobs')
     top_ids: torch.Tensor | None = None  # [B, n] most likely tokens
     top_logprobs: torch.Tensor | None = None  # [B, n]
     id_logprobs: torch.Tensor | None = None  # [B, len(id_union)]: logprobs of requested token ids
@@ -75,6 +76,7 @@ class Sampler:
         self.h_penalty = np.zeros(max_slots, dtype=bool)
         self.h_top_n = np.full(max_slots, -1, dtype=np.int64)  # -1: no logprobs, 0: chosen token only, n: plus top-n
         self.h_ids: list[list[int]] = [[] for _ in range(max_slots)]  # token ids whose logprobs it wants
+        self.h_entropy = np.zeros(max_slots, dtype=bool)  # its distributions' entropies come back
         self.h_bias = np.zeros(max_slots, dtype=bool)
         self.h_min_len = np.zeros(max_slots, dtype=np.int64)  # sequence length below which the slot's ban applies
         self.h_plain = np.ones(max_slots, dtype=bool)  # greedy, and nothing asked of the logits but the argmax
@@ -100,10 +102,12 @@ class Sampler:
         prompt_len: int = 0,
         ban_ids: list[int] | None = None,
         logprob_ids: list[int] | None = None,
+        entropy: bool = False,
     ) -> None:
         """Install a request's parameters in ``slot``; ``seed`` is used when params.seed is None.
         ``ban_ids`` are never sampled before it has ``params.min_new_tokens`` tokens past its
-        ``prompt_len``-token prompt; ``logprob_ids``' logprobs come with each sampled token."""
+        ``prompt_len``-token prompt; ``logprob_ids``' logprobs come with each sampled token, and
+        with ``entropy`` the entropy of the distribution it was sampled from."""
         p = params
         self._host_f[slot] = torch.tensor(
             [
@@ -123,6 +127,7 @@ class Sampler:
         self.h_min_p[slot] = p.min_p > 0.0
         self.h_top_n[slot] = top_logprobs
         self.h_ids[slot] = list(logprob_ids or [])
+        self.h_entropy[slot] = entropy
         self.h_penalty[slot] = p.has_penalty
         if p.has_penalty:
             self._init_penalty(slot, prompt_ids, output_ids)
@@ -137,7 +142,12 @@ class Sampler:
             self.bias[slot].zero_()  # the slot's previous request had a bias
         self.h_bias[slot] = bool(p.logit_bias)
         self.h_plain[slot] = (
-            p.is_greedy and not p.has_penalty and not p.logit_bias and not logprob_ids and top_logprobs < 0
+            p.is_greedy
+            and not p.has_penalty
+            and not p.logit_bias
+            and not logprob_ids
+            and top_logprobs < 0
+            and not entropy
         )
         if p.logit_bias:
             if self.bias is None:
@@ -217,7 +227,7 @@ class Sampler:
                 self._sample(logits[at:end], slots[at:end], seq_lens[at:end], block_masks, top_n, id_union, block_shift)
             )
         joined = SampleOutput(tokens=torch.cat([p.tokens for p in parts]), id_union=parts[0].id_union)
-        for name in ("logprobs", "top_ids", "top_logprobs", "id_logprobs"):
+        for name in ("logprobs", "entropy", "top_ids", "top_logprobs", "id_logprobs"):
             if getattr(parts[0], name) is not None:
                 setattr(joined, name, torch.cat([getattr(p, name) for p in parts]))
         return joined
@@ -237,8 +247,9 @@ class Sampler:
         biased = bool(self.h_bias[slots_np].any())
         banning = seq_lens < self.h_min_len[slots_np]
         truncating = bool(self.h_truncate[slots_np].any() or self.h_min_p[slots_np].any())
+        entropy = bool(self.h_entropy[slots_np].any())
         if logits.is_cuda and not (
-            masks or penalized or biased or banning.any() or truncating or top_n >= 0 or id_union
+            masks or penalized or biased or banning.any() or truncating or top_n >= 0 or id_union or entropy
         ):
             # Nothing changes the logits and only tokens come back: one kernel takes the raw logits.
             return SampleOutput(tokens=self._race(logits, slots_np, seq_lens, shift))
@@ -263,9 +274,11 @@ class Sampler:
             sampled = self._sample_random(logits, slots, slots_np, seq_lens, shift)
             tokens = torch.where(self.greedy[slots].bool(), logits.argmax(dim=-1), sampled)
         out = SampleOutput(tokens=tokens)
-        if top_n >= 0 or id_union:
+        if top_n >= 0 or id_union or entropy:
             logprobs = torch.log_softmax(logits, dim=-1)
             out.logprobs = logprobs.gather(1, tokens[:, None]).squeeze(1)
+            if entropy:  # -sum p log p over the logprobs' distribution (masked tokens add 0)
+                out.entropy = -torch.special.xlogy(logprobs.exp(), logprobs.exp()).sum(dim=-1)
             if top_n > 0:
                 out.top_logprobs, out.top_ids = logprobs.topk(top_n, dim=-1)
             if id_union:

@@ -62,6 +62,8 @@ def apply_output(
         req.output_ids.append(token)
         if out.logprobs is not None:
             req.output_logprobs.append(out.logprobs[i])
+        if req.entropy:
+            req.output_entropy.append(out.entropy[i])
         if out.top_ids is not None:
             req.output_top_logprobs.append(list(zip(out.top_ids[i], out.top_logprobs[i])))
         if req.logprob_ids:

@@ -102,4 +102,5 @@ def new_request(req: Req, eos_ids: set[int]) -> NewRequest:
         ban_ids=ban,
         logprob_ids=req.logprob_ids,
         lora_slot=req.lora_slot,
+        entropy=req.entropy,
     )

@@ -113,6 +113,7 @@ class SchedulerProcess:
                 msg.prediction_ids,
                 msg.hidden_states,
                 msg.lora,
+                msg.entropy,
             )
         except ValueError as e:
             self.outbox.append(TokenOut(msg.rid, error=str(e)))
@@ -231,6 +232,8 @@ class SchedulerProcess:
         )
         if req.top_logprobs >= 0:
             out.logprobs = req.output_logprobs[new]
+        if req.entropy:
+            out.entropy = req.output_entropy[new]
         if req.top_logprobs > 0:
             tops = req.output_top_logprobs[new]
             out.top_ids = [[t for t, _ in top] for top in tops]

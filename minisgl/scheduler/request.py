@@ -22,6 +22,8 @@ class Req:
     top_logprobs: int = -1
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    entropy: bool = False  # each output token's distribution's entropy comes back (SGLang's return_entropy)
+    output_entropy: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     logprob_ids: list[int] = field(default_factory=list)  # SGLang's token_ids_logprob
     # What the model computes per position, kept from position ``capture_start`` on (-1: nothing):

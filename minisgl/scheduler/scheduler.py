@@ -212,12 +212,14 @@ class Scheduler(ControlPlane):
         prediction_ids: list[int] | None = None,
         hidden_states: bool = False,
         lora: str | None = None,
+        entropy: bool = False,
     ) -> Req:
         """Validate and queue a request. Raises ValueError naming what is wrong. ``routed_start``
         >= 0: return the routed experts of positions from there on. ``prediction_ids``: OpenAI's
         predicted output, a draft source under speculative decoding (no result depends on it).
         ``hidden_states``: return every position's last hidden state. ``lora``: the name of a
-        loaded LoRA adapter to run under."""
+        loaded LoRA adapter to run under. ``entropy``: each output token's distribution's entropy
+        comes back."""
         if routed_start >= 0 and not self.args.enable_return_routed_experts:
             raise ValueError("return_routed_experts needs a server started with --enable-return-routed-experts")
         if hidden_states and not self.args.enable_return_hidden_states:
@@ -267,6 +269,7 @@ class Scheduler(ControlPlane):
             hidden=hidden_states,
             prediction_ids=list(prediction_ids or [])[: self.context_len] if self.spec else [],
             lora_key=adapter.key if adapter else None,
+            entropy=entropy,
         )
         self._next_rid += 1
         self._unfrozen += 1
@@ -275,7 +278,7 @@ class Scheduler(ControlPlane):
             self._unfrozen, self._frozen = 0, True
         req.stop_ids = frozenset((params.stop_token_ids or []) + ([] if params.ignore_eos else list(self.eos_ids)))
         req.max_outputs = max_len - len(prompt_ids)
-        req.plain = top_logprobs < 0 and grammar is None and params.max_new_tokens > 0
+        req.plain = top_logprobs < 0 and not entropy and grammar is None and params.max_new_tokens > 0
         if adapter is not None and not (params.max_new_tokens == 0 and not req.scores_prompt):
             self.loras.named(req)  # (counted until it ends: its adapter's host copy stays)
         if params.max_new_tokens == 0 and not req.scores_prompt:

@@ -336,7 +336,7 @@ class SpecPlanner:
         decoding = len(drafts) + len(out.tokens) - at  # (each plain row is a request)
         self.rule.verified(decoding, 1 + step_accepted / decoding)
         keep += range(at, len(out.tokens))
-        for name in ("tokens", "logprobs", "top_ids", "top_logprobs", "id_logprobs"):
+        for name in ("tokens", "logprobs", "entropy", "top_ids", "top_logprobs", "id_logprobs"):
             values = getattr(out, name)
             if values is not None:
                 setattr(out, name, [values[i] for i in keep])

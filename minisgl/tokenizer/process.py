@@ -93,6 +93,7 @@ class RequestState:
             hidden_states=out.hidden_states,
             prompt_ids=self.unsent_prompt,
             host_cached_tokens=out.host_cached_tokens,
+            entropy=out.entropy,
         )
         self.unsent_prompt = []
         if self.text is not None:
@@ -320,6 +321,7 @@ class TokenizerProcess:
                     predicted,
                     req.hidden_states,
                     req.lora,
+                    req.entropy,
                 )
             )
         if refused:

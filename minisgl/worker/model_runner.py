@@ -468,6 +468,7 @@ class ModelRunner:
                 r.prompt_len,
                 r.ban_ids,
                 r.logprob_ids,
+                r.entropy,
             )
             self.adapter_of_slot[r.slot] = r.lora_slot
 
@@ -779,7 +780,10 @@ class ModelRunner:
         memory; an event marks the end."""
         on_gpu = self.device.type == "cuda"
         host = {}
-        values = {name: getattr(out, name) for name in ("tokens", "logprobs", "top_ids", "top_logprobs", "id_logprobs")}
+        values = {
+            name: getattr(out, name)
+            for name in ("tokens", "logprobs", "entropy", "top_ids", "top_logprobs", "id_logprobs")
+        }
         for name, value in {**values, **scores}.items():
             if value is not None:
                 host[name] = torch.empty(value.shape, dtype=value.dtype, pin_memory=on_gpu)
@@ -820,6 +824,8 @@ class ModelRunner:
                 msg.score_top_logprobs = h["score_top_logprobs"].tolist()
             if "score_id_logprobs" in h:
                 msg.score_id_logprobs = h["score_id_logprobs"].tolist()
+        if "entropy" in h:
+            msg.entropy = h["entropy"].tolist()
         if not p.top_n:
             return msg
         if "logprobs" in h:
