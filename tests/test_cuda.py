@@ -315,7 +315,7 @@ def test_launch_does_not_sync_the_host(tmp_path):
 
 def test_prompt_logprobs_on_cuda(tmp_path):
     """Prompt logprobs on the GPU: fp32 (torch attention) equal the CPU's; bf16 on FlashInfer
-    with CUDA graphs within bf16 rounding, across prefill chunks."""
+    with CUDA graphs within bf16 rounding, across prefill chunks. Output entropies likewise."""
     from minisgl.llm import LLM
 
     path = make_tiny_model("llama", tmp_path / "llama-hd128", overrides={"head_dim": 128})
@@ -327,11 +327,14 @@ def test_prompt_logprobs_on_cuda(tmp_path):
         "bf16": dict(device="cuda", dtype="bfloat16", chunked_prefill_size=32),
     }.items():
         llm = LLM(str(path), max_total_tokens=4096, **kw)
-        out = llm.generate(prompt, {"max_new_tokens": 4, "temperature": 0}, logprob_start=0)[0]
+        out = llm.generate(prompt, {"max_new_tokens": 4, "temperature": 0}, logprob_start=0, return_entropy=True)[0]
         got[name] = torch.tensor(out["meta_info"]["input_token_logprobs"][1:])
+        got[name + "-entropy"] = torch.tensor(out["meta_info"]["output_token_entropy"])
         del llm
     torch.testing.assert_close(got["fp32"], got["cpu"], atol=1e-4, rtol=0)
     torch.testing.assert_close(got["bf16"], got["cpu"], atol=0.1, rtol=0.02)
+    torch.testing.assert_close(got["fp32-entropy"], got["cpu-entropy"], atol=1e-4, rtol=0)
+    torch.testing.assert_close(got["bf16-entropy"], got["cpu-entropy"], atol=0.05, rtol=0.02)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
