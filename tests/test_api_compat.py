@@ -599,3 +599,25 @@ def test_return_entropy_is_each_tokens_distributions(server: ServerProcess, offl
         events = sse_events(s.iter_lines())[:-1]
     assert events[-1]["meta_info"]["output_token_entropy"] == r["meta_info"]["output_token_entropy"]
     idle_and_clean(server)
+
+
+def test_openai_rid_names_the_request(server: ServerProcess):
+    """SGLang's rid on the OpenAI routes: the response's id, and /abort_request ends the request
+    by it (one per prompt as a list; a list of the wrong length is a 400 naming rid)."""
+    body = {"model": "tiny", "prompt": "Go on", "max_tokens": 900, "ignore_eos": True, "stream": True, "rid": "job-7"}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        first = next(json.loads(x[len("data: ") :]) for x in lines if x.startswith("data: "))
+        assert first["id"] == "job-7"
+        assert httpx.post(f"{server.url}/abort_request", json={"rid": "job-7"}, timeout=10).json() == {
+            "aborted": ["job-7"]
+        }
+        finals = [e["choices"][0]["finish_reason"] for e in sse_events(lines)[:-1] if e["choices"]]
+    assert finals[-1] == "abort"
+    body = {**BASES["/v1/completions"], "prompt": ["a", "b"], "rid": ["p1", "p2"]}
+    assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()["id"] == "p1"
+    bad = httpx.post(f"{server.url}/v1/completions", json={**body, "rid": ["only-one"]}, timeout=60)
+    assert bad.status_code == 400 and "rid" in bad.json()["error"]["message"]
+    chat = {**BASES["/v1/chat/completions"], "rid": "chat-9", "n": 2}
+    assert httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=60).json()["id"] == "chat-9"
+    idle_and_clean(server)

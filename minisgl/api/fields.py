@@ -249,6 +249,7 @@ _OPENAI_COMMON = dict(
         "return_routed_experts",
         "routed_experts_start_len",
         "return_cached_tokens_details",
+        "rid",
     },
     inert={
         "session_id",
@@ -263,7 +264,6 @@ _OPENAI_COMMON = dict(
         "extra_key",
         "data_parallel_rank",
         "routed_dp_rank",
-        "rid",
         "bootstrap_host",
         "bootstrap_port",
         "bootstrap_room",

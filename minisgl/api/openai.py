@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import base64
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -118,11 +117,12 @@ class OpenAIRoutes(ApiBase):
         self._check_model(body.model)
         body.check()
         lora = self._adapter(body.model, body.lora_path)
-        cid, prompts = f"cmpl-{uuid.uuid4().hex}", body.prompts()
+        prompts = body.prompts()
         check_sequences(len(prompts) * body.n, self.args.max_sequences_per_request)  # before any is built
+        cid, ids = body.sequence_ids("cmpl", len(prompts))
         reqs = [  # echo with max_tokens 0 scores the prompt and generates nothing
             GenerateReq(
-                f"{cid}-{i * body.n + j}",
+                ids[i * body.n + j],
                 body.sampling(body.max_tokens, j),
                 text=p if isinstance(p, str) else None,
                 input_ids=None if isinstance(p, str) else p,
@@ -188,8 +188,8 @@ class OpenAIRoutes(ApiBase):
 
     async def chat_completions(self, request: Request) -> Response:
         body: ChatCompletionRequest = await read_body(request, ChatCompletionRequest, self.args, CHAT)
-        cid = f"chatcmpl-{uuid.uuid4().hex}"
-        runs, outputs = await self._chat_runs(body, cid)
+        cid, ids = body.sequence_ids("chatcmpl", 1)
+        runs, outputs = await self._chat_runs(body, cid, ids=ids)
         head = {"id": cid, "created": int(time.time()), "model": body.model}
         if not body.stream:
             if not await self._collect(runs, request):
@@ -239,11 +239,11 @@ class OpenAIRoutes(ApiBase):
         return self._stream(runs, events)
 
     async def _chat_runs(
-        self, body: ChatCompletionRequest, rid: str, truncate: bool = False
+        self, body: ChatCompletionRequest, rid: str, truncate: bool = False, ids: list[str] | None = None
     ) -> tuple[list[Run], list[ChatOutput]]:
-        """Start a chat request's runs (one per choice, ids ``rid-j``), each with the reader of its
-        answer (reasoning, content, tool calls); ``truncate``: the oldest messages are dropped
-        until the prompt fits (the Responses API's truncation "auto")."""
+        """Start a chat request's runs (one per choice, ids ``ids`` or ``rid-j``), each with the
+        reader of its answer (reasoning, content, tool calls); ``truncate``: the oldest messages
+        are dropped until the prompt fits (the Responses API's truncation "auto")."""
         self._check_model(body.model)
         body.check()
         lora = self._adapter(body.model, body.lora_path)
@@ -258,7 +258,7 @@ class OpenAIRoutes(ApiBase):
             sampling.json_schema = plan.schema or sampling.json_schema  # a forced call's grammar
             reqs.append(
                 GenerateReq(
-                    f"{rid}-{j}",
+                    ids[j] if ids is not None else f"{rid}-{j}",
                     sampling,
                     messages=messages if given is None else None,
                     input_ids=given,

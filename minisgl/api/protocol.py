@@ -339,6 +339,7 @@ class _OpenAIBase(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     return_routed_experts: bool = False
     routed_experts_start_len: Int32 = 0
     return_cached_tokens_details: bool = False
+    rid: str | list[str] | None = None  # SGLang's: the request's id (one per prompt), for /abort_request
 
     def _check_common(self, max_tokens: int | None) -> None:
         if max_tokens is not None and max_tokens < 1:
@@ -382,6 +383,21 @@ class _OpenAIBase(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             setattr(params, *constraint)
         _validate(params)
         return params
+
+    def sequence_ids(self, prefix: str, prompts: int) -> tuple[str, list[str]]:
+        """(the response's id, each sequence's: prompts x n, prompt-major). A given ``rid`` is
+        the id (``rid-k`` for each of several sequences; a list gives each prompt its own, as
+        SGLang takes them), so /abort_request finds the request by it; else ``prefix-<hex>``."""
+        if self.rid is None:
+            cid = f"{prefix}-{uuid.uuid4().hex}"
+            return cid, [f"{cid}-{k}" for k in range(prompts * self.n)]
+        if isinstance(self.rid, str):
+            total = prompts * self.n
+            return self.rid, [self.rid] if total == 1 else [f"{self.rid}-{k}" for k in range(total)]
+        if len(self.rid) != prompts or not all(self.rid):
+            raise BadRequest(f"rid has {len(self.rid)} entries for {prompts} prompts", param="rid")
+        ids = [r if self.n == 1 else f"{r}-{j}" for r in self.rid for j in range(self.n)]
+        return self.rid[0], ids
 
     @property
     def routed_start(self) -> int:
