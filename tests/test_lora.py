@@ -265,6 +265,9 @@ def test_the_server_serves_adapters_by_every_name(tiny_llama, adapters, referenc
             assert r["choices"][0]["text"] == texts[0], named
         base = httpx.post(f"{url}/v1/completions", json={**completion, "model": "tiny", "lora_path": ""}, timeout=60)
         assert base.json()["choices"][0]["text"] != texts[0]
+        both = {**completion, "model": "tiny", "prompt": PROMPTS[:2], "lora_path": ["a1", None]}  # one per prompt
+        r = httpx.post(f"{url}/v1/completions", json=both, timeout=60).json()
+        assert [c["text"] for c in r["choices"]] == texts
         r = httpx.post(f"{url}/v1/completions", json={**completion, "model": "tiny:nope"}, timeout=60)
         assert r.status_code == 400 and "nope" in r.text
         models = [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]]

@@ -250,6 +250,7 @@ _OPENAI_COMMON = dict(
         "routed_experts_start_len",
         "return_cached_tokens_details",
         "rid",
+        "extra_key",
     },
     inert={
         "session_id",
@@ -261,7 +262,6 @@ _OPENAI_COMMON = dict(
         "metadata",
         "service_tier",
         "priority",
-        "extra_key",
         "data_parallel_rank",
         "routed_dp_rank",
         "bootstrap_host",

@@ -12,7 +12,14 @@ from starlette.responses import JSONResponse, Response
 
 from minisgl.api.base import ApiBase, Run, merge, read_body
 from minisgl.api.fields import CHAT, COMPLETION
-from minisgl.api.protocol import ChatCompletionRequest, CompletionRequest, check_sequences, parts_text
+from minisgl.api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    cache_keys,
+    check_sequences,
+    parts_text,
+    per_prompt,
+)
 from minisgl.api.streaming import SSE_DONE, sse
 from minisgl.messages import GenerateReq, ReqUpdate, TokenLogprob
 from minisgl.parsers.chat_output import ChatOutput
@@ -116,10 +123,13 @@ class OpenAIRoutes(ApiBase):
         body: CompletionRequest = await read_body(request, CompletionRequest, self.args, COMPLETION)
         self._check_model(body.model)
         body.check()
-        lora = self._adapter(body.model, body.lora_path)
         prompts = body.prompts()
         check_sequences(len(prompts) * body.n, self.args.max_sequences_per_request)  # before any is built
         cid, ids = body.sequence_ids("cmpl", len(prompts))
+        salts = cache_keys(body.extra_key, body.cache_salt, len(prompts))
+        loras = [
+            self._adapter(body.model, name) for name in per_prompt(body.lora_path, "lora_path", len(prompts), None)
+        ]
         reqs = [  # echo with max_tokens 0 scores the prompt and generates nothing
             GenerateReq(
                 ids[i * body.n + j],
@@ -128,11 +138,11 @@ class OpenAIRoutes(ApiBase):
                 input_ids=None if isinstance(p, str) else p,
                 suffix=body.suffix,
                 top_logprobs=body.top_logprobs,
-                cache_salt=body.cache_salt,
+                cache_salt=salts[i],
                 fill_context=body.max_tokens is None,
                 logprob_start=0 if body.echo else -1,
                 hidden_states=body.return_hidden_states,
-                lora=lora,
+                lora=loras[i],
                 prompt_ids=body.return_token_ids,
                 routed_start=body.routed_start,
             )
@@ -246,7 +256,8 @@ class OpenAIRoutes(ApiBase):
         are dropped until the prompt fits (the Responses API's truncation "auto")."""
         self._check_model(body.model)
         body.check()
-        lora = self._adapter(body.model, body.lora_path)
+        lora = self._adapter(body.model, per_prompt(body.lora_path, "lora_path", 1, None)[0])
+        (salt,) = cache_keys(body.extra_key, body.cache_salt, 1)
         plan = body.tool_plan(self.info.tool_call_parser)
         messages = [m.flat() for m in body.messages]
         given = list(body.input_ids) if body.input_ids is not None else None  # the template is not run
@@ -265,7 +276,7 @@ class OpenAIRoutes(ApiBase):
                     top_logprobs=body.num_top_logprobs,
                     fill_context=max_new is None,
                     tools=plan.tools,
-                    cache_salt=body.cache_salt,
+                    cache_salt=salt,
                     chat_template_kwargs=body.template_kwargs(),
                     prediction=predicted,
                     continue_final=body.continue_final_message,

@@ -89,6 +89,28 @@ class SamplingIn(SamplingParams, kw_only=True, forbid_unknown_fields=True):
         return params
 
 
+def per_prompt(value: Any, name: str, count: int, default: Any) -> list[Any]:
+    """A field given once for every prompt or as a list of one per prompt, as a list."""
+    if value is None:
+        return [default] * count
+    if not isinstance(value, list):
+        return [value] * count
+    if len(value) != count:
+        raise BadRequest(f"{name} has {len(value)} entries for {count} prompts", param=name)
+    return value
+
+
+def cache_keys(extra_key: Any, cache_salt: Any, count: int) -> list[str | None]:
+    """Each prompt's cache isolation key from SGLang's extra_key and cache_salt (each one for all
+    or one per prompt): either isolates; given both, the pair does."""
+    return [
+        "\x00".join(k for k in (key, salt) if k) or None
+        for key, salt in zip(
+            per_prompt(extra_key, "extra_key", count, None), per_prompt(cache_salt, "cache_salt", count, None)
+        )
+    ]
+
+
 class GenerateItem(msgspec.Struct):
     """One sequence of a /generate request, after batching and n are expanded."""
 
@@ -152,34 +174,19 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
             raise BadRequest("the batch is empty", param="text")
         return prompts
 
-    def _per_prompt(self, value: Any, name: str, count: int, default: Any) -> list[Any]:
-        if value is None:
-            return [default] * count
-        if not isinstance(value, list):
-            return [value] * count
-        if len(value) != count:
-            raise BadRequest(f"{name} has {len(value)} entries for {count} prompts", param=name)
-        return value
-
     def items(self, max_sequences: int | None = None) -> list[GenerateItem]:
         """The sequences to run, prompt by prompt, each prompt's n samples together; refused
         before any is built when there are more than ``max_sequences``."""
         prompts = self._prompts()
         count = len(prompts)
-        sampling = self._per_prompt(self.sampling_params, "sampling_params", count, SamplingIn())
-        want = self._per_prompt(self.return_logprob, "return_logprob", count, False)
-        tops = self._per_prompt(self.top_logprobs_num, "top_logprobs_num", count, 0)
-        starts = self._per_prompt(self.logprob_start_len, "logprob_start_len", count, -1)
+        sampling = per_prompt(self.sampling_params, "sampling_params", count, SamplingIn())
+        want = per_prompt(self.return_logprob, "return_logprob", count, False)
+        tops = per_prompt(self.top_logprobs_num, "top_logprobs_num", count, 0)
+        starts = per_prompt(self.logprob_start_len, "logprob_start_len", count, -1)
         ids = self._logprob_ids(count)
-        keys = [
-            "\x00".join(k for k in (key, salt) if k) or None  # either isolates; both: the pair does
-            for key, salt in zip(
-                self._per_prompt(self.extra_key, "extra_key", count, None),
-                self._per_prompt(self.cache_salt, "cache_salt", count, None),
-            )
-        ]
-        hidden = self._per_prompt(self.return_hidden_states, "return_hidden_states", count, False)
-        loras = [name or None for name in self._per_prompt(self.lora_path, "lora_path", count, None)]  # "": none
+        keys = cache_keys(self.extra_key, self.cache_salt, count)
+        hidden = per_prompt(self.return_hidden_states, "return_hidden_states", count, False)
+        loras = [name or None for name in per_prompt(self.lora_path, "lora_path", count, None)]  # "": none
         if len({s.n for s in sampling}) > 1:
             raise BadRequest("every sampling_params of a batch must have the same n", param="sampling_params.n")
         n = sampling[0].n
@@ -312,12 +319,13 @@ class _OpenAIBase(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stop: str | list[str] | None = None
     stop_regex: str | list[str] | None = None  # SGLang's
     return_hidden_states: bool = False  # SGLang's: each choice's last hidden state (--enable-return-hidden-states)
-    lora_path: str | None = None  # SGLang's: a loaded LoRA adapter's name (or model "base:adapter")
+    lora_path: str | list[str | None] | None = None  # SGLang's: a loaded adapter's name (one per prompt)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: Int64 | None = None
     user: str | None = None
-    cache_salt: str | None = None  # cached prefixes are shared only among requests with the same salt
+    cache_salt: str | list[str] | None = None  # cached prefixes are shared only among requests with the same salt
+    extra_key: str | list[str] | None = None  # SGLang's other isolation key (both: the pair isolates)
     top_k: Int32 = -1
     min_p: float = 0.0
     repetition_penalty: float = 1.0
