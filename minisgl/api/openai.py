@@ -61,8 +61,8 @@ class _StreamedIds:
     choice's ``prompt_token_ids`` with its first chunk."""
 
     def __init__(self, runs: list[Run], prompt: bool, output: bool):
-        self.runs, self.prompt, self.output = runs, prompt, output
-        self.unsent = [prompt] * len(runs)
+        self.runs, self.output = runs, output
+        self.unsent = [prompt] * len(runs)  # choices whose prompt ids are still to go
 
     def chunk(self, i: int, upd: ReqUpdate) -> dict[str, Any]:
         out: dict[str, Any] = {}
