@@ -496,7 +496,7 @@ def test_routed_experts_through_the_openai_routes(tiny_models):
     """SGLang's return_routed_experts on /v1/completions and /v1/chat/completions: the first
     choice's experts in the response's sglext (also as the last streamed chunk), or each
     choice's in its meta_info with return_meta_info; the offline engine's, from
-    routed_experts_start_len on."""
+    routed_experts_start_len on (0: the whole prompt)."""
     import httpx
 
     from minisgl.llm import LLM
@@ -508,7 +508,6 @@ def test_routed_experts_through_the_openai_routes(tiny_models):
     params = {"max_new_tokens": 5, "temperature": 0.0, "ignore_eos": True}
     llm = LLM(str(path), device="cpu", enable_return_routed_experts=True, max_running_requests=4)
     want = llm.generate(prompt, params, return_routed_experts=True, routed_experts_start=7)[0]["meta_info"]
-    del llm
     srv = ServerProcess(path, "--enable-return-routed-experts", "--served-model-name", "moe")
     try:
         srv.wait_ready()
@@ -522,5 +521,14 @@ def test_routed_experts_through_the_openai_routes(tiny_models):
         assert events[-1] == "[DONE]" and events[-2]["sglext"]["routed_experts"] == want["routed_experts"]
         bad = httpx.post(f"{srv.url}/v1/completions", json={**body, "routed_experts_start_len": -1}, timeout=60)
         assert bad.status_code == 400 and "routed_experts_start_len" in bad.text
+        # chat: each choice's experts in its meta_info (from the prompt's first position here)
+        chat = {"model": "moe", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0}
+        chat.update(return_routed_experts=True, return_meta_info=True, return_prompt_token_ids=True, n=2)
+        r = httpx.post(f"{srv.url}/v1/chat/completions", json=chat, timeout=60).json()
+        assert "sglext" not in r
+        for choice in r["choices"]:
+            ids = choice["prompt_token_ids"]
+            alone = llm.generate(ids, {**params, "max_new_tokens": 3}, return_routed_experts=True)[0]["meta_info"]
+            assert choice["meta_info"]["routed_experts"] == alone["routed_experts"]
     finally:
         srv.stop()
