@@ -292,6 +292,10 @@ class GenerateReq(msgspec.Struct):
     lora: str | None = None  # the LoRA adapter it runs under (SGLang's lora_path: a loaded adapter's name)
     prompt_ids: bool = False  # SGLang's return_prompt_token_ids: the prompt's ids come back with the first update
     entropy: bool = False  # SGLang's return_entropy: each output token's distribution's entropy
+    # SGLang's max_thinking_tokens (-1: none): then the reasoning markers are forced; think_open:
+    # the model starts thinking (the reasoning parser says so) whatever the prompt shows.
+    think_budget: int = -1
+    think_open: bool = False
     suffix: str | None = None  # completions' suffix: the text after the hole a fill-in-the-middle prompt fills
 
 
@@ -318,6 +322,9 @@ class TokenizedReq(msgspec.Struct):
     hidden_states: bool = False
     lora: str | None = None
     entropy: bool = False
+    think_budget: int = -1
+    think_markers: list[list[int]] = []  # the open and close markers' ids (with a budget)
+    think_open: bool = False
 
 
 class TokenizedBatch(msgspec.Struct, tag=True):

@@ -142,6 +142,7 @@ GENERATE = Schema(
         "cache_salt",
         "return_prompt_token_ids",
         "return_entropy",
+        "max_thinking_tokens",
     },
     inert={
         "model",
@@ -195,7 +196,6 @@ GENERATE = Schema(
         "return_sampling_mask": False,
         "return_flat_raw_top_logprobs": False,
         "return_flat_raw_top_logprobs_b64": False,
-        "max_thinking_tokens": None,
     },
     why={
         "input_embeds": MULTIMODAL,

@@ -31,6 +31,7 @@ from minisgl.api.protocol import (
 )
 from minisgl.api.streaming import SSE_DONE, sse
 from minisgl.messages import GenerateReq, ProfileReq
+from minisgl.parsers.reasoning import starts_in_reasoning
 from minisgl.sampling import SamplingParams
 
 # Monitoring (/get_server_info, /metrics, /v1/loads) waits this long for fresh stats from the
@@ -59,6 +60,12 @@ class NativeRoutes(ApiBase):
     async def generate(self, request: Request) -> Response:
         body: GenerateRequest = await read_body(request, GenerateRequest, self.args, GENERATE)
         items = body.items(self.args.max_sequences_per_request)  # counted before any is built
+        parser = self.args.reasoning_parser
+        if body.max_thinking_tokens is not None and parser is None:
+            raise BadRequest(
+                "max_thinking_tokens needs a server started with --reasoning-parser (it names the thinking markers)",
+                param="max_thinking_tokens",
+            )
         runs = await self._start(
             [
                 GenerateReq(
@@ -75,6 +82,8 @@ class NativeRoutes(ApiBase):
                     lora=it.lora,
                     prompt_ids=it.prompt_ids,
                     entropy=it.entropy,
+                    think_budget=it.think_budget,
+                    think_open=parser is not None and starts_in_reasoning(parser),
                 )
                 for it in items
             ]

@@ -127,6 +127,7 @@ class GenerateItem(msgspec.Struct):
     lora: str | None = None  # the LoRA adapter's name (lora_path)
     prompt_ids: bool = False  # return_prompt_token_ids
     entropy: bool = False  # return_entropy
+    think_budget: int = -1  # max_thinking_tokens (-1: none)
 
 
 class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -147,6 +148,7 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
     cache_salt: str | list[str] | None = None  # SGLang's other one: prefixes shared only when both match
     return_prompt_token_ids: bool = False  # the prompt's token ids beside the output's (prompt_token_ids)
     return_entropy: bool = False  # each output token's distribution's entropy (output_token_entropy)
+    max_thinking_tokens: Int32 | None = None  # a reasoning model's thinking budget (--reasoning-parser)
     return_routed_experts: bool = False  # MoE: each position's experts (--enable-return-routed-experts)
     routed_experts_start_len: Int32 = 0  # from this position on (0: the whole prompt too)
     return_hidden_states: bool | list[bool] = False  # (--enable-return-hidden-states)
@@ -195,6 +197,8 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
         check_sequences(count * n, max_sequences)
         if self.routed_experts_start_len < 0:
             raise BadRequest("routed_experts_start_len must be >= 0", param="routed_experts_start_len")
+        if self.max_thinking_tokens is not None and self.max_thinking_tokens < 0:
+            raise BadRequest("max_thinking_tokens must be >= 0", param="max_thinking_tokens")
         single = not self.is_batch and n == 1
         rids = self._rids(count * n, single)
         out = []
@@ -222,6 +226,7 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
                         loras[i],
                         self.return_prompt_token_ids,
                         self.return_entropy,
+                        -1 if self.max_thinking_tokens is None else self.max_thinking_tokens,
                     )
                 )
         return out

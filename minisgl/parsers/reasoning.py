@@ -15,13 +15,18 @@ PARSERS = ("qwen3", "qwen3-thinking", "deepseek-r1")
 OPEN, CLOSE = "<think>", "</think>"
 
 
+def starts_in_reasoning(name: str) -> bool:
+    """Whether the parser's models start their answer thinking (the template opened the tag)."""
+    return name != "qwen3"
+
+
 class ReasoningParser:
     """Splits text into (reasoning, content) pieces, piece by piece."""
 
     def __init__(self, name: str, stream_reasoning: bool = True):
         if name not in PARSERS:
             raise ValueError(f"unknown reasoning parser {name!r}; known: {', '.join(PARSERS)}")
-        self.forced = name != "qwen3"
+        self.forced = starts_in_reasoning(name)
         self.stream_reasoning = stream_reasoning  # false: the reasoning goes out whole, when it ends
         self.state = "start"  # start, reasoning, content
         self.pending = ""

@@ -16,6 +16,7 @@ from minisgl.scheduler.cascade import DecodeOrder, plan_cascade
 from minisgl.scheduler.pages import Memory
 from minisgl.scheduler.prefill_batch import write_table
 from minisgl.scheduler.request import Req
+from minisgl.scheduler.think_budget import near_budget
 
 
 class DecodePlanner:
@@ -74,7 +75,7 @@ class DecodePlanner:
             sample=[True] * n,
             group_sizes=order.group_sizes,
             group_pages=order.group_pages,
-            mask_rows=[i for i, r in enumerate(reqs) if r.matcher is not None],
+            mask_rows=[i for i, r in enumerate(reqs) if r.matcher is not None or near_budget(r)],
             resolve_rows=[i for i, r in enumerate(reqs) if r.verify_step >= 0] if speculative else [],
         )
         for req in needy:

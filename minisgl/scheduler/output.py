@@ -60,6 +60,8 @@ def apply_output(
             finish(req, "length")
             continue
         req.output_ids.append(token)
+        if req.think is not None:
+            req.think.accept(token)
         if out.logprobs is not None:
             req.output_logprobs.append(out.logprobs[i])
         if req.entropy:

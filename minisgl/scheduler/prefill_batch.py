@@ -6,6 +6,7 @@ from __future__ import annotations
 from minisgl.messages import ForwardBatch, NewRequest
 from minisgl.scheduler.prefill import Entry
 from minisgl.scheduler.request import Req
+from minisgl.scheduler.think_budget import near_budget
 
 
 def prefill_batch(
@@ -37,7 +38,7 @@ def prefill_batch(
         batch.slots.append(req.slot)
         batch.cached_lens.append(start)
         batch.new_lens.append(new)
-        if sample and req.matcher is not None:
+        if sample and (req.matcher is not None or near_budget(req)):
             batch.mask_rows.append(sum(batch.sample))
         batch.sample.append(sample)
         batch.input_ids += req.all_ids[start : req.kv_len]

@@ -114,6 +114,7 @@ class SchedulerProcess:
                 msg.hidden_states,
                 msg.lora,
                 msg.entropy,
+                (msg.think_budget, *msg.think_markers, msg.think_open) if msg.think_budget >= 0 else None,
             )
         except ValueError as e:
             self.outbox.append(TokenOut(msg.rid, error=str(e)))

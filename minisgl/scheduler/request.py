@@ -61,6 +61,7 @@ class Req:
     grammar_future: Any = None
     grammar_deadline: float = 0.0  # time.monotonic() by which the grammar must have compiled
     matcher: Any = None
+    think: Any = None  # its thinking budget (``think_budget.ThinkBudget``), if it has one
     error: str | None = None
     # Cache state, valid while the request holds a page-table slot.
     slot: int | None = None

@@ -45,6 +45,7 @@ from minisgl.scheduler.prefill_batch import mixed_batch, prefill_batch
 from minisgl.scheduler.queue import WaitingQueue
 from minisgl.scheduler.request import Req, ReqEvent
 from minisgl.scheduler.speculative import Drafter, Drafts, SpecPlanner
+from minisgl.scheduler.think_budget import ThinkBudget, masks
 from minisgl.utils import cdiv, context_overflow
 
 logger = logging.getLogger(__name__)
@@ -213,13 +214,15 @@ class Scheduler(ControlPlane):
         hidden_states: bool = False,
         lora: str | None = None,
         entropy: bool = False,
+        think: tuple[int, list[int], list[int], bool] | None = None,
     ) -> Req:
         """Validate and queue a request. Raises ValueError naming what is wrong. ``routed_start``
         >= 0: return the routed experts of positions from there on. ``prediction_ids``: OpenAI's
         predicted output, a draft source under speculative decoding (no result depends on it).
         ``hidden_states``: return every position's last hidden state. ``lora``: the name of a
         loaded LoRA adapter to run under. ``entropy``: each output token's distribution's entropy
-        comes back."""
+        comes back. ``think``: (budget, open marker ids, close marker ids, open at the start): it
+        thinks for at most ``budget`` tokens (``think_budget``)."""
         if routed_start >= 0 and not self.args.enable_return_routed_experts:
             raise ValueError("return_routed_experts needs a server started with --enable-return-routed-experts")
         if hidden_states and not self.args.enable_return_hidden_states:
@@ -232,6 +235,11 @@ class Scheduler(ControlPlane):
             raise ValueError(f"token_ids_logprob must be in [0, {self.vocab_size})")
         if not prompt_ids:
             raise ValueError("the prompt is empty")
+        if think is not None:
+            if think[0] < 0 or not think[1] or not think[2]:
+                raise ValueError("max_thinking_tokens must be >= 0, with the reasoning markers known")
+            if params.grammar is not None:
+                raise ValueError("max_thinking_tokens cannot be combined with structured output")
         if not ids_in_range(prompt_ids, self.vocab_size):
             raise ValueError(f"input_ids must be in [0, {self.vocab_size})")
         if len(prompt_ids) >= self.context_len:
@@ -278,7 +286,11 @@ class Scheduler(ControlPlane):
             self._unfrozen, self._frozen = 0, True
         req.stop_ids = frozenset((params.stop_token_ids or []) + ([] if params.ignore_eos else list(self.eos_ids)))
         req.max_outputs = max_len - len(prompt_ids)
-        req.plain = top_logprobs < 0 and not entropy and grammar is None and params.max_new_tokens > 0
+        if think is not None:
+            budget, open_ids, close_ids, open_at_start = think
+            open_at_start = open_at_start or ThinkBudget.open_in(req.prompt_ids, open_ids, close_ids)
+            req.think = ThinkBudget(budget, open_ids, close_ids, open_at_start)
+        req.plain = top_logprobs < 0 and not entropy and think is None and grammar is None and params.max_new_tokens > 0
         if adapter is not None and not (params.max_new_tokens == 0 and not req.scores_prompt):
             self.loras.named(req)  # (counted until it ends: its adapter's host copy stays)
         if params.max_new_tokens == 0 and not req.scores_prompt:
@@ -449,9 +461,12 @@ class Scheduler(ControlPlane):
                 # device work is done or nearly; this batch's forward runs meanwhile).
                 while len(self.inflight) > 1:
                     got += self._process(self.inflight.popleft())
+                rows = [sampled[i] for i in batch.mask_rows]
                 self.executor.sample_masked(
-                    self.grammar.bitmask(
-                        [(sampled[i].matcher, sampled[i].params.json_schema is not None) for i in batch.mask_rows]
+                    masks(
+                        [(r.matcher, r.params.json_schema is not None, r.think) for r in rows],
+                        self.grammar,
+                        self.vocab_size,
                     )
                 )
             if logger.isEnabledFor(logging.DEBUG):

@@ -188,7 +188,7 @@ class SpecPlanner:
 
     @staticmethod
     def eligible(req: Req) -> bool:
-        return req.matcher is None and not req.params.has_penalty and req.capture_start < 0
+        return req.matcher is None and req.think is None and not req.params.has_penalty and req.capture_start < 0
 
     def schedule(
         self, decoding: list[Req], retract_newest: Callable[[], None], step: int

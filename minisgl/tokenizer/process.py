@@ -33,6 +33,8 @@ from minisgl.messages import (
     ToTokenizer,
     UpdateBatch,
 )
+from minisgl.parsers.reasoning import CLOSE as THINK_CLOSE
+from minisgl.parsers.reasoning import OPEN as THINK_OPEN
 from minisgl.tokenizer import load_tokenizer
 from minisgl.tokenizer.chat import detect_tool_parser, encode_chat, fit_chat
 from minisgl.tokenizer.completion import detect_completion_template, fim_prompt
@@ -261,6 +263,13 @@ class TokenizerProcess:
             text = fim_prompt(self.completion_template, text, req.suffix)
         return self.tokenizer.encode(text, add_special_tokens=True)
 
+    def _think_markers(self) -> list[list[int]]:
+        """The ids of the reasoning models' open and close markers (a thinking budget forces the
+        close one)."""
+        if self.tokenizer is None:
+            raise ValueError(f"max_thinking_tokens: {self._no_tokenizer} (its markers are text)")
+        return [self.tokenizer.encode(marker, add_special_tokens=False) for marker in (THINK_OPEN, THINK_CLOSE)]
+
     def _prediction(self, req: GenerateReq) -> list[int]:
         """The predicted output's tokens: a draft source when the scheduler speculates (none
         without a tokenizer, or past what a context holds)."""
@@ -300,6 +309,7 @@ class TokenizerProcess:
                 ids = self._encode(req)
                 self._check_length(req, len(ids))
                 predicted = self._prediction(req)
+                markers = self._think_markers() if req.think_budget >= 0 else []
             except ValueError as e:
                 refused.append(ReqUpdate(req.rid, error=str(e)))
                 continue
@@ -322,6 +332,9 @@ class TokenizerProcess:
                     req.hidden_states,
                     req.lora,
                     req.entropy,
+                    req.think_budget,
+                    markers,
+                    req.think_open,
                 )
             )
         if refused:

@@ -1,0 +1,89 @@
+"""Thinking budgets (SGLang's max_thinking_tokens): the close marker is forced once the budget is
+spent, token by token, and the answer goes on as the model continues that text; free otherwise."""
+
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import pytest
+
+from minisgl.llm import LLM
+from minisgl.scheduler.think_budget import ThinkBudget, masks
+from tests.server_utils import ServerProcess
+from tests.test_server import idle_and_clean, server  # noqa: F401 (fixture)
+
+OPEN, CLOSE = [7, 8], [9, 10, 11]
+
+
+def test_the_budget_forces_the_close_marker_and_continues_a_begun_one():
+    think = ThinkBudget(3, OPEN, CLOSE, open_at_start=False)
+    for token in (1, 2, 7, 8):
+        assert think.forced() is None
+        think.accept(token)
+    assert think.thinking and think.used == 0  # opened by the marker
+    for token in (4, 5):
+        think.accept(token)
+        assert think.forced() is None
+    think.accept(9)  # the model begins the close marker itself as its budget ends
+    assert think.forced() == 10
+    think.accept(10)
+    assert think.forced() == 11
+    think.accept(11)
+    assert not think.thinking and think.done and think.forced() is None
+    think.accept(7)  # thinking happens once
+    assert not think.thinking
+    assert ThinkBudget.open_in([1, 7, 8, 3], OPEN, CLOSE) and not ThinkBudget.open_in([7, 8, 9, 10, 11], OPEN, CLOSE)
+    spent = ThinkBudget(0, OPEN, CLOSE, open_at_start=True)
+    assert spent.forced() == 9 and spent.near(0) and not ThinkBudget(5, OPEN, CLOSE, False).near(10)
+
+
+def test_masks_allow_only_the_forced_token():
+    forced, free = ThinkBudget(0, OPEN, CLOSE, True), ThinkBudget(9, OPEN, CLOSE, True)
+    words = np.frombuffer(masks([(None, False, forced), (None, False, free), (None, False, None)], None, 70), np.int32)
+    bits = np.unpackbits(words.reshape(3, -1).view(np.uint8), bitorder="little").reshape(3, -1)[:, :70]
+    assert bits[0].nonzero()[0].tolist() == [9]
+    assert bits[1].all() and bits[2].all()
+
+
+@pytest.fixture(scope="module")
+def thinking_server(tiny_llama):
+    srv = ServerProcess(tiny_llama, "--reasoning-parser", "qwen3", "--max-total-tokens", "8192")
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_max_thinking_tokens_over_http(thinking_server, tiny_llama):
+    """A prompt that leaves <think> open thinks for the budget, then gets </think> and goes on
+    as the offline engine continues that text; a prompt that does not is untouched; budget 0
+    closes at once; refusals name the field."""
+    llm = LLM(str(tiny_llama), device="cpu", max_total_tokens=8192)
+    tok = llm.tokenizer
+    close = tok.encode("</think>", add_special_tokens=False)
+    url, params = thinking_server.url, {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True}
+    for budget in (5, 0):
+        prompt = tok.encode("Question: why?<think>\n")
+        r = httpx.post(
+            f"{url}/generate", json={"input_ids": prompt, "sampling_params": params, "max_thinking_tokens": budget}
+        )
+        out = r.json()["output_ids"]
+        free = llm.generate(prompt, {**params, "max_new_tokens": budget})[0]["output_ids"] if budget else []
+        assert out[:budget] == free and out[budget : budget + len(close)] == close, (budget, out)
+        head = out[: budget + len(close)]
+        rest = llm.generate(prompt + head, {**params, "max_new_tokens": 20 - len(head)})[0]["output_ids"]
+        assert out[len(head) :] == rest
+    plain = tok.encode("Question: why?")
+    body = {"input_ids": plain, "sampling_params": params, "max_thinking_tokens": 2}
+    assert httpx.post(f"{url}/generate", json=body).json()["output_ids"] == llm.generate(plain, params)[0]["output_ids"]
+    for bad, word in ((-1, "max_thinking_tokens"), (3, "structured output")):
+        extra = {"sampling_params": {**params, "regex": "[a-z]+"}} if word != "max_thinking_tokens" else {}
+        r = httpx.post(f"{url}/generate", json={**body, "max_thinking_tokens": bad, **extra})
+        assert r.status_code == 400 and word in r.json()["error"]["message"], r.text
+    idle_and_clean(thinking_server)
+
+
+def test_max_thinking_tokens_needs_a_reasoning_parser(server):  # noqa: F811
+    r = httpx.post(f"{server.url}/generate", json={"text": "a", "max_thinking_tokens": 4})
+    assert r.status_code == 400 and "--reasoning-parser" in r.json()["error"]["message"]
