@@ -9,7 +9,7 @@ import pytest
 
 from minisgl.llm import LLM
 from minisgl.scheduler.think_budget import ThinkBudget, masks
-from tests.server_utils import ServerProcess
+from tests.server_utils import running_server
 from tests.test_server import idle_and_clean, server  # noqa: F401 (fixture)
 
 OPEN, CLOSE = [7, 8], [9, 10, 11]
@@ -47,12 +47,8 @@ def test_masks_allow_only_the_forced_token():
 
 @pytest.fixture(scope="module")
 def thinking_server(tiny_llama):
-    srv = ServerProcess(tiny_llama, "--reasoning-parser", "qwen3", "--max-total-tokens", "8192")
-    try:
-        srv.wait_ready()
+    with running_server(tiny_llama, "--reasoning-parser", "qwen3", "--max-total-tokens", "8192") as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def test_max_thinking_tokens_over_http(thinking_server, tiny_llama):
