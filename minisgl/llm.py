@@ -19,6 +19,8 @@ from minisgl.messages import (
     TensorWeights,
     WorkerTask,
 )
+from minisgl.parsers.reasoning import CLOSE as THINK_CLOSE
+from minisgl.parsers.reasoning import OPEN as THINK_OPEN
 from minisgl.sampling import SamplingParams
 from minisgl.scheduler import Req, Scheduler
 from minisgl.scheduler.control import ControlError
@@ -163,6 +165,12 @@ class LLM:
     def continue_generation(self) -> None:
         self.scheduler.resume()
 
+    def _think(self, budget: int | None) -> tuple[int, list[int], list[int], bool] | None:
+        """A thinking budget as the scheduler takes it: the markers' ids from the tokenizer."""
+        if budget is None:
+            return None
+        return (budget, self._encode(THINK_OPEN, special=False), self._encode(THINK_CLOSE, special=False), False)
+
     def _encode(self, prompt: Prompt, special: bool = True) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -235,6 +243,7 @@ class LLM:
         return_hidden_states: bool = False,
         lora_path: str | list[str | None] | None = None,
         return_entropy: bool = False,
+        max_thinking_tokens: int | None = None,
     ) -> list[dict[str, Any]]:
         """Generate for every prompt (text or token ids); results come back in prompt order.
 
@@ -253,6 +262,8 @@ class LLM:
         ``lora_path`` (``enable_lora=True``): the name of a loaded LoRA adapter for every prompt,
         or one per prompt (None: the base model). ``return_entropy``: each output token's
         distribution's entropy in ``meta_info["output_token_entropy"]`` (SGLang's return_entropy).
+        ``max_thinking_tokens``: a reasoning model thinks (inside ``<think>``, open in the prompt or
+        opened by the model) at most that many tokens before ``</think>`` is forced.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -286,6 +297,7 @@ class LLM:
                         hidden_states=return_hidden_states,
                         lora=lora,
                         entropy=return_entropy,
+                        think=self._think(max_thinking_tokens),
                     )
                 )
         except ValueError:

@@ -70,6 +70,8 @@ def test_max_thinking_tokens_over_http(thinking_server, tiny_llama):
         head = out[: budget + len(close)]
         rest = llm.generate(prompt + head, {**params, "max_new_tokens": 20 - len(head)})[0]["output_ids"]
         assert out[len(head) :] == rest
+        offline = llm.generate(prompt, params, max_thinking_tokens=budget)[0]["output_ids"]
+        assert offline == out  # the offline engine takes the budget too
     plain = tok.encode("Question: why?")
     body = {"input_ids": plain, "sampling_params": params, "max_thinking_tokens": 2}
     assert httpx.post(f"{url}/generate", json=body).json()["output_ids"] == llm.generate(plain, params)[0]["output_ids"]
