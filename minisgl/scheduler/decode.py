@@ -75,7 +75,7 @@ class DecodePlanner:
             sample=[True] * n,
             group_sizes=order.group_sizes,
             group_pages=order.group_pages,
-            mask_rows=[i for i, r in enumerate(reqs) if r.matcher is not None or near_budget(r)],
+            mask_rows=[i for i, r in enumerate(reqs) if r.masked and (r.matcher is not None or near_budget(r))],
             resolve_rows=[i for i, r in enumerate(reqs) if r.verify_step >= 0] if speculative else [],
         )
         for req in needy:

@@ -62,6 +62,7 @@ class Req:
     grammar_deadline: float = 0.0  # time.monotonic() by which the grammar must have compiled
     matcher: Any = None
     think: Any = None  # its thinking budget (``think_budget.ThinkBudget``), if it has one
+    masked: bool = False  # a grammar or a thinking budget: its rows may need masks (one check a step)
     error: str | None = None
     # Cache state, valid while the request holds a page-table slot.
     slot: int | None = None

@@ -290,7 +290,8 @@ class Scheduler(ControlPlane):
             budget, open_ids, close_ids, open_at_start = think
             open_at_start = open_at_start or ThinkBudget.open_in(req.prompt_ids, open_ids, close_ids)
             req.think = ThinkBudget(budget, open_ids, close_ids, open_at_start)
-        req.plain = top_logprobs < 0 and not entropy and think is None and grammar is None and params.max_new_tokens > 0
+        req.masked = grammar is not None or think is not None
+        req.plain = top_logprobs < 0 and not entropy and not req.masked and params.max_new_tokens > 0
         if adapter is not None and not (params.max_new_tokens == 0 and not req.scores_prompt):
             self.loras.named(req)  # (counted until it ends: its adapter's host copy stays)
         if params.max_new_tokens == 0 and not req.scores_prompt:
