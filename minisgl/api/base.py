@@ -298,11 +298,12 @@ class ApiBase:
         logprob_ids: bool = False,
         routed: bool = False,
         hidden: bool = False,
+        entropy: bool = False,
     ) -> dict[str, Any]:
         """SGLang's ``meta_info`` of a run (/generate's, and a chat choice's with return_meta_info):
         counts, finish, latency, and what the request asked for: logprobs (``top_logprobs`` >= 0;
         ``with_text``: each entry's token text; ``logprob_ids``: token_ids_logprob's), the routed
-        experts and the hidden states."""
+        experts, the hidden states and each output token's entropy."""
         meta: dict[str, Any] = {
             "id": run.rid,
             "prompt_tokens": run.prompt_tokens,
@@ -328,6 +329,8 @@ class ApiBase:
                     ]
         if routed:
             meta["routed_experts"] = base64.b64encode(run.routed_experts).decode()
+        if entropy:
+            meta["output_token_entropy"] = run.entropy
         if hidden and run.hidden_states:  # (with the last update)
             meta["hidden_states"] = hidden_state_rows(run.hidden_states, self.info.hidden_size, run.prompt_tokens)
         return meta

@@ -93,10 +93,14 @@ class NativeRoutes(ApiBase):
         def result(i: int) -> dict[str, Any]:
             item, run = items[i], runs[i]
             meta = self.meta_info(
-                run, item.top_logprobs, with_text, bool(item.logprob_ids), item.routed_start >= 0, item.hidden_states
+                run,
+                item.top_logprobs,
+                with_text,
+                bool(item.logprob_ids),
+                item.routed_start >= 0,
+                item.hidden_states,
+                item.entropy,
             )
-            if item.entropy:
-                meta["output_token_entropy"] = run.entropy
             out = {"text": run.text, "output_ids": run.token_ids, "meta_info": meta}
             if item.prompt_ids:
                 out["prompt_token_ids"] = run.prompt_ids

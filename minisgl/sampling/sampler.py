@@ -278,7 +278,8 @@ class Sampler:
             logprobs = torch.log_softmax(logits, dim=-1)
             out.logprobs = logprobs.gather(1, tokens[:, None]).squeeze(1)
             if entropy:  # -sum p log p over the logprobs' distribution (masked tokens add 0)
-                out.entropy = -torch.special.xlogy(logprobs.exp(), logprobs.exp()).sum(dim=-1)
+                probs = logprobs.exp()
+                out.entropy = -torch.special.xlogy(probs, probs).sum(dim=-1)
             if top_n > 0:
                 out.top_logprobs, out.top_ids = logprobs.topk(top_n, dim=-1)
             if id_union:
