@@ -237,7 +237,7 @@ def main() -> None:
         default=None,
         metavar=("ADAPTERS", "RANK"),
         help="serve ADAPTERS random LoRA adapters of RANK on every module (as many device slots), "
-        "request i under adapter i %% ADAPTERS",
+        "one per tenant (requests whose prompts start alike share one)",
     )
     ap.add_argument(
         "--tp-size",

@@ -282,8 +282,6 @@ class EngineArgs:
             raise ValueError(
                 f"--lora-target-modules: {', '.join(unknown)} not served ({', '.join(LORA_TARGET_MODULES)} or all)"
             )
-        if self.quantization is not None:
-            raise ValueError("--enable-lora with --quantization fp8 is not supported: serve the adapters in bf16")
         names = [name for name, _, _ in parse_lora_paths(self.lora_paths or [])]
         if self.max_loaded_loras is not None and len(names) > self.max_loaded_loras:
             raise ValueError(f"--lora-paths names {len(names)} adapters; --max-loaded-loras is {self.max_loaded_loras}")

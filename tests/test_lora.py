@@ -173,8 +173,6 @@ def test_lora_needs_the_flag_and_refuses_what_it_cannot_serve(tiny_llama, tiny_m
     with pytest.raises(ValueError, match="--enable-lora"):
         llm.generate([PROMPTS[0]], PARAMS, lora_path="a1")
     assert not llm.load_lora_adapter("a1", str(adapters["a1"]))[0]
-    with pytest.raises(ValueError, match="--quantization fp8"):
-        EngineArgs(model="m", enable_lora=True, quantization="fp8").validate()
     with pytest.raises(ValueError, match="max-loaded-loras"):
         EngineArgs(model="m", enable_lora=True, max_loaded_loras=4).validate()
     dora = make_lora_adapter(tiny_llama, tmp_path / "dora", ("q_proj",))
@@ -190,6 +188,59 @@ def test_lora_needs_the_flag_and_refuses_what_it_cannot_serve(tiny_llama, tiny_m
         moe.generate([PROMPTS[1]], PARAMS, lora_path="attn")[0]["output_ids"]
         != moe.generate([PROMPTS[1]], PARAMS)[0]["output_ids"]
     )
+
+
+@pytest.mark.parametrize("block", [None, 128])
+def test_fp8_layers_add_their_adapters_to_the_fp8_product(block):
+    """An fp8 layer with adapters returns its fp8 product plus each row's adapter applied to the
+    input as it arrived: floats as they are, a quantized activation dequantized."""
+    from minisgl.layers.fp8_scheme import Fp8Scheme
+    from minisgl.layers.linear import QKVParallelLinear, RowParallelLinear
+    from minisgl.layers.lora import LoraRows, LoraWeights
+    from minisgl.layers.quantization import dequantize, fp8_linear, quantize
+
+    gen = torch.Generator().manual_seed(0)
+    scheme = Fp8Scheme(block=block)
+    rows = LoraRows(16, 2, 8, torch.device("cpu"))
+    qkv, down = QKVParallelLinear(320, 64, 4, 2, False, scheme), RowParallelLinear(320, 96, quant=scheme)
+    for layer, parts in ((qkv, qkv.local_sizes), (down, [96])):
+        for part, size in enumerate(parts):
+            w = torch.randn(size, 320, generator=gen)
+            layer.weight.weight_loader(layer.weight, w, ("q", "k", "v")[part] if layer is qkv else None)
+        layer.lora = LoraWeights(rows, 320, parts, torch.float32, torch.device("cpu"))
+        layer.lora.a.copy_(torch.randn(layer.lora.a.shape, generator=gen))
+        layer.lora.b.copy_(torch.randn(layer.lora.b.shape, generator=gen))
+    x = torch.randn(5, 320, generator=gen)
+    rows.set(torch.tensor([0, -1, 1, 1, 0]))
+    for layer in (qkv, down):
+        for given in (x, quantize(x, block)):
+            seen = x if isinstance(given, torch.Tensor) else dequantize(given.data, given.scale, block)
+            want = layer.lora.add(seen, fp8_linear(x, layer.weight, layer.weight_scale, None, block))
+            torch.testing.assert_close(layer(given), want)
+            assert not torch.equal(want, fp8_linear(x, layer.weight, layer.weight_scale, None, block))
+    rows.set(torch.full((5,), -1), active=False)
+    assert torch.equal(qkv(x), fp8_linear(x, qkv.weight, qkv.weight_scale, None, block))
+
+
+def test_adapters_on_an_fp8_model(tiny_llama, adapters):
+    """--quantization fp8 with adapters: a request of no adapter gets a plain fp8 engine's tokens
+    whatever its batch holds, each adapter's request gets the tokens it gets alone, radix on or
+    off, and every adapter changes the answer."""
+    llm = _llm(
+        tiny_llama, quantization="fp8", lora_paths=[f"{n}={p}" for n, p in adapters.items()], max_loras_per_batch=4
+    )
+    plain = [r["output_ids"] for r in _llm(tiny_llama, quantization="fp8").generate(PROMPTS, PARAMS)]
+    names = [None, "a1", "a2", "a3"]
+    alone = {n: [r["output_ids"] for r in llm.generate(PROMPTS, PARAMS, lora_path=n)] for n in names}
+    assert alone[None] == plain
+    assert len({tuple(alone[n][0]) for n in names}) == 4
+    prompts = [p for _ in names for p in PROMPTS]
+    loras = [n for n in names for _ in PROMPTS]
+    for radix_off in (False, True):
+        llm.reset_scheduler(disable_radix_cache=radix_off)
+        got = [r["output_ids"] for r in llm.generate(prompts, PARAMS, lora_path=loras)]
+        llm.scheduler.check_integrity()
+        assert got == [t for n in names for t in alone[n]], radix_off
 
 
 def _in_memory(adapter: Path) -> tuple[dict[str, torch.Tensor], dict]:
@@ -335,6 +386,44 @@ def test_lora_on_the_gpu_equals_the_cpu(tmp_path):
     assert runs["cuda-fp32"] == runs["cpu"]
     assert runs["bf16-graphs"] == runs["bf16-eager"]
     assert runs["bf16-graphs-base"] == runs["bf16-eager-base"] == without
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("block", [None, 128])
+def test_lora_on_fp8_layers_on_the_gpu(tmp_path, block):
+    """FP8 weights (per channel, or 128-column blocks) with adapters, bf16: CUDA graphs give the
+    eager tokens, and requests of no adapter a plain fp8 server's (the norms' fused quantization
+    kept: the adapters read its output dequantized)."""
+    from minisgl.llm import LLM
+    from minisgl.tiny_model import make_tiny_model
+    from scripts.quantize_checkpoint import convert
+
+    path = make_tiny_model("llama", tmp_path / "llama-hd128", overrides={"head_dim": 128})
+    paths = [
+        f"a1={make_lora_adapter(path, tmp_path / 'a1', rank=8, seed=1)}",
+        f"a2={make_lora_adapter(path, tmp_path / 'a2', ('q_proj', 'v_proj', 'down_proj'), rank=4, seed=2)}",
+    ]
+    kw = dict(quantization="fp8")
+    if block is not None:  # a block-wise FP8 checkpoint, loaded with no flag
+        path, kw = convert(path, tmp_path / "fp8-blocks", "block"), {}
+    prompts = [list(range(3, 40)), list(range(100, 190)), [5, 6, 7]] * 2
+    loras = ["a1", "a2", None, "a2", None, "a1"]
+    params = {**PARAMS, "max_new_tokens": 16}
+    common = dict(max_running_requests=8, max_total_tokens=4096, device="cuda", dtype="bfloat16", **kw)
+    runs = {}
+    for name, graphs in {
+        "eager": dict(cuda_graph_max_bs=0, disable_piecewise_cuda_graph=True),
+        "graphs": dict(cuda_graph_max_bs=8),
+    }.items():
+        llm = LLM(str(path), lora_paths=paths, **common, **graphs)
+        runs[name] = [r["output_ids"] for r in llm.generate(prompts, params, lora_path=loras)]
+        del llm
+    plain = LLM(str(path), **common)
+    without = [r["output_ids"] for r in plain.generate(prompts[:3], params)]
+    assert runs["graphs"] == runs["eager"]
+    assert [runs["graphs"][i] for i in (2, 4)] == [without[2], without[2]]
+    assert runs["graphs"][0] != without[0]
 
 
 def check_lora_kernels() -> None:

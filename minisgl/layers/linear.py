@@ -88,7 +88,8 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor | Fp8Act) -> torch.Tensor:
         if self.quant is not None:
-            return fp8_linear(x, self.weight, self.weight_scale, self.bias, self.quant.block)
+            y = fp8_linear(x, self.weight, self.weight_scale, self.bias, self.quant.block)
+            return y if self.lora is None else self.lora.add(x, y, self.quant.block)
         y = F.linear(x, self.weight, self.bias)
         return y if self.lora is None else self.lora.add(x, y)
 
@@ -254,9 +255,11 @@ class RowParallelLinear(nn.Module):
         if self.quant is None:
             y = F.linear(x, self.weight) if out_dtype is None else linear_fp32(x, self.weight)
             return y if self.lora is None else self.lora.add(x, y)
+        act = x
         if isinstance(x, torch.Tensor) and self.scales_across_ranks:
-            x = quantize_across_ranks(x.reshape(-1, x.shape[-1]))
-        return fp8_linear(x, self.weight, self.weight_scale, None, self.quant.block, out_dtype)
+            act = quantize_across_ranks(x.reshape(-1, x.shape[-1]))
+        y = fp8_linear(act, self.weight, self.weight_scale, None, self.quant.block, out_dtype)
+        return y if self.lora is None else self.lora.add(x, y, self.quant.block)
 
     def forward(self, x: torch.Tensor | Fp8Act, reduce: bool = True) -> torch.Tensor:
         """With ``reduce=False`` (no bias) this rank's partial sums, for a following

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from minisgl.layers.quantization import Fp8Act, dequantize
+
 # Checkpoint module names an adapter may target, and the layer (with part) each lands in.
 TARGETS = {
     "q_proj": ("self_attn.qkv_proj", 0),
@@ -98,11 +100,15 @@ class LoraWeights:
         self.a = torch.zeros(len(part_sizes) * width, input_size, dtype=dtype, device=device)
         self.b = torch.zeros(sum(part_sizes), width, dtype=dtype, device=device)
 
-    def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def add(self, x: torch.Tensor | Fp8Act, y: torch.Tensor, block: int | None = None) -> torch.Tensor:
         """y + each row's adapter's x A^T B^T (y: the base layer's output for x, [T, out]); on
-        the GPU in place, by ``kernels.lora`` (this is its reference)."""
+        the GPU in place, by ``kernels.lora`` (this is its reference). An fp8 layer's input that
+        arrived quantized (scales per token, or per ``block`` columns) enters dequantized: the
+        adapter reads what the base GEMM reads."""
         if not self.rows.active:
             return y
+        if isinstance(x, Fp8Act):
+            x = dequantize(x.data, x.scale, block).to(x.dtype)
         x2 = x.reshape(-1, x.shape[-1])
         if x2.is_cuda:
             from minisgl.kernels.lora import lora_add

@@ -8,6 +8,7 @@ a matched stop string ends the request here and tells the scheduler to stop it.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -178,6 +179,7 @@ class TokenizerProcess:
             elif isinstance(msg, EngineInfo):
                 if not self.skip_init:
                     self.tokenizer = load_tokenizer(self.tokenizer_path or msg.model_path, self.chat_template)
+                    self.__dict__.pop("_marker_ids", None)  # (encoded again by the new tokenizer)
                 parser = self.tool_call_parser or detect_tool_parser(self.tokenizer)
                 if parser is not None and self.tokenizer is not None:
                     logger.info(
@@ -263,12 +265,17 @@ class TokenizerProcess:
             text = fim_prompt(self.completion_template, text, req.suffix)
         return self.tokenizer.encode(text, add_special_tokens=True)
 
+    @functools.cached_property
+    def _marker_ids(self) -> list[list[int]]:
+        """The ids of the reasoning models' open and close markers, encoded once."""
+        return [self.tokenizer.encode(marker, add_special_tokens=False) for marker in (THINK_OPEN, THINK_CLOSE)]
+
     def _think_markers(self) -> list[list[int]]:
         """The ids of the reasoning models' open and close markers (a thinking budget forces the
         close one)."""
         if self.tokenizer is None:
             raise ValueError(f"max_thinking_tokens: {self._no_tokenizer} (its markers are text)")
-        return [self.tokenizer.encode(marker, add_special_tokens=False) for marker in (THINK_OPEN, THINK_CLOSE)]
+        return self._marker_ids
 
     def _prediction(self, req: GenerateReq) -> list[int]:
         """The predicted output's tokens: a draft source when the scheduler speculates (none
