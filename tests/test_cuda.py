@@ -438,3 +438,32 @@ def test_trimmed_decode_plan_equals_flashinfers(page_size):
         assert list(trimmed._plan_info) == list(full._plan_info), step
         assert trimmed._max_kv_len == full._max_kv_len
         assert torch.equal(trimmed.run(q, cache), full.run(q, cache)), step
+
+
+@pytest.mark.cuda
+def test_max_thinking_tokens_on_the_gpu(tmp_path):
+    """bf16 on the GPU, decode graphs and overlap on: the budget closes thinking at the same token
+    as eager synchronous steps; until then a budgeted row samples what the same prompt samples
+    unbudgeted in its batch."""
+    from minisgl.llm import LLM
+
+    path = make_tiny_model("llama", tmp_path / "llama-hd128", overrides={"head_dim": 128})
+    params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+    outs = {}
+    for name, kw in {
+        "eager": dict(cuda_graph_max_bs=0, disable_overlap_schedule=True, disable_piecewise_cuda_graph=True),
+        "graphs": dict(cuda_graph_max_bs=8),
+    }.items():
+        llm = LLM(str(path), device="cuda", dtype="bfloat16", max_total_tokens=4096, **kw)
+        close = llm.tokenizer.encode("</think>", add_special_tokens=False)
+        prompts = [llm.tokenizer.encode(f"Question {i}: why?<think>\n") for i in range(3)]
+        budgeted = [llm.generate(prompts, params, max_thinking_tokens=b) for b in (6, 0)]
+        free = llm.generate(prompts, params)
+        for out, budget in zip(budgeted, (6, 0)):
+            for got, plain in zip(out, free):
+                ids = got["output_ids"]
+                assert ids[:budget] == plain["output_ids"][:budget] and ids[budget : budget + len(close)] == close
+        outs[name] = [[r["output_ids"] for r in out] for out in budgeted]
+        del llm
+        torch.cuda.empty_cache()
+    assert outs["graphs"] == outs["eager"]

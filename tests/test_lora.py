@@ -393,7 +393,7 @@ def test_lora_on_the_gpu_equals_the_cpu(tmp_path):
 @pytest.mark.parametrize("block", [None, 128])
 def test_lora_on_fp8_layers_on_the_gpu(tmp_path, block):
     """FP8 weights (per channel, or 128-column blocks) with adapters, bf16: CUDA graphs give the
-    eager tokens, and requests of no adapter a plain fp8 server's (the norms' fused quantization
+    eager tokens, and a batch of no adapter a plain fp8 server's (the norms' fused quantization
     kept: the adapters read its output dequantized)."""
     from minisgl.llm import LLM
     from minisgl.tiny_model import make_tiny_model
@@ -418,11 +418,12 @@ def test_lora_on_fp8_layers_on_the_gpu(tmp_path, block):
     }.items():
         llm = LLM(str(path), lora_paths=paths, **common, **graphs)
         runs[name] = [r["output_ids"] for r in llm.generate(prompts, params, lora_path=loras)]
+        runs[name + "-base"] = [r["output_ids"] for r in llm.generate(prompts, params)]
         del llm
     plain = LLM(str(path), **common)
-    without = [r["output_ids"] for r in plain.generate(prompts[:3], params)]
+    without = [r["output_ids"] for r in plain.generate(prompts, params)]
     assert runs["graphs"] == runs["eager"]
-    assert [runs["graphs"][i] for i in (2, 4)] == [without[2], without[2]]
+    assert runs["graphs-base"] == runs["eager-base"] == without
     assert runs["graphs"][0] != without[0]
 
 
@@ -432,6 +433,7 @@ def check_lora_kernels() -> None:
     K split across programs."""
     from minisgl.kernels.lora import lora_add
     from minisgl.layers.lora import LoraRows, LoraWeights
+    from minisgl.layers.quantization import Fp8Act, dequantize, quantize_torch
 
     gen = torch.Generator().manual_seed(0)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -459,6 +461,15 @@ def check_lora_kernels() -> None:
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         if dev == "cpu":  # the reference path itself
             torch.testing.assert_close(w.add(x, y.clone()), want, atol=1e-4, rtol=1e-4)
+        for block in (None, 128):  # an fp8 activation (scales per row, or per 128 columns) read dequantized
+            q, scale = quantize_torch(x, block)
+            plain = lora_add(dequantize(q, scale, block), y.clone(), w.a, w.b, order, sorted_slots, parts, rows.rank)
+            got = lora_add(q, y.clone(), w.a, w.b, order, sorted_slots, parts, rows.rank, scale, block)
+            torch.testing.assert_close(got, plain, atol=1e-5, rtol=1e-5)
+            assert not torch.equal(got, want)  # (the quantization shows)
+            if dev == "cpu":
+                reference = w.add(Fp8Act(q, scale, x.dtype), y.clone(), block)
+                torch.testing.assert_close(reference, got, atol=1e-4, rtol=1e-4)
 
 
 def test_lora_kernels_equal_the_reference_interpreted():

@@ -8,9 +8,9 @@ a tile of BT rows holds one adapter or a few, and each tile multiplies only the 
 use, one rank-R chunk at a time:
 
 - ``shrink``: u[row, part p, slot s] = x[row] A[p, s]^T for the rows of each used slot s, in
-  float32 (grid: row tiles x (part, slot) x K splits; a decode step's one row tile needs the
-  splits, added up by atomics into a zeroed u, to keep the SMs busy); chunks of unused slots are
-  never read;
+  float32, an fp8 x (a quantized activation) scaled as it is loaded (grid: row tiles x (part,
+  slot) x K splits; a decode step's one row tile needs the splits, added up by atomics into a
+  zeroed u, to keep the SMs busy); chunks of unused slots are never read;
 - ``expand``: y[row, cols] += u[row, part of cols, s] B[cols, s]^T over the same used slots (grid:
   row tiles x column tiles; a column tile lies within one part).
 
@@ -30,11 +30,13 @@ BT = 16  # rows a program takes (tl.dot's smallest M)
 
 @triton.jit
 def _shrink_kernel(
-    x_ptr, a_ptr, order_ptr, slot_ptr, u_ptr, T, K, stride_x, S, P, KS,
-    R: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, IEEE: tl.constexpr,
+    x_ptr, scale_ptr, a_ptr, order_ptr, slot_ptr, u_ptr, T, K, stride_x, stride_scale, GROUP, S, P, KS,
+    R: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, IEEE: tl.constexpr, SCALED: tl.constexpr,
 ):  # fmt: skip
     """One tile of rows in slot order, one (part, slot), one K split: u[rows, p, s, :] +=
-    x[rows, split] @ A[p, s, :, split]^T for the tile's rows of slot s, if it has any."""
+    x[rows, split] @ A[p, s, :, split]^T for the tile's rows of slot s, if it has any. With
+    ``SCALED`` x is fp8 and each value is first multiplied by its row's scale for its GROUP of
+    columns (K: one scale a row)."""
     tile, ps, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     s = ps % S
     idx = tile * BT + tl.arange(0, BT)
@@ -48,9 +50,11 @@ def _shrink_kernel(
         chunk = tl.cdiv(tl.cdiv(K, KS), BK) * BK
         for k0 in range(split * chunk, tl.minimum(K, (split + 1) * chunk), BK):
             ks = k0 + tl.arange(0, BK)
-            x = tl.load(
-                x_ptr + rows[:, None] * stride_x + ks[None, :], mask=own[:, None] & (ks[None, :] < K), other=0.0
-            )
+            keep = own[:, None] & (ks[None, :] < K)
+            x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=keep, other=0.0)
+            if SCALED:
+                scale = tl.load(scale_ptr + rows[:, None] * stride_scale + ks[None, :] // GROUP, mask=keep, other=0.0)
+                x = (x.to(tl.float32) * scale).to(a_ptr.dtype.element_ty)
             a = tl.load(a_base + ks[:, None], mask=ks[:, None] < K, other=0.0)  # [BK, R]
             acc = tl.dot(x, a, acc, input_precision="ieee" if IEEE else "tf32")
         out = u_ptr + rows[:, None] * (P * S * R) + ps * R + r[None, :]
@@ -122,19 +126,26 @@ def lora_add(
     sorted_slots: torch.Tensor,
     part_sizes: list[int],
     rank: int,
+    scale: torch.Tensor | None = None,
+    block: int | None = None,
 ) -> torch.Tensor:
     """y += each row's adapter's x A^T B^T, in place (``layers.lora.LoraWeights`` holds a, b;
-    ``order``: the rows by slot, ``sorted_slots`` their slots, -1 for none: ``LoraRows``)."""
+    ``order``: the rows by slot, ``sorted_slots`` their slots, -1 for none: ``LoraRows``). An fp8
+    x comes with its ``scale`` ([T, 1], or [T, K / block] per ``block`` columns) and is read
+    dequantized, in the adapters' dtype (no dequantized copy is written)."""
     T, K = x.shape
     P = len(part_sizes)
     S = a.shape[0] // (P * rank)
     tiles = triton.cdiv(T, BT)
     ks = k_splits(T, K, P, x.device)
     u = (torch.zeros if ks > 1 else torch.empty)(T, P * S * rank, dtype=torch.float32, device=x.device)
-    ieee = x.dtype == torch.float32
+    ieee = a.dtype == torch.float32
+    scaled = scale is not None
+    group = (block or K) if scaled else K
     _shrink_kernel[(tiles, P * S, ks)](
-        x, a, order, sorted_slots, u, T, K, x.stride(0), S, P, ks, R=rank, BK=128, BT=BT, IEEE=ieee
-    )
+        x, scale if scaled else x, a, order, sorted_slots, u, T, K, x.stride(0), scale.stride(0) if scaled else 0,
+        group, S, P, ks, R=rank, BK=128, BT=BT, IEEE=ieee, SCALED=scaled,
+    )  # fmt: skip
     N = y.shape[1]
     bn = column_tile(part_sizes)
     offsets = [sum(part_sizes[:i]) for i in range(1, 3)] + [N] * (3 - P)

@@ -103,20 +103,22 @@ class LoraWeights:
     def add(self, x: torch.Tensor | Fp8Act, y: torch.Tensor, block: int | None = None) -> torch.Tensor:
         """y + each row's adapter's x A^T B^T (y: the base layer's output for x, [T, out]); on
         the GPU in place, by ``kernels.lora`` (this is its reference). An fp8 layer's input that
-        arrived quantized (scales per token, or per ``block`` columns) enters dequantized: the
-        adapter reads what the base GEMM reads."""
+        arrived quantized (scales per token, or per ``block`` columns) enters dequantized (on the
+        GPU as the kernel loads it): the adapter reads what the base GEMM reads."""
         if not self.rows.active:
             return y
+        if y.is_cuda:
+            from minisgl.kernels.lora import lora_add
+
+            data, scale = (x.data, x.scale) if isinstance(x, Fp8Act) else (x, None)
+            x2, rows = data.reshape(-1, data.shape[-1]).contiguous(), self.rows
+            n = x2.shape[0]
+            return lora_add(
+                x2, y, self.a, self.b, rows.order[:n], rows.sorted[:n], self.part_sizes, rows.rank, scale, block
+            )
         if isinstance(x, Fp8Act):
             x = dequantize(x.data, x.scale, block).to(x.dtype)
         x2 = x.reshape(-1, x.shape[-1])
-        if x2.is_cuda:
-            from minisgl.kernels.lora import lora_add
-
-            n, rows = x2.shape[0], self.rows
-            return lora_add(
-                x2.contiguous(), y, self.a, self.b, rows.order[:n], rows.sorted[:n], self.part_sizes, rows.rank
-            )
         parts = len(self.part_sizes)
         u = (x2 @ self.a.t()) * self.rows.mask(x2.shape[0], parts, x2.dtype)
         if parts == 1:
