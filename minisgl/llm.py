@@ -16,6 +16,7 @@ from minisgl.messages import (
     LocalLora,
     LocalTensors,
     MemoryOccupation,
+    ReadWeights,
     TensorWeights,
     WorkerTask,
 )
@@ -154,6 +155,18 @@ class LLM:
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> tuple[bool, str]:
         return self._task(MemoryOccupation(False) if tags is None else MemoryOccupation(False, tags))
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
+        """The first ``truncate_size`` rows of checkpoint tensor ``name`` as served now (nested
+        lists of floats; fp8 weights dequantized), as SGLang's Engine returns them. ValueError
+        for a name that is no weight of the model."""
+        try:
+            reply = self.scheduler.run_task(ReadWeights(name, truncate_size))
+        except ControlError as e:
+            raise ValueError(str(e)) from None
+        if not reply.ok:
+            raise ValueError(reply.message)
+        return reply.values
 
     def flush_cache(self) -> bool:
         return self.scheduler.flush_cache()

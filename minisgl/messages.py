@@ -198,8 +198,26 @@ class LoadLora(msgspec.Struct, array_like=True, tag=True):
     load_format: str = "direct"
 
 
+MAX_READ_ROWS = 1 << 20  # the most rows one ReadWeights returns
+
+
+class ReadWeights(msgspec.Struct, array_like=True, tag=True):
+    """The first ``rows`` rows of checkpoint tensor ``name`` as the model holds it now (SGLang's
+    /get_weights_by_name): gathered over the ranks, fp8 dequantized, in WorkerReply.values."""
+
+    name: str
+    rows: int = 100
+
+
 WorkerTask = (
-    LoadWeights | TensorWeights | JoinWeightGroup | BroadcastWeights | LeaveWeightGroup | MemoryOccupation | LoadLora
+    LoadWeights
+    | TensorWeights
+    | JoinWeightGroup
+    | BroadcastWeights
+    | LeaveWeightGroup
+    | MemoryOccupation
+    | LoadLora
+    | ReadWeights
 )
 
 
@@ -230,6 +248,7 @@ class WorkerReply(msgspec.Struct, array_like=True, tag=True):
     ok: bool
     message: str = ""
     seconds: float = 0.0
+    values: list[Any] | None = None  # ReadWeights' rows (nested lists of floats)
 
 
 class StepOutput(msgspec.Struct, array_like=True, tag=True):
@@ -345,7 +364,8 @@ class ControlReq(msgspec.Struct, tag=True):
     "profile" (hands ``profile`` to every worker), "pause" (``mode``), "continue", "weights"
     (runs ``task`` on every worker; ``abort_all``, ``flush_cache``, ``weight_version`` say what
     it means for requests and the cache), "weight_version" (``weight_version`` None: read it),
-    "lora_load" and "lora_unload" (``lora_name``, ``lora_path``)."""
+    "lora_load" and "lora_unload" (``lora_name``, ``lora_path``), "read_weights" (``task``: a
+    ReadWeights; the rows come back as ``parameter``)."""
 
     cid: int
     op: str
@@ -364,7 +384,7 @@ class ControlReq(msgspec.Struct, tag=True):
 class ControlReply(msgspec.Struct, tag=True):
     cid: int
     ok: bool
-    data: dict[str, float | int | str | bool]
+    data: dict[str, float | int | str | bool | list[Any]]
 
 
 class TextReq(msgspec.Struct, tag=True):

@@ -12,6 +12,7 @@ from minisgl.layers.fp8_scheme import Fp8Scheme
 from minisgl.layers.moe import FusedMoE, experts_torch, route
 from minisgl.tiny_model import make_tiny_model
 from tests.interpreter import run_interpreted
+from tests.test_rl import check_reads
 
 cuda = pytest.mark.cuda
 
@@ -346,9 +347,11 @@ def test_moe_at_tp2_equals_tp1(tiny_models):
     params = {"max_new_tokens": 10, "temperature": 0.0, "ignore_eos": True}
     kw = dict(device="cpu", dtype="float32", max_running_requests=4, enable_return_routed_experts=True)
     want = LLM(str(path), **kw).generate(prompts, params, return_routed_experts=True)
-    got = LLM(str(path), tp_size=2, **kw).generate(prompts, params, return_routed_experts=True)
+    tp2 = LLM(str(path), tp_size=2, **kw)
+    got = tp2.generate(prompts, params, return_routed_experts=True)
     assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
     assert [g["meta_info"]["routed_experts"] for g in got] == [w["meta_info"]["routed_experts"] for w in want]
+    check_reads(tp2, path, rows=64)  # every expert's shards gathered back into its tensors
 
 
 @pytest.mark.parametrize("fmt", ["block", "compressed-tensors"])

@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from minisgl.layers.quantization import dequantize, quantize_weight
 from minisgl.llm import LLM
 from minisgl.messages import TensorWeights
 from minisgl.sampling import SamplingParams
@@ -278,6 +279,42 @@ def test_on_cuda_updates_and_memory_release_keep_graphs_right(tmp_path, prompts)
     assert tokens(llm.generate(prompts, GREEDY)) == before
 
 
+def check_reads(llm: LLM, folder: Path, rows: int = 3) -> None:
+    """Every checkpoint tensor reads back as stored: its first rows, fused parts and shards
+    included."""
+    for name, tensor in state_dict(folder).items():
+        assert llm.get_weights_by_name(name, rows) == tensor[:rows].float().tolist(), name
+
+
+def test_get_weights_by_name_reads_back_every_tensor(checkpoints, tiny_models):
+    """SGLang's get_weights_by_name: each checkpoint tensor's first rows as the model holds them
+    (dense, mixtures of experts with a shared expert and biases), the new ones after an update;
+    all rows past the end; fp8 weights dequantized; names with no place refused by name."""
+    llm = LLM(str(checkpoints["A"]), **ENGINE)
+    check_reads(llm, checkpoints["A"])
+    embed = state_dict(checkpoints["A"])["model.embed_tokens.weight"]
+    assert llm.get_weights_by_name("model.embed_tokens.weight", 10**6) == embed.tolist()
+    assert llm.get_weights_by_name("model.norm.weight", 0) == []
+    assert llm.update_weights_from_disk(str(checkpoints["B"]))[0]
+    check_reads(llm, checkpoints["B"])
+    for bad, word in (
+        ("model.layers.0.mlp.nope.weight", "no place"),
+        ("model.layers.0.mlp.down_proj.weight_scale", "scales"),
+    ):
+        with pytest.raises(ValueError, match=word):
+            llm.get_weights_by_name(bad)
+    with pytest.raises(ValueError, match="truncate_size"):
+        llm.get_weights_by_name("model.norm.weight", -1)
+    for arch in ("qwen3_moe", "qwen2_moe"):
+        check_reads(LLM(str(tiny_models[arch]), **ENGINE), tiny_models[arch], rows=2)
+    fp8 = LLM(str(checkpoints["A"]), quantization="fp8", **ENGINE)
+    for name in ("model.layers.1.self_attn.k_proj.weight", "model.layers.1.mlp.down_proj.weight"):
+        w = state_dict(checkpoints["A"])[name]
+        got = torch.tensor(fp8.get_weights_by_name(name, 10**6))
+        assert torch.equal(got, dequantize(*quantize_weight(w, None)))
+        assert (got - w).abs().max() <= 0.07 * w.abs().max()
+
+
 def test_updates_and_release_at_tp2(checkpoints, prompts, reference):
     """Two ranks (worker processes, gloo): each update path reaches both shards (the tensor
     payload once per rank), a refusal on the ranks leaves both old, and release/resume works."""
@@ -285,6 +322,7 @@ def test_updates_and_release_at_tp2(checkpoints, prompts, reference):
     assert tokens(llm.generate(prompts, GREEDY)) == reference["A"]
     assert llm.update_weights_from_disk(str(checkpoints["B"]))[0]
     assert tokens(llm.generate(prompts, GREEDY)) == reference["B"]
+    check_reads(llm, checkpoints["B"], rows=40)  # (past one rank's rows: the shards gathered)
     ok, message = llm.update_weights_from_disk(str(checkpoints["Q"]))
     assert not ok and "architecture" in message
     assert llm.update_weights_from_tensor(list(state_dict(checkpoints["A"]).items()), "flattened_bucket")[0]

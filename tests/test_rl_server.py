@@ -101,6 +101,28 @@ def test_update_from_disk_with_the_body_rl_clients_send(server, checkpoints, ref
     idle_and_clean(server)
 
 
+def test_get_weights_by_name_over_http(server, checkpoints):
+    """SGLang's route and body (GET or POST): the tensor's first rows as nested lists, the new
+    weights' after an update; a bad name or size is a 400 naming it."""
+    name = "model.layers.1.self_attn.k_proj.weight"
+    for ckpt in ("B", "A"):
+        r = post(server, "/update_weights_from_disk", {"model_path": str(checkpoints[ckpt])})
+        assert r.status_code == 200, r.text
+        want = state_dict(checkpoints[ckpt])[name][:2].tolist()
+        assert post(server, "/get_weights_by_name", {"name": name, "truncate_size": 2}).json() == want
+        got = httpx.request("GET", f"{server.url}/get_weights_by_name", json={"name": name, "truncate_size": 2})
+        assert got.json() == want
+    assert len(post(server, "/get_weights_by_name", {"name": "model.norm.weight"}).json()) == 64  # (100 asked)
+    for body, word in (
+        ({"name": "model.layers.9.mlp.up_proj.weight"}, "model.layers.9"),
+        ({"name": name, "truncate_size": -1}, "truncate_size"),
+        ({"truncate_size": 3}, "name"),
+    ):
+        r = post(server, "/get_weights_by_name", body)
+        assert r.status_code == 400 and word in r.json()["error"]["message"], r.text
+    idle_and_clean(server)
+
+
 def test_update_from_tensor_direct_and_bucketed(server, checkpoints, reference):
     sd = list(state_dict(checkpoints["B"]).items())
     body = {

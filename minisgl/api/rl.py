@@ -21,12 +21,14 @@ from minisgl.api.base import ApiBase, error_response, read_body
 from minisgl.api.fields import Schema
 from minisgl.api.protocol import BadRequest
 from minisgl.messages import (
+    MAX_READ_ROWS,
     BroadcastWeights,
     ControlReply,
     JoinWeightGroup,
     LeaveWeightGroup,
     LoadWeights,
     MemoryOccupation,
+    ReadWeights,
     TensorWeights,
     WeightGroupSpec,
     WorkerTask,
@@ -92,6 +94,11 @@ class MemoryTags(msgspec.Struct, kw_only=True):
     tags: list[str] | None = None
 
 
+class WeightsByName(msgspec.Struct, kw_only=True):
+    name: str
+    truncate_size: Annotated[int, msgspec.Meta(ge=0, le=MAX_READ_ROWS)] = 100
+
+
 _COMMON = {"flush_cache", "abort_all_requests", "weight_version", "keep_pause"}
 FROM_DISK = _schema("update_weights_from_disk", _COMMON | {"model_path", "load_format"})
 FROM_TENSOR = _schema("update_weights_from_tensor", _COMMON | {"serialized_named_tensors", "load_format"})
@@ -106,6 +113,7 @@ PAUSE = _schema("pause_generation", {"mode"})
 CONTINUE = _schema("continue_generation", set())
 WEIGHT_VERSION = _schema("update_weight_version", {"new_version", "abort_all_requests"})
 MEMORY = _schema("release_memory_occupation", {"tags"})
+WEIGHTS_BY_NAME = Schema("get_weights_by_name", implemented={"name", "truncate_size"})
 
 
 def refuse_pickled(args: Any, route: str) -> Response | None:
@@ -186,6 +194,17 @@ class RlRoutes(ApiBase):
     async def destroy_weights_update_group(self, request: Request) -> Response:
         b: DestroyGroup = await self._body(request, DestroyGroup, DESTROY_GROUP)
         return await self._weights(LeaveWeightGroup(b.group_name))
+
+    async def get_weights_by_name(self, request: Request) -> Response:
+        """The first ``truncate_size`` rows of a checkpoint tensor as served now (SGLang's answer:
+        the rows as nested lists of floats; fp8 weights dequantized); 400 naming a bad name."""
+        body: WeightsByName = await read_body(request, WeightsByName, self.args, WEIGHTS_BY_NAME)
+        reply = await self.client.control(
+            "read_weights", timeout=UPDATE_TIMEOUT_S, task=ReadWeights(body.name, body.truncate_size)
+        )
+        if not reply.ok:
+            return error_response(400, str(reply.data.get("error")), param="name")
+        return JSONResponse(reply.data["parameter"])
 
     async def pause_generation(self, request: Request) -> Response:
         body: Pause = await self._body(request, Pause, PAUSE)

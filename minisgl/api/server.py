@@ -175,6 +175,7 @@ def create_app(client: EngineClient, info: EngineInfo, args: ServerArgs, pids: d
         ("/start_profile", api.start_profile, ["POST"]),
         ("/stop_profile", api.stop_profile, ["POST"]),
         ("/update_weights_from_disk", api.update_weights_from_disk, ["POST"]),
+        ("/get_weights_by_name", api.get_weights_by_name, ["GET", "POST"]),
         ("/update_weights_from_tensor", api.update_weights_from_tensor, ["POST"]),
         ("/update_weights_from_distributed", api.update_weights_from_distributed, ["POST"]),
         ("/init_weights_update_group", api.init_weights_update_group, ["POST"]),

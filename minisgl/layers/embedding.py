@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.distributed import all_gather_last_dim, all_reduce, argmax_over_ranks, get_tp_info
-from minisgl.layers.linear import linear_fp32
-from minisgl.layers.quantization import fp8_logits, quantize_weight
+from minisgl.layers.linear import Piece, linear_fp32
+from minisgl.layers.quantization import dequantize, fp8_logits, quantize_weight
 from minisgl.utils import cdiv
 
 
@@ -16,7 +16,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__()
         tp = get_tp_info()
-        self.vocab_size = vocab_size
+        self.vocab_size, self.hidden_size = vocab_size, hidden_size
         self.shard = cdiv(vocab_size, tp.size)
         self.start = tp.rank * self.shard
         self.weight = nn.Parameter(torch.empty(self.shard, hidden_size), requires_grad=False)
@@ -24,7 +24,11 @@ class VocabParallelEmbedding(nn.Module):
 
     def checkpoint_shape(self, attr: str, part: None = None) -> tuple[int, ...]:
         """The full checkpoint tensor: every vocabulary row."""
-        return self.vocab_size, self.weight.shape[1]
+        return self.vocab_size, self.hidden_size
+
+    def checkpoint_piece(self, attr: str = "weight", part: None = None) -> Piece:
+        """This rank's vocabulary rows, in float32 (the padding rows past the vocabulary left out)."""
+        return self.weight.data.float(), 0, self.start, max(0, min(self.shard, self.vocab_size - self.start))
 
     def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, part: None = None) -> None:
         rows = loaded[self.start : self.start + self.shard]
@@ -67,6 +71,14 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.qscale.copy_(qscale)
         if not keep_float:
             del self.weight
+
+    def checkpoint_piece(self, attr: str = "weight", part: None = None) -> Piece:
+        """As the embedding's; an fp8 head whose float weight was freed gives its fp8 rows
+        dequantized."""
+        if hasattr(self, "weight"):
+            return super().checkpoint_piece(attr, part)
+        values = dequantize(self.qweight, self.qscale)
+        return values, 0, self.start, max(0, min(self.shard, self.vocab_size - self.start))
 
     def forward(self, hidden: torch.Tensor, gather: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [N, vocab]; with ``gather=False`` this rank's slice [N, shard], for ``gather``

@@ -18,7 +18,15 @@ from torch import nn
 from minisgl.distributed import all_reduce, get_tp_info
 from minisgl.layers.fp8_scheme import Fp8Scheme
 from minisgl.layers.lora import LoraWeights
-from minisgl.layers.quantization import FP8, Fp8Act, fp8_linear, quantize_across_ranks, quantize_weight, row_scales
+from minisgl.layers.quantization import (
+    FP8,
+    Fp8Act,
+    dequantize,
+    fp8_linear,
+    quantize_across_ranks,
+    quantize_weight,
+    row_scales,
+)
 from minisgl.utils import cdiv, divide
 
 
@@ -79,6 +87,17 @@ class ColumnParallelLinear(nn.Module):
         rows = self.output_sizes[self._part_index(part)]
         return {"weight": (rows, self.input_size), "bias": (rows,)}.get(attr)
 
+    def checkpoint_piece(self, attr: str, part: int | str | None) -> Piece:
+        """This rank's rows of the checkpoint tensor ``attr`` (of ``part``), in float32."""
+        idx = self._part_index(part)
+        rows = slice(self.offsets[idx], self.offsets[idx] + self.local_sizes[idx])
+        if attr == "bias":
+            values = self.bias.data[rows].float()
+        else:
+            scale = None if self.weight_scale is None else self.weight_scale.data[rows]
+            values = float_weight(self.weight.data[rows], scale, self.quant)
+        return values, 0, self._source_start(idx, get_tp_info().rank), self.local_sizes[idx]
+
     def _part_index(self, part: int | str | None) -> int:
         if part is None:
             if len(self.local_sizes) != 1:
@@ -92,6 +111,19 @@ class ColumnParallelLinear(nn.Module):
             return y if self.lora is None else self.lora.add(x, y, self.quant.block)
         y = F.linear(x, self.weight, self.bias)
         return y if self.lora is None else self.lora.add(x, y)
+
+
+# This rank's share of a checkpoint tensor: (its values in float32, the dimension the ranks split
+# (None: every rank holds all of it), where the share starts along it, and how long it is there).
+Piece = tuple[torch.Tensor, int | None, int, int]
+
+
+def float_weight(weight: torch.Tensor, scale: torch.Tensor | None, quant: Fp8Scheme | None) -> torch.Tensor:
+    """A weight [..., rows, cols] in float32: fp8 ones dequantized with their per-row scales."""
+    if quant is None:
+        return weight.float()
+    rows = weight.reshape(-1, weight.shape[-1])
+    return dequantize(rows, scale.reshape(rows.shape[0], -1), quant.block).view(weight.shape)
 
 
 def make_weight(rows: int, cols: int, quant: Fp8Scheme | None, *lead: int) -> tuple[nn.Parameter, nn.Parameter | None]:
@@ -231,6 +263,14 @@ class RowParallelLinear(nn.Module):
         """The full checkpoint tensor ``attr`` loads from; None for fp8 scales."""
         rows = self.weight.shape[0]
         return {"weight": (rows, self.input_size), "bias": (rows,)}.get(attr)
+
+    def checkpoint_piece(self, attr: str, part: None = None) -> Piece:
+        """This rank's input columns of the weight (the bias: whole on every rank), in float32."""
+        if attr == "bias":
+            return self.bias.data.float(), None, 0, self.bias.shape[0]
+        scale = None if self.weight_scale is None else self.weight_scale.data
+        start = get_tp_info().rank * self.local_input
+        return float_weight(self.weight.data, scale, self.quant), 1, start, self.local_input
 
     def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, part: None = None) -> None:
         scale = None if self.weight_scale is None else self.weight_scale.data

@@ -16,7 +16,7 @@ from torch import nn
 
 from minisgl.distributed import get_tp_info
 from minisgl.layers.fp8_scheme import Fp8Scheme
-from minisgl.layers.linear import input_shard, load_column_shard, load_row_shard, make_weight
+from minisgl.layers.linear import Piece, float_weight, input_shard, load_column_shard, load_row_shard, make_weight
 from minisgl.layers.quantization import dequantize, quantize
 from minisgl.utils import has_module
 
@@ -102,6 +102,20 @@ class FusedMoE(nn.Module):
         if shape is None or expert is not None:
             return shape
         return (self.num_experts, *shape)
+
+    def checkpoint_piece(self, attr: str, part: tuple[int | None, int | None]) -> Piece:
+        """This rank's share of one expert's tensor (all experts' stacked when the part names
+        none) in float32: rows of the gate or up projection, input columns of the down one."""
+        expert, shard = part
+        experts = slice(None) if expert is None else expert
+        if attr == "w13_weight":
+            rows = slice(shard * self.local, (shard + 1) * self.local)
+            weight, scale, dim = self.w13_weight, self.w13_weight_scale, 0
+        else:
+            rows, weight, scale, dim = slice(None), self.w2_weight, self.w2_weight_scale, 1
+        scale = None if scale is None else scale.data[experts, rows]
+        values = float_weight(weight.data[experts, rows], scale, self.quant)
+        return values, dim + (expert is None), get_tp_info().rank * self.local, self.local
 
     def load(self, param: nn.Parameter, loaded: torch.Tensor, part: tuple[int | None, int | None]) -> None:
         """``part``: (expert, 0 gate / 1 up / None down); expert None loads a stacked tensor."""

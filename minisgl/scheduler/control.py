@@ -22,6 +22,7 @@ from minisgl.messages import (
     LocalLora,
     LocalTensors,
     MemoryOccupation,
+    ReadWeights,
     TensorWeights,
     WorkerReply,
     WorkerTask,
@@ -107,7 +108,7 @@ class ControlPlane:
         self.collect_inflight()
         if isinstance(task, MemoryOccupation):
             return self._memory(task)
-        if "weights" in self.released and isinstance(task, UPDATES):
+        if "weights" in self.released and isinstance(task, (*UPDATES, ReadWeights)):
             raise ControlError("the weights are released: resume_memory_occupation with tag weights first")
         reply = self.executor.run_task(task)
         if reply.ok and isinstance(task, UPDATES):

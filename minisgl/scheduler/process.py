@@ -23,6 +23,7 @@ from minisgl.messages import (
     ControlReq,
     EngineInfo,
     LoadLora,
+    ReadWeights,
     TokenBatch,
     TokenizedBatch,
     TokenizedReq,
@@ -155,6 +156,10 @@ class SchedulerProcess:
                 return self._weights(msg)
             if msg.op in ("lora_load", "lora_unload"):
                 return self._lora(msg)
+            if msg.op == "read_weights" and isinstance(msg.task, ReadWeights):
+                reply = sched.run_task(msg.task)
+                data = {"parameter": reply.values or []} if reply.ok else {"error": reply.message}
+                return ControlReply(cid, reply.ok, data)
         except ControlError as e:
             return ControlReply(cid, False, {"error": str(e)})
         return ControlReply(cid, False, {"error": f"unknown control op {msg.op!r}"})

@@ -39,6 +39,7 @@ from minisgl.messages import (
     LocalTensors,
     MemoryOccupation,
     NewRequest,
+    ReadWeights,
     StepOutput,
     WorkerReply,
     WorkerTask,
@@ -857,9 +858,23 @@ class ModelRunner:
             return WorkerReply(False, "the weights are released: resume_memory_occupation first")
         if isinstance(task, (LoadLora, LocalLora)):
             return self._load_lora(task)
+        if isinstance(task, ReadWeights):
+            return self._read_weights(task)
         reply = self.updater().run(task)
         logger.info("%s (%.2f s)", reply.message, reply.seconds)
         return reply
+
+    def _read_weights(self, task: ReadWeights) -> WorkerReply:
+        """A checkpoint tensor's first rows as the model holds them (every rank takes part in
+        the gather; the name is checked the same on each, so they agree without a vote)."""
+        from minisgl.models.weight_read import read_weight
+
+        start = time.perf_counter()
+        try:
+            values = read_weight(self.model, task.name, task.rows)
+        except ValueError as e:
+            return WorkerReply(False, str(e))
+        return WorkerReply(True, f"read {task.name}", time.perf_counter() - start, values.tolist())
 
     def _load_lora(self, task: LoadLora | LocalLora) -> WorkerReply:
         """Read an adapter (a folder, or tensors) into host memory; steps copy it into a device
