@@ -24,6 +24,7 @@ ROUTES = [
     "/detokenize",
     "/load_lora_adapter",
     "/unload_lora_adapter",
+    "/get_weights_by_name",
 ]
 FIELDS = [
     "text",
@@ -58,6 +59,8 @@ FIELDS = [
     "lora_path",
     "lora_name",
     "suffix",
+    "name",
+    "truncate_size",
     "return_token_ids",
     "return_prompt_token_ids",
     "return_meta_info",

@@ -53,6 +53,11 @@ def test_stacked_checkpoint_tensor_loads_like_per_expert_tensors():
     stacked.load(stacked.w2_weight, per_expert.w2_weight.data, (None, None))
     assert torch.equal(stacked.w13_weight, per_expert.w13_weight)
     assert torch.equal(stacked.w2_weight, per_expert.w2_weight)
+    # Read back (get_weights_by_name): the first experts' up rows and down columns, split on the experts' width.
+    up, dim, start, length = stacked.checkpoint_piece("w13_weight", (None, 1), 3)
+    assert torch.equal(up, gate_up[:3, 16:]) and (dim, start, length) == (1, 0, 16)
+    down, dim, _, _ = stacked.checkpoint_piece("w2_weight", (None, None), 10)
+    assert torch.equal(down, per_expert.w2_weight.data) and dim == 2
 
 
 @pytest.mark.parametrize("block", [None, 16])

@@ -26,9 +26,13 @@ class VocabParallelEmbedding(nn.Module):
         """The full checkpoint tensor: every vocabulary row."""
         return self.vocab_size, self.hidden_size
 
-    def checkpoint_piece(self, attr: str = "weight", part: None = None) -> Piece:
-        """This rank's vocabulary rows, in float32 (the padding rows past the vocabulary left out)."""
-        return self.weight.data.float(), 0, self.start, max(0, min(self.shard, self.vocab_size - self.start))
+    def checkpoint_piece(self, attr: str, part: None, rows: int) -> Piece:
+        """This rank's vocabulary rows (at most ``rows``), in float32; the padding rows past the
+        vocabulary are not counted."""
+        return self.weight.data[:rows].float(), 0, self.start, self._real_rows()
+
+    def _real_rows(self) -> int:
+        return max(0, min(self.shard, self.vocab_size - self.start))
 
     def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, part: None = None) -> None:
         rows = loaded[self.start : self.start + self.shard]
@@ -72,13 +76,12 @@ class ParallelLMHead(VocabParallelEmbedding):
         if not keep_float:
             del self.weight
 
-    def checkpoint_piece(self, attr: str = "weight", part: None = None) -> Piece:
+    def checkpoint_piece(self, attr: str, part: None, rows: int) -> Piece:
         """As the embedding's; an fp8 head whose float weight was freed gives its fp8 rows
         dequantized."""
         if hasattr(self, "weight"):
-            return super().checkpoint_piece(attr, part)
-        values = dequantize(self.qweight, self.qscale)
-        return values, 0, self.start, max(0, min(self.shard, self.vocab_size - self.start))
+            return super().checkpoint_piece(attr, part, rows)
+        return dequantize(self.qweight[:rows], self.qscale[:rows]), 0, self.start, self._real_rows()
 
     def forward(self, hidden: torch.Tensor, gather: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [N, vocab]; with ``gather=False`` this rank's slice [N, shard], for ``gather``

@@ -87,15 +87,16 @@ class ColumnParallelLinear(nn.Module):
         rows = self.output_sizes[self._part_index(part)]
         return {"weight": (rows, self.input_size), "bias": (rows,)}.get(attr)
 
-    def checkpoint_piece(self, attr: str, part: int | str | None) -> Piece:
-        """This rank's rows of the checkpoint tensor ``attr`` (of ``part``), in float32."""
+    def checkpoint_piece(self, attr: str, part: int | str | None, rows: int) -> Piece:
+        """This rank's rows of the checkpoint tensor ``attr`` (of ``part``; at most ``rows``),
+        in float32."""
         idx = self._part_index(part)
-        rows = slice(self.offsets[idx], self.offsets[idx] + self.local_sizes[idx])
+        held = slice(self.offsets[idx], self.offsets[idx] + min(self.local_sizes[idx], rows))
         if attr == "bias":
-            values = self.bias.data[rows].float()
+            values = self.bias.data[held].float()
         else:
-            scale = None if self.weight_scale is None else self.weight_scale.data[rows]
-            values = float_weight(self.weight.data[rows], scale, self.quant)
+            scale = None if self.weight_scale is None else self.weight_scale.data[held]
+            values = float_weight(self.weight.data[held], scale, self.quant)
         return values, 0, self._source_start(idx, get_tp_info().rank), self.local_sizes[idx]
 
     def _part_index(self, part: int | str | None) -> int:
@@ -113,8 +114,9 @@ class ColumnParallelLinear(nn.Module):
         return y if self.lora is None else self.lora.add(x, y)
 
 
-# This rank's share of a checkpoint tensor: (its values in float32, the dimension the ranks split
-# (None: every rank holds all of it), where the share starts along it, and how long it is there).
+# This rank's share of a checkpoint tensor's first rows (``checkpoint_piece``): its values in
+# float32, the dimension the ranks split (None: every rank holds all of it), where the share starts
+# along it and how long it is there. Cut to the rows asked for before any conversion.
 Piece = tuple[torch.Tensor, int | None, int, int]
 
 
@@ -264,13 +266,14 @@ class RowParallelLinear(nn.Module):
         rows = self.weight.shape[0]
         return {"weight": (rows, self.input_size), "bias": (rows,)}.get(attr)
 
-    def checkpoint_piece(self, attr: str, part: None = None) -> Piece:
-        """This rank's input columns of the weight (the bias: whole on every rank), in float32."""
+    def checkpoint_piece(self, attr: str, part: None, rows: int) -> Piece:
+        """This rank's input columns of the weight's first ``rows`` rows (the bias: whole on
+        every rank), in float32."""
         if attr == "bias":
-            return self.bias.data.float(), None, 0, self.bias.shape[0]
-        scale = None if self.weight_scale is None else self.weight_scale.data
+            return self.bias.data[:rows].float(), None, 0, self.bias.shape[0]
+        scale = None if self.weight_scale is None else self.weight_scale.data[:rows]
         start = get_tp_info().rank * self.local_input
-        return float_weight(self.weight.data, scale, self.quant), 1, start, self.local_input
+        return float_weight(self.weight.data[:rows], scale, self.quant), 1, start, self.local_input
 
     def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, part: None = None) -> None:
         scale = None if self.weight_scale is None else self.weight_scale.data

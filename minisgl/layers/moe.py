@@ -103,18 +103,19 @@ class FusedMoE(nn.Module):
             return shape
         return (self.num_experts, *shape)
 
-    def checkpoint_piece(self, attr: str, part: tuple[int | None, int | None]) -> Piece:
+    def checkpoint_piece(self, attr: str, part: tuple[int | None, int | None], rows: int) -> Piece:
         """This rank's share of one expert's tensor (all experts' stacked when the part names
-        none) in float32: rows of the gate or up projection, input columns of the down one."""
+        none; at most ``rows`` along the first dimension) in float32: rows of the gate or up
+        projection, input columns of the down one."""
         expert, shard = part
         experts = slice(None) if expert is None else expert
         if attr == "w13_weight":
-            rows = slice(shard * self.local, (shard + 1) * self.local)
+            own = slice(shard * self.local, (shard + 1) * self.local)
             weight, scale, dim = self.w13_weight, self.w13_weight_scale, 0
         else:
-            rows, weight, scale, dim = slice(None), self.w2_weight, self.w2_weight_scale, 1
-        scale = None if scale is None else scale.data[experts, rows]
-        values = float_weight(weight.data[experts, rows], scale, self.quant)
+            own, weight, scale, dim = slice(None), self.w2_weight, self.w2_weight_scale, 1
+        scale = None if scale is None else scale.data[experts, own][:rows]
+        values = float_weight(weight.data[experts, own][:rows], scale, self.quant)
         return values, dim + (expert is None), get_tp_info().rank * self.local, self.local
 
     def load(self, param: nn.Parameter, loaded: torch.Tensor, part: tuple[int | None, int | None]) -> None:

@@ -2,7 +2,7 @@
 of ``WeightMap.load``, so a trainer can check what an update left in place.
 
 Each sharding layer says which rows or columns of the full checkpoint tensor its rank holds
-(``checkpoint_piece``); only the first rows asked for are cut from each piece, the pieces are
+(``checkpoint_piece``, cut to the first rows asked for before it is converted), the pieces are
 stacked over the tensor-parallel ranks and laid back in place. FP8 weights come back dequantized.
 For checks, not for moving weights: the rows travel as JSON.
 """
@@ -38,7 +38,7 @@ def read_weight(model: nn.Module, name: str, rows: int) -> torch.Tensor:
     piece_of = getattr(module, "checkpoint_piece", None)
     if piece_of is None:  # a weight every rank holds whole (norms, the router)
         return wmap.params[param_name].data[:rows].float()
-    return _gather_rows(piece_of(attr, part), _full_shape(module, wmap, param_name, part), rows)
+    return _gather_rows(piece_of(attr, part, rows), _full_shape(module, wmap, param_name, part), rows)
 
 
 def _full_shape(module: nn.Module, wmap: WeightMap, param_name: str, part) -> tuple[int, ...]:
@@ -49,12 +49,12 @@ def _full_shape(module: nn.Module, wmap: WeightMap, param_name: str, part) -> tu
 
 def _gather_rows(piece: Piece, shape: tuple[int, ...], rows: int) -> torch.Tensor:
     """The first ``rows`` rows of the full tensor of ``shape`` from every rank's piece."""
-    values, dim, start, length = piece
+    values, dim, start, length = piece  # (values: at most ``rows`` tall, as tall on every rank)
     if dim is None:
-        return values[:rows]
+        return values
     if dim == 0:  # the ranks split the rows: each keeps those of its share among the first ones
         length = max(0, min(length, rows - start))
-    values = values[:rows].contiguous()  # (as tall on every rank: equal shares)
+    values = values.contiguous()
     out = values.new_zeros(min(shape[0], rows), *shape[1:])
     tp = get_tp_info()
     table = stack_over_ranks(values) if tp.size > 1 else values[None]
