@@ -34,12 +34,9 @@ from minisgl.layers.moe import RoutedExperts
 from minisgl.layers.quantization import FP8
 from minisgl.messages import (
     ForwardBatch,
-    LoadLora,
     LocalLora,
     LocalTensors,
-    MemoryOccupation,
     NewRequest,
-    ReadWeights,
     StepOutput,
     WorkerReply,
     WorkerTask,
@@ -81,20 +78,6 @@ def _available_host_bytes() -> int:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
-
-
-def _decoded_adapter(task: LoadLora) -> tuple[dict[str, torch.Tensor], dict]:
-    """SGLang's serialized LoRA tensors (a dict or a list of (name, tensor) pairs, through the
-    restricted unpickler) and the adapter's config."""
-    import json
-
-    from minisgl.worker.tensor_payload import decode_named_tensors
-
-    try:
-        config = json.loads(task.config_json)
-    except ValueError:
-        raise ValueError("config_dict is not JSON") from None
-    return dict(decode_named_tensors(task.payload, task.load_format)), config
 
 
 def last_verified_torch(
@@ -840,67 +823,14 @@ class ModelRunner:
         return msg
 
     def run_task(self, task: WorkerTask | LocalTensors | LocalLora) -> WorkerReply:
-        """A control-plane task (new weights, memory release or resume), run between steps."""
+        """A control-plane task (``worker.tasks``: new weights, memory release or resume, an
+        adapter, weights read back), run between steps."""
         assert not self.pending and self._parked is None and self._drafting is None, (
             "a control task came with steps in flight"
         )
-        if isinstance(task, MemoryOccupation):
-            if self.memory_saver is None:
-                from minisgl.worker.memory_saver import MemorySaver
+        from minisgl.worker.tasks import run_task
 
-                self.memory_saver = MemorySaver(self)
-            saver = self.memory_saver
-            start = time.perf_counter()
-            message = saver.release(task.tags) if task.release else saver.resume(task.tags)
-            logger.info("%s", message)
-            return WorkerReply(True, message, time.perf_counter() - start)
-        if self.memory_saver is not None and "weights" in self.memory_saver.released:
-            return WorkerReply(False, "the weights are released: resume_memory_occupation first")
-        if isinstance(task, (LoadLora, LocalLora)):
-            return self._load_lora(task)
-        if isinstance(task, ReadWeights):
-            return self._read_weights(task)
-        reply = self.updater().run(task)
-        logger.info("%s (%.2f s)", reply.message, reply.seconds)
-        return reply
-
-    def _read_weights(self, task: ReadWeights) -> WorkerReply:
-        """A checkpoint tensor's first rows as the model holds them (every rank takes part in
-        the gather; the name is checked the same on each, so they agree without a vote)."""
-        from minisgl.models.weight_read import read_weight
-
-        start = time.perf_counter()
-        try:
-            values = read_weight(self.model, task.name, task.rows)
-        except ValueError as e:
-            return WorkerReply(False, str(e))
-        return WorkerReply(True, f"read {task.name}", time.perf_counter() - start, values.tolist())
-
-    def _load_lora(self, task: LoadLora | LocalLora) -> WorkerReply:
-        """Read an adapter (a folder, or tensors) into host memory; steps copy it into a device
-        slot when one runs it."""
-        from minisgl.models.lora_adapter import AdapterError, read_adapter, read_shards, tensor_adapter
-
-        start = time.perf_counter()
-        if self.lora_rows is None:
-            return WorkerReply(False, "LoRA adapters need a server started with --enable-lora")
-        shards, problem = None, None
-        try:
-            if isinstance(task, LocalLora):
-                adapter = tensor_adapter(dict(task.named), task.config)
-            elif task.path:
-                adapter = read_adapter(task.path)
-            else:
-                adapter = tensor_adapter(*_decoded_adapter(task))
-            shards, message = read_shards(self.model, self.config, adapter, self.lora_rank)
-        except (AdapterError, ValueError) as e:
-            problem = str(e)
-        problem = self.updater().agree(problem, raise_=False)  # every rank holds it, or none
-        if problem is not None:
-            return WorkerReply(False, problem)
-        self.lora_host[task.key] = shards
-        logger.info("%s", message)
-        return WorkerReply(True, message, time.perf_counter() - start)
+        return run_task(self, task)
 
     def _swap_loras(self, batch: ForwardBatch) -> None:
         """The batch's adapter copies into device slots (before its forward, after every earlier
