@@ -40,11 +40,14 @@ INERT: dict[str, tuple[int, str]] = {
     "--max-lora-chunk-size": (ONE, "one LoRA path: masked GEMMs over every adapter slot at once"),
     "--lora-eviction-policy": (ONE, "a device slot goes to the least recently used adapter (lru)"),
     "--enable-lora-overlap-loading": (SWITCH, "adapters are copied into slots from pinned memory, before the step"),
+    "--enable-custom-logit-processor": (
+        SWITCH,
+        "request code is never run; SGLang's thinking-budget processors are served on /generate without it",
+    ),
 }
 # flag -> (takes, why not); refused with the reason.
 REFUSED: dict[str, tuple[int, str]] = {
     "--is-embedding": (SWITCH, "embedding models are not served (generation models only)"),
-    "--enable-custom-logit-processor": (SWITCH, "custom logit processors (code sent by requests) are not run"),
     "--tool-server": (ONE, "built-in tool servers are not supported: send tools in the request"),
     "--enable-dp-attention": (SWITCH, "DP attention is not built: use --dp-size replicas"),
     "--ep-size": (ONE, "expert parallelism is not built: experts split across --tp-size ranks"),

@@ -85,3 +85,84 @@ def test_max_thinking_tokens_over_http(thinking_server, tiny_llama):
 def test_max_thinking_tokens_needs_a_reasoning_parser(server):  # noqa: F811
     r = httpx.post(f"{server.url}/generate", json={"text": "a", "max_thinking_tokens": 4})
     assert r.status_code == 400 and "--reasoning-parser" in r.json()["error"]["message"]
+
+
+def sglang_processor(cls_name: str, protocol: int = 4) -> str:
+    """What SGLang's ``CustomLogitProcessor.to_str()`` sends for one of its classes (the class
+    pickled by reference, hex inside JSON), made here without SGLang."""
+    import json
+    import pickle
+    import sys
+    import types
+
+    module = "sglang.srt.sampling.custom_logit_processor"
+    parts = module.split(".")
+    for i in range(1, len(parts) + 1):
+        sys.modules.setdefault(".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
+    cls = type(cls_name, (), {"__module__": module})
+    setattr(sys.modules[module], cls_name, cls)
+    return json.dumps({"callable": pickle.dumps(cls, protocol=protocol).hex()})
+
+
+class _RunsCode:
+    def __reduce__(self):
+        import os
+
+        return (os.getpid, ())
+
+
+def test_processor_payloads_are_read_never_run():
+    import json
+    import pickle
+
+    from minisgl.api.logit_processors import is_thinking_budget, named_class
+    from minisgl.api.protocol import BadRequest
+
+    for protocol in (2, 4):
+        assert is_thinking_budget(sglang_processor("Qwen3ThinkingBudgetLogitProcessor", protocol))
+    assert named_class(sglang_processor("DisallowedTokensLogitsProcessor")).endswith(".DisallowedTokensLogitsProcessor")
+    with pytest.raises(BadRequest, match="never run"):
+        is_thinking_budget(sglang_processor("DisallowedTokensLogitsProcessor"))
+    for payload in (
+        json.dumps({"callable": pickle.dumps(_RunsCode()).hex()}),  # calls a function when unpickled
+        json.dumps({"callable": pickle.dumps((int, str)).hex()}),  # names two classes
+        json.dumps({"callable": "zz"}),
+        "not json",
+        json.dumps({"other": 1}),
+    ):
+        with pytest.raises(BadRequest, match="SGLang's serialized processor"):
+            named_class(payload)
+
+
+def test_sglang_thinking_budget_processor_over_http(thinking_server, server):  # noqa: F811
+    """SGLang's thinking-budget processor with custom_params.thinking_budget gives the tokens of
+    max_thinking_tokens; no or a bad thinking_budget is no budget; other processors, both fields
+    at once, and a server without --reasoning-parser are refused by name."""
+    url, params = thinking_server.url, {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
+    prompt = httpx.post(f"{url}/tokenize", json={"prompt": "Question: why?<think>\n"}).json()["tokens"]
+    processor = sglang_processor("Qwen3ThinkingBudgetLogitProcessor")
+
+    def run(**body) -> httpx.Response:
+        return httpx.post(f"{url}/generate", json={"input_ids": prompt, **body}, timeout=60)
+
+    budgeted = run(sampling_params=params, max_thinking_tokens=4).json()["output_ids"]
+    free = run(sampling_params=params).json()["output_ids"]
+    assert budgeted != free
+    with_params = {**params, "custom_params": {"thinking_budget": 4}}
+    assert run(sampling_params=with_params, custom_logit_processor=processor).json()["output_ids"] == budgeted
+    for unset in ({}, {"thinking_budget": "4"}, {"thinking_budget": -1}):
+        body = {"sampling_params": {**params, "custom_params": unset}, "custom_logit_processor": processor}
+        assert run(**body).json()["output_ids"] == free
+    for body, word in (
+        ({"custom_logit_processor": sglang_processor("DisallowedTokensLogitsProcessor")}, "never run"),
+        ({"custom_logit_processor": processor, "max_thinking_tokens": 3}, "not both"),
+        ({"custom_logit_processor": "{}"}, "serialized processor"),
+    ):
+        r = run(sampling_params=with_params, **body)
+        assert r.status_code == 400 and word in r.json()["error"]["message"], r.text
+    r = httpx.post(f"{server.url}/generate", json={"text": "a", "custom_logit_processor": processor})
+    assert r.status_code == 400 and "--reasoning-parser" in r.json()["error"]["message"]
+    chat = {"model": "m", "messages": [{"role": "user", "content": "a"}], "custom_logit_processor": processor}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=chat)
+    assert r.status_code == 400 and "custom_logit_processor" in r.json()["error"]["message"]
+    idle_and_clean(thinking_server)

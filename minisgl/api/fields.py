@@ -88,6 +88,7 @@ def _is_default(value: Any, default: Any) -> bool:
 
 LEGACY_FUNCTIONS = "the legacy functions API is not supported; use tools and tool_choice"
 MULTIMODAL = "this server serves text-only models"
+CUSTOM_PROCESSOR = "request code is never run; SGLang's thinking-budget processors are served on /generate"
 
 SAMPLING = Schema(
     "SGLang sampling_params",
@@ -117,8 +118,8 @@ SAMPLING = Schema(
         "ebnf",
         "structural_tag",
         "stop_regex",
+        "custom_params",
     },
-    inert={"custom_params"},
 )
 
 GENERATE = Schema(
@@ -143,6 +144,7 @@ GENERATE = Schema(
         "return_prompt_token_ids",
         "return_entropy",
         "max_thinking_tokens",
+        "custom_logit_processor",
     },
     inert={
         "model",
@@ -174,7 +176,6 @@ GENERATE = Schema(
         "modalities": None,
         "session_params": None,
         "lora_id": None,
-        "custom_logit_processor": None,
         "positional_embed_overrides": None,
         "bootstrap_host": None,
         "bootstrap_port": None,
@@ -256,7 +257,7 @@ _OPENAI_COMMON = dict(
         "session_id",
         "ngram_corpus_id",  # SGLang: an n-gram corpus for drafting; drafts change no token
         "custom_labels",
-        "custom_params",  # (read only by custom logit processors, which are refused)
+        "custom_params",  # (read only by custom logit processors, refused on these routes)
         "disagg_prefill_dp_rank",
         "store",
         "metadata",
@@ -272,7 +273,7 @@ _OPENAI_COMMON = dict(
         "return_text_in_logprobs",
     },
     default_only={"session_params": None, "custom_logit_processor": None, "images_config": None},
-    why={"images_config": MULTIMODAL},
+    why={"images_config": MULTIMODAL, "custom_logit_processor": CUSTOM_PROCESSOR},
 )
 
 COMPLETION = Schema(

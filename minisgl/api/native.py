@@ -61,10 +61,12 @@ class NativeRoutes(ApiBase):
         body: GenerateRequest = await read_body(request, GenerateRequest, self.args, GENERATE)
         items = body.items(self.args.max_sequences_per_request)  # counted before any is built
         parser = self.args.reasoning_parser
-        if body.max_thinking_tokens is not None and parser is None:
+        asked = body.thinking_budget_asked
+        if asked is not None and parser is None:
             raise BadRequest(
-                "max_thinking_tokens needs a server started with --reasoning-parser (it names the thinking markers)",
-                param="max_thinking_tokens",
+                f"{asked} (a thinking budget) needs a server started with --reasoning-parser (it names the "
+                "thinking markers)",
+                param=asked,
             )
         runs = await self._start(
             [

@@ -78,6 +78,7 @@ class SamplingIn(SamplingParams, kw_only=True, forbid_unknown_fields=True):
 
     n: Int32 = 1
     sampling_seed: Int64 | None = None
+    custom_params: dict[str, Any] | None = None  # read by SGLang's thinking-budget processor (thinking_budget)
 
     def params(self, choice: int = 0) -> SamplingParams:
         """Choice ``choice``'s parameters (a given seed is offset so the n choices differ)."""
@@ -109,6 +110,9 @@ def cache_keys(extra_key: Any, cache_salt: Any, count: int) -> list[str | None]:
             per_prompt(extra_key, "extra_key", count, None), per_prompt(cache_salt, "cache_salt", count, None)
         )
     ]
+
+
+MAX_THINK_BUDGET = (1 << 31) - 1  # (a larger thinking_budget never ends thinking either)
 
 
 class GenerateItem(msgspec.Struct):
@@ -149,6 +153,7 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
     return_prompt_token_ids: bool = False  # the prompt's token ids beside the output's (prompt_token_ids)
     return_entropy: bool = False  # each output token's distribution's entropy (output_token_entropy)
     max_thinking_tokens: Int32 | None = None  # a reasoning model's thinking budget (--reasoning-parser)
+    custom_logit_processor: str | None = None  # SGLang's thinking-budget ones only (api/logit_processors.py)
     return_routed_experts: bool = False  # MoE: each position's experts (--enable-return-routed-experts)
     routed_experts_start_len: Int32 = 0  # from this position on (0: the whole prompt too)
     return_hidden_states: bool | list[bool] = False  # (--enable-return-hidden-states)
@@ -197,8 +202,7 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
         check_sequences(count * n, max_sequences)
         if self.routed_experts_start_len < 0:
             raise BadRequest("routed_experts_start_len must be >= 0", param="routed_experts_start_len")
-        if self.max_thinking_tokens is not None and self.max_thinking_tokens < 0:
-            raise BadRequest("max_thinking_tokens must be >= 0", param="max_thinking_tokens")
+        budgets = self._think_budgets(sampling)
         single = not self.is_batch and n == 1
         rids = self._rids(count * n, single)
         out = []
@@ -226,10 +230,39 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
                         loras[i],
                         self.return_prompt_token_ids,
                         self.return_entropy,
-                        -1 if self.max_thinking_tokens is None else self.max_thinking_tokens,
+                        budgets[i],
                     )
                 )
         return out
+
+    def _think_budgets(self, sampling: list[SamplingIn]) -> list[int]:
+        """Each prompt's thinking budget (-1: none): max_thinking_tokens, or the
+        ``custom_params.thinking_budget`` of SGLang's thinking-budget logit processor (an unset,
+        negative or non-integer one is no budget, as that processor reads it)."""
+        if self.max_thinking_tokens is not None and self.max_thinking_tokens < 0:
+            raise BadRequest("max_thinking_tokens must be >= 0", param="max_thinking_tokens")
+        if self.custom_logit_processor is None:
+            return [-1 if self.max_thinking_tokens is None else self.max_thinking_tokens] * len(sampling)
+        from minisgl.api.logit_processors import is_thinking_budget
+
+        is_thinking_budget(self.custom_logit_processor)
+        if self.max_thinking_tokens is not None:
+            raise BadRequest(
+                "give max_thinking_tokens or a thinking-budget custom_logit_processor, not both",
+                param="custom_logit_processor",
+            )
+        budgets = [(s.custom_params or {}).get("thinking_budget") for s in sampling]
+        return [
+            min(b, MAX_THINK_BUDGET) if isinstance(b, int) and not isinstance(b, bool) and b >= 0 else -1
+            for b in budgets
+        ]
+
+    @property
+    def thinking_budget_asked(self) -> str | None:
+        """The field that asks for a thinking budget, if one does."""
+        if self.max_thinking_tokens is not None:
+            return "max_thinking_tokens"
+        return "custom_logit_processor" if self.custom_logit_processor is not None else None
 
     def _logprob_ids(self, count: int) -> list[list[int]]:
         """token_ids_logprob per prompt: one list for every prompt, or one list per prompt."""
