@@ -42,7 +42,7 @@ INERT: dict[str, tuple[int, str]] = {
     "--enable-lora-overlap-loading": (SWITCH, "adapters are copied into slots from pinned memory, before the step"),
     "--enable-custom-logit-processor": (
         SWITCH,
-        "request code is never run; SGLang's thinking-budget processors are served on /generate without it",
+        "request code is never run; SGLang's thinking-budget processors are served without it (/generate, chat)",
     ),
 }
 # flag -> (takes, why not); refused with the reason.

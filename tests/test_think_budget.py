@@ -164,5 +164,28 @@ def test_sglang_thinking_budget_processor_over_http(thinking_server, server):  #
     assert r.status_code == 400 and "--reasoning-parser" in r.json()["error"]["message"]
     chat = {"model": "m", "messages": [{"role": "user", "content": "a"}], "custom_logit_processor": processor}
     r = httpx.post(f"{server.url}/v1/chat/completions", json=chat)
+    assert r.status_code == 400 and "--reasoning-parser" in r.json()["error"]["message"]
+    completion = {"model": "m", "prompt": "a", "custom_logit_processor": processor}
+    r = httpx.post(f"{url}/v1/completions", json=completion)
     assert r.status_code == 400 and "custom_logit_processor" in r.json()["error"]["message"]
+    # Chat completions: the answer continued inside an open <think> thinks 4 tokens, as /generate's budget does.
+    chat = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "why?"}, {"role": "assistant", "content": "<think>\n"}],
+        "continue_final_message": True,
+        "max_tokens": 16,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "separate_reasoning": False,
+        "custom_logit_processor": processor,
+        "custom_params": {"thinking_budget": 4},
+    }
+    choice = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60).json()["choices"][0]
+    prompt_ids = choice["prompt_token_ids"]
+    budgeted = httpx.post(
+        f"{url}/generate", json={"input_ids": prompt_ids, "sampling_params": params, "max_thinking_tokens": 4}
+    ).json()
+    free = httpx.post(f"{url}/generate", json={"input_ids": prompt_ids, "sampling_params": params}).json()
+    assert choice["token_ids"] == budgeted["output_ids"] != free["output_ids"]
     idle_and_clean(thinking_server)

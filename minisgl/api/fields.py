@@ -88,7 +88,9 @@ def _is_default(value: Any, default: Any) -> bool:
 
 LEGACY_FUNCTIONS = "the legacy functions API is not supported; use tools and tool_choice"
 MULTIMODAL = "this server serves text-only models"
-CUSTOM_PROCESSOR = "request code is never run; SGLang's thinking-budget processors are served on /generate"
+CUSTOM_PROCESSOR = (
+    "request code is never run; SGLang's thinking-budget processors are served on /generate and chat completions"
+)
 
 SAMPLING = Schema(
     "SGLang sampling_params",
@@ -313,11 +315,14 @@ CHAT = Schema(
         "return_prompt_token_ids",
         "return_meta_info",
         "input_ids",
+        "custom_logit_processor",
+        "custom_params",
     },
     # task: DeepSeek-V4's quick-instruction token, which SGLang's other templates ignore too
-    inert=(_OPENAI_COMMON["inert"] - {"separate_reasoning", "stream_reasoning"}) | {"modalities", "task"},
+    inert=(_OPENAI_COMMON["inert"] - {"separate_reasoning", "stream_reasoning", "custom_params"})
+    | {"modalities", "task"},
     default_only={
-        **_OPENAI_COMMON["default_only"],
+        **{k: v for k, v in _OPENAI_COMMON["default_only"].items() if k != "custom_logit_processor"},
         "functions": None,
         "function_call": None,
         "audio": None,

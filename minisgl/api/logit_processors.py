@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import json
 import pickletools
+from typing import Any
 
 from minisgl.api.protocol import BadRequest
 
 SGLANG_PROCESSORS = "sglang.srt.sampling.custom_logit_processor"
 THINKING_BUDGET = "ThinkingBudgetLogitProcessor"
 MAX_PAYLOAD_CHARS = 1 << 16
+MAX_THINK_BUDGET = (1 << 31) - 1  # (a larger thinking_budget never ends thinking either)
 # Opcodes that call or build objects: a pickle naming a class by reference has none of them.
 _CALLS = {"REDUCE", "BUILD", "INST", "OBJ", "NEWOBJ", "NEWOBJ_EX"}
 
@@ -65,3 +67,14 @@ def is_thinking_budget(payload: str) -> bool:
         "processors (custom_params.thinking_budget) are served, as max_thinking_tokens is",
         param="custom_logit_processor",
     )
+
+
+def thinking_budget(processor: str, custom_params: dict[str, Any] | None) -> int:
+    """The thinking budget SGLang's thinking-budget processor reads from ``custom_params`` (-1:
+    none, as that processor takes an unset, negative or non-integer one); BadRequest for any
+    other processor."""
+    is_thinking_budget(processor)
+    budget = (custom_params or {}).get("thinking_budget")
+    if isinstance(budget, int) and not isinstance(budget, bool) and budget >= 0:
+        return min(budget, MAX_THINK_BUDGET)
+    return -1

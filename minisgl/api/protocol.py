@@ -112,9 +112,6 @@ def cache_keys(extra_key: Any, cache_salt: Any, count: int) -> list[str | None]:
     ]
 
 
-MAX_THINK_BUDGET = (1 << 31) - 1  # (a larger thinking_budget never ends thinking either)
-
-
 class GenerateItem(msgspec.Struct):
     """One sequence of a /generate request, after batching and n are expanded."""
 
@@ -243,19 +240,15 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
             raise BadRequest("max_thinking_tokens must be >= 0", param="max_thinking_tokens")
         if self.custom_logit_processor is None:
             return [-1 if self.max_thinking_tokens is None else self.max_thinking_tokens] * len(sampling)
-        from minisgl.api.logit_processors import is_thinking_budget
+        from minisgl.api.logit_processors import thinking_budget
 
-        is_thinking_budget(self.custom_logit_processor)
+        budgets = [thinking_budget(self.custom_logit_processor, s.custom_params) for s in sampling]
         if self.max_thinking_tokens is not None:
             raise BadRequest(
                 "give max_thinking_tokens or a thinking-budget custom_logit_processor, not both",
                 param="custom_logit_processor",
             )
-        budgets = [(s.custom_params or {}).get("thinking_budget") for s in sampling]
-        return [
-            min(b, MAX_THINK_BUDGET) if isinstance(b, int) and not isinstance(b, bool) and b >= 0 else -1
-            for b in budgets
-        ]
+        return budgets
 
     @property
     def thinking_budget_asked(self) -> str | None:
@@ -626,6 +619,17 @@ class ChatCompletionRequest(_OpenAIBase, kw_only=True):
     return_prompt_token_ids: bool = False  # SGLang's: each choice's prompt_token_ids
     return_meta_info: bool = False  # SGLang's: each choice's /generate meta_info (logprobs with logprobs)
     input_ids: list[Any] | None = None  # SGLang's: the rendered prompt's ids, used instead of the template's
+    # SGLang's thinking-budget logit processor and its custom_params.thinking_budget (api/logit_processors.py)
+    custom_logit_processor: str | None = None
+    custom_params: dict[str, Any] | None = None
+
+    def think_budget(self) -> int:
+        """The thinking budget a thinking-budget logit processor asks for (-1: none)."""
+        if self.custom_logit_processor is None:
+            return -1
+        from minisgl.api.logit_processors import thinking_budget
+
+        return thinking_budget(self.custom_logit_processor, self.custom_params)
 
     def template_kwargs(self) -> dict[str, Any] | None:
         """chat_template_kwargs, with the reasoning effort and whether to think among them when
