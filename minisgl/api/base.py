@@ -21,6 +21,7 @@ from minisgl.api.protocol import BadRequest, check_sequences, decode
 from minisgl.api.streaming import EventStream
 from minisgl.args import ServerArgs
 from minisgl.messages import EngineInfo, GenerateReq, ReqUpdate, TokenLogprob
+from minisgl.parsers.reasoning import starts_in_reasoning
 from minisgl.utils import hidden_state_rows
 
 logger = logging.getLogger("minisgl.api")
@@ -334,6 +335,19 @@ class ApiBase:
         if hidden and run.hidden_states:  # (with the last update)
             meta["hidden_states"] = hidden_state_rows(run.hidden_states, self.info.hidden_size, run.prompt_tokens)
         return meta
+
+    def _think_open(self, asked: str | None) -> bool:
+        """Whether a request's output starts inside thinking (the reasoning parser's models always
+        start there); BadRequest naming ``asked``, the field asking for a thinking budget, when no
+        --reasoning-parser names the markers."""
+        parser = self.args.reasoning_parser
+        if asked is not None and parser is None:
+            raise BadRequest(
+                f"{asked} (a thinking budget) needs a server started with --reasoning-parser (it names the "
+                "thinking markers)",
+                param=asked,
+            )
+        return parser is not None and starts_in_reasoning(parser)
 
     def _adapter(self, model: str, lora_path: str | None) -> str | None:
         """The LoRA adapter an OpenAI request names: ``lora_path``, a ``model`` of

@@ -31,7 +31,6 @@ from minisgl.api.protocol import (
 )
 from minisgl.api.streaming import SSE_DONE, sse
 from minisgl.messages import GenerateReq, ProfileReq
-from minisgl.parsers.reasoning import starts_in_reasoning
 from minisgl.sampling import SamplingParams
 
 # Monitoring (/get_server_info, /metrics, /v1/loads) waits this long for fresh stats from the
@@ -60,14 +59,7 @@ class NativeRoutes(ApiBase):
     async def generate(self, request: Request) -> Response:
         body: GenerateRequest = await read_body(request, GenerateRequest, self.args, GENERATE)
         items = body.items(self.args.max_sequences_per_request)  # counted before any is built
-        parser = self.args.reasoning_parser
-        asked = body.thinking_budget_asked
-        if asked is not None and parser is None:
-            raise BadRequest(
-                f"{asked} (a thinking budget) needs a server started with --reasoning-parser (it names the "
-                "thinking markers)",
-                param=asked,
-            )
+        think_open = self._think_open(body.thinking_budget_asked)
         runs = await self._start(
             [
                 GenerateReq(
@@ -85,7 +77,7 @@ class NativeRoutes(ApiBase):
                     prompt_ids=it.prompt_ids,
                     entropy=it.entropy,
                     think_budget=it.think_budget,
-                    think_open=parser is not None and starts_in_reasoning(parser),
+                    think_open=think_open,
                 )
                 for it in items
             ]

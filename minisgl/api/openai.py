@@ -13,7 +13,6 @@ from starlette.responses import JSONResponse, Response
 from minisgl.api.base import ApiBase, Run, merge, read_body
 from minisgl.api.fields import CHAT, COMPLETION
 from minisgl.api.protocol import (
-    BadRequest,
     ChatCompletionRequest,
     CompletionRequest,
     cache_keys,
@@ -24,7 +23,6 @@ from minisgl.api.protocol import (
 from minisgl.api.streaming import SSE_DONE, sse
 from minisgl.messages import GenerateReq, ReqUpdate, TokenLogprob
 from minisgl.parsers.chat_output import ChatOutput
-from minisgl.parsers.reasoning import starts_in_reasoning
 from minisgl.utils import last_hidden_state
 
 
@@ -265,13 +263,8 @@ class OpenAIRoutes(ApiBase):
         given = list(body.input_ids) if body.input_ids is not None else None  # the template is not run
         predicted = parts_text(body.prediction.content, "prediction") if body.prediction else None
         max_new = body.max_new_tokens
-        budget, parser = body.think_budget(), self.args.reasoning_parser
-        if body.custom_logit_processor is not None and parser is None:
-            raise BadRequest(
-                "custom_logit_processor (a thinking budget) needs a server started with --reasoning-parser (it names "
-                "the thinking markers)",
-                param="custom_logit_processor",
-            )
+        budget = body.think_budget()
+        think_open = self._think_open("custom_logit_processor" if body.custom_logit_processor is not None else None)
         reqs = []
         for j in range(body.n):
             sampling = body.sampling(max_new, j)
@@ -295,7 +288,7 @@ class OpenAIRoutes(ApiBase):
                     prompt_ids=body.wants_prompt_ids,
                     routed_start=body.routed_start,
                     think_budget=budget,
-                    think_open=parser is not None and starts_in_reasoning(parser),
+                    think_open=think_open,
                 )
             )
         runs = await self._start(reqs)

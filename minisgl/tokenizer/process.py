@@ -8,7 +8,6 @@ a matched stop string ends the request here and tells the scheduler to stop it.
 
 from __future__ import annotations
 
-import functools
 import logging
 from typing import Any
 
@@ -158,6 +157,7 @@ class TokenizerProcess:
         self.completion_template = completion_template  # (else read from the tokenizer's tokens)
         self.skip_init = skip_init  # --skip-tokenizer-init: token ids in and out
         self.tokenizer: Any = None
+        self.think_marker_ids: list[list[int]] = []  # <think> and </think> in the tokenizer's ids
         self.info: EngineInfo | None = None
         self.reqs: dict[str, RequestState] = {}
 
@@ -179,7 +179,10 @@ class TokenizerProcess:
             elif isinstance(msg, EngineInfo):
                 if not self.skip_init:
                     self.tokenizer = load_tokenizer(self.tokenizer_path or msg.model_path, self.chat_template)
-                    self.__dict__.pop("_marker_ids", None)  # (encoded again by the new tokenizer)
+                    if self.tokenizer is not None:  # (the thinking markers, encoded once)
+                        self.think_marker_ids = [
+                            self.tokenizer.encode(m, add_special_tokens=False) for m in (THINK_OPEN, THINK_CLOSE)
+                        ]
                 parser = self.tool_call_parser or detect_tool_parser(self.tokenizer)
                 if parser is not None and self.tokenizer is not None:
                     logger.info(
@@ -265,17 +268,12 @@ class TokenizerProcess:
             text = fim_prompt(self.completion_template, text, req.suffix)
         return self.tokenizer.encode(text, add_special_tokens=True)
 
-    @functools.cached_property
-    def _marker_ids(self) -> list[list[int]]:
-        """The ids of the reasoning models' open and close markers, encoded once."""
-        return [self.tokenizer.encode(marker, add_special_tokens=False) for marker in (THINK_OPEN, THINK_CLOSE)]
-
     def _think_markers(self) -> list[list[int]]:
         """The ids of the reasoning models' open and close markers (a thinking budget forces the
         close one)."""
         if self.tokenizer is None:
             raise ValueError(f"max_thinking_tokens: {self._no_tokenizer} (its markers are text)")
-        return self._marker_ids
+        return self.think_marker_ids
 
     def _prediction(self, req: GenerateReq) -> list[int]:
         """The predicted output's tokens: a draft source when the scheduler speculates (none
