@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.agreement import agreement  # noqa: E402
 from benchmarks.gguf_bf16_vs_fp32 import ASKS, TOPICS  # noqa: E402
 from minisgl.llm import LLM  # noqa: E402
-from minisgl.sampling import SamplingParams  # noqa: E402
+from minisgl.wire.sampling import SamplingParams
 
 
 def main() -> None:

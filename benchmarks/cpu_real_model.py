@@ -117,7 +117,7 @@ def main() -> None:
         wait_ready(url, server, timeout=600)
         result["ready_s"] = round(time.perf_counter() - start, 1)
         result["memory_idle"] = _memory(server.pid)
-        from minisgl.models.locate import resolve_model_path
+        from minisgl.checkpoint.locate import resolve_model_path
 
         transformers = _transformers_runner(str(resolve_model_path(args.model)))  # the converted checkpoint
         runs = {"server_tok_s": functools.partial(_server_run, url), "transformers_tok_s": transformers}

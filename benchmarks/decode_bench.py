@@ -32,12 +32,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.workloads import save_result  # noqa: E402
-from minisgl.args import EngineArgs  # noqa: E402
-from minisgl.distributed import set_tp_info  # noqa: E402
-from minisgl.messages import ForwardBatch  # noqa: E402
-from minisgl.model_config import ModelConfig  # noqa: E402
+from minisgl.checkpoint.model_config import ModelConfig
+from minisgl.config.args import EngineArgs
+from minisgl.device.distributed import set_tp_info
+from minisgl.device.worker.model_runner import ModelRunner
 from minisgl.utils import cdiv  # noqa: E402
-from minisgl.worker import ModelRunner  # noqa: E402
+from minisgl.wire.steps import ForwardBatch
 
 
 def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 20) -> float:
@@ -64,7 +64,7 @@ def active_share(config: ModelConfig, batch: int) -> float:
 
 def fill_adapters(runner: ModelRunner) -> None:
     """Random adapters in every LoRA slot, and request slot i under adapter i % slots."""
-    from minisgl.models.lora_adapter import lora_weights
+    from minisgl.device.models.lora_adapter import lora_weights
 
     for w in lora_weights(runner.model):
         w.a.normal_(std=0.01)
@@ -291,9 +291,9 @@ def cascade_kernels(
     variants: list[str] | None = None,
     kv_dtype: torch.dtype = torch.bfloat16,
 ) -> list[dict]:
-    from minisgl.attention.flashinfer_backend import FlashInferBackend
-    from minisgl.attention.synthetic import decode_metadata
-    from minisgl.kvcache import MHAKVCache
+    from minisgl.device.attention.flashinfer_backend import FlashInferBackend
+    from minisgl.device.attention.synthetic import decode_metadata
+    from minisgl.device.kvcache.mha_pool import MHAKVCache
 
     own_len, rows = 256, []
     for batch, groups, shared, *rest in cases:

@@ -26,10 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.decode_bench import replay_ms  # noqa: E402
 from benchmarks.fp8_layer_bench import layer_shapes  # noqa: E402
 from benchmarks.workloads import save_result  # noqa: E402
-from minisgl.kernels.fp8 import block_matmul  # noqa: E402
-from minisgl.layers import tuned_tables  # noqa: E402
-from minisgl.layers.fp8_gemm import GEMM_CONFIGS_PATH, GEMM_ROW_BUCKETS, scaled_mm  # noqa: E402
-from minisgl.model_config import ModelConfig  # noqa: E402
+from minisgl.checkpoint.model_config import ModelConfig
+from minisgl.device.kernels.fp8 import block_matmul
+from minisgl.device.layers import tuned_tables
+from minisgl.device.layers.fp8_gemm import GEMM_CONFIGS_PATH, GEMM_ROW_BUCKETS, scaled_mm
 
 CANDIDATES = [  # BM, BN, warps, stages
     (16, 64, 4, 6),

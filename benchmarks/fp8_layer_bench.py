@@ -24,12 +24,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.decode_bench import replay_ms  # noqa: E402
 from benchmarks.workloads import save_result  # noqa: E402
-from minisgl.kernels.fp8 import quantize_rows  # noqa: E402
-from minisgl.kernels.fused import add_rmsnorm, silu_and_mul  # noqa: E402
-from minisgl.layers.fp8_scheme import Fp8Scheme  # noqa: E402
-from minisgl.layers.norm import RMSNorm  # noqa: E402
-from minisgl.layers.quantization import fp8_linear, quantize, quantize_weight  # noqa: E402
-from minisgl.model_config import ModelConfig  # noqa: E402
+from minisgl.checkpoint.model_config import ModelConfig
+from minisgl.device.kernels.fp8 import quantize_rows
+from minisgl.device.kernels.fused import add_rmsnorm, silu_and_mul
+from minisgl.device.layers.fp8_scheme import Fp8Scheme
+from minisgl.device.layers.norm import RMSNorm
+from minisgl.device.layers.quantization import fp8_linear, quantize, quantize_weight
 
 TRITON_CONFIGS = [
     (16, 64, 4, 3),
@@ -103,7 +103,7 @@ def run(cfg: ModelConfig, batch: int) -> dict:
 
         out[f"{label}_gemms_us"] = replay_ms(gemms) * 1e3
         if block is None:  # our Triton kernel on the per-channel GEMMs, by tile configuration
-            from minisgl.kernels.fp8 import block_matmul
+            from minisgl.device.kernels.fp8 import block_matmul
 
             for config in TRITON_CONFIGS:
 

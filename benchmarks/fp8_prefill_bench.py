@@ -51,7 +51,7 @@ def timed(fn, iters: int = 20) -> float:
 def main() -> None:
     import flashinfer
 
-    from minisgl.kernels.fp8 import widen_pages
+    from minisgl.device.kernels.fp8 import widen_pages
 
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--heads", type=int, nargs=3, default=[32, 8, 128], metavar=("HQ", "HK", "D"))

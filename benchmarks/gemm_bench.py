@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.decode_bench import replay_ms  # noqa: E402
 from benchmarks.workloads import save_result  # noqa: E402
-from minisgl.kernels.fp8 import tile  # noqa: E402
-from minisgl.model_config import ModelConfig  # noqa: E402
+from minisgl.checkpoint.model_config import ModelConfig
+from minisgl.device.kernels.fp8 import tile
 
 
 @triton.jit

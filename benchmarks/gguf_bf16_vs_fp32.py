@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.agreement import agreement  # noqa: E402
 from minisgl.llm import LLM  # noqa: E402
-from minisgl.sampling import SamplingParams  # noqa: E402
+from minisgl.wire.sampling import SamplingParams
 
 TOPICS = ["the ocean", "a small town", "machine learning", "coffee", "the moon", "music", "rain", "bicycles"]
 ASKS = [

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from minisgl.llm import LLM
-from minisgl.sampling import SamplingParams
+from minisgl.wire.sampling import SamplingParams
 
 
 def _records(bounded: bool) -> str:

@@ -25,7 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.workloads import save_result  # noqa: E402
-from minisgl.kvcache import HostKVPool, MHAKVCache  # noqa: E402
+from minisgl.device.kvcache.host_pool import HostKVPool
+from minisgl.device.kvcache.mha_pool import MHAKVCache
 
 
 def timed(fn, repeat: int = 5) -> float:

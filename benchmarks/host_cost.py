@@ -28,11 +28,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.workloads import save_result  # noqa: E402
-from minisgl.args import EngineArgs  # noqa: E402
-from minisgl.messages import ForwardBatch, StepOutput  # noqa: E402
-from minisgl.sampling import SamplingParams  # noqa: E402
-from minisgl.scheduler import Scheduler  # noqa: E402
+from minisgl.config.args import EngineArgs
+from minisgl.serve.scheduler import Scheduler
 from minisgl.utils import resolve_device  # noqa: E402
+from minisgl.wire.sampling import SamplingParams
+from minisgl.wire.steps import ForwardBatch, StepOutput
 
 VOCAB, TOKEN = 128256, 7
 

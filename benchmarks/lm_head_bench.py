@@ -37,10 +37,10 @@ def replay_us(fn, iters: int = 50) -> float:
 
 
 def main() -> None:
-    from minisgl.kernels.fp8 import block_matmul, quantize_rows
-    from minisgl.layers.fp8_gemm import scaled_mm
-    from minisgl.layers.linear import linear_fp32
-    from minisgl.layers.quantization import quantize_torch
+    from minisgl.device.kernels.fp8 import block_matmul, quantize_rows
+    from minisgl.device.layers.fp8_gemm import scaled_mm
+    from minisgl.device.layers.linear import linear_fp32
+    from minisgl.device.layers.quantization import quantize_torch
 
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--shapes", nargs="+", default=["128256x4096", "151936x1024"], metavar="VOCABxHIDDEN")

@@ -28,12 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.decode_bench import replay_ms  # noqa: E402
 from benchmarks.workloads import save_result  # noqa: E402
-from minisgl.kernels import moe as kmoe  # noqa: E402
-from minisgl.layers import tuned_tables  # noqa: E402
-from minisgl.layers.fp8_scheme import Fp8Scheme  # noqa: E402
-from minisgl.layers.moe import FusedMoE, route  # noqa: E402
-from minisgl.layers.quantization import FP8, quantize  # noqa: E402
-from minisgl.model_config import ModelConfig  # noqa: E402
+from minisgl.checkpoint.model_config import ModelConfig
+from minisgl.device.kernels import moe as kmoe
+from minisgl.device.layers import tuned_tables
+from minisgl.device.layers.fp8_scheme import Fp8Scheme
+from minisgl.device.layers.moe import FusedMoE, route
+from minisgl.device.layers.quantization import FP8, quantize
 
 SIZES = [1, 16, 64, 256, 1024, 8192]
 TUNE_SIZES = [1, 16, 64, 256, 1024, 4096]

@@ -103,7 +103,7 @@ def run_offline(args: argparse.Namespace, mode: str) -> dict:
     import torch
 
     from minisgl.llm import LLM
-    from minisgl.sampling import SamplingParams
+    from minisgl.wire.sampling import SamplingParams
 
     llm = LLM(args.model, load_format=args.load_format, **engine_flags(args, mode), **args.engine)
     vocab = llm.runner.vocab_size

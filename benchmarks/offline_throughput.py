@@ -22,10 +22,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.workloads import WORKLOADS, Workload, distinct_tokens, save_result  # noqa: E402
-from minisgl.args import EngineArgs  # noqa: E402
+from minisgl.config.args import EngineArgs
 from minisgl.llm import LLM  # noqa: E402
-from minisgl.sampling import SamplingParams  # noqa: E402
 from minisgl.utils import init_logging  # noqa: E402
+from minisgl.wire.sampling import SamplingParams
 
 
 def run(
@@ -330,7 +330,7 @@ def load_random_adapters(llm: LLM, model: str, count: int, rank: int) -> list[st
     """``count`` random adapters of ``rank`` on every module of ``model``'s shape, loaded."""
     import tempfile
 
-    from minisgl.tiny_model import make_lora_adapter
+    from minisgl.device.tiny_model import make_lora_adapter
 
     root = Path(tempfile.mkdtemp(prefix="lora-bench-"))
     names = [f"a{i}" for i in range(count)]

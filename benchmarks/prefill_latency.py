@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.workloads import save_result  # noqa: E402
 from minisgl.llm import LLM  # noqa: E402
-from minisgl.sampling import SamplingParams  # noqa: E402
 from minisgl.utils import init_logging  # noqa: E402
+from minisgl.wire.sampling import SamplingParams
 
 
 def first_token_ms(llm: LLM, prompt: list[int]) -> float:

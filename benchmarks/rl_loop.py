@@ -42,8 +42,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.server import start_server  # noqa: E402
-from minisgl.distributed.weight_group import init_weight_group  # noqa: E402
-from minisgl.worker.tensor_payload import encode_named_tensors  # noqa: E402
+from minisgl.device.distributed.weight_group import init_weight_group  # noqa: E402
+from minisgl.device.worker.tensor_payload import encode_named_tensors  # noqa: E402
 
 PATHS = ("tensor", "disk", "distributed")
 

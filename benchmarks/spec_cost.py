@@ -21,10 +21,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.workloads import save_result  # noqa: E402
-from minisgl.args import SPEC_SCHEDULES  # noqa: E402
+from minisgl.config.args import SPEC_SCHEDULES
 from minisgl.llm import LLM  # noqa: E402
-from minisgl.sampling import SamplingParams  # noqa: E402
-from minisgl.scheduler import spec_rule, speculative  # noqa: E402
+from minisgl.serve.scheduler import spec_rule, speculative
+from minisgl.wire.sampling import SamplingParams
 
 
 def main() -> None:

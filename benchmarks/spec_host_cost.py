@@ -19,12 +19,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.workloads import save_result  # noqa: E402
-from minisgl.args import EngineArgs  # noqa: E402
-from minisgl.kvcache.ngram_index import NgramIndex  # noqa: E402
-from minisgl.kvcache.radix_manager import RadixCacheManager  # noqa: E402
-from minisgl.sampling import SamplingParams  # noqa: E402
-from minisgl.scheduler.request import Req  # noqa: E402
-from minisgl.scheduler.speculative import Drafter  # noqa: E402
+from minisgl.config.args import EngineArgs
+from minisgl.serve.cache.ngram_index import NgramIndex
+from minisgl.serve.cache.radix_manager import RadixCacheManager
+from minisgl.serve.scheduler.request import Req
+from minisgl.serve.scheduler.speculative import Drafter
+from minisgl.wire.sampling import SamplingParams
 
 
 def sample(rng: random.Random, phrases: list[list[int]], length: int) -> list[int]:

@@ -30,12 +30,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from minisgl.args import EngineArgs  # noqa: E402
-from minisgl.kvcache.ngram_index import NgramIndex  # noqa: E402
-from minisgl.kvcache.radix_manager import RadixCacheManager  # noqa: E402
-from minisgl.sampling import SamplingParams  # noqa: E402
-from minisgl.scheduler import spec_rule, speculative  # noqa: E402
-from minisgl.scheduler.request import Req  # noqa: E402
+from minisgl.config.args import EngineArgs
+from minisgl.serve.cache.ngram_index import NgramIndex
+from minisgl.serve.cache.radix_manager import RadixCacheManager
+from minisgl.serve.scheduler import spec_rule, speculative
+from minisgl.serve.scheduler.request import Req
+from minisgl.wire.sampling import SamplingParams
 
 
 def record(args: argparse.Namespace) -> None:

@@ -27,12 +27,12 @@ import torch  # noqa: E402
 
 from benchmarks import spec_bench  # noqa: E402
 from benchmarks.workloads import save_result  # noqa: E402
-from minisgl.args import SPEC_SCHEDULES  # noqa: E402
-from minisgl.attention import base as attention_base  # noqa: E402
-from minisgl.attention import cascade_triton  # noqa: E402
-from minisgl.sampling import sampler  # noqa: E402
-from minisgl.scheduler import scheduler, spec_rule, speculative  # noqa: E402
-from minisgl.worker import cuda_graph, model_runner  # noqa: E402
+from minisgl.config.args import SPEC_SCHEDULES
+from minisgl.device import sampler
+from minisgl.device.attention import base as attention_base
+from minisgl.device.attention import cascade_triton
+from minisgl.device.worker import cuda_graph, model_runner
+from minisgl.serve.scheduler import scheduler, spec_rule, speculative
 
 MODES = ["off", *SPEC_SCHEDULES]  # speculation off, or on under each --speculative-schedule
 Runner = model_runner.ModelRunner

@@ -63,7 +63,7 @@ VARIANTS = {  # tp=2 all-reduce variants: extra server flags
 
 
 def run_agreement(variants: list[str], extra: list[str] = ()) -> dict:
-    from minisgl.tiny_model import make_tiny_model
+    from minisgl.device.tiny_model import make_tiny_model
 
     model = make_tiny_model("llama", Path(tempfile.mkdtemp()) / "tiny-hd128", overrides={"head_dim": 128})
     rng = random.Random(0)
@@ -175,10 +175,10 @@ def _step_rank(
     import torch
     import torch.distributed as dist
 
-    from minisgl.args import EngineArgs
-    from minisgl.distributed import set_tp_info
-    from minisgl.messages import ForwardBatch
-    from minisgl.worker.model_runner import ModelRunner
+    from minisgl.config.args import EngineArgs
+    from minisgl.device.distributed import set_tp_info
+    from minisgl.device.worker.model_runner import ModelRunner
+    from minisgl.wire.steps import ForwardBatch
 
     if world > 1:
         torch.cuda.set_device(rank)

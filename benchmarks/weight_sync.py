@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.server import start_server  # noqa: E402
-from minisgl.worker.tensor_payload import BucketEntry, encode_named_tensors  # noqa: E402
+from minisgl.device.worker.tensor_payload import BucketEntry, encode_named_tensors  # noqa: E402
 
 SHARD_BYTES = 4 << 30
 

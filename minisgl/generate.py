@@ -8,10 +8,10 @@ from __future__ import annotations
 import argparse
 import json
 
-from minisgl.args import HelpFormatter, add_engine_args, engine_kwargs
+from minisgl.config.args import HelpFormatter, add_engine_args, engine_kwargs
 from minisgl.llm import LLM
-from minisgl.sampling import SamplingParams
 from minisgl.utils import init_logging
+from minisgl.wire.sampling import SamplingParams
 
 
 def main() -> None:

@@ -28,12 +28,19 @@ import setproctitle
 import uvicorn
 import zmq
 
-from minisgl.api.client import EngineClient
-from minisgl.api.connections import HeaderTimeoutProtocol
-from minisgl.api.server import LOOPBACK, create_app
-from minisgl.args import ServerArgs, build_parser, normalize_engine_args
-from minisgl.data_parallel import DataParallelLauncher
-from minisgl.ipc import (
+from minisgl.checkpoint.locate import resolve_model_path
+from minisgl.config.args import ServerArgs, build_parser, normalize_engine_args
+from minisgl.config.sglang_flags import apply_sglang_flags
+from minisgl.serve.api.client import EngineClient
+from minisgl.serve.api.connections import HeaderTimeoutProtocol
+from minisgl.serve.api.server import LOOPBACK, create_app
+from minisgl.serve.data_parallel import DataParallelLauncher
+from minisgl.serve.scheduler.process import run_scheduler
+from minisgl.serve.tokenizer import read_chat_template
+from minisgl.serve.tokenizer.process import run_tokenizer
+from minisgl.serve.workers import run_worker_process
+from minisgl.utils import init_logging
+from minisgl.wire.ipc import (
     HEARTBEAT_DIR,
     HEARTBEAT_LIMIT,
     HEARTBEAT_S,
@@ -46,14 +53,7 @@ from minisgl.ipc import (
     stop_processes,
     wait_ready,
 )
-from minisgl.messages import EngineInfo
-from minisgl.models.locate import resolve_model_path
-from minisgl.scheduler.process import run_scheduler
-from minisgl.sglang_flags import apply_sglang_flags
-from minisgl.tokenizer import read_chat_template
-from minisgl.tokenizer.process import run_tokenizer
-from minisgl.utils import init_logging
-from minisgl.worker.spawn import run_worker_process
+from minisgl.wire.requests import EngineInfo
 
 logger = logging.getLogger("minisgl.launch")
 

@@ -9,8 +9,20 @@ from typing import Any
 
 import msgspec
 
-from minisgl.args import EngineArgs
-from minisgl.messages import (
+from minisgl.config.args import EngineArgs
+from minisgl.device.worker.model_runner import ModelRunner
+from minisgl.serve.parsers.reasoning import CLOSE as THINK_CLOSE
+from minisgl.serve.parsers.reasoning import OPEN as THINK_OPEN
+from minisgl.serve.scheduler import Req, Scheduler
+from minisgl.serve.scheduler.control import ControlError
+from minisgl.serve.scheduler.grammar import GrammarBackend
+from minisgl.serve.scheduler.output import prompt_scores
+from minisgl.serve.tokenizer import eos_ids, load_tokenizer
+from minisgl.serve.tokenizer.chat import encode_chat
+from minisgl.serve.tokenizer.detokenizer import StopRegexTooSlow, TextStream, decode_ids
+from minisgl.serve.workers import WorkerGroup
+from minisgl.utils import hidden_state_rows
+from minisgl.wire.control import (
     LoadLora,
     LoadWeights,
     LocalLora,
@@ -18,21 +30,9 @@ from minisgl.messages import (
     MemoryOccupation,
     ReadWeights,
     TensorWeights,
-    WorkerTask,
 )
-from minisgl.parsers.reasoning import CLOSE as THINK_CLOSE
-from minisgl.parsers.reasoning import OPEN as THINK_OPEN
-from minisgl.sampling import SamplingParams
-from minisgl.scheduler import Req, Scheduler
-from minisgl.scheduler.control import ControlError
-from minisgl.scheduler.grammar import GrammarBackend
-from minisgl.scheduler.output import prompt_scores
-from minisgl.tokenizer import eos_ids, load_tokenizer
-from minisgl.tokenizer.chat import encode_chat
-from minisgl.tokenizer.detokenizer import StopRegexTooSlow, TextStream, decode_ids
-from minisgl.utils import hidden_state_rows
-from minisgl.worker import ModelRunner
-from minisgl.worker.spawn import WorkerGroup
+from minisgl.wire.sampling import SamplingParams
+from minisgl.wire.steps import WorkerTask
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class LLM:
         """Load (name, full tensor) pairs, any subset of the weights; (success, message)."""
         if isinstance(self.runner, ModelRunner):  # this process holds the weights: no handles to pass
             return self._task(LocalTensors(list(named_tensors)), flush_cache)
-        from minisgl.worker.tensor_payload import encode_named_tensors
+        from minisgl.device.worker.tensor_payload import encode_named_tensors
 
         payload = base64.b64decode(encode_named_tensors(named_tensors, load_format == "flattened_bucket"))
         return self._task(TensorWeights([payload] * self.args.tp_size, load_format or "direct"), flush_cache)
@@ -132,7 +132,7 @@ class LLM:
         if isinstance(self.runner, ModelRunner):  # this process holds the model: no handles to pass
             task: LoadLora | LocalLora = LocalLora("", named, dict(config_dict))
         else:
-            from minisgl.worker.tensor_payload import encode_named_tensors
+            from minisgl.device.worker.tensor_payload import encode_named_tensors
 
             payload = base64.b64decode(encode_named_tensors(named.items(), load_format == "flattened_bucket"))
             task = LoadLora("", "", payload, json.dumps(config_dict), load_format or "direct")

@@ -14,7 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from minisgl.args import build_parser  # noqa: E402
+from minisgl.config.args import build_parser  # noqa: E402
 
 DOC = ROOT / "docs" / "flags.md"
 

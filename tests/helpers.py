@@ -5,10 +5,10 @@ Each request gets a contiguous run of pages, enough for its prompt and outputs.
 
 from __future__ import annotations
 
-from minisgl.messages import ForwardBatch, NewRequest
-from minisgl.sampling import SamplingParams
+from minisgl.device.worker.model_runner import ModelRunner
 from minisgl.utils import cdiv
-from minisgl.worker import ModelRunner
+from minisgl.wire.sampling import SamplingParams
+from minisgl.wire.steps import ForwardBatch, NewRequest
 
 
 def page_table_writes(runner: ModelRunner, lengths: list[int], first_page: int = 0) -> dict[str, list[int]]:

@@ -11,9 +11,9 @@ import openai
 import pytest
 import torch
 
-from minisgl.api import fields
 from minisgl.llm import LLM
-from minisgl.tokenizer.chat import encode_chat
+from minisgl.serve.api import fields
+from minisgl.serve.tokenizer.chat import encode_chat
 from tests.server_utils import ServerProcess
 from tests.test_server import greedy, idle_and_clean, offline, server, sse_events  # noqa: F401 (fixtures)
 
@@ -521,8 +521,8 @@ def test_fill_in_the_middle_suffix(tiny_llama, tmp_path):
     (StarCoder's, found in the tokenizer; --completion-template names another format), as the
     offline engine completes that text; refused by name without FIM tokens, with echo, or with
     token-id prompts."""
-    from minisgl.tiny_model import make_tiny_model
-    from minisgl.tokenizer.completion import TEMPLATES, fim_prompt
+    from minisgl.device.tiny_model import make_tiny_model
+    from minisgl.serve.tokenizer.completion import TEMPLATES, fim_prompt
 
     star = TEMPLATES["star_coder"]
     path = make_tiny_model("llama", tmp_path / "fim", extra_tokens=(star.prefix, star.suffix, star.middle))

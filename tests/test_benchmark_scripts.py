@@ -8,7 +8,7 @@ import json
 import sys
 
 from benchmarks import spec_bench, spec_cost, spec_replay, step_phases
-from minisgl.scheduler import spec_rule, speculative
+from minisgl.serve.scheduler import spec_rule, speculative
 
 
 def test_spec_bench_runs_every_mode_with_the_samples_of_speculation_off(tiny_llama, tmp_path, monkeypatch):

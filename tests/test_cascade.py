@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minisgl.attention import create_backend
-from minisgl.attention.synthetic import decode_metadata, mixed_metadata, prefill_metadata
-from minisgl.kvcache import MHAKVCache
-from minisgl.sampling import SamplingParams
-from minisgl.scheduler import cascade
+from minisgl.device.attention import create_backend
+from minisgl.device.attention.synthetic import decode_metadata, mixed_metadata, prefill_metadata
+from minisgl.device.kvcache.mha_pool import MHAKVCache
+from minisgl.serve.scheduler import cascade
+from minisgl.wire.sampling import SamplingParams
 from tests.test_scheduler import make_llm, shared_prefix_prompts, tokens
 
 LAYOUTS = {
@@ -214,8 +214,8 @@ def test_cascade_greedy_tokens_on_bf16(tmp_path, cheap_cascade, page_size):
     cascade on and off in bf16, against an fp32 run of the same checkpoint. The tiny model's
     random weights leave near-ties in its logits that bf16 rounding flips, so the bar is bf16's
     own noise: cascade must agree with fp32 about as often as the plain bf16 path does."""
+    from minisgl.device.tiny_model import make_tiny_model
     from minisgl.llm import LLM
-    from minisgl.tiny_model import make_tiny_model
 
     path = make_tiny_model("llama", tmp_path / "llama-hd128", overrides={"head_dim": 128})
     prompts = shared_prefix_prompts(groups=6, per_group=11, prefix_len=300, seed=7)[:64]

@@ -1,4 +1,4 @@
-"""Cascade decode on our Triton kernel (``minisgl.kernels.partial_attention``) against the torch
+"""Cascade decode on our Triton kernel (``minisgl.device.kernels.partial_attention``) against the torch
 reference: on CPU through Triton's interpreter (when triton is installed), on CUDA for real."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from minisgl.attention.base import AttentionMetadata
-from minisgl.attention.synthetic import decode_metadata
-from minisgl.kvcache import MHAKVCache
+from minisgl.device.attention.base import AttentionMetadata
+from minisgl.device.attention.synthetic import decode_metadata
+from minisgl.device.kvcache.mha_pool import MHAKVCache
 from minisgl.utils import cdiv
 from tests.interpreter import run_interpreted
 
@@ -66,8 +66,8 @@ def check(device: str, dtype: torch.dtype, graph: bool) -> None:
     kernel and a cascade step both equal the single-level torch reference, and equal each other
     bit for bit. In graph mode, as CUDA graphs run it: captured on another plan with padding
     rows, replayed on this one, over stale states, giving the eager step's bits."""
-    from minisgl.attention import base, create_backend
-    from minisgl.attention.cascade_triton import TritonCascade, header_size
+    from minisgl.device.attention import base, create_backend
+    from minisgl.device.attention.cascade_triton import TritonCascade, header_size
 
     torch.manual_seed(0)
     few_rows = base.FEW_ROWS
@@ -141,8 +141,8 @@ def check_gains(device: str, dtype: torch.dtype, graph: bool) -> None:
     """Rows planned at their shortest with room to grow (``extra``), then lengthened on the device
     (``gain``), attend as a plan at their real lengths does: plain and cascade steps, work lists
     from both planners, eager and (on CUDA) replayed from a graph captured on another plan."""
-    from minisgl.attention import base
-    from minisgl.attention.cascade_triton import TritonCascade
+    from minisgl.device.attention import base
+    from minisgl.device.attention.cascade_triton import TritonCascade
 
     torch.manual_seed(1)
     rng = np.random.default_rng(1)
@@ -223,8 +223,8 @@ def patch_interpreter_ranges() -> None:
 
 
 def test_work_lists():
-    from minisgl.attention.cascade_triton import own_work, segment_tokens, shared_work
-    from minisgl.kernels.partial_attention import FINAL, RESUME
+    from minisgl.device.attention.cascade_triton import own_work, segment_tokens, shared_work
+    from minisgl.device.kernels.partial_attention import FINAL, RESUME
 
     # Segments: the longest request splits into about its share of the items, in whole units.
     assert segment_tokens(np.array([1000] * 64), 64, target_items=66, min_tokens=256) == 1024
@@ -263,7 +263,7 @@ def test_work_lists():
 def test_small_batches_plan_the_numpy_work_lists():
     """``small_work`` (Python, steps of a few rows) gives ``shared_work`` and ``own_work``'s lists,
     and ``segment_tokens`` the same segment from a list as from an array."""
-    from minisgl.attention.cascade_triton import own_work, segment_tokens, shared_work, small_work
+    from minisgl.device.attention.cascade_triton import own_work, segment_tokens, shared_work, small_work
 
     rng = np.random.default_rng(0)
     for _ in range(300):
@@ -309,7 +309,7 @@ def test_triton_cascade_cuda(graph):
 
 
 def test_growing_rows_keep_a_key_past_their_groups_shared_pages():
-    from minisgl.attention.cascade_triton import TritonCascade
+    from minisgl.device.attention.cascade_triton import TritonCascade
 
     level = TritonCascade(8, 2, 32, torch.device("cpu"), block_n=16)
     # groups of 2 and 3 rows (page 16, tiles of 16): the first group's shortest row ends on its
@@ -338,8 +338,8 @@ def test_fp8_cascade_steps_in_their_own_stages_give_the_plain_bits(hq):
     pipeline stages, plain steps in five; GQA 2: plain steps in two warps; both: cascade steps'
     own level capped at 128 registers; tiles widened in registers): a cascade step returns the
     plain step's bits, and both the torch reference's values."""
-    from minisgl.attention import create_backend
-    from minisgl.attention.cascade_triton import TritonCascade, fp8_page_options
+    from minisgl.device.attention import create_backend
+    from minisgl.device.attention.cascade_triton import TritonCascade, fp8_page_options
 
     torch.manual_seed(0)
     hk, dim, page_size, scales, fp8 = 8, 128, 16, (0.7, 1.3), torch.float8_e4m3fn
@@ -378,7 +378,7 @@ def test_fp8_cascade_steps_in_their_own_stages_give_the_plain_bits(hq):
 def test_page_lists_are_cut_on_the_host_like_slices():
     """The backend's page lists (``FlashInferBackend._page_indices``, numpy on the page table's
     host copy) equal the rows' slices concatenated, empty runs and all."""
-    from minisgl.attention.flashinfer_backend import FlashInferBackend
+    from minisgl.device.attention.flashinfer_backend import FlashInferBackend
 
     rng = np.random.default_rng(0)
     table = rng.integers(0, 1 << 20, size=(400, 30), dtype=np.int32)

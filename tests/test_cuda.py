@@ -12,16 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from minisgl.args import EngineArgs
-from minisgl.attention import AttentionMetadata, create_backend
-from minisgl.attention.synthetic import decode_metadata, mixed_metadata, prefill_metadata
-from minisgl.kernels import rope_store, rope_store_torch, store_kv_torch
-from minisgl.kvcache import MHAKVCache
-from minisgl.messages import ForwardBatch
-from minisgl.sampling import SamplingParams
-from minisgl.tiny_model import make_tiny_model
+from minisgl.config.args import EngineArgs
+from minisgl.device.attention import AttentionMetadata, create_backend
+from minisgl.device.attention.synthetic import decode_metadata, mixed_metadata, prefill_metadata
+from minisgl.device.kernels import rope_store, rope_store_torch, store_kv_torch
+from minisgl.device.kvcache.mha_pool import MHAKVCache
+from minisgl.device.tiny_model import make_tiny_model
+from minisgl.device.worker.model_runner import ModelRunner
 from minisgl.utils import cdiv
-from minisgl.worker import ModelRunner
+from minisgl.wire.sampling import SamplingParams
+from minisgl.wire.steps import ForwardBatch
 from tests.grammar_cases import MAX_NEW, REGEXES, schemas
 from tests.helpers import generate, page_table_writes, prefill_batch
 from tests.test_scheduler import make_llm, shared_prefix_prompts, tokens
@@ -37,7 +37,7 @@ CONFIGS = Path(__file__).resolve().parents[1] / "benchmarks" / "configs"
 def test_rope_store_kernel_matches_torch(dtype, heads, dim, page_size, qk_norm):
     """q/k norm + rotary + K/V store in one kernel, against the torch ops it replaces, on a
     layer view of the engine's cache and a qkv tensor with strided rows."""
-    from minisgl.layers.rotary import RotaryEmbedding
+    from minisgl.device.layers.rotary import RotaryEmbedding
 
     torch.manual_seed(0)
     (hq, hk), layers, pages, tokens = heads, 3, 128, 100
@@ -245,7 +245,7 @@ def test_one_token_prefill_chunks_under_cuda_graphs(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fused_kernels_match_torch(dtype):
     """FlashInfer's fused norm and SiLU-and-mul against the torch reference."""
-    from minisgl.kernels import fused
+    from minisgl.device.kernels import fused
 
     torch.manual_seed(0)
     tol = dict(atol=2e-2, rtol=2e-2)
@@ -267,8 +267,8 @@ def test_launch_does_not_sync_the_host(tmp_path):
     """A step's launch (page-table writes, plan, graph replay or eager forward, cascade or not,
     sampling, copy to pinned memory) never waits for the GPU: only ``collect`` does. torch's sync debug mode
     raises on any synchronizing call made during the launches."""
-    from minisgl.messages import NewRequest
-    from minisgl.sampling import SamplingParams
+    from minisgl.wire.sampling import SamplingParams
+    from minisgl.wire.steps import NewRequest
 
     path = make_tiny_model("llama", tmp_path / "llama-hd128", overrides={"head_dim": 128})
     runner = ModelRunner(
@@ -379,7 +379,7 @@ def test_constrained_decoding_on_cuda(tmp_path, dtype):
 def test_lm_head_returns_float32_logits_from_half_weights(dtype):
     """The LM head keeps its GEMM's float32 accumulator: the logits equal a float32 product of
     the same half inputs far closer than a half rounding would, and are never tied by rounding."""
-    from minisgl.layers.embedding import ParallelLMHead
+    from minisgl.device.layers.embedding import ParallelLMHead
 
     torch.manual_seed(0)
     head = ParallelLMHead(1000, 256).to("cuda", dtype)
@@ -403,7 +403,7 @@ def test_trimmed_decode_plan_equals_flashinfers(page_size):
     FlashInfer's own plan does: the same plan info and bit-equal attention outputs."""
     import flashinfer
 
-    from minisgl.attention.flashinfer_backend import WORKSPACE_BYTES, plan_decode
+    from minisgl.device.attention.flashinfer_backend import WORKSPACE_BYTES, plan_decode
 
     torch.manual_seed(0)
     hq, hk, dim, batch, max_pages = 32, 8, 128, 12, 64

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minisgl.tokenizer import load_tokenizer
-from minisgl.tokenizer.detokenizer import IncrementalDetokenizer, StopStringFilter
+from minisgl.serve.tokenizer import load_tokenizer
+from minisgl.serve.tokenizer.detokenizer import IncrementalDetokenizer, StopStringFilter
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +102,7 @@ class Transformers4Cleanup:
 def test_clean_up_setting_never_drops_punctuation_in_streams(tiny_llama: Path):
     """With clean_up_tokenization_spaces (Llama-3 under transformers 4.x), decoding " return",
     " ", ".", " value" piece by piece dropped the "."; streamed text must equal the whole text."""
-    from minisgl.tokenizer.detokenizer import TextStream, decode_ids
+    from minisgl.serve.tokenizer.detokenizer import TextStream, decode_ids
 
     real = load_tokenizer(tiny_llama)
     tok = Transformers4Cleanup(real)
@@ -171,7 +171,7 @@ def test_slow_stop_regexes_end_their_request_within_the_budget():
     of text ends it at once (StopRegexTooSlow) instead of holding the tokenizer process."""
     import time
 
-    from minisgl.tokenizer.detokenizer import REGEX_PIECE_BUDGET_S, StopRegexTooSlow, StopStringFilter
+    from minisgl.serve.tokenizer.detokenizer import REGEX_PIECE_BUDGET_S, StopRegexTooSlow, StopStringFilter
 
     slow = r"(?:.|\n){0,10}(?:.|\n){0,10}(?:.|\n){0,10}[\ue000\ue001]"
     f = StopStringFilter([], regexes=[slow] * 128)
@@ -186,7 +186,7 @@ def test_spaces_between_special_tokens_reaches_slow_tokenizers(tiny_llama):
     """SGLang's spaces_between_special_tokens: a slow tokenizer is told (it is the one that
     spaces special tokens apart); a fast one decodes the same either way, as in transformers."""
     from minisgl.llm import LLM
-    from minisgl.tokenizer.detokenizer import decode_ids
+    from minisgl.serve.tokenizer.detokenizer import decode_ids
 
     class Slow:
         is_fast = False

@@ -19,8 +19,8 @@ VOCAB = 1001  # odd: the last rank's slice ends in a padding column
 def _greedy_rank(rank: int, init: str, out: str, device: str) -> None:
     import torch.distributed as dist
 
-    from minisgl import distributed
-    from minisgl.layers.embedding import ParallelLMHead
+    from minisgl.device import distributed
+    from minisgl.device.layers.embedding import ParallelLMHead
 
     if device == "cuda":
         torch.cuda.set_device(rank)
@@ -107,8 +107,8 @@ def test_fp8_checkpoint_and_kv_at_tp2_stay_close_to_tp1(tmp_path: Path) -> None:
     as SGLang and vLLM do), so logprobs match tp=1 closely rather than bit for bit: measured
     0.059 (0.098 with the FP8 cache) at most, where FP8 itself moves them 0.091 from the float
     model (0.15 for the cache at scale 1.0, whose tiny-model values are subnormal in e4m3)."""
+    from minisgl.device.tiny_model import make_tiny_model
     from minisgl.llm import LLM
-    from minisgl.tiny_model import make_tiny_model
     from scripts.quantize_checkpoint import convert
 
     fp8 = convert(make_tiny_model("llama", tmp_path / "float", seed=0), tmp_path / "ct", "compressed-tensors")
@@ -134,8 +134,8 @@ def test_fp8_at_tp2_rounds_as_tp1_with_scales_across_ranks(tmp_path: Path) -> No
     """Under --enable-fp32-all-reduce the row-parallel layers quantize their input with the whole
     row's scale (an all-reduced amax) and sum in float32: tp=2 then rounds as tp=1 does, so the
     greedy tokens are the same and logprobs differ only by the order of float32 sums."""
+    from minisgl.device.tiny_model import make_tiny_model
     from minisgl.llm import LLM
-    from minisgl.tiny_model import make_tiny_model
     from scripts.quantize_checkpoint import convert
 
     fp8 = convert(make_tiny_model("llama", tmp_path / "float", seed=0), tmp_path / "ct", "compressed-tensors")

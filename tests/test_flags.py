@@ -7,8 +7,8 @@ import random
 import pytest
 
 from minisgl.launch import parse_args
-from minisgl.sampling import SamplingParams
-from minisgl.tokenizer.chat import encode_chat
+from minisgl.serve.tokenizer.chat import encode_chat
+from minisgl.wire.sampling import SamplingParams
 from tests.test_scheduler import make_llm
 
 
@@ -109,9 +109,9 @@ def test_min_new_tokens_bans_what_would_end_the_request(tiny_llama):
 
 
 def test_check_model_name_refuses_other_models_only_when_asked():
-    from minisgl.api.openai import OpenAIRoutes
-    from minisgl.api.protocol import BadRequest
-    from minisgl.args import ServerArgs
+    from minisgl.config.args import ServerArgs
+    from minisgl.serve.api.openai import OpenAIRoutes
+    from minisgl.serve.api.protocol import BadRequest
 
     routes = object.__new__(OpenAIRoutes)
     routes.args = ServerArgs(model="/models/tiny", served_model_name="tiny")
@@ -156,8 +156,8 @@ def test_decode_log_interval_logs_every_n_decode_steps(caplog):
     import logging
     import types
 
-    from minisgl.args import EngineArgs
-    from minisgl.scheduler.process import SchedulerProcess
+    from minisgl.config.args import EngineArgs
+    from minisgl.serve.scheduler.process import SchedulerProcess
 
     proc = object.__new__(SchedulerProcess)
     proc.args = EngineArgs(model="m", decode_log_interval=3)
@@ -167,7 +167,7 @@ def test_decode_log_interval_logs_every_n_decode_steps(caplog):
     )
     proc._last_log, proc._tokens_since_log, proc._logged_steps = 0.0, 0, 0
     lines = []
-    with caplog.at_level(logging.INFO, logger="minisgl.scheduler.process"):
+    with caplog.at_level(logging.INFO, logger="minisgl.serve.scheduler.process"):
         for step in range(1, 10):
             proc.sched.counters.decode_steps = step
             proc._maybe_log_stats()
@@ -183,7 +183,7 @@ def test_a_slow_template_render_is_refused_and_the_server_stays_up(tiny_llama, t
 
     import httpx
 
-    from minisgl.tokenizer.chat import RENDER_TIMEOUT_S
+    from minisgl.serve.tokenizer.chat import RENDER_TIMEOUT_S
     from tests.server_utils import running_server
 
     template = (
@@ -211,7 +211,7 @@ def test_the_flags_page_is_generated_from_the_parser():
     from scripts.flags_doc import DOC, render
 
     assert DOC.read_text() == render(), "docs/flags.md is stale: run python scripts/flags_doc.py"
-    from minisgl.args import build_parser
+    from minisgl.config.args import build_parser
 
     flags = {o for a in build_parser()._actions for o in a.option_strings if o.startswith("--")}
     documented = set(re.findall(r"`(--[a-z0-9-]+)`", Path(DOC).read_text()))
@@ -247,8 +247,8 @@ def test_a_folder_above_the_checkpoint_is_named_before_anything_starts(tmp_path)
 def test_a_wrong_type_names_its_field():
     import pytest
 
-    from minisgl.api.fields import GENERATE
-    from minisgl.api.protocol import BadRequest, GenerateRequest, decode
+    from minisgl.serve.api.fields import GENERATE
+    from minisgl.serve.api.protocol import BadRequest, GenerateRequest, decode
 
     with pytest.raises(BadRequest) as e:
         decode(b'{"text": "x", "sampling_params": {"temperature": "hot"}}', GenerateRequest, GENERATE)
@@ -258,7 +258,7 @@ def test_a_wrong_type_names_its_field():
 def test_sglang_launch_flags_never_end_in_a_bare_argparse_error(capsys):
     """Every SGLang flag minisgl has no flag of its own for is mapped, ignored with a warning,
     or refused naming itself and the reason: never 'unrecognized arguments'."""
-    from minisgl.sglang_flags import INERT, MANY, REFUSED, SWITCH
+    from minisgl.config.sglang_flags import INERT, MANY, REFUSED, SWITCH
 
     def argv(flag: str, takes: int) -> list[str]:
         return ["--model", "m", flag] + ([] if takes == SWITCH else ["a", "b"] if takes == MANY else ["1"])
@@ -285,7 +285,7 @@ def test_sglang_launch_flags_never_end_in_a_bare_argparse_error(capsys):
 def test_sglang_lora_flags():
     """SGLang's LoRA flags: --lora-paths in its three forms turns LoRA on; its backend knobs are
     accepted and ignored; fewer loaded adapters than slots is refused by name."""
-    from minisgl.args import parse_lora_paths
+    from minisgl.config.args import parse_lora_paths
 
     args = parse_args(
         ["--model", "m", "--lora-paths", "a=/x/a", "/x/b", '{"lora_name": "c", "lora_path": "/x/c", "pinned": true}']

@@ -11,15 +11,15 @@ import json
 import pytest
 import torch
 
-from minisgl.args import EngineArgs
-from minisgl.attention import create_backend
-from minisgl.kernels import rope_store, rope_store_torch, store_kv_torch
-from minisgl.kernels.rope_store import from_cache
-from minisgl.kvcache import MHAKVCache
-from minisgl.layers.fp8_gemm import GEMM_CONFIGS_PATH, GEMM_ROW_BUCKETS, tuned_gemm
-from minisgl.layers.fp8_scheme import Fp8Scheme, quantization_scheme
-from minisgl.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from minisgl.layers.quantization import (
+from minisgl.config.args import EngineArgs
+from minisgl.device.attention import create_backend
+from minisgl.device.kernels import rope_store, rope_store_torch, store_kv_torch
+from minisgl.device.kernels.rope_store import from_cache
+from minisgl.device.kvcache.mha_pool import MHAKVCache
+from minisgl.device.layers.fp8_gemm import GEMM_CONFIGS_PATH, GEMM_ROW_BUCKETS, tuned_gemm
+from minisgl.device.layers.fp8_scheme import Fp8Scheme, quantization_scheme
+from minisgl.device.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from minisgl.device.layers.quantization import (
     FP8,
     dequantize,
     fp8_linear,
@@ -29,8 +29,8 @@ from minisgl.layers.quantization import (
     quantize_weight,
     row_scales,
 )
-from minisgl.tiny_model import make_tiny_model
-from minisgl.worker import ModelRunner
+from minisgl.device.tiny_model import make_tiny_model
+from minisgl.device.worker.model_runner import ModelRunner
 from scripts.quantize_checkpoint import convert, quantization_config
 from tests.test_scheduler import make_llm, shared_prefix_prompts, tokens
 
@@ -152,7 +152,7 @@ def test_fp8_checkpoints_give_the_online_quantized_tokens(fp8_checkpoints, monke
     assert tokens(stored.generate(PROMPTS, GREEDY)) == online
     assert online != plain  # the quantization is real
     block = tokens(make_llm(fp8_checkpoints["block"]).generate(PROMPTS, GREEDY))
-    import minisgl.models.loader as loader
+    import minisgl.device.models.loader as loader
 
     monkeypatch.setattr(loader, "quantization_scheme", lambda *_: Fp8Scheme(block=128))
     assert tokens(make_llm(fp8_checkpoints["float"]).generate(PROMPTS, GREEDY)) == block
@@ -169,7 +169,7 @@ def test_quantized_lm_head(tiny_models, arch):
     """--quantize-lm-head: the head held in fp8 per vocabulary row, logits equal to the
     dequantized product (per-token activations) in float32; an untied head's float weight is
     freed, a tied one's stays for the embedding; refused without fp8 linear layers."""
-    from minisgl.layers.quantization import dequantize, quantize_torch
+    from minisgl.device.layers.quantization import dequantize, quantize_torch
 
     runner = ModelRunner(
         EngineArgs(model=str(tiny_models[arch]), device="cpu", quantization="fp8", quantize_lm_head=True)
@@ -215,7 +215,7 @@ def test_fp8_kv_cache_holds_more_tokens_and_round_trips(tiny_llama):
 
 def test_fp8_engine_radix_and_cascade_agree(tiny_llama, monkeypatch):
     """With fp8 weights and KV: radix on and off, cascade on and off give the same tokens."""
-    from minisgl.scheduler import cascade
+    from minisgl.serve.scheduler import cascade
 
     for name, value in (
         ("MIN_GROUP_SIZE", 2),
@@ -247,8 +247,8 @@ def _close_fp8(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor,
 @pytest.mark.parametrize("block", [None, 128])
 @pytest.mark.parametrize("cols", [576, 4096])
 def test_triton_quantizers_match_torch(dtype, block, cols):
-    from minisgl.kernels.fp8 import quantize_rows, rmsnorm_quant
-    from minisgl.kernels.fused import rmsnorm_torch
+    from minisgl.device.kernels.fp8 import quantize_rows, rmsnorm_quant
+    from minisgl.device.kernels.fused import rmsnorm_torch
 
     torch.manual_seed(0)
     x = torch.randn(37, cols, device="cuda", dtype=dtype)
@@ -284,7 +284,7 @@ def test_fp8_gemms_match_the_dequantized_product(block, m, n, k):
     want = dequantize(act.data, act.scale, block) @ dequantize(wq, ws, block).t()
     torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-2)  # outputs near 1: half a bf16 step is 0.004
     if block is None:  # our Triton kernel with per-channel scales too
-        from minisgl.kernels.fp8 import block_matmul
+        from minisgl.device.kernels.fp8 import block_matmul
 
         got = block_matmul(act.data, act.scale, wq, ws, None, torch.bfloat16).float()
         torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-2)  # outputs near 1: half a bf16 step is 0.004
@@ -324,7 +324,7 @@ def test_tuned_gemm_table_lookup():
 @pytest.mark.cuda
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_rope_store_writes_fp8_like_the_reference(qk_norm):
-    from minisgl.layers.rotary import RotaryEmbedding
+    from minisgl.device.layers.rotary import RotaryEmbedding
 
     torch.manual_seed(0)
     hq, hk, dim, tokens_, scales = 32, 8, 128, 100, (0.5, 2.0)
@@ -352,7 +352,7 @@ def test_rope_store_writes_fp8_like_the_reference(qk_norm):
 def test_attention_kernels_read_fp8_like_the_reference(mode):
     """prefill_wide: a chunk large enough that its pages are widened to bf16 for the 16-bit
     kernels, two of its requests sharing their cached pages (read once into the scratch)."""
-    from minisgl.attention.synthetic import prefill_metadata
+    from minisgl.device.attention.synthetic import prefill_metadata
     from tests.test_cuda import backend_outputs
 
     hq, hk, dim, pages, page_size, scales = 32, 8, 128, 512, 16, (0.7, 1.3)
@@ -395,8 +395,8 @@ def test_attention_kernels_read_fp8_like_the_reference(mode):
 @pytest.mark.parametrize("rows", [5, 300])  # our Triton kernel, then cuBLAS
 @pytest.mark.parametrize("vocab", [5000, 5008])  # cuBLAS takes whole 16-row groups only
 def test_fp8_lm_head_matches_the_reference_on_cuda(rows, vocab):
-    from minisgl.kernels.fp8 import quantize_rows
-    from minisgl.layers.quantization import dequantize, fp8_logits, quantize_torch
+    from minisgl.device.kernels.fp8 import quantize_rows
+    from minisgl.device.layers.quantization import dequantize, fp8_logits, quantize_torch
 
     torch.manual_seed(0)
     w = (torch.randn(vocab, 512, device="cuda") * 0.05).to(torch.bfloat16)
@@ -416,7 +416,7 @@ def test_fp8_prefill_widened_or_not_gives_the_same_logits(tmp_path, monkeypatch)
     """A long prefill on an fp8 cache through widened pages (bf16 kernels) and through FlashInfer's
     fa2 kernels on the fp8 pages: two exact views of the same pages, so the logits agree to the
     kernels' rounding (their summation orders differ, so not to the bit)."""
-    from minisgl.attention import flashinfer_backend
+    from minisgl.device.attention import flashinfer_backend
     from tests.helpers import prefill_batch
 
     path = make_tiny_model("llama", tmp_path / "llama-hd128", overrides={"head_dim": 128})
@@ -475,7 +475,7 @@ def test_regexes_hold_under_fp8(tiny_llama):
     """Grammars mask the logits whatever computed them: every regex holds with FP8 weights and KV."""
     import re
 
-    from minisgl.sampling import SamplingParams
+    from minisgl.wire.sampling import SamplingParams
     from tests.grammar_cases import MAX_NEW, REGEXES
 
     llm = make_llm(tiny_llama, quantization="fp8", kv_cache_dtype="fp8_e4m3")
@@ -487,8 +487,8 @@ def test_regexes_hold_under_fp8(tiny_llama):
 def test_a_gpu_takes_the_tiles_its_table_lacks_from_its_chip(tmp_path):
     """Tuned tables are per GPU name; shapes a GPU's own table lacks come from tables tuned on
     the same chip (an H200 runs the H100's tiles), never from another chip's."""
-    from minisgl.kernels import moe as kmoe
-    from minisgl.layers import tuned_tables
+    from minisgl.device.kernels import moe as kmoe
+    from minisgl.device.layers import tuned_tables
 
     path = tmp_path / "tiles.json"
     h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"

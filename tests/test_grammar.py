@@ -10,7 +10,7 @@ import re
 import httpx
 import pytest
 
-from minisgl.sampling import SamplingParams
+from minisgl.wire.sampling import SamplingParams
 from tests.grammar_cases import EBNF, EBNF_REGEX, MAX_NEW, REGEXES, schemas
 from tests.test_api_compat import BASES
 from tests.test_scheduler import make_llm, shared_prefix_prompts, tokens
@@ -323,7 +323,7 @@ def test_grammar_compiles_are_bounded_and_small_ones_never_wait_for_big_ones(tin
     import threading
     import time
 
-    from minisgl.scheduler import grammar as grammar_mod
+    from minisgl.serve.scheduler import grammar as grammar_mod
 
     llm = make_llm(tiny_llama, grammar_compile_timeout_secs=0.5)
     backend = llm.scheduler.grammar

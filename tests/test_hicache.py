@@ -17,11 +17,11 @@ import time
 import pytest
 import torch
 
-from minisgl.args import EngineArgs
-from minisgl.kvcache import HiRadixCacheManager, HostTier
-from minisgl.messages import ForwardBatch, StepOutput
-from minisgl.sampling import SamplingParams
-from minisgl.scheduler import Scheduler
+from minisgl.config.args import EngineArgs
+from minisgl.serve.cache import HiRadixCacheManager, HostTier
+from minisgl.serve.scheduler import Scheduler
+from minisgl.wire.sampling import SamplingParams
+from minisgl.wire.steps import ForwardBatch, StepOutput
 
 EOS, VOCAB = 1, 100
 POLICIES = ("write_through", "write_through_selective", "write_back")
@@ -366,7 +366,8 @@ def test_engine_with_host_tier_gives_the_tokens_of_one_big_pool(tiny_llama):
 
 
 def test_a_page_outside_either_pool_is_refused_before_any_copy():
-    from minisgl.kvcache import HostKVPool, MHAKVCache
+    from minisgl.device.kvcache.host_pool import HostKVPool
+    from minisgl.device.kvcache.mha_pool import MHAKVCache
 
     cache = MHAKVCache(8, 4, 2, 2, 8, torch.float32, torch.device("cpu"))
     host = HostKVPool(6, cache)
@@ -385,7 +386,8 @@ def test_cuda_page_copies_equal_the_torch_reference(io_backend, dtype):
     """Writes then loads through the page-copy kernel (or the 2D DMA copies) move exactly the
     bytes the torch reference moves, per-layer events included; a page written and then
     loaded in one batch round-trips."""
-    from minisgl.kvcache import HostKVPool, MHAKVCache
+    from minisgl.device.kvcache.host_pool import HostKVPool
+    from minisgl.device.kvcache.mha_pool import MHAKVCache
 
     def pools(device: str) -> tuple:
         cache = MHAKVCache(40, 16, 5, 2, 64, dtype, torch.device(device))
@@ -512,7 +514,7 @@ def test_tp2_engine_with_host_tier_gives_the_tokens_of_one_big_pool(tiny_llama):
 def test_disk_keys_are_kept_per_node_and_equal_the_path_hash():
     """Each node's storage keys, computed once and sliced by splits, are the chained hash of
     the tokens from its tree's root (salted trees chain from their salt)."""
-    from minisgl.kvcache.disk_store import page_keys
+    from minisgl.serve.cache.disk_store import page_keys
 
     rng = random.Random(3)
     cache = HiRadixCacheManager(2, HostTier(8, "write_back"))  # (write_back: no host copies)
@@ -538,7 +540,7 @@ def test_disk_keys_are_kept_per_node_and_equal_the_path_hash():
 
 
 def _store(tmp_path, page_bytes: int = 64):
-    from minisgl.kvcache.disk_store import DiskStore, page_keys
+    from minisgl.serve.cache.disk_store import DiskStore, page_keys
 
     store = DiskStore(str(tmp_path / "kv"), "fp")
     keys = page_keys(list(range(8)), 2)
@@ -588,7 +590,7 @@ def test_a_file_changed_after_the_check_never_reaches_the_model(tmp_path):
     """The scheduler stages the bytes it checked: a page rewritten (here with a digest made for
     other content) or cut after the check leaves what the worker reads as it was checked; a page
     staged for no batch goes with ``unstage``."""
-    from minisgl.kvcache.disk_store import HEADER, MAGIC
+    from minisgl.serve.cache.disk_store import HEADER, MAGIC
 
     store, keys, nbytes = _store(tmp_path)
     good = bytes(range(nbytes))
@@ -615,7 +617,7 @@ def test_a_page_forged_without_the_folders_secret_is_refused(tmp_path):
     store on the folder (another process) shares the secret and reads the good pages."""
     import hmac
 
-    from minisgl.kvcache.disk_store import HEADER, MAGIC, DiskStore
+    from minisgl.serve.cache.disk_store import HEADER, MAGIC, DiskStore
 
     store, keys, nbytes = _store(tmp_path)
     forged = bytes([9]) * nbytes
@@ -634,7 +636,7 @@ def test_the_storage_folder_is_private_and_must_be_this_users(tmp_path):
     import os
     import stat
 
-    from minisgl.kvcache.disk_store import DiskStore
+    from minisgl.serve.cache.disk_store import DiskStore
 
     store = DiskStore(str(tmp_path / "kv"), "fp")
     assert stat.S_IMODE(os.stat(store.folder).st_mode) == 0o700
@@ -651,8 +653,8 @@ def test_a_checkpoint_rewritten_in_place_gets_another_storage_folder(tmp_path):
     """The disk tier's folder is keyed by the weights' files, not only the model's path."""
     import os
 
+    from minisgl.device.tiny_model import make_tiny_model
     from minisgl.llm import LLM
-    from minisgl.tiny_model import make_tiny_model
 
     path = make_tiny_model("llama", tmp_path / "m", seed=0)
     first = LLM(str(path), device="cpu", max_total_tokens=2048).runner.storage_fingerprint

@@ -175,8 +175,8 @@ def _openai_routes(url: str, prompt: list[int]) -> list[list[float]]:
 def test_hidden_states_on_the_gpu_equal_the_cpu(tmp_path):
     """Decode replayed from CUDA graphs (the hidden rows copied out of the graph) and prefill
     from its pieces give the eager float32 values; bf16 graphs give bf16 eager's."""
+    from minisgl.device.tiny_model import make_tiny_model
     from minisgl.llm import LLM
-    from minisgl.tiny_model import make_tiny_model
 
     path = make_tiny_model("llama", tmp_path / "llama-hd128", overrides={"head_dim": 128})
     prompts = [list(range(3, 40)), list(range(100, 190)), [5, 6, 7]]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minisgl.kernels import store_kv_torch
-from minisgl.kvcache import MHAKVCache
+from minisgl.device.kernels import store_kv_torch
+from minisgl.device.kvcache.mha_pool import MHAKVCache
 
 
 def make_cache(page_size: int, pages: int = 12, layers: int = 3, heads: int = 2, dim: int = 8) -> MHAKVCache:

@@ -8,12 +8,12 @@ import shutil
 import pytest
 import torch
 
-from minisgl.args import EngineArgs
-from minisgl.model_config import ModelConfig
-from minisgl.models.loader import safetensors_files
-from minisgl.models.locate import resolve_model_path
-from minisgl.tiny_model import make_tiny_model
-from minisgl.worker import ModelRunner
+from minisgl.checkpoint.locate import resolve_model_path
+from minisgl.checkpoint.model_config import ModelConfig
+from minisgl.config.args import EngineArgs
+from minisgl.device.models.loader import safetensors_files
+from minisgl.device.tiny_model import make_tiny_model
+from minisgl.device.worker.model_runner import ModelRunner
 from tests.helpers import prefill_batch
 
 

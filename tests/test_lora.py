@@ -15,8 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from minisgl.sampling import SamplingParams
-from minisgl.tiny_model import make_lora_adapter
+from minisgl.device.tiny_model import make_lora_adapter
+from minisgl.wire.sampling import SamplingParams
 
 PARAMS = {"max_new_tokens": 10, "temperature": 0.0, "ignore_eos": True}
 PROMPTS = [list(range(40, 75)), list(range(100, 118)), [5, 6, 7, 8]]
@@ -166,8 +166,8 @@ def test_adapters_load_and_unload_while_serving(tiny_llama, adapters, references
 
 
 def test_lora_needs_the_flag_and_refuses_what_it_cannot_serve(tiny_llama, tiny_models, adapters, tmp_path):
-    from minisgl.args import EngineArgs
-    from minisgl.models.lora_adapter import AdapterError, read_adapter
+    from minisgl.config.args import EngineArgs
+    from minisgl.device.models.lora_adapter import AdapterError, read_adapter
 
     llm = _llm(tiny_llama)
     with pytest.raises(ValueError, match="--enable-lora"):
@@ -194,10 +194,10 @@ def test_lora_needs_the_flag_and_refuses_what_it_cannot_serve(tiny_llama, tiny_m
 def test_fp8_layers_add_their_adapters_to_the_fp8_product(block):
     """An fp8 layer with adapters returns its fp8 product plus each row's adapter applied to the
     input as it arrived: floats as they are, a quantized activation dequantized."""
-    from minisgl.layers.fp8_scheme import Fp8Scheme
-    from minisgl.layers.linear import QKVParallelLinear, RowParallelLinear
-    from minisgl.layers.lora import LoraRows, LoraWeights
-    from minisgl.layers.quantization import dequantize, fp8_linear, quantize
+    from minisgl.device.layers.fp8_scheme import Fp8Scheme
+    from minisgl.device.layers.linear import QKVParallelLinear, RowParallelLinear
+    from minisgl.device.layers.lora import LoraRows, LoraWeights
+    from minisgl.device.layers.quantization import dequantize, fp8_linear, quantize
 
     gen = torch.Generator().manual_seed(0)
     scheme = Fp8Scheme(block=block)
@@ -331,7 +331,7 @@ def test_the_server_serves_adapters_by_every_name(tiny_llama, adapters, referenc
         got = httpx.post(f"{url}/generate", json={**body, "lora_path": ["a2", "a1"]}, timeout=60).json()
         assert [g["output_ids"] for g in got] == [references["a2"][0], references["a1"][1]]
         # A trainer's tensors (shared memory on this host), SGLang's route and payload.
-        from minisgl.worker.tensor_payload import encode_named_tensors
+        from minisgl.device.worker.tensor_payload import encode_named_tensors
 
         tensors, config = _in_memory(adapters["a3"])
         sent = {"lora_name": "a3", "serialized_tensors": encode_named_tensors(tensors.items()), "config_dict": config}
@@ -360,8 +360,8 @@ def test_lora_on_the_gpu_equals_the_cpu(tmp_path):
     """Decode replayed from CUDA graphs and prefill from its pieces (the rows' adapters in a fixed
     buffer) give eager bf16's tokens; float32 on the GPU gives the CPU's. Steps of base requests
     only (the graphs captured without adapters) give a server without LoRA's tokens."""
+    from minisgl.device.tiny_model import make_tiny_model
     from minisgl.llm import LLM
-    from minisgl.tiny_model import make_tiny_model
 
     path = make_tiny_model("llama", tmp_path / "llama-hd128", overrides={"head_dim": 128})
     paths = [
@@ -395,8 +395,8 @@ def test_lora_on_fp8_layers_on_the_gpu(tmp_path, block):
     """FP8 weights (per channel, or 128-column blocks) with adapters, bf16: CUDA graphs give the
     eager tokens, and a batch of no adapter a plain fp8 server's (the norms' fused quantization
     kept: the adapters read its output dequantized)."""
+    from minisgl.device.tiny_model import make_tiny_model
     from minisgl.llm import LLM
-    from minisgl.tiny_model import make_tiny_model
     from scripts.quantize_checkpoint import convert
 
     path = make_tiny_model("llama", tmp_path / "llama-hd128", overrides={"head_dim": 128})
@@ -431,9 +431,9 @@ def check_lora_kernels() -> None:
     """kernels.lora (under Triton's interpreter on CPU, or on the GPU) against the masked torch
     reference: row counts across tiles, one to three parts, unused slots, rows of no adapter,
     K split across programs."""
-    from minisgl.kernels.lora import lora_add
-    from minisgl.layers.lora import LoraRows, LoraWeights
-    from minisgl.layers.quantization import Fp8Act, dequantize, quantize_torch
+    from minisgl.device.kernels.lora import lora_add
+    from minisgl.device.layers.lora import LoraRows, LoraWeights
+    from minisgl.device.layers.quantization import Fp8Act, dequantize, quantize_torch
 
     gen = torch.Generator().manual_seed(0)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -487,8 +487,8 @@ def test_lora_kernels_equal_the_reference_on_the_gpu():
 def test_a_request_waiting_for_a_slot_gets_one_while_others_keep_coming():
     """Two slots busy with adapters a and b: a request under c waits, the slot with fewer running
     requests takes no more of them, and once it empties c gets it."""
-    from minisgl.scheduler.lora import LoraRegistry
-    from minisgl.scheduler.request import Req
+    from minisgl.serve.scheduler.lora import LoraRegistry
+    from minisgl.serve.scheduler.request import Req
 
     reg = LoraRegistry(2)
     keys = {}

@@ -6,10 +6,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from minisgl.args import EngineArgs
-from minisgl.messages import ForwardBatch
-from minisgl.tiny_model import ARCHS
-from minisgl.worker import ModelRunner
+from minisgl.config.args import EngineArgs
+from minisgl.device.tiny_model import ARCHS
+from minisgl.device.worker.model_runner import ModelRunner
+from minisgl.wire.steps import ForwardBatch
 from tests.helpers import generate, page_table_writes, prefill_batch
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [100, 200, 300], list(range(20, 77)), [42]]

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minisgl.layers.fp8_scheme import Fp8Scheme
-from minisgl.layers.moe import FusedMoE, experts_torch, route
-from minisgl.tiny_model import make_tiny_model
+from minisgl.device.layers.fp8_scheme import Fp8Scheme
+from minisgl.device.layers.moe import FusedMoE, experts_torch, route
+from minisgl.device.tiny_model import make_tiny_model
 from tests.interpreter import run_interpreted
 from tests.test_rl import check_reads
 
@@ -98,7 +98,7 @@ def check_fused_kernels() -> None:
     data from a fixed seed."""
     from unittest import mock
 
-    from minisgl.kernels import moe as kmoe
+    from minisgl.device.kernels import moe as kmoe
 
     torch.manual_seed(0)
     for quant in (None, Fp8Scheme(None, "test"), Fp8Scheme(32, "test")):
@@ -129,7 +129,7 @@ def check_fused_kernels() -> None:
 
 def check_alignment(ids: torch.Tensor, experts: int, bm: int) -> None:
     """``align``: every pair once, in a block of its own expert; blocks padded to BM rows each."""
-    from minisgl.kernels.moe_align import align
+    from minisgl.device.kernels.moe_align import align
 
     a = align(ids, experts, bm)
     P = ids.numel()
@@ -151,7 +151,7 @@ def test_the_model_path_reads_the_tuned_table():
     pytest.importorskip("triton")
     import json
 
-    from minisgl.kernels import moe as kmoe
+    from minisgl.device.kernels import moe as kmoe
 
     kinds = {kmoe.table_kind(torch.bfloat16, None, False)} | {
         kmoe.table_kind(torch.bfloat16, g, True) for g in (None, 128)
@@ -225,7 +225,7 @@ def test_silu_inside_the_first_gemm_matches_the_reference(tokens, quant):
     128-row blocks that multiply 64 rows where those hold every pair."""
     from unittest import mock
 
-    from minisgl.kernels import moe as kmoe
+    from minisgl.device.kernels import moe as kmoe
 
     torch.manual_seed(tokens)
     scheme = {None: None, "fp8": Fp8Scheme(None, "test"), "fp8-b128": Fp8Scheme(128, "test")}[quant]
@@ -482,8 +482,8 @@ def test_gguf_moe_files_give_the_checkpoints_tokens(tiny_models, tmp_path, arch)
     """A GGUF file of each MoE family (stacked experts, the router, Qwen2-MoE's shared expert,
     Qwen3-MoE's dense layer found from its missing router) serves the tokens of the Hugging Face
     checkpoint it was written from."""
+    from minisgl.checkpoint.gguf_file import converted_checkpoint
     from minisgl.llm import LLM
-    from minisgl.models.gguf_file import converted_checkpoint
 
     path = tmp_path / f"{arch}.gguf"
     write_gguf(tiny_models[arch], path, arch)

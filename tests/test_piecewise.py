@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minisgl.args import EngineArgs
+from minisgl.config.args import EngineArgs
+from minisgl.device.tiny_model import make_tiny_model
+from minisgl.device.worker.model_runner import ModelRunner
+from minisgl.device.worker.piecewise_graph import PiecewiseGraphRunner, token_sizes
 from minisgl.llm import LLM
-from minisgl.tiny_model import make_tiny_model
-from minisgl.worker import ModelRunner
-from minisgl.worker.piecewise_graph import PiecewiseGraphRunner, token_sizes
 from tests.helpers import generate, prefill_batch
 from tests.test_scheduler import make_llm, shared_prefix_prompts
 

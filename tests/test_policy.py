@@ -9,11 +9,11 @@ import random
 import pytest
 
 from benchmarks.workloads import distinct_tokens
-from minisgl.kvcache import BaseCacheManager
-from minisgl.kvcache.radix_manager import RadixCacheManager
-from minisgl.sampling import SamplingParams
-from minisgl.scheduler.queue import AGING_STEPS, WaitingQueue
-from minisgl.scheduler.request import Req
+from minisgl.serve.cache import BaseCacheManager
+from minisgl.serve.cache.radix_manager import RadixCacheManager
+from minisgl.serve.scheduler.queue import AGING_STEPS, WaitingQueue
+from minisgl.serve.scheduler.request import Req
+from minisgl.wire.sampling import SamplingParams
 from tests.test_scheduler import make_llm
 
 

@@ -11,7 +11,7 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from minisgl.kvcache import PageAllocator, RadixCacheManager
+from minisgl.serve.cache import PageAllocator, RadixCacheManager
 
 TOTAL_PAGES = 40
 # A tiny alphabet and short sequences make shared prefixes and duplicate inserts common.

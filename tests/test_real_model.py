@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from minisgl.checkpoint.gguf_file import converted_checkpoint
 from minisgl.llm import LLM
-from minisgl.models.gguf_file import converted_checkpoint
-from minisgl.sampling import SamplingParams
+from minisgl.wire.sampling import SamplingParams
 from tests.grammar_cases import EBNF, EBNF_REGEX, MAX_NEW, REGEXES, schemas
 from tests.helpers import prefill_batch
 
@@ -109,7 +109,7 @@ def test_conversion_is_cached(smollm2_gguf: Path, llm: LLM):
 def test_eos_ids_read_from_files_equal_the_loaded_tokenizers(smollm2_gguf: Path, llm: LLM, tiny_models):
     """The scheduler process reads EOS ids from the tokenizer's files (loading it would cost the
     process torch); they equal what the loaded tokenizer gives, here and on every tiny model."""
-    from minisgl.tokenizer import eos_ids, load_tokenizer
+    from minisgl.serve.tokenizer import eos_ids, load_tokenizer
 
     for folder in [llm.runner.model_dir, *tiny_models.values()]:
         assert eos_ids(folder, tokenizer_dir=folder) == eos_ids(folder, load_tokenizer(folder))
@@ -145,7 +145,7 @@ def test_forced_tool_calls_on_the_real_model(llm: LLM):
     template ignores them), the answer constrained to calls, read back by the parser."""
     import jsonschema
 
-    from minisgl.parsers.tool_calls import ToolCallParser, deltas, required_schema
+    from minisgl.serve.parsers.tool_calls import ToolCallParser, deltas, required_schema
     from tests.test_tool_calls import PARAMS, TOOLS
 
     asks = ["What is the weather in Oslo, in C?", "Add 2 and 5.", "Is it raining in Lima?"]
@@ -167,8 +167,8 @@ def test_conversion_cache_is_keyed_by_content_and_drops_stale_folders(smollm2_gg
     version's float32 copy of them is deleted."""
     import shutil
 
-    from minisgl.models.gguf_file import gguf_source
-    from minisgl.models.loader import iter_weights
+    from minisgl.checkpoint.gguf_file import gguf_source
+    from minisgl.device.models.loader import iter_weights
 
     cache = tmp_path / "cache"
     copy = tmp_path / "a" / smollm2_gguf.name

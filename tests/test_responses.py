@@ -218,9 +218,9 @@ def test_bad_bodies_are_refused_by_name(server, body, param):
 def test_whole_and_streamed_items_come_from_one_path():
     """A whole answer's items are those its stream ends with, however the text is split; an
     answer of reasoning only still ends with a (empty) message."""
-    from minisgl.api.protocol import ToolPlan
-    from minisgl.api.responses import _Events
-    from minisgl.parsers.chat_output import ChatOutput
+    from minisgl.serve.api.protocol import ToolPlan
+    from minisgl.serve.api.responses import _Events
+    from minisgl.serve.parsers.chat_output import ChatOutput
 
     def items(pieces: list[str]) -> list[dict]:
         out, stream = ChatOutput(ToolPlan(), "qwen3"), _Events()
@@ -238,10 +238,10 @@ def test_whole_and_streamed_items_come_from_one_path():
 def test_output_text_logprobs_are_its_tokens_only():
     """With a reasoning parser the output_text's logprobs are those of the tokens after the
     reasoning, however the updates split the tokens; each token once."""
-    from minisgl.api.protocol import ToolPlan
-    from minisgl.api.responses import _Events
-    from minisgl.messages import TokenLogprob
-    from minisgl.parsers.chat_output import ChatOutput
+    from minisgl.serve.api.protocol import ToolPlan
+    from minisgl.serve.api.responses import _Events
+    from minisgl.serve.parsers.chat_output import ChatOutput
+    from minisgl.wire.requests import TokenLogprob
 
     pieces = ["<think>", "pl", "an", "</think>", "Par", "is", "."]
     lps = [TokenLogprob(i, t, -0.1 * i, [(i, t, -0.1 * i)]) for i, t in enumerate(pieces)]
@@ -372,8 +372,8 @@ def test_an_aborted_response_says_cancelled_and_is_not_stored(server):
 def test_the_store_keeps_within_its_bounds(tmp_path, kind):
     """Both stores drop the oldest past the byte bound (and the count), find a response only
     under its salt, and give back what was put; two handles on one SQLite file share it."""
-    from minisgl.api.protocol import ChatMessageIn
-    from minisgl.api.response_store import ResponseStore, Stored
+    from minisgl.serve.api.protocol import ChatMessageIn
+    from minisgl.serve.api.response_store import ResponseStore, Stored
 
     def make():
         return ResponseStore(":memory:" if kind == "memory" else str(tmp_path / "r.sqlite"), 4, 1000)
@@ -404,7 +404,7 @@ def test_processes_opening_one_new_store_at_once_all_start(tmp_path):
     path = tmp_path / "r.sqlite"
     code = (
         "import sys, time\n"
-        "from minisgl.api.response_store import ResponseStore\n"
+        "from minisgl.serve.api.response_store import ResponseStore\n"
         "time.sleep(max(0.0, float(sys.argv[2]) - time.time()))\n"
         "ResponseStore(sys.argv[1]).close()\n"
     )
@@ -441,7 +441,7 @@ def test_truncation_auto_leaves_out_the_oldest_messages_until_the_prompt_fits(se
 def test_truncation_keeps_system_messages_the_last_message_and_calls_with_their_results():
     """``fit_chat`` (one token per character of content here): the fewest oldest messages left
     out, the leading system message and the last message kept, no tool result without its call."""
-    from minisgl.tokenizer.chat import fit_chat
+    from minisgl.serve.tokenizer.chat import fit_chat
 
     def encode(messages: list[dict]) -> list[int]:
         return [0] * sum(len(m["content"]) for m in messages)

@@ -13,12 +13,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from minisgl.layers.quantization import dequantize, quantize_weight
+from minisgl.device.layers.quantization import dequantize, quantize_weight
+from minisgl.device.tiny_model import make_tiny_model
+from minisgl.device.worker.tensor_payload import decode_named_tensors, encode_named_tensors
 from minisgl.llm import LLM
-from minisgl.messages import TensorWeights
-from minisgl.sampling import SamplingParams
-from minisgl.tiny_model import make_tiny_model
-from minisgl.worker.tensor_payload import decode_named_tensors, encode_named_tensors
+from minisgl.wire.control import TensorWeights
+from minisgl.wire.sampling import SamplingParams
 from tests.test_scheduler import CheckedLLM, shared_prefix_prompts, tokens
 
 GREEDY = {"max_new_tokens": 10, "temperature": 0.0, "ignore_eos": True}

@@ -18,9 +18,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minisgl.distributed.weight_group import destroy_weight_group, init_weight_group
+from minisgl.device.distributed.weight_group import destroy_weight_group, init_weight_group
+from minisgl.device.worker.tensor_payload import encode_named_tensors
 from minisgl.llm import LLM
-from minisgl.worker.tensor_payload import encode_named_tensors
 from tests.server_utils import ServerProcess, free_port, running_server
 from tests.test_rl import ENGINE, checkpoints, state_dict  # noqa: F401  (fixture)
 from tests.test_server import idle_and_clean, sse_events

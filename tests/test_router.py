@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from minisgl.data_parallel import find_smg
+from minisgl.serve.data_parallel import find_smg
 from tests.server_utils import ROOT
 
 pytestmark = pytest.mark.skipif(find_smg() is None, reason="the smg router is not installed (test extra)")
@@ -37,8 +37,8 @@ def test_smg_cache_aware_router_over_two_servers(tiny_llama):
 def test_router_flags_reach_smg_and_not_the_replicas(monkeypatch):
     """--router-* flags become smg's own flags (by default a tighter spill gate than smg's, which
     lets bursts pile onto one replica); the replicas get none of them."""
-    from minisgl import data_parallel
     from minisgl.launch import parse_args
+    from minisgl.serve import data_parallel
 
     argv = ["--model", "m", "--dp-size", "2", "--router-balance-abs-threshold", "32"]
     argv += ["--router-balance-rel-threshold=1.25", "--page-size", "4"]

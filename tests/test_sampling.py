@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minisgl.sampling import Sampler, SamplingParams
-from minisgl.sampling.sampler import exponential_noise
+from minisgl.device.sampler import Sampler, exponential_noise
+from minisgl.wire.sampling import SamplingParams
 from tests.interpreter import run_interpreted
 
 V = 50
@@ -67,7 +67,7 @@ def test_top_k_top_p_min_p_restrict_support():
 def test_positions_shifted_on_the_device_draw_as_the_positions_themselves(monkeypatch, block):
     """Rows whose positions grew on the device after the host planned them (speculation's
     ``Gains``) draw what a row given the whole position draws, in blocks too."""
-    monkeypatch.setattr("minisgl.sampling.sampler.SAMPLE_BLOCK", block)
+    monkeypatch.setattr("minisgl.device.sampler.SAMPLE_BLOCK", block)
     logits = torch.randn(6, V)
     params = [SamplingParams(temperature=1.0, seed=7), SamplingParams(temperature=0.8, top_p=0.9)] * 3
     want = sampler_with(*params).sample(logits, list(range(6)), [5, 9, 12, 3, 40, 8]).tokens
@@ -222,7 +222,7 @@ def race_check(device: str) -> None:
     """The fused sampling kernel picks what the torch path picks: for a temperature row the
     argmax of softmax(logits / T) / noise on the same noise, for a greedy row the argmax; each
     row reads its slot's parameters (strided tables) at its position plus its shift."""
-    from minisgl.kernels.sample import race_sample
+    from minisgl.device.kernels.sample import race_sample
 
     gen = torch.Generator().manual_seed(0)
     rows, vocab = (96, 50_000) if device == "cuda" else (6, 3000)  # the interpreter is slow

@@ -9,8 +9,8 @@ import re
 import pytest
 
 from minisgl.llm import LLM
-from minisgl.sampling import SamplingParams
-from minisgl.scheduler.scheduler import ids_in_range
+from minisgl.serve.scheduler.scheduler import ids_in_range
+from minisgl.wire.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
 
@@ -253,7 +253,7 @@ def test_child_processes_use_one_thread():
     import sys
 
     code = (
-        "import torch; from minisgl.ipc import become_child, cpu_worker_threads; become_child(); "
+        "import torch; from minisgl.wire.ipc import become_child, cpu_worker_threads; become_child(); "
         "print(torch.get_num_threads(), cpu_worker_threads())"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
@@ -350,7 +350,7 @@ def test_debug_log_has_one_line_per_step_with_its_kind_and_time(tiny_llama, capl
     rng = random.Random(6)
     prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in (300, 20, 200)]
     llm = make_llm(tiny_llama, page_size=4, chunked_prefill_size=64, enable_mixed_chunk=True)
-    with caplog.at_level(logging.DEBUG, logger="minisgl.scheduler.scheduler"):
+    with caplog.at_level(logging.DEBUG, logger="minisgl.serve.scheduler.scheduler"):
         llm.generate(prompts, {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True})
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
     steps = [int(line.split(":")[0].removeprefix("step ")) for line in lines]

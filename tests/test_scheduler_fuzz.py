@@ -15,10 +15,10 @@ from concurrent.futures import Future
 
 import pytest
 
-from minisgl.args import SPEC_SCHEDULES, EngineArgs
-from minisgl.messages import ForwardBatch, StepOutput
-from minisgl.sampling import SamplingParams
-from minisgl.scheduler import Scheduler
+from minisgl.config.args import SPEC_SCHEDULES, EngineArgs
+from minisgl.serve.scheduler import Scheduler
+from minisgl.wire.sampling import SamplingParams
+from minisgl.wire.steps import ForwardBatch, StepOutput
 
 EOS, VOCAB = 1, 100
 
@@ -136,7 +136,7 @@ def test_fuzzed_scheduler_stays_consistent_and_leaks_nothing(seed):
 @pytest.mark.parametrize("schedule", SPEC_SCHEDULES)
 @pytest.mark.parametrize("seed", range(4))  # (odd seeds: overlap off, every schedule alike; 3: radix off)
 def test_fuzzed_speculation_stays_consistent_and_leaks_nothing(seed, schedule, monkeypatch):
-    monkeypatch.setattr("minisgl.scheduler.spec_rule.SpecRule.pays", lambda self, decoding: True)
+    monkeypatch.setattr("minisgl.serve.scheduler.spec_rule.SpecRule.pays", lambda self, decoding: True)
     stats = fuzz(seed, speculative_algorithm="NGRAM", speculative_schedule=schedule, speculative_num_draft_tokens=4)
     assert stats["spec_verify_steps"] > 0 and stats["spec_accepted_tokens"] > 0
 

@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from minisgl.llm import LLM
-from minisgl.sampling import SamplingParams
+from minisgl.wire.sampling import SamplingParams
 from tests.server_utils import ServerProcess, running_server
 
 PAGE_SIZE = 4
@@ -574,7 +574,7 @@ def test_stalled_headers_are_dropped(server: ServerProcess):
     """A client that never finishes its request head is disconnected; finished ones are served."""
     import socket
 
-    from minisgl.api.connections import HEADER_TIMEOUT_S
+    from minisgl.serve.api.connections import HEADER_TIMEOUT_S
 
     with socket.create_connection(("127.0.0.1", server.port)) as slow:
         slow.sendall(b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\n")
@@ -844,8 +844,8 @@ def test_ignored_fields_are_named_in_a_header_and_refused_when_strict(server: Se
 def test_a_control_call_in_flight_at_shutdown_answers_503():
     """A /get_server_info waiting for the scheduler when the server goes down (a child died)
     ends as a 503 naming the shutdown, not a 500."""
-    from minisgl.api.client import SHUTTING_DOWN, EngineClient, EngineError
-    from minisgl.ipc import Addresses
+    from minisgl.serve.api.client import SHUTTING_DOWN, EngineClient, EngineError
+    from minisgl.wire.ipc import Addresses
 
     async def scenario() -> EngineError:
         client = EngineClient(Addresses.make())
@@ -865,8 +865,8 @@ def test_a_control_call_in_flight_at_shutdown_answers_503():
 def test_a_stream_behind_the_engine_joins_its_queued_updates():
     """Updates queued while the API was busy come out as one (tokens, text and logprobs in
     order, the last finish); an error queued behind tokens comes after them, not instead."""
-    from minisgl.api.client import EngineError, RequestStream
-    from minisgl.messages import ReqUpdate, TokenLogprob
+    from minisgl.serve.api.client import EngineError, RequestStream
+    from minisgl.wire.requests import ReqUpdate, TokenLogprob
 
     def lp(t: int) -> TokenLogprob:
         return TokenLogprob(t, str(t), -0.5)
@@ -900,8 +900,8 @@ def test_a_stream_behind_the_engine_joins_its_queued_updates():
 def test_merged_runs_join_what_queued_while_the_reader_was_busy():
     """Several runs' updates (n > 1): those that queued while the reader was busy come out one
     per run, joined, applied to their run once; a failure comes after the updates before it."""
-    from minisgl.api.base import merge
-    from minisgl.messages import ReqUpdate
+    from minisgl.serve.api.base import merge
+    from minisgl.wire.requests import ReqUpdate
 
     class Fake:
         def __init__(self, updates: list[ReqUpdate], fail: bool = False):

@@ -12,9 +12,9 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from minisgl.kvcache.ngram_index import NgramIndex, suffix_hashes, window_hashes
-from minisgl.kvcache.radix_manager import RadixCacheManager
-from minisgl.sampling import SamplingParams
+from minisgl.serve.cache.ngram_index import NgramIndex, suffix_hashes, window_hashes
+from minisgl.serve.cache.radix_manager import RadixCacheManager
+from minisgl.wire.sampling import SamplingParams
 from tests.interpreter import run_interpreted
 from tests.test_scheduler import make_llm, shared_prefix_prompts, tokens
 
@@ -31,10 +31,10 @@ def verify_steps_pay(monkeypatch, request):
     with a schedule that plans ahead no step in flight is ever back early (on a CPU every step is
     done at launch, which would leave the late and chained drafts untested; one test lifts it)."""
     if "measured" not in request.node.name:
-        monkeypatch.setattr("minisgl.scheduler.spec_rule.SpecRule.pays", lambda self, decoding: True)
+        monkeypatch.setattr("minisgl.serve.scheduler.spec_rule.SpecRule.pays", lambda self, decoding: True)
     if "back_early" not in request.node.name:
-        monkeypatch.setattr("minisgl.worker.model_runner.ModelRunner.oldest_done", lambda self: False)
-        monkeypatch.setattr("minisgl.scheduler.worker_link.WorkerLink.oldest_done", lambda self: False)
+        monkeypatch.setattr("minisgl.device.worker.model_runner.ModelRunner.oldest_done", lambda self: False)
+        monkeypatch.setattr("minisgl.serve.scheduler.worker_link.WorkerLink.oldest_done", lambda self: False)
 
 
 def looping_prompts(count: int, seed: int) -> list[list[int]]:
@@ -142,8 +142,8 @@ def test_verify_steps_keep_overlap_and_the_worker_finds_real_lengths(tiny_llama,
     the host waits for the run and lowers them (``_resolve``). Outputs equal speculation off
     (greedy from the tree, which chains whole drafts, and seeded sampling, which rejects some),
     and pages past the real lengths go back."""
-    from minisgl.attention.torch_backend import TorchBackend
-    from minisgl.worker.model_runner import ModelRunner
+    from minisgl.device.attention.torch_backend import TorchBackend
+    from minisgl.device.worker.model_runner import ModelRunner
 
     seen = {"rows": 0, "lowered": 0, "chained": 0}
     if on_device:
@@ -191,8 +191,8 @@ def test_drafting_reads_tokens_in_place_and_missing_requests_rest():
     """``tokens_at`` reads any span of prompt, outputs and a pending draft as the joined list
     would; a request whose verify runs kept nothing twice in a row rests two steps, and a kept
     token clears its count."""
-    from minisgl.scheduler import speculative as sp
-    from minisgl.scheduler.request import Req
+    from minisgl.serve.scheduler import speculative as sp
+    from minisgl.serve.scheduler.request import Req
 
     rng = random.Random(0)
     req = Req(rid=0, prompt_ids=[rng.randrange(99) for _ in range(7)], params=SamplingParams(), seed=0, max_len=99)
@@ -239,7 +239,7 @@ def test_the_rule_speculates_while_measured_verify_steps_pay():
     """Unmeasured choices are tried first; then a verify step runs only while its tokens per
     request beat its cost in plain steps, per batch size, with the other choice tried now and
     then; steps are timed start to start, only after a step of the same kind."""
-    from minisgl.scheduler import spec_rule
+    from minisgl.serve.scheduler import spec_rule
 
     plan = spec_rule.SpecRule()
     for _ in range(spec_rule.MIN_GAINS):
@@ -357,8 +357,8 @@ def test_pages_read_from_disk_are_indexed_for_drafts(tiny_llama, tmp_path):
     which the n-gram index holds like any other: its windows find their continuations."""
     import time
 
-    from minisgl.kvcache.ngram_index import suffix_hashes
     from minisgl.llm import LLM
+    from minisgl.serve.cache.ngram_index import suffix_hashes
 
     engine = dict(
         device="cpu",
@@ -523,8 +523,8 @@ def test_speculation_on_cuda_keeps_tokens(tmp_path, dtype, spec):
     """On the GPU (FlashInfer verify chunks beside cascade decode rows, CUDA graphs, overlap):
     fp32 tokens equal speculation off; bf16 verify chunks may round differently from one-token
     steps, so only half the requests must agree there."""
+    from minisgl.device.tiny_model import make_tiny_model
     from minisgl.llm import LLM
-    from minisgl.tiny_model import make_tiny_model
 
     path = make_tiny_model("llama", tmp_path / "llama-hd128", overrides={"head_dim": 128})
     prompts = looping_prompts(12, seed=1) + shared_prefix_prompts(2, 4, 40, seed=2)
@@ -593,8 +593,8 @@ def verified_check(device: str) -> None:
     differs from the next row's input, and the rows after it; runs of one (plain rows) too."""
     import torch
 
-    from minisgl.kernels.verify import last_verified
-    from minisgl.worker.model_runner import last_verified_torch
+    from minisgl.device.kernels.verify import last_verified
+    from minisgl.device.worker.model_runner import last_verified_torch
 
     rng = np.random.default_rng(3)
     for trial in range(20):
@@ -629,8 +629,8 @@ def test_kept_tokens_kernel_under_the_interpreter():
 def test_a_predicted_output_drafts_from_where_the_answer_is_in_it():
     """OpenAI's predicted output is a draft source, ahead of the request's own tokens at each
     n-gram length; of two places an n-gram occurs in it, the one at or after the last draft's."""
-    from minisgl.scheduler.request import Req
-    from minisgl.scheduler.speculative import Drafter
+    from minisgl.serve.scheduler.request import Req
+    from minisgl.serve.scheduler.speculative import Drafter
 
     predicted = [5, 6, 7, 8, 1, 2, 3, 9, 9, 1, 2, 3, 4, 4, 4]
     req = Req(rid=0, prompt_ids=[40, 41], params=SamplingParams(), seed=0, max_len=99, prediction_ids=predicted)

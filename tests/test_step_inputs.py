@@ -11,11 +11,11 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from minisgl.attention import base
-from minisgl.attention.base import Gains
-from minisgl.layers.lora import LoraRows
-from minisgl.messages import ForwardBatch
-from minisgl.worker.model_runner import ModelRunner
+from minisgl.device.attention import base
+from minisgl.device.attention.base import Gains
+from minisgl.device.layers.lora import LoraRows
+from minisgl.device.worker.model_runner import ModelRunner
+from minisgl.wire.steps import ForwardBatch
 
 
 def fake_runner(

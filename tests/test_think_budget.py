@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from minisgl.llm import LLM
-from minisgl.scheduler.think_budget import ThinkBudget, masks
+from minisgl.serve.scheduler.think_budget import ThinkBudget, masks
 from tests.server_utils import running_server
 from tests.test_server import idle_and_clean, server  # noqa: F401 (fixture)
 
@@ -115,8 +115,8 @@ def test_processor_payloads_are_read_never_run():
     import json
     import pickle
 
-    from minisgl.api.logit_processors import is_thinking_budget, named_class
-    from minisgl.api.protocol import BadRequest
+    from minisgl.serve.api.logit_processors import is_thinking_budget, named_class
+    from minisgl.serve.api.protocol import BadRequest
 
     for protocol in (2, 4):
         assert is_thinking_budget(sglang_processor("Qwen3ThinkingBudgetLogitProcessor", protocol))

@@ -8,11 +8,11 @@ import json
 import httpx
 import pytest
 
-from minisgl.api.protocol import BadRequest
-from minisgl.parsers.reasoning import ReasoningParser
-from minisgl.parsers.tool_calls import ToolCallParser, deltas
-from minisgl.tokenizer import load_tokenizer
-from minisgl.tokenizer.chat import detect_tool_parser, encode_chat, renders_tools
+from minisgl.serve.api.protocol import BadRequest
+from minisgl.serve.parsers.reasoning import ReasoningParser
+from minisgl.serve.parsers.tool_calls import ToolCallParser, deltas
+from minisgl.serve.tokenizer import load_tokenizer
+from minisgl.serve.tokenizer.chat import detect_tool_parser, encode_chat, renders_tools
 from tests.server_utils import ServerProcess
 from tests.test_server import idle_and_clean
 
@@ -221,7 +221,7 @@ def test_rendering_a_template_is_time_bound(tiny_llama):
     ValueError naming it (the API's 400); the next conversation renders as before."""
     import time
 
-    from minisgl.tokenizer.chat import TemplateTimeout
+    from minisgl.serve.tokenizer.chat import TemplateTimeout
 
     tok = load_tokenizer(tiny_llama)
     want = encode_chat(tok, HISTORY)
@@ -240,7 +240,7 @@ def test_reasoning_effort_reaches_templates_that_take_it(tiny_llama):
     render as without it; chat_template_kwargs may still set it."""
     import msgspec
 
-    from minisgl.api.protocol import ChatCompletionRequest
+    from minisgl.serve.api.protocol import ChatCompletionRequest
 
     body = msgspec.json.decode(
         b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "reasoning_effort": "high"}',
@@ -375,7 +375,7 @@ def test_required_schema_rebases_pydantic_references():
     import jsonschema
     import xgrammar
 
-    from minisgl.parsers.tool_calls import required_schema
+    from minisgl.serve.parsers.tool_calls import required_schema
 
     schema = required_schema([TOOLS[0], PYDANTIC_TOOL], parallel=True)
     call = {

@@ -12,7 +12,12 @@ import pytest
 
 from tests.server_utils import running_server
 
-MODULES = ["minisgl.launch", "minisgl.api.server", "minisgl.tokenizer.process", "minisgl.scheduler.process"]
+MODULES = [
+    "minisgl.launch",
+    "minisgl.serve.api.server",
+    "minisgl.serve.tokenizer.process",
+    "minisgl.serve.scheduler.process",
+]
 
 
 @pytest.mark.parametrize("module", MODULES)

@@ -26,8 +26,8 @@ HIDDEN = 4096
 def _fused_rank(rank: int, init: str) -> None:
     import torch.distributed as dist
 
-    from minisgl import distributed
-    from minisgl.kernels.fused import add_rmsnorm
+    from minisgl.device import distributed
+    from minisgl.device.kernels.fused import add_rmsnorm
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=init, rank=rank, world_size=2)
@@ -100,7 +100,7 @@ def _outputs(path: Path, prompts: list[list[int]], **kw) -> list[list[int]]:
 def test_piecewise_prefill_graphs_at_tp2_keep_greedy_tokens(tmp_path):
     """Prefill replayed from piecewise CUDA graphs with the all-reduces captured in the pieces
     (one-shot for small steps, NCCL above) against eager prefill, both at tp=2, bf16 and fp8."""
-    from minisgl.tiny_model import make_tiny_model
+    from minisgl.device.tiny_model import make_tiny_model
     from tests.test_scheduler import shared_prefix_prompts
 
     path = make_tiny_model("qwen3", tmp_path / "qwen3-hd128", overrides={"head_dim": 128})
@@ -118,7 +118,7 @@ def test_fp8_at_tp2_with_scales_across_ranks_follows_tp1(tmp_path):
     scales through the one-shot all-reduce, float32 sums) against tp=1. The GEMMs sum in another
     order, and a value on an e4m3 rounding edge then flips, so not every request agrees (53/64
     over 48 tokens in ``benchmarks/tp_check.py agreement``, where each rank's own scales gave 4/64)."""
-    from minisgl.tiny_model import make_tiny_model
+    from minisgl.device.tiny_model import make_tiny_model
     from tests.test_scheduler import shared_prefix_prompts
 
     path = make_tiny_model("llama", tmp_path / "llama-hd128", overrides={"head_dim": 128})

@@ -1,4 +1,0 @@
-from minisgl.scheduler.request import Req
-from minisgl.scheduler.scheduler import Scheduler
-
-__all__ = ["Req", "Scheduler"]
