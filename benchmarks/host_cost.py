@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.workloads import save_result  # noqa: E402
 from minisgl.config.args import EngineArgs
-from minisgl.serve.scheduler import Scheduler
+from minisgl.serve.scheduler.scheduler import Scheduler
 from minisgl.utils import resolve_device  # noqa: E402
 from minisgl.wire.sampling import SamplingParams
 from minisgl.wire.steps import ForwardBatch, StepOutput

@@ -13,10 +13,11 @@ from minisgl.config.args import EngineArgs
 from minisgl.device.worker.model_runner import ModelRunner
 from minisgl.serve.parsers.reasoning import CLOSE as THINK_CLOSE
 from minisgl.serve.parsers.reasoning import OPEN as THINK_OPEN
-from minisgl.serve.scheduler import Req, Scheduler
 from minisgl.serve.scheduler.control import ControlError
 from minisgl.serve.scheduler.grammar import GrammarBackend
 from minisgl.serve.scheduler.output import prompt_scores
+from minisgl.serve.scheduler.request import Req
+from minisgl.serve.scheduler.scheduler import Scheduler
 from minisgl.serve.tokenizer import eos_ids, load_tokenizer
 from minisgl.serve.tokenizer.chat import encode_chat
 from minisgl.serve.tokenizer.detokenizer import StopRegexTooSlow, TextStream, decode_ids
@@ -31,6 +32,7 @@ from minisgl.wire.control import (
     ReadWeights,
     TensorWeights,
 )
+from minisgl.wire.options import RequestOptions
 from minisgl.wire.sampling import SamplingParams
 from minisgl.wire.steps import WorkerTask
 
@@ -178,11 +180,11 @@ class LLM:
     def continue_generation(self) -> None:
         self.scheduler.resume()
 
-    def _think(self, budget: int | None) -> tuple[int, list[int], list[int], bool] | None:
-        """A thinking budget as the scheduler takes it: the markers' ids from the tokenizer."""
+    def _think_markers(self, budget: int | None) -> list[list[int]]:
+        """The reasoning markers' ids a thinking budget needs (none without a budget)."""
         if budget is None:
-            return None
-        return (budget, self._encode(THINK_OPEN, special=False), self._encode(THINK_CLOSE, special=False), False)
+            return []
+        return [self._encode(THINK_OPEN, special=False), self._encode(THINK_CLOSE, special=False)]
 
     def _encode(self, prompt: Prompt, special: bool = True) -> list[int]:
         if isinstance(prompt, str):
@@ -208,13 +210,13 @@ class LLM:
             meta["error"] = req.error
         if req.routed_from >= 0:
             meta["routed_experts"] = base64.b64encode(req.routed_experts()).decode()
-        if req.hidden:
+        if req.options.hidden_states:
             meta["hidden_states"] = hidden_state_rows(req.hidden_states(), self.runner.hidden_size, len(req.prompt_ids))
-        if req.entropy:
+        if req.options.entropy:
             meta["output_token_entropy"] = req.output_entropy
-        if req.top_logprobs >= 0:
+        if req.options.top_logprobs >= 0:
             meta["output_token_logprobs"] = req.output_logprobs
-            if req.top_logprobs > 0:
+            if req.options.top_logprobs > 0:
                 meta["output_top_logprobs"] = req.output_top_logprobs
         if req.logprob_start >= 0:  # position j's logprob given the tokens before it (None at 0)
             first, scores = prompt_scores(req) if req.scores_prompt else (max(req.logprob_start, 1), [])
@@ -295,24 +297,26 @@ class LLM:
                 "generation is paused or its memory released: continue_generation / resume_memory_occupation first"
             )
         self.scheduler.take_events()  # (those of earlier calls)
+        if max_thinking_tokens is not None and max_thinking_tokens < 0:
+            raise ValueError("max_thinking_tokens must be >= 0")
+        options = RequestOptions(
+            top_logprobs=top_logprobs,
+            logprob_start=logprob_start,
+            cache_salt=cache_salt,
+            routed_start=routed_experts_start if return_routed_experts else -1,
+            hidden_states=return_hidden_states,
+            entropy=return_entropy,
+            think_budget=-1 if max_thinking_tokens is None else max_thinking_tokens,
+            think_markers=self._think_markers(max_thinking_tokens),
+        )
         reqs: list[Req] = []
         try:
             for prompt, sp, predicted, lora in zip(prompts, params, predictions, loras):
-                reqs.append(
-                    self.scheduler.add_request(
-                        self._encode(prompt),
-                        sp,
-                        top_logprobs,
-                        logprob_start,
-                        cache_salt=cache_salt,
-                        routed_start=routed_experts_start if return_routed_experts else -1,
-                        prediction_ids=self._encode(predicted, special=False) if predicted else None,
-                        hidden_states=return_hidden_states,
-                        lora=lora,
-                        entropy=return_entropy,
-                        think=self._think(max_thinking_tokens),
-                    )
+                predicted_ids = (
+                    self._encode(predicted, special=False)[: self.scheduler.context_len] if predicted else []
                 )
+                opts = msgspec.structs.replace(options, lora=lora, prediction_ids=predicted_ids)
+                reqs.append(self.scheduler.add_request(self._encode(prompt), sp, opts))
         except ValueError:
             for req in reqs:  # all or nothing: a bad prompt leaves no queued work behind
                 self.scheduler.finish(req, "abort")

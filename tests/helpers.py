@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from minisgl.device.worker.model_runner import ModelRunner
 from minisgl.utils import cdiv
+from minisgl.wire.options import RequestOptions
 from minisgl.wire.sampling import SamplingParams
 from minisgl.wire.steps import ForwardBatch, NewRequest
 
@@ -46,7 +47,9 @@ def generate(
     """Prefill every prompt in one batch, then decode ``max_new - 1`` steps with -1 inputs."""
     params = params or [SamplingParams(temperature=0.0)] * len(prompts)
     new = [
-        NewRequest(slot=i, sampling=p, seed=1000 + i, top_logprobs=top_logprobs, prompt_ids=prompts[i])
+        NewRequest(
+            slot=i, sampling=p, seed=1000 + i, options=RequestOptions(top_logprobs=top_logprobs), prompt_ids=prompts[i]
+        )
         for i, p in enumerate(params)
     ]
     outs = [runner.step(prefill_batch(runner, prompts, reserve=max_new, new_requests=new))]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minisgl.device.attention import create_backend
+from minisgl.device.attention.select import create_backend
 from minisgl.device.attention.synthetic import decode_metadata, mixed_metadata, prefill_metadata
 from minisgl.device.kvcache.mha_pool import MHAKVCache
 from minisgl.serve.scheduler import cascade

@@ -66,8 +66,9 @@ def check(device: str, dtype: torch.dtype, graph: bool) -> None:
     kernel and a cascade step both equal the single-level torch reference, and equal each other
     bit for bit. In graph mode, as CUDA graphs run it: captured on another plan with padding
     rows, replayed on this one, over stale states, giving the eager step's bits."""
-    from minisgl.device.attention import base, create_backend
+    from minisgl.device.attention import base
     from minisgl.device.attention.cascade_triton import TritonCascade, header_size
+    from minisgl.device.attention.select import create_backend
 
     torch.manual_seed(0)
     few_rows = base.FEW_ROWS
@@ -338,8 +339,8 @@ def test_fp8_cascade_steps_in_their_own_stages_give_the_plain_bits(hq):
     pipeline stages, plain steps in five; GQA 2: plain steps in two warps; both: cascade steps'
     own level capped at 128 registers; tiles widened in registers): a cascade step returns the
     plain step's bits, and both the torch reference's values."""
-    from minisgl.device.attention import create_backend
     from minisgl.device.attention.cascade_triton import TritonCascade, fp8_page_options
+    from minisgl.device.attention.select import create_backend
 
     torch.manual_seed(0)
     hk, dim, page_size, scales, fp8 = 8, 128, 16, (0.7, 1.3), torch.float8_e4m3fn

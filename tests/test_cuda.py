@@ -13,13 +13,15 @@ import pytest
 import torch
 
 from minisgl.config.args import EngineArgs
-from minisgl.device.attention import AttentionMetadata, create_backend
+from minisgl.device.attention.base import AttentionMetadata
+from minisgl.device.attention.select import create_backend
 from minisgl.device.attention.synthetic import decode_metadata, mixed_metadata, prefill_metadata
 from minisgl.device.kernels import rope_store, rope_store_torch, store_kv_torch
 from minisgl.device.kvcache.mha_pool import MHAKVCache
 from minisgl.device.tiny_model import make_tiny_model
 from minisgl.device.worker.model_runner import ModelRunner
 from minisgl.utils import cdiv
+from minisgl.wire.options import RequestOptions
 from minisgl.wire.sampling import SamplingParams
 from minisgl.wire.steps import ForwardBatch
 from tests.grammar_cases import MAX_NEW, REGEXES, schemas
@@ -288,7 +290,7 @@ def test_launch_does_not_sync_the_host(tmp_path):
         SamplingParams(temperature=0.0, repetition_penalty=1.2),
     ]
     new = [
-        NewRequest(slot=i, sampling=p, seed=i, top_logprobs=2 if i == 0 else -1, prompt_ids=prompts[i])
+        NewRequest(i, p, i, RequestOptions(top_logprobs=2 if i == 0 else -1), prompt_ids=prompts[i])
         for i, p in enumerate(params)
     ]
     lens = [len(p) for p in prompts]

@@ -110,8 +110,8 @@ def test_min_new_tokens_bans_what_would_end_the_request(tiny_llama):
 
 def test_check_model_name_refuses_other_models_only_when_asked():
     from minisgl.config.args import ServerArgs
+    from minisgl.serve.api.errors import BadRequest
     from minisgl.serve.api.openai import OpenAIRoutes
-    from minisgl.serve.api.protocol import BadRequest
 
     routes = object.__new__(OpenAIRoutes)
     routes.args = ServerArgs(model="/models/tiny", served_model_name="tiny")
@@ -247,8 +247,9 @@ def test_a_folder_above_the_checkpoint_is_named_before_anything_starts(tmp_path)
 def test_a_wrong_type_names_its_field():
     import pytest
 
+    from minisgl.serve.api.errors import BadRequest
     from minisgl.serve.api.fields import GENERATE
-    from minisgl.serve.api.protocol import BadRequest, GenerateRequest, decode
+    from minisgl.serve.api.protocol import GenerateRequest, decode
 
     with pytest.raises(BadRequest) as e:
         decode(b'{"text": "x", "sampling_params": {"temperature": "hot"}}', GenerateRequest, GENERATE)

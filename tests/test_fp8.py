@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from minisgl.config.args import EngineArgs
-from minisgl.device.attention import create_backend
+from minisgl.device.attention.select import create_backend
 from minisgl.device.kernels import rope_store, rope_store_torch, store_kv_torch
 from minisgl.device.kernels.rope_store import from_cache
 from minisgl.device.kvcache.mha_pool import MHAKVCache

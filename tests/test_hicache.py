@@ -19,7 +19,7 @@ import torch
 
 from minisgl.config.args import EngineArgs
 from minisgl.serve.cache import HiRadixCacheManager, HostTier
-from minisgl.serve.scheduler import Scheduler
+from minisgl.serve.scheduler.scheduler import Scheduler
 from minisgl.wire.sampling import SamplingParams
 from minisgl.wire.steps import ForwardBatch, StepOutput
 

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from minisgl.device.tiny_model import make_lora_adapter
+from minisgl.wire.options import RequestOptions
 from minisgl.wire.sampling import SamplingParams
 
 PARAMS = {"max_new_tokens": 10, "temperature": 0.0, "ignore_eos": True}
@@ -129,7 +130,7 @@ def test_adapters_load_and_unload_while_serving(tiny_llama, adapters, references
     assert [r["output_ids"] for r in out] == want
     assert sched.loras.slot_users == [0, 0]
     # Unloaded while queued: the request still runs under it; then the host copy goes.
-    queued = sched.add_request(PROMPTS[0], msgspec.convert(PARAMS, SamplingParams), lora="copy")
+    queued = sched.add_request(PROMPTS[0], msgspec.convert(PARAMS, SamplingParams), RequestOptions(lora="copy"))
     key = queued.lora_key
     assert llm.unload_lora_adapter("copy")[0] and key in llm.runner.lora_host
     with pytest.raises(ValueError, match="no LoRA adapter named 'copy'"):

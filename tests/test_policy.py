@@ -13,12 +13,22 @@ from minisgl.serve.cache import BaseCacheManager
 from minisgl.serve.cache.radix_manager import RadixCacheManager
 from minisgl.serve.scheduler.queue import AGING_STEPS, WaitingQueue
 from minisgl.serve.scheduler.request import Req
+from minisgl.wire.options import RequestOptions
 from minisgl.wire.sampling import SamplingParams
 from tests.test_scheduler import make_llm
 
 
 def make_req(rid: int, ids: list[int], queued_step: int = 0, salt: str | None = None) -> Req:
-    return Req(rid, ids, SamplingParams(), 0, len(ids) + 8, queued_step=queued_step, cache_salt=salt, kv_salt=salt)
+    return Req(
+        rid,
+        ids,
+        SamplingParams(),
+        0,
+        len(ids) + 8,
+        queued_step=queued_step,
+        options=RequestOptions(cache_salt=salt),
+        kv_salt=salt,
+    )
 
 
 def fill_cache(cache: RadixCacheManager, prompts: list[list[int]]) -> None:
@@ -55,10 +65,10 @@ def reference_order(queued: list[tuple[int, Req]], cache: RadixCacheManager, ste
         return r.all_ids[: n - n % page]
 
     def key(r: Req) -> list:
-        return ([r.cache_salt] * page if r.cache_salt is not None else []) + tokens(r)
+        return ([r.options.cache_salt] * page if r.options.cache_salt is not None else []) + tokens(r)
 
     def hit(r: Req) -> int:
-        start = cache.start(r.cache_salt)
+        start = cache.start(r.options.cache_salt)
         return 0 if start is None else cache.advance(start, tokens(r))[1]
 
     def trie_order(group: list[tuple[int, Req]], depth: int) -> list[tuple[int, Req]]:

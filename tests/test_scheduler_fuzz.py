@@ -16,7 +16,7 @@ from concurrent.futures import Future
 import pytest
 
 from minisgl.config.args import SPEC_SCHEDULES, EngineArgs
-from minisgl.serve.scheduler import Scheduler
+from minisgl.serve.scheduler.scheduler import Scheduler
 from minisgl.wire.sampling import SamplingParams
 from minisgl.wire.steps import ForwardBatch, StepOutput
 

@@ -115,8 +115,8 @@ def test_processor_payloads_are_read_never_run():
     import json
     import pickle
 
+    from minisgl.serve.api.errors import BadRequest
     from minisgl.serve.api.logit_processors import is_thinking_budget, named_class
-    from minisgl.serve.api.protocol import BadRequest
 
     for protocol in (2, 4):
         assert is_thinking_budget(sglang_processor("Qwen3ThinkingBudgetLogitProcessor", protocol))

@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from minisgl.serve.api.protocol import BadRequest
+from minisgl.serve.api.errors import BadRequest
 from minisgl.serve.parsers.reasoning import ReasoningParser
 from minisgl.serve.parsers.tool_calls import ToolCallParser, deltas
 from minisgl.serve.tokenizer import load_tokenizer

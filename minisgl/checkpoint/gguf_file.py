@@ -21,14 +21,11 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from minisgl.utils import progress
-
-if TYPE_CHECKING:
-    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -285,19 +282,15 @@ def _hf_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     return (1, *shape) if name.endswith("shared_expert_gate.weight") and len(shape) == 1 else shape
 
 
-def iter_gguf_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf_weights(folder: Path, primary: bool = True) -> Iterator[tuple[str, np.ndarray]]:
     """The weights of a converted ``folder``, dequantized from its .gguf file one tensor at a
-    time, under Hugging Face names and in float32."""
+    time, under Hugging Face names, as C-ordered float32 arrays (``primary``: show progress)."""
     import gguf
-    import torch
     from gguf import GGMLQuantizationType, quants
 
     path = _existing_source(folder)
     config = json.loads((folder / "config.json").read_text())
     reader = gguf.GGUFReader(str(path))
-    from minisgl.device.distributed import get_tp_info
-
-    primary = get_tp_info().is_primary
     for t in progress(reader.tensors, primary, desc=f"Loading weights from {path.name}", unit="tensor"):
         try:
             data = quants.dequantize(t.data, t.tensor_type)
@@ -313,7 +306,7 @@ def iter_gguf_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 data = _unpermute(data, config["num_attention_heads"])
             elif name.endswith("k_proj.weight"):
                 data = _unpermute(data, config["num_key_value_heads"])
-        yield name, torch.from_numpy(np.array(data, copy=not data.flags.writeable, order="C"))
+        yield name, np.array(data, copy=not data.flags.writeable, order="C")
 
 
 def _save_tokenizer(path: Path, out: Path) -> None:

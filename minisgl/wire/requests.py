@@ -7,6 +7,7 @@ from typing import Any
 import msgspec
 
 from minisgl.wire.control import ControlReply, ControlReq
+from minisgl.wire.options import RequestOptions
 from minisgl.wire.sampling import SamplingParams
 
 
@@ -20,34 +21,19 @@ class ChatMessage(msgspec.Struct):
 
 class GenerateReq(msgspec.Struct):
     """One sequence to generate: exactly one of text, input_ids or messages (rendered by the chat
-    template)."""
+    template), with what it asks for beyond sampling (``options``)."""
 
     rid: str
     sampling: SamplingParams
+    options: RequestOptions = msgspec.field(default_factory=RequestOptions)
     text: str | None = None
     input_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
-    top_logprobs: int = -1
     fill_context: bool = False  # max_new_tokens becomes whatever context the prompt leaves
-    logprob_start: int = -1  # prompt logprobs from this position (-1: none)
-    logprob_ids: list[int] = []  # SGLang's token_ids_logprob: these ids' logprobs at every position
     tools: list[dict[str, Any]] | None = None  # OpenAI tool definitions, rendered by the chat template
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (enable_thinking, ...)
-    cache_salt: str | None = None  # vLLM's: prefix-cache isolation between tenants
-    # SGLang's return_routed_experts (with routed_experts_start_len): each position's experts per
-    # layer from this position on, with the last message (-1: none).
-    routed_start: int = -1
-    hidden_states: bool = False  # SGLang's return_hidden_states: every position's, with the last message
-    prediction: str | None = None  # OpenAI's predicted output: a draft source, no result depends on it
     continue_final: bool = False  # continue_final_message: the last message is left open and continued
     truncate: bool = False  # the Responses API's truncation "auto": the oldest messages dropped to fit
-    lora: str | None = None  # the LoRA adapter it runs under (SGLang's lora_path: a loaded adapter's name)
-    prompt_ids: bool = False  # SGLang's return_prompt_token_ids: the prompt's ids come back with the first update
-    entropy: bool = False  # SGLang's return_entropy: each output token's distribution's entropy
-    # SGLang's max_thinking_tokens (-1: none): then the reasoning markers are forced; think_open:
-    # the model starts thinking (the reasoning parser says so) whatever the prompt shows.
-    think_budget: int = -1
-    think_open: bool = False
     suffix: str | None = None  # completions' suffix: the text after the hole a fill-in-the-middle prompt fills
 
 
@@ -65,18 +51,7 @@ class TokenizedReq(msgspec.Struct):
     rid: str
     input_ids: list[int]
     sampling: SamplingParams
-    top_logprobs: int = -1
-    logprob_start: int = -1  # prompt logprobs from this position (-1: none)
-    logprob_ids: list[int] = []
-    cache_salt: str | None = None  # shares cached prefixes only with requests of the same salt
-    routed_start: int = -1
-    prediction_ids: list[int] = []
-    hidden_states: bool = False
-    lora: str | None = None
-    entropy: bool = False
-    think_budget: int = -1
-    think_markers: list[list[int]] = []  # the open and close markers' ids (with a budget)
-    think_open: bool = False
+    options: RequestOptions
 
 
 class TokenizedBatch(msgspec.Struct, tag=True):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import msgspec
 
 from minisgl.wire.control import ProfileReq, WorkerTask
+from minisgl.wire.options import RequestOptions
 from minisgl.wire.sampling import SamplingParams
 
 # Most groups one cascade decode step may have: CUDA graphs plan the shared level for a fixed
@@ -19,14 +20,12 @@ class NewRequest(msgspec.Struct, array_like=True):
     slot: int
     sampling: SamplingParams
     seed: int
-    top_logprobs: int = -1  # -1: no logprobs; 0: the chosen token's; n: plus the n most likely
+    options: RequestOptions  # (the worker reads top_logprobs, logprob_ids and entropy)
     prompt_ids: list[int] = []  # only sent when penalties need the prompt's tokens
     output_ids: list[int] = []  # tokens generated before a retraction, for penalties
     prompt_len: int = 0
     ban_ids: list[int] = []  # masked until min_new_tokens are out (EOS and stop tokens)
-    logprob_ids: list[int] = []  # token ids whose logprobs come with every output token
     lora_slot: int = -1  # the adapter slot its rows use (-1: the base model)
-    entropy: bool = False  # each output token comes with its distribution's entropy
 
 
 class ForwardBatch(msgspec.Struct, array_like=True, tag=True):

@@ -15,17 +15,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minisgl.device.distributed import all_reduce, get_tp_info
+from minisgl.device.distributed import all_reduce, all_reduce_max, get_tp_info
 from minisgl.device.layers.fp8_scheme import Fp8Scheme
 from minisgl.device.layers.lora import LoraWeights
 from minisgl.device.layers.quantization import (
     FP8,
+    FP8_MAX,
+    MIN_SCALE,
     Fp8Act,
     dequantize,
     fp8_linear,
-    quantize_across_ranks,
     quantize_weight,
     row_scales,
+    to_fp8,
 )
 from minisgl.utils import cdiv, divide
 
@@ -37,6 +39,15 @@ def linear_fp32(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None 
     if out is not None:
         return torch.mm(x2, weight.t(), out_dtype=torch.float32, out=out)
     return torch.mm(x2, weight.t(), out_dtype=torch.float32).view(*x.shape[:-1], weight.shape[0])  # zero rows happen
+
+
+def quantize_across_ranks(x: torch.Tensor) -> Fp8Act:
+    """A row-parallel layer's input [T, K / tp] quantized per token with the scale of the whole
+    row over every rank's columns (an all-reduced amax), as tp=1 quantizes it: the rounding then
+    does not depend on the tp size (--enable-fp32-all-reduce)."""
+    amax = all_reduce_max(x.abs().amax(dim=-1, keepdim=True).float())
+    scale = (amax / FP8_MAX).clamp(min=MIN_SCALE)
+    return Fp8Act(to_fp8(x, scale), scale, x.dtype)
 
 
 class ColumnParallelLinear(nn.Module):

@@ -132,17 +132,6 @@ def quantize(x: torch.Tensor, block: int | None) -> Fp8Act:
     return Fp8Act(q, scale, x.dtype)
 
 
-def quantize_across_ranks(x: torch.Tensor) -> Fp8Act:
-    """A row-parallel layer's input [T, K / tp] quantized per token with the scale of the whole
-    row over every rank's columns (an all-reduced amax), as tp=1 quantizes it: the rounding then
-    does not depend on the tp size (--enable-fp32-all-reduce)."""
-    from minisgl.device.distributed import all_reduce_max
-
-    amax = all_reduce_max(x.abs().amax(dim=-1, keepdim=True).float())
-    scale = (amax / FP8_MAX).clamp(min=MIN_SCALE)
-    return Fp8Act(to_fp8(x, scale), scale, x.dtype)
-
-
 def fp8_logits(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x W^T in float32 for an fp8 ``weight`` [V, K] with per-row ``scale`` [V] (the LM head):
     x quantized per token, the product kept in the GEMM's float32 accumulator."""

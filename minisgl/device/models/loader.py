@@ -59,7 +59,8 @@ def iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """A checkpoint folder's tensors by name: its safetensors files, or the .gguf file a
     converted GGUF folder stands for."""
     if gguf_source(model_dir) is not None:
-        yield from iter_gguf_weights(model_dir)
+        for name, array in iter_gguf_weights(model_dir, get_tp_info().is_primary):
+            yield name, torch.from_numpy(array)
         return
     files = safetensors_files(model_dir)
     total = 0

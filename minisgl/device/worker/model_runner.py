@@ -24,9 +24,10 @@ import torch.distributed as dist
 from minisgl.checkpoint.locate import resolve_model_path
 from minisgl.checkpoint.model_config import ModelConfig
 from minisgl.config.args import EngineArgs
-from minisgl.device.attention import AttentionMetadata, base, create_backend
-from minisgl.device.attention.base import Gains
+from minisgl.device.attention import base
+from minisgl.device.attention.base import AttentionMetadata, Gains
 from minisgl.device.attention.context import set_attention_backend
+from minisgl.device.attention.select import create_backend
 from minisgl.device.distributed import get_tp_info, init_fused_all_reduce_norm, init_one_shot_all_reduce
 from minisgl.device.kvcache.host_pool import HostKVPool
 from minisgl.device.kvcache.mha_pool import MHAKVCache
@@ -442,11 +443,11 @@ class ModelRunner:
                 r.prompt_ids,
                 r.output_ids,
                 r.seed,
-                r.top_logprobs,
+                r.options.top_logprobs,
                 r.prompt_len,
                 r.ban_ids,
-                r.logprob_ids,
-                r.entropy,
+                r.options.logprob_ids,
+                r.options.entropy,
             )
             self.adapter_of_slot[r.slot] = r.lora_slot
 

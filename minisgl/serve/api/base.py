@@ -16,12 +16,14 @@ from starlette.responses import JSONResponse
 
 from minisgl.config.args import ServerArgs
 from minisgl.serve.api.client import EngineClient, RequestStream
+from minisgl.serve.api.errors import BadRequest
 from minisgl.serve.api.fields import IGNORED, Schema
 from minisgl.serve.api.metrics import Metrics, RequestTimer
-from minisgl.serve.api.protocol import BadRequest, check_sequences, decode
+from minisgl.serve.api.protocol import check_sequences, decode
 from minisgl.serve.api.streaming import EventStream
 from minisgl.serve.parsers.reasoning import starts_in_reasoning
 from minisgl.utils import hidden_state_rows
+from minisgl.wire.options import RequestOptions
 from minisgl.wire.requests import EngineInfo, GenerateReq, ReqUpdate, TokenLogprob
 
 logger = logging.getLogger("minisgl.serve.api")
@@ -45,10 +47,17 @@ class Run:
     """One request in flight: what it produced so far, and its latency bookkeeping."""
 
     def __init__(
-        self, stream: RequestStream, first: ReqUpdate, metrics: Metrics, timer: RequestTimer, log: bool = False
+        self,
+        stream: RequestStream,
+        first: ReqUpdate,
+        options: RequestOptions,
+        metrics: Metrics,
+        timer: RequestTimer,
+        log: bool = False,
     ):
-        self.stream, self.metrics, self.timer, self.log = stream, metrics, timer, log
-        self.rid = stream.rid
+        self.stream, self.metrics, self.timer = stream, metrics, timer
+        self.rid, self.options = stream.rid, options
+        self.log = log and not options.no_logs  # (SGLang's no_logs)
         self.text, self.token_ids, self.logprobs = "", [], []
         self.input_logprobs: list[TokenLogprob] = []
         self.finish_reason: str | None = None
@@ -265,8 +274,8 @@ class ApiBase:
                 raise BadRequest(f"the server is at capacity ({limit} queued requests); retry later", status=503)
         results = await self.client.open(reqs)
         return [
-            Run(stream, first, self.metrics, RequestTimer(self.metrics), self.args.log_requests)
-            for stream, first in results
+            Run(stream, first, req.options, self.metrics, RequestTimer(self.metrics), self.args.log_requests)
+            for req, (stream, first) in zip(reqs, results)
         ]
 
     async def _collect(self, runs: list[Run], request: Request) -> bool:
@@ -291,20 +300,12 @@ class ApiBase:
 
         return EventStream(events, close)
 
-    def meta_info(
-        self,
-        run: Run,
-        top_logprobs: int = -1,
-        with_text: bool = False,
-        logprob_ids: bool = False,
-        routed: bool = False,
-        hidden: bool = False,
-        entropy: bool = False,
-    ) -> dict[str, Any]:
+    def meta_info(self, run: Run) -> dict[str, Any]:
         """SGLang's ``meta_info`` of a run (/generate's, and a chat choice's with return_meta_info):
-        counts, finish, latency, and what the request asked for: logprobs (``top_logprobs`` >= 0;
-        ``with_text``: each entry's token text; ``logprob_ids``: token_ids_logprob's), the routed
-        experts, the hidden states and each output token's entropy."""
+        counts, finish, latency, and what its options asked for: logprobs (with each entry's token
+        text, token_ids_logprob's), the routed experts, the hidden states, each output token's
+        entropy."""
+        opts, with_text = run.options, run.options.text_in_logprobs
         meta: dict[str, Any] = {
             "id": run.rid,
             "prompt_tokens": run.prompt_tokens,
@@ -314,7 +315,7 @@ class ApiBase:
             "e2e_latency": run.e2e_latency,
             "weight_version": self.weight_version,
         }
-        if top_logprobs >= 0:
+        if opts.logprobs:
             for kind, lps in (("input", run.input_logprobs), ("output", run.logprobs)):
                 meta[f"{kind}_token_logprobs"] = [
                     _logprob_entry(lp.logprob, lp.token_id, lp.text, with_text) for lp in lps
@@ -323,16 +324,16 @@ class ApiBase:
                     None if lp.logprob is None else [_logprob_entry(p, t, s, with_text) for t, s, p in lp.top]
                     for lp in lps
                 ]
-                if logprob_ids:
+                if opts.logprob_ids:
                     meta[f"{kind}_token_ids_logprobs"] = [
                         None if lp.logprob is None else [_logprob_entry(p, t, s, with_text) for t, s, p in lp.ids]
                         for lp in lps
                     ]
-        if routed:
+        if opts.routed_start >= 0:
             meta["routed_experts"] = base64.b64encode(run.routed_experts).decode()
-        if entropy:
+        if opts.entropy:
             meta["output_token_entropy"] = run.entropy
-        if hidden and run.hidden_states:  # (with the last update)
+        if opts.hidden_states and run.hidden_states:  # (with the last update)
             meta["hidden_states"] = hidden_state_rows(run.hidden_states, self.info.hidden_size, run.prompt_tokens)
         return meta
 

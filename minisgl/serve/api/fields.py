@@ -147,6 +147,7 @@ GENERATE = Schema(
         "return_entropy",
         "max_thinking_tokens",
         "custom_logit_processor",
+        "no_logs",
     },
     inert={
         "model",
@@ -155,7 +156,6 @@ GENERATE = Schema(
         "encoder_urls",
         "log_metrics",
         "background",
-        "no_logs",
         "return_bytes",
         "custom_labels",
         "external_trace_header",

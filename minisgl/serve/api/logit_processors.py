@@ -12,7 +12,7 @@ import json
 import pickletools
 from typing import Any
 
-from minisgl.serve.api.protocol import BadRequest
+from minisgl.serve.api.errors import BadRequest
 
 SGLANG_PROCESSORS = "sglang.srt.sampling.custom_logit_processor"
 THINKING_BUDGET = "ThinkingBudgetLogitProcessor"

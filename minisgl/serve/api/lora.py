@@ -21,8 +21,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from minisgl.serve.api.base import ApiBase, read_body
+from minisgl.serve.api.errors import BadRequest
 from minisgl.serve.api.fields import Schema
-from minisgl.serve.api.protocol import BadRequest
 from minisgl.serve.api.rl import refuse_pickled
 from minisgl.wire.control import LoadLora
 

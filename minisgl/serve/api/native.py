@@ -19,10 +19,10 @@ from starlette.responses import JSONResponse, Response
 import minisgl
 from minisgl.serve.api.base import ApiBase, error_response, merge, read_body
 from minisgl.serve.api.client import EngineError
+from minisgl.serve.api.errors import BadRequest
 from minisgl.serve.api.fields import DETOKENIZE, GENERATE, SCORE, TOKENIZE
 from minisgl.serve.api.protocol import (
     AbortRequest,
-    BadRequest,
     DetokenizeRequest,
     GenerateRequest,
     ProfileRequest,
@@ -30,6 +30,7 @@ from minisgl.serve.api.protocol import (
     TokenizeRequest,
 )
 from minisgl.serve.api.streaming import SSE_DONE, sse
+from minisgl.wire.options import RequestOptions
 from minisgl.wire.requests import GenerateReq
 from minisgl.wire.sampling import SamplingParams
 from minisgl.wire.steps import ProfileReq
@@ -66,38 +67,19 @@ class NativeRoutes(ApiBase):
                 GenerateReq(
                     it.rid,
                     it.sampling,
+                    msgspec.structs.replace(it.options, think_open=True) if think_open else it.options,
                     text=it.text,
                     input_ids=it.input_ids,
-                    top_logprobs=it.top_logprobs,
-                    logprob_start=it.logprob_start,
-                    logprob_ids=it.logprob_ids,
-                    cache_salt=it.cache_salt,
-                    routed_start=it.routed_start,
-                    hidden_states=it.hidden_states,
-                    lora=it.lora,
-                    prompt_ids=it.prompt_ids,
-                    entropy=it.entropy,
-                    think_budget=it.think_budget,
-                    think_open=think_open,
                 )
                 for it in items
             ]
         )
-        with_text, batch = body.return_text_in_logprobs, len(items) > 1 or body.is_batch
+        batch = len(items) > 1 or body.is_batch
 
         def result(i: int) -> dict[str, Any]:
-            item, run = items[i], runs[i]
-            meta = self.meta_info(
-                run,
-                item.top_logprobs,
-                with_text,
-                bool(item.logprob_ids),
-                item.routed_start >= 0,
-                item.hidden_states,
-                item.entropy,
-            )
-            out = {"text": run.text, "output_ids": run.token_ids, "meta_info": meta}
-            if item.prompt_ids:
+            run = runs[i]
+            out = {"text": run.text, "output_ids": run.token_ids, "meta_info": self.meta_info(run)}
+            if run.options.prompt_ids:
                 out["prompt_token_ids"] = run.prompt_ids
             return {**out, "index": i} if batch else out
 
@@ -170,10 +152,9 @@ class NativeRoutes(ApiBase):
             GenerateReq(
                 f"{base}-{i}",
                 SamplingParams(max_new_tokens=1, temperature=0.0),
+                RequestOptions(top_logprobs=0, logprob_ids=labels),
                 text=p if isinstance(p, str) else None,
                 input_ids=None if isinstance(p, str) else p,
-                top_logprobs=0,
-                logprob_ids=labels,
             )
             for i, p in enumerate(prompts)
         ]

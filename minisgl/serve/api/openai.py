@@ -23,6 +23,7 @@ from minisgl.serve.api.protocol import (
 from minisgl.serve.api.streaming import SSE_DONE, sse
 from minisgl.serve.parsers.chat_output import ChatOutput
 from minisgl.utils import last_hidden_state
+from minisgl.wire.options import RequestOptions
 from minisgl.wire.requests import GenerateReq, ReqUpdate, TokenLogprob
 
 
@@ -134,17 +135,20 @@ class OpenAIRoutes(ApiBase):
             GenerateReq(
                 ids[i * body.n + j],
                 body.sampling(body.max_tokens, j),
+                RequestOptions(
+                    top_logprobs=body.top_logprobs,
+                    logprob_start=0 if body.echo else -1,
+                    text_in_logprobs=True,
+                    cache_salt=salts[i],
+                    hidden_states=body.return_hidden_states,
+                    lora=loras[i],
+                    prompt_ids=body.return_token_ids,
+                    routed_start=body.routed_start,
+                ),
                 text=p if isinstance(p, str) else None,
                 input_ids=None if isinstance(p, str) else p,
                 suffix=body.suffix,
-                top_logprobs=body.top_logprobs,
-                cache_salt=salts[i],
                 fill_context=body.max_tokens is None,
-                logprob_start=0 if body.echo else -1,
-                hidden_states=body.return_hidden_states,
-                lora=loras[i],
-                prompt_ids=body.return_token_ids,
-                routed_start=body.routed_start,
             )
             for i, p in enumerate(prompts)
             for j in range(body.n)
@@ -273,22 +277,25 @@ class OpenAIRoutes(ApiBase):
                 GenerateReq(
                     ids[j] if ids is not None else f"{rid}-{j}",
                     sampling,
+                    RequestOptions(
+                        top_logprobs=body.num_top_logprobs,
+                        text_in_logprobs=True,
+                        cache_salt=salt,
+                        prediction=predicted,
+                        hidden_states=body.return_hidden_states,
+                        lora=lora,
+                        prompt_ids=body.wants_prompt_ids,
+                        routed_start=body.routed_start,
+                        think_budget=budget,
+                        think_open=think_open,
+                    ),
                     messages=messages if given is None else None,
                     input_ids=given,
-                    top_logprobs=body.num_top_logprobs,
                     fill_context=max_new is None,
                     tools=plan.tools,
-                    cache_salt=salt,
                     chat_template_kwargs=body.template_kwargs(),
-                    prediction=predicted,
                     continue_final=body.continue_final_message,
                     truncate=truncate,
-                    hidden_states=body.return_hidden_states,
-                    lora=lora,
-                    prompt_ids=body.wants_prompt_ids,
-                    routed_start=body.routed_start,
-                    think_budget=budget,
-                    think_open=think_open,
                 )
             )
         runs = await self._start(reqs)
@@ -307,7 +314,7 @@ class OpenAIRoutes(ApiBase):
         its routed experts with return_routed_experts)."""
         if not body.return_meta_info:
             return {}
-        return {"meta_info": self.meta_info(run, body.num_top_logprobs, True, routed=body.return_routed_experts)}
+        return {"meta_info": self.meta_info(run)}
 
     def _sglext(self, body: CompletionRequest | ChatCompletionRequest, runs: list[Run]) -> dict[str, Any] | None:
         """SGLang's response-level extensions, from the first choice (as SGLang answers): its

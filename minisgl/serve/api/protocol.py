@@ -16,8 +16,10 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from minisgl.serve.api.errors import BadRequest
 from minisgl.serve.api.fields import Schema, UnsupportedField
 from minisgl.serve.parsers.tool_calls import required_schema
+from minisgl.wire.options import RequestOptions
 from minisgl.wire.requests import ChatMessage
 from minisgl.wire.sampling import Int32, Int64, SamplingParams
 
@@ -27,14 +29,6 @@ MAX_LOGPROB_IDS = 4096  # token_ids_logprob entries per prompt
 MAX_TOKEN_ID = 2**31 - 1
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
 _SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
-
-
-class BadRequest(ValueError):
-    """A client error; ``status`` is the HTTP code to answer with."""
-
-    def __init__(self, message: str, status: int = 400, param: str | None = None):
-        super().__init__(message)
-        self.status, self.param = status, param
 
 
 def decode(body: bytes, kind: type, schema: Schema | None = None) -> Any:
@@ -118,16 +112,7 @@ class GenerateItem(msgspec.Struct):
     text: str | None
     input_ids: list[int] | None
     sampling: SamplingParams
-    top_logprobs: int  # -1: no logprobs
-    logprob_start: int = -1  # prompt logprobs from this position (-1: none)
-    logprob_ids: list[int] = []  # token_ids_logprob
-    cache_salt: str | None = None  # extra_key: shares cached prefixes only with the same key
-    routed_start: int = -1  # routed experts of the positions from here on (-1: none)
-    hidden_states: bool = False  # every position's last hidden state
-    lora: str | None = None  # the LoRA adapter's name (lora_path)
-    prompt_ids: bool = False  # return_prompt_token_ids
-    entropy: bool = False  # return_entropy
-    think_budget: int = -1  # max_thinking_tokens (-1: none)
+    options: RequestOptions
 
 
 class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -154,6 +139,7 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
     routed_experts_start_len: Int32 = 0  # from this position on (0: the whole prompt too)
     return_hidden_states: bool | list[bool] = False  # (--enable-return-hidden-states)
     lora_path: str | list[str | None] | None = None  # a loaded LoRA adapter's name, or one per prompt
+    no_logs: bool = False
 
     @property
     def is_batch(self) -> bool:
@@ -217,16 +203,20 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
                         prompt if isinstance(prompt, str) else None,
                         None if isinstance(prompt, str) else prompt,
                         sampling[i].params(j),
-                        tops[i] if want[i] else -1,
-                        start,
-                        ids[i] if want[i] else [],
-                        keys[i],
-                        self.routed_experts_start_len if self.return_routed_experts else -1,
-                        hidden[i],
-                        loras[i],
-                        self.return_prompt_token_ids,
-                        self.return_entropy,
-                        budgets[i],
+                        RequestOptions(
+                            top_logprobs=tops[i] if want[i] else -1,
+                            logprob_start=start,
+                            logprob_ids=ids[i] if want[i] else [],
+                            text_in_logprobs=self.return_text_in_logprobs,
+                            entropy=self.return_entropy,
+                            prompt_ids=self.return_prompt_token_ids,
+                            routed_start=self.routed_experts_start_len if self.return_routed_experts else -1,
+                            hidden_states=hidden[i],
+                            cache_salt=keys[i],
+                            lora=loras[i],
+                            think_budget=budgets[i],
+                            no_logs=self.no_logs,
+                        ),
                     )
                 )
         return out

@@ -30,9 +30,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from minisgl.serve.api.base import Run, merge, read_body
+from minisgl.serve.api.errors import BadRequest
 from minisgl.serve.api.fields import RESPONSES
 from minisgl.serve.api.openai import OpenAIRoutes, _openai_logprob, _usage
-from minisgl.serve.api.protocol import BadRequest, ChatMessageIn, FunctionCallIn, ToolCallIn
+from minisgl.serve.api.protocol import ChatMessageIn, FunctionCallIn, ToolCallIn
 from minisgl.serve.api.response_store import MAX_STORED, ResponseStore, Stored
 from minisgl.serve.api.responses_request import ResponsesRequest
 from minisgl.serve.parsers.chat_output import ChatOutput

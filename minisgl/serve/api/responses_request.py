@@ -14,9 +14,9 @@ from typing import Any, Literal
 
 import msgspec
 
+from minisgl.serve.api.errors import BadRequest
 from minisgl.serve.api.protocol import (
     MAX_TOP_LOGPROBS,
-    BadRequest,
     ChatCompletionRequest,
     ChatMessageIn,
     Effort,

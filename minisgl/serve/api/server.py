@@ -24,10 +24,10 @@ from starlette.routing import Route
 from minisgl.config.args import ServerArgs
 from minisgl.serve.api.base import error_response
 from minisgl.serve.api.client import EngineClient, EngineError
+from minisgl.serve.api.errors import BadRequest
 from minisgl.serve.api.fields import IGNORED
 from minisgl.serve.api.lora import LoraRoutes
 from minisgl.serve.api.native import NativeRoutes
-from minisgl.serve.api.protocol import BadRequest
 from minisgl.serve.api.responses import ResponsesRoutes
 from minisgl.serve.api.rl import RlRoutes
 from minisgl.wire.requests import EngineInfo

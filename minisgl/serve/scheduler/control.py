@@ -53,7 +53,7 @@ class ControlPlane:
     def kv_salt(self: Scheduler, req: Req) -> str | None:
         """The cache tree of the request's ``cache_salt`` and LoRA adapter under the current
         weights (the salt itself without an adapter until the first update)."""
-        salt = req.cache_salt
+        salt = req.options.cache_salt or None
         if req.lora_key is not None:
             salt = f"{salt or ''}\x00{req.lora_key}"
         if not self.weights_epoch:

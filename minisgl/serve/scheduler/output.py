@@ -41,8 +41,12 @@ def apply_output(
         column = {t: c for c, t in enumerate(score_ids)}
         for k, (req, j) in enumerate(scored):
             top = list(zip(out.score_top_ids[k], out.score_top_logprobs[k])) if out.score_top_ids else []
-            ids = [out.score_id_logprobs[k][column[t]] for t in req.logprob_ids] if req.logprob_ids else []
-            req.prompt_scores[j] = (out.score_logprobs[k], top[: max(req.top_logprobs, 0)], ids)
+            ids = (
+                [out.score_id_logprobs[k][column[t]] for t in req.options.logprob_ids]
+                if req.options.logprob_ids
+                else []
+            )
+            req.prompt_scores[j] = (out.score_logprobs[k], top[: max(req.options.top_logprobs, 0)], ids)
     got = []
     for i, (req, token) in enumerate(zip(sampled, out.tokens)):
         if req.finish_reason is not None:  # finished while this batch was in flight: drop the extra token
@@ -64,11 +68,11 @@ def apply_output(
             req.think.accept(token)
         if out.logprobs is not None:
             req.output_logprobs.append(out.logprobs[i])
-        if req.entropy:
+        if req.options.entropy:
             req.output_entropy.append(out.entropy[i])
         if out.top_ids is not None:
             req.output_top_logprobs.append(list(zip(out.top_ids[i], out.top_logprobs[i])))
-        if req.logprob_ids:
+        if req.options.logprob_ids:
             req.output_id_logprobs.append(out.id_logprobs[i])
         reason = "stop" if token in req.stop_ids else "length" if len(req.output_ids) >= req.max_outputs else None
         if req.matcher is not None:

@@ -3,6 +3,8 @@ sampling settings, and the prompt positions whose logprobs (or routed experts) c
 
 from __future__ import annotations
 
+import msgspec
+
 from minisgl.serve.scheduler.prefill import Entry
 from minisgl.serve.scheduler.request import Req
 from minisgl.serve.scheduler.think_budget import near_budget
@@ -27,9 +29,9 @@ def prefill_batch(
                 batch.score_rows.append(row + j - 1 - start)
                 batch.score_ids.append(req.prompt_ids[j])
                 scored.append((req, j))
-            batch.score_top = max(batch.score_top, req.top_logprobs)
-            if req.logprob_ids:
-                batch.score_logprob_ids = sorted(set(batch.score_logprob_ids) | set(req.logprob_ids))
+            batch.score_top = max(batch.score_top, req.options.top_logprobs)
+            if req.options.logprob_ids:
+                batch.score_logprob_ids = sorted(set(batch.score_logprob_ids) | set(req.options.logprob_ids))
         if req.capture_start >= 0 and req.kv_len > req.capture_start:
             first = max(start, req.capture_start)
             batch.route_rows += range(row + first - start, row + new)
@@ -96,12 +98,11 @@ def new_request(req: Req, eos_ids: set[int]) -> NewRequest:
         slot=req.slot,
         sampling=p,
         seed=req.seed,
-        top_logprobs=req.top_logprobs,
+        # (a predicted output only drafts, in the scheduler)
+        options=msgspec.structs.replace(req.options, prediction_ids=[]) if req.options.prediction_ids else req.options,
         prompt_ids=req.prompt_ids if penalties else [],
         output_ids=req.output_ids if penalties else [],
         prompt_len=len(req.prompt_ids),
         ban_ids=ban,
-        logprob_ids=req.logprob_ids,
         lora_slot=req.lora_slot,
-        entropy=req.entropy,
     )

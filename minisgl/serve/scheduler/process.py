@@ -92,20 +92,7 @@ class SchedulerProcess:
 
     def _add(self, msg: TokenizedReq) -> None:
         try:
-            req = self.sched.add_request(
-                msg.input_ids,
-                msg.sampling,
-                msg.top_logprobs,
-                msg.logprob_start,
-                msg.logprob_ids,
-                msg.cache_salt,
-                msg.routed_start,
-                msg.prediction_ids,
-                msg.hidden_states,
-                msg.lora,
-                msg.entropy,
-                (msg.think_budget, *msg.think_markers, msg.think_open) if msg.think_budget >= 0 else None,
-            )
+            req = self.sched.add_request(msg.input_ids, msg.sampling, msg.options)
         except ValueError as e:
             self.outbox.append(TokenOut(msg.rid, error=str(e)))
             return
@@ -225,23 +212,23 @@ class SchedulerProcess:
             host_cached_tokens=req.host_cached_tokens,
             error=req.error,
         )
-        if req.top_logprobs >= 0:
+        if req.options.top_logprobs >= 0:
             out.logprobs = req.output_logprobs[new]
-        if req.entropy:
+        if req.options.entropy:
             out.entropy = req.output_entropy[new]
-        if req.top_logprobs > 0:
+        if req.options.top_logprobs > 0:
             tops = req.output_top_logprobs[new]
             out.top_ids = [[t for t, _ in top] for top in tops]
             out.top_logprobs = [[lp for _, lp in top] for top in tops]
-        if req.logprob_ids:
+        if req.options.logprob_ids:
             out.id_logprobs = req.output_id_logprobs[new]
         if req.scores_prompt:
             out.input_start, scores = prompt_scores(req)
             out.input_logprobs = [lp for lp, _, _ in scores]
-            if req.top_logprobs > 0:
+            if req.options.top_logprobs > 0:
                 out.input_top_ids = [[t for t, _ in top] for _, top, _ in scores]
                 out.input_top_logprobs = [[lp for _, lp in top] for _, top, _ in scores]
-            if req.logprob_ids:
+            if req.options.logprob_ids:
                 out.input_id_logprobs = [ids for _, _, ids in scores]
         if req.capture_start >= 0 and req.finished:
             out.routed_experts, out.hidden_states = req.routed_experts(), req.hidden_states()

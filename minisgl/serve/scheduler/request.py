@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 
 from minisgl.serve.cache import CacheHandle
 from minisgl.serve.scheduler.prediction import Prediction
+from minisgl.wire.options import RequestOptions
 from minisgl.wire.sampling import SamplingParams
 
 PromptScore = tuple[float, list[tuple[int, float]], list[float]]  # (logprob, top (id, logprob), ids' logprobs)
@@ -19,13 +20,11 @@ class Req:
     params: SamplingParams
     seed: int
     max_len: int  # prompt + outputs may not exceed this many tokens
-    top_logprobs: int = -1
+    options: RequestOptions = field(default_factory=RequestOptions)  # as the route built it
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
-    entropy: bool = False  # each output token's distribution's entropy comes back (SGLang's return_entropy)
     output_entropy: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    logprob_ids: list[int] = field(default_factory=list)  # SGLang's token_ids_logprob
     # What the model computes per position, kept from position ``capture_start`` on (-1: nothing):
     # SGLang's return_routed_experts from ``routed_from`` (-1: not asked), the expert ids (int32
     # [layers, k] bytes), and its return_hidden_states (``hidden``: from position 0), the last
@@ -35,13 +34,11 @@ class Req:
     # retracted request reuses them).
     capture_start: int = -1
     routed_from: int = -1
-    hidden: bool = False
     captures: list[tuple[bytes, bytes]] = field(default_factory=list)
     output_id_logprobs: list[list[float]] = field(default_factory=list)  # per output token, per logprob_ids
     finish_reason: str | None = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache instead of computed
     host_cached_tokens: int = 0  # of those, tokens the host tier held (loaded back)
-    cache_salt: str | None = None  # shares cached pages only with requests of the same salt
     # The tree of the prefix cache it reads and fills: its salt's, under the weights current when
     # it was queued (KV of older weights is never matched; ``Scheduler.new_weights``).
     kv_salt: str | None = None
@@ -87,8 +84,7 @@ class Req:
     ngram_keys_end: int = -1
     spec_misses: int = 0
     spec_pause: int = 0
-    # OpenAI's predicted output, tokenized, and its n-gram tables once it drafts (``Prediction``).
-    prediction_ids: list[int] = field(default_factory=list)
+    # OpenAI's predicted output's n-gram tables once it drafts (``Prediction``).
     prediction: Prediction | None = None
     # Its last verify step still in flight (-1: none) and that step's draft (empty exactly when
     # none: drafts are never empty): until its tokens are back, kv_len counts the whole draft as
@@ -134,7 +130,7 @@ class Req:
         return b"".join(experts for experts, _ in self.captures[self.routed_from - self.capture_start :])
 
     def hidden_states(self) -> bytes:
-        return b"".join(hidden for _, hidden in self.captures) if self.hidden else b""
+        return b"".join(hidden for _, hidden in self.captures) if self.options.hidden_states else b""
 
     @property
     def prefilling(self) -> bool:

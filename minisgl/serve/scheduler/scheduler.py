@@ -46,6 +46,7 @@ from minisgl.serve.scheduler.speculative import Drafter, Drafts, SpecPlanner
 from minisgl.serve.scheduler.think_budget import ThinkBudget, masks
 from minisgl.utils import cdiv, context_overflow
 from minisgl.wire.control import WorkerReply
+from minisgl.wire.options import RequestOptions
 from minisgl.wire.sampling import SamplingParams
 from minisgl.wire.steps import ForwardBatch, StepOutput, WorkerTask
 
@@ -202,50 +203,32 @@ class Scheduler(ControlPlane):
 
     # ---- requests in and out -------------------------------------------------------------------
 
-    def add_request(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        top_logprobs: int = -1,
-        logprob_start: int = -1,
-        logprob_ids: list[int] | None = None,
-        cache_salt: str | None = None,
-        routed_start: int = -1,
-        prediction_ids: list[int] | None = None,
-        hidden_states: bool = False,
-        lora: str | None = None,
-        entropy: bool = False,
-        think: tuple[int, list[int], list[int], bool] | None = None,
-    ) -> Req:
-        """Validate and queue a request. Raises ValueError naming what is wrong. ``routed_start``
-        >= 0: return the routed experts of positions from there on. ``prediction_ids``: OpenAI's
-        predicted output, a draft source under speculative decoding (no result depends on it).
-        ``hidden_states``: return every position's last hidden state. ``lora``: the name of a
-        loaded LoRA adapter to run under. ``entropy``: each output token's distribution's entropy
-        comes back. ``think``: (budget, open marker ids, close marker ids, open at the start): it
-        thinks for at most ``budget`` tokens (``think_budget``)."""
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, options: RequestOptions | None = None) -> Req:
+        """Validate and queue a request. Raises ValueError naming what is wrong."""
+        opts = options if options is not None else RequestOptions()
+        routed_start, think = opts.routed_start, opts.think_budget >= 0
         if routed_start >= 0 and not self.args.enable_return_routed_experts:
             raise ValueError("return_routed_experts needs a server started with --enable-return-routed-experts")
-        if hidden_states and not self.args.enable_return_hidden_states:
+        if opts.hidden_states and not self.args.enable_return_hidden_states:
             raise ValueError("return_hidden_states needs a server started with --enable-return-hidden-states")
-        adapter = self.lora_adapter(lora)
+        adapter = self.lora_adapter(opts.lora)
         params.validate(self.vocab_size)
         if params.stop_token_ids and max(params.stop_token_ids) >= self.vocab_size:  # they never match: dropped
             params.stop_token_ids = [t for t in params.stop_token_ids if t < self.vocab_size]
-        if logprob_ids and not ids_in_range(logprob_ids, self.vocab_size):
+        if opts.logprob_ids and not ids_in_range(opts.logprob_ids, self.vocab_size):
             raise ValueError(f"token_ids_logprob must be in [0, {self.vocab_size})")
         if not prompt_ids:
             raise ValueError("the prompt is empty")
-        if think is not None:
-            if think[0] < 0 or not think[1] or not think[2]:
-                raise ValueError("max_thinking_tokens must be >= 0, with the reasoning markers known")
+        if think:
+            if len(opts.think_markers) != 2 or not all(opts.think_markers):
+                raise ValueError("max_thinking_tokens needs the reasoning markers known")
             if params.grammar is not None:
                 raise ValueError("max_thinking_tokens cannot be combined with structured output")
         if not ids_in_range(prompt_ids, self.vocab_size):
             raise ValueError(f"input_ids must be in [0, {self.vocab_size})")
         if len(prompt_ids) >= self.context_len:
             raise ValueError(context_overflow(self.context_len, len(prompt_ids)))
-        if prediction_ids and not ids_in_range(prediction_ids, self.vocab_size):
+        if opts.prediction_ids and not ids_in_range(opts.prediction_ids, self.vocab_size):
             raise ValueError(f"prediction token ids must be in [0, {self.vocab_size})")
         max_len = min(len(prompt_ids) + params.max_new_tokens, self.context_len)
         if cdiv(max_len, self.page_size) > self.allocator.num_pages:
@@ -269,16 +252,11 @@ class Scheduler(ControlPlane):
             params,
             seed,
             max_len,
-            top_logprobs,
-            logprob_start=min(logprob_start, len(prompt_ids)),
-            logprob_ids=list(logprob_ids or []) if top_logprobs >= 0 else [],
-            cache_salt=cache_salt or None,
-            capture_start=0 if hidden_states else routed_from,
+            opts,
+            logprob_start=min(opts.logprob_start, len(prompt_ids)),
+            capture_start=0 if opts.hidden_states else routed_from,
             routed_from=routed_from,
-            hidden=hidden_states,
-            prediction_ids=list(prediction_ids or [])[: self.context_len] if self.spec else [],
             lora_key=adapter.key if adapter else None,
-            entropy=entropy,
         )
         self._next_rid += 1
         self._unfrozen += 1
@@ -287,12 +265,12 @@ class Scheduler(ControlPlane):
             self._unfrozen, self._frozen = 0, True
         req.stop_ids = frozenset((params.stop_token_ids or []) + ([] if params.ignore_eos else list(self.eos_ids)))
         req.max_outputs = max_len - len(prompt_ids)
-        if think is not None:
-            budget, open_ids, close_ids, open_at_start = think
-            open_at_start = open_at_start or ThinkBudget.open_in(req.prompt_ids, open_ids, close_ids)
-            req.think = ThinkBudget(budget, open_ids, close_ids, open_at_start)
-        req.masked = grammar is not None or think is not None
-        req.plain = top_logprobs < 0 and not entropy and not req.masked and params.max_new_tokens > 0
+        if think:
+            open_ids, close_ids = opts.think_markers
+            open_at_start = opts.think_open or ThinkBudget.open_in(req.prompt_ids, open_ids, close_ids)
+            req.think = ThinkBudget(opts.think_budget, open_ids, close_ids, open_at_start)
+        req.masked = grammar is not None or think
+        req.plain = not opts.logprobs and not opts.entropy and not req.masked and params.max_new_tokens > 0
         if adapter is not None and not (params.max_new_tokens == 0 and not req.scores_prompt):
             self.loras.named(req)  # (counted until it ends: its adapter's host copy stays)
         if params.max_new_tokens == 0 and not req.scores_prompt:

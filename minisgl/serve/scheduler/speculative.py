@@ -102,8 +102,8 @@ class Drafter:
         pending = list(pending)
         known = req.num_tokens
         own = self._own_tables(req, known)
-        if req.prediction_ids and req.prediction is None:
-            req.prediction = Prediction(req.prediction_ids, self.min_n, self.max_n)
+        if req.options.prediction_ids and req.prediction is None:
+            req.prediction = Prediction(req.options.prediction_ids, self.min_n, self.max_n)
         length = known + len(pending)
         tail = tokens_at(req, pending, max(length - self.max_n, 0), length)
         keys = suffix_hashes(tail, self.max_n)

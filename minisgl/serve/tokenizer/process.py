@@ -55,11 +55,12 @@ class RequestState:
         self.interval = req.sampling.stream_interval or stream_interval  # tokens per update sent
         self.held: ReqUpdate | None = None
         self.prompt_tokens = len(prompt_ids)
-        self.prompt_ids = prompt_ids if req.logprob_start >= 0 else []
-        self.unsent_prompt = prompt_ids if req.prompt_ids else []  # goes out with the first update
-        self.logprob_start = req.logprob_start
-        self.top_logprobs = req.top_logprobs
-        self.logprob_ids = req.logprob_ids if req.top_logprobs >= 0 else []
+        opts = req.options
+        self.prompt_ids = prompt_ids if opts.logprob_start >= 0 else []
+        self.unsent_prompt = prompt_ids if opts.prompt_ids else []  # goes out with the first update
+        self.logprob_start = opts.logprob_start
+        self.top_logprobs = opts.top_logprobs
+        self.logprob_ids = opts.logprob_ids if opts.logprobs else []
         self.tokenizer = tokenizer
         self.text = None
         if tokenizer is not None:
@@ -278,9 +279,9 @@ class TokenizerProcess:
         """The predicted output's tokens: a draft source when the scheduler speculates (none
         without a tokenizer, or past what a context holds)."""
         assert self.info is not None
-        if not req.prediction or self.tokenizer is None or not self.info.speculative:
+        if not req.options.prediction or self.tokenizer is None or not self.info.speculative:
             return []
-        text = req.prediction[: self.info.context_len * MAX_CHARS_PER_TOKEN]
+        text = req.options.prediction[: self.info.context_len * MAX_CHARS_PER_TOKEN]
         return self.tokenizer.encode(text, add_special_tokens=False)[: self.info.context_len]
 
     def _length_error(self, req: GenerateReq, n: int) -> str | None:
@@ -312,8 +313,13 @@ class TokenizerProcess:
             try:
                 ids = self._encode(req)
                 self._check_length(req, len(ids))
-                predicted = self._prediction(req)
-                markers = self._think_markers() if req.think_budget >= 0 else []
+                # The options' token-id forms; the predicted text itself goes no further.
+                options = msgspec.structs.replace(
+                    req.options,
+                    prediction=None,
+                    prediction_ids=self._prediction(req),
+                    think_markers=self._think_markers() if req.options.think_budget >= 0 else [],
+                )
             except ValueError as e:
                 refused.append(ReqUpdate(req.rid, error=str(e)))
                 continue
@@ -322,25 +328,7 @@ class TokenizerProcess:
                 refused.append(ReqUpdate(req.rid, error=f"tokenization failed: {e}"))
                 continue
             self.reqs[req.rid] = RequestState(req, ids, self.tokenizer, self.stream_interval)
-            accepted.append(
-                TokenizedReq(
-                    req.rid,
-                    ids,
-                    req.sampling,
-                    req.top_logprobs,
-                    req.logprob_start,
-                    req.logprob_ids,
-                    req.cache_salt,
-                    req.routed_start,
-                    predicted,
-                    req.hidden_states,
-                    req.lora,
-                    req.entropy,
-                    req.think_budget,
-                    markers,
-                    req.think_open,
-                )
-            )
+            accepted.append(TokenizedReq(req.rid, ids, req.sampling, options))
         if refused:
             self.api.send(UpdateBatch(refused))
         if accepted:
