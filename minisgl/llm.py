@@ -88,7 +88,7 @@ class LLM:
 
     def _task(self, task: WorkerTask | LocalTensors, flush_cache: bool = True) -> tuple[bool, str]:
         try:
-            reply = self.scheduler.run_task(task, flush_cache)
+            reply = self.scheduler.control.run_task(task, flush_cache)
         except ControlError as e:
             return False, str(e)
         return reply.ok, reply.message
@@ -114,7 +114,7 @@ class LLM:
         """Load a PEFT adapter under a name requests use (``enable_lora=True``); a ``pinned``
         one keeps a device slot for good; (success, message)."""
         try:
-            reply = self.scheduler.load_lora(lora_name, lora_path, pinned)
+            reply = self.scheduler.control.load_lora(lora_name, lora_path, pinned)
         except ControlError as e:
             return False, str(e)
         return reply.ok, reply.message
@@ -139,14 +139,14 @@ class LLM:
             payload = base64.b64decode(encode_named_tensors(named.items(), load_format == "flattened_bucket"))
             task = LoadLora("", "", payload, json.dumps(config_dict), load_format or "direct")
         try:
-            reply = self.scheduler.load_lora(lora_name, "", pinned, task)
+            reply = self.scheduler.control.load_lora(lora_name, "", pinned, task)
         except ControlError as e:
             return False, str(e)
         return reply.ok, reply.message
 
     def unload_lora_adapter(self, lora_name: str) -> tuple[bool, str]:
         try:
-            self.scheduler.unload_lora(lora_name)
+            self.scheduler.control.unload_lora(lora_name)
         except ControlError as e:
             return False, str(e)
         return True, f"unloaded LoRA adapter {lora_name!r}"
@@ -163,7 +163,7 @@ class LLM:
         lists of floats; fp8 weights dequantized), as SGLang's Engine returns them. ValueError
         for a name that is no weight of the model."""
         try:
-            reply = self.scheduler.run_task(ReadWeights(name, truncate_size))
+            reply = self.scheduler.control.run_task(ReadWeights(name, truncate_size))
         except ControlError as e:
             raise ValueError(str(e)) from None
         if not reply.ok:
@@ -175,10 +175,10 @@ class LLM:
 
     def pause_generation(self, mode: str = "abort") -> None:
         """Hold generation (``generate`` refuses to run until ``continue_generation``)."""
-        self.scheduler.pause(mode)
+        self.scheduler.control.pause(mode)
 
     def continue_generation(self) -> None:
-        self.scheduler.resume()
+        self.scheduler.control.resume()
 
     def _think_markers(self, budget: int | None) -> list[list[int]]:
         """The reasoning markers' ids a thinking budget needs (none without a budget)."""

@@ -64,7 +64,7 @@ def test_each_update_path_gives_the_new_checkpoints_tokens(checkpoints, prompts,
     assert tokens(llm.generate(prompts, GREEDY)) == reference["A"]
     # Through the serialized payload the server's workers decode (shared memory on CPU), bucketed.
     payload = base64.b64decode(encode_named_tensors(state_dict(checkpoints["B"]).items(), flattened=True))
-    reply = llm.scheduler.run_task(TensorWeights([payload], "flattened_bucket"))
+    reply = llm.scheduler.control.run_task(TensorWeights([payload], "flattened_bucket"))
     assert reply.ok, reply.message
     assert tokens(llm.generate(prompts, GREEDY)) == reference["B"]
     llm.scheduler.check_integrity()
@@ -194,7 +194,7 @@ def test_pause_modes_keep_every_page_and_request(checkpoints, prompts, reference
     reqs = [sched.add_request(p, params) for p in prompts]
     while min(len(r.output_ids) for r in reqs) < 4:
         sched.step()
-    held = sched.pause(mode)
+    held = sched.control.pause(mode)
     assert held == len(prompts) and sched.held
     sched.check_integrity()
     partial = [list(r.output_ids) for r in reqs]
@@ -204,7 +204,7 @@ def test_pause_modes_keep_every_page_and_request(checkpoints, prompts, reference
     for _ in range(3):  # nothing runs while paused
         sched.step()
     assert [r.output_ids for r in reqs] == partial
-    sched.resume()
+    sched.control.resume()
     while sched.has_work:
         sched.step()
     sched.check_integrity()
@@ -231,14 +231,14 @@ def test_release_and_resume_give_the_same_tokens(checkpoints, prompts, reference
     sched.step()
     ok, message = llm.release_memory_occupation()
     assert not ok and "pause_generation" in message  # requests hold pages
-    sched.pause("retract")
+    sched.control.pause("retract")
     ok, message = llm.release_memory_occupation(["kv_cache", "weights"])
     assert ok, message
     assert all(s.nbytes() == 0 for s in (p.untyped_storage() for p in llm.runner.model.parameters()))
     assert llm.runner.kv_cache.buffer.untyped_storage().nbytes() == 0
     ok, message = llm.update_weights_from_disk(str(checkpoints["B"]))
     assert not ok and "released" in message
-    sched.resume()  # not paused any more, but the memory is still out: nothing runs
+    sched.control.resume()  # not paused any more, but the memory is still out: nothing runs
     sched.step()
     assert not sched.running
     assert llm.resume_memory_occupation()[0]

@@ -118,14 +118,14 @@ class SchedulerProcess:
                 self.workers.broadcast(msg.profile)
                 return ControlReply(cid, True, {})
             if msg.op == "pause":
-                return ControlReply(cid, True, {"num_paused_requests": sched.pause(msg.mode)})
+                return ControlReply(cid, True, {"num_paused_requests": sched.control.pause(msg.mode)})
             if msg.op == "continue":
-                sched.resume()
+                sched.control.resume()
                 return ControlReply(cid, True, {})
             if msg.op == "weight_version":
                 if msg.weight_version is not None:
                     if msg.abort_all:
-                        sched.abort_all()
+                        sched.control.abort_all()
                     self.info.weight_version = msg.weight_version
                 return ControlReply(cid, True, {"weight_version": self.info.weight_version})
             if msg.op == "weights" and msg.task is not None:
@@ -133,7 +133,7 @@ class SchedulerProcess:
             if msg.op in ("lora_load", "lora_unload"):
                 return self._lora(msg)
             if msg.op == "read_weights" and isinstance(msg.task, ReadWeights):
-                reply = sched.run_task(msg.task)
+                reply = sched.control.run_task(msg.task)
                 data = {"parameter": reply.values or []} if reply.ok else {"error": reply.message}
                 return ControlReply(cid, reply.ok, data)
         except ControlError as e:
@@ -145,14 +145,14 @@ class SchedulerProcess:
         sched = self.sched
         held = len(sched.running) + len(sched.waiting)
         if msg.abort_all:
-            sched.abort_all()
-        reply = sched.run_task(msg.task, msg.flush_cache)
+            sched.control.abort_all()
+        reply = sched.control.run_task(msg.task, msg.flush_cache)
         update = isinstance(msg.task, UPDATES)
         if reply.ok and update:
             if msg.weight_version is not None:
                 self.info.weight_version = msg.weight_version
             if msg.keep_pause:
-                sched.pause("in_place")
+                sched.control.pause("in_place")
         data = {
             "message": reply.message,
             "seconds": reply.seconds,
@@ -165,10 +165,10 @@ class SchedulerProcess:
         """Load or unload an adapter; the answer lists the loaded ones (JSON, name -> path)."""
         if msg.op == "lora_load":
             tensors = msg.task if isinstance(msg.task, LoadLora) else None  # (/load_lora_adapter_from_tensors)
-            reply = self.sched.load_lora(msg.lora_name, msg.lora_path, msg.lora_pinned, tensors)
+            reply = self.sched.control.load_lora(msg.lora_name, msg.lora_path, msg.lora_pinned, tensors)
             ok, message = reply.ok, reply.message
         else:
-            self.sched.unload_lora(msg.lora_name)
+            self.sched.control.unload_lora(msg.lora_name)
             ok, message = True, f"unloaded LoRA adapter {msg.lora_name!r}"
         data = {"message": message, "loaded_adapters": json.dumps(self.sched.loras.paths())}
         return ControlReply(msg.cid, ok, data if ok else {**data, "error": message})

@@ -17,7 +17,6 @@ from __future__ import annotations
 import array
 import gc
 import logging
-import os
 import random
 import time
 from collections import deque
@@ -35,7 +34,7 @@ from minisgl.serve.scheduler.control import ControlPlane
 from minisgl.serve.scheduler.counters import Counters
 from minisgl.serve.scheduler.decode import DecodePlanner
 from minisgl.serve.scheduler.grammar import GrammarBackend
-from minisgl.serve.scheduler.lora import LoraRegistry
+from minisgl.serve.scheduler.lora import Adapter, LoraError, LoraRegistry
 from minisgl.serve.scheduler.output import apply_output, record_captures
 from minisgl.serve.scheduler.pages import Memory
 from minisgl.serve.scheduler.prefill import PrefillPlanner
@@ -101,7 +100,7 @@ class Executor(Protocol):
 Inflight = tuple[list[Req], list[tuple[Req, int]], list[int], int, list[tuple[Req, int]], Drafts]
 
 
-class Scheduler(ControlPlane):
+class Scheduler:
     def __init__(
         self,
         args: EngineArgs,
@@ -191,15 +190,9 @@ class Scheduler(ControlPlane):
         self._step_lines: dict[int, tuple[str, float]] = {}
         self._unfrozen = 0  # requests queued since the last gc.freeze()
         self._frozen = False
-        # The RL control plane: a pause holds every request where it is; released memory
-        # ("weights", "kv_cache") holds them too. Each weight update starts a new epoch of the
-        # prefix cache (``kv_salt``), tagged per process so the disk tier never mixes them.
-        self.paused = False
-        self.released: set[str] = set()
-        self.weights_epoch = 0
-        self._epoch_tag = os.urandom(4).hex()
+        self.control = ControlPlane(self)  # pause, weight updates, memory release, adapter loads
         if loras is None and self.loras is not None:
-            self.load_startup_loras()
+            self.control.load_startup_loras()
 
     # ---- requests in and out -------------------------------------------------------------------
 
@@ -285,6 +278,35 @@ class Scheduler(ControlPlane):
             self.events.append(ReqEvent("accepted", req, req.finished))
         return req
 
+    def _queue(self, req: Req, front: bool = False) -> None:
+        """Queue a request under the current weights' tree of the cache."""
+        self.waiting.rekey(req, self.kv_salt(req))
+        self.waiting.push(req, self.counters.steps, front=front)
+
+    def kv_salt(self, req: Req) -> str | None:
+        """The cache tree of the request's ``cache_salt`` and LoRA adapter under the current
+        weights (the salt itself without an adapter until the first update)."""
+        salt = req.options.cache_salt or None
+        if req.lora_key is not None:
+            salt = f"{salt or ''}\x00{req.lora_key}"
+        epoch = self.control.weights_epoch
+        if not epoch:
+            return salt
+        return f"{salt or ''}\x00weights-{epoch}-{self.control.epoch_tag}"
+
+    def lora_adapter(self, name: str | None) -> Adapter | None:
+        """The loaded adapter a request names (None: none named); ValueError naming what is wrong."""
+        if name is None:
+            return None
+        if self.loras is None:
+            raise LoraError("lora_path needs a server started with --enable-lora (or --lora-paths)")
+        return self.loras.get(name)
+
+    def _lora_ended(self, req: Req) -> None:
+        """A request under an adapter ended: the adapter's host copy may go if it was unloaded."""
+        if req.lora_key is not None and self.loras is not None:
+            self.loras.ended(req)
+
     def finish(self, req: Req, reason: str) -> None:
         """End a request early (abort, stop string): free its slot and cache what it computed."""
         if req.finished:
@@ -326,8 +348,8 @@ class Scheduler(ControlPlane):
 
     @property
     def held(self) -> bool:
-        """No request may run: paused, or the weights or KV pool are released."""
-        return self.paused or bool(self.released & {"weights", "kv_cache"})
+        """No request may run (``ControlPlane.held``)."""
+        return self.control.held
 
     @property
     def settled(self) -> bool:
