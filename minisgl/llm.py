@@ -82,6 +82,7 @@ class LLM:
             self.runner.kv_bytes_per_page,
             on_gpu=self._on_gpu,
             loras=old.loras if old is not None else None,  # (the workers keep the adapters)
+            snapshot_rows=self.runner.snapshot_rows,
         )
 
     # ---- the RL control plane, under SGLang's Engine method names -------------------------------

@@ -22,8 +22,8 @@ def test_a_wheel_carries_the_kernel_sources(tmp_path: Path):
     (wheel,) = tmp_path.glob("minisgl-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     for cu in (ROOT / "kernels" / "csrc").glob("*.cu"):
-        assert f"minisgl/kernels/csrc/{cu.name}" in names
-    assert "minisgl/kernels/configs/fp8_gemm.json" in names
+        assert f"minisgl/device/kernels/csrc/{cu.name}" in names
+    assert "minisgl/device/kernels/configs/fp8_gemm.json" in names
     assert any(n.endswith("licenses/LICENSE") for n in names)
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "minisgl = minisgl.launch:main" in zipfile.ZipFile(wheel).read(entry_points).decode()

@@ -25,7 +25,18 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
+    # Hybrids: Gated DeltaNet layers with a gated full-attention layer every few (``layer_types``).
+    "Qwen3NextForCausalLM",
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM",
 )
+HYBRID_ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
+# Multimodal checkpoints whose language model serves as the text-only architecture (their
+# config.json nests it under ``text_config``; image inputs are refused by name at the API).
+TEXT_MODEL_OF = {
+    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
+}
 
 
 @dataclass
@@ -62,10 +73,38 @@ class ModelConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
     qkv_bias_field: bool | None = None  # transformers 5 writes Qwen2's hard-coded q/k/v biases out
+    # Hybrid models: each layer's kind ("linear_attention": Gated DeltaNet, "full_attention"),
+    # the DeltaNet heads and the causal conv's width, and the rotary share of a head.
+    layer_types: list[str] = field(default_factory=list)
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    partial_rotary_factor: float = 1.0
+    text_only: bool = False  # a multimodal checkpoint served as its language model
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.architecture in HYBRID_ARCHITECTURES
+
+    @property
+    def attention_layers(self) -> list[int]:
+        """The layers that keep KV (all but the Gated DeltaNet ones): the KV pool's layers."""
+        return [i for i in range(self.num_layers) if not self.layer_types or self.layer_types[i] != "linear_attention"]
+
+    @property
+    def linear_layers(self) -> list[int]:
+        """The Gated DeltaNet layers: the state pool's layers."""
+        return [i for i in range(self.num_layers) if self.layer_types and self.layer_types[i] == "linear_attention"]
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def qk_norm(self) -> bool:
-        return self.architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+        return self.architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", *HYBRID_ARCHITECTURES)
 
     @property
     def qkv_bias(self) -> bool:
@@ -82,6 +121,10 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
         archs = raw.get("architectures") or []
+        text_only = next((TEXT_MODEL_OF[a] for a in archs if a in TEXT_MODEL_OF), None)
+        if text_only is not None:  # the language model's fields, under the text architecture
+            raw = {**raw["text_config"], "architectures": [text_only]}
+            archs = raw["architectures"]
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ValueError(
@@ -92,6 +135,10 @@ class ModelConfig:
             raise ValueError(f"unsupported hidden_act {raw['hidden_act']!r} (only silu)")
         rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
         rope_theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+        partial_rotary = float(rope.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+        # Qwen3.5's multimodal rotary: for text every section reads the same position, which is
+        # the plain rotary of these frequencies.
+        rope.pop("mrope_section", None), rope.pop("mrope_interleaved", None)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "linear", "llama3"):
             raise ValueError(f"unsupported rope_type {rope_type!r} (default, linear, llama3)")
@@ -102,10 +149,15 @@ class ModelConfig:
         num_heads = raw["num_attention_heads"]
         return cls(
             **_moe_fields(arch, raw),
+            **_hybrid_fields(arch, raw),
             architecture=arch,
+            partial_rotary_factor=partial_rotary,
+            text_only=text_only is not None,
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
-            intermediate_size=raw["intermediate_size"],
+            intermediate_size=raw.get("intermediate_size", 0)
+            if arch in HYBRID_ARCHITECTURES
+            else raw["intermediate_size"],
             num_layers=raw["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=raw.get("num_key_value_heads") or num_heads,
@@ -159,8 +211,10 @@ def _moe_fields(arch: str, raw: dict[str, Any]) -> dict[str, Any]:
     fields: dict[str, Any] = {}
     if "qkv_bias" in raw:
         fields["qkv_bias_field"] = bool(raw["qkv_bias"])
-    if arch not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM"):
+    if arch not in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM", *HYBRID_ARCHITECTURES):
         return fields
+    if arch in HYBRID_ARCHITECTURES and not raw.get("num_experts"):
+        return fields  # Qwen3.5 dense
     fields["num_experts"] = raw.get("num_experts") or raw["num_local_experts"]
     fields["num_experts_per_tok"] = raw["num_experts_per_tok"]
     if arch == "MixtralForCausalLM":
@@ -168,9 +222,29 @@ def _moe_fields(arch: str, raw: dict[str, Any]) -> dict[str, Any]:
         fields["norm_topk_prob"] = True
         return fields
     fields["moe_intermediate_size"] = raw["moe_intermediate_size"]
-    fields["norm_topk_prob"] = bool(raw.get("norm_topk_prob", False))
+    fields["norm_topk_prob"] = bool(raw.get("norm_topk_prob", arch in HYBRID_ARCHITECTURES))
     fields["decoder_sparse_step"] = raw.get("decoder_sparse_step", 1) or 1
     fields["mlp_only_layers"] = list(raw.get("mlp_only_layers") or [])
-    if arch == "Qwen2MoeForCausalLM":
+    if arch in ("Qwen2MoeForCausalLM", *HYBRID_ARCHITECTURES):
         fields["shared_expert_intermediate_size"] = raw.get("shared_expert_intermediate_size", 0)
     return fields
+
+
+def _hybrid_fields(arch: str, raw: dict[str, Any]) -> dict[str, Any]:
+    """The Gated DeltaNet fields; ``layer_types`` from the config, or (older Qwen3-Next
+    configs) one full-attention layer every ``full_attention_interval``."""
+    if arch not in HYBRID_ARCHITECTURES:
+        return {}
+    layers = raw["num_hidden_layers"]
+    types = raw.get("layer_types")
+    if types is None:
+        every = raw.get("full_attention_interval", 4)
+        types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(layers)]
+    if len(types) != layers or set(types) - {"linear_attention", "full_attention"}:
+        raise ValueError(f"layer_types must name linear_attention or full_attention for each of the {layers} layers")
+    names = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
+    return {
+        "layer_types": list(types),
+        **{n: raw[n] for n in names},
+        "linear_conv_kernel_dim": raw.get("linear_conv_kernel_dim", 4),
+    }

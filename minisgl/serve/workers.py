@@ -49,6 +49,7 @@ class WorkerGroup(WorkerLink):
         self.num_host_pages, self.storage_fingerprint = info.num_host_pages, info.storage_fingerprint
         self.kv_bytes_per_page = info.kv_bytes_per_token * info.page_size
         self.on_gpu = info.device == "cuda"
+        self.snapshot_rows = info.snapshot_rows
         args.max_running_requests = info.max_running_requests  # derived from the pool unless given
 
     def close(self) -> None:

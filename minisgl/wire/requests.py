@@ -194,6 +194,18 @@ class EngineInfo(msgspec.Struct, tag=True):
     hidden_size: int = 0  # of the model's hidden states (rows of return_hidden_states)
     speculative: bool = False  # the scheduler drafts tokens (a request's predicted output is a draft source)
     lora_adapters: dict[str, str] = {}  # loaded LoRA adapters, name -> path (--lora-paths)
+    # Hybrid models: rows of the state pool for prefix-cache snapshots, from ``state_snapshot_row``
+    # on (0 of them: not a hybrid model), and one request's state in bytes (all its linear layers).
+    state_snapshots: int = 0
+    state_snapshot_row: int = 0
+    state_bytes_per_request: int = 0
+
+    @property
+    def snapshot_rows(self) -> list[int] | None:
+        """The state-pool rows a hybrid model's prefix cache keeps snapshots in (None: not hybrid)."""
+        if not self.state_bytes_per_request:
+            return None
+        return list(range(self.state_snapshot_row, self.state_snapshot_row + self.state_snapshots))
 
 
 ToTokenizer = GenerateBatch | AbortReq | ControlReq | ControlReply | TextReq | TokenBatch | EngineInfo

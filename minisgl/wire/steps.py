@@ -101,6 +101,10 @@ class ForwardBatch(msgspec.Struct, array_like=True, tag=True):
     lora_swap_slots: list[int] = []
     lora_swap_keys: list[str] = []
     lora_drops: list[str] = []
+    # Hybrid models' state snapshots (``StatePool``): flattened (snapshot, slot) pairs copied into
+    # requests' rows before the forward, (slot, snapshot) pairs copied out of them after it.
+    state_loads: list[int] = []
+    state_saves: list[int] = []
 
 
 class DraftIds(msgspec.Struct, array_like=True, tag=True):

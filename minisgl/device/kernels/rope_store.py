@@ -80,8 +80,14 @@ def rope_store_torch(
         qk = torch.cat([rmsnorm_torch(q, q_weight, eps), rmsnorm_torch(k, k_weight, eps)], dim=1)
     cos, sin = rows if rows is not None else rope_rows(cos_sin, positions, qkv.dtype)
     # q and k side by side in one rotation: half the ops of rotating each (they are a CPU step's
-    # per-layer overhead on a small model).
-    q, k = rotate_half_torch(qk, cos, sin).split([num_q_heads, num_kv_heads], dim=1)
+    # per-layer overhead on a small model). A table narrower than the heads rotates their first
+    # dimensions only (partial rotary).
+    rot = cos_sin.shape[-1]
+    if rot < head_dim:
+        qk = torch.cat([rotate_half_torch(qk[..., :rot], cos, sin), qk[..., rot:]], dim=-1)
+    else:
+        qk = rotate_half_torch(qk, cos, sin)
+    q, k = qk.split([num_q_heads, num_kv_heads], dim=1)
     store_kv_torch(k_cache, v_cache, k, v, out_loc, scales)
     return q.contiguous()
 
@@ -99,12 +105,13 @@ def rope_store(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotate q and k of ``qkv`` [T, (Hq + 2 Hk) * D] by ``positions`` (rotate-half layout,
-    ``cos_sin`` = [max_pos, D] float32 cos | sin), after a per-head RMSNorm when ``norm`` =
-    (q_weight, k_weight, eps) is given. K and V go to slots ``out_loc`` of the [pages,
-    page_size, Hk, D] cache views (an fp8 cache stores K / scales[0] and V / scales[1]); returns q
-    as a contiguous [T, Hq, D], written into ``out`` (contiguous) if given."""
+    ``cos_sin`` = [max_pos, R] float32 cos | sin: the first R dimensions of each head, R = D
+    unless the rotary is partial), after a per-head RMSNorm when ``norm`` = (q_weight, k_weight,
+    eps) is given. K and V go to slots ``out_loc`` of the [pages, page_size, Hk, D] cache views
+    (an fp8 cache stores K / scales[0] and V / scales[1]); returns q as a contiguous [T, Hq, D],
+    written into ``out`` (contiguous) if given."""
     head_dim = k_cache.shape[3]
-    if not qkv.is_cuda or head_dim not in KERNEL_HEAD_DIMS:
+    if not qkv.is_cuda or head_dim not in KERNEL_HEAD_DIMS or cos_sin.shape[-1] != head_dim:
         q = rope_store_torch(qkv, num_q_heads, positions, cos_sin, k_cache, v_cache, out_loc, norm, scales=scales)
         return into(q, out)
     q = out if out is not None else torch.empty(qkv.shape[0], num_q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)

@@ -13,9 +13,13 @@ if TYPE_CHECKING:
 
 def get_model_class(config: ModelConfig) -> type[nn.Module]:
     """Mistral, Qwen2 and Qwen3 are Llama with switches that ModelConfig derives from the
-    architecture: one class serves them all."""
+    architecture: one class serves them all; the hybrids (Qwen3-Next, Qwen3.5) are another."""
     if config.architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"unsupported architecture {config.architecture!r}")
+    if config.is_hybrid:
+        from minisgl.device.models.qwen3_next import Qwen3NextForCausalLM
+
+        return Qwen3NextForCausalLM
     from minisgl.device.models.llama import LlamaForCausalLM
 
     return LlamaForCausalLM

@@ -31,6 +31,7 @@ from minisgl.device.attention.select import create_backend
 from minisgl.device.distributed import get_tp_info, init_fused_all_reduce_norm, init_one_shot_all_reduce
 from minisgl.device.kvcache.host_pool import HostKVPool
 from minisgl.device.kvcache.mha_pool import MHAKVCache
+from minisgl.device.kvcache.state_pool import make_state_pool
 from minisgl.device.layers.fp8_scheme import parse_kv_cache_dtype
 from minisgl.device.layers.lora import LoraRows
 from minisgl.device.layers.moe import RoutedExperts
@@ -183,6 +184,7 @@ class ModelRunner:
             and args.cuda_graph_max_bs != 0
             and not args.disable_cuda_graph
             and self.attn.supports_cuda_graph
+            and not self.config.is_hybrid  # (their Gated DeltaNet steps run eagerly for now)
         )
 
     def capture_graphs(self) -> bool:
@@ -270,12 +272,14 @@ class ModelRunner:
         self.most_rejected = np.zeros(n + 1, dtype=np.int64)
         self.sampler = Sampler(n, self.vocab_size, self.device)
         self.adapter_of_slot = np.full(n + 1, -1, dtype=np.int64)  # each request's LoRA slot (-1: none)
+        # (hybrids) each slot's state, then the prefix cache's snapshots (as many as slots)
+        self.states = make_state_pool(self.config, 2 * (n + 1), torch.float32, self.dtype, self.device)
 
     def _make_cache(self, num_pages: int) -> MHAKVCache:
         return MHAKVCache(
             num_pages,
             self.page_size,
-            self.config.num_layers,
+            len(self.config.attention_layers),
             self.num_kv_heads,
             self.config.head_dim,
             self.kv_dtype,
@@ -324,7 +328,7 @@ class ModelRunner:
             dtype=str(self.dtype),
             kv_dtype=str(self.kv_dtype),
             page_size=self.page_size,
-            layers=c.num_layers,
+            layers=len(c.attention_layers),
             kv_heads=self.num_kv_heads,
             head_dim=c.head_dim,
             tp=get_tp_info().size,
@@ -338,14 +342,21 @@ class ModelRunner:
                 logger.info("the checkpoint's KV cache scales are unused: the cache is %s", self.kv_dtype)
             return
         self.kv_cache.scales = [
-            (found.get(i, {}).get("k", 1.0), found.get(i, {}).get("v", 1.0)) for i in range(self.config.num_layers)
+            (found.get(i, {}).get("k", 1.0), found.get(i, {}).get("v", 1.0)) for i in self.config.attention_layers
         ]
         logger.info("fp8 KV cache, %s", "the checkpoint's scales" if found else "scales 1.0")
 
     @property
+    def snapshot_rows(self) -> list[int] | None:
+        """A hybrid model's state-pool rows for the prefix cache's snapshots (past the slots')."""
+        if self.states is None:
+            return None
+        return list(range(self.max_slots + 1, self.states.conv.shape[1]))
+
+    @property
     def kv_bytes_per_page(self) -> int:
         return MHAKVCache.bytes_per_page(
-            self.page_size, self.config.num_layers, self.num_kv_heads, self.config.head_dim, self.kv_dtype
+            self.page_size, len(self.config.attention_layers), self.num_kv_heads, self.config.head_dim, self.kv_dtype
         )
 
     def _profile_num_pages(self) -> int:
@@ -547,7 +558,11 @@ class ModelRunner:
             meta, input_ids = self._metadata(batch)
             self.attn.prepare(meta)
             set_attention_backend(self.attn)
+            if self.states is not None:
+                self.states.prepare(meta, batch.state_loads)
             hidden = self.model(input_ids, meta.positions)
+        if batch.state_saves:
+            self.states.copy(batch.state_saves)
         if batch.score_rows:
             self._extras = self._score(hidden, batch)
         self._routing(batch, hidden)

@@ -46,6 +46,19 @@ def _init_distributed(args: EngineArgs, rank: int, addrs: Addresses) -> None:
     set_tp_info(rank, args.tp_size, args.enable_fp32_all_reduce)
 
 
+def hybrid_info(runner: ModelRunner) -> dict[str, int]:
+    """A hybrid model's EngineInfo fields: where the snapshots' rows start and how many."""
+    rows = runner.snapshot_rows
+    if rows is None:
+        return {}
+    shape = runner.states.shape
+    return {
+        "state_snapshots": len(rows),
+        "state_snapshot_row": rows[0] if rows else 0,
+        "state_bytes_per_request": shape.bytes_per_slot(runner.states.ssm.dtype, runner.states.conv.dtype),
+    }
+
+
 def run_worker(args: EngineArgs, rank: int, addrs: Addresses, log_level: str) -> None:
     """Process entry point (spawned by the launcher)."""
     become_child(threads=cpu_worker_threads() // args.ranks_per_node or 1)
@@ -74,6 +87,7 @@ def run_worker(args: EngineArgs, rank: int, addrs: Addresses, log_level: str) ->
                 storage_fingerprint=runner.storage_fingerprint,
                 device=runner.device.type,
                 hidden_size=runner.hidden_size,
+                **hybrid_info(runner),
             )
         )
     profiler = StepProfiler(rank, runner.device)

@@ -46,6 +46,7 @@ class SizeInfo(NamedTuple):
 
 class BaseCacheManager(ABC):
     reuses_prefixes: bool = True
+    takes_snapshots: bool = False  # a hybrid model's tree (``snapshot_manager``)
 
     def __init__(self, page_size: int):
         self.page_size = page_size

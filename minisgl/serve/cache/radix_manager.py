@@ -45,6 +45,8 @@ class _Node:
         "io_step",
         "hits",
         "disk_keys",
+        "snapshot",
+        "snapshot_step",
     )
 
     def __init__(self, key: list[int], pages: list[int] | None, parent: _Node | None, tick: int):
@@ -54,6 +56,8 @@ class _Node:
         self.io_step = -1  # the batch carrying this node's latest host copy
         self.hits = 0
         self.disk_keys: list[bytes] | None = None  # its pages' storage-tier keys, once computed
+        self.snapshot: int | None = None  # a hybrid model's state after its last token (snapshot_manager)
+        self.snapshot_step = 0  # the step that writes it
         self.children: dict[tuple[int, ...], _Node] = {}
         self.parent = parent
         self.ref = 0  # locks held on this node or any descendant

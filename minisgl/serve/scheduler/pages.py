@@ -22,10 +22,12 @@ class Memory:
         write_policy: str = "write_through",
         disk: DiskStore | None = None,
         page_bytes: int = 0,
+        snapshot_rows: list[int] | None = None,
     ):
+        """``snapshot_rows``: a hybrid model's state-pool rows for prefix snapshots."""
         self.page_size = page_size
         self.host = HostTier(num_host_pages, write_policy, disk, page_bytes) if num_host_pages else None
-        self.cache = create_cache_manager(page_size, disable_radix_cache, self.host)
+        self.cache = create_cache_manager(page_size, disable_radix_cache, self.host, snapshot_rows)
         self.allocator = PageAllocator(num_pages)
         self.free_slots = list(range(num_slots - 1, -1, -1))
         self.disk_hit_tokens = 0  # tokens admissions found in the storage tier (read into host pages first)
@@ -53,6 +55,8 @@ class Memory:
         self.cache.lock_handle(handle)
         req.slot, req.handle, req.pages = self.free_slots.pop(), handle, pages
         req.kv_len, req.table_len, req.prefill_target = handle.cached_len, 0, len(req.all_ids)
+        if self.cache.takes_snapshots and handle.cached_len:
+            req.state_load = self.cache.snapshot_of(handle)  # its state starts from the prefix's
         return loaded
 
     def _load(self, ids: list[int], handle: CacheHandle) -> int:
@@ -105,9 +109,10 @@ class Memory:
 
     def publish(self, req: Req, upto: int) -> None:
         """Put the request's whole pages of its first ``upto`` tokens in the cache now, so that
-        requests scheduled after it reuse them."""
+        requests scheduled after it reuse them. A hybrid model's request recomputes the cached
+        pages past its snapshot: its own copies of them stay private until it is released."""
         req.handle, _, duplicates = self.cache.commit(req.all_ids[:upto], req.pages, req.handle, True, req.kv_salt)
-        assert not duplicates, "pages were cached between a match and its commit"
+        assert not duplicates or self.cache.takes_snapshots, "pages were cached between a match and its commit"
 
     def release(self, req: Req) -> None:
         """Cache the request's computed whole pages, free the rest and its slot."""
@@ -118,6 +123,7 @@ class Memory:
         self.allocator.free(duplicates + tail)
         self.free_slots.append(req.slot)
         req.slot, req.handle, req.pages, req.kv_len, req.table_len = None, CacheHandle(0), [], 0, 0
+        req.state_load = req.state_save = -1
 
     def stats(self) -> dict[str, float]:
         info, total, free = self.cache.size_info(), self.allocator.num_pages, self.allocator.num_free

@@ -58,12 +58,16 @@ class PrefillPlanner:
         """Reserve pages for the request's next prefill chunk (at most ``budget`` tokens).
         ``admitted``: it was matched against the cache just now (nothing to take up since)."""
         memory = self.memory
-        if memory.cache.reuses_prefixes and not admitted:
+        snapshots = memory.cache.takes_snapshots  # (a hybrid's state cannot take up pages mid-prompt)
+        if memory.cache.reuses_prefixes and not admitted and not snapshots:
             self.count_hit(req, memory.rematch(req, reusable(req, req.prefill_target - 1)))
         target = req.prefill_target
         end = min(target, req.kv_len + budget)
         if end < target:
             end -= end % self.page_size  # chunks end on page boundaries
+        point = memory.cache.aligned(target - 1) if snapshots else 0  # where its snapshot goes
+        if req.kv_len < point < end:
+            end = point  # a hybrid's prompt stops there: its last page (and token) come next step
         if end <= req.kv_len:
             return None
         pages = memory.alloc(cdiv(end, self.page_size) - len(req.pages))
@@ -76,7 +80,17 @@ class PrefillPlanner:
             # a duplicate page while both run. (One recomputing its prompt may recompute cached
             # pages: it publishes at release.)
             memory.publish(req, min(end, target - 1))
+            if end == point:
+                self._snapshot(req, point)
         return req, end - start, end == target
+
+    def _snapshot(self, req: Req, point: int) -> None:
+        """The state after the request's first ``point`` tokens (this chunk's end) becomes the
+        snapshot of their node."""
+        row = self.memory.cache.take()
+        if row is not None:
+            req.state_save = row
+            self.memory.cache.attach(req.all_ids[:point], row, req.kv_salt)
 
     def schedule(
         self, prefilling: list[Req], queue: WaitingQueue, step: int, decoding: int, reserve: int = 0
@@ -108,12 +122,16 @@ class PrefillPlanner:
             if len(memory.free_slots) < self.admit_together:
                 return entries, admitted
             self.filling = True  # from here, admit every step until the slots or the queue run out
-        loras = self.loras
+        loras, snapshots = self.loras, memory.cache.takes_snapshots
+        if snapshots:
+            memory.cache.now = step
         for req in queue.order(step, memory.cache):
             if budget <= 0 or not memory.free_slots:
                 break
             if loras is not None and not loras.place(req):
                 continue  # every adapter slot serves running requests of other adapters: later
+            if snapshots and memory.cache.pending(req.all_ids[: len(req.all_ids) - 1], req.kv_salt):
+                continue  # a step in flight writes the state of a prefix it shares: start from that
             # Pages coming back from the host tier are copied by this very batch, whose prefill
             # waits for each layer's copies before that layer (online multi-turn on the 8B: 47.3 s
             # against 50.4 s when the prefill waited beside decode steps until they were done).

@@ -60,6 +60,7 @@ class SchedulerProcess:
             info.storage_fingerprint,
             info.kv_bytes_per_token * info.page_size,
             on_gpu=info.device == "cuda",
+            snapshot_rows=info.snapshot_rows,
         )
         self.by_rid: dict[str, Req] = {}
         self.rid_of: dict[int, str] = {}

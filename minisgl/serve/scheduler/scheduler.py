@@ -73,6 +73,21 @@ def ids_in_range(ids: list[int], bound: int) -> bool:
     return not packed or int(np.frombuffer(packed, dtype=np.uint32).max()) < bound
 
 
+# What hybrid models cannot do exactly yet, and why: refused by name rather than served wrong.
+HYBRID_REFUSED = {
+    "speculative_algorithm": "rejected drafts would need the recurrent state rolled back",
+    "lora_paths": "adapters on the Gated DeltaNet projections are not built",
+    "enable_lora": "adapters on the Gated DeltaNet projections are not built",
+    "enable_hierarchical_cache": "the host tier does not keep state snapshots",
+}
+
+
+def refuse_for_hybrids(args: EngineArgs) -> None:
+    for name, why in HYBRID_REFUSED.items():
+        if getattr(args, name):
+            raise ValueError(f"--{name.replace('_', '-')} is not supported for hybrid models yet: {why}")
+
+
 class Executor(Protocol):
     """Runs batches in launch order: ``collect`` returns the oldest launched batch's output."""
 
@@ -115,9 +130,13 @@ class Scheduler:
         page_bytes: int = 0,
         on_gpu: bool = False,
         loras: LoraRegistry | None = None,
+        snapshot_rows: list[int] | None = None,
     ):
         """``loras``: the adapters an earlier scheduler over the same workers loaded (else
-        --lora-paths are loaded now)."""
+        --lora-paths are loaded now). ``snapshot_rows``: a hybrid model's state-pool rows that
+        the prefix cache keeps snapshots in (None: not a hybrid model)."""
+        if snapshot_rows is not None:
+            refuse_for_hybrids(args)
         self.args = args
         self.page_size = args.page_size
         self.context_len = context_len
@@ -141,6 +160,7 @@ class Scheduler:
             args.hicache_write_policy,
             disk,
             page_bytes,
+            snapshot_rows,
         )
         self.cache, self.allocator = self.memory.cache, self.memory.allocator
         # lpm without a prefix cache has no hits to order by: arrival order.

@@ -1,0 +1,120 @@
+"""StatePool: the recurrent state of every Gated DeltaNet layer, one row per request slot.
+
+A hybrid model's linear-attention layers keep no KV per token: after token t a request's state
+is, per layer, the causal conv's last ``kernel - 1`` inputs and a [heads, k_dim, v_dim] matrix.
+The pool holds both for every page-table slot (the slot a request runs in, as the KV page
+table has), so a step reads and writes its requests' rows in place, and after them the rows of
+the prefix cache's snapshots (the state after a cached prefix: the scheduler's tree names them).
+A request whose step starts from nothing (``cached_len`` 0) starts from zeros, one that starts
+from a cached prefix from a copy of its snapshot; chunked prefill and decode steps carry the row
+over. The runner installs the pool and prepares it once a step (``prepare``), as it does the
+attention backend, and the layers fetch it with ``get_state_pool``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from minisgl.checkpoint.model_config import ModelConfig
+from minisgl.device.distributed import get_tp_info
+from minisgl.utils import divide
+
+if TYPE_CHECKING:
+    from minisgl.device.attention.base import AttentionMetadata
+
+
+@dataclass
+class StateShape:
+    """One rank's share of a layer's state: conv channels (q, k and v heads) and DeltaNet heads."""
+
+    layers: int
+    conv_channels: int
+    conv_width: int  # the conv kernel's width minus one: the inputs it keeps
+    heads: int
+    k_dim: int
+    v_dim: int
+
+    @classmethod
+    def of(cls, config: ModelConfig) -> StateShape:
+        """One rank's state of every linear layer of ``config`` (heads split across ranks)."""
+        tp = get_tp_info().size
+        hk, hv = divide(config.linear_num_key_heads, tp), divide(config.linear_num_value_heads, tp)
+        dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+        return cls(len(config.linear_layers), 2 * hk * dk + hv * dv, config.linear_conv_kernel_dim - 1, hv, dk, dv)
+
+    def bytes_per_slot(self, ssm_dtype: torch.dtype, conv_dtype: torch.dtype) -> int:
+        conv = self.conv_channels * self.conv_width * conv_dtype.itemsize
+        ssm = self.heads * self.k_dim * self.v_dim * ssm_dtype.itemsize
+        return self.layers * (conv + ssm)
+
+
+class StatePool:
+    def __init__(
+        self, shape: StateShape, slots: int, ssm_dtype: torch.dtype, conv_dtype: torch.dtype, device: torch.device
+    ):
+        self.shape = shape
+        s = shape
+        self.conv = torch.zeros(s.layers, slots, s.conv_channels, s.conv_width, dtype=conv_dtype, device=device)
+        self.ssm = torch.zeros(s.layers, slots, s.heads, s.k_dim, s.v_dim, dtype=ssm_dtype, device=device)
+        self.segments: list[tuple[int, int, int]] = []  # per request: (slot, first token row, tokens)
+        self.slots = torch.zeros(0, dtype=torch.int64, device=device)
+        self.decode = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.conv.nbytes + self.ssm.nbytes
+
+    def copy(self, pairs: list[int]) -> None:
+        """Copy row ``pairs[2i]`` into row ``pairs[2i + 1]`` (snapshots in and out of requests)."""
+        if pairs:
+            index = torch.tensor(pairs, dtype=torch.int64).view(-1, 2).to(self.conv.device, non_blocking=True)
+            self.conv[:, index[:, 1]] = self.conv[:, index[:, 0]]
+            self.ssm[:, index[:, 1]] = self.ssm[:, index[:, 0]]
+
+    def prepare(self, meta: AttentionMetadata, loads: list[int]) -> None:
+        """The step's requests: their slots and where their tokens sit; the rows of those that
+        start from nothing are zeroed (a slot's last owner left its state there), those that
+        start from a cached prefix get its snapshot (``loads``: snapshot, slot pairs)."""
+        starts, row = [], 0
+        for n in meta.new_lens:
+            starts.append(row)
+            row += n
+        self.segments = list(zip(meta.slots, starts, meta.new_lens))
+        self.decode = all(n == 1 for n in meta.new_lens)
+        self.slots = torch.tensor(meta.slots, dtype=torch.int64).to(self.conv.device, non_blocking=True)
+        set_state_pool(self)
+        fresh = [s for s, c in zip(meta.slots, meta.cached_lens) if c == 0]
+        if fresh:
+            index = torch.tensor(fresh, dtype=torch.int64, device=self.conv.device)
+            self.conv[:, index] = 0
+            self.ssm[:, index] = 0
+        self.copy(loads)
+
+
+_pool: weakref.ref[StatePool] | None = None
+
+
+def set_state_pool(pool: StatePool | None) -> None:
+    global _pool
+    _pool = None if pool is None else weakref.ref(pool)
+
+
+def get_state_pool() -> StatePool:
+    pool = _pool() if _pool is not None else None
+    if pool is None:
+        raise RuntimeError("no state pool installed; run the hybrid model through ModelRunner")
+    return pool
+
+
+def make_state_pool(
+    config: ModelConfig, slots: int, ssm_dtype: torch.dtype, dtype: torch.dtype, device: torch.device
+) -> StatePool | None:
+    """The pool of a hybrid model (None for the others), ``slots`` rows (requests' slots, then
+    snapshots): conv inputs in the model's dtype, the DeltaNet matrices in ``ssm_dtype``."""
+    if not config.is_hybrid:
+        return None
+    return StatePool(StateShape.of(config), slots, ssm_dtype, dtype, device)

@@ -1,0 +1,189 @@
+"""Gated DeltaNet: the linear-attention layer of Qwen3-Next and Qwen3.5, with its torch reference.
+
+Per token the layer projects q, k, v (and the output gate z, the write strength b, the decay a),
+runs q|k|v through a short causal depthwise conv (SiLU), L2-normalises q and k, and updates one
+[k_dim, v_dim] matrix per value head with the gated delta rule:
+
+    S = exp(g) * S;  S += k (beta * (v - S^T k))^T;  o = S^T q / sqrt(k_dim)
+
+with g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b). The output is RMS-normalised
+per head, gated by SiLU(z) and projected back. A request's conv inputs and matrices live in the
+``StatePool`` between steps, so a prompt may be split into chunks and decoding goes on from
+where the prompt left it. The recurrence here, token by token in float32, is the reference the
+faster kernels are compared against.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minisgl.checkpoint.model_config import ModelConfig
+from minisgl.device.distributed import get_tp_info
+from minisgl.device.kvcache.state_pool import get_state_pool
+from minisgl.device.layers.linear import ColumnParallelLinear, RowParallelLinear
+from minisgl.utils import divide
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """SiLU of the causal depthwise conv of ``x`` [n, C] (``weight`` [C, W + 1]) after the W
+    inputs in ``state`` [C, W], which then holds the last W inputs."""
+    full = torch.cat([state.to(x.dtype), x.t()], dim=1)
+    y = F.conv1d(full.unsqueeze(0), weight.unsqueeze(1), groups=weight.shape[0]).squeeze(0)
+    state.copy_(full[:, -state.shape[1] :])
+    return F.silu(y).t()
+
+
+def causal_conv_step(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+    """``causal_conv`` of one token per request: ``x`` [B, C], ``states`` [B, C, W] (the
+    requests' rows, returned updated in ``states``); returns [B, C]."""
+    full = torch.cat([states.to(x.dtype), x.unsqueeze(-1)], dim=-1)
+    states.copy_(full[..., 1:])
+    return F.silu((full * weight).sum(-1))
+
+
+def gated_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> torch.Tensor:
+    """The recurrence over time: q, k [B, n, H, dk] (normalised, q scaled), v [B, n, H, dv], g
+    and beta [B, n, H], ``state`` [B, H, dk, dv] float32 (updated). Returns o [B, n, H, dv] in
+    float32."""
+    s = state.float()
+    out = []
+    for t in range(q.shape[1]):
+        s = s * g[:, t].exp()[..., None, None]
+        kv = (s * k[:, t, ..., None]).sum(-2)
+        delta = (v[:, t] - kv) * beta[:, t, ..., None]
+        s = s + k[:, t, ..., None] * delta[..., None, :]
+        out.append((s * q[:, t, ..., None]).sum(-2))
+    state.copy_(s)
+    return torch.stack(out, dim=1)
+
+
+class SplitColumnLinear(ColumnParallelLinear):
+    """A column-parallel layer whose checkpoint holds its fused parts in one tensor (Qwen3.5's
+    in_proj_qkv: q, k and v stacked): the tensor is cut into the parts, each sharded."""
+
+    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, part: int | str | None = None) -> None:
+        if part is not None:
+            return super().load_shard(param, loaded, part)
+        for i, piece in enumerate(loaded.split(self.output_sizes, dim=0)):
+            super().load_shard(param, piece, i)
+
+    def checkpoint_shape(self, attr: str, part: int | str | None) -> tuple[int, ...] | None:
+        if part is not None:
+            return super().checkpoint_shape(attr, part)
+        return {"weight": (sum(self.output_sizes), self.input_size)}.get(attr)
+
+
+class ConvWeight(nn.Module):
+    """The depthwise conv's weight [C, W + 1] (the checkpoint's [C, 1, W + 1]): this rank's
+    channels of each of q, k and v."""
+
+    def __init__(self, parts: list[int], width: int):
+        super().__init__()
+        self.parts, self.width = parts, width
+        local = sum(divide(p, get_tp_info().size) for p in parts)
+        self.weight = nn.Parameter(torch.empty(local, width), requires_grad=False)
+        self.weight.weight_loader = self.load
+
+    def load(self, param: nn.Parameter, loaded: torch.Tensor, part: None = None) -> None:
+        rank, size = get_tp_info().rank, get_tp_info().size
+        pieces = [p.narrow(0, rank * (p.shape[0] // size), p.shape[0] // size) for p in loaded.split(self.parts)]
+        param.data.copy_(torch.cat(pieces).reshape(param.shape))
+
+    def checkpoint_shape(self, attr: str, part: None = None) -> tuple[int, ...] | None:
+        return (sum(self.parts), 1, self.width) if attr == "weight" else None
+
+
+class GatedDeltaNet(nn.Module):
+    """``grouped``: Qwen3-Next's projections (q, k, v, z and b, a interleaved per key head in two
+    matrices); otherwise Qwen3.5's (q|k|v, z, b, a apart). Heads are split across ranks."""
+
+    def __init__(self, config: ModelConfig, index: int, grouped: bool):
+        super().__init__()
+        tp = get_tp_info()
+        self.index = index  # among the linear layers: its rows of the state pool
+        self.grouped = grouped
+        hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
+        self.dk, self.dv = config.linear_key_head_dim, config.linear_value_head_dim
+        self.hk, self.hv = divide(hk, tp.size), divide(hv, tp.size)
+        self.ratio = hv // hk  # value heads per key head
+        h = config.hidden_size
+        if grouped:
+            self.in_proj_qkvz = ColumnParallelLinear(h, [hk * (2 * self.dk + 2 * self.ratio * self.dv)])
+            self.in_proj_ba = ColumnParallelLinear(h, [hv * 2])
+        else:
+            self.in_proj_qkv = SplitColumnLinear(h, [hk * self.dk, hk * self.dk, hv * self.dv])
+            self.in_proj_z = ColumnParallelLinear(h, [hv * self.dv])
+            self.in_proj_b = ColumnParallelLinear(h, [hv])
+            self.in_proj_a = ColumnParallelLinear(h, [hv])
+        self.conv_parts = [hk * self.dk, hk * self.dk, hv * self.dv]  # the full q|k|v channels
+        self.conv1d = ConvWeight(self.conv_parts, config.linear_conv_kernel_dim)
+        self.A_log = nn.Parameter(torch.empty(self.hv), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.empty(self.hv), requires_grad=False)
+        for p in (self.A_log, self.dt_bias):
+            p.weight_loader = self._load_heads
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.ones(self.dv), requires_grad=False)
+        self.eps = config.rms_norm_eps
+        self.out_proj = RowParallelLinear(hv * self.dv, h)
+
+    def _load_heads(self, param: nn.Parameter, loaded: torch.Tensor, part: None = None) -> None:
+        param.data.copy_(loaded.narrow(0, get_tp_info().rank * self.hv, self.hv))
+
+    def checkpoint_shape(self, attr: str, part: None = None) -> tuple[int, ...] | None:
+        return None  # (its own parameters' loaders check their pieces)
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """qkv [T, C] (conv input, q|k|v channels), z [T, Hv, dv], b and a [T, Hv]."""
+        t = x.shape[0]
+        if not self.grouped:
+            z = self.in_proj_z(x).view(t, self.hv, self.dv)
+            return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+        r, dk, dv = self.ratio, self.dk, self.dv
+        q, k, v, z = self.in_proj_qkvz(x).view(t, self.hk, -1).split([dk, dk, r * dv, r * dv], dim=-1)
+        b, a = self.in_proj_ba(x).view(t, self.hk, 2 * r).split([r, r], dim=-1)
+        qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
+        return qkv, z.reshape(t, self.hv, dv), b.reshape(t, self.hv), a.reshape(t, self.hv)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pool = get_state_pool()
+        qkv, z, b, a = self._project(x)
+        conv, ssm = pool.conv[self.index], pool.ssm[self.index]
+        weight = self.conv1d.weight
+        if pool.decode:
+            states = conv[pool.slots]
+            mixed = causal_conv_step(qkv, weight, states)
+            conv[pool.slots] = states
+        else:
+            mixed = torch.cat([causal_conv(qkv[s : s + n], weight, conv[slot]) for slot, s, n in pool.segments])
+        t = x.shape[0]
+        q, k, v = mixed.split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], dim=-1)
+        q = l2norm(q.reshape(t, self.hk, self.dk).float()).repeat_interleave(self.ratio, dim=1) * self.dk**-0.5
+        k = l2norm(k.reshape(t, self.hk, self.dk).float()).repeat_interleave(self.ratio, dim=1)
+        v = v.reshape(t, self.hv, self.dv).float()
+        beta = b.float().sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        if pool.decode:  # one token per request: every request in one batched step
+            states = ssm[pool.slots]
+            o = gated_delta_rule(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], states)[:, 0]
+            ssm[pool.slots] = states
+        else:
+            o = torch.cat(
+                [
+                    gated_delta_rule(
+                        q[None, s : s + n], k[None, s : s + n], v[None, s : s + n], g[None, s : s + n],
+                        beta[None, s : s + n], ssm[slot : slot + 1],
+                    )[0]
+                    for slot, s, n in pool.segments
+                ]
+            )  # fmt: skip
+        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps)
+        o = (self.norm.weight * o.to(x.dtype)) * F.silu(z.float())
+        return self.out_proj(o.to(x.dtype).reshape(t, -1))
