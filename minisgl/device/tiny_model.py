@@ -17,6 +17,8 @@ import importlib
 from pathlib import Path
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "mixtral")
+# Gated DeltaNet hybrids: three linear-attention layers, then one gated full-attention layer.
+HYBRID_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -136,7 +138,32 @@ def model_config(arch: str, vocab_size: int, bos: int, eos: int, overrides: dict
         )  # fmt: skip
     if arch == "mixtral":
         return transformers.MixtralConfig(**{**common, "intermediate_size": 32}, **moe, num_local_experts=8)
-    raise ValueError(f"unknown arch {arch!r}; choose from {ARCHS}")
+    if arch in HYBRID_ARCHS:
+        return hybrid_config(arch, {**common, "num_hidden_layers": 4, "head_dim": 32})
+    raise ValueError(f"unknown arch {arch!r}; choose from {ARCHS + HYBRID_ARCHS}")
+
+
+def hybrid_config(arch: str, common: dict):
+    """Qwen3-Next (experts, a dense second layer), Qwen3.5 dense or Qwen3.5-MoE, tiny: 2 key and
+    4 value heads of 16 in the DeltaNet layers, a quarter of each attention head rotated."""
+    import transformers
+
+    linear = dict(
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25},
+        tie_word_embeddings=False,
+    )
+    moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+    if arch == "qwen3_next":
+        return transformers.Qwen3NextConfig(**common, **linear, **moe, mlp_only_layers=[1])
+    if arch == "qwen3_5":
+        return transformers.Qwen3_5TextConfig(**common, **linear)
+    return transformers.Qwen3_5MoeTextConfig(**common, **linear, **moe)
 
 
 def make_tiny_model(
@@ -229,7 +256,7 @@ def make_lora_adapter(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--arch", choices=ARCHS, default="llama")
+    parser.add_argument("--arch", choices=ARCHS + HYBRID_ARCHS, default="llama")
     parser.add_argument("--out", required=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vocab-size", type=int, default=1024)

@@ -107,6 +107,8 @@ class PrefillPlanner:
         tokens (repeated sampling: each sample's last partial page)."""
         # (at most half of it: prefill keeps moving however many requests decode)
         budget, entries, admitted = self.budget - min(reserve, self.budget // 2), [], []
+        if self.memory.cache.takes_snapshots:
+            self.memory.cache.now = step  # (snapshots this step attaches are written by it)
         for req in prefilling:
             if budget <= 0:
                 return entries, admitted
@@ -123,8 +125,6 @@ class PrefillPlanner:
                 return entries, admitted
             self.filling = True  # from here, admit every step until the slots or the queue run out
         loras, snapshots = self.loras, memory.cache.takes_snapshots
-        if snapshots:
-            memory.cache.now = step
         for req in queue.order(step, memory.cache):
             if budget <= 0 or not memory.free_slots:
                 break

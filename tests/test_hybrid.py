@@ -1,0 +1,208 @@
+"""Hybrid models (Gated DeltaNet + gated attention: Qwen3-Next, Qwen3.5 dense and MoE) on CPU.
+
+Tiny fp32 checkpoints give transformers' greedy tokens; radix on and off, chunk sizes, page
+sizes, n copies of one prompt and retraction all give the same tokens; a prompt extending an
+earlier one starts from a snapshot (cached_tokens > 0). A fuzzed scheduler over an executor whose
+"state" is the very token sequence each slot has consumed checks that every snapshot a request
+starts from is the state of exactly its prefix, under random arrivals, aborts and eviction.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from pathlib import Path
+
+import pytest
+import torch
+
+from minisgl.config.args import EngineArgs
+from minisgl.device.tiny_model import HYBRID_ARCHS, make_tiny_model
+from minisgl.llm import LLM
+from minisgl.serve.scheduler.scheduler import Scheduler
+from minisgl.wire.sampling import SamplingParams
+from minisgl.wire.steps import ForwardBatch, StepOutput
+
+GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
+STEM = [7, 20, 33, 41, 5, 9, 100, 120, 3, 8, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 72, 73]
+PROMPTS = [STEM, STEM + [80, 81, 82, 83], STEM[:9] + [90, 91], [4, 4, 8, 200, 17]]
+
+
+@pytest.fixture(scope="module")
+def hybrids(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hybrid")
+    return {arch: make_tiny_model(arch, root / arch, seed=0) for arch in HYBRID_ARCHS}
+
+
+def reference(path: Path, prompts: list[list[int]], n: int = GREEDY["max_new_tokens"]) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    outs = []
+    for p in prompts:
+        ids = model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+        outs.append(ids[0, len(p) :].tolist())
+    return outs
+
+
+def run(path: Path, prompts: list[list[int]], warm: list[list[int]] = (), **kwargs) -> list[dict]:
+    """Generate ``prompts`` after ``warm`` ones (which fill the cache), checking the cache after."""
+    llm = LLM(str(path), dtype="float32", max_total_tokens=kwargs.pop("max_total_tokens", 4096), **kwargs)
+    if warm:
+        llm.generate(list(warm), GREEDY)
+    out = llm.generate(prompts, GREEDY)
+    llm.scheduler.check_integrity()
+    return out
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHS)
+def test_greedy_tokens_equal_transformers_with_and_without_the_cache(hybrids, arch):
+    want = reference(hybrids[arch], PROMPTS)
+    cached = run(hybrids[arch], PROMPTS, warm=PROMPTS[:1])
+    assert [o["output_ids"] for o in cached] == want
+    assert cached[0]["meta_info"]["cached_tokens"] > 0 and cached[1]["meta_info"]["cached_tokens"] > 0
+    plain = run(hybrids[arch], PROMPTS, warm=PROMPTS[:1], disable_radix_cache=True)
+    assert [o["output_ids"] for o in plain] == want
+    assert all(o["meta_info"]["cached_tokens"] == 0 for o in plain)
+
+
+@pytest.mark.parametrize("page, chunk", [(1, 16), (4, 64), (16, -1), (1, -1)])
+def test_chunk_and_page_sizes_give_the_same_tokens(hybrids, page, chunk):
+    path = hybrids["qwen3_5"]
+    want = reference(path, PROMPTS)
+    out = run(path, PROMPTS, warm=PROMPTS[1:2], page_size=page, chunked_prefill_size=chunk)
+    assert [o["output_ids"] for o in out] == want
+
+
+def test_copies_of_one_prompt_start_from_the_first_ones_snapshot(hybrids):
+    """n = 4 as the server sends it (four requests at once): one computes the prompt, the three
+    others wait a step for its snapshot and compute only its last page; all four are greedy-equal
+    to one request alone."""
+    path = hybrids["qwen3_next"]
+    (want,) = reference(path, [STEM])
+    out = run(path, [STEM] * 4, page_size=1)
+    assert all(o["output_ids"] == want for o in out)
+    assert [o["meta_info"]["cached_tokens"] for o in out] == [0] + [len(STEM) - 1] * 3
+
+
+def test_an_extended_prompt_hits_and_a_retracted_request_finishes_the_same(hybrids):
+    path = hybrids["qwen3_5_moe"]
+    prompts = [STEM + [i, i + 1] for i in range(2, 40, 3)]
+    want = reference(path, prompts)
+    # A pool of 160 tokens for 13 requests of ~33: some are retracted and come back.
+    llm = LLM(str(path), dtype="float32", max_total_tokens=160, page_size=1, max_running_requests=8)
+    out = llm.generate(prompts, GREEDY)
+    llm.scheduler.check_integrity()
+    assert [o["output_ids"] for o in out] == want
+    assert llm.scheduler.stats()["retractions"] > 0
+    # The next turn of the first conversation starts from its prompt's snapshot.
+    longer = prompts[0] + want[0] + [11, 12]
+    first, again = run(path, [longer], warm=prompts[:1], page_size=1), run(path, [longer], disable_radix_cache=True)
+    assert first[0]["meta_info"]["cached_tokens"] == len(prompts[0]) - 1
+    assert first[0]["output_ids"] == again[0]["output_ids"] == reference(path, [longer])[0]
+
+
+def test_hybrids_refuse_what_they_cannot_do_exactly_yet(hybrids):
+    with pytest.raises(ValueError, match="speculative-algorithm.*hybrid"):
+        LLM(str(hybrids["qwen3_5"]), dtype="float32", max_total_tokens=1024, speculative_algorithm="NGRAM")
+
+
+# ---- the scheduler's snapshots, fuzzed ------------------------------------------------------------
+
+EOS, VOCAB = 1, 60
+
+
+def next_token(seq: tuple[int, ...]) -> int:
+    """The fake model: a token that depends on the whole sequence (so on the recurrent state)."""
+    h = hash(seq)
+    return EOS if h % 37 == 0 else 2 + h % (VOCAB - 2)
+
+
+class StateExecutor:
+    """Each pool row holds the token sequence it has consumed (its "state"): a step checks that a
+    request's row holds exactly ``cached_len`` tokens after its loads, feeds it the new tokens and
+    samples ``next_token`` of the whole sequence; saves copy rows, as the worker does."""
+
+    def __init__(self, rows: int):
+        self.rows: list[tuple[int, ...]] = [()] * rows
+        self.last = [0] * rows  # each slot's last sampled token (decode inputs of -1)
+        self.launched: deque[ForwardBatch] = deque()
+
+    def launch(self, batch: ForwardBatch) -> None:
+        self.launched.append(batch)
+
+    def oldest_done(self) -> bool:
+        return True
+
+    def collect(self) -> StepOutput:
+        batch = self.launched.popleft()
+        for src, dst in zip(batch.state_loads[::2], batch.state_loads[1::2]):
+            self.rows[dst] = self.rows[src]
+        tokens, row = [], 0
+        for slot, cached, new, sample in zip(batch.slots, batch.cached_lens, batch.new_lens, batch.sample):
+            state = () if cached == 0 else self.rows[slot]
+            assert len(state) == cached, f"slot {slot} holds {len(state)} tokens, the step says {cached}"
+            ids = [self.last[slot] if t < 0 else t for t in batch.input_ids[row : row + new]]
+            self.rows[slot] = state + tuple(ids)
+            row += new
+            if sample:
+                self.last[slot] = next_token(self.rows[slot])
+                tokens.append(self.last[slot])
+        for slot, dst in zip(batch.state_saves[::2], batch.state_saves[1::2]):
+            self.rows[dst] = self.rows[slot]
+        return StepOutput(tokens=tokens)
+
+
+def truth(prompt: list[int], n: int) -> list[int]:
+    seq, out = tuple(prompt), []
+    for _ in range(n):
+        out.append(next_token(seq))
+        seq += (out[-1],)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_fuzzed_snapshots_always_hold_their_prefix(seed):
+    rng = random.Random(seed)
+    page = rng.choice([1, 4])
+    slots = rng.choice([4, 16])
+    args = EngineArgs(
+        model="",
+        page_size=page,
+        max_running_requests=slots,
+        chunked_prefill_size=rng.choice([page * 4, 32, -1]),
+        schedule_policy=rng.choice(["lpm", "fcfs"]),
+        disable_overlap_schedule=seed % 2 == 1,
+    )
+    rows = list(range(slots + 1, 2 * slots + 2)) if seed % 3 else list(range(slots + 1, slots + 4))  # few: eviction
+    num_pages = 500 // page
+    sched = Scheduler(args, num_pages, 512, VOCAB, [EOS], StateExecutor(2 * slots + 2), snapshot_rows=rows)
+    stems = [[rng.randrange(2, VOCAB) for _ in range(rng.randint(5, 80))] for _ in range(4)]
+    reqs = []
+    for _ in range(250):
+        for _ in range(rng.choice([0, 0, 1, 2])):
+            prompt = rng.choice(stems)[: rng.randint(1, 80)] + [
+                rng.randrange(2, VOCAB) for _ in range(rng.randint(0, 20))
+            ]
+            if reqs and rng.random() < 0.3:  # the next turn of an earlier conversation
+                old = rng.choice(reqs)
+                prompt = old.prompt_ids + old.output_ids + [rng.randrange(2, VOCAB) for _ in range(3)]
+            params = SamplingParams(max_new_tokens=rng.randint(1, 40), temperature=0.0, ignore_eos=rng.random() < 0.5)
+            for _ in range(rng.choice([1, 1, 4])):
+                if len(prompt) + params.max_new_tokens < 512:
+                    reqs.append(sched.add_request(prompt, params))
+        if rng.random() < 0.1:
+            live = [r for r in reqs if not r.finished]
+            if live:
+                sched.finish(rng.choice(live), "abort")
+        if sched.has_work:
+            sched.step()
+        sched.check_integrity()
+    while sched.has_work:
+        sched.step()
+        sched.check_integrity()
+    assert sched.stats()["prefix_hit_tokens"] > 0
+    for r in reqs:
+        want = truth(r.prompt_ids, len(r.output_ids))
+        assert r.output_ids == want, f"request {r.rid} diverged from its prefix's tokens"
+    assert sched.cache.size_info().protected == 0
