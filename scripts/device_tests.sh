@@ -9,7 +9,7 @@ for attempt in first second; do
   python - "$attempt" <<'PY' 2>&1 | tee -a "$out/jit.log"
 import sys, time
 start = time.perf_counter()
-from minisgl.kernels.jit import load_module
+from minisgl.device.kernels.jit import load_module
 load_module("rope_store")
 print(f"rope_store load ({sys.argv[1]} process): {time.perf_counter() - start:.2f} s")
 PY

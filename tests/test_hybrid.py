@@ -47,7 +47,8 @@ def reference(path: Path, prompts: list[list[int]], n: int = GREEDY["max_new_tok
 
 def run(path: Path, prompts: list[list[int]], warm: list[list[int]] = (), **kwargs) -> list[dict]:
     """Generate ``prompts`` after ``warm`` ones (which fill the cache), checking the cache after."""
-    llm = LLM(str(path), dtype="float32", max_total_tokens=kwargs.pop("max_total_tokens", 4096), **kwargs)
+    kwargs = {"dtype": "float32", "max_total_tokens": 4096, **kwargs}
+    llm = LLM(str(path), **kwargs)
     if warm:
         llm.generate(list(warm), GREEDY)
     out = llm.generate(prompts, GREEDY)
@@ -206,3 +207,28 @@ def test_fuzzed_snapshots_always_hold_their_prefix(seed):
         want = truth(r.prompt_ids, len(r.output_ids))
         assert r.output_ids == want, f"request {r.rid} diverged from its prefix's tokens"
     assert sched.cache.size_info().protected == 0
+
+
+# ---- the GPU path: flash-linear-attention's kernels against the torch reference ---------------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("arch", HYBRID_ARCHS)
+def test_fla_kernels_on_cuda_match_the_reference(hybrids, arch):
+    """fp32 on the GPU (FLA's chunked and recurrent kernels, torch attention) gives the CPU's
+    greedy tokens, with the cache on: the prompts' first chunks, snapshots and decode steps. (The
+    CPU run is the reference: transformers would call FLA's kernels on CPU tensors here.)"""
+    want = [o["output_ids"] for o in run(hybrids[arch], PROMPTS)]
+    out = run(hybrids[arch], PROMPTS, warm=PROMPTS[:1], device="cuda", chunked_prefill_size=16)
+    assert [o["output_ids"] for o in out] == want
+    assert out[1]["meta_info"]["cached_tokens"] > 0
+
+
+@pytest.mark.cuda
+def test_hybrid_bf16_on_cuda_agrees_with_fp32(hybrids):
+    """bf16 weights and FlashInfer attention (head dim 32 runs the torch one): the first tokens
+    agree with fp32's on every prompt, as the other models' bf16 checks allow."""
+    path = hybrids["qwen3_5_moe"]
+    want = [o["output_ids"] for o in run(path, PROMPTS)]
+    out = run(path, PROMPTS, device="cuda", dtype="bfloat16")
+    assert sum(o["output_ids"][:4] == w[:4] for o, w in zip(out, want)) >= len(PROMPTS) - 1

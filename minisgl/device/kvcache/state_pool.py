@@ -62,6 +62,7 @@ class StatePool:
         self.ssm = torch.zeros(s.layers, slots, s.heads, s.k_dim, s.v_dim, dtype=ssm_dtype, device=device)
         self.segments: list[tuple[int, int, int]] = []  # per request: (slot, first token row, tokens)
         self.slots = torch.zeros(0, dtype=torch.int64, device=device)
+        self.cu_seqlens = torch.zeros(1, dtype=torch.int64, device=device)  # the step's token offsets
         self.decode = False
 
     @property
@@ -86,6 +87,7 @@ class StatePool:
         self.segments = list(zip(meta.slots, starts, meta.new_lens))
         self.decode = all(n == 1 for n in meta.new_lens)
         self.slots = torch.tensor(meta.slots, dtype=torch.int64).to(self.conv.device, non_blocking=True)
+        self.cu_seqlens = torch.tensor([*starts, row], dtype=torch.int64).to(self.conv.device, non_blocking=True)
         set_state_pool(self)
         fresh = [s for s, c in zip(meta.slots, meta.cached_lens) if c == 0]
         if fresh:

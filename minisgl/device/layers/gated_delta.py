@@ -65,6 +65,31 @@ def gated_delta_rule(
     return torch.stack(out, dim=1)
 
 
+def fla_gated_delta(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, ssm: torch.Tensor, pool
+) -> torch.Tensor:
+    """``gated_delta_rule`` for every request of the step in flash-linear-attention's kernels
+    (normalised, scaled q and normalised k of every value head, float32): states gathered from
+    the pool's rows and written back."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+    h0 = ssm[pool.slots]
+    if pool.decode:
+        o, ht = fused_recurrent_gated_delta_rule(
+            q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], scale=1.0, initial_state=h0,
+            output_final_state=True,
+        )  # fmt: skip
+        o = o[:, 0]
+    else:
+        o, ht = chunk_gated_delta_rule(
+            q[None], k[None], v[None], g[None], beta[None], scale=1.0, initial_state=h0,
+            output_final_state=True, cu_seqlens=pool.cu_seqlens,
+        )  # fmt: skip
+        o = o[0]
+    ssm[pool.slots] = ht.to(ssm.dtype)
+    return o
+
+
 class SplitColumnLinear(ColumnParallelLinear):
     """A column-parallel layer whose checkpoint holds its fused parts in one tensor (Qwen3.5's
     in_proj_qkv: q, k and v stacked): the tensor is cut into the parts, each sharded."""
@@ -170,7 +195,9 @@ class GatedDeltaNet(nn.Module):
         v = v.reshape(t, self.hv, self.dv).float()
         beta = b.float().sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        if pool.decode:  # one token per request: every request in one batched step
+        if x.is_cuda:  # flash-linear-attention's kernels: the varlen chunked form, or one step
+            o = fla_gated_delta(q, k, v, g, beta, ssm, pool)
+        elif pool.decode:  # one token per request: every request in one batched step
             states = ssm[pool.slots]
             o = gated_delta_rule(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], states)[:, 0]
             ssm[pool.slots] = states

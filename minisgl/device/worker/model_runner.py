@@ -31,7 +31,7 @@ from minisgl.device.attention.select import create_backend
 from minisgl.device.distributed import get_tp_info, init_fused_all_reduce_norm, init_one_shot_all_reduce
 from minisgl.device.kvcache.host_pool import HostKVPool
 from minisgl.device.kvcache.mha_pool import MHAKVCache
-from minisgl.device.kvcache.state_pool import make_state_pool
+from minisgl.device.kvcache.state_pool import StateShape, make_state_pool
 from minisgl.device.layers.fp8_scheme import parse_kv_cache_dtype
 from minisgl.device.layers.lora import LoraRows
 from minisgl.device.layers.moe import RoutedExperts
@@ -53,6 +53,11 @@ logger = logging.getLogger(__name__)
 CPU_KV_BYTES = 256 << 20  # default KV pool on CPU (or one full context, if larger)
 CPU_WARMUP_TOKENS = 64
 WARMUP_ROWS = SAMPLE_BLOCK  # sampling rows of the warm-up step: the sampler's largest block
+
+
+# Requests a hybrid model runs at once unless --max-running-requests says: each holds its own
+# recurrent state (63 MB for Qwen3.5-35B-A3B in float32) and the prefix cache as many snapshots.
+HYBRID_MAX_RUNNING = 128
 
 
 @dataclass
@@ -394,6 +399,7 @@ class ModelRunner:
             free, total = torch.cuda.mem_get_info()
             activations = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
             budget = free - total * (1 - self.args.mem_fraction_static) - activations - graph_pool
+            budget -= self._state_pool_bytes()  # (hybrids: sized by the requests, before the KV)
         else:
             # On CPU, more than every slot at full context is never useful, and a laptop should
             # not give gigabytes to it by default (--max-total-tokens asks for more).
@@ -412,6 +418,17 @@ class ModelRunner:
                 f"only {num_pages} KV pages fit in memory; lower --context-length or raise --mem-fraction-static"
             )
         return num_pages
+
+    def _state_pool_bytes(self) -> int:
+        """What a hybrid model's state pool will take: every slot's state and as many snapshots.
+        Its requests are bounded up front (HYBRID_MAX_RUNNING unless given): their states, tens
+        of MB each, rather than the KV pool, decide how many fit."""
+        if not self.config.is_hybrid:
+            return 0
+        if self.args.max_running_requests is None:
+            self.args.max_running_requests = HYBRID_MAX_RUNNING
+        shape = StateShape.of(self.config)
+        return 2 * (self.args.max_running_requests + 1) * shape.bytes_per_slot(torch.float32, self.dtype)
 
     def _warmup(self, tokens: int) -> int:
         """Run a prefill of ``tokens``, a short one and the sampler's worst case; returns the
