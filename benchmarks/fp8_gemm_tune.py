@@ -7,7 +7,7 @@ batch sizes (8B o_proj at 64 rows: 13.1 us against our Triton kernel's 7.8 in 64
 at 256 rows and more it is often the fastest. For each linear shape of the given models (and
 their tensor-parallel shards) and each row bucket of ``layers.fp8_gemm.GEMM_ROW_BUCKETS``,
 this times cuBLAS (``torch._scaled_mm``) and the Triton kernel in each candidate tile, and writes
-the fastest per bucket into ``minisgl/kernels/configs/fp8_gemm.json`` under this GPU's name,
+the fastest per bucket into ``minisgl/device/kernels/configs/fp8_gemm.json`` under this GPU's name,
 which ``fp8_linear`` reads (shapes or GPUs missing there keep the size rule). The timings go to
 benchmarks/results.
 """

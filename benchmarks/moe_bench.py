@@ -9,7 +9,7 @@ router excluded), replayed from a CUDA graph with uniformly random routing, at b
 256, 1024 and an 8192-token prefill chunk, in bf16, fp8 per channel and fp8 in 128-column
 groups. The floor is the bytes of the experts the batch activates, each read once, over the
 GPU's read bandwidth (a sum over 2 GiB). ``--tune`` times each GEMM in every candidate tile per
-token bucket and writes the fastest into ``minisgl/kernels/configs/moe.json`` under this GPU's
+token bucket and writes the fastest into ``minisgl/device/kernels/configs/moe.json`` under this GPU's
 name (``kernels.moe.moe_config`` reads it).
 """
 

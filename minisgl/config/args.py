@@ -49,7 +49,7 @@ class EngineArgs:
     load_format: str = "auto"
     attention_backend: str = "auto"
     # Plain decode steps on CUDA: "triton", our kernel, which cascade steps also run on, so that
-    # they return the same bits (minisgl/kernels/partial_attention.py); or FlashInfer's decode.
+    # they return the same bits (minisgl/device/kernels/partial_attention.py); or FlashInfer's decode.
     decode_attention_backend: str = "triton"
     page_size: int = 16  # tokens per KV page; 16 decodes ~3% faster than 1 on FlashInfer (benchmarks/results)
     mem_fraction_static: float = 0.88
