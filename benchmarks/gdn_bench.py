@@ -42,7 +42,7 @@ def main() -> None:
     args = ap.parse_args()
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
-    from minisgl.device.layers.gated_delta import fla_gated_delta, l2norm
+    from minisgl.device.layers.gated_delta import FLA_DECODE_ROWS, fla_gated_delta, l2norm
 
     c = ModelConfig.from_path(args.model)
     hv, k, v = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
@@ -59,11 +59,12 @@ def main() -> None:
             slots = torch.arange(1, b + 1, device=dev)
             decode = True
 
-        state = torch.zeros(b, hv, k, v, device=dev)
+        n = min(b, FLA_DECODE_ROWS)  # (the kernel alone: one run of the rows fla_gated_delta gives it)
+        state = torch.zeros(n, hv, k, v, device=dev)
         layer = timed(lambda: fla_gated_delta(q, kk, vv, g, beta, ssm, Pool))
-        kernel = timed(
+        kernel = (b // n) * timed(
             lambda: fused_recurrent_gated_delta_rule(
-                q[:, None], kk[:, None], vv[:, None], g[:, None], beta[:, None], scale=1.0, initial_state=state,
+                q[:n, None], kk[:n, None], vv[:n, None], g[:n, None], beta[:n, None], scale=1.0, initial_state=state,
                 output_final_state=True,
             )
         )  # fmt: skip

@@ -139,7 +139,7 @@ def model_config(arch: str, vocab_size: int, bos: int, eos: int, overrides: dict
     if arch == "mixtral":
         return transformers.MixtralConfig(**{**common, "intermediate_size": 32}, **moe, num_local_experts=8)
     if arch in HYBRID_ARCHS:
-        return hybrid_config(arch, {**common, "num_hidden_layers": 4, "head_dim": 32})
+        return hybrid_config(arch, {"head_dim": 32, **common, "num_hidden_layers": 4})
     raise ValueError(f"unknown arch {arch!r}; choose from {ARCHS + HYBRID_ARCHS}")
 
 
