@@ -103,6 +103,20 @@ def test_an_extended_prompt_hits_and_a_retracted_request_finishes_the_same(hybri
     assert first[0]["output_ids"] == again[0]["output_ids"] == reference(path, [longer])[0]
 
 
+def test_the_state_pool_follows_its_flags(hybrids):
+    """--max-mamba-cache-size snapshot rows past the slots', --mamba-ssm-dtype the states' type;
+    with two snapshots for four prompts the least recently used give way, and tokens stay exact."""
+    path = hybrids["qwen3_5"]
+    llm = LLM(str(path), dtype="float32", max_total_tokens=4096, max_mamba_cache_size=2, max_running_requests=4)
+    assert len(llm.runner.snapshot_rows) == 2 and llm.runner.states.ssm.dtype == torch.float32
+    outs = [llm.generate([p], GREEDY)[0]["output_ids"] for p in PROMPTS]
+    llm.scheduler.check_integrity()
+    assert outs == reference(path, PROMPTS)
+    half = LLM(str(path), dtype="float32", max_total_tokens=4096, mamba_ssm_dtype="bfloat16")
+    assert half.runner.states.ssm.dtype == torch.bfloat16
+    assert len(half.generate(PROMPTS[:1], GREEDY)[0]["output_ids"]) == GREEDY["max_new_tokens"]
+
+
 def test_hybrids_refuse_what_they_cannot_do_exactly_yet(hybrids):
     with pytest.raises(ValueError, match="speculative-algorithm.*hybrid"):
         LLM(str(hybrids["qwen3_5"]), dtype="float32", max_total_tokens=1024, speculative_algorithm="NGRAM")

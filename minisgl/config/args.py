@@ -56,6 +56,10 @@ class EngineArgs:
     max_total_tokens: int | None = None
     # None: derived from the KV pool once it is sized (``derive_max_running_requests``).
     max_running_requests: int | None = None
+    # Hybrid models' state pool: the recurrent states' element type, and how many prefix-cache
+    # snapshots it keeps (None: as many as requests run at once, plus one).
+    mamba_ssm_dtype: str = "float32"
+    max_mamba_cache_size: int | None = None
     chunked_prefill_size: int = 8192
     context_length: int | None = None
     tp_size: int = 1
@@ -494,6 +498,19 @@ def add_engine_args(ap: argparse.ArgumentParser) -> dict[str, argparse._Argument
         default=None,
         help="most requests decoding at once (default: on a GPU one per 512 tokens of KV pool, "
         "256 to 4096; on a CPU 256)",
+    )
+    device.add_argument(
+        "--mamba-ssm-dtype",
+        default=d.mamba_ssm_dtype,
+        choices=["float32", "bfloat16"],
+        help="hybrid models (Gated DeltaNet): the recurrent states' element type in the state pool",
+    )
+    device.add_argument(
+        "--max-mamba-cache-size",
+        type=int,
+        default=None,
+        help="hybrid models: state snapshots the prefix cache keeps (default: --max-running-requests + 1); "
+        "each is one request's recurrent state, tens of MB for the large models",
     )
     sched.add_argument(
         "--chunked-prefill-size",

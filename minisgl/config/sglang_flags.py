@@ -40,6 +40,8 @@ INERT: dict[str, tuple[int, str]] = {
     "--max-lora-chunk-size": (ONE, "one LoRA path: masked GEMMs over every adapter slot at once"),
     "--lora-eviction-policy": (ONE, "a device slot goes to the least recently used adapter (lru)"),
     "--enable-lora-overlap-loading": (SWITCH, "adapters are copied into slots from pinned memory, before the step"),
+    "--mamba-full-memory-ratio": (ONE, "the state pool is sized by --max-running-requests and --max-mamba-cache-size"),
+    "--mamba-scheduler-strategy": (ONE, "snapshots at each prompt's last page boundary before its last token"),
     "--enable-custom-logit-processor": (
         SWITCH,
         "request code is never run; SGLang's thinking-budget processors are served without it (/generate, chat)",

@@ -277,8 +277,8 @@ class ModelRunner:
         self.most_rejected = np.zeros(n + 1, dtype=np.int64)
         self.sampler = Sampler(n, self.vocab_size, self.device)
         self.adapter_of_slot = np.full(n + 1, -1, dtype=np.int64)  # each request's LoRA slot (-1: none)
-        # (hybrids) each slot's state, then the prefix cache's snapshots (as many as slots)
-        self.states = make_state_pool(self.config, 2 * (n + 1), torch.float32, self.dtype, self.device)
+        # (hybrids) each slot's state, then the prefix cache's snapshots
+        self.states = make_state_pool(self.config, n + 1 + self._snapshots(n), self._ssm_dtype, self.dtype, self.device)
 
     def _make_cache(self, num_pages: int) -> MHAKVCache:
         return MHAKVCache(
@@ -419,6 +419,15 @@ class ModelRunner:
             )
         return num_pages
 
+    @property
+    def _ssm_dtype(self) -> torch.dtype:
+        return getattr(torch, self.args.mamba_ssm_dtype)
+
+    def _snapshots(self, slots: int) -> int:
+        """Snapshot rows of the state pool: --max-mamba-cache-size, else one per slot."""
+        given = self.args.max_mamba_cache_size
+        return given if given is not None else slots + 1
+
     def _state_pool_bytes(self) -> int:
         """What a hybrid model's state pool will take: every slot's state and as many snapshots.
         Its requests are bounded up front (HYBRID_MAX_RUNNING unless given): their states, tens
@@ -427,8 +436,8 @@ class ModelRunner:
             return 0
         if self.args.max_running_requests is None:
             self.args.max_running_requests = HYBRID_MAX_RUNNING
-        shape = StateShape.of(self.config)
-        return 2 * (self.args.max_running_requests + 1) * shape.bytes_per_slot(torch.float32, self.dtype)
+        n = self.args.max_running_requests
+        return (n + 1 + self._snapshots(n)) * StateShape.of(self.config).bytes_per_slot(self._ssm_dtype, self.dtype)
 
     def _warmup(self, tokens: int) -> int:
         """Run a prefill of ``tokens``, a short one and the sampler's worst case; returns the

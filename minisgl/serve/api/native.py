@@ -261,6 +261,7 @@ class NativeRoutes(ApiBase):
                 "model_path": self.args.model,
                 "max_total_num_tokens": self.info.num_pages * self.info.page_size,
                 "kv_cache_dtype": self.info.kv_cache_dtype,
+                **self._state_pool_info(),
                 "version": minisgl.__version__,
                 "server_args": server_args,
                 "engine": msgspec.to_builtins(self.info),
@@ -269,6 +270,19 @@ class NativeRoutes(ApiBase):
                 "processes": self.pids,
             }
         )
+
+    def _state_pool_info(self) -> dict[str, int]:
+        """A hybrid model's state pool: one request's recurrent state, the prefix cache's
+        snapshots and what they take (none for other models)."""
+        info = self.info
+        if not info.state_bytes_per_request:
+            return {}
+        return {
+            "mamba_state_bytes_per_request": info.state_bytes_per_request,
+            "mamba_state_slots": info.max_running_requests,
+            "mamba_snapshot_slots": info.state_snapshots,
+            "mamba_snapshot_bytes": info.state_snapshots * info.state_bytes_per_request,
+        }
 
     async def metrics_route(self, request: Request) -> Response:
         """Prometheus text, or OpenMetrics when the scraper asks for it (Accept)."""
