@@ -196,11 +196,12 @@ class LlamaForCausalLM(nn.Module):
     }
     # checkpoint name part -> ours (Mixtral calls its sparse MLP block_sparse_moe)
     renamed_modules = {"block_sparse_moe": "mlp"}
+    decoder: type[nn.Module] = DecoderModel  # the stack of layers (the hybrids have their own)
 
     def __init__(self, config: ModelConfig, max_positions: int):
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, max_positions)
+        self.model = self.decoder(config, max_positions)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -18,12 +18,12 @@ from torch import nn
 from minisgl.checkpoint.model_config import ModelConfig
 from minisgl.device.attention.context import get_attention_backend
 from minisgl.device.distributed import get_tp_info
-from minisgl.device.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from minisgl.device.layers.embedding import VocabParallelEmbedding
 from minisgl.device.layers.gated_delta import GatedDeltaNet
 from minisgl.device.layers.linear import QKVParallelLinear, RowParallelLinear
 from minisgl.device.layers.norm import RMSNorm
 from minisgl.device.layers.rotary import RotaryEmbedding
-from minisgl.device.models.llama import MLP, SparseMoeBlock
+from minisgl.device.models.llama import MLP, LlamaForCausalLM, SparseMoeBlock
 from minisgl.utils import divide
 
 
@@ -105,28 +105,7 @@ class HybridModel(nn.Module):
         return x
 
 
-class Qwen3NextForCausalLM(nn.Module):
-    packed_modules = {
-        "q_proj": ("qkv_proj", "q"),
-        "k_proj": ("qkv_proj", "k"),
-        "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
-    hybrid = True  # keeps a recurrent state per request (``GatedDeltaNet.state_shape``)
+class Qwen3NextForCausalLM(LlamaForCausalLM):
+    """Llama's head and weight names over the hybrid stack (Qwen3.5's classes too)."""
 
-    def __init__(self, config: ModelConfig, max_positions: int):
-        super().__init__()
-        self.config = config
-        self.model = HybridModel(config, max_positions)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
-
-    def compute_logits(
-        self, hidden: torch.Tensor, gather: bool = True, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        return self.lm_head(hidden, gather, out)
+    decoder = HybridModel
