@@ -15,7 +15,7 @@ from minisgl.wire.sampling import SamplingParams
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter, allow_abbrev=False)
     add_engine_args(ap)
     ap.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
     ap.add_argument("--chat", action="store_true", help="send each prompt as a user message through the chat template")

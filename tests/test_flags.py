@@ -302,3 +302,9 @@ def test_sglang_lora_flags():
     ):
         with pytest.raises(ValueError, match=why):
             parse_args(["--model", "m", *bad]).validate()
+
+
+def test_an_abbreviated_flag_is_refused_not_guessed(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--model", "m", "--served-model-nam", "x"])
+    assert e.value.code == 2 and "--served-model-nam" in capsys.readouterr().err

@@ -775,6 +775,7 @@ def build_parser() -> argparse.ArgumentParser:
         usage="%(prog)s --model MODEL [options]  (--help lists every flag)",  # not 64 lines of them
         description="Serve a model over HTTP.",
         formatter_class=HelpFormatter,
+        allow_abbrev=False,  # --served-model-nam is an unknown flag, not a guess
     )
     groups = add_engine_args(ap)
     server = ap.add_argument_group("server")

@@ -255,7 +255,8 @@ class Scheduler:
         if grammar is not None and not self.grammar.available:
             raise ValueError(
                 f"{grammar[0]}: structured output (json_schema, regex, ebnf, response_format, a forced "
-                "tool_choice) needs xgrammar, which this install lacks: pip install 'minisgl[grammar]'"
+                "tool_choice) needs xgrammar, which this install lacks: pip install xgrammar "
+                "(from a clone: pip install '.[grammar]')"
             )
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         routed_from = min(routed_start, len(prompt_ids)) if routed_start >= 0 else -1
