@@ -88,7 +88,7 @@ def test_copies_of_one_prompt_start_from_the_first_ones_snapshot(hybrids):
 
 def test_an_extended_prompt_hits_and_a_retracted_request_finishes_the_same(hybrids):
     path = hybrids["qwen3_5_moe"]
-    prompts = [STEM + [i, i + 1] for i in range(2, 40, 3)]
+    prompts = [[i, i + 1] + STEM for i in range(2, 40, 3)]  # (nothing shared: the pool runs out)
     want = reference(path, prompts)
     # A pool of 160 tokens for 13 requests of ~33: some are retracted and come back.
     llm = LLM(str(path), dtype="float32", max_total_tokens=160, page_size=1, max_running_requests=8)
@@ -101,6 +101,20 @@ def test_an_extended_prompt_hits_and_a_retracted_request_finishes_the_same(hybri
     first, again = run(path, [longer], warm=prompts[:1], page_size=1), run(path, [longer], disable_radix_cache=True)
     assert first[0]["meta_info"]["cached_tokens"] == len(prompts[0]) - 1
     assert first[0]["output_ids"] == again[0]["output_ids"] == reference(path, [longer])[0]
+
+
+def test_prompts_branching_after_a_shared_prefix_hit_at_the_branch_point(hybrids):
+    """A system prompt, then different questions, one after another: the first computes its
+    prompt, the second finds the system prompt's pages but no state there, computes it again and
+    leaves a snapshot at the branch point, and from the third on the system prompt is a hit."""
+    path = hybrids["qwen3_next"]
+    prompts = [STEM + [q, q + 1, q + 2] for q in (200, 300, 400, 500)]
+    llm = LLM(str(path), dtype="float32", max_total_tokens=4096, page_size=4)
+    outs = [llm.generate([p], GREEDY)[0] for p in prompts]
+    llm.scheduler.check_integrity()
+    assert [o["output_ids"] for o in outs] == reference(path, prompts)
+    shared = len(STEM) - len(STEM) % 4
+    assert [o["meta_info"]["cached_tokens"] for o in outs] == [0, 0, shared, shared]
 
 
 def test_the_state_pool_follows_its_flags(hybrids):

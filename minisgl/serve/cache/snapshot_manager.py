@@ -7,9 +7,11 @@ only up to the deepest node on its path that has a snapshot, and the rest is com
 from there. A node without a snapshot is never a hit, so a hit is never approximate.
 
 The scheduler takes a snapshot where a prefill chunk ends (``take`` a row, ``attach`` it to the
-node the chunk's pages end at): at the last page boundary before each prompt's last token (the
-prompt's final chunk is cut there), so that the next turn of a conversation, and every sample of
-the prompt, starts from it. A snapshot is written by
+node the chunk's pages end at), cutting the prompt's chunks there: at the last page boundary
+before each prompt's last token, so that the next turn of a conversation and every sample of
+the prompt start from it; and where the prompt leaves the cached pages (``kv_depth``: a branch
+point with no snapshot yet, such as the end of a system prompt that another request computed on
+its way to its own question), so that the prompts after it that share it start from there. A snapshot is written by
 the step that computes its prefix; steps run in order on the worker, so it is usable from the
 next step on (``ready``) and a request admitted meanwhile whose path has one coming waits for it
 (``pending``) rather than computing the prefix again. Snapshots live and die with their nodes
@@ -40,6 +42,12 @@ class SnapshotRadixCacheManager(RadixCacheManager):
         while node.parent is not None and not self._ready(node):
             node = node.parent
         return node.handle, self._path_pages(node)
+
+    def kv_depth(self, ids: list[int], salt: str | None = None) -> int:
+        """How many tokens of ``ids`` the tree holds KV pages for, snapshots or not: where a
+        request's path leaves the cached ones (a branch point), or ends."""
+        pos = self.start(salt)
+        return 0 if pos is None else self.advance(pos, ids[: self.aligned(len(ids))])[1]
 
     def snapshot_of(self, handle: RadixHandle) -> int:
         """The row a matched prefix's state is copied from (-1: the empty prefix, zeros)."""

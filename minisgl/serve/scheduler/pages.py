@@ -55,8 +55,12 @@ class Memory:
         self.cache.lock_handle(handle)
         req.slot, req.handle, req.pages = self.free_slots.pop(), handle, pages
         req.kv_len, req.table_len, req.prefill_target = handle.cached_len, 0, len(req.all_ids)
-        if self.cache.takes_snapshots and handle.cached_len:
-            req.state_load = self.cache.snapshot_of(handle)  # its state starts from the prefix's
+        if self.cache.takes_snapshots:
+            if handle.cached_len:
+                req.state_load = self.cache.snapshot_of(handle)  # its state starts from the prefix's
+            branch = self.cache.kv_depth(req.all_ids[:reusable], salt)  # where it leaves the cached pages
+            last = self.cache.aligned(req.prefill_target - 1)
+            req.snapshot_at = sorted({p for p in (branch, last) if p > handle.cached_len})
         return loaded
 
     def _load(self, ids: list[int], handle: CacheHandle) -> int:

@@ -65,9 +65,10 @@ class PrefillPlanner:
         end = min(target, req.kv_len + budget)
         if end < target:
             end -= end % self.page_size  # chunks end on page boundaries
-        point = memory.cache.aligned(target - 1) if snapshots else 0  # where its snapshot goes
+        # A hybrid's chunks stop where its next snapshot goes (``Memory.admit``).
+        point = next((p for p in req.snapshot_at if p > req.kv_len), 0) if snapshots else 0
         if req.kv_len < point < end:
-            end = point  # a hybrid's prompt stops there: its last page (and token) come next step
+            end = point
         if end <= req.kv_len:
             return None
         pages = memory.alloc(cdiv(end, self.page_size) - len(req.pages))

@@ -72,6 +72,7 @@ class Req:
     # state is copied to after it (-1: none).
     state_load: int = -1
     state_save: int = -1
+    snapshot_at: list[int] = field(default_factory=list)  # where its prompt's snapshots go (ascending)
     # The short path of output processing (no logprobs, no grammar): its stop tokens and how
     # many tokens it may generate, set when it is queued.
     plain: bool = False
