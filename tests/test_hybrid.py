@@ -131,6 +131,19 @@ def test_the_state_pool_follows_its_flags(hybrids):
     assert len(half.generate(PROMPTS[:1], GREEDY)[0]["output_ids"]) == GREEDY["max_new_tokens"]
 
 
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5"])  # (the grouped and the split projections)
+def test_tensor_parallel_ranks_split_the_heads_and_give_the_same_tokens(hybrids, arch):
+    """tp=2 over gloo: each rank holds half the DeltaNet and attention heads (and its half of the
+    state pool); greedy tokens, cache hits included, equal one process's."""
+    kw = dict(device="cpu", dtype="float32", max_running_requests=8, max_total_tokens=2048)
+    want = [o["output_ids"] for o in LLM(str(hybrids[arch]), **kw).generate(PROMPTS, GREEDY)]
+    llm = LLM(str(hybrids[arch]), tp_size=2, **kw)
+    llm.generate(PROMPTS[:1], GREEDY)
+    out = llm.generate(PROMPTS, GREEDY)
+    assert [o["output_ids"] for o in out] == want
+    assert out[1]["meta_info"]["cached_tokens"] > 0
+
+
 def test_hybrids_refuse_what_they_cannot_do_exactly_yet(hybrids):
     with pytest.raises(ValueError, match="speculative-algorithm.*hybrid"):
         LLM(str(hybrids["qwen3_5"]), dtype="float32", max_total_tokens=1024, speculative_algorithm="NGRAM")
