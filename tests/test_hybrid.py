@@ -144,6 +144,24 @@ def test_tensor_parallel_ranks_split_the_heads_and_give_the_same_tokens(hybrids,
     assert out[1]["meta_info"]["cached_tokens"] > 0
 
 
+def test_new_weights_serve_at_once_and_no_snapshot_of_the_old_ones_is_reused(hybrids, tmp_path):
+    """RL: /update_weights_from_disk copies another checkpoint into the live model (the norms'
+    and conv's loaders included): the next tokens are the new checkpoint's (snapshots of the old
+    weights are never hits), and survive a memory release and resume."""
+    old, new = hybrids["qwen3_5_moe"], make_tiny_model("qwen3_5_moe", tmp_path / "new", seed=1)
+    want = reference(new, PROMPTS)
+    llm = LLM(str(old), dtype="float32", max_total_tokens=4096)
+    llm.generate(PROMPTS, GREEDY)
+    assert llm.update_weights_from_disk(str(new))[0]
+    out = llm.generate(PROMPTS, GREEDY)
+    assert [o["output_ids"] for o in out] == want
+    assert out[0]["meta_info"]["cached_tokens"] == 0  # (the later prompts may hit the new weights' snapshots)
+    llm.release_memory_occupation()
+    llm.resume_memory_occupation()
+    assert [o["output_ids"] for o in llm.generate(PROMPTS, GREEDY)] == want
+    llm.scheduler.check_integrity()
+
+
 def test_hybrids_refuse_what_they_cannot_do_exactly_yet(hybrids):
     with pytest.raises(ValueError, match="speculative-algorithm.*hybrid"):
         LLM(str(hybrids["qwen3_5"]), dtype="float32", max_total_tokens=1024, speculative_algorithm="NGRAM")
