@@ -631,9 +631,11 @@ def test_a_predicted_output_drafts_from_where_the_answer_is_in_it():
     n-gram length; of two places an n-gram occurs in it, the one at or after the last draft's."""
     from minisgl.serve.scheduler.request import Req
     from minisgl.serve.scheduler.speculative import Drafter
+    from minisgl.wire.options import RequestOptions
 
     predicted = [5, 6, 7, 8, 1, 2, 3, 9, 9, 1, 2, 3, 4, 4, 4]
-    req = Req(rid=0, prompt_ids=[40, 41], params=SamplingParams(), seed=0, max_len=99, prediction_ids=predicted)
+    opts = RequestOptions(prediction_ids=predicted)
+    req = Req(rid=0, prompt_ids=[40, 41], params=SamplingParams(), seed=0, max_len=99, options=opts)
     drafter = Drafter(None, 2, 3)
     req.output_ids = [5, 6, 7]
     assert drafter.draft(req, 3) == [8, 1, 2]
