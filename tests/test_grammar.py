@@ -385,7 +385,7 @@ def test_structured_output_without_xgrammar_is_refused_by_name(llm):
     backend = llm.scheduler.grammar
     backend.available = False
     try:
-        with pytest.raises(ValueError, match=r"json_schema: .*minisgl\[grammar\]"):
+        with pytest.raises(ValueError, match=r"json_schema: .*pip install xgrammar"):
             llm.generate("Hi", SamplingParams(max_new_tokens=4, json_schema='{"type": "object"}'))
         assert llm.generate("Hi", SamplingParams(max_new_tokens=2))[0]["output_ids"]
     finally:
