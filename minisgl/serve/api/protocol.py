@@ -37,12 +37,15 @@ def decode(body: bytes, kind: type, schema: Schema | None = None) -> Any:
         raise BadRequest("the request body is empty; send a JSON object")
     try:
         raw = msgspec.json.decode(body)
-    except msgspec.DecodeError as e:
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:
         if _SURROGATE.search(body):  # msgspec calls a lone surrogate escape "truncated"
             raise BadRequest("malformed JSON: a \\u escape is a lone UTF-16 surrogate (not a character)") from None
+        try:  # (msgspec 0.23 reports bad UTF-8 as a DecodeError, older ones as UnicodeDecodeError)
+            body.decode()
+        except UnicodeDecodeError as bad:
+            where = f"{bad.reason} at byte {bad.start}"
+            raise BadRequest(f"malformed JSON: a string is not valid UTF-8 ({where})") from None
         raise BadRequest(f"malformed JSON: {e}") from None
-    except UnicodeDecodeError as e:
-        raise BadRequest(f"malformed JSON: a string is not valid UTF-8 ({e.reason} at byte {e.start})") from None
     except RecursionError:
         raise BadRequest("malformed JSON: nested too deeply") from None
     if not isinstance(raw, dict):
