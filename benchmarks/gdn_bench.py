@@ -14,23 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import torch
 
-from minisgl.checkpoint.model_config import ModelConfig
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-
-def timed(fn, iters: int = 50) -> float:
-    """Seconds per call (CUDA events, after warm-up)."""
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / iters
+from benchmarks.fp8_prefill_bench import timed  # noqa: E402 (milliseconds a call)
+from minisgl.checkpoint.model_config import ModelConfig  # noqa: E402
 
 
 def main() -> None:
@@ -61,13 +53,14 @@ def main() -> None:
 
         n = min(b, FLA_DECODE_ROWS)  # (the kernel alone: one run of the rows fla_gated_delta gives it)
         state = torch.zeros(n, hv, k, v, device=dev)
-        layer = timed(lambda: fla_gated_delta(q, kk, vv, g, beta, ssm, Pool))
+        layer = timed(lambda: fla_gated_delta(q, kk, vv, g, beta, ssm, Pool), 50) / 1e3
         kernel = (b // n) * timed(
             lambda: fused_recurrent_gated_delta_rule(
                 q[:n, None], kk[:n, None], vv[:n, None], g[:n, None], beta[:n, None], scale=1.0, initial_state=state,
                 output_final_state=True,
-            )
-        )  # fmt: skip
+            ),
+            50,
+        ) / 1e3  # fmt: skip
         floor = 2 * b * hv * k * v * 4 / args.bandwidth
         row = {"decode_batch": b, "layer_us": layer * 1e6, "kernel_us": kernel * 1e6, "floor_us": floor * 1e6}
         print(json.dumps({**row, "layer_over_floor": layer / floor, "kernel_over_floor": kernel / floor}))
@@ -79,11 +72,14 @@ def main() -> None:
         g, beta = -torch.rand(1, t, hv, device=dev) * 0.1, torch.rand(1, t, hv, device=dev)
         cu = torch.arange(0, t + 1, args.prompt, device=dev)
         h0 = torch.zeros(b, hv, k, v, device=dev)
-        secs = timed(
-            lambda: chunk_gated_delta_rule(
-                q, kk, vv, g, beta, scale=1.0, initial_state=h0, output_final_state=True, cu_seqlens=cu
-            ),
-            iters=10,
+        secs = (
+            timed(
+                lambda: chunk_gated_delta_rule(
+                    q, kk, vv, g, beta, scale=1.0, initial_state=h0, output_final_state=True, cu_seqlens=cu
+                ),
+                10,
+            )
+            / 1e3
         )
         print(json.dumps({"prefill_prompts": b, "tokens": t, "ms": secs * 1e3, "tokens_per_s": t / secs}))
 

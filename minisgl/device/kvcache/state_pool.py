@@ -65,10 +65,6 @@ class StatePool:
         self.cu_seqlens = torch.zeros(1, dtype=torch.int64, device=device)  # the step's token offsets
         self.decode = False
 
-    @property
-    def nbytes(self) -> int:
-        return self.conv.nbytes + self.ssm.nbytes
-
     def copy(self, pairs: list[int]) -> None:
         """Copy row ``pairs[2i]`` into row ``pairs[2i + 1]`` (snapshots in and out of requests)."""
         if pairs:

@@ -21,6 +21,7 @@ from torch import nn
 
 from minisgl.checkpoint.model_config import ModelConfig
 from minisgl.device.distributed import get_tp_info
+from minisgl.device.kernels.fused import rmsnorm_torch
 from minisgl.device.kvcache.state_pool import get_state_pool
 from minisgl.device.layers.linear import ColumnParallelLinear, RowParallelLinear
 from minisgl.utils import divide
@@ -155,8 +156,7 @@ class GatedDeltaNet(nn.Module):
             self.in_proj_z = ColumnParallelLinear(h, [hv * self.dv])
             self.in_proj_b = ColumnParallelLinear(h, [hv])
             self.in_proj_a = ColumnParallelLinear(h, [hv])
-        self.conv_parts = [hk * self.dk, hk * self.dk, hv * self.dv]  # the full q|k|v channels
-        self.conv1d = ConvWeight(self.conv_parts, config.linear_conv_kernel_dim)
+        self.conv1d = ConvWeight([hk * self.dk, hk * self.dk, hv * self.dv], config.linear_conv_kernel_dim)
         self.A_log = nn.Parameter(torch.empty(self.hv), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(self.hv), requires_grad=False)
         for p in (self.A_log, self.dt_bias):
@@ -218,6 +218,5 @@ class GatedDeltaNet(nn.Module):
                     for slot, s, n in pool.segments
                 ]
             )  # fmt: skip
-        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps)
-        o = (self.norm.weight * o.to(x.dtype)) * F.silu(z.float())
+        o = rmsnorm_torch(o.to(x.dtype), self.norm.weight, self.eps) * F.silu(z.float())
         return self.out_proj(o.to(x.dtype).reshape(t, -1))

@@ -121,6 +121,7 @@ class ModelRunner:
                 init_fused_all_reduce_norm(args.graph_batch_size, self.config.hidden_size)  # bound: derived later
         self.num_kv_heads = max(1, self.config.num_kv_heads // tp.size)
         self.num_qo_heads = self.config.num_heads // tp.size
+        self.kv_layers = len(self.config.attention_layers)  # (a hybrid's DeltaNet layers keep no KV)
         self.model = load_model(
             self.model_dir,
             self.config,
@@ -144,6 +145,8 @@ class ModelRunner:
         self.routed: RoutedExperts | None = None
         self.graphs = None
         self.piecewise = None
+        if self.config.is_hybrid and self.device.type == "cuda" and args.max_running_requests is None:
+            args.max_running_requests = HYBRID_MAX_RUNNING  # (sizes the state pool before the KV pool)
         self._slots(WARMUP_ROWS)
         self.num_pages = self._profile_num_pages()
         # Slots (page-table rows, sampling state) once the pool size says how many may run.
@@ -284,7 +287,7 @@ class ModelRunner:
         return MHAKVCache(
             num_pages,
             self.page_size,
-            len(self.config.attention_layers),
+            self.kv_layers,
             self.num_kv_heads,
             self.config.head_dim,
             self.kv_dtype,
@@ -333,7 +336,7 @@ class ModelRunner:
             dtype=str(self.dtype),
             kv_dtype=str(self.kv_dtype),
             page_size=self.page_size,
-            layers=len(c.attention_layers),
+            layers=self.kv_layers,
             kv_heads=self.num_kv_heads,
             head_dim=c.head_dim,
             tp=get_tp_info().size,
@@ -361,7 +364,7 @@ class ModelRunner:
     @property
     def kv_bytes_per_page(self) -> int:
         return MHAKVCache.bytes_per_page(
-            self.page_size, len(self.config.attention_layers), self.num_kv_heads, self.config.head_dim, self.kv_dtype
+            self.page_size, self.kv_layers, self.num_kv_heads, self.config.head_dim, self.kv_dtype
         )
 
     def _profile_num_pages(self) -> int:
@@ -430,12 +433,10 @@ class ModelRunner:
 
     def _state_pool_bytes(self) -> int:
         """What a hybrid model's state pool will take: every slot's state and as many snapshots.
-        Its requests are bounded up front (HYBRID_MAX_RUNNING unless given): their states, tens
-        of MB each, rather than the KV pool, decide how many fit."""
+        Its requests are bounded up front (``__init__``): their states, tens of MB each, rather than
+        the KV pool, decide how many fit."""
         if not self.config.is_hybrid:
             return 0
-        if self.args.max_running_requests is None:
-            self.args.max_running_requests = HYBRID_MAX_RUNNING
         n = self.args.max_running_requests
         return (n + 1 + self._snapshots(n)) * StateShape.of(self.config).bytes_per_slot(self._ssm_dtype, self.dtype)
 

@@ -11,10 +11,10 @@ node the chunk's pages end at), cutting the prompt's chunks there: at the last p
 before each prompt's last token, so that the next turn of a conversation and every sample of
 the prompt start from it; and where the prompt leaves the cached pages (``kv_depth``: a branch
 point with no snapshot yet, such as the end of a system prompt that another request computed on
-its way to its own question), so that the prompts after it that share it start from there. A snapshot is written by
-the step that computes its prefix; steps run in order on the worker, so it is usable from the
-next step on (``ready``) and a request admitted meanwhile whose path has one coming waits for it
-(``pending``) rather than computing the prefix again. Snapshots live and die with their nodes
+its way to its own question), so that the prompts after it that share it start from there. A
+snapshot is written by the step that computes its prefix; steps run in order on the worker, so
+it is usable from the next step on (``ready``) and a request admitted meanwhile whose path has
+one coming waits for it (``pending``) rather than computing the prefix again. Snapshots live and die with their nodes
 (evicting a node's pages frees its snapshot); when rows run out, the least recently used
 snapshot that is written goes first, its pages staying for the KV they hold.
 """
@@ -88,10 +88,6 @@ class SnapshotRadixCacheManager(RadixCacheManager):
             return
         node.snapshot, node.snapshot_step = row, self.now
         self.holders[row] = node
-
-    def give_back(self, row: int) -> None:
-        """A row taken for a snapshot that was not attached."""
-        self.free_rows.append(row)
 
     def _drop(self, node: _Node) -> None:
         row, node.snapshot = node.snapshot, None
