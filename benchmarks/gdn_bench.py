@@ -2,12 +2,14 @@
 
     python benchmarks/gdn_bench.py --model benchmarks/configs/qwen3.5-35b-a3b
 
-Decode: one token for each of B requests through ``fla_gated_delta`` as the model calls it
-(states gathered from the pool's rows, FLA's fused recurrent step, states scattered back), and
-FLA's kernel alone on a contiguous state; the floor is every request's float32 state read and
-written once over the device's copy bandwidth (``--bandwidth``, read + write bytes a second).
-Prefill: FLA's varlen chunked kernel over B prompts of ``--prompt`` tokens, in tokens a second.
-Prints one JSON line per measurement.
+Decode: one token for each of B requests whose states sit in scattered rows of a pool twice as
+large: the project's step (``kernels/gdn_step.py``: the conv and the gated delta rule in place
+by slot), replayed from a CUDA graph as the server runs it and launched eagerly; and for
+comparison flash-linear-attention's fused recurrent step on states already gathered into a
+contiguous batch. The floor is every request's float32 state read and written once over the
+device's copy bandwidth (``--bandwidth``, read + write bytes a second). Prefill: FLA's varlen
+chunked kernel over B prompts of ``--prompt`` tokens, in tokens a second. Prints one JSON line
+per measurement.
 """
 
 from __future__ import annotations
@@ -25,6 +27,20 @@ from benchmarks.fp8_prefill_bench import timed  # noqa: E402 (milliseconds a cal
 from minisgl.checkpoint.model_config import ModelConfig  # noqa: E402
 
 
+def graphed(fn) -> float:
+    """Microseconds a call of ``fn`` replayed from a CUDA graph (ten calls to a graph)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(10):
+            fn()
+    return timed(graph.replay, 20) * 1e3 / 10
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
@@ -34,36 +50,40 @@ def main() -> None:
     args = ap.parse_args()
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
-    from minisgl.device.layers.gated_delta import FLA_DECODE_ROWS, fla_gated_delta, l2norm
+    from minisgl.device.kernels.gdn_step import conv_step, delta_step
+    from minisgl.device.layers.gated_delta import l2norm
 
     c = ModelConfig.from_path(args.model)
-    hv, k, v = c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    hk, hv, k, v = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    channels, width = 2 * hk * k + hv * v, c.linear_conv_kernel_dim - 1
     dev = torch.device("cuda")
     for b in args.batches:
-        pool_rows = 2 * (b + 1)
-        ssm = torch.zeros(pool_rows, hv, k, v, device=dev)
-        q = l2norm(torch.randn(b, hv, k, device=dev)) * k**-0.5
-        kk = l2norm(torch.randn(b, hv, k, device=dev))
-        vv = torch.randn(b, hv, v, device=dev)
-        g, beta = -torch.rand(b, hv, device=dev), torch.rand(b, hv, device=dev)
-
-        class Pool:  # what fla_gated_delta reads of the StatePool
-            slots = torch.arange(1, b + 1, device=dev)
-            decode = True
-
-        n = min(b, FLA_DECODE_ROWS)  # (the kernel alone: one run of the rows fla_gated_delta gives it)
-        state = torch.zeros(n, hv, k, v, device=dev)
-        layer = timed(lambda: fla_gated_delta(q, kk, vv, g, beta, ssm, Pool), 50) / 1e3
-        kernel = (b // n) * timed(
+        rows = 2 * b + 1
+        slots = torch.randperm(rows, device=dev)[:b]
+        ssm = torch.zeros(rows, hv, k, v, device=dev)
+        bf16 = {"device": dev, "dtype": torch.bfloat16}
+        conv = torch.zeros(rows, channels, width, **bf16)
+        x, weight = torch.randn(b, channels, **bf16), torch.randn(channels, width + 1, **bf16)
+        a, bb = torch.randn(b, hv, **bf16), torch.randn(b, hv, **bf16)
+        a_log, dt_bias = torch.rand(hv, device=dev), torch.rand(hv, device=dev)
+        step = lambda: delta_step(x, a, bb, a_log, dt_bias, ssm, slots, hk)  # noqa: E731
+        conv_us = graphed(lambda: conv_step(x, weight, conv, slots))
+        step_us, eager_us = graphed(step), timed(step, 50) * 1e3
+        q = l2norm(torch.randn(b, 1, hv, k, device=dev)) * k**-0.5
+        kk = l2norm(torch.randn(b, 1, hv, k, device=dev))
+        vv = torch.randn(b, 1, hv, v, device=dev)
+        g, beta = -torch.rand(b, 1, hv, device=dev), torch.rand(b, 1, hv, device=dev)
+        state = torch.zeros(b, hv, k, v, device=dev)
+        fla_us = timed(
             lambda: fused_recurrent_gated_delta_rule(
-                q[:n, None], kk[:n, None], vv[:n, None], g[:n, None], beta[:n, None], scale=1.0, initial_state=state,
-                output_final_state=True,
+                q, kk, vv, g, beta, scale=1.0, initial_state=state, output_final_state=True
             ),
             50,
-        ) / 1e3  # fmt: skip
-        floor = 2 * b * hv * k * v * 4 / args.bandwidth
-        row = {"decode_batch": b, "layer_us": layer * 1e6, "kernel_us": kernel * 1e6, "floor_us": floor * 1e6}
-        print(json.dumps({**row, "layer_over_floor": layer / floor, "kernel_over_floor": kernel / floor}))
+        ) * 1e3  # fmt: skip
+        floor = 2 * b * hv * k * v * 4 / args.bandwidth * 1e6
+        row = {"decode_batch": b, "step_graphed_us": step_us, "step_eager_us": eager_us, "conv_graphed_us": conv_us}
+        row |= {"fla_contiguous_us": fla_us, "floor_us": floor, "step_over_floor": step_us / floor}
+        print(json.dumps(row), flush=True)
     for b in (1, 8):
         t = b * args.prompt
         q = l2norm(torch.randn(1, t, hv, k, device=dev)) * k**-0.5

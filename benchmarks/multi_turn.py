@@ -13,7 +13,8 @@ runs compare:
 - ``device``: the capped pool alone (evicted history is prefilled again);
 - ``hicache``: the capped pool plus the host tier (``--enable-hierarchical-cache``, a host pool
   holding the whole working set);
-- ``big``: a device pool holding everything (the hit rate the host tier should come close to).
+- ``big``: a device pool holding everything (the hit rate the host tier should come close to);
+- ``no-radix``: the same pool with the radix cache off (every turn prefills its whole history).
 
 Reports throughput, prompt tokens computed, the hit rate by tier and, online, TTFT p50/p90.
 Offline, the LLM API runs each wave of ``--max-parallel`` turns as one ``generate`` call; online,
@@ -39,7 +40,7 @@ from benchmarks.online_serving import client_session, stream_generate, summary  
 from benchmarks.server import start_server  # noqa: E402
 from benchmarks.workloads import save_result  # noqa: E402
 
-MODES = ("device", "hicache", "big")
+MODES = ("device", "hicache", "big", "no-radix")
 
 
 def histories(args: argparse.Namespace, vocab: int) -> list[list[int]]:
@@ -79,7 +80,9 @@ def engine_flags(args: argparse.Namespace, mode: str) -> dict:
     """EngineArgs of a mode: the device pool size, and the host tier's."""
     total = working_set(args)
     small = args.max_total_tokens or int(total // args.oversubscribe)
-    flags = {"max_total_tokens": int(total * 1.25) if mode == "big" else small}
+    flags = {"max_total_tokens": int(total * 1.25) if mode in ("big", "no-radix") else small}
+    if mode == "no-radix":
+        flags["disable_radix_cache"] = True
     if mode == "hicache":
         flags.update(
             enable_hierarchical_cache=True, hicache_ratio=1.25 * total / small, hicache_write_policy=args.write_policy
@@ -208,7 +211,7 @@ def main() -> None:
     ap.add_argument("--max-total-tokens", type=int, default=None, help="device pool (overrides --oversubscribe)")
     ap.add_argument("--write-policy", default="write_through")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    ap.add_argument("--modes", nargs="+", default=list(MODES[:3]), choices=MODES)
     ap.add_argument("--online", action="store_true", help="through HTTP (a server per mode), with TTFT")
     ap.add_argument("--port", type=int, default=30123)
     ap.add_argument("--engine-args", default="", help="more EngineArgs as k=v,k=v (e.g. device=cpu,dtype=float32)")
@@ -230,6 +233,8 @@ def main() -> None:
             + "".join(f"{row[k]:17.3f}" if isinstance(row[k], float) else f"{row[k]:17d}" for k in keys)
         )
     by = {r["mode"]: r for r in rows}
+    if "big" in by and "no-radix" in by and args.online:
+        print(f"radix / no radix: TTFT p50 {by['big']['ttft_p50'] / by['no-radix']['ttft_p50']:.2f}x")
     if "device" in by and "hicache" in by:
         print(
             f"hicache / device: throughput {by['hicache']['total_tok_per_s'] / by['device']['total_tok_per_s']:.2f}x"

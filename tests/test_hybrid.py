@@ -298,3 +298,20 @@ def test_hybrid_bf16_on_cuda_agrees_with_fp32(tmp_path):
     want = [o["output_ids"] for o in run(path, PROMPTS)]
     out = run(path, PROMPTS, device="cuda", dtype="bfloat16")
     assert sum(o["output_ids"][:4] == w[:4] for o, w in zip(out, want)) >= len(PROMPTS) - 1
+
+
+@pytest.mark.cuda
+def test_hybrid_decode_in_cuda_graphs_equals_eager(tmp_path):
+    """Decode steps replayed from CUDA graphs (the state pool's rows stepped in place by slot)
+    give the eager steps' tokens, with the radix cache on (a warm prompt's snapshot) and off."""
+    path = make_tiny_model("qwen3_5_moe", tmp_path / "hd128", overrides={"head_dim": 128})
+    kw = {"device": "cuda", "dtype": "bfloat16", "max_total_tokens": 4096}
+    eager = LLM(str(path), disable_cuda_graph=True, **kw)
+    want = [o["output_ids"] for o in eager.generate(PROMPTS, GREEDY)]
+    del eager
+    for radix_off in (False, True):
+        llm = LLM(str(path), disable_radix_cache=radix_off, **kw)
+        assert llm.runner.graphs is not None and llm.runner.piecewise is None
+        llm.generate(PROMPTS[:1], GREEDY)
+        assert [o["output_ids"] for o in llm.generate(PROMPTS, GREEDY)] == want
+        llm.scheduler.check_integrity()

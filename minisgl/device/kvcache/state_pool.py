@@ -64,6 +64,7 @@ class StatePool:
         self.slots = torch.zeros(0, dtype=torch.int64, device=device)
         self.cu_seqlens = torch.zeros(1, dtype=torch.int64, device=device)  # the step's token offsets
         self.decode = False
+        self.graph_slots: torch.Tensor | None = None  # (CUDA graphs) the buffer the captured steps read
 
     def copy(self, pairs: list[int]) -> None:
         """Copy row ``pairs[2i]`` into row ``pairs[2i + 1]`` (snapshots in and out of requests)."""
@@ -72,10 +73,14 @@ class StatePool:
             self.conv[:, index[:, 1]] = self.conv[:, index[:, 0]]
             self.ssm[:, index[:, 1]] = self.ssm[:, index[:, 0]]
 
-    def prepare(self, meta: AttentionMetadata, loads: list[int]) -> None:
+    def init_cuda_graph(self, max_bs: int) -> None:
+        self.graph_slots = torch.zeros(max_bs, dtype=torch.int64, device=self.conv.device)
+
+    def prepare(self, meta: AttentionMetadata, loads: list[int], graph: bool = False) -> None:
         """The step's requests: their slots and where their tokens sit; the rows of those that
         start from nothing are zeroed (a slot's last owner left its state there), those that
-        start from a cached prefix get its snapshot (``loads``: snapshot, slot pairs)."""
+        start from a cached prefix get its snapshot (``loads``: snapshot, slot pairs). With
+        ``graph`` the slots go into the buffer captured decode steps read."""
         starts, row = [], 0
         for n in meta.new_lens:
             starts.append(row)
@@ -83,6 +88,9 @@ class StatePool:
         self.segments = list(zip(meta.slots, starts, meta.new_lens))
         self.decode = all(n == 1 for n in meta.new_lens)
         self.slots = torch.tensor(meta.slots, dtype=torch.int64).to(self.conv.device, non_blocking=True)
+        if graph:
+            self.graph_slots[: len(meta.slots)].copy_(self.slots)
+            self.slots = self.graph_slots[: len(meta.slots)]
         self.cu_seqlens = torch.tensor([*starts, row], dtype=torch.int64).to(self.conv.device, non_blocking=True)
         set_state_pool(self)
         fresh = [s for s, c in zip(meta.slots, meta.cached_lens) if c == 0]

@@ -66,36 +66,20 @@ def gated_delta_rule(
     return torch.stack(out, dim=1)
 
 
-FLA_DECODE_ROWS = 64
-
-
-def fla_gated_delta(
+def fla_chunked(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, ssm: torch.Tensor, pool
 ) -> torch.Tensor:
-    """``gated_delta_rule`` for every request of the step in flash-linear-attention's kernels
-    (normalised, scaled q and normalised k of every value head, float32): states gathered from
-    the pool's rows and written back."""
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    """``gated_delta_rule`` over every prompt chunk of the step in flash-linear-attention's varlen
+    chunked kernel (normalised, scaled q and normalised k of every value head, float32): states
+    gathered from the pool's rows and written back."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    h0 = ssm[pool.slots]
-    if pool.decode:  # (in runs of FLA_DECODE_ROWS: fla-core 0.6's step faulted at 256 rows of 32 x 128 x 128)
-        parts = [
-            fused_recurrent_gated_delta_rule(
-                q[i : i + FLA_DECODE_ROWS, None], k[i : i + FLA_DECODE_ROWS, None], v[i : i + FLA_DECODE_ROWS, None],
-                g[i : i + FLA_DECODE_ROWS, None], beta[i : i + FLA_DECODE_ROWS, None], scale=1.0,
-                initial_state=h0[i : i + FLA_DECODE_ROWS], output_final_state=True,
-            )
-            for i in range(0, q.shape[0], FLA_DECODE_ROWS)
-        ]  # fmt: skip
-        o, ht = torch.cat([o for o, _ in parts])[:, 0], torch.cat([h for _, h in parts])
-    else:
-        o, ht = chunk_gated_delta_rule(
-            q[None], k[None], v[None], g[None], beta[None], scale=1.0, initial_state=h0,
-            output_final_state=True, cu_seqlens=pool.cu_seqlens,
-        )  # fmt: skip
-        o = o[0]
+    o, ht = chunk_gated_delta_rule(
+        q[None], k[None], v[None], g[None], beta[None], scale=1.0, initial_state=ssm[pool.slots],
+        output_final_state=True, cu_seqlens=pool.cu_seqlens,
+    )  # fmt: skip
     ssm[pool.slots] = ht.to(ssm.dtype)
-    return o
+    return o[0]
 
 
 class SplitColumnLinear(ColumnParallelLinear):
@@ -188,6 +172,19 @@ class GatedDeltaNet(nn.Module):
         pool = get_state_pool()
         qkv, z, b, a = self._project(x)
         conv, ssm = pool.conv[self.index], pool.ssm[self.index]
+        if x.is_cuda and pool.decode:  # in place by slot, in two kernels (CUDA graphs replay them)
+            from minisgl.device.kernels.gdn_step import conv_step, delta_step
+
+            mixed = conv_step(qkv.contiguous(), self.conv1d.weight, conv, pool.slots)
+            o = delta_step(mixed, a.contiguous(), b.contiguous(), self.A_log, self.dt_bias, ssm, pool.slots, self.hk)
+        else:
+            o = self._mix(qkv, b, a, conv, ssm, pool)
+        o = rmsnorm_torch(o.to(x.dtype), self.norm.weight, self.eps) * F.silu(z.float())
+        return self.out_proj(o.to(x.dtype).reshape(x.shape[0], -1))
+
+    def _mix(self, qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor, pool):
+        """The conv and the gated delta rule in torch (FLA's chunked kernel for GPU prefill):
+        o [T, Hv, dv] float32, the requests' rows of ``conv`` and ``ssm`` updated."""
         weight = self.conv1d.weight
         if pool.decode:
             states = conv[pool.slots]
@@ -195,28 +192,26 @@ class GatedDeltaNet(nn.Module):
             conv[pool.slots] = states
         else:
             mixed = torch.cat([causal_conv(qkv[s : s + n], weight, conv[slot]) for slot, s, n in pool.segments])
-        t = x.shape[0]
+        t = qkv.shape[0]
         q, k, v = mixed.split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], dim=-1)
         q = l2norm(q.reshape(t, self.hk, self.dk).float()).repeat_interleave(self.ratio, dim=1) * self.dk**-0.5
         k = l2norm(k.reshape(t, self.hk, self.dk).float()).repeat_interleave(self.ratio, dim=1)
         v = v.reshape(t, self.hv, self.dv).float()
         beta = b.float().sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        if x.is_cuda:  # flash-linear-attention's kernels: the varlen chunked form, or one step
-            o = fla_gated_delta(q, k, v, g, beta, ssm, pool)
-        elif pool.decode:  # one token per request: every request in one batched step
+        if qkv.is_cuda:
+            return fla_chunked(q, k, v, g, beta, ssm, pool)
+        if pool.decode:  # one token per request: every request in one batched step
             states = ssm[pool.slots]
             o = gated_delta_rule(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], states)[:, 0]
             ssm[pool.slots] = states
-        else:
-            o = torch.cat(
-                [
-                    gated_delta_rule(
-                        q[None, s : s + n], k[None, s : s + n], v[None, s : s + n], g[None, s : s + n],
-                        beta[None, s : s + n], ssm[slot : slot + 1],
-                    )[0]
-                    for slot, s, n in pool.segments
-                ]
-            )  # fmt: skip
-        o = rmsnorm_torch(o.to(x.dtype), self.norm.weight, self.eps) * F.silu(z.float())
-        return self.out_proj(o.to(x.dtype).reshape(t, -1))
+            return o
+        return torch.cat(
+            [
+                gated_delta_rule(
+                    q[None, s : s + n], k[None, s : s + n], v[None, s : s + n], g[None, s : s + n],
+                    beta[None, s : s + n], ssm[slot : slot + 1],
+                )[0]
+                for slot, s, n in pool.segments
+            ]
+        )  # fmt: skip

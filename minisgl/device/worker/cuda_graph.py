@@ -95,6 +95,8 @@ class CudaGraphRunner:
         self.keep_hidden = runner.args.enable_return_hidden_states
         self.hidden: torch.Tensor | None = None
         runner.attn.init_cuda_graph(max_bs, runner.page_table_host.shape[1])
+        if runner.states is not None:  # (hybrids) the state pool's slots, read in place by the graphs
+            runner.states.init_cuda_graph(max_bs)
         self._capture()
 
     def _pad(self, batch: ForwardBatch, size: int) -> ForwardBatch:
@@ -108,6 +110,8 @@ class CudaGraphRunner:
         meta = self.inputs.load(self.runner, batch)
         self.runner.attn.prepare(meta, graph_batch_size=len(batch.slots))
         set_attention_backend(self.runner.attn)
+        if self.runner.states is not None:
+            self.runner.states.prepare(meta, batch.state_loads, graph=True)
 
     def _run_model(self, size: int, out: torch.Tensor | None = None) -> torch.Tensor:
         model = self.runner.model

@@ -147,7 +147,7 @@ class ModelRunner:
         self.piecewise = None
         if self.config.is_hybrid and self.device.type == "cuda" and args.max_running_requests is None:
             args.max_running_requests = HYBRID_MAX_RUNNING  # (sizes the state pool before the KV pool)
-        self._slots(WARMUP_ROWS)
+        self._slots(WARMUP_ROWS, warmup=True)
         self.num_pages = self._profile_num_pages()
         # Slots (page-table rows, sampling state) once the pool size says how many may run.
         self._slots(args.derive_max_running_requests(self.num_pages * self.page_size, self.device.type == "cuda"))
@@ -180,6 +180,14 @@ class ModelRunner:
             self.kv_dtype,
             self.device,
         )
+        if self.states is not None:
+            logger.info(
+                "Gated DeltaNet states: %d request slots and %d snapshots (%.2f GiB, %.1f MiB each)",
+                self.max_slots,
+                len(self.snapshot_rows),
+                (self.states.conv.nbytes + self.states.ssm.nbytes) / 2**30,
+                (self.states.conv.nbytes + self.states.ssm.nbytes) / self.states.conv.shape[1] / 2**20,
+            )
 
     # ---- set-up -------------------------------------------------------------------------------
 
@@ -192,7 +200,6 @@ class ModelRunner:
             and args.cuda_graph_max_bs != 0
             and not args.disable_cuda_graph
             and self.attn.supports_cuda_graph
-            and not self.config.is_hybrid  # (their Gated DeltaNet steps run eagerly for now)
         )
 
     def capture_graphs(self) -> bool:
@@ -221,8 +228,8 @@ class ModelRunner:
         all-reduces captured with them at tp > 1): none without CUDA graphs; at most the largest
         prefill step."""
         args = self.args
-        if not self._graphs_enabled() or args.disable_piecewise_cuda_graph:
-            return []
+        if not self._graphs_enabled() or args.disable_piecewise_cuda_graph or self.config.is_hybrid:
+            return []  # (a hybrid's prefill conv runs per request in Python: not captured)
         from minisgl.device.worker.piecewise_graph import token_sizes
 
         limit = min(args.piecewise_cuda_graph_max_tokens, args.prefill_budget(self.context_len))
@@ -262,9 +269,11 @@ class ModelRunner:
         )
         return lora_rows
 
-    def _slots(self, n: int) -> None:
+    def _slots(self, n: int, warmup: bool = False) -> None:
         """Page-table rows, last sampled tokens and sampling state for ``n`` requests, plus the
-        padding row of CUDA-graph batches (it points at the scratch page)."""
+        padding row of CUDA-graph batches (it points at the scratch page). The ``warmup`` step
+        runs one request: a hybrid's state pool has its row alone then (a row is tens of MB,
+        and what the pool will take is set aside from the budget the warm-up measures)."""
         self.max_slots = self.pad_slot = n
         # On the host only: attention backends cut their page lists from it (AttentionMetadata).
         self.page_table_host = np.zeros((n + 1, cdiv(self.context_len, self.page_size)), dtype=np.int32)
@@ -281,7 +290,8 @@ class ModelRunner:
         self.sampler = Sampler(n, self.vocab_size, self.device)
         self.adapter_of_slot = np.full(n + 1, -1, dtype=np.int64)  # each request's LoRA slot (-1: none)
         # (hybrids) each slot's state, then the prefix cache's snapshots
-        self.states = make_state_pool(self.config, n + 1 + self._snapshots(n), self._ssm_dtype, self.dtype, self.device)
+        rows = 1 if warmup else n + 1 + self._snapshots(n)
+        self.states = make_state_pool(self.config, rows, self._ssm_dtype, self.dtype, self.device)
 
     def _make_cache(self, num_pages: int) -> MHAKVCache:
         return MHAKVCache(
@@ -578,7 +588,10 @@ class ModelRunner:
         self._extras = {}
         if self.graphs is not None and self.graphs.can_run(batch):
             self._load_graph(batch)
-            return self._replay_graph(batch, gather)
+            logits = self._replay_graph(batch, gather)
+            if batch.state_saves:
+                self.states.copy(batch.state_saves)
+            return logits
         if self.piecewise is not None and self.piecewise.can_run(batch):
             hidden = self.piecewise.forward(batch)
         else:
