@@ -73,8 +73,6 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         )
     if ns.enable_weight_update_from_tensor and not ns.api_key and ns.host not in LOOPBACK:
         ap.error(f"--enable-weight-update-from-tensor on {ns.host} needs --api-key: its payload is unpickled")
-    for name in ("trust_remote_code", "enable_metrics", "enable_cache_report", "skip_server_warmup"):
-        delattr(ns, name)
     normalize_engine_args(ns)
     return ServerArgs(**vars(ns))
 

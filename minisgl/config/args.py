@@ -1,5 +1,6 @@
-"""Every knob in one place: EngineArgs (the engine, shared by the offline API and the launcher),
-ServerArgs (the HTTP server), and the one definition of every flag (``build_parser``)."""
+"""Every knob in one place: EngineArgs (the engine, shared by the offline API and the launcher)
+and ServerArgs (the HTTP server). Each field carries its flag's help, group and SGLang aliases,
+and the command line is generated from them (``build_parser``): a new setting is one field."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import argparse
 import json
 import logging
 import os
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, Field, dataclass, field, fields
+from typing import Any
 
 from minisgl.config.sglang_flags import ATTENTION_BACKENDS, add_sglang_flags
 from minisgl.serve.parsers.reasoning import PARSERS as REASONING_PARSERS
@@ -40,91 +42,342 @@ ROUTER_POLICIES = (
 )
 
 
+# The --help groups, in the order they are listed.
+MODEL, DEVICE, SCHED = "model", "device and memory", "scheduling and prefix cache"
+HICACHE = "hierarchical cache (host memory and disk under the prefix cache)"
+PARALLEL, SPEC, LORA = "parallelism", "speculative decoding", "LoRA adapters"
+SERVER, LIMITS = "server", "limits (what one request may ask for)"
+GROUPS = (MODEL, DEVICE, SCHED, HICACHE, PARALLEL, SPEC, LORA, SERVER, LIMITS)
+
+
+def flag(group: str, help: str, *aliases: str, choices: Any = None, env: str | None = None) -> dict[str, Any]:
+    """A setting's flag: its --help group and text, other spellings (SGLang's), allowed values,
+    and an environment variable that gives its default."""
+    return {"group": group, "help": help, "aliases": aliases, "choices": choices, "env": env}
+
+
+def knob(default: Any, group: str, help: str, *aliases: str, **kw: Any) -> Any:
+    """A setting with a default and its flag (``flag``)."""
+    return field(default=default, metadata=flag(group, help, *aliases, **kw))
+
+
 @dataclass
 class EngineArgs:
-    model: str
-    tokenizer: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    load_format: str = "auto"
-    attention_backend: str = "auto"
+    model: str = field(
+        metadata=flag(MODEL, "local checkpoint folder, .gguf file, or Hugging Face hub id", "--model-path")
+    )
+    tokenizer: str | None = knob(None, MODEL, "tokenizer folder or hub id (default: the model's)", "--tokenizer-path")
+    dtype: str = knob("auto", MODEL, "auto, bfloat16, float16 or float32")
+    device: str = knob("auto", DEVICE, "auto (cuda if present, else cpu), cuda or cpu")
+    load_format: str = knob(
+        "auto",
+        MODEL,
+        "auto: safetensors, or GGUF for a .gguf file; dummy: random weights in the real shapes",
+        choices=["auto", "safetensors", "gguf", "dummy"],
+    )
+    attention_backend: str = knob(
+        "auto",
+        DEVICE,
+        "auto: FlashInfer (with our Triton decode kernel) on CUDA, torch elsewhere; torch_native "
+        "is SGLang's name for torch; SGLang's other backends (triton, fa3, ...) mean auto here",
+        choices=("auto", "torch", "torch_native", "flashinfer", *ATTENTION_BACKENDS),
+    )
     # Plain decode steps on CUDA: "triton", our kernel, which cascade steps also run on, so that
     # they return the same bits (minisgl/device/kernels/partial_attention.py); or FlashInfer's decode.
-    decode_attention_backend: str = "triton"
-    page_size: int = 16  # tokens per KV page; 16 decodes ~3% faster than 1 on FlashInfer (benchmarks/results)
-    mem_fraction_static: float = 0.88
-    max_total_tokens: int | None = None
+    decode_attention_backend: str = knob(
+        "triton",
+        DEVICE,
+        "plain decode steps with the flashinfer backend: triton (default), the kernel cascade "
+        "steps run on, so a request's tokens are bit-identical with cascade attention on or off; "
+        "or flashinfer, FlashInfer's decode kernel (faster on grouped batches with cascade off)",
+        choices=["flashinfer", "triton"],
+    )
+    page_size: int = knob(16, SCHED, "tokens per KV page")
+    mem_fraction_static: float = knob(0.88, DEVICE, "fraction of GPU memory for weights and KV cache")
+    max_total_tokens: int | None = knob(None, DEVICE, "KV cache size in tokens (overrides memory sizing)")
     # None: derived from the KV pool once it is sized (``derive_max_running_requests``).
-    max_running_requests: int | None = None
+    max_running_requests: int | None = knob(
+        None,
+        SCHED,
+        "most requests decoding at once (default: on a GPU one per 512 tokens of KV pool, 256 to 4096; on a CPU 256)",
+    )
     # Hybrid models' state pool: the recurrent states' element type, and how many prefix-cache
     # snapshots it keeps (None: as many as requests run at once, plus one).
-    mamba_ssm_dtype: str = "float32"
-    max_mamba_cache_size: int | None = None
-    chunked_prefill_size: int = 8192
-    context_length: int | None = None
-    tp_size: int = 1
+    mamba_ssm_dtype: str = knob(
+        "float32",
+        DEVICE,
+        "hybrid models (Gated DeltaNet): the recurrent states' element type in the state pool",
+        choices=["float32", "bfloat16"],
+    )
+    max_mamba_cache_size: int | None = knob(
+        None,
+        DEVICE,
+        "hybrid models: state snapshots the prefix cache keeps (default: --max-running-requests + "
+        "1); each is one request's recurrent state, tens of MB for the large models",
+    )
+    chunked_prefill_size: int = knob(8192, SCHED, "most prompt tokens of one request per step (-1: no chunking)")
+    context_length: int | None = knob(
+        None,
+        MODEL,
+        "longest prompt + output (default: the model's max_position_embeddings)",
+    )
+    tp_size: int = knob(1, PARALLEL, "tensor-parallel ranks (GPUs)", "--tensor-parallel-size")
     # A tensor-parallel group over several hosts: tp_size / nnodes ranks per node, every node
     # started with the same flags and its own --node-rank; they meet at dist_init_addr (host:port).
-    nnodes: int = 1
-    node_rank: int = 0
-    dist_init_addr: str | None = None
-    seed: int = 0
-    disable_radix_cache: bool = False
-    schedule_policy: str = "lpm"
-    disable_overlap_schedule: bool = False
-    enable_mixed_chunk: bool = False  # a prefill step also decodes one token for every running request
-    disable_cascade_attention: bool = False  # decode reads shared prefixes once per group (radix cache only)
+    nnodes: int = knob(1, PARALLEL, "hosts one tensor-parallel group spans")
+    node_rank: int = knob(0, PARALLEL, "this host's place among --nnodes (0 serves HTTP; the others run workers only)")
+    dist_init_addr: str | None = knob(
+        None,
+        PARALLEL,
+        "host:port of node 0 where the nodes meet (torch.distributed; ZeroMQ links to the other "
+        "nodes' workers take the ports after it)",
+        "--nccl-init-addr",
+    )
+    seed: int = knob(0, MODEL, "seed of sampling without a per-request seed, and of dummy weights", "--random-seed")
+    disable_radix_cache: bool = knob(False, SCHED, "no prefix cache: every prompt is computed in full")
+    schedule_policy: str = knob(
+        "lpm",
+        SCHED,
+        "admission order: lpm (longest cached prefix first, shared prefixes together), fcfs (arrival), random",
+        choices=["lpm", "fcfs", "random"],
+    )
+    disable_overlap_schedule: bool = knob(False, SCHED, "wait for each step's tokens before scheduling the next")
+    enable_mixed_chunk: bool = knob(
+        False,
+        SCHED,
+        "a prefill step also decodes one token for every running request (SGLang's flag), so an "
+        "arriving prompt does not stall the running ones (piecewise graphs; the decode rows keep "
+        "their cascade groups): with steady online traffic a lower p99 inter-token latency at "
+        "equal or higher throughput; on bursts a higher p99 (early requests decode through long "
+        "prefill steps)",
+    )
+    disable_cascade_attention: bool = knob(
+        False,
+        SCHED,
+        "decode every request over all its pages, even those it shares with others",
+    )
     # Speculative decoding drafted from the radix tree and each request's own tokens (NGRAM).
-    speculative_algorithm: str | None = None
-    speculative_num_draft_tokens: int = 8  # draft tokens verified per request per step, at most
-    speculative_ngram_min_match_window_size: int = 2
-    speculative_ngram_max_match_window_size: int = 6
-    speculative_ngram_capacity: int = 1 << 18  # index slots per match length (16 bytes each)
+    speculative_algorithm: str | None = knob(
+        None,
+        SPEC,
+        "NGRAM: while few requests decode, draft tokens from what followed their last tokens in "
+        "the radix tree (other samples, earlier requests) and in their own tokens, and verify "
+        "them in one step (greedy and seeded outputs unchanged); off by default",
+        choices=["NGRAM"],
+    )
+    speculative_num_draft_tokens: int = knob(8, SPEC, "draft tokens verified per request per step, at most")
+    speculative_ngram_min_match_window_size: int = knob(
+        2,
+        SPEC,
+        "shortest run of a request's last tokens matched to draft",
+    )
+    speculative_ngram_max_match_window_size: int = knob(
+        6,
+        SPEC,
+        "longest run of a request's last tokens matched to draft (longer matches are tried first)",
+    )
+    speculative_ngram_capacity: int = knob(
+        1 << 18,
+        SPEC,
+        "n-gram index slots per match length (16 bytes each; newer n-grams replace older ones)",
+    )
     # How verify steps meet the step before them: "late" (planned and loaded while it runs, drafts
     # sent once its tokens are back), "wait" (planned after it), "overlap" (planned and drafted
     # while it runs: drafts a token late or chained on a draft in flight).
-    speculative_schedule: str = "late"
+    speculative_schedule: str = knob(
+        "late",
+        SPEC,
+        "(minisgl) how a verify step meets the step before it. late: planned and loaded while "
+        "that step runs, its draft tokens sent once that step's tokens are back (drafts follow "
+        "every token, lengths corrected on the worker); wait: planned after that step's tokens "
+        "are back; overlap: planned and drafted while it runs (drafts a token late, or chained on "
+        "a draft in flight)",
+        choices=SPEC_SCHEDULES,
+    )
     # No verify step while more requests decode (vLLM's name): trying one at a full batch of a
     # large model costs several plain steps; a small model bound by the host may pay at any batch.
-    speculative_disable_by_batch_size: int = 32
-    cuda_graph_max_bs: int | None = None  # None: max_running_requests; 0 disables graphs
-    disable_cuda_graph: bool = False
+    speculative_disable_by_batch_size: int = knob(
+        32,
+        SPEC,
+        "(vLLM's name) no verify step while more requests decode; below it the measured rule "
+        "decides. Raise it for a small model bound by the host, where verify steps may pay at any "
+        "batch",
+    )
+    cuda_graph_max_bs: int | None = knob(
+        None,
+        DEVICE,
+        "largest decode batch run from a CUDA graph (default: max-running-requests; 0: off)",
+    )
+    disable_cuda_graph: bool = knob(False, DEVICE, "run every step eagerly")
     # Prefill steps of up to this many tokens replay CUDA graphs of the layers' pieces between
     # attentions (worker/piecewise_graph.py), padded to the next size captured.
-    disable_piecewise_cuda_graph: bool = False
-    piecewise_cuda_graph_max_tokens: int = 8192
-    piecewise_cuda_graph_tokens: list[int] | None = None  # the sizes captured (default: a ladder to the maximum)
-    disable_custom_all_reduce: bool = False  # tp on GPUs: NCCL for every all-reduce, not the one-shot kernels
-    enable_fp32_all_reduce: bool = False  # tp: fp32 partial sums, fp8 row scales across ranks (tp=2 rounds as tp=1)
-    max_prefill_tokens: int | None = None  # tokens of one prefill step (None: chunked_prefill_size)
-    revision: str | None = None  # of a hub model
-    chat_template: str | None = None  # a Jinja template file (or the template itself) to use instead
-    decode_log_interval: int | None = None  # stats line every N decode steps (None: every 10 s of work)
-    quantization: str | None = None  # "fp8": quantize a float checkpoint's linear layers at load (W8A8)
-    kv_cache_dtype: str = "auto"  # auto (the model dtype), fp8_e4m3, bf16
-    quantize_lm_head: bool = False  # the LM head in fp8 too (per vocabulary row), with fp8 linear layers
-    enable_return_routed_experts: bool = False  # MoE: requests may ask for each token's experts
-    enable_return_hidden_states: bool = False  # requests may ask for each token's last hidden state
-    grammar_compile_timeout_secs: float = 15.0  # a request whose grammar is not compiled by then ends with an error
+    disable_piecewise_cuda_graph: bool = knob(
+        False,
+        DEVICE,
+        "run prefill steps eagerly instead of replaying CUDA graphs of the layers' pieces between "
+        "attentions (on by default with CUDA graphs, one GPU)",
+    )
+    piecewise_cuda_graph_max_tokens: int = knob(
+        8192,
+        DEVICE,
+        "largest prefill step (in tokens) run from piecewise CUDA graphs",
+    )
+    piecewise_cuda_graph_tokens: list[int] | None = knob(
+        None,
+        DEVICE,
+        "the token counts captured (default: 16 to 1024 by doubling, then steps of 1/8)",
+    )
+    disable_custom_all_reduce: bool = knob(
+        False,
+        PARALLEL,
+        "tensor parallelism on GPUs: NCCL for every all-reduce instead of the one-shot "
+        "symmetric-memory kernels for small (decode) tensors, the one fused with the residual add "
+        "and RMSNorm included",
+    )
+    enable_fp32_all_reduce: bool = knob(
+        False,
+        PARALLEL,
+        "tensor parallelism: round as tp=1 does. The row-parallel partial sums are all-reduced in "
+        "float32 and rounded once (bf16: greedy tokens at tp=2 matched tp=1 on 56/64 instead of "
+        "27/64 requests; decode ~5%% slower), and under per-token fp8 their inputs are quantized "
+        "with the whole row's scale (an all-reduced amax) instead of each rank's columns'",
+    )
+    max_prefill_tokens: int | None = knob(
+        None,
+        SCHED,
+        "most prompt tokens of one prefill step (default: --chunked-prefill-size)",
+    )
+    revision: str | None = knob(None, MODEL, "branch, tag or commit of a hub model")
+    chat_template: str | None = knob(None, MODEL, "Jinja chat template file to use instead of the model's")
+    decode_log_interval: int | None = knob(
+        None,
+        SCHED,
+        "log the stats line every N decode steps (SGLang's flag; default: every 10 s while busy)",
+    )
+    quantization: str | None = knob(
+        None,
+        MODEL,
+        "fp8: linear weights quantized to FP8 e4m3 at load (per output channel) with per-token "
+        "FP8 activations; FP8 checkpoints (compressed-tensors, block-wise) need no flag",
+    )
+    kv_cache_dtype: str = knob(
+        "auto",
+        MODEL,
+        "auto (the model dtype), fp8_e4m3 (twice the tokens per GB, per-tensor scales from the "
+        "checkpoint or 1.0) or bf16",
+    )
+    quantize_lm_head: bool = knob(
+        False,
+        MODEL,
+        "with fp8 linear layers (--quantization fp8 or an FP8 checkpoint): the LM head in fp8 "
+        "too, one scale per vocabulary row (8B decode: 0.46 -> 0.27 ms a step at batch 256; "
+        "SmolLM2's perplexity +6.1%% against +3.3%% without; benchmarks/results/fp8_*.md)",
+    )
+    enable_return_routed_experts: bool = knob(
+        False,
+        MODEL,
+        "mixture-of-experts models: a /generate request with return_routed_experts gets each "
+        "token's top-k expert ids per layer in meta_info.routed_experts (base64 int32, [tokens, "
+        "layers, k], -1 for dense layers), for trainers that replay the routing",
+    )
+    enable_return_hidden_states: bool = knob(
+        False,
+        MODEL,
+        "a request with return_hidden_states gets the model's last hidden state (after the final "
+        "norm, the LM head's input) of every prompt position and every output token but the last, "
+        "in meta_info.hidden_states (SGLang's layout: the prompt's rows first, then one row per "
+        "token); the chat and completions routes give each choice its last one",
+    )
+    grammar_compile_timeout_secs: float = knob(
+        15.0,
+        SCHED,
+        "a request whose json_schema / regex / ebnf has not compiled after this many seconds ends "
+        "with an error naming this flag (a compile cannot be stopped; later requests with the "
+        "same text wait for the same compile)",
+    )
     # Hierarchical cache: a host-memory tier under the radix tree (SGLang's HiCache flags).
-    enable_hierarchical_cache: bool = False
-    hicache_ratio: float = 2.0  # host pool size as a multiple of the device pool
-    hicache_size: float = 0.0  # host pool in GB (overrides the ratio when > 0)
-    hicache_write_policy: str = "write_through"
+    enable_hierarchical_cache: bool = knob(
+        False,
+        HICACHE,
+        "keep prefixes evicted from the device pool in a host-memory pool under the radix tree, "
+        "and load them back when a request matches them",
+    )
+    hicache_ratio: float = knob(2.0, HICACHE, "host pool size as a multiple of the device KV pool")
+    hicache_size: float = knob(0.0, HICACHE, "host pool size in GB (overrides --hicache-ratio when > 0)")
+    hicache_write_policy: str = knob(
+        "write_through",
+        HICACHE,
+        "write_through: every cached prefix is copied to host as it is computed; "
+        "write_through_selective: once it has been matched twice; write_back: when evicted",
+        choices=HICACHE_WRITE_POLICIES,
+    )
     # Loads: kernel = our page-copy kernel on a few CTAs, layer by layer, so a prefill's attention
     # starts on layer 0 while later layers load; direct = 2D DMA copies, all layers. Writes: DMA.
-    hicache_io_backend: str = "kernel"
-    hicache_storage_backend: str | None = None  # "file": a disk tier under the host tier
-    hicache_storage_dir: str | None = None  # its folder ($SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, /tmp/hicache)
-    weight_version: str = "default"  # the name of the weights served first (outputs carry it)
+    hicache_io_backend: str = knob(
+        "kernel",
+        HICACHE,
+        "kernel (default): loads through our JIT page-copy kernel on 32 CTAs reading pinned host "
+        "memory, layer by layer beside the forward (87%% of the pinned copy rate on an H100); "
+        "direct: loads through the DMA engines, all layers at once (84%%). Writes to host always "
+        "take the DMA engines",
+        choices=HICACHE_IO_BACKENDS,
+    )
+    hicache_storage_backend: str | None = knob(
+        None,
+        HICACHE,
+        "file: a disk tier under the host tier; pages are written behind, keyed by a hash of "
+        "their token prefix, and found again by later requests, a restarted server or another "
+        "replica",
+        choices=["file"],
+    )
+    hicache_storage_dir: str | None = knob(
+        None,
+        HICACHE,
+        "the file backend's folder (default $SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR or /tmp/hicache)",
+    )
+    weight_version: str = knob(
+        "default",
+        MODEL,
+        "the name of the weights served at start; outputs carry it in meta_info.weight_version "
+        "and weight updates may rename it (SGLang's flag)",
+    )
     # LoRA adapters (SGLang's flags): loaded adapters live in host memory; max_loras_per_batch
     # device slots hold the ones running requests use (scheduler/lora.py, layers/lora.py).
-    enable_lora: bool = False
-    lora_paths: list[str] | None = None  # NAME=PATH, PATH, or SGLang's JSON {"lora_name", "lora_path", "pinned"}
-    max_loras_per_batch: int = 8
-    max_lora_rank: int | None = None  # None: the largest of lora_paths' (16 without any)
-    lora_target_modules: list[str] | None = None  # None: the union of lora_paths' (every module without any)
-    max_loaded_loras: int | None = None  # adapters in host memory at once (None: no limit), >= max_loras_per_batch
+    enable_lora: bool = knob(
+        False,
+        LORA,
+        "serve LoRA adapters beside the base model: requests name one (/generate lora_path, an "
+        "OpenAI model of base:adapter or the adapter's name); /load_lora_adapter and "
+        "/unload_lora_adapter change them while serving",
+    )
+    lora_paths: list[str] | None = knob(
+        None,
+        LORA,
+        "adapters loaded at start (turns --enable-lora on): NAME=PATH, PATH, or JSON "
+        '{"lora_name": ..., "lora_path": ..., "pinned": ...}; a PEFT folder or hub id',
+    )
+    max_loras_per_batch: int = knob(
+        8,
+        LORA,
+        "device slots for adapters: the most distinct adapters one batch runs (a request whose "
+        "adapter finds no slot free of running requests waits)",
+    )
+    max_lora_rank: int | None = knob(
+        None,
+        LORA,
+        "largest adapter rank the slots hold (default: the largest of --lora-paths, else 16)",
+    )
+    lora_target_modules: list[str] | None = knob(
+        None,
+        LORA,
+        "modules adapters may adapt: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
+        "down_proj or all (default: the union of --lora-paths', else all)",
+    )
+    max_loaded_loras: int | None = knob(
+        None,
+        LORA,
+        "most adapters loaded (in host memory) at once, at least --max-loras-per-batch (default: no limit)",
+    )
 
     @property
     def storage_dir(self) -> str:
@@ -316,41 +569,135 @@ def parse_lora_paths(items: list[str]) -> list[tuple[str, str, bool]]:
 class ServerArgs(EngineArgs):
     """EngineArgs plus what only the HTTP server needs."""
 
-    host: str = "127.0.0.1"
-    port: int = 30000
-    api_key: str | None = None
-    log_level: str = "info"
-    served_model_name: str | None = None
-    check_model_name: bool = False  # 404 for requests naming another model (vLLM); SGLang serves any name
-    max_queued_requests: int | None = None  # beyond the running ones; more get a 503 (None: no limit)
-    watchdog_timeout: float = 300.0  # seconds a step may take before the server gives up and exits
-    log_requests: bool = False  # one log line per finished request
-    stream_interval: int = 1  # tokens per streamed update (a request's sampling_params may set its own)
-    profile_dir: str | None = None  # profiling routes on, traces under it (default $SGLANG_TORCH_PROFILER_DIR)
-    responses_store: str | None = None  # a SQLite file for stored /v1/responses (None: this process's memory)
-    stream_output: bool = False  # /generate streams only each event's new text and ids (SGLang's flag)
-    skip_tokenizer_init: bool = False  # no tokenizer: token ids in, token ids out (SGLang's flag)
+    host: str = knob("127.0.0.1", SERVER, "address to bind (default %(default)s)")
+    port: int = knob(30000, SERVER, "HTTP port")
+    api_key: str | None = knob(
+        None, SERVER, "require 'Authorization: Bearer <key>' (default: $MINISGL_API_KEY)", env="MINISGL_API_KEY"
+    )
+    log_level: str = knob(
+        "info",
+        SERVER,
+        "what the processes log (debug: one line per batch)",
+        choices=["debug", "info", "warning", "error", "critical"],
+    )
+    served_model_name: str | None = knob(None, SERVER, "name in /v1/models and OpenAI requests")
+    check_model_name: bool = knob(
+        False,
+        SERVER,
+        "answer 404 to OpenAI requests naming another model, as vLLM does (SGLang, and by default "
+        "minisgl, serve any name)",
+    )
+    max_queued_requests: int | None = knob(
+        None,
+        LIMITS,
+        "requests that may wait beyond the running ones; more get 503 (default: no limit)",
+    )
+    watchdog_timeout: float = knob(
+        300.0,
+        SERVER,
+        "seconds a model step may take before the server reports itself dead and exits; a process "
+        "that stops answering at all (stopped, frozen) ends the server after this or 20 s, "
+        "whichever is shorter",
+    )
+    log_requests: bool = knob(False, SERVER, "log one line per finished request")
+    stream_interval: int = knob(1, SERVER, "tokens per streamed update (larger: fewer events, higher throughput)")
+    profile_dir: str | None = knob(
+        None,
+        SERVER,
+        "turns the profiling routes on: /start_profile writes traces under this directory, and a "
+        "client's output_dir must lie inside it (default: $SGLANG_TORCH_PROFILER_DIR; with "
+        "neither, /start_profile and /stop_profile answer 403)",
+    )
+    responses_store: str | None = knob(
+        None,
+        SERVER,
+        "a SQLite file to keep stored /v1/responses in, shared by every server given the same "
+        "file (--dp-size replicas share one in their runtime folder); default: this server's "
+        "memory",
+    )
+    stream_output: bool = knob(
+        False,
+        SERVER,
+        "streamed /generate events carry only their new text, ids and logprobs (default: all so far)",
+    )
+    skip_tokenizer_init: bool = knob(
+        False,
+        SERVER,
+        "load no tokenizer: prompts are token ids (input_ids), outputs are token ids (output_ids, no text)",
+    )
     # Limits that keep one request from stalling the others (the tokenizer process serves all).
-    max_request_bytes: int = 64 << 20
-    request_body_timeout: float = 30.0  # seconds to receive a body
-    max_sequences_per_request: int = 256  # prompts x n
-    max_stop_strings: int = 128
-    max_stop_length: int = 1024  # characters of one stop string
-    strict_request_fields: bool = False  # 400 for a field no schema knows (default: ignored, named in a header)
-    tool_call_parser: str | None = None  # llama3, qwen25 (None: read from the chat template)
-    completion_template: str | None = None  # suffix's fill-in-the-middle format (None: from the tokenizer's tokens)
-    reasoning_parser: str | None = None  # qwen3, qwen3-thinking, deepseek-r1
+    max_request_bytes: int = knob(
+        64 << 20,
+        LIMITS,
+        "largest request body (413 above; SGLang: --max-payload-size)",
+        "--max-payload-size",
+    )
+    request_body_timeout: float = knob(30.0, LIMITS, "seconds a client may take to send its body (408 after)")
+    max_sequences_per_request: int = knob(256, LIMITS, "prompts x n one request may ask for")
+    max_stop_strings: int = knob(128, LIMITS, "stop strings per request")
+    max_stop_length: int = knob(1024, LIMITS, "characters per stop string")
+    strict_request_fields: bool = knob(
+        False,
+        LIMITS,
+        "refuse (400) a request field no schema knows, instead of ignoring it (it is named in the "
+        "x-minisgl-ignored-fields response header either way)",
+    )
+    tool_call_parser: str | None = knob(
+        None,
+        SERVER,
+        "format of tool calls in answers (default: read from the chat template)",
+        choices=TOOL_PARSERS,
+    )
+    completion_template: str | None = knob(
+        None,
+        SERVER,
+        "fill-in-the-middle format of /v1/completions' suffix (default: the one whose special "
+        "tokens the tokenizer has)",
+        choices=sorted(COMPLETION_TEMPLATES),
+    )
+    reasoning_parser: str | None = knob(
+        None,
+        SERVER,
+        "separate <think>...</think> into reasoning_content",
+        choices=REASONING_PARSERS,
+    )
     # /update_weights_from_tensor unpickles its payload (restricted to torch's shared-tensor
     # rebuilders): off unless asked for.
-    enable_weight_update_from_tensor: bool = False
-    dp_size: int = 1  # replicas behind the smg router
-    router_policy: str = "cache_aware"
+    enable_weight_update_from_tensor: bool = knob(
+        False,
+        SERVER,
+        "accept /update_weights_from_tensor, whose payload is a pickle of torch shared-tensor "
+        "handles (decoded by a restricted unpickler; needs --api-key unless the server binds a "
+        "loopback address)",
+    )
+    dp_size: int = knob(
+        1,
+        PARALLEL,
+        "replicas (each with --tp-size GPUs) behind the smg router on --host/--port",
+        "--data-parallel-size",
+    )
+    router_policy: str = knob(
+        "cache_aware",
+        PARALLEL,
+        "how the smg router picks a replica with --dp-size (default %(default)s)",
+        choices=ROUTER_POLICIES,
+    )
     # smg's spill gate: a replica holding the prefix is passed over for the least loaded one when
     # its in-flight requests exceed the replicas' mean by both margins. smg's defaults (64, 1.5)
     # let a burst of 1024 shared-prefix requests land 368 / 96 on four replicas; these kept every
     # replica within 15% at <= 1.5 points of hit rate (benchmarks/results/tp4_h200x4_2026-11-27.md).
-    router_balance_abs_threshold: int = 16
-    router_balance_rel_threshold: float = 1.1
+    router_balance_abs_threshold: int = knob(
+        16,
+        PARALLEL,
+        "cache_aware spill gate: in-flight requests a replica holding the prefix may have above "
+        "the replicas' mean before the least loaded one gets the request, with "
+        "--router-balance-rel-threshold (default %(default)s; smg's 64)",
+    )
+    router_balance_rel_threshold: float = knob(
+        1.1,
+        PARALLEL,
+        "cache_aware spill gate: the same as a multiple of the mean (default %(default)s; smg's 1.5)",
+    )
 
     @property
     def model_name(self) -> str:
@@ -367,398 +714,51 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
-def add_engine_args(ap: argparse.ArgumentParser) -> dict[str, argparse._ArgumentGroup]:
-    """The engine's flags (SGLang's names), shared by the server and ``minisgl.generate``, in
-    groups for --help; returns the groups so the server adds its own flags to them."""
-    d = EngineArgs(model="")
-    model = ap.add_argument_group("model")
-    device = ap.add_argument_group("device and memory")
-    sched = ap.add_argument_group("scheduling and prefix cache")
-    hicache = ap.add_argument_group("hierarchical cache (host memory and disk under the prefix cache)")
-    parallel = ap.add_argument_group("parallelism")
-    model.add_argument(
-        "--model",
-        "--model-path",
-        dest="model",
-        required=True,
-        help="local checkpoint folder, .gguf file, or Hugging Face hub id",
-    )
-    model.add_argument(
-        "--tokenizer",
-        "--tokenizer-path",
-        dest="tokenizer",
-        default=None,
-        help="tokenizer folder or hub id (default: the model's)",
-    )
-    model.add_argument("--revision", default=None, help="branch, tag or commit of a hub model")
-    model.add_argument("--chat-template", default=None, help="Jinja chat template file to use instead of the model's")
-    model.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        help="accepted for SGLang's command lines; minisgl never runs code from a checkpoint",
-    )
-    parallel.add_argument(
-        "--tp-size",
-        "--tensor-parallel-size",
-        dest="tp_size",
-        type=int,
-        default=d.tp_size,
-        help="tensor-parallel ranks (GPUs)",
-    )
-    model.add_argument("--dtype", default=d.dtype, help="auto, bfloat16, float16 or float32")
-    sched.add_argument(
-        "--decode-log-interval",
-        type=int,
-        default=None,
-        help="log the stats line every N decode steps (SGLang's flag; default: every 10 s while busy)",
-    )
-    model.add_argument(
-        "--quantization",
-        default=None,
-        help="fp8: linear weights quantized to FP8 e4m3 at load (per output channel) with per-token "
-        "FP8 activations; FP8 checkpoints (compressed-tensors, block-wise) need no flag",
-    )
-    model.add_argument(
-        "--quantize-lm-head",
-        action="store_true",
-        help="with fp8 linear layers (--quantization fp8 or an FP8 checkpoint): the LM head in fp8 "
-        "too, one scale per vocabulary row (8B decode: 0.46 -> 0.27 ms a step at batch 256; "
-        "SmolLM2's perplexity +6.1%% against +3.3%% without; benchmarks/results/fp8_*.md)",
-    )
-    model.add_argument(
-        "--enable-return-routed-experts",
-        action="store_true",
-        help="mixture-of-experts models: a /generate request with return_routed_experts gets each "
-        "token's top-k expert ids per layer in meta_info.routed_experts (base64 int32, [tokens, "
-        "layers, k], -1 for dense layers), for trainers that replay the routing",
-    )
-    model.add_argument(
-        "--enable-return-hidden-states",
-        action="store_true",
-        help="a request with return_hidden_states gets the model's last hidden state (after the "
-        "final norm, the LM head's input) of every prompt position and every output token but the "
-        "last, in meta_info.hidden_states (SGLang's layout: the prompt's rows first, then one row "
-        "per token); the chat and completions routes give each choice its last one",
-    )
-    model.add_argument(
-        "--kv-cache-dtype",
-        default=d.kv_cache_dtype,
-        help="auto (the model dtype), fp8_e4m3 (twice the tokens per GB, per-tensor scales from the "
-        "checkpoint or 1.0) or bf16",
-    )
-    model.add_argument(
-        "--load-format",
-        default=d.load_format,
-        choices=["auto", "safetensors", "gguf", "dummy"],
-        help="auto: safetensors, or GGUF for a .gguf file; dummy: random weights in the real shapes",
-    )
-    device.add_argument("--device", default=d.device, help="auto (cuda if present, else cpu), cuda or cpu")
-    device.add_argument(
-        "--attention-backend",
-        default=d.attention_backend,
-        choices=["auto", "torch", "torch_native", "flashinfer", *ATTENTION_BACKENDS],
-        help="auto: FlashInfer (with our Triton decode kernel) on CUDA, torch elsewhere; torch_native "
-        "is SGLang's name for torch; SGLang's other backends (triton, fa3, ...) mean auto here",
-    )
-    sched.add_argument(
-        "--grammar-backend",
-        default="xgrammar",
-        choices=["xgrammar"],
-        help="structured output through xgrammar (the one backend here)",
-    )
-    sched.add_argument(
-        "--grammar-compile-timeout-secs",
-        type=float,
-        default=d.grammar_compile_timeout_secs,
-        help="a request whose json_schema / regex / ebnf has not compiled after this many seconds "
-        "ends with an error naming this flag (a compile cannot be stopped; later requests with "
-        "the same text wait for the same compile)",
-    )
-    device.add_argument(
-        "--decode-attention-backend",
-        default=d.decode_attention_backend,
-        choices=["flashinfer", "triton"],
-        help="plain decode steps with the flashinfer backend: triton (default), the kernel cascade steps "
-        "run on, so a request's tokens are bit-identical with cascade attention on or off; or "
-        "flashinfer, FlashInfer's decode kernel (faster on grouped batches with cascade off)",
-    )
-    sched.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page")
-    device.add_argument(
-        "--mem-fraction-static",
-        type=float,
-        default=d.mem_fraction_static,
-        help="fraction of GPU memory for weights and KV cache",
-    )
-    device.add_argument(
-        "--max-total-tokens", type=int, default=None, help="KV cache size in tokens (overrides memory sizing)"
-    )
-    sched.add_argument(
-        "--max-running-requests",
-        type=int,
-        default=None,
-        help="most requests decoding at once (default: on a GPU one per 512 tokens of KV pool, "
-        "256 to 4096; on a CPU 256)",
-    )
-    device.add_argument(
-        "--mamba-ssm-dtype",
-        default=d.mamba_ssm_dtype,
-        choices=["float32", "bfloat16"],
-        help="hybrid models (Gated DeltaNet): the recurrent states' element type in the state pool",
-    )
-    device.add_argument(
-        "--max-mamba-cache-size",
-        type=int,
-        default=None,
-        help="hybrid models: state snapshots the prefix cache keeps (default: --max-running-requests + 1); "
-        "each is one request's recurrent state, tens of MB for the large models",
-    )
-    sched.add_argument(
-        "--chunked-prefill-size",
-        type=int,
-        default=d.chunked_prefill_size,
-        help="most prompt tokens of one request per step (-1: no chunking)",
-    )
-    sched.add_argument(
-        "--max-prefill-tokens",
-        type=int,
-        default=None,
-        help="most prompt tokens of one prefill step (default: --chunked-prefill-size)",
-    )
-    model.add_argument(
-        "--context-length",
-        type=int,
-        default=None,
-        help="longest prompt + output (default: the model's max_position_embeddings)",
-    )
-    sched.add_argument(
-        "--disable-radix-cache", action="store_true", help="no prefix cache: every prompt is computed in full"
-    )
-    sched.add_argument(
-        "--schedule-policy",
-        default=d.schedule_policy,
-        choices=["lpm", "fcfs", "random"],
-        help="admission order: lpm (longest cached prefix first, shared prefixes together), fcfs (arrival), random",
-    )
-    model.add_argument(
-        "--seed",
-        "--random-seed",
-        dest="seed",
-        type=int,
-        default=d.seed,
-        help="seed of sampling without a per-request seed, and of dummy weights",
-    )
-    device.add_argument(
-        "--cuda-graph-max-bs",
-        type=int,
-        default=None,
-        help="largest decode batch run from a CUDA graph (default: max-running-requests; 0: off)",
-    )
-    device.add_argument("--disable-cuda-graph", action="store_true", help="run every step eagerly")
-    device.add_argument(
-        "--disable-piecewise-cuda-graph",
-        action="store_true",
-        help="run prefill steps eagerly instead of replaying CUDA graphs of the layers' pieces between "
-        "attentions (on by default with CUDA graphs, one GPU)",
-    )
-    device.add_argument(
-        "--piecewise-cuda-graph-max-tokens",
-        type=int,
-        default=d.piecewise_cuda_graph_max_tokens,
-        help="largest prefill step (in tokens) run from piecewise CUDA graphs",
-    )
-    device.add_argument(
-        "--piecewise-cuda-graph-tokens",
-        type=int,
-        nargs="+",
-        default=None,
-        help="the token counts captured (default: 16 to 1024 by doubling, then steps of 1/8)",
-    )
-    parallel.add_argument(
-        "--disable-custom-all-reduce",
-        action="store_true",
-        help="tensor parallelism on GPUs: NCCL for every all-reduce instead of the one-shot "
-        "symmetric-memory kernels for small (decode) tensors, the one fused with the "
-        "residual add and RMSNorm included",
-    )
-    parallel.add_argument(
-        "--enable-fp32-all-reduce",
-        action="store_true",
-        help="tensor parallelism: round as tp=1 does. The row-parallel partial sums are all-reduced in "
-        "float32 and rounded once (bf16: greedy tokens at tp=2 matched tp=1 on 56/64 instead of 27/64 "
-        "requests; decode ~5%% slower), and under per-token fp8 their inputs are quantized with the "
-        "whole row's scale (an all-reduced amax) instead of each rank's columns'",
-    )
-    sched.add_argument(
-        "--disable-overlap-schedule", action="store_true", help="wait for each step's tokens before scheduling the next"
-    )
-    sched.add_argument(
-        "--enable-mixed-chunk",
-        action="store_true",
-        help="a prefill step also decodes one token for every running request (SGLang's flag), so an "
-        "arriving prompt does not stall the running ones (piecewise graphs; the decode rows keep their "
-        "cascade groups): with steady online traffic a lower p99 inter-token latency at equal or higher "
-        "throughput; on bursts a higher p99 (early requests decode through long prefill steps)",
-    )
-    sched.add_argument(
-        "--disable-cascade-attention",
-        action="store_true",
-        help="decode every request over all its pages, even those it shares with others",
-    )
-    spec = ap.add_argument_group("speculative decoding")
-    spec.add_argument(
-        "--speculative-algorithm",
-        choices=["NGRAM"],
-        default=None,
-        help="NGRAM: while few requests decode, draft tokens from what followed their last tokens in the "
-        "radix tree (other samples, earlier requests) and in their own tokens, and verify them in one step "
-        "(greedy and seeded outputs unchanged); off by default",
-    )
-    spec.add_argument(
-        "--speculative-num-draft-tokens",
-        type=int,
-        default=d.speculative_num_draft_tokens,
-        help="draft tokens verified per request per step, at most",
-    )
-    spec.add_argument(
-        "--speculative-ngram-min-match-window-size",
-        type=int,
-        default=2,
-        help="shortest run of a request's last tokens matched to draft",
-    )
-    spec.add_argument(
-        "--speculative-ngram-max-match-window-size",
-        type=int,
-        default=6,
-        help="longest run of a request's last tokens matched to draft (longer matches are tried first)",
-    )
-    spec.add_argument(
-        "--speculative-ngram-capacity",
-        type=int,
-        default=1 << 18,
-        help="n-gram index slots per match length (16 bytes each; newer n-grams replace older ones)",
-    )
-    spec.add_argument(
-        "--speculative-disable-by-batch-size",
-        type=int,
-        default=32,
-        help="(vLLM's name) no verify step while more requests decode; below it the measured rule decides. "
-        "Raise it for a small model bound by the host, where verify steps may pay at any batch",
-    )
-    spec.add_argument(
-        "--speculative-schedule",
-        default=d.speculative_schedule,
-        choices=list(SPEC_SCHEDULES),
-        help="(minisgl) how a verify step meets the step before it. late: planned and loaded while that "
-        "step runs, its draft tokens sent once that step's tokens are back (drafts follow every token, "
-        "lengths corrected on the worker); wait: planned after that step's tokens are back; overlap: "
-        "planned and drafted while it runs (drafts a token late, or chained on a draft in flight)",
-    )
-    hicache.add_argument(
-        "--enable-hierarchical-cache",
-        action="store_true",
-        help="keep prefixes evicted from the device pool in a host-memory pool under the radix tree, "
-        "and load them back when a request matches them",
-    )
-    hicache.add_argument(
-        "--hicache-ratio",
-        type=float,
-        default=d.hicache_ratio,
-        help="host pool size as a multiple of the device KV pool",
-    )
-    hicache.add_argument(
-        "--hicache-size",
-        type=float,
-        default=d.hicache_size,
-        help="host pool size in GB (overrides --hicache-ratio when > 0)",
-    )
-    hicache.add_argument(
-        "--hicache-write-policy",
-        default=d.hicache_write_policy,
-        choices=HICACHE_WRITE_POLICIES,
-        help="write_through: every cached prefix is copied to host as it is computed; "
-        "write_through_selective: once it has been matched twice; write_back: when evicted",
-    )
-    hicache.add_argument(
-        "--hicache-io-backend",
-        default=d.hicache_io_backend,
-        choices=HICACHE_IO_BACKENDS,
-        help="kernel (default): loads through our JIT page-copy kernel on 32 CTAs reading pinned host "
-        "memory, layer by layer beside the forward (87%% of the pinned copy rate on an H100); "
-        "direct: loads through the DMA engines, all layers at once (84%%). Writes to host always "
-        "take the DMA engines",
-    )
-    hicache.add_argument(
-        "--hicache-storage-backend",
-        default=None,
-        choices=["file"],
-        help="file: a disk tier under the host tier; pages are written behind, keyed by a hash of their "
-        "token prefix, and found again by later requests, a restarted server or another replica",
-    )
-    model.add_argument(
-        "--weight-version",
-        default=d.weight_version,
-        help="the name of the weights served at start; outputs carry it in meta_info.weight_version "
-        "and weight updates may rename it (SGLang's flag)",
-    )
-    lora = ap.add_argument_group("LoRA adapters")
-    lora.add_argument(
-        "--enable-lora",
-        action="store_true",
-        help="serve LoRA adapters beside the base model: requests name one (/generate lora_path, an "
-        "OpenAI model of base:adapter or the adapter's name); /load_lora_adapter and "
-        "/unload_lora_adapter change them while serving",
-    )
-    lora.add_argument(
-        "--lora-paths",
-        nargs="+",
-        default=None,
-        help="adapters loaded at start (turns --enable-lora on): NAME=PATH, PATH, or JSON "
-        '{"lora_name": ..., "lora_path": ..., "pinned": ...}; a PEFT folder or hub id',
-    )
-    lora.add_argument(
-        "--max-loras-per-batch",
-        type=int,
-        default=d.max_loras_per_batch,
-        help="device slots for adapters: the most distinct adapters one batch runs (a request whose adapter "
-        "finds no slot free of running requests waits)",
-    )
-    lora.add_argument(
-        "--max-lora-rank",
-        type=int,
-        default=None,
-        help="largest adapter rank the slots hold (default: the largest of --lora-paths, else 16)",
-    )
-    lora.add_argument(
-        "--lora-target-modules",
-        nargs="+",
-        default=None,
-        help=f"modules adapters may adapt: {', '.join(LORA_TARGET_MODULES)} or all (default: the union "
-        "of --lora-paths', else all)",
-    )
-    lora.add_argument(
-        "--max-loaded-loras",
-        type=int,
-        default=None,
-        help="most adapters loaded (in host memory) at once, at least --max-loras-per-batch (default: no limit)",
-    )
-    hicache.add_argument(
-        "--hicache-storage-dir",
-        default=None,
-        help="the file backend's folder (default $SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR or /tmp/hicache)",
-    )
-    return {"model": model, "device": device, "scheduling": sched, "hicache": hicache, "parallelism": parallel}
+_TYPES = {"int": int, "float": float, "str": str}
+
+
+def _add_flag(group: argparse._ArgumentGroup, f: Field) -> None:
+    """A field's flag: ``--name-with-dashes`` (and its aliases), typed by its annotation."""
+    meta, kind = f.metadata, f.type.replace(" | None", "")
+    kw: dict[str, Any] = {"dest": f.name, "help": meta["help"]}
+    if kind == "bool":
+        kw["action"] = "store_true"
+    elif kind.startswith("list["):
+        kw.update(nargs="+", type=_TYPES[kind[5:-1]])
+    elif kind != "str":
+        kw["type"] = _TYPES[kind]
+    if f.default is MISSING:
+        kw["required"] = True
+    else:
+        kw["default"] = os.environ.get(meta["env"]) if meta["env"] else f.default
+    if meta["choices"] is not None:
+        kw["choices"] = list(meta["choices"])
+    group.add_argument("--" + f.name.replace("_", "-"), *meta["aliases"], **kw)
+
+
+def add_flags(ap: argparse.ArgumentParser, settings: list[Field]) -> None:
+    """The flags of ``settings`` (fields of EngineArgs / ServerArgs), in their --help groups
+    (made in GROUPS' order on first use, so every parser lists them alike)."""
+    groups = {g.title: g for g in ap._action_groups}
+    for title in GROUPS:
+        if title not in groups and any(f.metadata["group"] == title for f in settings):
+            groups[title] = ap.add_argument_group(title)
+    for f in settings:
+        _add_flag(groups[f.metadata["group"]], f)
+
+
+def add_engine_args(ap: argparse.ArgumentParser) -> None:
+    """The engine's flags (SGLang's names), shared by the server and ``minisgl.generate``."""
+    add_flags(ap, list(fields(EngineArgs)))
 
 
 def normalize_engine_args(ns: argparse.Namespace) -> None:
-    """SGLang's spellings to ours, and flags accepted only for its command lines dropped."""
+    """SGLang's spellings of our values to ours."""
     if ns.attention_backend == "torch_native":
         ns.attention_backend = "torch"
     elif ns.attention_backend in ATTENTION_BACKENDS:
         logger.warning("--attention-backend %s: minisgl's own choice (auto) serves it", ns.attention_backend)
         ns.attention_backend = "auto"
-    for name in ("grammar_backend",):
-        if hasattr(ns, name):
-            delattr(ns, name)
 
 
 def engine_kwargs(ns: argparse.Namespace) -> dict:
@@ -769,7 +769,6 @@ def engine_kwargs(ns: argparse.Namespace) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     """Every flag of the server, in groups (``docs/flags.md`` is generated from it)."""
-    d = ServerArgs(model="")
     ap = argparse.ArgumentParser(
         prog="python -m minisgl.launch",
         usage="%(prog)s --model MODEL [options]  (--help lists every flag)",  # not 64 lines of them
@@ -777,175 +776,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
         allow_abbrev=False,  # --served-model-nam is an unknown flag, not a guess
     )
-    groups = add_engine_args(ap)
-    server = ap.add_argument_group("server")
-    limits = ap.add_argument_group("limits (what one request may ask for)")
-    server.add_argument("--served-model-name", default=None, help="name in /v1/models and OpenAI requests")
-    server.add_argument(
-        "--check-model-name",
-        action="store_true",
-        help="answer 404 to OpenAI requests naming another model, as vLLM does (SGLang, and by default "
-        "minisgl, serve any name)",
-    )
-    server.add_argument("--host", default=d.host, help="address to bind (default %(default)s)")
-    server.add_argument("--port", type=int, default=d.port, help="HTTP port")
-    server.add_argument(
-        "--api-key",
-        default=os.environ.get("MINISGL_API_KEY"),
-        help="require 'Authorization: Bearer <key>' (default: $MINISGL_API_KEY)",
-    )
-    limits.add_argument(
-        "--max-queued-requests",
-        type=int,
-        default=None,
-        help="requests that may wait beyond the running ones; more get 503 (default: no limit)",
-    )
-    server.add_argument(
-        "--watchdog-timeout",
-        type=float,
-        default=d.watchdog_timeout,
-        help="seconds a model step may take before the server reports itself dead and exits; a "
-        "process that stops answering at all (stopped, frozen) ends the server after this or 20 s, "
-        "whichever is shorter",
-    )
-    server.add_argument(
-        "--log-level",
-        default=d.log_level,
-        choices=["debug", "info", "warning", "error", "critical"],
-        help="what the processes log (debug: one line per batch)",
-    )
-    server.add_argument("--log-requests", action="store_true", help="log one line per finished request")
-    limits.add_argument(
-        "--max-request-bytes",
-        "--max-payload-size",
-        dest="max_request_bytes",
-        type=int,
-        default=d.max_request_bytes,
-        help="largest request body (413 above; SGLang: --max-payload-size)",
-    )
-    limits.add_argument(
-        "--request-body-timeout",
-        type=float,
-        default=d.request_body_timeout,
-        help="seconds a client may take to send its body (408 after)",
-    )
-    limits.add_argument(
-        "--max-sequences-per-request",
-        type=int,
-        default=d.max_sequences_per_request,
-        help="prompts x n one request may ask for",
-    )
-    limits.add_argument(
-        "--strict-request-fields",
-        action="store_true",
-        help="refuse (400) a request field no schema knows, instead of ignoring it (it is named in the "
-        "x-minisgl-ignored-fields response header either way)",
-    )
-    limits.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings, help="stop strings per request")
-    limits.add_argument("--max-stop-length", type=int, default=d.max_stop_length, help="characters per stop string")
-    # SGLang flags whose behaviour is already minisgl's: metrics and cached-token counts are always on,
-    # and the server sends no warm-up request.
-    for flag in ("--enable-metrics", "--enable-cache-report", "--skip-server-warmup"):
-        server.add_argument(flag, action="store_true", help="accepted for SGLang's command lines (always so here)")
-    server.add_argument(
-        "--stream-interval",
-        type=int,
-        default=d.stream_interval,
-        help="tokens per streamed update (larger: fewer events, higher throughput)",
-    )
-    server.add_argument(
-        "--responses-store",
-        default=None,
-        help="a SQLite file to keep stored /v1/responses in, shared by every server given the same file "
-        "(--dp-size replicas share one in their runtime folder); default: this server's memory",
-    )
-    server.add_argument(
-        "--profile-dir",
-        default=None,
-        help="turns the profiling routes on: /start_profile writes traces under this directory, and a "
-        "client's output_dir must lie inside it (default: $SGLANG_TORCH_PROFILER_DIR; with neither, "
-        "/start_profile and /stop_profile answer 403)",
-    )
-    server.add_argument(
-        "--skip-tokenizer-init",
-        action="store_true",
-        help="load no tokenizer: prompts are token ids (input_ids), outputs are token ids (output_ids, no text)",
-    )
-    server.add_argument(
-        "--enable-weight-update-from-tensor",
-        action="store_true",
-        help="accept /update_weights_from_tensor, whose payload is a pickle of torch shared-tensor "
-        "handles (decoded by a restricted unpickler; needs --api-key unless the server binds a "
-        "loopback address)",
-    )
-    server.add_argument(
-        "--stream-output",
-        action="store_true",
-        help="streamed /generate events carry only their new text, ids and logprobs (default: all so far)",
-    )
-    server.add_argument(
-        "--tool-call-parser",
-        default=None,
-        choices=TOOL_PARSERS,
-        help="format of tool calls in answers (default: read from the chat template)",
-    )
-    server.add_argument(
-        "--completion-template",
-        default=None,
-        choices=sorted(COMPLETION_TEMPLATES),
-        help="fill-in-the-middle format of /v1/completions' suffix (default: the one whose special "
-        "tokens the tokenizer has)",
-    )
-    server.add_argument(
-        "--reasoning-parser",
-        default=None,
-        choices=REASONING_PARSERS,
-        help="separate <think>...</think> into reasoning_content",
-    )
-    groups["parallelism"].add_argument(
-        "--nnodes", type=int, default=d.nnodes, help="hosts one tensor-parallel group spans"
-    )
-    groups["parallelism"].add_argument(
-        "--node-rank",
-        type=int,
-        default=d.node_rank,
-        help="this host's place among --nnodes (0 serves HTTP; the others run workers only)",
-    )
-    groups["parallelism"].add_argument(
-        "--dist-init-addr",
-        "--nccl-init-addr",
-        dest="dist_init_addr",
-        default=None,
-        help="host:port of node 0 where the nodes meet (torch.distributed; ZeroMQ links to the "
-        "other nodes' workers take the ports after it)",
-    )
-    groups["parallelism"].add_argument(
-        "--dp-size",
-        "--data-parallel-size",
-        dest="dp_size",
-        type=int,
-        default=d.dp_size,
-        help="replicas (each with --tp-size GPUs) behind the smg router on --host/--port",
-    )
-    groups["parallelism"].add_argument(
-        "--router-policy",
-        default=d.router_policy,
-        choices=ROUTER_POLICIES,
-        help="how the smg router picks a replica with --dp-size (default %(default)s)",
-    )
-    groups["parallelism"].add_argument(
-        "--router-balance-abs-threshold",
-        type=int,
-        default=d.router_balance_abs_threshold,
-        help="cache_aware spill gate: in-flight requests a replica holding the prefix may have above the "
-        "replicas' mean before the least loaded one gets the request, with --router-balance-rel-threshold "
-        "(default %(default)s; smg's 64)",
-    )
-    groups["parallelism"].add_argument(
-        "--router-balance-rel-threshold",
-        type=float,
-        default=d.router_balance_rel_threshold,
-        help="cache_aware spill gate: the same as a multiple of the mean (default %(default)s; smg's 1.5)",
-    )
+    add_engine_args(ap)
+    engine = {f.name for f in fields(EngineArgs)}
+    add_flags(ap, [f for f in fields(ServerArgs) if f.name not in engine])
     add_sglang_flags(ap)
     return ap

@@ -14,6 +14,13 @@ logger = logging.getLogger("minisgl.launch")
 
 SWITCH, ONE, MANY = 0, 1, 2  # what a flag takes: nothing, one value, one or more values
 
+# flag -> (takes, why it changes nothing here); accepted silently: what it asks for is how minisgl is.
+ACCEPTED: dict[str, tuple[int, str]] = {
+    "--trust-remote-code": (SWITCH, "minisgl never runs code from a checkpoint"),
+    "--enable-metrics": (SWITCH, "/metrics is always served"),
+    "--enable-cache-report": (SWITCH, "cached-token counts are always reported"),
+    "--skip-server-warmup": (SWITCH, "the server sends no warm-up request"),
+}
 # flag -> (takes, what minisgl does instead); accepted and ignored with a warning.
 INERT: dict[str, tuple[int, str]] = {
     "--enable-torch-compile": (SWITCH, "minisgl replays its own CUDA graphs: decode steps whole, prefill in pieces"),
@@ -49,6 +56,7 @@ INERT: dict[str, tuple[int, str]] = {
 }
 # flag -> (takes, why not); refused with the reason.
 REFUSED: dict[str, tuple[int, str]] = {
+    "--grammar-backend": (ONE, "structured output goes through xgrammar, the one backend here"),
     "--is-embedding": (SWITCH, "embedding models are not served (generation models only)"),
     "--tool-server": (ONE, "built-in tool servers are not supported: send tools in the request"),
     "--enable-dp-attention": (SWITCH, "DP attention is not built: use --dp-size replicas"),
@@ -69,6 +77,8 @@ REFUSED: dict[str, tuple[int, str]] = {
     "--base-gpu-id": (ONE, "choose GPUs with CUDA_VISIBLE_DEVICES"),
     "--gpu-id-step": (ONE, "choose GPUs with CUDA_VISIBLE_DEVICES"),
 }
+# Values of a refused flag that ask for what minisgl does: accepted silently.
+SAME = {"--ep-size": "1", "--grammar-backend": "xgrammar"}
 # SGLang's attention backends, all served by minisgl's own choice (--attention-backend auto).
 ATTENTION_BACKENDS = ("triton", "fa3", "fa4", "flashmla", "cutlass_mla", "trtllm_mha", "trtllm_mla", "flex_attention")
 
@@ -87,7 +97,7 @@ def add_sglang_flags(ap: argparse.ArgumentParser) -> None:
         default=None,
         help="mapped: the largest becomes --cuda-graph-max-bs (graphs are captured for sizes up to it)",
     )
-    for table, verdict in ((INERT, "ignored"), (REFUSED, "refused")):
+    for table, verdict in ((ACCEPTED, "accepted"), (INERT, "ignored"), (REFUSED, "refused")):
         for flag, (takes, why) in table.items():
             kw: dict = {"action": "store_true"} if takes == SWITCH else {"nargs": "+"} if takes == MANY else {}
             group.add_argument(flag, dest=_dest(flag), default=None, help=f"{verdict}: {why}", **kw)
@@ -95,18 +105,17 @@ def add_sglang_flags(ap: argparse.ArgumentParser) -> None:
 
 def apply_sglang_flags(ns: argparse.Namespace, error: Callable[[str], NoReturn]) -> None:
     """Map a mapped flag, refuse a refused one by name (``error``), warn about an ignored one,
-    and drop them all from ``ns``."""
+    and drop them all (the accepted ones too) from ``ns``."""
     sizes = ns.sglang_cuda_graph_bs
     del ns.sglang_cuda_graph_bs
     if sizes and ns.cuda_graph_max_bs is None:
         ns.cuda_graph_max_bs = max(sizes)
-    for table, refused in ((INERT, False), (REFUSED, True)):
+    for table, verdict in ((ACCEPTED, None), (INERT, "ignored"), (REFUSED, "refused")):
         for flag, (_, why) in table.items():
             given = getattr(ns, _dest(flag))
             delattr(ns, _dest(flag))
-            if given in (None, False):
+            if given in (None, False) or verdict is None or given == SAME.get(flag):
                 continue
-            if refused and not (flag == "--ep-size" and given == "1"):
+            if verdict == "refused":
                 error(f"{flag}: {why}")
-            if not refused:
-                logger.warning("%s is ignored: %s", flag, why)
+            logger.warning("%s is ignored: %s", flag, why)
