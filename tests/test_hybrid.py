@@ -117,6 +117,25 @@ def test_prompts_branching_after_a_shared_prefix_hit_at_the_branch_point(hybrids
     assert [o["meta_info"]["cached_tokens"] for o in outs] == [0, 0, shared, shared]
 
 
+def test_prompts_arriving_together_compute_their_shared_prefix_once(hybrids):
+    """Three groups of four prompts, each group sharing a system prompt, all waiting at once
+    (shuffled): the first of a group admitted learns from the waiting queue where the others
+    branch from it and leaves a snapshot there, the others wait a step for it, so every system
+    prompt is computed once (prefill tokens = distinct prompt tokens), tokens as without cache."""
+    path = hybrids["qwen3_5"]
+    rng = random.Random(0)
+    systems = [[rng.randrange(1, 250) for _ in range(32)] for _ in range(3)]
+    prompts = [s + [rng.randrange(1, 250) for _ in range(5)] for s in systems for _ in range(4)]
+    rng.shuffle(prompts)
+    llm = LLM(str(path), dtype="float32", max_total_tokens=4096, page_size=4)
+    outs = llm.generate(prompts, GREEDY)
+    llm.scheduler.check_integrity()
+    stats = llm.scheduler.stats()
+    assert stats["prefill_tokens"] == 3 * 32 + 12 * 5
+    assert sorted(o["meta_info"]["cached_tokens"] for o in outs) == [0] * 3 + [32] * 9
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in run(path, prompts, disable_radix_cache=True)]
+
+
 def test_the_state_pool_follows_its_flags(hybrids):
     """--max-mamba-cache-size snapshot rows past the slots', --mamba-ssm-dtype the states' type;
     with two snapshots for four prompts the least recently used give way, and tokens stay exact."""

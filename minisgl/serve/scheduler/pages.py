@@ -41,9 +41,10 @@ class Memory:
             self.allocator.free(self.cache.evict(short))
         return self.allocator.alloc(n)
 
-    def admit(self, req: Req, reusable: int) -> int:
+    def admit(self, req: Req, reusable: int, shared: int = 0) -> int:
         """Give a request a slot and lock the longest cached prefix of its first ``reusable``
-        tokens; returns how many of them came from the host tier."""
+        tokens; returns how many of them came from the host tier. ``shared``: (hybrids) how much
+        of its prompt a waiting one shares, where it should leave a snapshot for it."""
         ids, salt = req.all_ids[:reusable], req.kv_salt
         handle, pages = self.cache.match_prefix(ids, salt)
         loaded = 0
@@ -60,7 +61,7 @@ class Memory:
                 req.state_load = self.cache.snapshot_of(handle)  # its state starts from the prefix's
             branch = self.cache.kv_depth(req.all_ids[:reusable], salt)  # where it leaves the cached pages
             last = self.cache.aligned(req.prefill_target - 1)
-            req.snapshot_at = sorted({p for p in (branch, last) if p > handle.cached_len})
+            req.snapshot_at = sorted({p for p in (branch, min(shared, last), last) if p > handle.cached_len})
         return loaded
 
     def _load(self, ids: list[int], handle: CacheHandle) -> int:

@@ -136,7 +136,8 @@ class PrefillPlanner:
             # Pages coming back from the host tier are copied by this very batch, whose prefill
             # waits for each layer's copies before that layer (online multi-turn on the 8B: 47.3 s
             # against 50.4 s when the prefill waited beside decode steps until they were done).
-            loaded = memory.admit(req, reusable(req, len(req.all_ids) - 1))
+            shared = queue.shared_depth(req) if snapshots else 0  # (the others sharing it start there)
+            loaded = memory.admit(req, reusable(req, len(req.all_ids) - 1), shared)
             matched = req.kv_len
             entry = self.chunk_of(req, min(budget, self.chunk), admitted=True)
             if entry is None:

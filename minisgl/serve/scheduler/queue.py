@@ -179,6 +179,23 @@ class _Trie:
                         heapq.heapify(parent.heap)
             node = parent
 
+    def shared_depth(self, req: Req) -> int:
+        """Tokens of the request's prompt (whole pages) that another waiting prompt shares: where
+        they branch. Walks up from the request's node: O(its trie depth)."""
+        node, child, depth = req.queue_node, None, 0
+        up = node
+        while up.parent is not None:
+            depth += len(up.key)
+            up = up.parent
+        if req.kv_salt is not None:
+            depth -= self.page_size  # (the salt's page)
+        while node.parent is not None:
+            if len(node.children) > (child is not None) or any(r is not req for _, r in node.own):
+                return max(depth, 0)
+            depth -= len(node.key)
+            child, node = node, node.parent
+        return 0
+
     def regions(self, cache: BaseCacheManager) -> list[tuple[int, _Node]]:
         """(hit, node) for the root (hit 0) and every node whose cached prefix ends deeper than
         its parent's: walks only the nodes the trie and the cache both hold."""
@@ -327,6 +344,11 @@ class WaitingQueue:
         if self._gone > len(fifo) // 2:
             self._fifo = deque(e for e in fifo if e[1].queue_seq == e[0])
             self._gone = 0
+
+    def shared_depth(self, req: Req) -> int:
+        """(lpm) How many tokens of a queued request's prompt another queued prompt shares, in
+        whole pages (0 under the other policies, which keep no trie)."""
+        return self._trie.shared_depth(req) if self.policy == "lpm" and req.queue_seq is not None else 0
 
     def order(self, step: int, cache: BaseCacheManager) -> Iterator[Req]:
         """The queue in admission order at scheduler step ``step``, read lazily. Do not push or
