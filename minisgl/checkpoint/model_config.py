@@ -133,16 +133,6 @@ class ModelConfig:
             )
         if raw.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {raw['hidden_act']!r} (only silu)")
-        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-        rope_theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
-        partial_rotary = float(rope.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
-        # Qwen3.5's multimodal rotary: for text every section reads the same position, which is
-        # the plain rotary of these frequencies.
-        rope.pop("mrope_section", None), rope.pop("mrope_interleaved", None)
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "linear", "llama3"):
-            raise ValueError(f"unsupported rope_type {rope_type!r} (default, linear, llama3)")
-        rope["rope_type"] = rope_type
         eos = raw.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         sliding = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
@@ -150,8 +140,8 @@ class ModelConfig:
         return cls(
             **_moe_fields(arch, raw),
             **_hybrid_fields(arch, raw),
+            **_rope_fields(raw),
             architecture=arch,
-            partial_rotary_factor=partial_rotary,
             text_only=text_only is not None,
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
@@ -163,12 +153,10 @@ class ModelConfig:
             num_kv_heads=raw.get("num_key_value_heads") or num_heads,
             head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope_theta=rope_theta,
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             attention_bias=raw.get("attention_bias", False),
             mlp_bias=raw.get("mlp_bias", False),
-            rope_scaling=None if rope_type == "default" else rope,
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             sliding_window=sliding,
             bos_token_id=raw.get("bos_token_id"),
@@ -202,6 +190,22 @@ class ModelConfig:
                 raise ValueError(f"--context-length {requested} exceeds the model's limit {limit}")
             limit = requested
         return limit
+
+
+def _rope_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """The rotary embedding's fields, from rope_parameters (transformers 5) or rope_scaling."""
+    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    theta = float(rope.pop("rope_theta", raw.get("rope_theta", 10000.0)))
+    partial = float(rope.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+    # Qwen3.5's multimodal rotary: for text every section reads the same position, which is the
+    # plain rotary of these frequencies.
+    rope.pop("mrope_section", None), rope.pop("mrope_interleaved", None)
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "linear", "llama3"):
+        raise ValueError(f"unsupported rope_type {rope_type!r} (default, linear, llama3)")
+    rope["rope_type"] = rope_type
+    scaling = None if rope_type == "default" else rope
+    return {"rope_theta": theta, "partial_rotary_factor": partial, "rope_scaling": scaling}
 
 
 def _moe_fields(arch: str, raw: dict[str, Any]) -> dict[str, Any]:

@@ -131,16 +131,8 @@ class Sampler:
         self.h_penalty[slot] = p.has_penalty
         if p.has_penalty:
             self._init_penalty(slot, prompt_ids, output_ids)
-        self.h_min_len[slot] = 0
-        if ban_ids and p.min_new_tokens:
-            if self.ban is None:
-                self.ban = torch.zeros(self._dev_f.shape[0], self.vocab_size, dtype=torch.bool, device=self.device)
-            self.ban[slot].zero_()
-            self.ban[slot, self._to_device(torch.tensor(ban_ids, dtype=torch.int64))] = True
-            self.h_min_len[slot] = prompt_len + p.min_new_tokens
-        if self.h_bias[slot]:
-            self.bias[slot].zero_()  # the slot's previous request had a bias
-        self.h_bias[slot] = bool(p.logit_bias)
+        self._set_ban(slot, ban_ids if p.min_new_tokens else None, prompt_len + p.min_new_tokens)
+        self._set_bias(slot, p.logit_bias)
         self.h_plain[slot] = (
             p.is_greedy
             and not p.has_penalty
@@ -149,11 +141,29 @@ class Sampler:
             and top_logprobs < 0
             and not entropy
         )
-        if p.logit_bias:
-            if self.bias is None:
-                self.bias = torch.zeros(self._dev_f.shape[0], self.vocab_size, dtype=torch.float32, device=self.device)
-            ids = torch.tensor([int(k) for k in p.logit_bias], dtype=torch.int64)
-            self.bias[slot, self._to_device(ids)] = self._to_device(torch.tensor(list(p.logit_bias.values())))
+
+    def _set_ban(self, slot: int, ban_ids: list[int] | None, until: int) -> None:
+        """Tokens the slot may not sample before it holds ``until`` tokens (min_new_tokens)."""
+        self.h_min_len[slot] = 0
+        if not ban_ids:
+            return
+        if self.ban is None:
+            self.ban = torch.zeros(self._dev_f.shape[0], self.vocab_size, dtype=torch.bool, device=self.device)
+        self.ban[slot].zero_()
+        self.ban[slot, self._to_device(torch.tensor(ban_ids, dtype=torch.int64))] = True
+        self.h_min_len[slot] = until
+
+    def _set_bias(self, slot: int, logit_bias: dict | None) -> None:
+        """The slot's logit_bias row (cleared if its last request had one)."""
+        if self.h_bias[slot]:
+            self.bias[slot].zero_()
+        self.h_bias[slot] = bool(logit_bias)
+        if not logit_bias:
+            return
+        if self.bias is None:
+            self.bias = torch.zeros(self._dev_f.shape[0], self.vocab_size, dtype=torch.float32, device=self.device)
+        ids = torch.tensor([int(k) for k in logit_bias], dtype=torch.int64)
+        self.bias[slot, self._to_device(ids)] = self._to_device(torch.tensor(list(logit_bias.values())))
 
     def _upload(self) -> None:
         if not self._dirty:
@@ -275,19 +285,26 @@ class Sampler:
             tokens = torch.where(self.greedy[slots].bool(), logits.argmax(dim=-1), sampled)
         out = SampleOutput(tokens=tokens)
         if top_n >= 0 or id_union or entropy:
-            logprobs = torch.log_softmax(logits, dim=-1)
-            out.logprobs = logprobs.gather(1, tokens[:, None]).squeeze(1)
-            if entropy:  # -sum p log p over the logprobs' distribution (masked tokens add 0)
-                probs = logprobs.exp()
-                out.entropy = -torch.special.xlogy(probs, probs).sum(dim=-1)
-            if top_n > 0:
-                out.top_logprobs, out.top_ids = logprobs.topk(top_n, dim=-1)
-            if id_union:
-                out.id_union = id_union
-                out.id_logprobs = logprobs[:, self._to_device(torch.tensor(id_union, dtype=torch.int64))]
+            self._logprobs(out, logits, top_n, id_union, entropy)
         if penalized:
             self._record_outputs(slots, tokens, slots_np)
         return out
+
+    def _logprobs(
+        self, out: SampleOutput, logits: torch.Tensor, top_n: int, id_union: list[int], entropy: bool
+    ) -> None:
+        """The sampled tokens' logprobs into ``out``, and as asked the top ``top_n``, those of
+        ``id_union`` and the entropy of the distribution they were sampled from."""
+        logprobs = torch.log_softmax(logits, dim=-1)
+        out.logprobs = logprobs.gather(1, out.tokens[:, None]).squeeze(1)
+        if entropy:  # -sum p log p over the logprobs' distribution (masked tokens add 0)
+            probs = logprobs.exp()
+            out.entropy = -torch.special.xlogy(probs, probs).sum(dim=-1)
+        if top_n > 0:
+            out.top_logprobs, out.top_ids = logprobs.topk(top_n, dim=-1)
+        if id_union:
+            out.id_union = id_union
+            out.id_logprobs = logprobs[:, self._to_device(torch.tensor(id_union, dtype=torch.int64))]
 
     def _apply_masks(self, logits: torch.Tensor, rows: list[int], words: torch.Tensor) -> torch.Tensor:
         vocab = logits.shape[-1]

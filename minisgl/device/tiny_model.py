@@ -16,6 +16,8 @@ import argparse
 import importlib
 from pathlib import Path
 
+from minisgl.checkpoint.model_config import ModelConfig
+
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "mixtral")
 # Gated DeltaNet hybrids: three linear-attention layers, then one gated full-attention layer.
 HYBRID_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
@@ -196,6 +198,21 @@ def make_tiny_model(
 LORA_KEY = "base_model.model.model.layers.{layer}.{block}.{module}.lora_{ab}.weight"
 
 
+def lora_shapes(cfg: ModelConfig) -> dict[str, tuple[str, int, int]]:
+    """module -> (its block, in features, out features) of the modules an adapter may adapt."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    return {
+        "q_proj": ("self_attn", h, q),
+        "k_proj": ("self_attn", h, kv),
+        "v_proj": ("self_attn", h, kv),
+        "o_proj": ("self_attn", q, h),
+        "gate_proj": ("mlp", h, inter),
+        "up_proj": ("mlp", h, inter),
+        "down_proj": ("mlp", inter, h),
+    }
+
+
 def make_lora_adapter(
     model_dir: str | Path,
     out: str | Path,
@@ -214,19 +231,8 @@ def make_lora_adapter(
     import torch
     from safetensors.torch import save_file
 
-    from minisgl.checkpoint.model_config import ModelConfig
-
     cfg = ModelConfig.from_path(Path(model_dir))
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    shapes = {  # module -> (block, in, out)
-        "q_proj": ("self_attn", cfg.hidden_size, q),
-        "k_proj": ("self_attn", cfg.hidden_size, kv),
-        "v_proj": ("self_attn", cfg.hidden_size, kv),
-        "o_proj": ("self_attn", q, cfg.hidden_size),
-        "gate_proj": ("mlp", cfg.hidden_size, cfg.intermediate_size),
-        "up_proj": ("mlp", cfg.hidden_size, cfg.intermediate_size),
-        "down_proj": ("mlp", cfg.intermediate_size, cfg.hidden_size),
-    }
+    shapes = lora_shapes(cfg)
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(cfg.num_layers):

@@ -74,27 +74,13 @@ def plan_decode(
     wrapper._paged_kv_last_page_len_buf.copy_(last_page_len, non_blocking=True)
     wrapper._paged_kv_indices_buf[: len(indices)].copy_(indices, non_blocking=True)
     wrapper._max_kv_len = int(np.max(kv_lens))
+    # (after the lengths: batch twice, heads, page size, graph mode, qk/vo head dims, not causal,
+    # no sliding window, fa2's defaults: no fixed split size, split-kv allowed, no colocated CTAs)
     wrapper._plan_info = wrapper._cached_module.plan(
-        wrapper._float_workspace_buffer,
-        wrapper._int_workspace_buffer,
-        wrapper._pin_memory_int_workspace_buffer,
-        torch.arange(batch + 1, dtype=torch.int32),
-        indptr,
-        lens,
-        batch,
-        batch,
-        hq,
-        hk,
-        page_size,
-        True,
-        head_dim,
-        head_dim,
-        False,
-        -1,  # graph mode, qk/vo head dims, not causal, no sliding window
-        -1,
-        False,
-        0,  # fa2: no fixed split size, split-kv allowed, no colocated CTAs
-    )
+        wrapper._float_workspace_buffer, wrapper._int_workspace_buffer, wrapper._pin_memory_int_workspace_buffer,
+        torch.arange(batch + 1, dtype=torch.int32), indptr, lens,
+        batch, batch, hq, hk, page_size, True, head_dim, head_dim, False, -1, -1, False, 0,
+    )  # fmt: skip
 
 
 @functools.cache

@@ -143,29 +143,30 @@ class HostKVPool:
             if loads and self.io_backend == "direct":
                 self._dma(loads, self.device_ptr, dev_ptr, host, device)
             elif loads:
-                pinned = torch.tensor(loads, dtype=torch.int64).pin_memory()  # (so its upload can run behind)
-                on_device = pinned.to(cache.buffer.device, non_blocking=True)
-                for layer in range(self.num_layers):
-                    self._ops.copy_pages(
-                        self.device_ptr,
-                        dev_ptr,
-                        on_device,
-                        *host,
-                        *device,
-                        layer,
-                        layer + 1,
-                        self.block,
-                        self.kernel_ctas,
-                        self.stream.cuda_stream,
-                    )
-                    event = torch.cuda.Event()
-                    event.record(self.stream)
-                    events.append(event)
-                self._held.append((events[-1], [pinned, on_device]))
+                events = self._kernel_loads(cache, loads, host, device)
             if not events:
                 event = torch.cuda.Event()
                 event.record(self.stream)
                 events = [event] * self.num_layers
+        return events
+
+    def _kernel_loads(
+        self, cache: MHAKVCache, loads: list[int], host: tuple[int, ...], device: tuple[int, ...]
+    ) -> list[torch.cuda.Event]:
+        """Host-to-device page copies through the page-copy kernel, layer by layer on the copy
+        stream: an event per layer, so a prefill's layer waits only for its own pages."""
+        pinned = torch.tensor(loads, dtype=torch.int64).pin_memory()  # (so its upload can run behind)
+        on_device = pinned.to(cache.buffer.device, non_blocking=True)
+        dev_ptr, events = cache.buffer.data_ptr(), []
+        for layer in range(self.num_layers):
+            self._ops.copy_pages(
+                self.device_ptr, dev_ptr, on_device, *host, *device, layer, layer + 1, self.block,
+                self.kernel_ctas, self.stream.cuda_stream,
+            )  # fmt: skip
+            event = torch.cuda.Event()
+            event.record(self.stream)
+            events.append(event)
+        self._held.append((events[-1], [pinned, on_device]))
         return events
 
     def _dma(

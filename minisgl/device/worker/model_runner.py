@@ -406,22 +406,7 @@ class ModelRunner:
         set_attention_backend(None)
         if self.args.max_total_tokens is not None:
             return cdiv(self.args.max_total_tokens, self.page_size)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            free, total = torch.cuda.mem_get_info()
-            activations = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
-            budget = free - total * (1 - self.args.mem_fraction_static) - activations - graph_pool
-            budget -= self._state_pool_bytes()  # (hybrids: sized by the requests, before the KV)
-        else:
-            # On CPU, more than every slot at full context is never useful, and a laptop should
-            # not give gigabytes to it by default (--max-total-tokens asks for more).
-            context = cdiv(self.context_len, self.page_size) * bytes_per_page
-            laptop = max(CPU_KV_BYTES, context)  # at least one full-context request fits
-            budget = min(
-                _available_host_bytes() * self.args.mem_fraction_static * 0.5, self.args.running_limit * context, laptop
-            )
-        num_pages = int(budget // bytes_per_page)
+        num_pages = int(self._kv_budget(graph_pool) // bytes_per_page)
         if get_tp_info().size > 1:  # every rank must hold the same pages: take the smallest budget
             n = torch.tensor([num_pages], device=self.device)
             dist.all_reduce(n, op=dist.ReduceOp.MIN)
@@ -431,6 +416,25 @@ class ModelRunner:
                 f"only {num_pages} KV pages fit in memory; lower --context-length or raise --mem-fraction-static"
             )
         return num_pages
+
+    def _kv_budget(self, graph_pool: int) -> float:
+        """Bytes the KV pool may take: on CUDA what the warm-up left free within
+        --mem-fraction-static, less the activations it measured, the prefill graphs' pool and
+        (hybrids) the state pool; on CPU a share of the host's memory."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            free, total = torch.cuda.mem_get_info()
+            activations = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
+            budget = free - total * (1 - self.args.mem_fraction_static) - activations - graph_pool
+            return budget - self._state_pool_bytes()  # (hybrids: sized by the requests, before the KV)
+        # On CPU, more than every slot at full context is never useful, and a laptop should not
+        # give gigabytes to it by default (--max-total-tokens asks for more).
+        context = cdiv(self.context_len, self.page_size) * self.kv_bytes_per_page
+        laptop = max(CPU_KV_BYTES, context)  # at least one full-context request fits
+        return min(
+            _available_host_bytes() * self.args.mem_fraction_static * 0.5, self.args.running_limit * context, laptop
+        )
 
     @property
     def _ssm_dtype(self) -> torch.dtype:

@@ -46,6 +46,26 @@ def _init_distributed(args: EngineArgs, rank: int, addrs: Addresses) -> None:
     set_tp_info(rank, args.tp_size, args.enable_fp32_all_reduce)
 
 
+def engine_info(runner: ModelRunner) -> EngineInfo:
+    """What the scheduler and the server learn of the engine once it is up (rank 0 sends it)."""
+    return EngineInfo(
+        model_path=str(runner.model_dir),
+        num_pages=runner.num_pages,
+        page_size=runner.page_size,
+        context_len=runner.context_len,
+        vocab_size=runner.vocab_size,
+        max_running_requests=runner.args.max_running_requests,
+        kv_cache_dtype=str(runner.kv_dtype).removeprefix("torch."),
+        kv_bytes_per_token=runner.kv_bytes_per_page // runner.page_size,
+        quantization=runner.config.quant.source if runner.config.quant is not None else None,
+        num_host_pages=runner.num_host_pages,
+        storage_fingerprint=runner.storage_fingerprint,
+        device=runner.device.type,
+        hidden_size=runner.hidden_size,
+        **hybrid_info(runner),
+    )
+
+
 def hybrid_info(runner: ModelRunner) -> dict[str, int]:
     """A hybrid model's EngineInfo fields: where the snapshots' rows start and how many."""
     rows = runner.snapshot_rows
@@ -72,24 +92,7 @@ def run_worker(args: EngineArgs, rank: int, addrs: Addresses, log_level: str) ->
     inbox: Receiver[ToWorker] = Receiver(ctx, addrs.worker(rank), ToWorker, bind=not remote)
     outbox = Sender(ctx, addrs.worker_out) if rank == 0 else None
     if outbox is not None:
-        outbox.send(
-            EngineInfo(
-                model_path=str(runner.model_dir),
-                num_pages=runner.num_pages,
-                page_size=runner.page_size,
-                context_len=runner.context_len,
-                vocab_size=runner.vocab_size,
-                max_running_requests=args.max_running_requests,
-                kv_cache_dtype=str(runner.kv_dtype).removeprefix("torch."),
-                kv_bytes_per_token=runner.kv_bytes_per_page // runner.page_size,
-                quantization=runner.config.quant.source if runner.config.quant is not None else None,
-                num_host_pages=runner.num_host_pages,
-                storage_fingerprint=runner.storage_fingerprint,
-                device=runner.device.type,
-                hidden_size=runner.hidden_size,
-                **hybrid_info(runner),
-            )
-        )
+        outbox.send(engine_info(runner))
     profiler = StepProfiler(rank, runner.device)
     while True:
         # Launch every batch as soon as it arrives (the scheduler sends step N+1 while step N

@@ -54,6 +54,21 @@ def plain_name(part: str) -> bool:
     )
 
 
+# meta_info's lists with one entry per output token: cut like the ids under --stream-output
+PER_TOKEN_LISTS = ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs", "output_token_entropy")
+
+
+def only_new(out: dict[str, Any], text: str, sent: int) -> dict[str, Any]:
+    """--stream-output (SGLang's disjoint segments): an event's new ``text`` and its ids and
+    per-token lists past the ``sent`` tokens streamed before."""
+    out["text"], out["output_ids"] = text, out["output_ids"][sent:]
+    meta = out["meta_info"]
+    for key in PER_TOKEN_LISTS:
+        if key in meta:
+            meta[key] = meta[key][sent:]
+    return out
+
+
 class NativeRoutes(ApiBase):
     _snapshot: tuple[dict[str, Any], float] | None = None  # the last stats and when they came
     _stats_task: asyncio.Future | None = None
@@ -94,16 +109,8 @@ class NativeRoutes(ApiBase):
             async for i, upd in merge(runs):
                 if upd.token_ids or upd.finish_reason is not None:
                     out = result(i)
-                    if self.args.stream_output:  # SGLang's disjoint segments: only what is new
-                        out["text"], out["output_ids"] = upd.text, out["output_ids"][sent[i] :]
-                        for key in (
-                            "output_token_logprobs",
-                            "output_top_logprobs",
-                            "output_token_ids_logprobs",
-                            "output_token_entropy",
-                        ):
-                            if key in out["meta_info"]:
-                                out["meta_info"][key] = out["meta_info"][key][sent[i] :]
+                    if self.args.stream_output:
+                        out = only_new(out, upd.text, sent[i])
                         sent[i] = len(runs[i].token_ids)
                     yield sse(out)
             yield SSE_DONE

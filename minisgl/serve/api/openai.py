@@ -208,20 +208,7 @@ class OpenAIRoutes(ApiBase):
         if not body.stream:
             if not await self._collect(runs, request):
                 return Response(status_code=499)
-            choices = []
-            for i, (r, out) in enumerate(zip(runs, outputs)):
-                choices.append(
-                    {
-                        "index": i,
-                        "message": out.message(r.text),
-                        "logprobs": {"content": [_openai_logprob(lp) for lp in r.logprobs]} if body.logprobs else None,
-                        "finish_reason": out.finish_reason(r.finish_reason),
-                        "matched_stop": r.matched_stop,
-                        **self._hidden(body, r),
-                        **_token_ids(body.wants_prompt_ids, body.return_token_ids, r),
-                        **self._chat_meta(body, r),
-                    }
-                )
+            choices = [self._chat_choice(body, i, r, out) for i, (r, out) in enumerate(zip(runs, outputs))]
             top = {"prompt_token_ids": runs[0].prompt_ids} if body.return_token_ids else {}  # (vLLM's place)
             return self._response(body, runs, {**head, "object": "chat.completion", "choices": choices, **top})
 
@@ -251,6 +238,19 @@ class OpenAIRoutes(ApiBase):
         ids = _StreamedIds(runs, body.wants_prompt_ids, body.return_token_ids)
         events = _chunks(runs, head, body, choice, lambda: self._sglext(body, runs))
         return self._stream(runs, events)
+
+    def _chat_choice(self, body: ChatCompletionRequest, i: int, r: Run, out: ChatOutput) -> dict[str, Any]:
+        """A finished run as a chat.completion choice."""
+        return {
+            "index": i,
+            "message": out.message(r.text),
+            "logprobs": {"content": [_openai_logprob(lp) for lp in r.logprobs]} if body.logprobs else None,
+            "finish_reason": out.finish_reason(r.finish_reason),
+            "matched_stop": r.matched_stop,
+            **self._hidden(body, r),
+            **_token_ids(body.wants_prompt_ids, body.return_token_ids, r),
+            **self._chat_meta(body, r),
+        }
 
     async def _chat_runs(
         self, body: ChatCompletionRequest, rid: str, truncate: bool = False, ids: list[str] | None = None

@@ -172,6 +172,29 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
         prompts = self._prompts()
         count = len(prompts)
         sampling = per_prompt(self.sampling_params, "sampling_params", count, SamplingIn())
+        if len({s.n for s in sampling}) > 1:
+            raise BadRequest("every sampling_params of a batch must have the same n", param="sampling_params.n")
+        n = sampling[0].n
+        if not 1 <= n <= MAX_N:
+            raise BadRequest(f"n must be in [1, {MAX_N}], got {n}", param="sampling_params.n")
+        check_sequences(count * n, max_sequences)
+        options = self._options(count, sampling)
+        rids = self._rids(count * n, not self.is_batch and n == 1)
+        return [
+            GenerateItem(
+                rids[i * n + j],
+                prompt if isinstance(prompt, str) else None,
+                None if isinstance(prompt, str) else prompt,
+                sampling[i].params(j),
+                msgspec.structs.replace(options[i]),  # (each sample its own)
+            )
+            for i, prompt in enumerate(prompts)
+            for j in range(n)
+        ]
+
+    def _options(self, count: int, sampling: list[SamplingIn]) -> list[RequestOptions]:
+        """Each prompt's request options, checked: a field that changes what a request returns
+        or how it runs goes here (``RequestOptions``)."""
         want = per_prompt(self.return_logprob, "return_logprob", count, False)
         tops = per_prompt(self.top_logprobs_num, "top_logprobs_num", count, 0)
         starts = per_prompt(self.logprob_start_len, "logprob_start_len", count, -1)
@@ -179,19 +202,11 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
         keys = cache_keys(self.extra_key, self.cache_salt, count)
         hidden = per_prompt(self.return_hidden_states, "return_hidden_states", count, False)
         loras = [name or None for name in per_prompt(self.lora_path, "lora_path", count, None)]  # "": none
-        if len({s.n for s in sampling}) > 1:
-            raise BadRequest("every sampling_params of a batch must have the same n", param="sampling_params.n")
-        n = sampling[0].n
-        if not 1 <= n <= MAX_N:
-            raise BadRequest(f"n must be in [1, {MAX_N}], got {n}", param="sampling_params.n")
-        check_sequences(count * n, max_sequences)
         if self.routed_experts_start_len < 0:
             raise BadRequest("routed_experts_start_len must be >= 0", param="routed_experts_start_len")
         budgets = self._think_budgets(sampling)
-        single = not self.is_batch and n == 1
-        rids = self._rids(count * n, single)
         out = []
-        for i, prompt in enumerate(prompts):
+        for i in range(count):
             if not 0 <= tops[i] <= MAX_TOP_LOGPROBS:
                 raise BadRequest(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs_num")
             start = -1 if starts[i] is None or not want[i] else starts[i]
@@ -199,29 +214,22 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
                 raise BadRequest(
                     f"logprob_start_len must be -1 (outputs only) or >= 0, got {start}", param="logprob_start_len"
                 )
-            for j in range(n):
-                out.append(
-                    GenerateItem(
-                        rids[i * n + j],
-                        prompt if isinstance(prompt, str) else None,
-                        None if isinstance(prompt, str) else prompt,
-                        sampling[i].params(j),
-                        RequestOptions(
-                            top_logprobs=tops[i] if want[i] else -1,
-                            logprob_start=start,
-                            logprob_ids=ids[i] if want[i] else [],
-                            text_in_logprobs=self.return_text_in_logprobs,
-                            entropy=self.return_entropy,
-                            prompt_ids=self.return_prompt_token_ids,
-                            routed_start=self.routed_experts_start_len if self.return_routed_experts else -1,
-                            hidden_states=hidden[i],
-                            cache_salt=keys[i],
-                            lora=loras[i],
-                            think_budget=budgets[i],
-                            no_logs=self.no_logs,
-                        ),
-                    )
+            out.append(
+                RequestOptions(
+                    top_logprobs=tops[i] if want[i] else -1,
+                    logprob_start=start,
+                    logprob_ids=ids[i] if want[i] else [],
+                    text_in_logprobs=self.return_text_in_logprobs,
+                    entropy=self.return_entropy,
+                    prompt_ids=self.return_prompt_token_ids,
+                    routed_start=self.routed_experts_start_len if self.return_routed_experts else -1,
+                    hidden_states=hidden[i],
+                    cache_salt=keys[i],
+                    lora=loras[i],
+                    think_budget=budgets[i],
+                    no_logs=self.no_logs,
                 )
+            )
         return out
 
     def _think_budgets(self, sampling: list[SamplingIn]) -> list[int]:

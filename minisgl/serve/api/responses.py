@@ -163,51 +163,57 @@ class _Events:
             self.logprobs.add(tokens)
         out: list[bytes] = []
         if delta.get("reasoning_content"):
-            if self.open is None or self.open["type"] != "reasoning":
-                out += self.open_item(_reasoning_item())
-            part = self.open["content"][0]
-            part["text"] += delta["reasoning_content"]
-            self.reasoning += delta["reasoning_content"]
-            out.append(
-                self.event(
-                    "response.reasoning_text.delta",
-                    item_id=self.open["id"],
-                    output_index=len(self.items),
-                    content_index=0,
-                    delta=delta["reasoning_content"],
-                )
-            )
+            out += self._reasoning(delta["reasoning_content"])
         if delta.get("content"):
-            if self.open is None or self.open["type"] != "message":
-                out += self.open_item(_message_item())
-            part = self.open["content"][0]
-            part["text"] += delta["content"]
-            logprobs = self.logprobs.take(delta["content"], self.reasoning) if self.logprobs else []
-            part["logprobs"] += logprobs
+            out += self._text(delta["content"])
+        for call in delta.get("tool_calls", []):
+            out += self._call(call)
+        return out
+
+    def _reasoning(self, text: str) -> list[bytes]:
+        out = [] if self.open is not None and self.open["type"] == "reasoning" else self.open_item(_reasoning_item())
+        self.open["content"][0]["text"] += text
+        self.reasoning += text
+        return out + [
+            self.event(
+                "response.reasoning_text.delta",
+                item_id=self.open["id"],
+                output_index=len(self.items),
+                content_index=0,
+                delta=text,
+            )
+        ]
+
+    def _text(self, text: str) -> list[bytes]:
+        out = [] if self.open is not None and self.open["type"] == "message" else self.open_item(_message_item())
+        part = self.open["content"][0]
+        part["text"] += text
+        logprobs = self.logprobs.take(text, self.reasoning) if self.logprobs else []
+        part["logprobs"] += logprobs
+        return out + [
+            self.event(
+                "response.output_text.delta",
+                item_id=self.open["id"],
+                output_index=len(self.items),
+                content_index=0,
+                delta=text,
+                logprobs=logprobs,
+            )
+        ]
+
+    def _call(self, call: dict[str, Any]) -> list[bytes]:
+        function = call["function"]
+        out = self.open_item(_call_item(call["id"], function["name"])) if "id" in call else []  # a call starts
+        self.open["arguments"] += function["arguments"]
+        if function["arguments"]:
             out.append(
                 self.event(
-                    "response.output_text.delta",
+                    "response.function_call_arguments.delta",
                     item_id=self.open["id"],
                     output_index=len(self.items),
-                    content_index=0,
-                    delta=delta["content"],
-                    logprobs=logprobs,
+                    delta=function["arguments"],
                 )
             )
-        for call in delta.get("tool_calls", []):
-            function = call["function"]
-            if "id" in call:  # a call starts
-                out += self.open_item(_call_item(call["id"], function["name"]))
-            self.open["arguments"] += function["arguments"]
-            if function["arguments"]:
-                out.append(
-                    self.event(
-                        "response.function_call_arguments.delta",
-                        item_id=self.open["id"],
-                        output_index=len(self.items),
-                        delta=function["arguments"],
-                    )
-                )
         return out
 
     def finish(self) -> list[bytes]:

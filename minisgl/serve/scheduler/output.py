@@ -28,6 +28,28 @@ def record_captures(captured: list[tuple[Req, int]], out: StepOutput) -> None:
             req.captures.append((experts[i * e : (i + 1) * e], hidden[i * h : (i + 1) * h]))
 
 
+def record_scores(scored: list[tuple[Req, int]], score_ids: list[int], out: StepOutput) -> None:
+    """Prompt positions' logprobs (``scored``: request and position of each score row)."""
+    column = {t: c for c, t in enumerate(score_ids)}
+    for k, (req, j) in enumerate(scored):
+        top = list(zip(out.score_top_ids[k], out.score_top_logprobs[k])) if out.score_top_ids else []
+        wanted = req.options.logprob_ids
+        ids = [out.score_id_logprobs[k][column[t]] for t in wanted] if wanted else []
+        req.prompt_scores[j] = (out.score_logprobs[k], top[: max(req.options.top_logprobs, 0)], ids)
+
+
+def record_logprobs(req: Req, out: StepOutput, i: int) -> None:
+    """Row ``i``'s logprobs, top logprobs, asked-for ids' logprobs and entropy, as ``req`` asked."""
+    if out.logprobs is not None:
+        req.output_logprobs.append(out.logprobs[i])
+    if req.options.entropy:
+        req.output_entropy.append(out.entropy[i])
+    if out.top_ids is not None:
+        req.output_top_logprobs.append(list(zip(out.top_ids[i], out.top_logprobs[i])))
+    if req.options.logprob_ids:
+        req.output_id_logprobs.append(out.id_logprobs[i])
+
+
 def apply_output(
     sampled: list[Req],
     scored: list[tuple[Req, int]],
@@ -38,15 +60,7 @@ def apply_output(
     """Record the step's results (``sampled``: the requests of its token rows); ``finish`` ends
     a request. Returns the requests that got a token (or, scoring only, finished)."""
     if scored:
-        column = {t: c for c, t in enumerate(score_ids)}
-        for k, (req, j) in enumerate(scored):
-            top = list(zip(out.score_top_ids[k], out.score_top_logprobs[k])) if out.score_top_ids else []
-            ids = (
-                [out.score_id_logprobs[k][column[t]] for t in req.options.logprob_ids]
-                if req.options.logprob_ids
-                else []
-            )
-            req.prompt_scores[j] = (out.score_logprobs[k], top[: max(req.options.top_logprobs, 0)], ids)
+        record_scores(scored, score_ids, out)
     got = []
     for i, (req, token) in enumerate(zip(sampled, out.tokens)):
         if req.finish_reason is not None:  # finished while this batch was in flight: drop the extra token
@@ -66,14 +80,7 @@ def apply_output(
         req.output_ids.append(token)
         if req.think is not None:
             req.think.accept(token)
-        if out.logprobs is not None:
-            req.output_logprobs.append(out.logprobs[i])
-        if req.options.entropy:
-            req.output_entropy.append(out.entropy[i])
-        if out.top_ids is not None:
-            req.output_top_logprobs.append(list(zip(out.top_ids[i], out.top_logprobs[i])))
-        if req.options.logprob_ids:
-            req.output_id_logprobs.append(out.id_logprobs[i])
+        record_logprobs(req, out, i)
         reason = "stop" if token in req.stop_ids else "length" if len(req.output_ids) >= req.max_outputs else None
         if req.matcher is not None:
             if not req.matcher.accept_token(token):  # sampled under its mask, so never expected

@@ -125,7 +125,17 @@ class PrefillPlanner:
             if len(memory.free_slots) < self.admit_together:
                 return entries, admitted
             self.filling = True  # from here, admit every step until the slots or the queue run out
-        loras, snapshots = self.loras, memory.cache.takes_snapshots
+        new, admitted = self._admit(queue, step, budget)
+        entries += new
+        if not memory.free_slots or len(admitted) == len(queue):
+            self.filling = False
+        return entries, admitted
+
+    def _admit(self, queue: WaitingQueue, step: int, budget: int) -> tuple[list[Entry], list[Req]]:
+        """Requests from the queue in its order, each with its first chunk, while the token
+        budget and the slots last."""
+        memory, loras = self.memory, self.loras
+        snapshots, entries, admitted = memory.cache.takes_snapshots, [], []
         for req in queue.order(step, memory.cache):
             if budget <= 0 or not memory.free_slots:
                 break
@@ -154,6 +164,4 @@ class PrefillPlanner:
             self.count_hit(req, matched)
             entries.append(entry)
             budget -= entry[1]
-        if not memory.free_slots or len(admitted) == len(queue):
-            self.filling = False
         return entries, admitted

@@ -530,24 +530,7 @@ class Scheduler:
                 self.running.append(req)
                 self.prefilling.append(req)
             if entries:
-                for req, _, done in entries:
-                    if done:  # its last chunk: it decodes from the next step on
-                        self.prefilling.remove(req)
-                        self.decoding.append(req)
-                if self.memory.host is not None:
-                    self.memory.host.wait_for_loads()
-                batch, scored, routed = prefill_batch(entries, self.eos_ids)
-                c.prefill_tokens += len(batch.input_ids)
-                sampled = [req for req, _, sample in entries if sample]
-                if decoders:
-                    # No retraction for them: the newest request may be in this very chunk.
-                    decode = self.decode.schedule(decoders, None)
-                    if decode is not None:
-                        routed += self.decode.routed(decode)
-                        batch = mixed_batch(batch, decode)
-                        sampled += self.decode.order.reqs
-                        c.mixed_steps += 1
-                return batch, sampled, scored, routed, False, []
+                return self._prefill_step(entries, decoders)
             retract = lambda: self._retract(self.running[-1])  # noqa: E731
             if self._speculate:
                 # Waiting, a verify step drafts from every token so far; overlapped, from the
@@ -568,6 +551,31 @@ class Scheduler:
                 return None, [], [], [], False, []
             # Every running request is mid-prefill and none could get pages: make room.
             self._retract(self.running[-1])
+
+    def _prefill_step(
+        self, entries: list, decoders: list[Req]
+    ) -> tuple[ForwardBatch, list[Req], list[tuple[Req, int]], list[tuple[Req, int]], bool, Drafts]:
+        """``_schedule``'s answer for a step of prefill chunks (``entries``), with a decode row
+        for each of ``decoders`` (--enable-mixed-chunk)."""
+        c = self.counters
+        for req, _, done in entries:
+            if done:  # its last chunk: it decodes from the next step on
+                self.prefilling.remove(req)
+                self.decoding.append(req)
+        if self.memory.host is not None:
+            self.memory.host.wait_for_loads()
+        batch, scored, routed = prefill_batch(entries, self.eos_ids)
+        c.prefill_tokens += len(batch.input_ids)
+        sampled = [req for req, _, sample in entries if sample]
+        if decoders:
+            # No retraction for them: the newest request may be in this very chunk.
+            decode = self.decode.schedule(decoders, None)
+            if decode is not None:
+                routed += self.decode.routed(decode)
+                batch = mixed_batch(batch, decode)
+                sampled += self.decode.order.reqs
+                c.mixed_steps += 1
+        return batch, sampled, scored, routed, False, []
 
     def _drain(self, done_only: bool = False) -> None:
         """Process every step in flight, or only those whose tokens are back (their requests in
