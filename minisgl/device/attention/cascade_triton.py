@@ -203,6 +203,29 @@ def small_work(
     return flat, n_shared, counts
 
 
+def default_shared_rows(num_kv_heads: int, gqa: int) -> int:
+    """Query rows of a shared item: eight members per item, in 16 to 32 rows (a power of two).
+
+    Qwen3-0.6B's pairs of heads (GQA 2) in 16 rows took 0.062 ms a layer against 32 rows' 0.076
+    (fp8 pages; bf16 0.053 / 0.066), the 8B's fours in 32 rows 0.076 against 16 rows' 0.103
+    (decode_kernels_*_h100.json). Four members on a rank with fewer than 8 KV heads (tensor
+    parallelism): each shared item walks its group's keys alone, so the level lasts one item's
+    walk once too few items fill the SMs; the 8B's 4 heads a rank at tp=2, 256 in 16 groups
+    sharing 2048, fp8 pages: 0.120 -> 0.102 ms a layer, bf16 0.118 -> 0.108
+    (tp2_h200_2026-11-27.md)."""
+    members = 8 if num_kv_heads >= 8 else 4
+    return min(32, max(16, 1 << (members * gqa - 1).bit_length()))
+
+
+def target_items(items_per_sm: int, sms: int, num_kv_heads: int) -> int:
+    """Work items a level is cut into: about ``items_per_sm`` per SM, counting each item once per
+    KV head of the whole model. Under tensor parallelism every rank cuts keys where one GPU
+    would, so each head's output keeps its bits at any tp size, and a rank's half of the heads
+    runs items as long as one GPU's (at tp=2 twice the items over half the heads read KV at
+    2.6 TB/s against 3.1; benchmarks/tp_check.py step)."""
+    return max(1, items_per_sm * sms // (num_kv_heads * get_tp_info().size))
+
+
 class TritonCascade:
     """Plans and runs decode steps (plain or cascade) on our kernel for a backend whose caches are
     [pages, page_size, Hk, D]. A shared item packs ``shared_rows`` query rows (whole members),
@@ -227,36 +250,19 @@ class TritonCascade:
         cascade_own_maxnreg: int | None = None,
         plain_num_warps: int | None = None,
     ):
-        # Defaults from benchmarks/decode_bench.py part 3 on the H100 (gpu_2026-11-22.md, session 12).
-        # Stages: the page-index load is a pipeline stage of its own, so Triton double-buffers the
-        # K/V tiles (and overlaps their loads with the previous tile's math) only from 5 stages on;
-        # with 3 or 4 every tile waited for its own loads. 64-key tiles keep two buffers in 72 KB.
+        """Launch defaults from benchmarks/decode_bench.py part 3 on the H100 (gpu_2026-11-22.md): from
+        5 stages Triton double-buffers the K/V tiles behind the page-index load (with 3 or 4 every
+        tile waited for its loads); 64-key tiles keep two buffers in 72 KB."""
         self.heads = (num_qo_heads, num_kv_heads, head_dim)
         self.device = device
         gqa = num_qo_heads // num_kv_heads
         own_m = max(16, 1 << (gqa - 1).bit_length())  # one request's query heads, at least an mma.sync tile
-        # Eight members per shared item, in 16 to 32 rows: Qwen3-0.6B's pairs of heads (GQA 2) in 16
-        # rows took 0.062 ms a layer against 32 rows' 0.076 (fp8 pages; bf16 0.053 / 0.066), the
-        # 8B's fours in 32 rows 0.076 against 16 rows' 0.103 (decode_kernels_*_h100.json). Four
-        # on a rank with fewer than 8 KV heads (tensor parallelism): each shared item walks its
-        # group's keys alone, so the level lasts one item's walk once too few items fill the SMs;
-        # the 8B's 4 heads a rank at tp=2, 256 in 16 groups sharing 2048, fp8 pages: 0.120 ->
-        # 0.102 ms a layer, bf16 0.118 -> 0.108 (tp2_h200_2026-11-27.md).
-        if shared_rows is None:
-            members = 8 if num_kv_heads >= 8 else 4
-            shared_rows = min(32, max(16, 1 << (members * gqa - 1).bit_length()))  # a power of two
-        shared_m = max(shared_rows, own_m)
+        shared_m = max(shared_rows or default_shared_rows(num_kv_heads, gqa), own_m)
         self.members_per_item = shared_m // gqa
         self.block_n = block_n
         launch = dict(block_n=block_n, num_warps=num_warps, num_stages=num_stages)
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-        # About ``items_per_sm`` items per SM, counting each item once per KV head of the whole
-        # model: under tensor parallelism every rank cuts keys where one GPU would, so each
-        # head's output keeps its bits at any tp size, and a rank's half of the heads runs
-        # items as long as one GPU's (at tp=2 twice the items over half the heads read KV at
-        # 2.6 TB/s against 3.1; benchmarks/tp_check.py step).
-        model_kv_heads = num_kv_heads * get_tp_info().size
-        self.target_items = max(1, items_per_sm * sms // model_kv_heads)
+        self.target_items = target_items(items_per_sm, sms, num_kv_heads)
         self.min_segment_tokens = min_segment_tokens
         programs = max(1, programs_per_sm * sms // num_kv_heads)
         # The own level may launch otherwise (its items are short runs of one request's keys); the

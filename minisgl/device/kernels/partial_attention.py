@@ -9,7 +9,7 @@ the normalized output. ``combine`` folds the states of rows that end in several 
 
 Why resumable: a cascade step must return exactly what the plain step returns (in bf16 one
 flipped rounding in 0.01% of layer 0's outputs grew into logit differences of ~0.5 by SmolLM2's
-last layer; benchmarks/results/gpu_2026-11-22.md, session 10). The running-state update is not
+last layer; benchmarks/results/gpu_2026-11-22.md). The running-state update is not
 associative in floating point, so the states of a prefix and a suffix cannot be merged into the
 bits of one pass. Instead the shared level runs the first part of each member's pass and stops,
 and the member's own item continues from the registers' very contents. Every row then sees the

@@ -10,6 +10,36 @@ from prometheus_client.openmetrics import exposition as openmetrics_exposition
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
+# The scheduler's stats as SGLang names them (name, help), labelled by model.
+ENGINE_GAUGES = [
+    ("sglang:num_running_reqs", "Requests holding a batch slot"),
+    ("sglang:num_queue_reqs", "Requests waiting to be scheduled"),
+    ("sglang:token_usage", "Fraction of KV pages that cannot be reclaimed now"),
+    ("sglang:cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens looked up"),
+    (
+        "sglang:hicache_host_hit_rate",
+        "Prompt tokens served from the hierarchical cache's host tier / prompt tokens looked up",
+    ),
+    ("sglang:gen_throughput", "Generated tokens per second since the previous scrape"),
+    (
+        "sglang:spec_accept_length",
+        "Tokens a drafting request gains per verify step (1 without speculation)",
+    ),
+    ("minisgl_stats_age_seconds", "Age of the scheduler stats these gauges come from"),
+]
+# The KV pool's pages (minisgl's own names).
+PAGE_GAUGES = [
+    ("total_pages", "KV cache pages in the pool"),
+    ("free_pages", "KV pages holding nothing"),
+    ("evictable_pages", "KV pages of cached prefixes no request uses"),
+    ("protected_pages", "KV pages of cached prefixes locked by running requests"),
+    ("host_total_pages", "Host-tier KV pages (hierarchical cache; 0 when off)"),
+    ("host_free_pages", "Host-tier KV pages holding nothing"),
+    ("host_loaded_pages", "Host-tier pages loaded back to the device so far"),
+    ("host_written_pages", "Device pages copied to the host tier so far"),
+]
+
+
 class Metrics:
     """SGLang's metric names and ``model_name`` label (so its Grafana dashboard and the smg router
     read them unchanged), plus minisgl's own for what SGLang has no name for (KV pages, HTTP
@@ -45,42 +75,12 @@ class Metrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.gauges = {
-            name: Gauge(name, doc, model, registry=r).labels(model_name)
-            for name, doc in [
-                ("sglang:num_running_reqs", "Requests holding a batch slot"),
-                ("sglang:num_queue_reqs", "Requests waiting to be scheduled"),
-                ("sglang:token_usage", "Fraction of KV pages that cannot be reclaimed now"),
-                ("sglang:cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens looked up"),
-                (
-                    "sglang:hicache_host_hit_rate",
-                    "Prompt tokens served from the hierarchical cache's host tier / prompt tokens looked up",
-                ),
-                ("sglang:gen_throughput", "Generated tokens per second since the previous scrape"),
-                (
-                    "sglang:spec_accept_length",
-                    "Tokens a drafting request gains per verify step (1 without speculation)",
-                ),
-                ("minisgl_stats_age_seconds", "Age of the scheduler stats these gauges come from"),
-            ]
-        }
+        self.gauges = {name: Gauge(name, doc, model, registry=r).labels(model_name) for name, doc in ENGINE_GAUGES}
         self.requests = Counter("minisgl_requests", "Finished requests by finish reason", ["finish_reason"], registry=r)
         self.errors = Counter(
             "minisgl_http_errors", "Requests answered with an error, by status", ["status"], registry=r
         )
-        self.pages = {
-            name: Gauge(f"minisgl_{name}", doc, registry=r)
-            for name, doc in [
-                ("total_pages", "KV cache pages in the pool"),
-                ("free_pages", "KV pages holding nothing"),
-                ("evictable_pages", "KV pages of cached prefixes no request uses"),
-                ("protected_pages", "KV pages of cached prefixes locked by running requests"),
-                ("host_total_pages", "Host-tier KV pages (hierarchical cache; 0 when off)"),
-                ("host_free_pages", "Host-tier KV pages holding nothing"),
-                ("host_loaded_pages", "Host-tier pages loaded back to the device so far"),
-                ("host_written_pages", "Device pages copied to the host tier so far"),
-            ]
-        }
+        self.pages = {name: Gauge(f"minisgl_{name}", doc, registry=r) for name, doc in PAGE_GAUGES}
         self.tokens_streamed = 0  # output tokens as they arrive (gen_throughput)
         self._retracted_seen = 0
         self._scrape = (time.perf_counter(), 0.0)

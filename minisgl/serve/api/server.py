@@ -141,55 +141,58 @@ class LoopbackHostMiddleware:
         await self.app(scope, receive, send)
 
 
+# Every route: path, the Api method that answers it, its methods (SGLang's and OpenAI's paths).
+ROUTES: list[tuple[str, str, list[str]]] = [
+    ("/generate", "generate", ["POST"]),
+    ("/v1/completions", "completions", ["POST"]),
+    ("/v1/chat/completions", "chat_completions", ["POST"]),
+    ("/v1/responses", "responses", ["POST"]),
+    ("/v1/responses/{response_id}", "get_response", ["GET"]),
+    ("/v1/responses/{response_id}", "delete_response", ["DELETE"]),
+    ("/v1/responses/{response_id}/cancel", "cancel_response", ["POST"]),
+    ("/v1/score", "score", ["POST"]),
+    ("/tokenize", "tokenize", ["POST"]),
+    ("/v1/tokenize", "tokenize", ["POST"]),
+    ("/detokenize", "detokenize", ["POST"]),
+    ("/v1/detokenize", "detokenize", ["POST"]),
+    ("/v1/models", "models", ["GET"]),
+    ("/v1/models/{model:path}", "model", ["GET"]),
+    ("/health", "health", ["GET"]),
+    ("/health_generate", "health_generate", ["GET"]),
+    ("/get_model_info", "model_info", ["GET"]),
+    ("/model_info", "model_info", ["GET"]),
+    ("/get_server_info", "server_info", ["GET"]),
+    ("/server_info", "server_info", ["GET"]),
+    ("/version", "version", ["GET"]),
+    ("/v1/loads", "loads", ["GET"]),
+    ("/get_loads", "loads", ["GET"]),
+    ("/metrics", "metrics_route", ["GET"]),
+    ("/flush_cache", "flush_cache", ["GET", "POST"]),
+    ("/reset_prefix_cache", "flush_cache", ["POST"]),
+    ("/abort_request", "abort_request", ["POST"]),
+    ("/start_profile", "start_profile", ["POST"]),
+    ("/stop_profile", "stop_profile", ["POST"]),
+    ("/update_weights_from_disk", "update_weights_from_disk", ["POST"]),
+    ("/get_weights_by_name", "get_weights_by_name", ["GET", "POST"]),
+    ("/update_weights_from_tensor", "update_weights_from_tensor", ["POST"]),
+    ("/update_weights_from_distributed", "update_weights_from_distributed", ["POST"]),
+    ("/init_weights_update_group", "init_weights_update_group", ["POST"]),
+    ("/destroy_weights_update_group", "destroy_weights_update_group", ["POST"]),
+    ("/pause_generation", "pause_generation", ["POST"]),
+    ("/continue_generation", "continue_generation", ["POST"]),
+    ("/get_weight_version", "get_weight_version", ["GET"]),
+    ("/update_weight_version", "update_weight_version", ["POST"]),
+    ("/release_memory_occupation", "release_memory_occupation", ["POST"]),
+    ("/load_lora_adapter", "load_lora_adapter", ["POST"]),
+    ("/load_lora_adapter_from_tensors", "load_lora_adapter_from_tensors", ["POST"]),
+    ("/unload_lora_adapter", "unload_lora_adapter", ["POST"]),
+    ("/resume_memory_occupation", "resume_memory_occupation", ["POST"]),
+]
+
+
 def create_app(client: EngineClient, info: EngineInfo, args: ServerArgs, pids: dict[str, int]) -> Callable:
     """The ASGI app; ``pids`` (process name -> pid) is reported by /get_server_info."""
     api = Api(client, info, args, pids)
-    routes = [
-        ("/generate", api.generate, ["POST"]),
-        ("/v1/completions", api.completions, ["POST"]),
-        ("/v1/chat/completions", api.chat_completions, ["POST"]),
-        ("/v1/responses", api.responses, ["POST"]),
-        ("/v1/responses/{response_id}", api.get_response, ["GET"]),
-        ("/v1/responses/{response_id}", api.delete_response, ["DELETE"]),
-        ("/v1/responses/{response_id}/cancel", api.cancel_response, ["POST"]),
-        ("/v1/score", api.score, ["POST"]),
-        ("/tokenize", api.tokenize, ["POST"]),
-        ("/v1/tokenize", api.tokenize, ["POST"]),
-        ("/detokenize", api.detokenize, ["POST"]),
-        ("/v1/detokenize", api.detokenize, ["POST"]),
-        ("/v1/models", api.models, ["GET"]),
-        ("/v1/models/{model:path}", api.model, ["GET"]),
-        ("/health", api.health, ["GET"]),
-        ("/health_generate", api.health_generate, ["GET"]),
-        ("/get_model_info", api.model_info, ["GET"]),
-        ("/model_info", api.model_info, ["GET"]),
-        ("/get_server_info", api.server_info, ["GET"]),
-        ("/server_info", api.server_info, ["GET"]),
-        ("/version", api.version, ["GET"]),
-        ("/v1/loads", api.loads, ["GET"]),
-        ("/get_loads", api.loads, ["GET"]),
-        ("/metrics", api.metrics_route, ["GET"]),
-        ("/flush_cache", api.flush_cache, ["GET", "POST"]),
-        ("/reset_prefix_cache", api.flush_cache, ["POST"]),
-        ("/abort_request", api.abort_request, ["POST"]),
-        ("/start_profile", api.start_profile, ["POST"]),
-        ("/stop_profile", api.stop_profile, ["POST"]),
-        ("/update_weights_from_disk", api.update_weights_from_disk, ["POST"]),
-        ("/get_weights_by_name", api.get_weights_by_name, ["GET", "POST"]),
-        ("/update_weights_from_tensor", api.update_weights_from_tensor, ["POST"]),
-        ("/update_weights_from_distributed", api.update_weights_from_distributed, ["POST"]),
-        ("/init_weights_update_group", api.init_weights_update_group, ["POST"]),
-        ("/destroy_weights_update_group", api.destroy_weights_update_group, ["POST"]),
-        ("/pause_generation", api.pause_generation, ["POST"]),
-        ("/continue_generation", api.continue_generation, ["POST"]),
-        ("/get_weight_version", api.get_weight_version, ["GET"]),
-        ("/update_weight_version", api.update_weight_version, ["POST"]),
-        ("/release_memory_occupation", api.release_memory_occupation, ["POST"]),
-        ("/load_lora_adapter", api.load_lora_adapter, ["POST"]),
-        ("/load_lora_adapter_from_tensors", api.load_lora_adapter_from_tensors, ["POST"]),
-        ("/unload_lora_adapter", api.unload_lora_adapter, ["POST"]),
-        ("/resume_memory_occupation", api.resume_memory_occupation, ["POST"]),
-    ]
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -198,7 +201,7 @@ def create_app(client: EngineClient, info: EngineInfo, args: ServerArgs, pids: d
         await client.stop()
 
     app = Starlette(
-        routes=[Route(p, _with_errors(api, h), methods=m) for p, h, m in routes],
+        routes=[Route(path, _with_errors(api, getattr(api, name)), methods=m) for path, name, m in ROUTES],
         lifespan=lifespan,
         exception_handlers={HTTPException: _http_error},
     )

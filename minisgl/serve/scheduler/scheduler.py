@@ -466,42 +466,7 @@ class Scheduler:
             )
             self._retracted_tokens = []
         if batch is not None:
-            if self.memory.host is not None:
-                self.memory.take_io(batch)
-            if self.loras is not None:
-                self.loras.stamp(batch)
-            self.executor.launch(batch)
-            self.inflight.append((sampled, scored, batch.score_logprob_ids, self.counters.steps, routed, drafts))
-            if batch.draft_rows:
-                # Its drafts follow every token so far: the steps before it are processed first
-                # (the worker loads this step's inputs and plans its attention meanwhile).
-                while len(self.inflight) > 1:
-                    got += self._process(self.inflight.popleft())
-                self.executor.fill_drafts(self.spec.redraft(drafts, self.counters.steps))
-            if batch.mask_rows:
-                # The batch samples once its constrained rows' masks come, and a matcher must
-                # first see every token sampled before: process the batch before this one (its
-                # device work is done or nearly; this batch's forward runs meanwhile).
-                while len(self.inflight) > 1:
-                    got += self._process(self.inflight.popleft())
-                rows = [sampled[i] for i in batch.mask_rows]
-                self.executor.sample_masked(
-                    masks(
-                        [(r.matcher, r.params.json_schema is not None, r.think) for r in rows],
-                        self.grammar,
-                        self.vocab_size,
-                    )
-                )
-            if logger.isEnabledFor(logging.DEBUG):
-                kind = ("verify" if drafts else "decode") if decode else "mixed" if batch.prefill_reqs else "prefill"
-                kind = kind if batch.slots else "host-tier copies"
-                self._step_lines[self.counters.steps] = (
-                    f"step {self.counters.steps}: {kind} batch of {len(batch.slots)} requests, "
-                    f"{len(batch.input_ids)} tokens; {len(self.running)} running, {len(self.waiting)} queued, "
-                    f"{self.allocator.num_free} free pages",
-                    time.perf_counter(),
-                )
-            self.counters.steps += 1
+            got += self._launch(batch, sampled, scored, routed, decode, drafts)
         if len(self.inflight) > (1 if self.overlap and batch is not None else 0):
             got += self._process(self.inflight.popleft())
         if self._frozen and not self.has_work:
@@ -509,6 +474,56 @@ class Scheduler:
             self._frozen = False
         self.events += [ReqEvent("output", req) for req in got]
         return self.take_events()
+
+    def _launch(
+        self,
+        batch: ForwardBatch,
+        sampled: list[Req],
+        scored: list[tuple[Req, int]],
+        routed: list[tuple[Req, int]],
+        decode: bool,
+        drafts: Drafts,
+    ) -> list[Req]:
+        """Send the batch to the worker (with its drafts or masks once the steps before it are
+        processed: the requests those steps gave a token, returned)."""
+        got: list[Req] = []
+        if self.memory.host is not None:
+            self.memory.take_io(batch)
+        if self.loras is not None:
+            self.loras.stamp(batch)
+        self.executor.launch(batch)
+        self.inflight.append((sampled, scored, batch.score_logprob_ids, self.counters.steps, routed, drafts))
+        if batch.draft_rows:
+            # Its drafts follow every token so far: the steps before it are processed first
+            # (the worker loads this step's inputs and plans its attention meanwhile).
+            while len(self.inflight) > 1:
+                got += self._process(self.inflight.popleft())
+            self.executor.fill_drafts(self.spec.redraft(drafts, self.counters.steps))
+        if batch.mask_rows:
+            # The batch samples once its constrained rows' masks come, and a matcher must
+            # first see every token sampled before: process the batch before this one (its
+            # device work is done or nearly; this batch's forward runs meanwhile).
+            while len(self.inflight) > 1:
+                got += self._process(self.inflight.popleft())
+            rows = [sampled[i] for i in batch.mask_rows]
+            self.executor.sample_masked(
+                masks(
+                    [(r.matcher, r.params.json_schema is not None, r.think) for r in rows],
+                    self.grammar,
+                    self.vocab_size,
+                )
+            )
+        if logger.isEnabledFor(logging.DEBUG):
+            kind = ("verify" if drafts else "decode") if decode else "mixed" if batch.prefill_reqs else "prefill"
+            kind = kind if batch.slots else "host-tier copies"
+            self._step_lines[self.counters.steps] = (
+                f"step {self.counters.steps}: {kind} batch of {len(batch.slots)} requests, "
+                f"{len(batch.input_ids)} tokens; {len(self.running)} running, {len(self.waiting)} queued, "
+                f"{self.allocator.num_free} free pages",
+                time.perf_counter(),
+            )
+        self.counters.steps += 1
+        return got
 
     def _schedule(
         self,
