@@ -5,7 +5,8 @@ Real clients send fields this server has no use for (the smg router sends ``log_
 Dropping one that changes the result, though, returns wrong answers without a word (lm-eval
 scored a wrong accuracy when ``echo`` was dropped). Each schema below sorts a body's fields into:
 
-- ``implemented``: passed on to the request's Struct;
+- implemented: the fields of the route's Struct (``api.protocol``; a field added there is
+  implemented), and ``implemented`` for a nested object's;
 - ``inert``: accepted whatever the value (routing hints, logging switches, cache salts);
 - ``default_only``: accepted at their default (or null), refused by name otherwise, because
   another value would change the result and is not implemented yet;
@@ -37,19 +38,20 @@ class UnsupportedField(ValueError):
 @dataclass
 class Schema:
     name: str
-    implemented: set[str]
+    implemented: set[str] = field(default_factory=set)  # beyond the fields of the route's Struct
     inert: set[str] = field(default_factory=set)
     default_only: dict[str, Any] = field(default_factory=dict)  # field -> its default (a tuple: any of them)
     why: dict[str, str] = field(default_factory=dict)  # field -> what refusing it means
     nested: dict[str, Schema] = field(default_factory=dict)  # object fields sorted by their own schema
 
-    def sort(self, body: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-        """The implemented fields of ``body`` (nested objects sorted in turn); refuses or warns
-        about the rest as the schema says."""
+    def sort(self, body: dict[str, Any], prefix: str = "", known: frozenset[str] = frozenset()) -> dict[str, Any]:
+        """The implemented fields of ``body`` (``known``: the fields of the route's Struct, and
+        ``implemented``; nested objects sorted in turn); refuses or warns about the rest as the
+        schema says."""
         kept: dict[str, Any] = {}
         for key, value in body.items():
             path = f"{prefix}{key}"
-            if key in self.implemented:
+            if key in self.implemented or key in known:
                 kept[key] = self._nested(key, value, path)
             elif key in self.inert:
                 continue
@@ -126,29 +128,6 @@ SAMPLING = Schema(
 
 GENERATE = Schema(
     "SGLang /generate",
-    implemented={
-        "text",
-        "input_ids",
-        "sampling_params",
-        "stream",
-        "return_logprob",
-        "top_logprobs_num",
-        "rid",
-        "token_ids_logprob",
-        "extra_key",
-        "return_text_in_logprobs",
-        "logprob_start_len",
-        "return_routed_experts",
-        "routed_experts_start_len",
-        "return_hidden_states",
-        "lora_path",
-        "cache_salt",
-        "return_prompt_token_ids",
-        "return_entropy",
-        "max_thinking_tokens",
-        "custom_logit_processor",
-        "no_logs",
-    },
     inert={
         "model",
         "session_id",  # SGLang: a session's identity for routing and metrics; the prompt is unchanged
@@ -216,45 +195,6 @@ GENERATE = Schema(
 STREAM_OPTIONS = Schema("OpenAI stream_options", implemented={"include_usage", "continuous_usage_stats"})
 
 _OPENAI_COMMON = dict(
-    implemented={
-        "model",
-        "max_tokens",
-        "temperature",
-        "top_p",
-        "n",
-        "stream",
-        "stream_options",
-        "stop",
-        "presence_penalty",
-        "frequency_penalty",
-        "seed",
-        "user",
-        "top_k",
-        "min_p",
-        "repetition_penalty",
-        "stop_token_ids",
-        "ignore_eos",
-        "skip_special_tokens",
-        "spaces_between_special_tokens",
-        "logit_bias",
-        "logprobs",
-        "no_stop_trim",
-        "min_tokens",
-        "response_format",
-        "json_schema",
-        "regex",
-        "ebnf",
-        "cache_salt",
-        "stop_regex",
-        "return_hidden_states",
-        "lora_path",
-        "return_token_ids",
-        "return_routed_experts",
-        "routed_experts_start_len",
-        "return_cached_tokens_details",
-        "rid",
-        "extra_key",
-    },
     inert={
         "session_id",
         "ngram_corpus_id",  # SGLang: an n-gram corpus for drafting; drafts change no token
@@ -280,7 +220,6 @@ _OPENAI_COMMON = dict(
 
 COMPLETION = Schema(
     "OpenAI completions",
-    implemented=_OPENAI_COMMON["implemented"] | {"prompt", "best_of", "echo", "suffix"},
     inert=_OPENAI_COMMON["inert"],
     default_only=_OPENAI_COMMON["default_only"],
     why=_OPENAI_COMMON["why"],
@@ -297,27 +236,6 @@ MESSAGE = Schema(
 
 CHAT = Schema(
     "OpenAI chat completions",
-    implemented=_OPENAI_COMMON["implemented"]
-    | {
-        "messages",
-        "max_completion_tokens",
-        "top_logprobs",
-        "tools",
-        "tool_choice",
-        "parallel_tool_calls",
-        "chat_template_kwargs",
-        "separate_reasoning",
-        "stream_reasoning",
-        "reasoning_effort",
-        "reasoning",
-        "prediction",
-        "continue_final_message",
-        "return_prompt_token_ids",
-        "return_meta_info",
-        "input_ids",
-        "custom_logit_processor",
-        "custom_params",
-    },
     # task: DeepSeek-V4's quick-instruction token, which SGLang's other templates ignore too
     inert=(_OPENAI_COMMON["inert"] - {"separate_reasoning", "stream_reasoning", "custom_params"})
     | {"modalities", "task"},

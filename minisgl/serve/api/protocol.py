@@ -51,7 +51,8 @@ def decode(body: bytes, kind: type, schema: Schema | None = None) -> Any:
     if not isinstance(raw, dict):
         raise BadRequest(f"the request body must be a JSON object, got {type(raw).__name__}")
     try:
-        return msgspec.convert(schema.sort(raw) if schema else raw, type=kind)
+        known = frozenset(kind.__struct_encode_fields__)
+        return msgspec.convert(schema.sort(raw, known=known) if schema else raw, type=kind)
     except UnsupportedField as e:
         raise BadRequest(str(e), param=e.param) from None
     except msgspec.ValidationError as e:
