@@ -23,22 +23,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.decode_bench import replay_ms  # noqa: E402 (milliseconds a call, from a CUDA graph)
 from benchmarks.fp8_prefill_bench import timed  # noqa: E402 (milliseconds a call)
 from minisgl.checkpoint.model_config import ModelConfig  # noqa: E402
-
-
-def graphed(fn) -> float:
-    """Microseconds a call of ``fn`` replayed from a CUDA graph (ten calls to a graph)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        for _ in range(10):
-            fn()
-    return timed(graph.replay, 20) * 1e3 / 10
 
 
 def main() -> None:
@@ -67,8 +54,8 @@ def main() -> None:
         a, bb = torch.randn(b, hv, **bf16), torch.randn(b, hv, **bf16)
         a_log, dt_bias = torch.rand(hv, device=dev), torch.rand(hv, device=dev)
         step = lambda: delta_step(x, a, bb, a_log, dt_bias, ssm, slots, hk)  # noqa: E731
-        conv_us = graphed(lambda: conv_step(x, weight, conv, slots))
-        step_us, eager_us = graphed(step), timed(step, 50) * 1e3
+        conv_us = replay_ms(lambda: conv_step(x, weight, conv, slots)) * 1e3
+        step_us, eager_us = replay_ms(step) * 1e3, timed(step, 50) * 1e3
         q = l2norm(torch.randn(b, 1, hv, k, device=dev)) * k**-0.5
         kk = l2norm(torch.randn(b, 1, hv, k, device=dev))
         vv = torch.randn(b, 1, hv, v, device=dev)
