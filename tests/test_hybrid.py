@@ -166,7 +166,7 @@ def test_tensor_parallel_ranks_split_the_heads_and_give_the_same_tokens(hybrids,
 def test_new_weights_serve_at_once_and_no_snapshot_of_the_old_ones_is_reused(hybrids, tmp_path):
     """RL: /update_weights_from_disk copies another checkpoint into the live model (the norms'
     and conv's loaders included): the next tokens are the new checkpoint's (snapshots of the old
-    weights are never hits), and survive a memory release and resume."""
+    weights are never hits), and survive a memory release (the state pool's too) and resume."""
     old, new = hybrids["qwen3_5_moe"], make_tiny_model("qwen3_5_moe", tmp_path / "new", seed=1)
     want = reference(new, PROMPTS)
     llm = LLM(str(old), dtype="float32", max_total_tokens=4096)
@@ -176,7 +176,9 @@ def test_new_weights_serve_at_once_and_no_snapshot_of_the_old_ones_is_reused(hyb
     assert [o["output_ids"] for o in out] == want
     assert out[0]["meta_info"]["cached_tokens"] == 0  # (the later prompts may hit the new weights' snapshots)
     llm.release_memory_occupation()
+    assert llm.runner.states.ssm.untyped_storage().nbytes() == 0  # (the state pool goes with the KV pool)
     llm.resume_memory_occupation()
+    assert llm.runner.states.ssm.untyped_storage().nbytes() == llm.runner.states.ssm.numel() * 4
     assert [o["output_ids"] for o in llm.generate(PROMPTS, GREEDY)] == want
     llm.scheduler.check_integrity()
 

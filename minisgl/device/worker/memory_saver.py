@@ -3,7 +3,8 @@
 
 Tags: ``weights`` (every parameter and buffer; their values wait in pinned host memory, allocated
 at the first release and kept: pinning 16 GB took most of a 17.5 s first release of the 8B),
-``kv_cache`` (the KV pool; its contents are dropped, the scheduler flushes the prefix cache),
+``kv_cache`` (the KV pool and a hybrid's state pool; their contents are dropped, the scheduler
+flushes the prefix cache),
 ``cuda_graph`` (the captured graphs' memory pools). Storages are emptied in place
 (``resize_(0)``), so every tensor and view that refers to them stays valid and sees the memory
 again on resume; CUDA graphs, which hold raw addresses, are dropped whenever any of it goes and
@@ -51,7 +52,7 @@ class MemorySaver:
         self.released: set[str] = set()
         self._weights: list[tuple[torch.UntypedStorage, torch.Tensor]] = []  # storage, its host copy
         self._host: torch.Tensor | None = None  # every host copy, back to back (kept between releases)
-        self._kv_bytes = 0
+        self._kv_bytes: list[int] = []  # each pool storage's size when released
 
     def release(self, tags: list[str]) -> str:
         """Free the memory of ``tags`` (already released ones are skipped)."""
@@ -77,9 +78,10 @@ class MemorySaver:
             for s, _ in self._weights:
                 s.resize_(0)
         if "kv_cache" in tags:
-            storage = runner.kv_cache.buffer.untyped_storage()
-            self._kv_bytes = storage.nbytes()
-            storage.resize_(0)
+            storages = self._pool_storages()
+            self._kv_bytes = [s.nbytes() for s in storages]
+            for storage in storages:
+                storage.resize_(0)
         self.released |= set(tags) | {"cuda_graph"}
         gc.collect()
         freed = 0
@@ -90,6 +92,15 @@ class MemorySaver:
             f"released {', '.join(sorted(tags)) or 'nothing'} ({freed / 2**30:.2f} GiB) in "
             f"{time.perf_counter() - start:.2f} s"
         )
+
+    def _pool_storages(self) -> list[torch.UntypedStorage]:
+        """What ``kv_cache`` releases: the KV pool, and a hybrid model's state pool (its
+        requests' states and the prefix cache's snapshots, which the flush drops)."""
+        runner = self.runner
+        pools = [runner.kv_cache.buffer]
+        if runner.states is not None:
+            pools += [runner.states.conv, runner.states.ssm]
+        return [p.untyped_storage() for p in pools]
 
     def resume(self, tags: list[str]) -> str:
         """Take the memory of ``tags`` again; graphs are captured again once nothing is left out."""
@@ -103,9 +114,9 @@ class MemorySaver:
                 torch.cuda.synchronize(runner.device)
             self._weights = []
         if "kv_cache" in tags:
-            storage = runner.kv_cache.buffer.untyped_storage()
-            storage.resize_(self._kv_bytes)
-            _bytes_of(storage).zero_()  # (scratch pages included: nothing reads stale bytes as numbers)
+            for storage, size in zip(self._pool_storages(), self._kv_bytes):
+                storage.resize_(size)
+                _bytes_of(storage).zero_()  # (scratch pages included: nothing reads stale bytes as numbers)
         self.released -= set(tags)
         captured = ""
         if self.released == {"cuda_graph"}:
