@@ -336,3 +336,24 @@ def test_hybrid_decode_in_cuda_graphs_equals_eager(tmp_path):
         llm.generate(PROMPTS[:1], GREEDY)
         assert [o["output_ids"] for o in llm.generate(PROMPTS, GREEDY)] == want
         llm.scheduler.check_integrity()
+
+
+def test_routed_experts_and_logprobs_of_a_hybrid_moe(hybrids):
+    """Qwen3.5-MoE: each position's experts are transformers' router's (every layer sparse), and
+    the greedy tokens' logprobs are transformers' log-softmax, with the radix cache on."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_moe import check_routed_experts
+
+    path = hybrids["qwen3_5_moe"]
+    check_routed_experts(path, cached=False)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(str(path), dtype="float32", max_total_tokens=4096)
+    llm.generate(PROMPTS[:1], GREEDY)
+    for prompt, res in zip(PROMPTS, llm.generate(PROMPTS, GREEDY, top_logprobs=0)):
+        seq = prompt + res["output_ids"]
+        with torch.no_grad():
+            want = torch.log_softmax(hf(torch.tensor([seq])).logits[0, len(prompt) - 1 : -1].float(), dim=-1)
+        got = res["meta_info"]["output_token_logprobs"]
+        torch.testing.assert_close(torch.tensor(got), want[range(len(got)), res["output_ids"]], atol=1e-4, rtol=1e-4)
+    llm.scheduler.check_integrity()
