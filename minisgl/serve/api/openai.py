@@ -127,52 +127,12 @@ class OpenAIRoutes(ApiBase):
         prompts = body.prompts()
         check_sequences(len(prompts) * body.n, self.args.max_sequences_per_request)  # before any is built
         cid, ids = body.sequence_ids("cmpl", len(prompts))
-        salts = cache_keys(body.extra_key, body.cache_salt, len(prompts))
-        loras = [
-            self._adapter(body.model, name) for name in per_prompt(body.lora_path, "lora_path", len(prompts), None)
-        ]
-        reqs = [  # echo with max_tokens 0 scores the prompt and generates nothing
-            GenerateReq(
-                ids[i * body.n + j],
-                body.sampling(body.max_tokens, j),
-                RequestOptions(
-                    top_logprobs=body.top_logprobs,
-                    logprob_start=0 if body.echo else -1,
-                    text_in_logprobs=True,
-                    cache_salt=salts[i],
-                    hidden_states=body.return_hidden_states,
-                    lora=loras[i],
-                    prompt_ids=body.return_token_ids,
-                    routed_start=body.routed_start,
-                ),
-                text=p if isinstance(p, str) else None,
-                input_ids=None if isinstance(p, str) else p,
-                suffix=body.suffix,
-                fill_context=body.max_tokens is None,
-            )
-            for i, p in enumerate(prompts)
-            for j in range(body.n)
-        ]
-        runs = await self._start(reqs)
+        runs = await self._start(self._completion_reqs(body, prompts, ids))
         head = {"id": cid, "object": "text_completion", "created": int(time.time()), "model": body.model}
         if not body.stream:
             if not await self._collect(runs, request):
                 return Response(status_code=499)
-            choices = []
-            for i, r in enumerate(runs):
-                echoed = _echo(prompts[i // body.n], r.input_logprobs) if body.echo else ""
-                lps = (r.input_logprobs if body.echo else []) + r.logprobs
-                choices.append(
-                    {
-                        "index": i,
-                        "text": echoed + r.text,
-                        "finish_reason": r.finish_reason,
-                        "matched_stop": r.matched_stop,
-                        "logprobs": _completion_logprobs(lps, 0) if body.logprobs is not None else None,
-                        **self._hidden(body, r),
-                        **_token_ids(body.return_token_ids, body.return_token_ids, r),
-                    }
-                )
+            choices = [self._completion_choice(body, prompts[i // body.n], i, r) for i, r in enumerate(runs)]
             return self._response(body, runs, {**head, "choices": choices})
 
         offsets, echoed = [0] * len(runs), [not body.echo] * len(runs)
@@ -199,6 +159,50 @@ class OpenAIRoutes(ApiBase):
         ids = _StreamedIds(runs, body.return_token_ids, body.return_token_ids)
         events = _chunks(runs, head, body, choice, lambda: self._sglext(body, runs))
         return self._stream(runs, events)
+
+    def _completion_reqs(self, body: CompletionRequest, prompts: list, ids: list[str]) -> list[GenerateReq]:
+        """One request per prompt and sample."""
+
+        salts = cache_keys(body.extra_key, body.cache_salt, len(prompts))
+        loras = [
+            self._adapter(body.model, name) for name in per_prompt(body.lora_path, "lora_path", len(prompts), None)
+        ]
+        return [  # echo with max_tokens 0 scores the prompt and generates nothing
+            GenerateReq(
+                ids[i * body.n + j],
+                body.sampling(body.max_tokens, j),
+                RequestOptions(
+                    top_logprobs=body.top_logprobs,
+                    logprob_start=0 if body.echo else -1,
+                    text_in_logprobs=True,
+                    cache_salt=salts[i],
+                    hidden_states=body.return_hidden_states,
+                    lora=loras[i],
+                    prompt_ids=body.return_token_ids,
+                    routed_start=body.routed_start,
+                ),
+                text=p if isinstance(p, str) else None,
+                input_ids=None if isinstance(p, str) else p,
+                suffix=body.suffix,
+                fill_context=body.max_tokens is None,
+            )
+            for i, p in enumerate(prompts)
+            for j in range(body.n)
+        ]
+
+    def _completion_choice(self, body: CompletionRequest, prompt: Any, i: int, r: Run) -> dict[str, Any]:
+        """A finished run as a text_completion choice (after its echoed prompt)."""
+        echoed = _echo(prompt, r.input_logprobs) if body.echo else ""
+        lps = (r.input_logprobs if body.echo else []) + r.logprobs
+        return {
+            "index": i,
+            "text": echoed + r.text,
+            "finish_reason": r.finish_reason,
+            "matched_stop": r.matched_stop,
+            "logprobs": _completion_logprobs(lps, 0) if body.logprobs is not None else None,
+            **self._hidden(body, r),
+            **_token_ids(body.return_token_ids, body.return_token_ids, r),
+        }
 
     async def chat_completions(self, request: Request) -> Response:
         body: ChatCompletionRequest = await read_body(request, ChatCompletionRequest, self.args, CHAT)
