@@ -16,7 +16,8 @@ from minisgl.device.tiny_model import ARCHS, make_tiny_model  # noqa: E402
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Groups for -m: ``cuda`` (marked; skipped without a GPU), ``server`` (the test's module
-    starts real servers: seconds each) and ``unit`` (the rest)."""
+    starts real servers: seconds each), ``interpreter`` (Triton kernels run on CPU by Triton's
+    interpreter: minutes each) and ``unit`` (the rest: the quick loop)."""
     skip = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs CUDA")
     for item in items:
         if "cuda" in item.keywords:
@@ -24,6 +25,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(skip)
         elif any(name in vars(item.module) for name in ("ServerProcess", "running_server")):
             item.add_marker(pytest.mark.server)
+        elif "interpreter" in item.name:
+            item.add_marker(pytest.mark.interpreter)
         else:
             item.add_marker(pytest.mark.unit)
 
