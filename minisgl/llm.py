@@ -284,14 +284,11 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
         predictions = predictions if predictions is not None else [None] * len(prompts)
-        if len(predictions) != len(prompts):
-            raise ValueError(f"{len(predictions)} predictions for {len(prompts)} prompts")
         loras = lora_path if isinstance(lora_path, list) else [lora_path] * len(prompts)
-        if len(loras) != len(prompts):
-            raise ValueError(f"{len(loras)} lora_path entries for {len(prompts)} prompts")
+        for name, values in (("sampling_params", params), ("predictions", predictions), ("lora_path entries", loras)):
+            if len(values) != len(prompts):
+                raise ValueError(f"{len(values)} {name} for {len(prompts)} prompts")
         params = [p if isinstance(p, SamplingParams) else msgspec.convert(p or {}, SamplingParams) for p in params]
         if self.scheduler.held:
             raise ValueError(
@@ -310,6 +307,15 @@ class LLM:
             think_budget=-1 if max_thinking_tokens is None else max_thinking_tokens,
             think_markers=self._think_markers(max_thinking_tokens),
         )
+        reqs = self._queue(prompts, params, predictions, loras, options)
+        texts = self._run(reqs)
+        return [self._result(r, self._text(r, texts)) for r in reqs]
+
+    def _queue(
+        self, prompts: list, params: list[SamplingParams], predictions: list, loras: list, options: RequestOptions
+    ) -> list[Req]:
+        """Every prompt queued with its own copy of ``options``; all or nothing: a bad prompt
+        leaves no queued work behind."""
         reqs: list[Req] = []
         try:
             for prompt, sp, predicted, lora in zip(prompts, params, predictions, loras):
@@ -319,11 +325,15 @@ class LLM:
                 opts = msgspec.structs.replace(options, lora=lora, prediction_ids=predicted_ids)
                 reqs.append(self.scheduler.add_request(self._encode(prompt), sp, opts))
         except ValueError:
-            for req in reqs:  # all or nothing: a bad prompt leaves no queued work behind
+            for req in reqs:
                 self.scheduler.finish(req, "abort")
             raise
-        # Text is decoded once at the end, except for requests with stop strings, which are
-        # detokenized as they go so the stop can end them.
+        return reqs
+
+    def _run(self, reqs: list[Req]) -> dict[int, list[str]]:
+        """Step the scheduler until ``reqs`` are done; returns the text pieces of those with stop
+        strings, which are detokenized as they go so that a stop can end them (the others' text is
+        decoded once at the end)."""
         streams = {}
         if self.tokenizer is not None:
             streams = {
@@ -347,19 +357,23 @@ class LLM:
                 raise ValueError(failed[0].error)
             for kind, req, _ in events:
                 if kind == "output" and req.rid in streams:
-                    try:
-                        texts[req.rid].append(streams[req.rid].add(req.output_ids[-1:], req.finished))
-                    except StopRegexTooSlow as e:  # this request ends with the error, the others go on
-                        req.error = str(e)
-                        self.scheduler.finish(req, "abort")
-                        del streams[req.rid]
-                        continue
-                    if streams[req.rid].stopped:
-                        # A stop string is a stop even when it ends on the last allowed token.
-                        if req.finished:
-                            req.finish_reason = "stop"
-                        self.scheduler.finish(req, "stop")
-        return [self._result(r, self._text(r, texts)) for r in reqs]
+                    self._stream_text(req, streams, texts)
+        return texts
+
+    def _stream_text(self, req: Req, streams: dict, texts: dict[int, list[str]]) -> None:
+        """The request's new text (``streams``' detokenizer), ending it at a stop string."""
+        try:
+            texts[req.rid].append(streams[req.rid].add(req.output_ids[-1:], req.finished))
+        except StopRegexTooSlow as e:  # this request ends with the error, the others go on
+            req.error = str(e)
+            self.scheduler.finish(req, "abort")
+            del streams[req.rid]
+            return
+        if streams[req.rid].stopped:
+            # A stop string is a stop even when it ends on the last allowed token.
+            if req.finished:
+                req.finish_reason = "stop"
+            self.scheduler.finish(req, "stop")
 
     def _text(self, req: Req, texts: dict[int, list[str]]) -> str | None:
         if self.tokenizer is None:
