@@ -357,3 +357,21 @@ def test_routed_experts_and_logprobs_of_a_hybrid_moe(hybrids):
         got = res["meta_info"]["output_token_logprobs"]
         torch.testing.assert_close(torch.tensor(got), want[range(len(got)), res["output_ids"]], atol=1e-4, rtol=1e-4)
     llm.scheduler.check_integrity()
+
+
+def test_fp8_quantizes_the_hybrid_projections_and_the_cache_stays_exact(hybrids):
+    """--quantization fp8: the Gated DeltaNet and gated-attention projections are fp8 as the MLPs
+    are (the small b/a gates stay float), and radix on and off give the same tokens."""
+    path = hybrids["qwen3_next"]
+    outs = []
+    for radix_off in (False, True):
+        llm = LLM(str(path), dtype="float32", max_total_tokens=4096, quantization="fp8", disable_radix_cache=radix_off)
+        layer = llm.runner.model.model.layers[0]
+        assert layer.linear_attn.in_proj_qkvz.weight.dtype == torch.float8_e4m3fn
+        assert layer.linear_attn.out_proj.weight.dtype == torch.float8_e4m3fn
+        assert layer.linear_attn.in_proj_ba.weight.dtype == torch.float32
+        assert llm.runner.model.model.layers[3].self_attn.qkv_proj.weight.dtype == torch.float8_e4m3fn
+        llm.generate(PROMPTS[:1], GREEDY)
+        outs.append([o["output_ids"] for o in llm.generate(PROMPTS, GREEDY)])
+        llm.scheduler.check_integrity()
+    assert outs[0] == outs[1]

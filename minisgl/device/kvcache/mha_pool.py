@@ -4,7 +4,8 @@ Layout ``[2, num_layers, num_pages, page_size, kv_heads, head_dim]``: each layer
 dense paged tensors. The page-first layout of the design (``[2, num_pages, num_layers, ...]``,
 one page holding every layer's K and V, for moving whole pages) spreads a layer's pages a
 megabyte apart on the 8B's 32 layers, and decode attention paid for it: 0.187 against 0.175 ms
-per layer at 256 requests in 16 groups on the H100 (benchmarks/results/gpu_2026-11-22.md). The hierarchical cache's host pool is page-first (``host_pool.py``); copies move
+per layer at 256 requests in 16 groups on the H100 (benchmarks/results/gpu_2026-11-22.md).
+The hierarchical cache's host pool is page-first (``host_pool.py``); copies move
 one block per page and layer.
 """
 

@@ -89,7 +89,13 @@ class SplitColumnLinear(ColumnParallelLinear):
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, part: int | str | None = None) -> None:
         if part is not None:
             return super().load_shard(param, loaded, part)
-        for i, piece in enumerate(loaded.split(self.output_sizes, dim=0)):
+        sizes = self.output_sizes
+        if param is self.weight_scale and loaded.shape[0] != sum(sizes):  # block scales: a row per block
+            block = self.quant.block
+            if any(s % block for s in sizes):
+                raise ValueError(f"fp8 blocks of {block} rows cut across the fused q/k/v parts {sizes}")
+            sizes = [s // block for s in sizes]
+        for i, piece in enumerate(loaded.split(sizes, dim=0)):
             super().load_shard(param, piece, i)
 
     def checkpoint_shape(self, attr: str, part: int | str | None) -> tuple[int, ...] | None:
@@ -131,13 +137,13 @@ class GatedDeltaNet(nn.Module):
         self.dk, self.dv = config.linear_key_head_dim, config.linear_value_head_dim
         self.hk, self.hv = divide(hk, tp.size), divide(hv, tp.size)
         self.ratio = hv // hk  # value heads per key head
-        h = config.hidden_size
+        h, quant = config.hidden_size, config.quant  # (fp8: the large projections; b and a stay float)
         if grouped:
-            self.in_proj_qkvz = ColumnParallelLinear(h, [hk * (2 * self.dk + 2 * self.ratio * self.dv)])
+            self.in_proj_qkvz = ColumnParallelLinear(h, [hk * (2 * self.dk + 2 * self.ratio * self.dv)], quant=quant)
             self.in_proj_ba = ColumnParallelLinear(h, [hv * 2])
         else:
-            self.in_proj_qkv = SplitColumnLinear(h, [hk * self.dk, hk * self.dk, hv * self.dv])
-            self.in_proj_z = ColumnParallelLinear(h, [hv * self.dv])
+            self.in_proj_qkv = SplitColumnLinear(h, [hk * self.dk, hk * self.dk, hv * self.dv], quant=quant)
+            self.in_proj_z = ColumnParallelLinear(h, [hv * self.dv], quant=quant)
             self.in_proj_b = ColumnParallelLinear(h, [hv])
             self.in_proj_a = ColumnParallelLinear(h, [hv])
         self.conv1d = ConvWeight([hk * self.dk, hk * self.dk, hv * self.dv], config.linear_conv_kernel_dim)
@@ -148,7 +154,7 @@ class GatedDeltaNet(nn.Module):
         self.norm = nn.Module()
         self.norm.weight = nn.Parameter(torch.ones(self.dv), requires_grad=False)
         self.eps = config.rms_norm_eps
-        self.out_proj = RowParallelLinear(hv * self.dv, h)
+        self.out_proj = RowParallelLinear(hv * self.dv, h, quant=quant)
 
     def _load_heads(self, param: nn.Parameter, loaded: torch.Tensor, part: None = None) -> None:
         param.data.copy_(loaded.narrow(0, get_tp_info().rank * self.hv, self.hv))

@@ -40,9 +40,16 @@ class GatedAttention(nn.Module):
         self.heads, self.head_dim = divide(config.num_heads, get_tp_info().size), config.head_dim
         # The query and the gate of each head come side by side: 2 x heads "heads" of the fused q part.
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, config.head_dim, 2 * config.num_heads, config.num_kv_heads, config.attention_bias
+            config.hidden_size,
+            config.head_dim,
+            2 * config.num_heads,
+            config.num_kv_heads,
+            config.attention_bias,
+            config.quant,
         )
-        self.o_proj = RowParallelLinear(config.num_heads * config.head_dim, config.hidden_size, config.attention_bias)
+        self.o_proj = RowParallelLinear(
+            config.num_heads * config.head_dim, config.hidden_size, config.attention_bias, config.quant
+        )
         self.q_norm = zero_centred(RMSNorm(config.head_dim, config.rms_norm_eps))
         self.k_norm = zero_centred(RMSNorm(config.head_dim, config.rms_norm_eps))
         self.rotary = rotary
