@@ -17,7 +17,7 @@ from minisgl.device.tiny_model import ARCHS, make_tiny_model  # noqa: E402
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Groups for -m: ``cuda`` (marked; skipped without a GPU), ``server`` (the test's module
     starts real servers: seconds each), ``interpreter`` (Triton kernels run on CPU by Triton's
-    interpreter: minutes each) and ``unit`` (the rest: the quick loop)."""
+    interpreter: minutes each) and ``unit`` (the rest)."""
     skip = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs CUDA")
     for item in items:
         if "cuda" in item.keywords:
