@@ -264,37 +264,6 @@ CHAT = Schema(
 
 RESPONSES = Schema(
     "OpenAI responses",
-    implemented={
-        "model",
-        "input",
-        "instructions",
-        "tools",
-        "tool_choice",
-        "parallel_tool_calls",
-        "max_output_tokens",
-        "temperature",
-        "top_p",
-        "stream",
-        "text",
-        "reasoning",
-        "previous_response_id",
-        "store",
-        "metadata",
-        "user",
-        "top_k",
-        "min_p",
-        "repetition_penalty",
-        "frequency_penalty",
-        "presence_penalty",
-        "stop",
-        "seed",
-        "cache_salt",
-        "truncation",
-        "include",
-        "top_logprobs",
-        "background",
-        "lora_path",
-    },
     inert={
         "service_tier",
         "safety_identifier",
@@ -320,11 +289,10 @@ RESPONSES = Schema(
     },
 )
 
-TOKENIZE = Schema("SGLang tokenize", implemented={"prompt", "add_special_tokens", "model"})
-DETOKENIZE = Schema("SGLang detokenize", implemented={"tokens", "skip_special_tokens", "model"})
+TOKENIZE = Schema("SGLang tokenize")
+DETOKENIZE = Schema("SGLang detokenize")
 
 SCORE = Schema(
     "SGLang score",
-    implemented={"query", "items", "label_token_ids", "apply_softmax", "item_first", "model"},
     inert={"rid", "user"},
 )

@@ -29,15 +29,14 @@ from minisgl.wire.control import LoadLora
 # A load reads the adapter from disk (or the hub) on every worker.
 LOAD_TIMEOUT_S = 600.0
 _INERT = {"lora_id", "rid", "http_worker_ipc"}
-LOAD = Schema("load_lora_adapter", implemented={"lora_name", "lora_path", "pinned"}, inert=_INERT)
+LOAD = Schema("load_lora_adapter", inert=_INERT)  # (the fields each route implements are its Struct's)
 FROM_TENSORS = Schema(
     "load_lora_adapter_from_tensors",
-    implemented={"lora_name", "serialized_tensors", "config_dict", "load_format", "pinned"},
     inert=_INERT,
     default_only={"added_tokens_config": None},
     why={"added_tokens_config": "adapters that add tokens are not supported"},
 )
-UNLOAD = Schema("unload_lora_adapter", implemented={"lora_name"}, inert=_INERT)
+UNLOAD = Schema("unload_lora_adapter", inert=_INERT)
 
 
 class LoadAdapter(msgspec.Struct, kw_only=True):

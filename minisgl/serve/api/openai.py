@@ -162,7 +162,6 @@ class OpenAIRoutes(ApiBase):
 
     def _completion_reqs(self, body: CompletionRequest, prompts: list, ids: list[str]) -> list[GenerateReq]:
         """One request per prompt and sample."""
-
         salts = cache_keys(body.extra_key, body.cache_salt, len(prompts))
         loras = [
             self._adapter(body.model, name) for name in per_prompt(body.lora_path, "lora_path", len(prompts), None)

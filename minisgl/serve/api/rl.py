@@ -48,10 +48,6 @@ UPDATE_INERT = {
 }
 
 
-def _schema(name: str, implemented: set[str]) -> Schema:
-    return Schema(name, implemented=implemented, inert=UPDATE_INERT)
-
-
 class UpdateCommon(msgspec.Struct, kw_only=True):
     flush_cache: bool = True
     abort_all_requests: bool = False
@@ -99,21 +95,16 @@ class WeightsByName(msgspec.Struct, kw_only=True):
     truncate_size: Annotated[int, msgspec.Meta(ge=0, le=MAX_READ_ROWS)] = 100
 
 
-_COMMON = {"flush_cache", "abort_all_requests", "weight_version", "keep_pause"}
-FROM_DISK = _schema("update_weights_from_disk", _COMMON | {"model_path", "load_format"})
-FROM_TENSOR = _schema("update_weights_from_tensor", _COMMON | {"serialized_named_tensors", "load_format"})
-FROM_DISTRIBUTED = _schema(
-    "update_weights_from_distributed", _COMMON | {"names", "dtypes", "shapes", "group_name", "load_format"}
-)
-INIT_GROUP = _schema(
-    "init_weights_update_group", {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"}
-)
-DESTROY_GROUP = _schema("destroy_weights_update_group", {"group_name"})
-PAUSE = _schema("pause_generation", {"mode"})
-CONTINUE = _schema("continue_generation", set())
-WEIGHT_VERSION = _schema("update_weight_version", {"new_version", "abort_all_requests"})
-MEMORY = _schema("release_memory_occupation", {"tags"})
-WEIGHTS_BY_NAME = Schema("get_weights_by_name", implemented={"name", "truncate_size"})
+# (the fields each route implements are its Struct's)
+FROM_DISK = Schema("update_weights_from_disk", inert=UPDATE_INERT)
+FROM_TENSOR = Schema("update_weights_from_tensor", inert=UPDATE_INERT)
+FROM_DISTRIBUTED = Schema("update_weights_from_distributed", inert=UPDATE_INERT)
+INIT_GROUP = Schema("init_weights_update_group", inert=UPDATE_INERT)
+DESTROY_GROUP = Schema("destroy_weights_update_group", inert=UPDATE_INERT)
+PAUSE = Schema("pause_generation", inert=UPDATE_INERT)
+WEIGHT_VERSION = Schema("update_weight_version", inert=UPDATE_INERT)
+MEMORY = Schema("release_memory_occupation", inert=UPDATE_INERT)
+WEIGHTS_BY_NAME = Schema("get_weights_by_name")
 
 
 def refuse_pickled(args: Any, route: str) -> Response | None:
