@@ -66,6 +66,10 @@ class StatePool:
         self.decode = False
         self.graph_slots: torch.Tensor | None = None  # (CUDA graphs) the buffer the captured steps read
 
+    @property
+    def nbytes(self) -> int:
+        return self.conv.nbytes + self.ssm.nbytes
+
     def copy(self, pairs: list[int]) -> None:
         """Copy row ``pairs[2i]`` into row ``pairs[2i + 1]`` (snapshots in and out of requests)."""
         if pairs:
@@ -87,10 +91,12 @@ class StatePool:
             row += n
         self.segments = list(zip(meta.slots, starts, meta.new_lens))
         self.decode = all(n == 1 for n in meta.new_lens)
-        self.slots = torch.tensor(meta.slots, dtype=torch.int64).to(self.conv.device, non_blocking=True)
-        if graph:
-            self.graph_slots[: len(meta.slots)].copy_(self.slots)
+        slots = torch.tensor(meta.slots, dtype=torch.int64)
+        if graph:  # (straight into the captured buffer: one copy)
             self.slots = self.graph_slots[: len(meta.slots)]
+            self.slots.copy_(slots, non_blocking=True)
+        else:
+            self.slots = slots.to(self.conv.device, non_blocking=True)
         self.cu_seqlens = torch.tensor([*starts, row], dtype=torch.int64).to(self.conv.device, non_blocking=True)
         set_state_pool(self)
         fresh = [s for s, c in zip(meta.slots, meta.cached_lens) if c == 0]

@@ -185,8 +185,8 @@ class ModelRunner:
                 "Gated DeltaNet states: %d request slots and %d snapshots (%.2f GiB, %.1f MiB each)",
                 self.max_slots,
                 len(self.snapshot_rows),
-                (self.states.conv.nbytes + self.states.ssm.nbytes) / 2**30,
-                (self.states.conv.nbytes + self.states.ssm.nbytes) / self.states.conv.shape[1] / 2**20,
+                self.states.nbytes / 2**30,
+                self.states.nbytes / self.states.conv.shape[1] / 2**20,
             )
 
     # ---- set-up -------------------------------------------------------------------------------
@@ -570,7 +570,10 @@ class ModelRunner:
         ``gather=False`` this rank's vocabulary slice of them (``_sample`` joins them if needed)."""
         self._copies(batch)
         try:
-            return self._forward(batch, gather)
+            logits = self._forward(batch, gather)
+            if batch.state_saves:  # (hybrids) snapshots of the states this step left
+                self.states.copy(batch.state_saves)
+            return logits
         finally:
             self.kv_cache.layer_events = []
 
@@ -592,10 +595,7 @@ class ModelRunner:
         self._extras = {}
         if self.graphs is not None and self.graphs.can_run(batch):
             self._load_graph(batch)
-            logits = self._replay_graph(batch, gather)
-            if batch.state_saves:
-                self.states.copy(batch.state_saves)
-            return logits
+            return self._replay_graph(batch, gather)
         if self.piecewise is not None and self.piecewise.can_run(batch):
             hidden = self.piecewise.forward(batch)
         else:
@@ -605,8 +605,6 @@ class ModelRunner:
             if self.states is not None:
                 self.states.prepare(meta, batch.state_loads)
             hidden = self.model(input_ids, meta.positions)
-        if batch.state_saves:
-            self.states.copy(batch.state_saves)
         if batch.score_rows:
             self._extras = self._score(hidden, batch)
         self._routing(batch, hidden)
