@@ -136,6 +136,56 @@ def test_prompts_arriving_together_compute_their_shared_prefix_once(hybrids):
     assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in run(path, prompts, disable_radix_cache=True)]
 
 
+def test_each_turn_of_many_conversations_starts_from_its_last_prompts_snapshot(hybrids):
+    """Conversations taking turns: a turn extends its conversation where the cached path ends,
+    which is no branch point, so it takes one snapshot (its prompt's end) and its prefill is one
+    chunk; every later turn starts from its last prompt's snapshot."""
+    path = hybrids["qwen3_5"]
+    page, convs, turns = 4, 4, 3
+    llm = LLM(str(path), dtype="float32", max_total_tokens=4096, page_size=page, max_mamba_cache_size=4 * convs)
+    rng = random.Random(1)
+    history, previous = [[rng.randrange(1, 250) for _ in range(9)] for _ in range(convs)], []
+    for turn in range(turns):
+        prompts = [h + [rng.randrange(1, 250) for _ in range(6)] for h in history]
+        outs = llm.generate(prompts, GREEDY)
+        llm.scheduler.check_integrity()
+        assert len(llm.scheduler.cache.holders) == convs * (turn + 1)
+        if previous:  # (a snapshot sits at the last page boundary before a prompt's last token)
+            assert [o["meta_info"]["cached_tokens"] for o in outs] == [(len(p) - 1) // page * page for p in previous]
+        previous, history = prompts, [p + o["output_ids"] for p, o in zip(prompts, outs)]
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in run(path, prompts, disable_radix_cache=True)]
+
+
+def test_snapshot_rows_run_out_shallowest_first_among_equally_recent():
+    """A walk touches a whole path at once, so a conversation's older snapshots are as recent as
+    its newest: when rows run out, the least recently used path loses its shallowest."""
+    from minisgl.serve.cache.snapshot_manager import SnapshotRadixCacheManager
+
+    cache = SnapshotRadixCacheManager(page_size=1, rows=[0, 1, 2])
+    a, b = list(range(1, 13)), list(range(100, 106))
+
+    def insert(ids: list[int], pages: list[int]) -> None:
+        handle, _ = cache.match_prefix(ids)
+        cache.lock_handle(handle)
+        handle, _, _ = cache.commit(ids, pages, handle)
+        cache.lock_handle(handle, unlock=True)
+
+    insert(a, list(range(12)))
+    insert(b, list(range(20, 26)))
+    for ids in (a[:8], a[:4], b):  # (the deeper of a's first)
+        cache.attach(ids, cache.take())
+    cache.now = 1  # (written by the step that took them)
+    cache.match_prefix(a)
+    cache.match_prefix(b)  # b used after a
+    assert cache.fork_depth(a + [50, 51]) == 0  # extends a where its path ends: no branch point
+    assert cache.fork_depth(a[:6] + [50, 51]) == 6  # leaves it midway
+    c = list(range(200, 205))
+    insert(c, list(range(30, 35)))
+    cache.attach(c, cache.take())
+    assert sorted(n.depth for n in cache.holders.values()) == [5, 6, 8]
+    cache.check_integrity()
+
+
 def test_the_state_pool_follows_its_flags(hybrids):
     """--max-mamba-cache-size snapshot rows past the slots', --mamba-ssm-dtype the states' type;
     with two snapshots for four prompts the least recently used give way, and tokens stay exact."""

@@ -9,14 +9,17 @@ from there. A node without a snapshot is never a hit, so a hit is never approxim
 The scheduler takes a snapshot where a prefill chunk ends (``take`` a row, ``attach`` it to the
 node the chunk's pages end at), cutting the prompt's chunks there: at the last page boundary
 before each prompt's last token, so that the next turn of a conversation and every sample of
-the prompt start from it; and where the prompt leaves the cached pages (``kv_depth``: a branch
-point with no snapshot yet, such as the end of a system prompt that another request computed on
-its way to its own question), so that the prompts after it that share it start from there. A
-snapshot is written by the step that computes its prefix; steps run in order on the worker, so
-it is usable from the next step on (``ready``) and a request admitted meanwhile whose path has
-one coming waits for it (``pending``) rather than computing the prefix again. Snapshots live and die with their nodes
-(evicting a node's pages frees its snapshot); when rows run out, the least recently used
-snapshot that is written goes first, its pages staying for the KV they hold.
+the prompt start from it; and where the prompt leaves a cached path that goes on with other
+tokens (``fork_depth``: a branch point with no snapshot yet, such as the end of a system prompt
+that another request computed on its way to its own question), so that the prompts after it
+that share it start from there. A prompt that extends a cached path where it ends (the next
+turn of a conversation) takes no snapshot there: nothing branches from it yet. A snapshot is
+written by the step that computes its prefix; steps run in order on the worker, so it is usable
+from the next step on (``ready``) and a request admitted meanwhile whose path has one coming
+waits for it (``pending``) rather than computing the prefix again. Snapshots live and die with
+their nodes (evicting a node's pages frees its snapshot); when rows run out, the least recently
+used snapshot that is written goes first (the shallowest among equals), its pages staying for
+the KV they hold.
 """
 
 from __future__ import annotations
@@ -43,11 +46,17 @@ class SnapshotRadixCacheManager(RadixCacheManager):
             node = node.parent
         return node.handle, self._path_pages(node)
 
-    def kv_depth(self, ids: list[int], salt: str | None = None) -> int:
-        """How many tokens of ``ids`` the tree holds KV pages for, snapshots or not: where a
-        request's path leaves the cached ones (a branch point), or ends."""
+    def fork_depth(self, ids: list[int], salt: str | None = None) -> int:
+        """Where ``ids`` leaves a cached path that goes on with other tokens (a branch point,
+        snapshot or not), in tokens; 0 where it leaves none: its path ends inside ``ids`` (a
+        conversation's next turn extends its last one, where no other request branches) or
+        follows the cache to the end."""
         pos = self.start(salt)
-        return 0 if pos is None else self.advance(pos, ids[: self.aligned(len(ids))])[1]
+        if pos is None:
+            return 0
+        (node, off), matched = self.advance(pos, ids[: self.aligned(len(ids))])
+        forks = off < len(node.key) or bool(node.children)
+        return matched if forks else 0
 
     def snapshot_of(self, handle: RadixHandle) -> int:
         """The row a matched prefix's state is copied from (-1: the empty prefix, zeros)."""
@@ -76,7 +85,10 @@ class SnapshotRadixCacheManager(RadixCacheManager):
             written = [n for n in self.holders.values() if self._ready(n)]
             if not written:
                 return None
-            self._drop(min(written, key=lambda n: n.last_access))
+            # A walk touches every node on its path at once, so a conversation's older snapshots
+            # (its ancestors) are as recent as its deepest, the one its next turn starts from:
+            # among equals the shallowest goes.
+            self._drop(min(written, key=lambda n: (n.last_access, n.depth)))
         return self.free_rows.pop()
 
     def attach(self, ids: list[int], row: int, salt: str | None = None) -> None:

@@ -59,7 +59,7 @@ class Memory:
         if self.cache.takes_snapshots:
             if handle.cached_len:
                 req.state_load = self.cache.snapshot_of(handle)  # its state starts from the prefix's
-            branch = self.cache.kv_depth(req.all_ids[:reusable], salt)  # where it leaves the cached pages
+            branch = self.cache.fork_depth(req.all_ids[:reusable], salt)  # where it leaves a cached path
             last = self.cache.aligned(req.prefill_target - 1)
             req.snapshot_at = sorted({p for p in (branch, min(shared, last), last) if p > handle.cached_len})
         return loaded
