@@ -1,13 +1,15 @@
-"""The hostile cases of the third hardening audit, replayed against a live server.
+"""The hostile cases of the hardening audits, replayed against a live server.
 
     python scripts/hardening_check.py --model /tmp/tinyllama     # on CPU; prints one row a case
 
 Each case sends what the audit sent and says what a hardened server answers; at the end every
 process must still be up (/health 200) with no request left, no answer may have been a 5xx,
 and last the scheduler, the tokenizer and the launcher are stopped with SIGSTOP in turn: the
-server must end (exit 1) within the watchdog time and leave no process. Exit status 1 when any case fails. The
-disk tier's cases (links, forged, changed and cut files, a rewritten checkpoint) need files
-planted between a check and a read and are tests instead (``tests/test_hicache.py``).
+server must end (exit 1) within the watchdog time and leave no process. The control plane's
+cases send damaged checkpoints and adapters (``--model``: a one-file safetensors folder). Exit
+status 1 when any case fails. The disk tier's cases (links, forged, changed and cut files, a
+rewritten checkpoint) need files planted between a check and a read and are tests instead
+(``tests/test_hicache.py``).
 """
 
 from __future__ import annotations
@@ -109,6 +111,78 @@ def hostile_requests(a: Audit, api_pid: int) -> None:
     a.case("a Host that is not loopback", f"{r.status_code}", r.status_code == 403)
 
 
+def damaged_checkpoints(folder: Path, root: Path) -> dict[str, Path]:
+    """Copies of a one-file checkpoint whose model.safetensors a trainer might leave half
+    written, or a client might point anywhere: each must be refused before any weight changes."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    data = (folder / "model.safetensors").read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    variants = {
+        "cut in half": lambda f: f.write_bytes(data[: len(data) // 2]),
+        "header only": lambda f: f.write_bytes(data[: 8 + n]),
+        "header of 2^62 bytes": lambda f: f.write_bytes((1 << 62).to_bytes(8, "little") + data[8:]),
+        "header of 100 GB": lambda f: f.write_bytes((100 << 30).to_bytes(8, "little") + data[8:]),
+        "a link to /dev/zero": lambda f: f.symlink_to("/dev/zero"),
+        "a FIFO": lambda f: os.mkfifo(f),
+        "int8 tensors": lambda f: save_file(
+            {k: v.to(torch.int8) for k, v in load_file(folder / "model.safetensors").items()}, f
+        ),
+    }
+    out = {}
+    for i, (what, make) in enumerate(variants.items()):
+        copy = root / f"damaged{i}"
+        shutil.copytree(folder, copy, ignore=shutil.ignore_patterns("*.safetensors"))
+        make(copy / "model.safetensors")
+        out[what] = copy
+    return out
+
+
+def damaged_adapters(good: Path, root: Path) -> dict[str, str]:
+    """Adapter paths a careless client sends, each with what its refusal must name: a path too
+    long for the file system, a config nested past any parser, a config that is a FIFO, weights
+    cut in half."""
+    out = {"/" + "x" * 5000: "File name too long"}
+    for what, why in (("nested", "not JSON"), ("fifo", "not a regular file"), ("cut", "cut short")):
+        folder = root / f"damaged-{what}"
+        shutil.copytree(good, folder)
+        config, weights = folder / "adapter_config.json", folder / "adapter_model.safetensors"
+        if what == "nested":
+            config.write_text("[" * 100_000 + "]" * 100_000)
+        elif what == "fifo":
+            config.unlink()
+            os.mkfifo(config)
+        else:
+            weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+        out[str(folder)] = why
+    return out
+
+
+def control_plane(a: Audit, model: str, root: Path) -> None:
+    """Damaged checkpoints and adapters: each a 4xx naming the problem, and the next request
+    served at once with the old weights."""
+    from minisgl.device.tiny_model import make_lora_adapter
+
+    probe = {"input_ids": [5, 6, 7, 8], "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+    before = a.call("POST", "/generate", json=probe).json().get("output_ids")
+
+    def served(name: str, r: httpx.Response, why: str) -> None:
+        start = time.monotonic()
+        after = a.call("POST", "/generate", json=probe)
+        took = time.monotonic() - start
+        ok = 400 <= r.status_code < 500 and why in r.text and after.json().get("output_ids") == before and took < 1
+        a.case(name, f"{r.status_code} {r.text[:90]!r}; next request {took:.2f} s", ok)
+
+    for what, folder in damaged_checkpoints(Path(model), root).items():
+        r = a.call("POST", "/update_weights_from_disk", json={"model_path": str(folder)})
+        served(f"update_weights_from_disk: {what}", r, "is I8" if what == "int8 tensors" else "model.safetensors")
+    good = make_lora_adapter(Path(model), root / "adapter", rank=4)
+    for path, why in damaged_adapters(good, root).items():
+        r = a.call("POST", "/load_lora_adapter", json={"lora_name": "bad", "lora_path": path})
+        served(f"load_lora_adapter: {why}", r, why)
+
+
 def server(model: str, port: int, *extra: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "minisgl.launch", "--model", model, "--port", str(port), "--device", "cpu"]
     cmd += ["--log-level", "warning", "--max-running-requests", "4", "--max-queued-requests", "4", *extra]
@@ -165,11 +239,12 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="a JSON file of the rows")
     args = ap.parse_args()
     profiles = tempfile.mkdtemp(prefix="minisgl-audit-")  # profiling on, so its names are checked
-    proc = server(args.model, args.port, "--api-key", API_KEY, "--profile-dir", profiles)
+    proc = server(args.model, args.port, "--api-key", API_KEY, "--profile-dir", profiles, "--enable-lora")
     a = Audit(f"http://127.0.0.1:{args.port}")
     try:
         wait_ready(a.url, proc)
         hostile_requests(a, proc.pid)
+        control_plane(a, args.model, Path(profiles))
         info = a.call("GET", "/get_server_info").json()
         health = a.call("GET", "/health").status_code
         active = info["active_requests"]

@@ -13,6 +13,8 @@ sys.path.insert(0, str(ROOT))
 
 from minisgl.device.tiny_model import ARCHS, make_tiny_model  # noqa: E402
 
+SERVER_HELPERS = ("ServerProcess", "running_server")  # a module holding one starts servers
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Groups for -m: ``cuda`` (marked; skipped without a GPU), ``server`` (the test's module
@@ -23,7 +25,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if "cuda" in item.keywords:
             if skip is not None:
                 item.add_marker(skip)
-        elif any(name in vars(item.module) for name in ("ServerProcess", "running_server")):
+        elif "server" in item.keywords or any(name in vars(item.module) for name in SERVER_HELPERS):
             item.add_marker(pytest.mark.server)
         elif "interpreter" in item.name:
             item.add_marker(pytest.mark.interpreter)

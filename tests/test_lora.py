@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from minisgl.device.tiny_model import make_lora_adapter
 from minisgl.wire.options import RequestOptions
 from minisgl.wire.sampling import SamplingParams
+from scripts.hardening_check import damaged_adapters
 
 PARAMS = {"max_new_tokens": 10, "temperature": 0.0, "ignore_eos": True}
 PROMPTS = [list(range(40, 75)), list(range(100, 118)), [5, 6, 7, 8]]
@@ -163,6 +164,11 @@ def test_adapters_load_and_unload_while_serving(tiny_llama, adapters, references
     assert llm.unload_lora_adapter("a2")[0]
     ok, message = llm.load_lora_adapter("bad", str(pickled))
     assert not ok and "never read" in message
+    for folder, why in damaged_adapters(adapters["a3"], tmp_path).items():
+        ok, message = llm.load_lora_adapter("bad", folder)
+        assert not ok and why in message, (folder[-40:], message)
+    out = llm.generate(PROMPTS[:2], PARAMS, lora_path=["pin", None])  # serving on, the loaded ones intact
+    assert [r["output_ids"] for r in out] == [references["a3"][0], references[None][1]]
     sched.check_integrity()
 
 

@@ -19,6 +19,7 @@ from minisgl.device.worker.tensor_payload import decode_named_tensors, encode_na
 from minisgl.llm import LLM
 from minisgl.wire.control import TensorWeights
 from minisgl.wire.sampling import SamplingParams
+from scripts.hardening_check import damaged_checkpoints
 from tests.test_scheduler import CheckedLLM, shared_prefix_prompts, tokens
 
 GREEDY = {"max_new_tokens": 10, "temperature": 0.0, "ignore_eos": True}
@@ -102,6 +103,18 @@ def test_refused_updates_leave_the_old_weights(checkpoints, prompts, reference, 
     assert not ok and "no place" in message
     # A partial update that passes changes only its tensors: none of these were loaded.
     assert tokens(llm.generate(prompts, GREEDY)) == reference["A"]
+
+
+def test_damaged_checkpoints_are_refused_and_the_old_weights_serve(checkpoints, prompts, reference, tmp_path):
+    """A checkpoint cut short, with a header larger than its file, a FIFO or a device in its
+    place, or integer tensors: a refusal naming the file, the worker alive, A's tokens after."""
+    llm = CheckedLLM(str(checkpoints["A"]), **ENGINE)
+    for what, folder in damaged_checkpoints(checkpoints["B"], tmp_path).items():
+        ok, message = llm.update_weights_from_disk(str(folder))
+        named = "is I8" in message if what == "int8 tensors" else "model.safetensors" in message
+        assert not ok and named, (what, message)
+    assert tokens(llm.generate(prompts, GREEDY)) == reference["A"]
+    llm.scheduler.check_integrity()
 
 
 @pytest.mark.parametrize("scheme", ["online", "block"])

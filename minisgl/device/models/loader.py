@@ -9,7 +9,6 @@ checkpoints (compressed-tensors, block-wise "fp8") load their weights and scales
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from collections.abc import Iterator
@@ -21,6 +20,7 @@ from torch import nn
 
 from minisgl.checkpoint.gguf_file import gguf_source, iter_gguf_shapes, iter_gguf_weights
 from minisgl.checkpoint.model_config import ModelConfig
+from minisgl.checkpoint.safetensors_header import MAX_HEADER, CheckpointError, header, read_json
 from minisgl.device.distributed import get_tp_info
 from minisgl.device.layers.fp8_scheme import quantization_scheme
 from minisgl.device.layers.quantization import FP8, FP8_MAX, to_fp8
@@ -43,7 +43,13 @@ def weights_identity(model_dir: Path, load_format: str) -> list[tuple[str, int, 
 def safetensors_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = read_json(index, "index", limit=MAX_HEADER)
+        if not isinstance(weight_map, dict) or not isinstance(weight_map.get("weight_map"), dict):
+            raise CheckpointError(f"{index.name} has no weight_map object")
+        names = sorted({str(n) for n in weight_map["weight_map"].values()})
+        outside = [n for n in names if Path(n).name != n or n in (".", "..")]
+        if outside:
+            raise CheckpointError(f"{index.name} names files outside the folder: {outside[0][:100]!r}")
         files = [model_dir / n for n in names]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
@@ -90,10 +96,20 @@ def checkpoint_shapes(model_dir: Path) -> Iterator[tuple[str, tuple[int, ...]]]:
     if gguf_source(model_dir) is not None:
         yield from iter_gguf_shapes(model_dir)
         return
+    for name, _, shape in checkpoint_tensors(model_dir):
+        yield name, shape
+
+
+def checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, str | None, tuple[int, ...]]]:
+    """Every tensor's name, safetensors dtype (None in a GGUF file) and shape, from headers
+    checked against their files (``checkpoint.safetensors_header``)."""
+    if gguf_source(model_dir) is not None:
+        for name, shape in iter_gguf_shapes(model_dir):
+            yield name, None, shape
+        return
     for f in safetensors_files(model_dir):
-        with safe_open(f, framework="pt") as sf:
-            for name in sf.keys():
-                yield name, tuple(sf.get_slice(name).get_shape())
+        for name, (dtype, shape) in header(f).items():
+            yield name, dtype, shape
 
 
 class WeightMap:

@@ -10,7 +10,6 @@ name: DoRA, LoRA biases, per-module rank or alpha patterns, modules saved whole
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Iterable, Iterator
@@ -22,6 +21,7 @@ from safetensors import safe_open
 from torch import nn
 
 from minisgl.checkpoint.model_config import ModelConfig
+from minisgl.checkpoint.safetensors_header import CheckpointError, header, read_json
 from minisgl.config.args import LORA_TARGET_MODULES, EngineArgs, parse_lora_paths
 from minisgl.device.distributed import get_tp_info
 from minisgl.device.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -58,8 +58,11 @@ class Adapter:
 
 def _folder(path: str) -> Path:
     folder = Path(path).expanduser()
-    if folder.is_dir():
-        return folder
+    try:
+        if folder.is_dir():
+            return folder
+    except OSError as e:  # a name too long, a loop of links
+        raise AdapterError(f"LoRA adapter folder {path[:300]!r}: {e.strerror or e}") from None
     if path.startswith((".", "/", "~")) or path.count("/") != 1:
         raise AdapterError(f"LoRA adapter folder {path!r} does not exist and is not a hub id (org/name)")
     from huggingface_hub import snapshot_download
@@ -109,17 +112,16 @@ def _checked(where: str, cfg: dict, names: Iterable[str]) -> tuple[int, float, s
 def read_adapter(path: str) -> Adapter:
     """A PEFT folder's adapter, checked (its tensors' names read, not the tensors)."""
     folder = _folder(path)
-    try:
-        cfg = json.loads((folder / "adapter_config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise AdapterError(f"{folder}: no readable adapter_config.json ({e})") from e
     weights = folder / "adapter_model.safetensors"
-    if not weights.is_file():
-        raise AdapterError(
-            f"{folder}: no adapter_model.safetensors (pickled .bin adapters are never read: save with safetensors)"
-        )
-    with safe_open(weights, framework="pt") as f:
-        names = list(f.keys())
+    try:
+        cfg = read_json(folder / "adapter_config.json", "adapter config")
+        if not weights.exists():
+            raise CheckpointError(
+                "no adapter_model.safetensors (pickled .bin adapters are never read: save with safetensors)"
+            )
+        names = list(header(weights))
+    except CheckpointError as e:
+        raise AdapterError(f"{folder}: {e}") from None
     return Adapter(str(folder), *_checked(str(folder), cfg, names), weights=weights)
 
 

@@ -75,6 +75,8 @@ def load_lora(runner: ModelRunner, task: LoadLora | LocalLora) -> WorkerReply:
         shards, message = read_shards(runner.model, runner.config, adapter, runner.lora_rank)
     except (AdapterError, ValueError) as e:
         problem = str(e)
+    except Exception as e:  # a library's own error on a bad file: a refusal, never the worker's end
+        problem = f"{type(e).__name__}: {e}"
     problem = runner.updater().agree(problem, raise_=False)  # every rank holds it, or none
     if problem is not None:
         return WorkerReply(False, problem)

@@ -22,9 +22,10 @@ import torch.distributed as dist
 
 from minisgl.checkpoint.locate import resolve_model_path
 from minisgl.checkpoint.model_config import ModelConfig
+from minisgl.checkpoint.safetensors_header import FLOAT_DTYPES
 from minisgl.device.distributed import get_tp_info
 from minisgl.device.distributed.weight_group import destroy_weight_group, init_weight_group
-from minisgl.device.models.loader import WeightMap, checkpoint_shapes, iter_weights
+from minisgl.device.models.loader import WeightMap, checkpoint_tensors, iter_weights
 from minisgl.device.worker.tensor_payload import decode_named_tensors
 from minisgl.wire.control import (
     BroadcastWeights,
@@ -108,9 +109,15 @@ class WeightUpdater:
                 raise ValueError("load_format dummy has no weights to load")
             folder = resolve_model_path(task.model_path, load_format)
             self._check_config(ModelConfig.from_path(folder))
-            wmap.check(checkpoint_shapes(folder), complete=True)
-        except (ValueError, FileNotFoundError, OSError) as e:
-            problem = f"{task.model_path}: {e}"
+            tensors = list(checkpoint_tensors(folder))
+            wmap.check(((name, shape) for name, _, shape in tensors), complete=True)
+            kinds = [(name, dtype) for name, dtype, _ in tensors if dtype is not None and dtype not in FLOAT_DTYPES]
+            if kinds:  # (a cast would load them as numbers no trained weight has)
+                raise ValueError(
+                    f"tensor {kinds[0][0][:200]!r} is {kinds[0][1]}; weights load from floating-point tensors"
+                )
+        except Exception as e:  # any library's error too: a file being written must not end the worker
+            problem = f"{task.model_path[:300]}: {e}"
         self.agree(problem)
         wmap.load(iter_weights(folder))
         self._after_load(None)
