@@ -621,3 +621,14 @@ def test_openai_rid_names_the_request(server: ServerProcess):
     chat = {**BASES["/v1/chat/completions"], "rid": "chat-9", "n": 2}
     assert httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=60).json()["id"] == "chat-9"
     idle_and_clean(server)
+
+
+def test_tool_call_arguments_nested_past_the_parser_reach_the_template_as_text():
+    """A history's tool-call arguments are parsed for the template when they are JSON; nested
+    past the JSON parser's depth they stay the text the client sent (never a server error)."""
+    from minisgl.serve.tokenizer.chat import _with_parsed_arguments
+
+    deep = "[" * 30_000 + "]" * 30_000
+    calls = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": a}} for a in ('{"x": 1}', deep)]
+    out = _with_parsed_arguments({"role": "assistant", "content": None, "tool_calls": calls})
+    assert [c["function"]["arguments"] for c in out["tool_calls"]] == [{"x": 1}, deep]

@@ -129,6 +129,7 @@ def test_processor_payloads_are_read_never_run():
         json.dumps({"callable": "zz"}),
         "not json",
         json.dumps({"other": 1}),
+        "[" * 30_000 + "]" * 30_000,  # nested past the JSON parser's depth
     ):
         with pytest.raises(BadRequest, match="SGLang's serialized processor"):
             named_class(payload)

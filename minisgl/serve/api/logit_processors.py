@@ -35,7 +35,7 @@ def named_class(payload: str) -> str:
         raise bad
     try:
         data = bytes.fromhex(json.loads(payload)["callable"])
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):  # (JSON nested past the parser's depth)
         raise bad from None
     names, strings = [], []
     try:

@@ -195,7 +195,7 @@ def _with_parsed_arguments(message: dict[str, Any]) -> dict[str, Any]:
         if isinstance(args, str):
             try:
                 args = json.loads(args) if args.strip() else {}
-            except ValueError:
+            except (ValueError, RecursionError):
                 pass  # not JSON: the template gets the text as the model wrote it
         parsed.append({**c, "function": {**c["function"], "arguments": args}})
     return {**message, "tool_calls": parsed} if parsed else message
