@@ -176,6 +176,14 @@ def test_the_tensor_payload_decoder_imports_nothing_else(tmp_path):
         decode_named_tensors(base64.b64encode(pickle.dumps(5)))
     with pytest.raises(ValueError, match="not a tensor"):  # (a dict of them, as LoRA tensors come, is read too)
         decode_named_tensors(base64.b64encode(pickle.dumps({"a": 1})))
+    shared: list = []
+    for _ in range(27):  # a list of 2^27 leaves in a few hundred bytes: its text would take gigabytes
+        shared = [shared, shared]
+    for names in ([(shared, shared)], [("x" * 5000, 1)]):
+        payload = pickle.dumps(names, protocol=2)
+        with pytest.raises(ValueError, match="tensor name") as refused:
+            decode_named_tensors(payload)
+        assert len(payload) < 6000 and len(str(refused.value)) < 200
     named = [("a", torch.arange(6, dtype=torch.float32).view(2, 3)), ("b", torch.ones(4, dtype=torch.bfloat16))]
     for flattened in (False, True):
         out = decode_named_tensors(

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 LOAD_FORMATS = ("direct", "flattened_bucket")
+MAX_NAME_CHARS = 1024  # a checkpoint tensor's name (the longest real ones are ~100)
 
 _REBUILDERS = {
     "rebuild_cuda_tensor",
@@ -76,6 +77,16 @@ def _tensor(obj: Any, what: str) -> torch.Tensor:
     return obj
 
 
+def _name(obj: Any) -> str:
+    """A tensor's name, checked to be text before anything renders it: a payload's objects can
+    share parts, so a small pickle can stand for a list whose text would take gigabytes."""
+    if not isinstance(obj, str):
+        raise ValueError(f"serialized_named_tensors: a tensor name is a {type(obj).__name__}, not a string")
+    if len(obj) > MAX_NAME_CHARS:
+        raise ValueError(f"serialized_named_tensors: a tensor name of {len(obj)} characters (at most {MAX_NAME_CHARS})")
+    return obj
+
+
 def decode_named_tensors(payload: bytes | str, load_format: str | None = "direct") -> list[tuple[str, torch.Tensor]]:
     """The (name, tensor) pairs of one rank's payload (raw pickle bytes, or its base64 text).
     Raises ValueError naming what is wrong; nothing outside the allowed set is ever imported."""
@@ -91,14 +102,15 @@ def decode_named_tensors(payload: bytes | str, load_format: str | None = "direct
     try:
         obj = _Unpickler(io.BytesIO(raw)).load()
     except Exception as e:  # a refused global, a truncated pickle, a dead IPC handle
-        raise ValueError(f"serialized_named_tensors: {type(e).__name__}: {e}") from None
+        raise ValueError(f"serialized_named_tensors: {type(e).__name__}: {str(e)[:300]}") from None
     if load_format == "flattened_bucket":
         return _from_bucket(obj)
     if isinstance(obj, dict):  # (SGLang's LoRA tensors: name -> tensor)
         obj = list(obj.items())
     if not isinstance(obj, (list, tuple)) or not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in obj):
         raise ValueError("serialized_named_tensors: load_format direct takes (name, tensor) pairs or a dict of them")
-    return [(str(name), _tensor(t, f"tensor {name!r}")) for name, t in obj]
+    named = [(_name(name), t) for name, t in obj]
+    return [(name, _tensor(t, f"tensor {name!r}")) for name, t in named]
 
 
 def _from_bucket(obj: Any) -> list[tuple[str, torch.Tensor]]:
@@ -110,21 +122,24 @@ def _from_bucket(obj: Any) -> list[tuple[str, torch.Tensor]]:
     if flat.dtype != torch.uint8 or flat.dim() != 1:
         raise ValueError(f"flattened_tensor must be 1-D uint8, got {flat.dtype} of {list(flat.shape)}")
     out = []
+    if not isinstance(obj["metadata"], list):
+        raise ValueError("flattened_bucket metadata must be a list of FlattenedTensorMetadata records")
     for entry in obj["metadata"]:
         if not isinstance(entry, BucketEntry):
             raise ValueError("flattened_bucket metadata entries must be FlattenedTensorMetadata records")
+        name = _name(getattr(entry, "name", None))
         try:
             dtype, shape = entry.dtype, torch.Size(entry.shape)
             start, end = int(entry.start_idx), int(entry.end_idx)
         except (AttributeError, TypeError, ValueError) as e:
-            raise ValueError(f"flattened_bucket metadata: {e}") from None
+            raise ValueError(f"flattened_bucket metadata of {name!r}: {type(e).__name__}") from None
         if (
             not isinstance(dtype, torch.dtype)
             or not 0 <= start <= end <= flat.numel()
             or (end - start != shape.numel() * dtype.itemsize)
         ):
-            raise ValueError(f"flattened_bucket metadata of {entry.name!r} does not fit the flattened tensor")
-        out.append((str(entry.name), flat[start:end].view(dtype).view(shape)))
+            raise ValueError(f"flattened_bucket metadata of {name!r} does not fit the flattened tensor")
+        out.append((name, flat[start:end].view(dtype).view(shape)))
     return out
 
 
