@@ -141,20 +141,43 @@ def damaged_checkpoints(folder: Path, root: Path) -> dict[str, Path]:
 
 def damaged_adapters(good: Path, root: Path) -> dict[str, str]:
     """Adapter paths a careless client sends, each with what its refusal must name: a path too
-    long for the file system, a config nested past any parser, a config that is a FIFO, weights
-    cut in half."""
+    long for the file system, a config nested past any parser or that is a FIFO, weights cut in
+    half; and configs that contradict their tensors, or values no trained adapter has."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from minisgl.config.args import LORA_TARGET_MODULES
+
+    config_of = json.loads((good / "adapter_config.json").read_text())
+    rank = config_of["r"]
+
+    def config(**changes):
+        return lambda c, w: c.write_text(json.dumps({**config_of, **changes}))
+
+    def tensors(fn):
+        return lambda c, w: save_file({k: fn(v) for k, v in load_file(w).items()}, w)
+
+    def fifo(c, w):
+        c.unlink()
+        os.mkfifo(c)
+
+    variants = {
+        "nested": (lambda c, w: c.write_text("[" * 100_000 + "]" * 100_000), "not JSON"),
+        "fifo": (fifo, "not a regular file"),
+        "cut": (lambda c, w: w.write_bytes(w.read_bytes()[: w.stat().st_size // 2]), "cut short"),
+        "rank": (config(r=rank // 2), f"the config's r is {rank // 2}"),
+        "rank-text": (config(r=str(rank)), "r must be an integer"),
+        "alpha-nan": (config(lora_alpha=float("nan")), "lora_alpha must be a finite number"),
+        "alpha-huge": (config(lora_alpha=1e308), "lora_alpha must be a finite number"),
+        "targets": (config(target_modules=list(LORA_TARGET_MODULES)), "no tensor adapts"),  # (good adapts fewer)
+        "nan": (tensors(lambda t: torch.full_like(t, float("nan"))), "not finite"),
+        "int8": (tensors(lambda t: t.to(torch.int8)), "floating point only"),
+    }
     out = {"/" + "x" * 5000: "File name too long"}
-    for what, why in (("nested", "not JSON"), ("fifo", "not a regular file"), ("cut", "cut short")):
+    for what, (make, why) in variants.items():
         folder = root / f"damaged-{what}"
         shutil.copytree(good, folder)
-        config, weights = folder / "adapter_config.json", folder / "adapter_model.safetensors"
-        if what == "nested":
-            config.write_text("[" * 100_000 + "]" * 100_000)
-        elif what == "fifo":
-            config.unlink()
-            os.mkfifo(config)
-        else:
-            weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+        make(folder / "adapter_config.json", folder / "adapter_model.safetensors")
         out[str(folder)] = why
     return out
 
@@ -177,7 +200,7 @@ def control_plane(a: Audit, model: str, root: Path) -> None:
     for what, folder in damaged_checkpoints(Path(model), root).items():
         r = a.call("POST", "/update_weights_from_disk", json={"model_path": str(folder)})
         served(f"update_weights_from_disk: {what}", r, "is I8" if what == "int8 tensors" else "model.safetensors")
-    good = make_lora_adapter(Path(model), root / "adapter", rank=4)
+    good = make_lora_adapter(Path(model), root / "adapter", ("q_proj", "v_proj"), rank=4)
     for path, why in damaged_adapters(good, root).items():
         r = a.call("POST", "/load_lora_adapter", json={"lora_name": "bad", "lora_path": path})
         served(f"load_lora_adapter: {why}", r, why)

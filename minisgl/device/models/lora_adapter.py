@@ -30,6 +30,7 @@ from minisgl.device.layers.lora import TARGETS, LoraRows, LoraWeights
 # base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (an adapter name may follow lora_A)
 _KEY = re.compile(r"\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 DEFAULT_RANK = 16  # --max-lora-rank when neither it nor --lora-paths says
+MAX_ALPHA = 1e6  # lora_alpha beyond this scales B past any trained adapter's
 
 
 class AdapterError(ValueError):
@@ -91,13 +92,11 @@ def _checked(where: str, cfg: dict, names: Iterable[str]) -> tuple[int, float, s
             raise AdapterError(f"{where}: {why}")
     if cfg.get("bias", "none") != "none":
         raise AdapterError(f"{where}: LoRA biases (bias {cfg['bias']!r}) are not supported")
-    try:
-        rank = int(cfg.get("r", 8))
-        alpha = float(cfg.get("lora_alpha", rank))
-    except (TypeError, ValueError):
-        raise AdapterError(f"{where}: r and lora_alpha must be numbers") from None
-    if rank < 1:
-        raise AdapterError(f"{where}: r must be >= 1, got {rank}")
+    rank, alpha = cfg.get("r", 8), cfg.get("lora_alpha", cfg.get("r", 8))
+    if type(rank) is not int or rank < 1:
+        raise AdapterError(f"{where}: r must be an integer >= 1, got {str(rank)[:40]!r}")
+    if type(alpha) not in (int, float) or not math.isfinite(alpha) or abs(alpha) > MAX_ALPHA:
+        raise AdapterError(f"{where}: lora_alpha must be a finite number of magnitude <= {MAX_ALPHA:g}")
     scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
     modules = set()
     for name in names:
@@ -106,6 +105,10 @@ def _checked(where: str, cfg: dict, names: Iterable[str]) -> tuple[int, float, s
             served = ", ".join(LORA_TARGET_MODULES)
             raise AdapterError(f"{where}: tensor {name!r} adapts a module LoRA is not served on here ({served})")
         modules.add(m.group(2))
+    named = cfg.get("target_modules")  # (a string is PEFT's regex: not checked)
+    uncovered = sorted(set(named) & set(LORA_TARGET_MODULES) - modules) if isinstance(named, list) else []
+    if uncovered:
+        raise AdapterError(f"{where}: target_modules names {', '.join(uncovered)}, which no tensor adapts")
     return rank, scaling, modules
 
 
@@ -193,9 +196,15 @@ def read_shards(model: nn.Module, config: ModelConfig, files: Adapter, max_rank:
         if set(ab) != {"A", "B"}:
             raise AdapterError(f"{path}: layer {layer} {module} lacks its lora_{'B' if 'A' in ab else 'A'}")
         lin, part = found
+        if not (ab["A"].is_floating_point() and ab["B"].is_floating_point()):
+            raise AdapterError(f"{path}: layer {layer} {module}: {ab['A'].dtype} tensors (floating point only)")
         a, b = ab["A"].to("cpu", copy=True), ab["B"].cpu() * files.scaling  # (never the sender's memory)
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise AdapterError(f"{path}: layer {layer} {module}: values that are not finite (NaN or inf)")
         rows = lin.output_sizes[part] if isinstance(lin, ColumnParallelLinear) else lin.weight.shape[0]
         r = a.shape[0]
+        if r != files.rank:
+            raise AdapterError(f"{path}: layer {layer} {module}: rank {r}; the config's r is {files.rank}")
         if a.shape != (r, lin.input_size) or b.shape != (rows, r) or r > max_rank:
             raise AdapterError(
                 f"{path}: layer {layer} {module}: A {tuple(a.shape)} and B {tuple(b.shape)} do not fit "
