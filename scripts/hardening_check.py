@@ -204,6 +204,11 @@ def control_plane(a: Audit, model: str, root: Path) -> None:
     for path, why in damaged_adapters(good, root).items():
         r = a.call("POST", "/load_lora_adapter", json={"lora_name": "bad", "lora_path": path})
         served(f"load_lora_adapter: {why}", r, why)
+    # Names the server keeps and echoes in every answer
+    r = a.call("POST", "/load_lora_adapter", json={"lora_name": "n" * 100_000, "lora_path": str(good)})
+    served("a lora_name of 100,000 characters", r, "lora_name")
+    r = a.call("POST", "/update_weight_version", json={"new_version": "v" * 1_000_000})
+    served("a weight version of 1,000,000 characters", r, "new_version")
 
 
 def server(model: str, port: int, *extra: str) -> subprocess.Popen:

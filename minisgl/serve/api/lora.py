@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse, Response
 from minisgl.serve.api.base import ApiBase, read_body
 from minisgl.serve.api.errors import BadRequest
 from minisgl.serve.api.fields import Schema
+from minisgl.serve.api.protocol import Label
 from minisgl.serve.api.rl import refuse_pickled
 from minisgl.wire.control import LoadLora
 
@@ -40,13 +41,13 @@ UNLOAD = Schema("unload_lora_adapter", inert=_INERT)
 
 
 class LoadAdapter(msgspec.Struct, kw_only=True):
-    lora_name: str
+    lora_name: Label
     lora_path: str
     pinned: bool = False
 
 
 class AdapterTensors(msgspec.Struct, kw_only=True):
-    lora_name: str
+    lora_name: Label
     serialized_tensors: str
     config_dict: dict[str, Any]
     load_format: str | None = None
@@ -54,7 +55,7 @@ class AdapterTensors(msgspec.Struct, kw_only=True):
 
 
 class UnloadAdapter(msgspec.Struct, kw_only=True):
-    lora_name: str
+    lora_name: Label
 
 
 class LoraRoutes(ApiBase):

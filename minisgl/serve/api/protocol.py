@@ -28,6 +28,9 @@ MAX_TOP_LOGPROBS = 20
 MAX_LOGPROB_IDS = 4096  # token_ids_logprob entries per prompt
 MAX_TOKEN_ID = 2**31 - 1
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOKEN_ID)]
+# A name the server keeps and echoes in answers (an adapter's, a weight version): bounded, so one
+# request cannot make every later answer carry megabytes.
+Label = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 _SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 

@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, Response
 from minisgl.serve.api.base import ApiBase, error_response, read_body
 from minisgl.serve.api.errors import BadRequest
 from minisgl.serve.api.fields import Schema
+from minisgl.serve.api.protocol import Label
 from minisgl.wire.control import (
     MAX_READ_ROWS,
     BroadcastWeights,
@@ -51,7 +52,7 @@ UPDATE_INERT = {
 class UpdateCommon(msgspec.Struct, kw_only=True):
     flush_cache: bool = True
     abort_all_requests: bool = False
-    weight_version: str | None = None
+    weight_version: Label | None = None
     keep_pause: bool = False
 
 
@@ -82,7 +83,7 @@ class Pause(msgspec.Struct, kw_only=True):
 
 
 class WeightVersion(msgspec.Struct, kw_only=True):
-    new_version: str
+    new_version: Label
     abort_all_requests: bool = False
 
 
