@@ -71,6 +71,10 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
             "--dp-size starts replicas on this host only; for replicas on several hosts, start one server "
             "per host and one smg router over them (README: scale-out)"
         )
+    if ns.dp_size > 1 and (ns.base_gpu_id, ns.gpu_id_step) != (0, 1):
+        ap.error(
+            "--dp-size gives each replica its GPUs in turn: choose them with CUDA_VISIBLE_DEVICES, not --base-gpu-id"
+        )
     if ns.enable_weight_update_from_tensor and not ns.api_key and ns.host not in LOOPBACK:
         ap.error(f"--enable-weight-update-from-tensor on {ns.host} needs --api-key: its payload is unpickled")
     normalize_engine_args(ns)

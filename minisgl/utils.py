@@ -41,8 +41,9 @@ def allow_torch() -> None:
         del sys.modules["torch"]
 
 
-def resolve_device(device: str = "auto") -> torch.device:
-    """'auto' picks CUDA when present, else CPU; anything else is taken literally."""
+def resolve_device(device: str = "auto", gpu: int | None = None) -> torch.device:
+    """'auto' picks CUDA when present, else CPU; anything else is taken literally. ``gpu``: the
+    index of a CUDA device that names none (else the current one)."""
     import torch
 
     if device == "auto":
@@ -52,7 +53,9 @@ def resolve_device(device: str = "auto") -> torch.device:
         if not torch.cuda.is_available():
             raise ValueError("--device cuda was requested but no CUDA device is available")
         if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
+            dev = torch.device("cuda", torch.cuda.current_device() if gpu is None else gpu)
+        if dev.index >= torch.cuda.device_count():
+            raise ValueError(f"GPU {dev.index} was asked for; {torch.cuda.device_count()} are visible")
     return dev
 
 

@@ -49,6 +49,19 @@ def test_sglang_flag_names():
     args.validate()
 
 
+def test_rl_frameworks_launch_flags_place_the_gpus(capsys):
+    """slime, verl and NeMo-RL launch with SGLang's GPU placement and memory saver flags: rank r
+    of a host runs on GPU base + r * step; --dp-size places its replicas itself."""
+    args = parse_args(["--model", "m", "--tp-size", "2", "--base-gpu-id", "2", "--gpu-id-step", "2"])
+    assert [args.gpu_index(r) for r in range(2)] == [2, 4] and not args.enable_memory_saver
+    assert parse_args(["--model", "m", "--enable-memory-saver"]).enable_memory_saver
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--model", "m", "--dp-size", "2", "--base-gpu-id", "1"])
+    assert e.value.code == 2 and "CUDA_VISIBLE_DEVICES" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="base_gpu_id"):
+        parse_args(["--model", "m", "--base-gpu-id", "-1"]).validate()
+
+
 def test_bad_flag_values_are_refused_by_name(capsys):
     with pytest.raises(SystemExit) as e:
         parse_args(["--model", "m", "--stream-interval", "0"])

@@ -122,6 +122,14 @@ class EngineArgs:
         "longest prompt + output (default: the model's max_position_embeddings)",
     )
     tp_size: int = knob(1, PARALLEL, "tensor-parallel ranks (GPUs)", "--tensor-parallel-size")
+    # SGLang's GPU placement: this host's rank r runs on GPU base_gpu_id + r * gpu_id_step (of
+    # those CUDA_VISIBLE_DEVICES shows), so several engines can share a host (RL colocation).
+    base_gpu_id: int = knob(0, PARALLEL, "the GPU of this host's first rank")
+    gpu_id_step: int = knob(1, PARALLEL, "GPUs between this host's consecutive ranks")
+    # RL frameworks launch with it and compare /get_server_info's value to what they sent.
+    enable_memory_saver: bool = knob(
+        False, DEVICE, "SGLang's: memory release (/release_memory_occupation) works with or without it"
+    )
     # A tensor-parallel group over several hosts: tp_size / nnodes ranks per node, every node
     # started with the same flags and its own --node-rank; they meet at dist_init_addr (host:port).
     nnodes: int = knob(1, PARALLEL, "hosts one tensor-parallel group spans")
@@ -389,6 +397,10 @@ class EngineArgs:
     def ranks_per_node(self) -> int:
         return self.tp_size // self.nnodes
 
+    def gpu_index(self, local_rank: int) -> int:
+        """The CUDA device of this host's ``local_rank`` (--base-gpu-id, --gpu-id-step)."""
+        return self.base_gpu_id + local_rank * self.gpu_id_step
+
     @property
     def running_limit(self) -> int:
         """max_running_requests, or its largest derived value while the pool is not sized yet."""
@@ -425,6 +437,10 @@ class EngineArgs:
         return self.max_prefill_tokens or self.prefill_chunk(context_len)
 
     def validate(self) -> None:
+        if self.base_gpu_id < 0 or self.gpu_id_step < 1:
+            raise ValueError(
+                f"base_gpu_id must be >= 0 and gpu_id_step >= 1, got {self.base_gpu_id}, {self.gpu_id_step}"
+            )
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if not 0.0 < self.mem_fraction_static < 1.0:

@@ -32,7 +32,6 @@ INERT: dict[str, tuple[int, str]] = {
     "--show-time-cost": (SWITCH, "per-step timings come from /start_profile"),
     "--enable-p2p-check": (SWITCH, "GPU peer access is probed when the custom all-reduce starts"),
     "--num-continuous-decode-steps": (ONE, "overlap scheduling already launches each step behind the last"),
-    "--enable-memory-saver": (SWITCH, "/release_memory_occupation works without it"),
     "--moe-runner-backend": (ONE, "minisgl's fused MoE Triton kernel"),
     "--file-storage-path": (ONE, "minisgl keeps no file storage"),
     "--triton-attention-num-kv-splits": (ONE, "the decode kernel picks its splits per batch"),
@@ -74,8 +73,6 @@ REFUSED: dict[str, tuple[int, str]] = {
     "--enable-deterministic-inference": (SWITCH, "batch-invariant kernels are not built"),
     "--enable-multimodal": (SWITCH, "multimodal models are not served"),
     "--constrained-json-whitespace-pattern": (ONE, "xgrammar's JSON whitespace rule is used as it is"),
-    "--base-gpu-id": (ONE, "choose GPUs with CUDA_VISIBLE_DEVICES"),
-    "--gpu-id-step": (ONE, "choose GPUs with CUDA_VISIBLE_DEVICES"),
 }
 # Values of a refused flag that ask for what minisgl does: accepted silently.
 SAME = {"--ep-size": "1", "--grammar-backend": "xgrammar"}

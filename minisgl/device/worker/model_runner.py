@@ -104,7 +104,7 @@ class ModelRunner:
     def __init__(self, args: EngineArgs, model_dir: Path | None = None):
         args.validate()
         self.args = args
-        self.device = resolve_device(args.device)
+        self.device = resolve_device(args.device, args.gpu_index(0))
         self.model_dir = model_dir or resolve_model_path(args.model, args.load_format, args.revision)
         self.config = ModelConfig.from_path(self.model_dir)
         self.dtype = resolve_dtype(args.dtype, self.config.torch_dtype, self.device)

@@ -34,7 +34,7 @@ def _init_distributed(args: EngineArgs, rank: int, addrs: Addresses) -> None:
     on_gpu = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
     device = None
     if on_gpu:
-        args.device = f"cuda:{rank % args.ranks_per_node}"  # this host's GPUs
+        args.device = f"cuda:{args.gpu_index(rank % args.ranks_per_node)}"  # this host's GPUs
         device = torch.device(args.device)  # NCCL binds its communicator here instead of guessing
     dist.init_process_group(
         "nccl" if on_gpu else "gloo",

@@ -266,6 +266,8 @@ class NativeRoutes(ApiBase):
             {
                 **server_args,
                 "model_path": self.args.model,
+                "pp_size": 1,  # (no pipeline or expert parallelism: SGLang's clients compare these)
+                "ep_size": 1,
                 "max_total_num_tokens": self.info.num_pages * self.info.page_size,
                 "kv_cache_dtype": self.info.kv_cache_dtype,
                 **self._state_pool_info(),
@@ -364,9 +366,9 @@ class NativeRoutes(ApiBase):
             raise BadRequest("give rid or abort_all: true", param="rid")
         # An OpenAI request runs as "<id>-<choice>"; its id aborts its own choices (only: a
         # prefix such as "chatcmpl" names nobody).
+        # An id that runs nothing (it finished, or never came) is answered as SGLang does: 200,
+        # here with nothing aborted (verl aborts ids whose requests may be done).
         targets = [r for r in active if r == body.rid or _choice_of(r, body.rid)]
-        if not targets:
-            raise BadRequest(f"no running request has id {body.rid!r}", status=404, param="rid")
         for rid in targets:
             self.client.abort(rid)
         return JSONResponse({"aborted": targets})
