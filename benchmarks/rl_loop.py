@@ -270,13 +270,31 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--tp-size", type=int, default=1)
     ap.add_argument("--port", type=int, default=31000)
     ap.add_argument("--group-port", type=int, default=31900)
+    ap.add_argument(
+        "--mem-fraction-static",
+        type=float,
+        default=0.5,
+        help="the engine's share of GPU memory: the trainer shares the GPU (the server's own default "
+        "leaves it too little for its first step)",
+    )
     ap.add_argument("--server-args", default="", help="more flags for the server, one string")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda" and "distributed" in args.paths and torch.cuda.device_count() <= args.tp_size:
+        ap.error(
+            f"--paths distributed: the trainer's rank needs a GPU the engine's {args.tp_size} do not use "
+            f"({torch.cuda.device_count()} visible; NCCL cannot put two ranks of one group on one GPU): "
+            "use --paths tensor disk"
+        )
     flags = ["--enable-weight-update-from-tensor", "--tp-size", str(args.tp_size), *args.server_args.split()]
     if device.type == "cpu":
         flags += ["--device", "cpu"]
+    else:
+        if "--mem-fraction-static" not in flags:
+            flags += ["--mem-fraction-static", str(args.mem_fraction_static)]
+        if "distributed" in args.paths and "--base-gpu-id" not in flags:
+            flags += ["--base-gpu-id", "1"]  # the trainer's rank keeps GPU 0 to itself
     proc, url = start_server(args.model, args.port, flags, args.load_format)
     try:
         trainer = Trainer(args.model, args.load_format, device, args.lr, args.seed)
