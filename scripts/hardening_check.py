@@ -111,31 +111,36 @@ def hostile_requests(a: Audit, api_pid: int) -> None:
     a.case("a Host that is not loopback", f"{r.status_code}", r.status_code == 403)
 
 
-def damaged_checkpoints(folder: Path, root: Path) -> dict[str, Path]:
+def damaged_checkpoints(folder: Path, root: Path) -> dict[str, tuple[Path, str]]:
     """Copies of a one-file checkpoint whose model.safetensors a trainer might leave half
-    written, or a client might point anywhere: each must be refused before any weight changes."""
+    written, or a client might point anywhere, each with what its refusal must name: each must
+    be refused before any weight changes."""
     import torch
     from safetensors.torch import load_file, save_file
 
     data = (folder / "model.safetensors").read_bytes()
     n = int.from_bytes(data[:8], "little")
+
+    def tensors(fn):
+        return lambda f: save_file({k: fn(v) for k, v in load_file(folder / "model.safetensors").items()}, f)
+
+    file = "model.safetensors"
     variants = {
-        "cut in half": lambda f: f.write_bytes(data[: len(data) // 2]),
-        "header only": lambda f: f.write_bytes(data[: 8 + n]),
-        "header of 2^62 bytes": lambda f: f.write_bytes((1 << 62).to_bytes(8, "little") + data[8:]),
-        "header of 100 GB": lambda f: f.write_bytes((100 << 30).to_bytes(8, "little") + data[8:]),
-        "a link to /dev/zero": lambda f: f.symlink_to("/dev/zero"),
-        "a FIFO": lambda f: os.mkfifo(f),
-        "int8 tensors": lambda f: save_file(
-            {k: v.to(torch.int8) for k, v in load_file(folder / "model.safetensors").items()}, f
-        ),
+        "cut in half": (lambda f: f.write_bytes(data[: len(data) // 2]), file),
+        "header only": (lambda f: f.write_bytes(data[: 8 + n]), file),
+        "header of 2^62 bytes": (lambda f: f.write_bytes((1 << 62).to_bytes(8, "little") + data[8:]), file),
+        "header of 100 GB": (lambda f: f.write_bytes((100 << 30).to_bytes(8, "little") + data[8:]), file),
+        "a link to /dev/zero": (lambda f: f.symlink_to("/dev/zero"), file),
+        "a FIFO": (lambda f: os.mkfifo(f), file),
+        "int8 tensors": (tensors(lambda t: t.to(torch.int8)), "is I8"),
+        "NaN weights": (tensors(lambda t: t.clone().fill_(float("nan")) if t.dim() == 1 else t), "not finite"),
     }
     out = {}
-    for i, (what, make) in enumerate(variants.items()):
+    for i, (what, (make, why)) in enumerate(variants.items()):
         copy = root / f"damaged{i}"
         shutil.copytree(folder, copy, ignore=shutil.ignore_patterns("*.safetensors"))
         make(copy / "model.safetensors")
-        out[what] = copy
+        out[what] = (copy, why)
     return out
 
 
@@ -197,9 +202,9 @@ def control_plane(a: Audit, model: str, root: Path) -> None:
         ok = 400 <= r.status_code < 500 and why in r.text and after.json().get("output_ids") == before and took < 1
         a.case(name, f"{r.status_code} {r.text[:90]!r}; next request {took:.2f} s", ok)
 
-    for what, folder in damaged_checkpoints(Path(model), root).items():
+    for what, (folder, why) in damaged_checkpoints(Path(model), root).items():
         r = a.call("POST", "/update_weights_from_disk", json={"model_path": str(folder)})
-        served(f"update_weights_from_disk: {what}", r, "is I8" if what == "int8 tensors" else "model.safetensors")
+        served(f"update_weights_from_disk: {what}", r, why)
     good = make_lora_adapter(Path(model), root / "adapter", ("q_proj", "v_proj"), rank=4)
     for path, why in damaged_adapters(good, root).items():
         r = a.call("POST", "/load_lora_adapter", json={"lora_name": "bad", "lora_path": path})

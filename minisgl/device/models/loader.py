@@ -81,6 +81,24 @@ def iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                     bar.update(1)
 
 
+def first_non_finite(model_dir: Path, device: torch.device) -> str | None:
+    """The first tensor of a safetensors checkpoint holding NaN or infinity (None: none), each
+    checked on ``device`` and dropped: a weight update reads its files once more for this before
+    any weight changes (GGUF files, quantized, are not checked)."""
+    if gguf_source(model_dir) is not None:
+        return None
+    for f in safetensors_files(model_dir):
+        with safe_open(f, framework="pt") as sf:
+            for name in sf.keys():
+                t = sf.get_tensor(name)
+                if not t.is_floating_point():
+                    continue
+                t = t.to(device)
+                if not bool(torch.isfinite(t.float() if t.element_size() == 1 else t).all()):
+                    return name
+    return None
+
+
 # One expert's projection (Qwen-MoE names, Mixtral's w1/w3/w2) -> our stacked parameter and shard.
 # One expert's tensor (experts.3.gate_proj.weight), or every expert's stacked (experts.gate_proj.weight: GGUF).
 EXPERT = re.compile(r"\.experts\.(?:(\d+)\.)?(gate_proj|up_proj|down_proj|w1|w3|w2)\.")

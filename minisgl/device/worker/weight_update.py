@@ -25,7 +25,7 @@ from minisgl.checkpoint.model_config import ModelConfig
 from minisgl.checkpoint.safetensors_header import FLOAT_DTYPES
 from minisgl.device.distributed import get_tp_info
 from minisgl.device.distributed.weight_group import destroy_weight_group, init_weight_group
-from minisgl.device.models.loader import WeightMap, checkpoint_tensors, iter_weights
+from minisgl.device.models.loader import WeightMap, checkpoint_tensors, first_non_finite, iter_weights
 from minisgl.device.worker.tensor_payload import decode_named_tensors
 from minisgl.wire.control import (
     BroadcastWeights,
@@ -116,6 +116,9 @@ class WeightUpdater:
                 raise ValueError(
                     f"tensor {kinds[0][0][:200]!r} is {kinds[0][1]}; weights load from floating-point tensors"
                 )
+            bad = first_non_finite(folder, self.runner.device)
+            if bad is not None:  # (every output would become one token)
+                raise ValueError(f"tensor {bad[:200]!r} holds values that are not finite (NaN or inf)")
         except Exception as e:  # any library's error too: a file being written must not end the worker
             problem = f"{task.model_path[:300]}: {e}"
         self.agree(problem)
