@@ -111,9 +111,6 @@ KV_SCALE = re.compile(r"layers\.(\d+)\.self_attn\.(?:attn\.)?(?:(k|v)_scale|(k|v
 
 def checkpoint_shapes(model_dir: Path) -> Iterator[tuple[str, tuple[int, ...]]]:
     """Every tensor's name and shape, read from the files' headers (nothing is loaded)."""
-    if gguf_source(model_dir) is not None:
-        yield from iter_gguf_shapes(model_dir)
-        return
     for name, _, shape in checkpoint_tensors(model_dir):
         yield name, shape
 

@@ -92,9 +92,10 @@ def _checked(where: str, cfg: dict, names: Iterable[str]) -> tuple[int, float, s
             raise AdapterError(f"{where}: {why}")
     if cfg.get("bias", "none") != "none":
         raise AdapterError(f"{where}: LoRA biases (bias {cfg['bias']!r}) are not supported")
-    rank, alpha = cfg.get("r", 8), cfg.get("lora_alpha", cfg.get("r", 8))
+    rank = cfg.get("r", 8)
     if type(rank) is not int or rank < 1:
         raise AdapterError(f"{where}: r must be an integer >= 1, got {str(rank)[:40]!r}")
+    alpha = cfg.get("lora_alpha", rank)
     if type(alpha) not in (int, float) or not math.isfinite(alpha) or abs(alpha) > MAX_ALPHA:
         raise AdapterError(f"{where}: lora_alpha must be a finite number of magnitude <= {MAX_ALPHA:g}")
     scaling = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank

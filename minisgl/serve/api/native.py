@@ -365,9 +365,8 @@ class NativeRoutes(ApiBase):
         if body.rid is None:
             raise BadRequest("give rid or abort_all: true", param="rid")
         # An OpenAI request runs as "<id>-<choice>"; its id aborts its own choices (only: a
-        # prefix such as "chatcmpl" names nobody).
-        # An id that runs nothing (it finished, or never came) is answered as SGLang does: 200,
-        # here with nothing aborted (verl aborts ids whose requests may be done).
+        # prefix such as "chatcmpl" names nobody). An id that runs nothing (it finished, or never
+        # came) is answered as SGLang does, 200, with nothing aborted (verl aborts finished ids).
         targets = [r for r in active if r == body.rid or _choice_of(r, body.rid)]
         for rid in targets:
             self.client.abort(rid)
