@@ -86,6 +86,26 @@ def test_copies_of_one_prompt_start_from_the_first_ones_snapshot(hybrids):
     assert [o["meta_info"]["cached_tokens"] for o in out] == [0] + [len(STEM) - 1] * 3
 
 
+def test_a_prompts_last_snapshot_is_saved_inside_its_one_prefill_step(hybrids):
+    """The snapshot at the prompt's last page is saved part-way through the prefill's forward
+    (no step of its own for the last page), and the next turn starts from it with the tokens
+    of no cache at all."""
+    path = hybrids["qwen3_5"]
+    prompt = [5, 6] + STEM
+    llm = LLM(str(path), dtype="float32", max_total_tokens=4096, page_size=4)
+    steps = []
+    forward = llm.runner.forward
+    llm.runner.forward = lambda batch, *a, **k: steps.append(batch) or forward(batch, *a, **k)
+    first = llm.generate([prompt], GREEDY)[0]
+    prefills = [b for b in steps if any(n > 1 for n in b.new_lens)]
+    assert len(prefills) == 1 and len(prefills[0].state_splits) == 3
+    longer = prompt + first["output_ids"] + [11, 12]
+    again = llm.generate([longer], GREEDY)[0]
+    llm.scheduler.check_integrity()
+    assert again["meta_info"]["cached_tokens"] == (len(prompt) - 1) // 4 * 4
+    assert again["output_ids"] == run(path, [longer], disable_radix_cache=True)[0]["output_ids"]
+
+
 def test_an_extended_prompt_hits_and_a_retracted_request_finishes_the_same(hybrids):
     path = hybrids["qwen3_5_moe"]
     prompts = [[i, i + 1] + STEM for i in range(2, 40, 3)]  # (nothing shared: the pool runs out)
@@ -269,11 +289,16 @@ class StateExecutor:
         batch = self.launched.popleft()
         for src, dst in zip(batch.state_loads[::2], batch.state_loads[1::2]):
             self.rows[dst] = self.rows[src]
+        splits = {s: (dst, n) for s, dst, n in zip(*(batch.state_splits[i::3] for i in range(3)))}
         tokens, row = [], 0
         for slot, cached, new, sample in zip(batch.slots, batch.cached_lens, batch.new_lens, batch.sample):
             state = () if cached == 0 else self.rows[slot]
             assert len(state) == cached, f"slot {slot} holds {len(state)} tokens, the step says {cached}"
             ids = [self.last[slot] if t < 0 else t for t in batch.input_ids[row : row + new]]
+            if slot in splits:  # a snapshot part-way through the chunk
+                dst, n = splits[slot]
+                assert 0 < n < new, "a split inside the chunk"
+                self.rows[dst] = state + tuple(ids[:n])
             self.rows[slot] = state + tuple(ids)
             row += new
             if sample:

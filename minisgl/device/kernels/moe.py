@@ -138,7 +138,7 @@ def _rows_times_expert(
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & (rn[None, :] < N))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])  # (as moe_align's kernels: no compile per pair count)
 def _expert_gemm_kernel(
     a_ptr,
     a_scale_ptr,

@@ -70,7 +70,9 @@ def _layout(
         )
 
 
-@triton.jit
+# Pair counts change with every prefill: a compile per value of their divisibility (Triton's
+# default) stalled prefill steps for ~0.4 s each time one came up.
+@triton.jit(do_not_specialize=["P"])
 def _align_kernel(
     ids_ptr,
     sorted_ptr,
@@ -93,7 +95,7 @@ def _align_kernel(
     _scatter(ids_ptr, sorted_ptr, cursor_ptr, tl.arange(0, CHUNK), P)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P"])
 def _chunk_count_kernel(ids_ptr, chunk_counts_ptr, P, E_BINS: tl.constexpr, CHUNK: tl.constexpr):
     """A program per chunk of pairs: its pairs per expert, in its own row (no atomics, no zeroing)."""
     c = tl.program_id(0)
@@ -101,7 +103,7 @@ def _chunk_count_kernel(ids_ptr, chunk_counts_ptr, P, E_BINS: tl.constexpr, CHUN
     tl.store(chunk_counts_ptr + c * E_BINS + tl.arange(0, E_BINS), hist)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P", "num_chunks"])
 def _place_kernel(
     ids_ptr,
     chunk_counts_ptr,

@@ -60,9 +60,12 @@ class StatePool:
         s = shape
         self.conv = torch.zeros(s.layers, slots, s.conv_channels, s.conv_width, dtype=conv_dtype, device=device)
         self.ssm = torch.zeros(s.layers, slots, s.heads, s.k_dim, s.v_dim, dtype=ssm_dtype, device=device)
-        self.segments: list[tuple[int, int, int]] = []  # per request: (slot, first token row, tokens)
-        self.slots = torch.zeros(0, dtype=torch.int64, device=device)
-        self.cu_seqlens = torch.zeros(1, dtype=torch.int64, device=device)  # the step's token offsets
+        # per request, two for one that saves a snapshot part-way: (slot, first token row, tokens,
+        # the row its state after them is copied to or -1)
+        self.segments: list[tuple[int, int, int, int]] = []
+        self.slots = torch.zeros(0, dtype=torch.int64, device=device)  # each segment's slot
+        self.cu_seqlens = torch.zeros(1, dtype=torch.int64, device=device)  # the segments' token offsets
+        self.splits: Splits | None = None
         self.decode = False
         self.graph_slots: torch.Tensor | None = None  # (CUDA graphs) the buffer the captured steps read
 
@@ -80,31 +83,72 @@ class StatePool:
     def init_cuda_graph(self, max_bs: int) -> None:
         self.graph_slots = torch.zeros(max_bs, dtype=torch.int64, device=self.conv.device)
 
-    def prepare(self, meta: AttentionMetadata, loads: list[int], graph: bool = False) -> None:
+    def prepare(self, meta: AttentionMetadata, loads: list[int], graph: bool = False, splits: list[int] = ()) -> None:
         """The step's requests: their slots and where their tokens sit; the rows of those that
         start from nothing are zeroed (a slot's last owner left its state there), those that
-        start from a cached prefix get its snapshot (``loads``: snapshot, slot pairs). With
-        ``graph`` the slots go into the buffer captured decode steps read."""
-        starts, row = [], 0
-        for n in meta.new_lens:
-            starts.append(row)
+        start from a cached prefix get its snapshot (``loads``: snapshot, slot pairs). ``splits``:
+        (slot, snapshot, tokens) triples, a request whose state after its chunk's first tokens
+        is saved part-way: its chunk runs as two segments in turn. With ``graph`` the slots go
+        into the buffer captured decode steps read."""
+        cut = {splits[i]: (splits[i + 1], splits[i + 2]) for i in range(0, len(splits), 3)}
+        segments, row = [], 0
+        for slot, n in zip(meta.slots, meta.new_lens):
+            save, head = cut.get(slot, (-1, n))
+            segments.append((slot, row, head, save))
+            if head < n:
+                segments.append((slot, row + head, n - head, -1))
             row += n
-        self.segments = list(zip(meta.slots, starts, meta.new_lens))
+        self.segments = segments
         self.decode = all(n == 1 for n in meta.new_lens)
-        slots = torch.tensor(meta.slots, dtype=torch.int64)
+        self.splits = Splits.of(segments, self.conv.device) if cut else None
+        seg_slots = [s[0] for s in segments]
+        slots = torch.tensor(seg_slots, dtype=torch.int64)
         if graph:  # (straight into the captured buffer: one copy)
-            self.slots = self.graph_slots[: len(meta.slots)]
+            self.slots = self.graph_slots[: len(seg_slots)]
             self.slots.copy_(slots, non_blocking=True)
         else:
             self.slots = slots.to(self.conv.device, non_blocking=True)
-        self.cu_seqlens = torch.tensor([*starts, row], dtype=torch.int64).to(self.conv.device, non_blocking=True)
+        offsets = [s[1] for s in segments] + [row]
+        self.cu_seqlens = torch.tensor(offsets, dtype=torch.int64).to(self.conv.device, non_blocking=True)
         set_state_pool(self)
         fresh = [s for s, c in zip(meta.slots, meta.cached_lens) if c == 0]
-        if fresh:
-            index = torch.tensor(fresh, dtype=torch.int64, device=self.conv.device)
+        if fresh:  # (built on the host and sent without waiting: no sync with the step before)
+            index = torch.tensor(fresh, dtype=torch.int64).to(self.conv.device, non_blocking=True)
             self.conv[:, index] = 0
             self.ssm[:, index] = 0
         self.copy(loads)
+
+
+@dataclass
+class Splits:
+    """A step's segments for the chunked kernel when some requests save a snapshot part-way
+    (``StatePool.prepare``): it runs every segment from its slot's state, then the second
+    segments again from the first ones' final states. Indices are into the segment list,
+    ``tokens`` the second segments' token rows."""
+
+    heads: torch.Tensor  # the first segment of each split request
+    save_rows: torch.Tensor  # the snapshot row its final state goes to
+    finals: torch.Tensor  # segments whose final state is their slot's: unsplit ones
+    final_slots: torch.Tensor
+    tail_slots: torch.Tensor  # the split requests' slots (their second segments' final state)
+    tokens: torch.Tensor
+    cu_seqlens: torch.Tensor  # the second segments' offsets in ``tokens``
+
+    @classmethod
+    def of(cls, segments: list[tuple[int, int, int, int]], device: torch.device) -> Splits:
+        heads = [i for i, s in enumerate(segments) if s[3] >= 0]
+        tails = {i + 1 for i in heads}
+        finals = [i for i in range(len(segments)) if i not in tails and segments[i][3] < 0]
+        tokens, offsets = [], [0]
+        for i in heads:
+            _, start, n, _ = segments[i + 1]
+            tokens += range(start, start + n)
+            offsets.append(offsets[-1] + n)
+        lists = (
+            heads, [segments[i][3] for i in heads], finals, [segments[i][0] for i in finals],
+            [segments[i][0] for i in heads], tokens, offsets,
+        )  # fmt: skip
+        return cls(*(torch.tensor(x, dtype=torch.int64).to(device, non_blocking=True) for x in lists))
 
 
 _pool: weakref.ref[StatePool] | None = None

@@ -40,6 +40,15 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> t
     return F.silu(y).t()
 
 
+def segment_conv(x: torch.Tensor, weight: torch.Tensor, conv: torch.Tensor, slot: int, save: int) -> torch.Tensor:
+    """``causal_conv`` of one segment from its slot's row of ``conv``, whose state after it is
+    also copied to row ``save`` (a snapshot; -1: none)."""
+    y = causal_conv(x, weight, conv[slot])
+    if save >= 0:
+        conv[save] = conv[slot]
+    return y
+
+
 def causal_conv_step(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
     """``causal_conv`` of one token per request: ``x`` [B, C], ``states`` [B, C, W] (the
     requests' rows, returned updated in ``states``); returns [B, C]."""
@@ -78,8 +87,23 @@ def fla_chunked(
         q[None], k[None], v[None], g[None], beta[None], scale=1.0, initial_state=ssm[pool.slots],
         output_final_state=True, cu_seqlens=pool.cu_seqlens,
     )  # fmt: skip
-    ssm[pool.slots] = ht.to(ssm.dtype)
-    return o[0]
+    sp = pool.splits
+    if sp is None:
+        ssm[pool.slots] = ht.to(ssm.dtype)
+        return o[0]
+    # Requests saving a snapshot part-way: their first segments' states are the snapshots, and
+    # their second segments run again from those (the first pass ran them from a stale state).
+    ssm[sp.save_rows] = ht[sp.heads].to(ssm.dtype)
+    ssm[sp.final_slots] = ht[sp.finals].to(ssm.dtype)
+    t = sp.tokens
+    o2, ht2 = chunk_gated_delta_rule(
+        q[None, t], k[None, t], v[None, t], g[None, t], beta[None, t], scale=1.0, initial_state=ht[sp.heads],
+        output_final_state=True, cu_seqlens=sp.cu_seqlens,
+    )  # fmt: skip
+    ssm[sp.tail_slots] = ht2.to(ssm.dtype)
+    o = o[0]
+    o[t] = o2[0]
+    return o
 
 
 class SplitColumnLinear(ColumnParallelLinear):
@@ -197,7 +221,9 @@ class GatedDeltaNet(nn.Module):
             mixed = causal_conv_step(qkv, weight, states)
             conv[pool.slots] = states
         else:
-            mixed = torch.cat([causal_conv(qkv[s : s + n], weight, conv[slot]) for slot, s, n in pool.segments])
+            mixed = torch.cat(
+                [segment_conv(qkv[s : s + n], weight, conv, slot, save) for slot, s, n, save in pool.segments]
+            )
         t = qkv.shape[0]
         q, k, v = mixed.split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], dim=-1)
         q = l2norm(q.reshape(t, self.hk, self.dk).float()).repeat_interleave(self.ratio, dim=1) * self.dk**-0.5
@@ -212,12 +238,14 @@ class GatedDeltaNet(nn.Module):
             o = gated_delta_rule(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], states)[:, 0]
             ssm[pool.slots] = states
             return o
-        return torch.cat(
-            [
+        out = []
+        for slot, s, n, save in pool.segments:  # (in order: a request's second segment after its first)
+            rows = slice(s, s + n)
+            out.append(
                 gated_delta_rule(
-                    q[None, s : s + n], k[None, s : s + n], v[None, s : s + n], g[None, s : s + n],
-                    beta[None, s : s + n], ssm[slot : slot + 1],
+                    q[None, rows], k[None, rows], v[None, rows], g[None, rows], beta[None, rows], ssm[slot : slot + 1]
                 )[0]
-                for slot, s, n in pool.segments
-            ]
-        )  # fmt: skip
+            )
+            if save >= 0:
+                ssm[save] = ssm[slot]
+        return torch.cat(out)

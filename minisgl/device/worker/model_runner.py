@@ -603,7 +603,7 @@ class ModelRunner:
             self.attn.prepare(meta)
             set_attention_backend(self.attn)
             if self.states is not None:
-                self.states.prepare(meta, batch.state_loads)
+                self.states.prepare(meta, batch.state_loads, splits=batch.state_splits)
             hidden = self.model(input_ids, meta.positions)
         if batch.score_rows:
             self._extras = self._score(hidden, batch)

@@ -6,8 +6,9 @@ tree keeps such states (rows of the worker's ``StatePool``) at chosen nodes: a p
 only up to the deepest node on its path that has a snapshot, and the rest is computed again
 from there. A node without a snapshot is never a hit, so a hit is never approximate.
 
-The scheduler takes a snapshot where a prefill chunk ends (``take`` a row, ``attach`` it to the
-node the chunk's pages end at), cutting the prompt's chunks there: at the last page boundary
+The scheduler takes a snapshot at a page boundary of a prefill chunk (``take`` a row, ``attach``
+it to the node whose pages end there; the worker saves the state part-way through the chunk's
+forward, and a chunk with two such points ends at the first): at the last page boundary
 before each prompt's last token, so that the next turn of a conversation and every sample of
 the prompt start from it; and where the prompt leaves a cached path that goes on with other
 tokens (``fork_depth``: a branch point with no snapshot yet, such as the end of a system prompt
@@ -91,15 +92,17 @@ class SnapshotRadixCacheManager(RadixCacheManager):
             self._drop(min(written, key=lambda n: (n.last_access, n.depth)))
         return self.free_rows.pop()
 
-    def attach(self, ids: list[int], row: int, salt: str | None = None) -> None:
+    def attach(self, ids: list[int], row: int, salt: str | None = None) -> bool:
         """Give the node whose path is ``ids`` (cached, locked by the request) the snapshot in
-        ``row``, written by the step being scheduled; a node that has one keeps it."""
+        ``row``, written by the step being scheduled; a node that has one keeps it (and the row
+        goes back: False)."""
         node, matched = self._walk(ids, on_device=False, salt=salt)
         if matched != len(ids) or node.parent is None or node.snapshot is not None:
             self.free_rows.append(row)
-            return
+            return False
         node.snapshot, node.snapshot_step = row, self.now
         self.holders[row] = node
+        return True
 
     def _drop(self, node: _Node) -> None:
         row, node.snapshot = node.snapshot, None

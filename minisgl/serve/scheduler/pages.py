@@ -129,6 +129,7 @@ class Memory:
         self.free_slots.append(req.slot)
         req.slot, req.handle, req.pages, req.kv_len, req.table_len = None, CacheHandle(0), [], 0, 0
         req.state_load = req.state_save = -1
+        req.state_split = (-1, 0)
 
     def stats(self) -> dict[str, float]:
         info, total, free = self.cache.size_info(), self.allocator.num_pages, self.allocator.num_free

@@ -65,10 +65,11 @@ class PrefillPlanner:
         end = min(target, req.kv_len + budget)
         if end < target:
             end -= end % self.page_size  # chunks end on page boundaries
-        # A hybrid's chunks stop where its next snapshot goes (``Memory.admit``).
-        point = next((p for p in req.snapshot_at if p > req.kv_len), 0) if snapshots else 0
-        if req.kv_len < point < end:
-            end = point
+        # A hybrid's snapshots (``Memory.admit``): the worker saves one inside a chunk, part-way
+        # through its forward; a chunk holding two ends at the first.
+        inside = [p for p in req.snapshot_at if req.kv_len < p < end] if snapshots else []
+        if len(inside) > 1:
+            end = inside[0]
         if end <= req.kv_len:
             return None
         pages = memory.alloc(cdiv(end, self.page_size) - len(req.pages))
@@ -81,17 +82,21 @@ class PrefillPlanner:
             # a duplicate page while both run. (One recomputing its prompt may recompute cached
             # pages: it publishes at release.)
             memory.publish(req, min(end, target - 1))
-            if end == point:
-                self._snapshot(req, point)
+            if len(inside) == 1:
+                row = self._snapshot(req, inside[0])
+                req.state_split = (row, inside[0] - start) if row is not None else (-1, 0)
+            if end in req.snapshot_at:
+                row = self._snapshot(req, end)
+                req.state_save = row if row is not None else -1
         return req, end - start, end == target
 
-    def _snapshot(self, req: Req, point: int) -> None:
-        """The state after the request's first ``point`` tokens (this chunk's end) becomes the
-        snapshot of their node."""
+    def _snapshot(self, req: Req, point: int) -> int | None:
+        """A row for the state after the request's first ``point`` tokens, attached to their
+        node (None: no row is free, or the node has a snapshot)."""
         row = self.memory.cache.take()
-        if row is not None:
-            req.state_save = row
-            self.memory.cache.attach(req.all_ids[:point], row, req.kv_salt)
+        if row is not None and self.memory.cache.attach(req.all_ids[:point], row, req.kv_salt):
+            return row
+        return None
 
     def schedule(
         self, prefilling: list[Req], queue: WaitingQueue, step: int, decoding: int, reserve: int = 0

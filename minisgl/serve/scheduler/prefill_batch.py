@@ -46,7 +46,7 @@ def prefill_batch(
         batch.input_ids += req.all_ids[start : req.kv_len]
         if req.table_len == 0:
             batch.new_requests.append(new_request(req, eos_ids))
-        if req.state_load >= 0 or req.state_save >= 0:
+        if req.state_load >= 0 or req.state_save >= 0 or req.state_split[0] >= 0:
             states(batch, req)
         write_table(batch, req)
     return batch, scored, routed
@@ -54,12 +54,15 @@ def prefill_batch(
 
 def states(batch: ForwardBatch, req: Req) -> None:
     """A hybrid model's state copies for the request's chunk: its snapshot in before, the
-    state after the chunk out to a new snapshot."""
+    state part-way through the chunk and the state after it out to new snapshots."""
     if req.state_load >= 0:
         batch.state_loads += (req.state_load, req.slot)
     if req.state_save >= 0:
         batch.state_saves += (req.slot, req.state_save)
+    if req.state_split[0] >= 0:
+        batch.state_splits += (req.slot, *req.state_split)
     req.state_load = req.state_save = -1
+    req.state_split = (-1, 0)
 
 
 def mixed_batch(prefill: ForwardBatch, decode: ForwardBatch) -> ForwardBatch:

@@ -68,10 +68,11 @@ class Req:
     kv_len: int = 0  # tokens whose KV is computed or being computed by a sent step
     table_len: int = 0  # entries of `pages` already written to the worker's page table
     prefill_target: int = 0  # at admission: every token so far needs KV before decoding resumes
-    # Hybrid models: the snapshot row its state starts from at its next step, and the row its
-    # state is copied to after it (-1: none).
+    # Hybrid models: the snapshot row its state starts from at its next step, the row its state
+    # is copied to after it (-1: none), and (row, tokens) of a snapshot inside its next chunk.
     state_load: int = -1
     state_save: int = -1
+    state_split: tuple[int, int] = (-1, 0)
     snapshot_at: list[int] = field(default_factory=list)  # where its prompt's snapshots go (ascending)
     # The short path of output processing (no logprobs, no grammar): its stop tokens and how
     # many tokens it may generate, set when it is queued.
