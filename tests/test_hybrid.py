@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from minisgl.config.args import EngineArgs
+from minisgl.device.layers.gated_delta import fla_chunked, gated_delta_rule, l2norm
 from minisgl.device.tiny_model import HYBRID_ARCHS, make_tiny_model
 from minisgl.llm import LLM
 from minisgl.serve.scheduler.scheduler import Scheduler
@@ -365,6 +366,53 @@ def test_fuzzed_snapshots_always_hold_their_prefix(seed):
 
 
 # ---- the GPU path: flash-linear-attention's kernels against the torch reference ---------------
+
+
+def varlen_rule(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+    """flash-linear-attention's varlen chunk_gated_delta_rule, in the torch reference: each
+    sequence of ``cu_seqlens`` from its own initial state."""
+    state, out, bounds = initial_state.clone(), [], cu_seqlens.tolist()
+    for i, (s, e) in enumerate(zip(bounds, bounds[1:])):
+        out.append(gated_delta_rule(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e], state[i : i + 1]))
+    return torch.cat(out, dim=1), state
+
+
+def test_a_snapshot_part_way_runs_the_chunked_kernel_in_two_passes(monkeypatch):
+    """The GPU prefill path's orchestration (``fla_chunked`` with splits), over a stand-in for
+    FLA's kernel: outputs, the requests' states and the part-way snapshot equal running each
+    request's two segments one after the other."""
+    import sys
+    import types
+
+    from minisgl.device.kvcache.state_pool import Splits
+
+    fake = types.ModuleType("fla.ops.gated_delta_rule")
+    fake.chunk_gated_delta_rule = varlen_rule
+    monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", fake)
+    torch.manual_seed(0)
+    H, dk, dv = 2, 8, 8
+    # (slot, first row, tokens, snapshot row): the second request saves its state after 12 tokens
+    segments = [(3, 0, 10, -1), (1, 10, 12, 6), (1, 22, 5, -1), (5, 27, 4, -1)]
+    T = 31
+    q, k = l2norm(torch.randn(T, H, dk)) * dk**-0.5, l2norm(torch.randn(T, H, dk))
+    v, g, beta = torch.randn(T, H, dv), -torch.rand(T, H) * 0.5, torch.rand(T, H)
+    ssm = torch.randn(8, H, dk, dv) * 0.1
+    want, outs = ssm.clone(), []
+    for slot, s, n, save in segments:
+        r = slice(s, s + n)
+        outs.append(
+            gated_delta_rule(q[None, r], k[None, r], v[None, r], g[None, r], beta[None, r], want[slot : slot + 1])[0]
+        )
+        if save >= 0:
+            want[save] = want[slot]
+    pool = types.SimpleNamespace(
+        slots=torch.tensor([s[0] for s in segments]), cu_seqlens=torch.tensor([0, 10, 22, 27, 31]),
+        splits=Splits.of(segments, torch.device("cpu")),
+    )  # fmt: skip
+    got = ssm.clone()
+    o = fla_chunked(q, k, v, g, beta, got, pool)
+    torch.testing.assert_close(o, torch.cat(outs), rtol=0, atol=1e-6)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
 
 @pytest.mark.cuda
