@@ -52,7 +52,7 @@ class LLM:
             ModelRunner(self.args) if self.args.tp_size == 1 else WorkerGroup(self.args)
         )
         self.tokenizer = load_tokenizer(self.args.tokenizer or str(self.runner.model_dir), self.args.chat_template)
-        self.eos_ids = eos_ids(self.runner.model_dir, self.tokenizer)
+        self.eos_ids = eos_ids(self.runner.model_dir, self.tokenizer, overrides=self.args.model_overrides())
         self.grammar = GrammarBackend(lambda: self.tokenizer, self.runner.vocab_size, self.eos_ids)
         self.reset_scheduler()
 

@@ -49,6 +49,23 @@ def test_sglang_flag_names():
     args.validate()
 
 
+def test_json_model_override_args_edit_the_models_config(tiny_llama):
+    """SGLang's --json-model-override-args: merged into config.json (nested objects key by key),
+    for the model, its EOS ids and weight updates alike; anything but a JSON object is refused
+    by name."""
+    args = parse_args(["--model", "m", "--json-model-override-args", '{"num_hidden_layers": 1}'])
+    assert args.model_overrides() == {"num_hidden_layers": 1}
+    # (dummy weights: a real checkpoint's extra layers would have no place in the cut model)
+    overrides = '{"num_hidden_layers": 1, "eos_token_id": 7}'
+    llm = make_llm(tiny_llama, json_model_override_args=overrides, load_format="dummy")
+    assert llm.runner.config.num_layers == 1 and 7 in llm.eos_ids
+    out = llm.generate([[5, 6, 8]], SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True))
+    assert len(out[0]["output_ids"]) == 4
+    for bad, why in (("[1]", "JSON object"), ("{1:", "not valid JSON"), ("[" * 100000, "characters")):
+        with pytest.raises(ValueError, match=why):
+            parse_args(["--model", "m", "--json-model-override-args", bad]).validate()
+
+
 def test_rl_frameworks_launch_flags_place_the_gpus(capsys):
     """slime, verl and NeMo-RL launch with SGLang's GPU placement and memory saver flags: rank r
     of a host runs on GPU base + r * step; --dp-size places its replicas itself."""

@@ -165,7 +165,8 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_path(cls, model_dir: str | Path) -> "ModelConfig":
+    def from_path(cls, model_dir: str | Path, overrides: dict | None = None) -> "ModelConfig":
+        """``model_dir``'s config.json with ``overrides`` merged in (--json-model-override-args)."""
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"config.json not found in {model_dir}")
@@ -174,7 +175,7 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise ValueError(f"{path} is not valid JSON: {e}") from e
         try:
-            return cls.from_dict(raw)
+            return cls.from_dict(merged(raw, overrides or {}))
         except KeyError as e:
             raise ValueError(f"{path} lacks the required field {e.args[0]!r}") from e
 
@@ -252,3 +253,15 @@ def _hybrid_fields(arch: str, raw: dict[str, Any]) -> dict[str, Any]:
         **{n: raw[n] for n in names},
         "linear_conv_kernel_dim": raw.get("linear_conv_kernel_dim", 4),
     }
+
+
+def merged(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``raw`` with ``overrides``' keys set; an object meeting an object merges key by key (so
+    ``{"text_config": {"num_hidden_layers": 8}}`` changes one field of a nested config)."""
+    out = dict(raw)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merged(out[key], value)
+        else:
+            out[key] = value
+    return out

@@ -256,6 +256,9 @@ class EngineArgs:
         "most prompt tokens of one prefill step (default: --chunked-prefill-size)",
     )
     revision: str | None = knob(None, MODEL, "branch, tag or commit of a hub model")
+    json_model_override_args: str = knob(
+        "{}", MODEL, "a JSON object merged into the model's config.json (nested objects key by key)"
+    )
     chat_template: str | None = knob(None, MODEL, "Jinja chat template file to use instead of the model's")
     decode_log_interval: int | None = knob(
         None,
@@ -436,7 +439,22 @@ class EngineArgs:
         """Most prompt tokens of one prefill step, over all its requests."""
         return self.max_prefill_tokens or self.prefill_chunk(context_len)
 
+    def model_overrides(self) -> dict:
+        """--json-model-override-args as a dict (a ValueError naming the flag if it is not a
+        JSON object)."""
+        text = self.json_model_override_args or "{}"
+        if len(text) > 65536:
+            raise ValueError(f"--json-model-override-args is {len(text)} characters; at most 65536")
+        try:
+            value = json.loads(text)
+        except (json.JSONDecodeError, RecursionError) as e:
+            raise ValueError(f"--json-model-override-args is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"--json-model-override-args must be a JSON object, got {type(value).__name__}")
+        return value
+
     def validate(self) -> None:
+        self.model_overrides()
         if self.base_gpu_id < 0 or self.gpu_id_step < 1:
             raise ValueError(
                 f"base_gpu_id must be >= 0 and gpu_id_step >= 1, got {self.base_gpu_id}, {self.gpu_id_step}"

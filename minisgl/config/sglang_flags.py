@@ -68,7 +68,6 @@ REFUSED: dict[str, tuple[int, str]] = {
     "--speculative-num-steps": (ONE, "drafts are chains of --speculative-num-draft-tokens (NGRAM)"),
     "--speculative-eagle-topk": (ONE, "no EAGLE drafts: --speculative-algorithm NGRAM drafts chains"),
     "--allow-auto-truncate": (SWITCH, "an over-long prompt is refused with a 400, never truncated"),
-    "--json-model-override-args": (ONE, "the model's config.json is used as it is: edit a copy instead"),
     "--preferred-sampling-params": (ONE, "server-wide sampling defaults are not supported: send them per request"),
     "--enable-deterministic-inference": (SWITCH, "batch-invariant kernels are not built"),
     "--enable-multimodal": (SWITCH, "multimodal models are not served"),

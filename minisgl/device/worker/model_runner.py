@@ -106,7 +106,7 @@ class ModelRunner:
         self.args = args
         self.device = resolve_device(args.device, args.gpu_index(0))
         self.model_dir = model_dir or resolve_model_path(args.model, args.load_format, args.revision)
-        self.config = ModelConfig.from_path(self.model_dir)
+        self.config = ModelConfig.from_path(self.model_dir, args.model_overrides())
         self.dtype = resolve_dtype(args.dtype, self.config.torch_dtype, self.device)
         self.kv_dtype = parse_kv_cache_dtype(args.kv_cache_dtype, self.dtype)
         self.context_len = self.config.context_limit(args.context_length)

@@ -108,7 +108,7 @@ class WeightUpdater:
             if load_format == "dummy":
                 raise ValueError("load_format dummy has no weights to load")
             folder = resolve_model_path(task.model_path, load_format)
-            self._check_config(ModelConfig.from_path(folder))
+            self._check_config(ModelConfig.from_path(folder, self.runner.args.model_overrides()))
             tensors = list(checkpoint_tensors(folder))
             wmap.check(((name, shape) for name, _, shape in tensors), complete=True)
             kinds = [(name, dtype) for name, dtype, _ in tensors if dtype is not None and dtype not in FLOAT_DTYPES]

@@ -42,7 +42,7 @@ class SchedulerProcess:
         self.workers = WorkerLink(addrs, args.tp_size)
         info = self.workers.results.recv_as(EngineInfo)  # the worker's first message: what it loaded
         tokenizer_path = args.tokenizer or info.model_path
-        info.eos_ids = eos_ids(info.model_path, tokenizer_dir=tokenizer_path)
+        info.eos_ids = eos_ids(info.model_path, tokenizer_dir=tokenizer_path, overrides=args.model_overrides())
         args.max_running_requests = info.max_running_requests  # derived from the pool unless given
         info.weight_version = args.weight_version
         self.info = info

@@ -58,11 +58,13 @@ def _file_eos_id(folder: Path) -> int | None:
     return model_vocab.get(eos) if isinstance(model_vocab, dict) else None
 
 
-def eos_ids(model_dir: str | Path, tokenizer: Any = None, tokenizer_dir: str | Path | None = None) -> list[int]:
-    """EOS ids from config.json, generation_config.json and the tokenizer (a loaded one, or
-    ``tokenizer_dir``'s files read without loading it), merged."""
+def eos_ids(
+    model_dir: str | Path, tokenizer: Any = None, tokenizer_dir: str | Path | None = None, overrides: dict | None = None
+) -> list[int]:
+    """EOS ids from config.json (with --json-model-override-args), generation_config.json and
+    the tokenizer (a loaded one, or ``tokenizer_dir``'s files read without loading it), merged."""
     model_dir = Path(model_dir)
-    ids = set(ModelConfig.from_path(model_dir).eos_token_ids)
+    ids = set(ModelConfig.from_path(model_dir, overrides).eos_token_ids)
     gen = model_dir / "generation_config.json"
     if gen.is_file():
         eos = json.loads(gen.read_text()).get("eos_token_id")
