@@ -104,7 +104,7 @@ class ForwardBatch(msgspec.Struct, array_like=True, tag=True):
     # Hybrid models' state snapshots (``StatePool``): flattened (snapshot, slot) pairs copied into
     # requests' rows before the forward, (slot, snapshot) pairs copied out of them after it, and
     # (slot, snapshot, tokens) triples: the state after the chunk's first ``tokens`` tokens, saved
-    # part-way through the forward (a prompt's last snapshot, without a step of its own).
+    # part-way through the forward (a snapshot inside a chunk, without a step of its own).
     state_loads: list[int] = []
     state_saves: list[int] = []
     state_splits: list[int] = []

@@ -148,7 +148,9 @@ class Splits:
             heads, [segments[i][3] for i in heads], finals, [segments[i][0] for i in finals],
             [segments[i][0] for i in heads], tokens, offsets,
         )  # fmt: skip
-        return cls(*(torch.tensor(x, dtype=torch.int64).to(device, non_blocking=True) for x in lists))
+        # (one copy to the device for all seven: eager hybrid prefill steps are host-bound)
+        flat = torch.tensor([x for part in lists for x in part], dtype=torch.int64).to(device, non_blocking=True)
+        return cls(*flat.split([len(part) for part in lists]))
 
 
 _pool: weakref.ref[StatePool] | None = None

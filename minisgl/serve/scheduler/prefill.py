@@ -83,20 +83,18 @@ class PrefillPlanner:
             # pages: it publishes at release.)
             memory.publish(req, min(end, target - 1))
             if len(inside) == 1:
-                row = self._snapshot(req, inside[0])
-                req.state_split = (row, inside[0] - start) if row is not None else (-1, 0)
+                req.state_split = (self._snapshot(req, inside[0]), inside[0] - start)
             if end in req.snapshot_at:
-                row = self._snapshot(req, end)
-                req.state_save = row if row is not None else -1
+                req.state_save = self._snapshot(req, end)
         return req, end - start, end == target
 
-    def _snapshot(self, req: Req, point: int) -> int | None:
+    def _snapshot(self, req: Req, point: int) -> int:
         """A row for the state after the request's first ``point`` tokens, attached to their
-        node (None: no row is free, or the node has a snapshot)."""
+        node (-1: no row is free, or the node has a snapshot)."""
         row = self.memory.cache.take()
         if row is not None and self.memory.cache.attach(req.all_ids[:point], row, req.kv_salt):
             return row
-        return None
+        return -1
 
     def schedule(
         self, prefilling: list[Req], queue: WaitingQueue, step: int, decoding: int, reserve: int = 0
