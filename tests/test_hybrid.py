@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from minisgl.config.args import EngineArgs
-from minisgl.device.layers.gated_delta import fla_chunked, gated_delta_rule, l2norm
+from minisgl.device.layers.gated_delta import causal_conv, fla_chunked, gated_delta_rule, l2norm, varlen_conv
 from minisgl.device.tiny_model import HYBRID_ARCHS, make_tiny_model
 from minisgl.llm import LLM
 from minisgl.serve.scheduler.scheduler import Scheduler
@@ -368,51 +368,75 @@ def test_fuzzed_snapshots_always_hold_their_prefix(seed):
 # ---- the GPU path: flash-linear-attention's kernels against the torch reference ---------------
 
 
-def varlen_rule(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
-    """flash-linear-attention's varlen chunk_gated_delta_rule, in the torch reference: each
-    sequence of ``cu_seqlens`` from its own initial state."""
-    state, out, bounds = initial_state.clone(), [], cu_seqlens.tolist()
+def varlen_rule(q, k, v, a, b, *, scale, initial_state, output_final_state, cu_seqlens, chunk_indices, A_log, dt_bias,
+                use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel):  # fmt: skip
+    """flash-linear-attention's varlen chunk_gated_delta_rule with its norms and gates in the
+    kernel, in the torch reference: each sequence of ``cu_seqlens`` from its own initial state
+    (and its chunk indices checked against the sequences)."""
+    assert use_qk_l2norm_in_kernel and use_gate_in_kernel and use_beta_sigmoid_in_kernel and output_final_state
+    bounds = cu_seqlens.tolist()
+    chunks = [(i, c) for i, (s, e) in enumerate(zip(bounds, bounds[1:])) for c in range(-(-(e - s) // 64))]
+    assert chunk_indices.tolist() == [list(c) for c in chunks]
+    ratio = v.shape[2] // q.shape[2]
+    q = l2norm(q.float()).repeat_interleave(ratio, dim=2) * scale
+    k = l2norm(k.float()).repeat_interleave(ratio, dim=2)
+    g, beta = -A_log.exp() * torch.nn.functional.softplus(a + dt_bias), b.sigmoid()
+    state, out = initial_state.clone(), []
     for i, (s, e) in enumerate(zip(bounds, bounds[1:])):
         out.append(gated_delta_rule(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e], state[i : i + 1]))
     return torch.cat(out, dim=1), state
 
 
-def test_a_snapshot_part_way_runs_the_chunked_kernel_in_two_passes(monkeypatch):
-    """The GPU prefill path's orchestration (``fla_chunked`` with splits), over a stand-in for
-    FLA's kernel: outputs, the requests' states and the part-way snapshot equal running each
-    request's two segments one after the other."""
+def test_a_prefill_step_batches_the_conv_and_runs_a_part_way_snapshot_in_two_passes(monkeypatch):
+    """The GPU prefill path over a stand-in for FLA's kernel, from ``StatePool.prepare``: the
+    batched conv (``varlen_conv``) and the chunked kernel's two passes for a request saving its
+    state part-way give the outputs, states and snapshots of running each request's conv and
+    each segment's recurrence one after the other in the torch reference."""
     import sys
     import types
 
-    from minisgl.device.kvcache.state_pool import Splits
+    from minisgl.device.kvcache.state_pool import StatePool, StateShape
 
     fake = types.ModuleType("fla.ops.gated_delta_rule")
     fake.chunk_gated_delta_rule = varlen_rule
     monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", fake)
     torch.manual_seed(0)
-    H, dk, dv = 2, 8, 8
-    # (slot, first row, tokens, snapshot row): the second request saves its state after 12 tokens
-    segments = [(3, 0, 10, -1), (1, 10, 12, 6), (1, 22, 5, -1), (5, 27, 4, -1)]
-    T = 31
-    q, k = l2norm(torch.randn(T, H, dk)) * dk**-0.5, l2norm(torch.randn(T, H, dk))
-    v, g, beta = torch.randn(T, H, dv), -torch.rand(T, H) * 0.5, torch.rand(T, H)
-    ssm = torch.randn(8, H, dk, dv) * 0.1
-    want, outs = ssm.clone(), []
-    for slot, s, n, save in segments:
-        r = slice(s, s + n)
-        outs.append(
-            gated_delta_rule(q[None, r], k[None, r], v[None, r], g[None, r], beta[None, r], want[slot : slot + 1])[0]
-        )
-        if save >= 0:
-            want[save] = want[slot]
-    pool = types.SimpleNamespace(
-        slots=torch.tensor([s[0] for s in segments]), cu_seqlens=torch.tensor([0, 10, 22, 27, 31]),
-        splits=Splits.of(segments, torch.device("cpu")),
-    )  # fmt: skip
-    got = ssm.clone()
-    o = fla_chunked(q, k, v, g, beta, got, pool)
-    torch.testing.assert_close(o, torch.cat(outs), rtol=0, atol=1e-6)
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    hk, hv, dk, dv, width = 1, 2, 8, 8, 3
+    channels = 2 * hk * dk + hv * dv
+    pool = StatePool(StateShape(1, channels, width, hv, dk, dv), 8, torch.float32, torch.float32, torch.device("cpu"))
+    pool.conv.normal_()
+    pool.ssm.normal_(std=0.1)
+    # Three requests of 10, 81 and 4 tokens in slots 3, 1, 5; slot 1 saves its state after 70 tokens to row 6.
+    meta = types.SimpleNamespace(slots=[3, 1, 5], new_lens=[10, 81, 4], cached_lens=[5, 5, 5])
+    x, weight = torch.randn(95, channels), torch.randn(channels, width + 1)
+    a, b = torch.randn(95, hv), torch.randn(95, hv)
+    gates = types.SimpleNamespace(A_log=torch.randn(hv) * 0.3, dt_bias=torch.randn(hv))
+    conv, ssm = pool.conv[0].clone(), pool.ssm[0].clone()  # the reference's, request by request
+    outs = []
+    for slot, (s, n), cut in zip(meta.slots, [(0, 10), (10, 81), (91, 4)], [None, 70, None]):
+        heads = [(s, n)] if cut is None else [(s, cut), (s + cut, n - cut)]
+        for i, (start, m) in enumerate(heads):
+            r = slice(start, start + m)
+            mixed = causal_conv(x[r], weight, conv[slot])
+            qr, kr, vr = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
+            qr = l2norm(qr.reshape(m, hk, dk)).repeat_interleave(hv // hk, dim=1) * dk**-0.5
+            kr = l2norm(kr.reshape(m, hk, dk)).repeat_interleave(hv // hk, dim=1)
+            g = -gates.A_log.exp() * torch.nn.functional.softplus(a[r] + gates.dt_bias)
+            outs.append(
+                gated_delta_rule(qr[None], kr[None], vr.reshape(1, m, hv, dv), g[None], b[r].sigmoid()[None],
+                                 ssm[slot : slot + 1])[0]
+            )  # fmt: skip
+            if cut is not None and i == 0:
+                conv[6], ssm[6] = conv[slot], ssm[slot]
+    pool.prepare(meta, [], splits=[1, 6, 70])
+    assert pool.splits is not None and not pool.decode
+    mixed = varlen_conv(x, weight, pool.conv[0], pool.prefill)
+    q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
+    o = fla_chunked(q.reshape(95, hk, dk), k.reshape(95, hk, dk), v.reshape(95, hv, dv), a, b, gates, pool.ssm[0], pool)
+    torch.testing.assert_close(o, torch.cat(outs), rtol=0, atol=1e-5)
+    for row in (3, 1, 5, 6):
+        torch.testing.assert_close(pool.conv[0, row], conv[row], rtol=0, atol=1e-6)
+        torch.testing.assert_close(pool.ssm[0, row], ssm[row], rtol=0, atol=1e-5)
 
 
 @pytest.mark.cuda
@@ -449,7 +473,7 @@ def test_hybrid_decode_in_cuda_graphs_equals_eager(tmp_path):
     """Decode steps replayed from CUDA graphs (the state pool's rows stepped in place by slot)
     give the eager steps' tokens, with the radix cache on (a warm prompt's snapshot) and off."""
     path = make_tiny_model("qwen3_5_moe", tmp_path / "hd128", overrides={"head_dim": 128})
-    kw = {"device": "cuda", "dtype": "bfloat16", "max_total_tokens": 4096}
+    kw = {"device": "cuda", "dtype": "bfloat16", "max_total_tokens": 4096, "disable_piecewise_cuda_graph": True}
     eager = LLM(str(path), disable_cuda_graph=True, **kw)
     want = [o["output_ids"] for o in eager.generate(PROMPTS, GREEDY)]
     del eager
@@ -459,6 +483,29 @@ def test_hybrid_decode_in_cuda_graphs_equals_eager(tmp_path):
         llm.generate(PROMPTS[:1], GREEDY)
         assert [o["output_ids"] for o in llm.generate(PROMPTS, GREEDY)] == want
         llm.scheduler.check_integrity()
+
+
+@pytest.mark.cuda
+def test_hybrid_prefill_in_piecewise_graphs_equals_eager(tmp_path):
+    """Prefill steps replayed from piecewise graphs (norms, projections, experts) with the conv,
+    FLA's recurrence and attention run eagerly between them: the eager prefill's greedy tokens
+    under the scheduler, radix on, chunks of 64 and snapshots part-way through them."""
+    from tests.test_scheduler import make_llm, shared_prefix_prompts
+
+    path = make_tiny_model("qwen3_5_moe", tmp_path / "hd128", overrides={"head_dim": 128})
+    kw = dict(device="cuda", dtype="bfloat16", max_total_tokens=16384, page_size=16, chunked_prefill_size=64)
+    prompts = shared_prefix_prompts(4, 4, 150)
+    turns = [p + list(range(200, 260)) for p in prompts[:4]]
+    outs = []
+    for piecewise in (False, True):
+        llm = make_llm(path, disable_piecewise_cuda_graph=not piecewise, **kw)
+        assert (llm.runner.piecewise is not None) == piecewise
+        outs.append([r["output_ids"] for r in llm.generate(prompts, GREEDY) + llm.generate(turns, GREEDY)])
+        assert llm.scheduler.stats()["prefix_hit_tokens"] > 0
+        llm.scheduler.check_integrity()
+    same = sum(a == b for a, b in zip(*outs))
+    # bf16 GEMMs over a padded row count may round differently: nearly every request agrees.
+    assert same >= len(outs[0]) - 2, f"{same} of {len(outs[0])} requests agree"
 
 
 def test_routed_experts_and_logprobs_of_a_hybrid_moe(hybrids):
@@ -498,3 +545,28 @@ def test_fp8_quantizes_the_hybrid_projections_and_the_cache_stays_exact(hybrids)
         outs.append([o["output_ids"] for o in llm.generate(PROMPTS, GREEDY)])
         llm.scheduler.check_integrity()
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("arch", HYBRID_ARCHS)
+def test_hybrid_prefill_through_the_pieces_keeps_tokens(hybrids, arch):
+    """Piecewise prefill (eager pieces on CPU, padded to the sizes, each layer's conv and
+    recurrence or attention between them): under the scheduler, radix on, chunks of 48 and
+    snapshots part-way, the plain engine's greedy tokens, the cache's integrity held."""
+    from minisgl.device.worker.piecewise_graph import PiecewiseGraphRunner, token_sizes
+    from tests.test_scheduler import make_llm, shared_prefix_prompts
+
+    prompts = shared_prefix_prompts(2, 3, 37)
+    prompts += [prompts[0] + [5, 6, 7] * 9, prompts[1] + list(range(40, 70))]  # (extend cached prompts)
+    outs, steps = [], []
+    for piecewise in (False, True):
+        llm = make_llm(hybrids[arch], chunked_prefill_size=48, page_size=4)
+        if piecewise:
+            llm.runner.piecewise = pieces = PiecewiseGraphRunner(llm.runner, token_sizes(48), capture=False)
+            run = pieces.forward
+            pieces.forward = lambda batch: steps.append((sum(batch.new_lens), bool(batch.state_splits))) or run(batch)
+        outs.append([r["output_ids"] for r in llm.generate(prompts[:6], GREEDY)])
+        outs[-1] += [r["output_ids"] for r in llm.generate(prompts[6:], GREEDY)]
+        llm.scheduler.check_integrity()
+    assert outs[1] == outs[0]
+    assert any(n not in token_sizes(48) for n, _ in steps)  # padded steps ran
+    assert any(split for _, split in steps)  # and some saved a snapshot part-way

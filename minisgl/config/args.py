@@ -218,12 +218,12 @@ class EngineArgs:
     )
     disable_cuda_graph: bool = knob(False, DEVICE, "run every step eagerly")
     # Prefill steps of up to this many tokens replay CUDA graphs of the layers' pieces between
-    # attentions (worker/piecewise_graph.py), padded to the next size captured.
+    # mixings (worker/piecewise_graph.py), padded to the next size captured.
     disable_piecewise_cuda_graph: bool = knob(
         False,
         DEVICE,
-        "run prefill steps eagerly instead of replaying CUDA graphs of the layers' pieces between "
-        "attentions (on by default with CUDA graphs, one GPU)",
+        "run prefill steps eagerly instead of replaying CUDA graphs of the layers' pieces between their "
+        "attentions or linear-attention recurrences (on by default with CUDA graphs, one GPU)",
     )
     piecewise_cuda_graph_max_tokens: int = knob(
         8192,

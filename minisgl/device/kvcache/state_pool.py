@@ -17,6 +17,7 @@ import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from minisgl.checkpoint.model_config import ModelConfig
@@ -25,6 +26,8 @@ from minisgl.utils import divide
 
 if TYPE_CHECKING:
     from minisgl.device.attention.base import AttentionMetadata
+
+FLA_CHUNK = 64  # the token chunks of flash-linear-attention's chunked kernels
 
 
 @dataclass
@@ -66,6 +69,7 @@ class StatePool:
         self.slots = torch.zeros(0, dtype=torch.int64, device=device)  # each segment's slot
         self.cu_seqlens = torch.zeros(1, dtype=torch.int64, device=device)  # the segments' token offsets
         self.splits: Splits | None = None
+        self.prefill: PrefillIndex | None = None  # (a step that is not all decode rows)
         self.decode = False
         self.graph_slots: torch.Tensor | None = None  # (CUDA graphs) the buffer the captured steps read
 
@@ -101,15 +105,13 @@ class StatePool:
         self.segments = segments
         self.decode = all(n == 1 for n in meta.new_lens)
         self.splits = Splits.of(segments, self.conv.device) if cut else None
-        seg_slots = [s[0] for s in segments]
-        slots = torch.tensor(seg_slots, dtype=torch.int64)
+        seg_slots = np.array([s[0] for s in segments], dtype=np.int64)
         if graph:  # (straight into the captured buffer: one copy)
             self.slots = self.graph_slots[: len(seg_slots)]
-            self.slots.copy_(slots, non_blocking=True)
+            self.slots.copy_(torch.from_numpy(seg_slots), non_blocking=True)
+            self.prefill = None
         else:
-            self.slots = slots.to(self.conv.device, non_blocking=True)
-        offsets = [s[1] for s in segments] + [row]
-        self.cu_seqlens = torch.tensor(offsets, dtype=torch.int64).to(self.conv.device, non_blocking=True)
+            self.slots, self.cu_seqlens, self.prefill = self._prefill_index(meta, segments, seg_slots, cut)
         set_state_pool(self)
         fresh = [s for s, c in zip(meta.slots, meta.cached_lens) if c == 0]
         if fresh:  # (built on the host and sent without waiting: no sync with the step before)
@@ -117,6 +119,70 @@ class StatePool:
             self.conv[:, index] = 0
             self.ssm[:, index] = 0
         self.copy(loads)
+
+    def _prefill_index(
+        self, meta: AttentionMetadata, segments: list[tuple[int, int, int, int]], seg_slots: np.ndarray, cut: dict
+    ) -> tuple[torch.Tensor, torch.Tensor, PrefillIndex | None]:
+        """The segments' slots and token offsets, and for a step that is not all decode rows the
+        ``PrefillIndex``: built on the host and sent in one copy."""
+        offsets = np.array([s[1] for s in segments] + [sum(meta.new_lens)], dtype=np.int64)
+        if self.decode:
+            flat = torch.from_numpy(np.concatenate([seg_slots, offsets])).to(self.conv.device, non_blocking=True)
+            return *flat.split([len(seg_slots), len(offsets)]), None
+        lens = np.asarray(meta.new_lens, dtype=np.int64)
+        points = [(slot, i, n) for i, (slot, n) in enumerate(zip(meta.slots, meta.new_lens))]
+        points += [(save, meta.slots.index(slot), head) for slot, (save, head) in cut.items()]
+        req_slots = np.asarray(meta.slots, dtype=np.int64)
+        conv = conv_index(lens, self.shape.conv_width, points)
+        parts = [seg_slots, offsets, req_slots, *conv, chunk_indices(np.diff(offsets))]
+        flat = torch.from_numpy(np.concatenate([p.reshape(-1) for p in parts])).to(self.conv.device, non_blocking=True)
+        pieces = list(flat.split([p.size for p in parts]))
+        return pieces[0], pieces[1], PrefillIndex(
+            pieces[2], pieces[3], pieces[4], pieces[5].view(-1, self.shape.conv_width), pieces[6],
+            pieces[7].view(-1, 2),
+        )  # fmt: skip
+
+
+def chunk_indices(lens: np.ndarray, chunk: int = FLA_CHUNK) -> np.ndarray:
+    """FLA's varlen chunk indices of sequences of ``lens`` tokens: a (sequence, chunk within it)
+    row per chunk of ``chunk`` tokens. Made on the host: FLA would make them from the device
+    lengths, reading their sum back (a sync each step)."""
+    counts = -(-lens // chunk)
+    seq = np.repeat(np.arange(len(lens), dtype=np.int64), counts)
+    first = np.repeat(np.cumsum(counts) - counts, counts)
+    return np.stack([seq, np.arange(len(seq), dtype=np.int64) - first], axis=1)
+
+
+def conv_index(lens: np.ndarray, width: int, points: list[tuple[int, int, int]]) -> list[np.ndarray]:
+    """The batched causal conv's indices (``PrefillIndex``) for requests of ``lens`` new tokens
+    (rows in order), each laid out as its ``width`` state inputs then its tokens; ``points``:
+    (pool row, request, tokens) - the state after a request's first tokens goes to that row.
+    Returns order, outputs, state rows and their destinations."""
+    n_req = len(lens)
+    padded = lens + width
+    starts = np.cumsum(padded) - padded  # each request's first row in the padded layout
+    req = np.repeat(np.arange(n_req, dtype=np.int64), padded)
+    i = np.arange(int(padded.sum()), dtype=np.int64) - starts[req]
+    token_start = np.cumsum(lens) - lens
+    order = np.where(i < width, req * width + i, n_req * width + token_start[req] + i - width)
+    outputs = np.repeat(starts, lens) + np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(token_start, lens)
+    dst = np.array([p[0] for p in points], dtype=np.int64)
+    ends = np.array([starts[p[1]] + p[2] for p in points], dtype=np.int64)  # (a state's first padded row)
+    rows = ends[:, None] + np.arange(width, dtype=np.int64)
+    return [order, outputs, rows, dst]
+
+
+@dataclass
+class PrefillIndex:
+    """Where a prefill step's tokens and states sit (``StatePool._prefill_index``): for the
+    batched causal conv (``gated_delta.varlen_conv``) and FLA's varlen kernels."""
+
+    req_slots: torch.Tensor  # each request's slot: its conv inputs come first
+    order: torch.Tensor  # rows of cat(the requests' conv inputs, the tokens) in padded order
+    outputs: torch.Tensor  # the conv's output columns that are the tokens'
+    state_rows: torch.Tensor  # [points, width] padded rows whose inputs are a state ...
+    state_dst: torch.Tensor  # ... and the pool rows they go to
+    chunk_indices: torch.Tensor  # FLA's, of the segments
 
 
 @dataclass
@@ -133,6 +199,7 @@ class Splits:
     tail_slots: torch.Tensor  # the split requests' slots (their second segments' final state)
     tokens: torch.Tensor
     cu_seqlens: torch.Tensor  # the second segments' offsets in ``tokens``
+    chunk_indices: torch.Tensor  # FLA's, of the second segments
 
     @classmethod
     def of(cls, segments: list[tuple[int, int, int, int]], device: torch.device) -> Splits:
@@ -144,13 +211,15 @@ class Splits:
             _, start, n, _ = segments[i + 1]
             tokens += range(start, start + n)
             offsets.append(offsets[-1] + n)
+        chunks = chunk_indices(np.diff(offsets)).reshape(-1).tolist()
         lists = (
             heads, [segments[i][3] for i in heads], finals, [segments[i][0] for i in finals],
-            [segments[i][0] for i in heads], tokens, offsets,
+            [segments[i][0] for i in heads], tokens, offsets, chunks,
         )  # fmt: skip
-        # (one copy to the device for all seven: eager hybrid prefill steps are host-bound)
+        # (one copy to the device for all: eager hybrid prefill steps are host-bound)
         flat = torch.tensor([x for part in lists for x in part], dtype=torch.int64).to(device, non_blocking=True)
-        return cls(*flat.split([len(part) for part in lists]))
+        fields = flat.split([len(part) for part in lists])
+        return cls(*fields[:-1], fields[-1].view(-1, 2))
 
 
 _pool: weakref.ref[StatePool] | None = None

@@ -22,7 +22,7 @@ from torch import nn
 from minisgl.checkpoint.model_config import ModelConfig
 from minisgl.device.distributed import get_tp_info
 from minisgl.device.kernels.fused import rmsnorm_torch
-from minisgl.device.kvcache.state_pool import get_state_pool
+from minisgl.device.kvcache.state_pool import PrefillIndex, get_state_pool
 from minisgl.device.layers.linear import ColumnParallelLinear, RowParallelLinear
 from minisgl.utils import divide
 
@@ -40,13 +40,17 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> t
     return F.silu(y).t()
 
 
-def segment_conv(x: torch.Tensor, weight: torch.Tensor, conv: torch.Tensor, slot: int, save: int) -> torch.Tensor:
-    """``causal_conv`` of one segment from its slot's row of ``conv``, whose state after it is
-    also copied to row ``save`` (a snapshot; -1: none)."""
-    y = causal_conv(x, weight, conv[slot])
-    if save >= 0:
-        conv[save] = conv[slot]
-    return y
+def varlen_conv(x: torch.Tensor, weight: torch.Tensor, conv: torch.Tensor, index: PrefillIndex) -> torch.Tensor:
+    """``causal_conv`` of every request of a step at once: each request's state inputs (its row
+    of ``conv`` [rows, C, W]) are laid before its tokens (rows of ``x`` [T, C]) in one padded
+    sequence, one depthwise conv runs over it, and its columns at the tokens are the outputs.
+    The states after the points ``index`` names (each request's last token, part-way snapshots)
+    are written to their rows."""
+    states = conv[index.req_slots].transpose(1, 2).reshape(-1, x.shape[1]).to(x.dtype)
+    padded = torch.cat([states, x])[index.order]
+    y = F.conv1d(padded.t().unsqueeze(0), weight.unsqueeze(1), groups=weight.shape[0]).squeeze(0)
+    conv[index.state_dst] = padded[index.state_rows].transpose(1, 2).to(conv.dtype)
+    return F.silu(y[:, index.outputs].t())
 
 
 def causal_conv_step(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
@@ -76,17 +80,31 @@ def gated_delta_rule(
 
 
 def fla_chunked(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, ssm: torch.Tensor, pool
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    gates: nn.Module,
+    ssm: torch.Tensor,
+    pool,
 ) -> torch.Tensor:
     """``gated_delta_rule`` over every prompt chunk of the step in flash-linear-attention's varlen
-    chunked kernel (normalised, scaled q and normalised k of every value head, float32): states
-    gathered from the pool's rows and written back."""
+    chunked kernel, from the conv's q, k [T, Hk, dk] and v [T, Hv, dv] and the raw gates a, b
+    [T, Hv]: the kernel normalises q and k, computes the decay and beta (from ``gates``' A_log
+    and dt_bias) and shares each key head among its value heads. States are gathered from the
+    pool's rows and written back."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    o, ht = chunk_gated_delta_rule(
-        q[None], k[None], v[None], g[None], beta[None], scale=1.0, initial_state=ssm[pool.slots],
-        output_final_state=True, cu_seqlens=pool.cu_seqlens,
-    )  # fmt: skip
+    def run(rows: torch.Tensor | None, initial: torch.Tensor, cu_seqlens: torch.Tensor, chunks: torch.Tensor):
+        pick = (lambda x: x[None]) if rows is None else (lambda x: x[None, rows])
+        return chunk_gated_delta_rule(
+            pick(q), pick(k), pick(v), pick(a), pick(b), scale=q.shape[-1] ** -0.5, initial_state=initial,
+            output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=gates.A_log,
+            dt_bias=gates.dt_bias, use_beta_sigmoid_in_kernel=True, cu_seqlens=cu_seqlens, chunk_indices=chunks,
+        )  # fmt: skip
+
+    o, ht = run(None, ssm[pool.slots], pool.cu_seqlens, pool.prefill.chunk_indices)
     sp = pool.splits
     if sp is None:
         ssm[pool.slots] = ht.to(ssm.dtype)
@@ -95,14 +113,10 @@ def fla_chunked(
     # their second segments run again from those (the first pass ran them from a stale state).
     ssm[sp.save_rows] = ht[sp.heads].to(ssm.dtype)
     ssm[sp.final_slots] = ht[sp.finals].to(ssm.dtype)
-    t = sp.tokens
-    o2, ht2 = chunk_gated_delta_rule(
-        q[None, t], k[None, t], v[None, t], g[None, t], beta[None, t], scale=1.0, initial_state=ht[sp.heads],
-        output_final_state=True, cu_seqlens=sp.cu_seqlens,
-    )  # fmt: skip
+    o2, ht2 = run(sp.tokens, ht[sp.heads], sp.cu_seqlens, sp.chunk_indices)
     ssm[sp.tail_slots] = ht2.to(ssm.dtype)
     o = o[0]
-    o[t] = o2[0]
+    o[sp.tokens] = o2[0]
     return o
 
 
@@ -199,40 +213,60 @@ class GatedDeltaNet(nn.Module):
         return qkv, z.reshape(t, self.hv, dv), b.reshape(t, self.hv), a.reshape(t, self.hv)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        pool = get_state_pool()
         qkv, z, b, a = self._project(x)
+        return self.output(self.mix(qkv, b, a).to(x.dtype), z)
+
+    def mix(self, qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """The conv and the recurrence of the step's tokens from their requests' states: o [T, Hv, dv]."""
+        pool = get_state_pool()
         conv, ssm = pool.conv[self.index], pool.ssm[self.index]
-        if x.is_cuda and pool.decode:  # in place by slot, in two kernels (CUDA graphs replay them)
+        if qkv.is_cuda and pool.decode:  # in place by slot, in two kernels (CUDA graphs replay them)
             from minisgl.device.kernels.gdn_step import conv_step, delta_step
 
             mixed = conv_step(qkv.contiguous(), self.conv1d.weight, conv, pool.slots)
-            o = delta_step(mixed, a.contiguous(), b.contiguous(), self.A_log, self.dt_bias, ssm, pool.slots, self.hk)
-        else:
-            o = self._mix(qkv, b, a, conv, ssm, pool)
-        o = rmsnorm_torch(o.to(x.dtype), self.norm.weight, self.eps) * F.silu(z.float())
-        return self.out_proj(o.to(x.dtype).reshape(x.shape[0], -1))
+            return delta_step(mixed, a.contiguous(), b.contiguous(), self.A_log, self.dt_bias, ssm, pool.slots, self.hk)
+        return self._mix(qkv, b, a, conv, ssm, pool)
+
+    def output(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """The gated per-head norm of ``o`` [T, Hv, dv] (in the model's dtype), projected back."""
+        o = rmsnorm_torch(o, self.norm.weight, self.eps) * F.silu(z.float())
+        return self.out_proj(o.to(z.dtype).reshape(o.shape[0], -1))
+
+    # For piecewise CUDA graphs (``HybridLayer``): the projections and ``output`` replay from
+    # graphs, ``mix`` runs eagerly between them on static buffers.
+    def piece_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {
+            "qkv": (2 * self.hk * self.dk + self.hv * self.dv,), "z": (self.hv, self.dv), "b": (self.hv,),
+            "a": (self.hv,), "o": (self.hv, self.dv),
+        }  # fmt: skip
+
+    def project_into(self, x: torch.Tensor, bufs: dict[str, torch.Tensor]) -> None:
+        for name, value in zip(("qkv", "z", "b", "a"), self._project(x)):
+            bufs[name].copy_(value)
+
+    def mix_into(self, tokens: int, bufs: dict[str, torch.Tensor]) -> None:
+        bufs["o"][:tokens].copy_(self.mix(bufs["qkv"][:tokens], bufs["b"][:tokens], bufs["a"][:tokens]))
 
     def _mix(self, qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor, pool):
         """The conv and the gated delta rule in torch (FLA's chunked kernel for GPU prefill):
-        o [T, Hv, dv] float32, the requests' rows of ``conv`` and ``ssm`` updated."""
+        o [T, Hv, dv] (float32 in torch), the requests' rows of ``conv`` and ``ssm`` updated."""
         weight = self.conv1d.weight
         if pool.decode:
             states = conv[pool.slots]
             mixed = causal_conv_step(qkv, weight, states)
             conv[pool.slots] = states
         else:
-            mixed = torch.cat(
-                [segment_conv(qkv[s : s + n], weight, conv, slot, save) for slot, s, n, save in pool.segments]
-            )
+            mixed = varlen_conv(qkv, weight, conv, pool.prefill)
         t = qkv.shape[0]
         q, k, v = mixed.split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], dim=-1)
-        q = l2norm(q.reshape(t, self.hk, self.dk).float()).repeat_interleave(self.ratio, dim=1) * self.dk**-0.5
-        k = l2norm(k.reshape(t, self.hk, self.dk).float()).repeat_interleave(self.ratio, dim=1)
-        v = v.reshape(t, self.hv, self.dv).float()
+        q, k, v = q.reshape(t, self.hk, self.dk), k.reshape(t, self.hk, self.dk), v.reshape(t, self.hv, self.dv)
+        if qkv.is_cuda:
+            return fla_chunked(q, k, v, a, b, self, ssm, pool)
+        q = l2norm(q.float()).repeat_interleave(self.ratio, dim=1) * self.dk**-0.5
+        k = l2norm(k.float()).repeat_interleave(self.ratio, dim=1)
+        v = v.float()
         beta = b.float().sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        if qkv.is_cuda:
-            return fla_chunked(q, k, v, g, beta, ssm, pool)
         if pool.decode:  # one token per request: every request in one batched step
             states = ssm[pool.slots]
             o = gated_delta_rule(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], states)[:, 0]

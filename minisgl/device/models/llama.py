@@ -25,12 +25,14 @@ from minisgl.device.layers.moe import FusedMoE, RoutedExperts, route
 from minisgl.device.layers.norm import RMSNorm
 from minisgl.device.layers.quantization import Fp8Act
 from minisgl.device.layers.rotary import RotaryEmbedding
+from minisgl.utils import divide
 
 
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
         super().__init__()
         self.layer_id = layer_id
+        self.heads, self.head_dim = divide(config.num_heads, get_tp_info().size), config.head_dim
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads, config.qkv_bias, config.quant
         )
@@ -129,6 +131,28 @@ class DecoderLayer(nn.Module):
         q, residual = self.attention_input(x, residual, positions)
         return self.attention_output(get_attention_backend().forward(q, self.self_attn.layer_id), residual)
 
+    # The layer cut at attention for piecewise CUDA graphs (``DecoderModel.piece``): what comes
+    # before it and after it replays from a graph, attention runs eagerly between them.
+    @property
+    def kv_layer(self) -> int:
+        return self.self_attn.layer_id
+
+    def piece_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The per-token buffers between the pieces: the query and attention's output."""
+        heads = (self.self_attn.heads, self.self_attn.head_dim)
+        return {"q": heads, "attn": heads}
+
+    def mixer_input(
+        self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, bufs: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        return self.attention_input(x, residual, positions, bufs["q"])[1]
+
+    def mix(self, tokens: int, bufs: dict[str, torch.Tensor]) -> None:
+        get_attention_backend().forward(bufs["q"][:tokens], self.self_attn.layer_id, out=bufs["attn"][:tokens])
+
+    def mixer_output(self, bufs: dict[str, torch.Tensor], residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.attention_output(bufs["attn"], residual)
+
 
 def defers_reduce(config: ModelConfig) -> bool:
     """Whether the row-parallel projections leave their all-reduce to the next norm: under
@@ -158,31 +182,41 @@ class DecoderModel(nn.Module):
     def num_pieces(self) -> int:
         return len(self.layers) + 1
 
+    def piece_buffers(self, tokens: int, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+        """Static buffers, ``tokens`` rows, for what passes between the pieces and the eager
+        mixing (attention, or a linear-attention layer's recurrence) of every kind of layer."""
+        shapes = {name: shape for layer in self.layers for name, shape in layer.piece_shapes().items()}
+        return {name: torch.zeros(tokens, *shape, dtype=dtype, device=device) for name, shape in shapes.items()}
+
     def piece(
         self,
         i: int,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        attn: torch.Tensor,
+        bufs: dict[str, torch.Tensor],
         residual: torch.Tensor,
-        q_out: torch.Tensor,
         hidden_out: torch.Tensor,
     ) -> None:
-        """Piece ``i`` of ``forward`` cut at attention (piecewise CUDA graphs): from layer i-1's
-        attention output ``attn`` (piece 0: from the embeddings of ``input_ids``) through layer
-        i's query, written to ``q_out`` with its K/V stored (the last piece: the final norm,
-        written to ``hidden_out``). The residual stream lives in ``residual`` between pieces.
-        Running every piece with each layer's attention between them is ``forward``."""
+        """Piece ``i`` of ``forward`` cut at each layer's mixing (piecewise CUDA graphs): from
+        layer i-1's mixing output in ``bufs`` (piece 0: from the embeddings of ``input_ids``)
+        through layer i's mixing input, written to ``bufs`` (with its K/V stored, for attention;
+        the last piece: the final norm, written to ``hidden_out``). The residual stream lives in
+        ``residual`` between pieces. Running every piece with ``mix(i)`` between them is
+        ``forward``."""
         if i == 0:
             x, res = self.embed_tokens(input_ids), None
         else:
-            x, res = self.layers[i - 1].attention_output(attn, residual)
+            x, res = self.layers[i - 1].mixer_output(bufs, residual)
         if i < len(self.layers):
-            _, res = self.layers[i].attention_input(x, res, positions, q_out)
+            res = self.layers[i].mixer_input(x, res, positions, bufs)
         else:
             hidden_out.copy_(self.norm(x, res, self.defer)[0])
         if res.data_ptr() != residual.data_ptr():  # the fused norms update it in place; the torch ones do not
             residual.copy_(res)
+
+    def mix(self, i: int, tokens: int, bufs: dict[str, torch.Tensor]) -> None:
+        """Layer ``i``'s mixing over the step's first ``tokens`` rows of ``bufs``, between its pieces."""
+        self.layers[i].mix(tokens, bufs)
 
 
 class LlamaForCausalLM(nn.Module):

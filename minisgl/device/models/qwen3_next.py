@@ -23,7 +23,7 @@ from minisgl.device.layers.gated_delta import GatedDeltaNet
 from minisgl.device.layers.linear import QKVParallelLinear, RowParallelLinear
 from minisgl.device.layers.norm import RMSNorm
 from minisgl.device.layers.rotary import RotaryEmbedding
-from minisgl.device.models.llama import MLP, LlamaForCausalLM, SparseMoeBlock
+from minisgl.device.models.llama import MLP, DecoderModel, LlamaForCausalLM, SparseMoeBlock
 from minisgl.utils import divide
 
 
@@ -54,22 +54,27 @@ class GatedAttention(nn.Module):
         self.k_norm = zero_centred(RMSNorm(config.head_dim, config.rms_norm_eps))
         self.rotary = rotary
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def project(
+        self, x: torch.Tensor, positions: torch.Tensor, out: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The query [T, H, D] (into ``out`` if given; K and V stored) and the output gate [T, H * D]."""
         t, d = x.shape[0], self.head_dim
-        qg, kv = self._split(x)
-        q, gate = qg.view(t, self.heads, 2, d).unbind(2)
-        backend = get_attention_backend()
-        norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-        q = backend.rope_store(
-            torch.cat([q.reshape(t, -1), kv], dim=-1), positions, self.kv_layer, self.rotary.cos_sin, norm
-        )
-        out = backend.forward(q, self.kv_layer).reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
-        return self.o_proj(out)
-
-    def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         qkv = self.qkv_proj(x)
-        q_size = 2 * self.heads * self.head_dim
-        return qkv[:, :q_size], qkv[:, q_size:]
+        q_size = 2 * self.heads * d
+        q, gate = qkv[:, :q_size].view(t, self.heads, 2, d).unbind(2)
+        norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        q = get_attention_backend().rope_store(
+            torch.cat([q.reshape(t, -1), qkv[:, q_size:]], dim=-1), positions, self.kv_layer, self.rotary.cos_sin,
+            norm, out,
+        )  # fmt: skip
+        return q, gate.reshape(t, -1)
+
+    def output(self, attn: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(attn.reshape(attn.shape[0], -1) * torch.sigmoid(gate))
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        q, gate = self.project(x, positions)
+        return self.output(get_attention_backend().forward(q, self.kv_layer), gate)
 
 
 class HybridLayer(nn.Module):
@@ -84,32 +89,65 @@ class HybridLayer(nn.Module):
         self.input_layernorm = zero_centred(RMSNorm(config.hidden_size, config.rms_norm_eps))
         self.post_attention_layernorm = zero_centred(RMSNorm(config.hidden_size, config.rms_norm_eps))
 
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _norm_in(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
-        h = self.linear_attn(h) if hasattr(self, "linear_attn") else self.self_attn(h, positions)
+            return self.input_layernorm(x), x
+        return self.input_layernorm(x, residual)
+
+    def _finish(self, h: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self._norm_in(x, residual)
+        h = self.linear_attn(h) if hasattr(self, "linear_attn") else self.self_attn(h, positions)
+        return self._finish(h, residual)
 
-class HybridModel(nn.Module):
+    # Cut at the mixing for piecewise CUDA graphs (``DecoderModel.piece``): a linear layer's
+    # conv and recurrence, or attention, run eagerly (they follow the requests), the rest replays.
+    @property
+    def kv_layer(self) -> int | None:
+        return self.self_attn.kv_layer if hasattr(self, "self_attn") else None
+
+    def piece_shapes(self) -> dict[str, tuple[int, ...]]:
+        if hasattr(self, "linear_attn"):
+            return self.linear_attn.piece_shapes()
+        heads = (self.self_attn.heads, self.self_attn.head_dim)
+        return {"q": heads, "attn": heads, "gate": (heads[0] * heads[1],)}
+
+    def mixer_input(
+        self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, bufs: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        h, residual = self._norm_in(x, residual)
+        if hasattr(self, "linear_attn"):
+            self.linear_attn.project_into(h, bufs)
+        else:
+            bufs["gate"].copy_(self.self_attn.project(h, positions, bufs["q"])[1])
+        return residual
+
+    def mix(self, tokens: int, bufs: dict[str, torch.Tensor]) -> None:
+        if hasattr(self, "linear_attn"):
+            return self.linear_attn.mix_into(tokens, bufs)
+        get_attention_backend().forward(bufs["q"][:tokens], self.self_attn.kv_layer, out=bufs["attn"][:tokens])
+
+    def mixer_output(self, bufs: dict[str, torch.Tensor], residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if hasattr(self, "linear_attn"):
+            h = self.linear_attn.output(bufs["o"], bufs["z"])
+        else:
+            h = self.self_attn.output(bufs["attn"], bufs["gate"])
+        return self._finish(h, residual)
+
+
+class HybridModel(DecoderModel):
     def __init__(self, config: ModelConfig, max_positions: int):
-        super().__init__()
+        nn.Module.__init__(self)
+        self.defer = False  # (the row-parallel projections all-reduce themselves)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         rotary = RotaryEmbedding(config.rotary_dim, max_positions, config.rope_theta, config.rope_scaling)
         self.layers = nn.ModuleList(HybridLayer(config, i, rotary) for i in range(config.num_layers))
         self.norm = zero_centred(RMSNorm(config.hidden_size, config.rms_norm_eps))
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(x, residual, positions)
-        x, _ = self.norm(x, residual)
-        return x
 
 
 class Qwen3NextForCausalLM(LlamaForCausalLM):

@@ -228,8 +228,8 @@ class ModelRunner:
         all-reduces captured with them at tp > 1): none without CUDA graphs; at most the largest
         prefill step."""
         args = self.args
-        if not self._graphs_enabled() or args.disable_piecewise_cuda_graph or self.config.is_hybrid:
-            return []  # (a hybrid's prefill conv runs per request in Python: not captured)
+        if not self._graphs_enabled() or args.disable_piecewise_cuda_graph:
+            return []
         from minisgl.device.worker.piecewise_graph import token_sizes
 
         limit = min(args.piecewise_cuda_graph_max_tokens, args.prefill_budget(self.context_len))

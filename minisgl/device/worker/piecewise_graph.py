@@ -1,14 +1,16 @@
-"""PiecewiseGraphRunner: prefill steps replayed from CUDA graphs of the pieces between attentions.
+"""PiecewiseGraphRunner: prefill steps replayed from CUDA graphs of the pieces between each layer's mixing.
 
 A prefill chunk of a small model is bound by the host's kernel launches: on the H100 an 8192-token
 chunk of Qwen3-0.6B took 23-28 ms of host time to launch with FP8 linear layers (11-13 ms in
-bf16) against ~17 ms of GPU work. Attention cannot be captured once for all steps (its plan
-follows the requests' lengths), but everything between two attentions depends only on the
-number of tokens. So the forward is cut at attention into pieces (``DecoderModel.piece``),
-captured for a ladder of token counts; a step pads its tokens to the next size on the padding
-slot (their K/V land in the scratch page, and no row reads another outside attention), replays
-each piece and runs attention eagerly between them over the real tokens only. SGLang's piecewise
-CUDA graphs do the same through torch.compile; the model's own split keeps this one plain.
+bf16) against ~17 ms of GPU work. A layer's mixing cannot be captured once for all steps: its
+work follows the requests (attention's plan, a linear-attention layer's conv and chunked
+recurrence over each request's state). Everything between two mixings depends only on the
+number of tokens. So the forward is cut at the mixing (``DecoderModel.piece``), captured for a
+ladder of token counts; a step pads its tokens to the next size on the padding slot (their K/V
+land in the scratch page, and no row reads another outside the mixing), replays each piece and
+runs the mixing eagerly between them over the real tokens only, on static buffers the model
+names (``piece_buffers``). SGLang's piecewise CUDA graphs do the same through torch.compile; the
+model's own split keeps this one plain.
 """
 
 from __future__ import annotations
@@ -52,11 +54,9 @@ class PiecewiseGraphRunner:
         self.model = runner.model.model
         self.sizes = sorted(set(sizes))
         self.max_tokens = self.sizes[-1]
-        n, dev, dtype = self.max_tokens, runner.device, runner.dtype
-        heads, head_dim, hidden = runner.num_qo_heads, runner.config.head_dim, runner.config.hidden_size
+        n, dev, dtype, hidden = self.max_tokens, runner.device, runner.dtype, runner.config.hidden_size
         self.inputs = StepInputs(n, dev)
-        self.q = torch.zeros(n, heads, head_dim, dtype=dtype, device=dev)
-        self.attn = torch.zeros(n, heads, head_dim, dtype=dtype, device=dev)
+        self.bufs = self.model.piece_buffers(n, dtype, dev)
         self.residual = torch.zeros(n, hidden, dtype=dtype, device=dev)
         self.hidden = torch.zeros(n, hidden, dtype=dtype, device=dev)
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
@@ -88,6 +88,8 @@ class PiecewiseGraphRunner:
         real = dataclasses.replace(meta, slots=batch.slots, cached_lens=batch.cached_lens, new_lens=batch.new_lens)
         self.runner.attn.prepare(real)
         set_attention_backend(self.runner.attn)
+        if self.runner.states is not None:  # (hybrids) over the real requests too
+            self.runner.states.prepare(real, batch.state_loads, splits=batch.state_splits)
 
     def _piece(self, i: int, size: int) -> None:
         inputs = self.inputs
@@ -95,26 +97,26 @@ class PiecewiseGraphRunner:
             i,
             inputs.input_ids[:size],
             inputs.positions[:size],
-            self.attn[:size],
+            {name: buf[:size] for name, buf in self.bufs.items()},
             self.residual[:size],
-            self.q[:size],
             self.hidden[:size],
         )
 
     def _run(self, tokens: int, size: int, graphs: list[torch.cuda.CUDAGraph] | None) -> None:
-        """Every piece (replayed, or run eagerly without ``graphs``) with each layer's attention
-        between them, over the first ``tokens`` rows."""
-        attn, cache = self.runner.attn, self.runner.kv_cache
-        layers = self.model.num_pieces - 1
+        """Every piece (replayed, or run eagerly without ``graphs``) with each layer's mixing
+        (attention, a linear-attention layer's recurrence) between them, over the first
+        ``tokens`` rows."""
+        cache, model = self.runner.kv_cache, self.model
+        layers = model.num_pieces - 1
         for i in range(layers + 1):
             if graphs is None:
                 self._piece(i, size)
             else:
-                if i < layers:
-                    cache.wait_layer(i)  # host-tier copies into this layer's pages (a no-op in capture)
+                if i < layers and model.layers[i].kv_layer is not None:
+                    cache.wait_layer(model.layers[i].kv_layer)  # host-tier copies (a no-op in capture)
                 graphs[i].replay()
             if i < layers:
-                attn.forward(self.q[:tokens], i, out=self.attn[:tokens])
+                model.mix(i, tokens, self.bufs)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states [T, hidden] of the step's new tokens (a view of a static buffer: valid
