@@ -368,23 +368,20 @@ def test_fuzzed_snapshots_always_hold_their_prefix(seed):
 # ---- the GPU path: flash-linear-attention's kernels against the torch reference ---------------
 
 
-def varlen_rule(q, k, v, a, b, *, scale, initial_state, output_final_state, cu_seqlens, chunk_indices, A_log, dt_bias,
-                use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel):  # fmt: skip
-    """flash-linear-attention's varlen chunk_gated_delta_rule with its norms and gates in the
-    kernel, in the torch reference: each sequence of ``cu_seqlens`` from its own initial state
-    (and its chunk indices checked against the sequences)."""
-    assert use_qk_l2norm_in_kernel and use_gate_in_kernel and use_beta_sigmoid_in_kernel and output_final_state
+def varlen_rule(q, k, v, g, beta, *, scale, initial_state, output_final_state, cu_seqlens, chunk_indices):
+    """flash-linear-attention's varlen chunked forward in the torch reference: each sequence of
+    ``cu_seqlens`` from its own initial state, each key head shared by its value heads (and the
+    chunk indices checked against the sequences)."""
+    assert output_final_state and all(x.is_contiguous() for x in (q, k, v, g, beta))
     bounds = cu_seqlens.tolist()
     chunks = [(i, c) for i, (s, e) in enumerate(zip(bounds, bounds[1:])) for c in range(-(-(e - s) // 64))]
     assert chunk_indices.tolist() == [list(c) for c in chunks]
     ratio = v.shape[2] // q.shape[2]
-    q = l2norm(q.float()).repeat_interleave(ratio, dim=2) * scale
-    k = l2norm(k.float()).repeat_interleave(ratio, dim=2)
-    g, beta = -A_log.exp() * torch.nn.functional.softplus(a + dt_bias), b.sigmoid()
+    q, k = q.repeat_interleave(ratio, dim=2) * scale, k.repeat_interleave(ratio, dim=2)
     state, out = initial_state.clone(), []
     for i, (s, e) in enumerate(zip(bounds, bounds[1:])):
         out.append(gated_delta_rule(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e], state[i : i + 1]))
-    return torch.cat(out, dim=1), state
+    return None, torch.cat(out, dim=1), None, state, None, None
 
 
 def test_a_prefill_step_batches_the_conv_and_runs_a_part_way_snapshot_in_two_passes(monkeypatch):
@@ -397,9 +394,9 @@ def test_a_prefill_step_batches_the_conv_and_runs_a_part_way_snapshot_in_two_pas
 
     from minisgl.device.kvcache.state_pool import StatePool, StateShape
 
-    fake = types.ModuleType("fla.ops.gated_delta_rule")
-    fake.chunk_gated_delta_rule = varlen_rule
-    monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", fake)
+    fake = types.ModuleType("fla.ops.gated_delta_rule.chunk")
+    fake.chunk_gated_delta_rule_fwd = varlen_rule
+    monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule.chunk", fake)
     torch.manual_seed(0)
     hk, hv, dk, dv, width = 1, 2, 8, 8, 3
     channels = 2 * hk * dk + hv * dv
@@ -431,8 +428,9 @@ def test_a_prefill_step_batches_the_conv_and_runs_a_part_way_snapshot_in_two_pas
     pool.prepare(meta, [], splits=[1, 6, 70])
     assert pool.splits is not None and not pool.decode
     mixed = varlen_conv(x, weight, pool.conv[0], pool.prefill)
-    q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
-    o = fla_chunked(q.reshape(95, hk, dk), k.reshape(95, hk, dk), v.reshape(95, hv, dv), a, b, gates, pool.ssm[0], pool)
+    q, k, v = (t.reshape(95, -1, dk).contiguous() for t in mixed.split([hk * dk, hk * dk, hv * dv], dim=-1))
+    g = -gates.A_log.exp() * torch.nn.functional.softplus(a + gates.dt_bias)
+    o = fla_chunked(l2norm(q), l2norm(k), v, g, b.sigmoid(), pool.ssm[0], pool)
     torch.testing.assert_close(o, torch.cat(outs), rtol=0, atol=1e-5)
     for row in (3, 1, 5, 6):
         torch.testing.assert_close(pool.conv[0, row], conv[row], rtol=0, atol=1e-6)

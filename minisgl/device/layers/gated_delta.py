@@ -80,29 +80,22 @@ def gated_delta_rule(
 
 
 def fla_chunked(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    gates: nn.Module,
-    ssm: torch.Tensor,
-    pool,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, ssm: torch.Tensor, pool
 ) -> torch.Tensor:
     """``gated_delta_rule`` over every prompt chunk of the step in flash-linear-attention's varlen
-    chunked kernel, from the conv's q, k [T, Hk, dk] and v [T, Hv, dv] and the raw gates a, b
-    [T, Hv]: the kernel normalises q and k, computes the decay and beta (from ``gates``' A_log
-    and dt_bias) and shares each key head among its value heads. States are gathered from the
-    pool's rows and written back."""
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    chunked kernel: normalised q, k [T, Hk, dk] (each key head shared by its value heads, q
+    scaled in the kernel), v [T, Hv, dv], float32 g and beta [T, Hv]; states gathered from the
+    pool's rows and written back. FLA's forward is called below its autograd wrapper, whose
+    checks and casts cost as much host time as its kernels take on the GPU."""
+    from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
 
     def run(rows: torch.Tensor | None, initial: torch.Tensor, cu_seqlens: torch.Tensor, chunks: torch.Tensor):
         pick = (lambda x: x[None]) if rows is None else (lambda x: x[None, rows])
-        return chunk_gated_delta_rule(
-            pick(q), pick(k), pick(v), pick(a), pick(b), scale=q.shape[-1] ** -0.5, initial_state=initial,
-            output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=gates.A_log,
-            dt_bias=gates.dt_bias, use_beta_sigmoid_in_kernel=True, cu_seqlens=cu_seqlens, chunk_indices=chunks,
+        _, o, _, final, _, _ = chunk_gated_delta_rule_fwd(
+            q=pick(q), k=pick(k), v=pick(v), g=pick(g), beta=pick(beta), scale=q.shape[-1] ** -0.5,
+            initial_state=initial, output_final_state=True, cu_seqlens=cu_seqlens, chunk_indices=chunks,
         )  # fmt: skip
+        return o, final
 
     o, ht = run(None, ssm[pool.slots], pool.cu_seqlens, pool.prefill.chunk_indices)
     sp = pool.splits
@@ -247,6 +240,10 @@ class GatedDeltaNet(nn.Module):
     def mix_into(self, tokens: int, bufs: dict[str, torch.Tensor]) -> None:
         bufs["o"][:tokens].copy_(self.mix(bufs["qkv"][:tokens], bufs["b"][:tokens], bufs["a"][:tokens]))
 
+    def gates(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The log decay g and the write strength beta [T, Hv], float32."""
+        return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float()), b.float().sigmoid()
+
     def _mix(self, qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor, pool):
         """The conv and the gated delta rule in torch (FLA's chunked kernel for GPU prefill):
         o [T, Hv, dv] (float32 in torch), the requests' rows of ``conv`` and ``ssm`` updated."""
@@ -257,16 +254,14 @@ class GatedDeltaNet(nn.Module):
             conv[pool.slots] = states
         else:
             mixed = varlen_conv(qkv, weight, conv, pool.prefill)
-        t = qkv.shape[0]
-        q, k, v = mixed.split([self.hk * self.dk, self.hk * self.dk, self.hv * self.dv], dim=-1)
-        q, k, v = q.reshape(t, self.hk, self.dk), k.reshape(t, self.hk, self.dk), v.reshape(t, self.hv, self.dv)
+        t, qk = qkv.shape[0], 2 * self.hk * self.dk
+        q, k = l2norm(mixed[:, :qk].reshape(t, 2 * self.hk, self.dk).float()).split(self.hk, dim=1)
+        v = mixed[:, qk:].reshape(t, self.hv, self.dv)
+        g, beta = self.gates(a, b)
         if qkv.is_cuda:
-            return fla_chunked(q, k, v, a, b, self, ssm, pool)
-        q = l2norm(q.float()).repeat_interleave(self.ratio, dim=1) * self.dk**-0.5
-        k = l2norm(k.float()).repeat_interleave(self.ratio, dim=1)
-        v = v.float()
-        beta = b.float().sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+            q, k, v = (x.to(qkv.dtype).contiguous() for x in (q, k, v))
+            return fla_chunked(q, k, v, g, beta, ssm, pool)
+        q, k, v = q.repeat_interleave(self.ratio, dim=1) * self.dk**-0.5, k.repeat_interleave(self.ratio, dim=1), v.float()
         if pool.decode:  # one token per request: every request in one batched step
             states = ssm[pool.slots]
             o = gated_delta_rule(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], states)[:, 0]
