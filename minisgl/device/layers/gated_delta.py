@@ -261,7 +261,8 @@ class GatedDeltaNet(nn.Module):
         if qkv.is_cuda:
             q, k, v = (x.to(qkv.dtype).contiguous() for x in (q, k, v))
             return fla_chunked(q, k, v, g, beta, ssm, pool)
-        q, k, v = q.repeat_interleave(self.ratio, dim=1) * self.dk**-0.5, k.repeat_interleave(self.ratio, dim=1), v.float()
+        q = q.repeat_interleave(self.ratio, dim=1) * self.dk**-0.5
+        k, v = k.repeat_interleave(self.ratio, dim=1), v.float()
         if pool.decode:  # one token per request: every request in one batched step
             states = ssm[pool.slots]
             o = gated_delta_rule(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], states)[:, 0]
