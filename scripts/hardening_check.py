@@ -110,6 +110,21 @@ def hostile_requests(a: Audit, api_pid: int) -> None:
     r = a.call("GET", "/health", headers=[("Authorization", f"Bearer {API_KEY}"), ("Host", "attacker.example")])
     a.case("a Host that is not loopback", f"{r.status_code}", r.status_code == 403)
 
+    from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
+    from prometheus_client.parser import text_string_to_metric_families as text_families
+
+    for what, accept, parse in (
+        ("OpenMetrics", "application/openmetrics-text; version=1.0.0", openmetrics_families),
+        ("text", "text/plain", text_families),
+    ):
+        r = a.call("GET", "/metrics", headers=[("Authorization", f"Bearer {API_KEY}"), ("Accept", accept)])
+        try:
+            untyped = [f.name for f in parse(r.text) if f.type == "unknown"]
+            seen = f"{r.status_code}, families without a type: {untyped[:3]}"
+        except ValueError as e:
+            untyped, seen = ["(unparsed)"], f"{r.status_code}, parser: {e}"
+        a.case(f"/metrics as {what}", seen, r.status_code == 200 and not untyped)
+
 
 def damaged_checkpoints(folder: Path, root: Path) -> dict[str, tuple[Path, str]]:
     """Copies of a one-file checkpoint whose model.safetensors a trainer might leave half

@@ -110,8 +110,9 @@ class Metrics:
         if retracted > self._retracted_seen:
             self.retracted.inc(retracted - self._retracted_seen)
             self._retracted_seen = retracted
-        if openmetrics:
-            return openmetrics_exposition.generate_latest(self.registry), openmetrics_exposition.CONTENT_TYPE_LATEST
+        if openmetrics:  # (its default escaping turns the samples' ':' into '_' but not their family's)
+            body = openmetrics_exposition.generate_latest(self.registry, escaping=openmetrics_exposition.ALLOWUTF8)
+            return body, openmetrics_exposition.CONTENT_TYPE_LATEST
         return generate_latest(self.registry), "text/plain; version=0.0.4; charset=utf-8"
 
 
