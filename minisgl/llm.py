@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -97,7 +98,10 @@ class LLM:
     def update_weights_from_disk(
         self, model_path: str, load_format: str | None = None, flush_cache: bool = True
     ) -> tuple[bool, str]:
-        """Load a checkpoint of the same architecture into the live weights; (success, message)."""
+        """Load a checkpoint of the same architecture into the live weights; (success, message).
+        A local path (``~`` expanded), or the served model's own name."""
+        if model_path != self.args.model:
+            model_path = str(Path(model_path).expanduser().absolute())
         return self._task(LoadWeights(model_path, load_format or "auto"), flush_cache)
 
     def update_weights_from_tensor(

@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -183,7 +184,7 @@ def damaged_adapters(good: Path, root: Path) -> dict[str, str]:
 
     variants = {
         "nested": (lambda c, w: c.write_text("[" * 100_000 + "]" * 100_000), "not JSON"),
-        "fifo": (fifo, "not a regular file"),
+        "fifo": (fifo, "no LoRA adapter at"),  # (never opened: the folder holds no regular config)
         "cut": (lambda c, w: w.write_bytes(w.read_bytes()[: w.stat().st_size // 2]), "cut short"),
         "rank": (config(r=rank // 2), f"the config's r is {rank // 2}"),
         "rank-text": (config(r=str(rank)), "r must be an integer"),
@@ -193,7 +194,7 @@ def damaged_adapters(good: Path, root: Path) -> dict[str, str]:
         "nan": (tensors(lambda t: torch.full_like(t, float("nan"))), "not finite"),
         "int8": (tensors(lambda t: t.to(torch.int8)), "floating point only"),
     }
-    out = {"/" + "x" * 5000: "File name too long"}
+    out = {"/" + "x" * 5000: "4096 characters", "/" + "x" * 300: "File name too long"}
     for what, (make, why) in variants.items():
         folder = root / f"damaged-{what}"
         shutil.copytree(good, folder)
@@ -224,6 +225,40 @@ def control_plane(a: Audit, model: str, root: Path) -> None:
     for path, why in damaged_adapters(good, root).items():
         r = a.call("POST", "/load_lora_adapter", json={"lora_name": "bad", "lora_path": path})
         served(f"load_lora_adapter: {why}", r, why)
+    # Paths: no '~', no hub ids, and one answer for a file, a folder of anything and nothing
+    for route, field in (("/update_weights_from_disk", "model_path"), ("/load_lora_adapter", "lora_path")):
+        body = {"lora_name": "bad"} if field == "lora_path" else {}
+        for path, why in (("~root/ckpt", "absolute path"), ("org/name", "absolute path")):
+            served(f"{route}: {field} {path}", a.call("POST", route, json={**body, field: path}), why)
+        answers = []
+        for path in ("/etc/passwd", "/nonexistent/x", str(root)):
+            r = a.call("POST", route, json={**body, field: path})
+            answers.append((r.status_code, r.text.replace(path, "<path>")))
+        same = len(set(answers)) == 1 and answers[0][0] == 400
+        a.case(f"{route}: a file, nothing and a folder answer alike", answers[0][1][:90], same)
+    # A trainer group at an address where nothing listens: refused after its wait, serving meanwhile
+    with socket.socket() as s:  # (a port nothing listens on)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    body = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2, "group_name": "g"}
+    joined: list[httpx.Response] = []
+    t = threading.Thread(
+        target=lambda: joined.append(a.call("POST", "/init_weights_update_group", json=body, timeout=200))
+    )
+    t.start()
+    time.sleep(1.0)
+    start = time.monotonic()
+    out = a.call("POST", "/generate", json=probe).json().get("output_ids")
+    took = time.monotonic() - start
+    a.case("a generate while a trainer-group join waits", f"{took:.2f} s", out == before and took < 1)
+    t.join(200)
+    r = joined[0] if joined else None
+    ok = r is not None and r.status_code == 400 and "no trainer listens" in r.text
+    a.case(
+        "init_weights_update_group where no trainer listens",
+        f"{r.status_code if r else None} {r.text[:90] if r else ''!r}",
+        ok,
+    )
     # Names the server keeps and echoes in every answer
     r = a.call("POST", "/load_lora_adapter", json={"lora_name": "n" * 100_000, "lora_path": str(good)})
     served("a lora_name of 100,000 characters", r, "lora_name")

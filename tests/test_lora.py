@@ -153,7 +153,7 @@ def test_adapters_load_and_unload_while_serving(tiny_llama, adapters, references
     assert [r["output_ids"] for r in out] == [references[n][i % 2] for i, n in enumerate(["a2", "a3", "a3", "a2"])]
     assert sched.loras.slot_key.count(next(a.key for a in sched.loras.adapters.values() if a.name == "pin")) == 1
     for bad, why in (
-        (tmp_path / "missing", "does not exist"),
+        (tmp_path / "missing", "no LoRA adapter at"),
         (tiny_llama, "adapter_config.json"),
     ):
         ok, message = llm.load_lora_adapter("bad", str(bad))

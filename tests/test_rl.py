@@ -351,3 +351,32 @@ def test_updates_and_release_at_tp2(checkpoints, prompts, reference):
     assert llm.release_memory_occupation()[0] and llm.resume_memory_occupation()[0]
     assert tokens(llm.generate(prompts, GREEDY)) == reference["A"]
     llm.runner.close()
+
+
+def test_client_paths_are_absolute_and_inside_the_update_dirs(tmp_path):
+    """What a client may name on the control plane (serve/api/client_paths.py): absolute paths
+    only (no '~', relative path or hub id; the served --model by its own name), and with
+    --weight-update-dirs only inside them, links resolved, refused without reading anything."""
+    from minisgl.config.args import ServerArgs
+    from minisgl.serve.api.client_paths import check_client_path
+    from minisgl.serve.api.errors import BadRequest
+
+    inside, outside = tmp_path / "ckpts", tmp_path / "elsewhere"
+    inside.mkdir(), outside.mkdir()
+    (inside / "link").symlink_to(outside)
+    anywhere = ServerArgs(model="org/model")
+    confined = ServerArgs(model="org/model", weight_update_dirs=[str(inside)])
+    check_client_path("org/model", anywhere, "model_path", served="org/model")
+    check_client_path(str(outside / "step1"), anywhere, "model_path")
+    check_client_path(str(inside / "step1"), confined, "model_path")
+    for path, args, why in (
+        ("~/ckpt", anywhere, "absolute path"),
+        ("org/other", anywhere, "absolute path"),
+        ("ckpts/step1", anywhere, "absolute path"),
+        ("/x\x00y", anywhere, "without NUL"),
+        (str(outside / "step1"), confined, "outside --weight-update-dirs"),
+        (str(inside / "link" / "step1"), confined, "outside --weight-update-dirs"),
+        (str(inside / ".." / "elsewhere"), confined, "outside --weight-update-dirs"),
+    ):
+        with pytest.raises(BadRequest, match=why):
+            check_client_path(path, args, "model_path")

@@ -159,7 +159,9 @@ def test_bad_payloads_get_4xx_and_the_old_weights_serve(server, checkpoints, ref
     name = "model.layers.1.mlp.down_proj.weight"  # (not square: its transpose is the wrong shape)
     cases = [
         ("/update_weights_from_disk", {"model_path": str(checkpoints["Q"])}, "architecture"),
-        ("/update_weights_from_disk", {"model_path": "/nonexistent/ckpt"}, "does not exist"),
+        ("/update_weights_from_disk", {"model_path": "/nonexistent/ckpt"}, "no checkpoint at"),
+        ("/update_weights_from_disk", {"model_path": "/etc"}, "no checkpoint at"),
+        ("/update_weights_from_disk", {"model_path": "~/ckpt"}, "absolute path"),
         ("/update_weights_from_disk", {}, "model_path"),
         (
             "/update_weights_from_tensor",
@@ -471,3 +473,31 @@ def test_routed_experts_over_http(tiny_models):
         bad = httpx.post(f"{srv.url}/generate", json=body, timeout=60)
         assert bad.status_code == 400 and "routed_experts_start_len" in bad.text
         idle_and_clean(srv)
+
+
+def test_a_join_waits_off_the_step_loop_for_the_trainers_store():
+    """/init_weights_update_group first waits, in the API's event loop, for something to listen
+    at the trainer's address: nothing there is a refusal after the deadline, a store that comes
+    up late is found."""
+    import asyncio
+    import socket
+
+    from minisgl.serve.api.rl import listening
+
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()  # (a port nothing listens on)
+    start = time.monotonic()
+    assert not asyncio.run(listening("127.0.0.1", port, 0.6))
+    assert 0.6 <= time.monotonic() - start < 3
+    assert not asyncio.run(listening("no-such-host.invalid", port, 0.3))
+    late = socket.socket()
+    late.bind(("127.0.0.1", port))
+    timer = threading.Timer(0.5, late.listen)
+    timer.start()
+    try:
+        assert asyncio.run(listening("127.0.0.1", port, 5.0))
+    finally:
+        timer.join()
+        late.close()

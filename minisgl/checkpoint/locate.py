@@ -38,6 +38,22 @@ def resolve_model_path(model: str, load_format: str = "auto", revision: str | No
         raise FileNotFoundError(f"could not get {model!r} from the Hugging Face hub: {e}") from e
 
 
+def client_checkpoint(path: str, load_format: str = "auto") -> Path:
+    """A checkpoint a client names (a weight update; ``serve/api/client_paths.py`` checked the
+    path): a folder with config.json or a .gguf file. Anything else gets one answer, whatever is
+    or is not there, so that no answer tells a client what exists."""
+    try:
+        gguf = find_gguf(path) if load_format in ("auto", "gguf") else None
+        if gguf is not None:
+            return converted_checkpoint(gguf)
+        folder = Path(path)
+        if load_format != "gguf" and folder.is_dir() and (folder / "config.json").is_file():
+            return folder
+    except (OSError, ValueError):  # (a name too long, a loop of links, several .gguf files)
+        pass
+    raise FileNotFoundError(f"no checkpoint at {path[:300]!r} (a folder with config.json, or a .gguf file)")
+
+
 def _not_a_checkpoint(folder: Path) -> str:
     """What to say of a folder with no config.json: the checkpoints one level down, if any."""
     inside = sorted(

@@ -704,6 +704,13 @@ class ServerArgs(EngineArgs):
         "handles (decoded by a restricted unpickler; needs --api-key unless the server binds a "
         "loopback address)",
     )
+    # Clients name checkpoints and adapters on the control plane (serve/api/client_paths.py).
+    weight_update_dirs: list[str] | None = knob(
+        None,
+        SERVER,
+        "folders the control plane may load from (/update_weights_from_disk, /load_lora_adapter): "
+        "other paths are refused unread (default: any absolute path)",
+    )
     dp_size: int = knob(
         1,
         PARALLEL,

@@ -14,7 +14,8 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-JOIN_TIMEOUT = timedelta(minutes=10)
+JOIN_TIMEOUT = timedelta(minutes=2)  # meeting the trainer (the step loop waits meanwhile)
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # one broadcast of new weights
 
 
 def init_weight_group(
@@ -26,7 +27,8 @@ def init_weight_group(
     group_name: str,
     timeout: timedelta = JOIN_TIMEOUT,
 ) -> dist.ProcessGroup:
-    """Join (or, as rank 0, host) the group; blocks until all ``world_size`` ranks arrive."""
+    """Join (or, as rank 0, host) the group; blocks until all ``world_size`` ranks arrive, at
+    most ``timeout`` (the API first waits, off the step loop, until the trainer's store listens)."""
     store, rank, world_size = next(
         c10d.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout)
     )
@@ -38,7 +40,14 @@ def init_weight_group(
         else "pg_options"
     )
     group, _ = c10d._new_process_group_helper(
-        world_size, rank, [], c10d.Backend(backend), store, group_name=group_name, timeout=timeout, **{options: None}
+        world_size,
+        rank,
+        [],
+        c10d.Backend(backend),
+        store,
+        group_name=group_name,
+        timeout=COLLECTIVE_TIMEOUT,
+        **{options: None},
     )
     c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}  # group ranks are global ranks here
     return group

@@ -58,14 +58,19 @@ class Adapter:
 
 
 def _folder(path: str) -> Path:
+    """The adapter's folder: a local one (``~`` expanded for the operator's --lora-paths; a
+    client's path is absolute, ``serve/api/client_paths.py``), else a hub id. A local path that
+    holds no adapter gets one answer whatever is there."""
+    if len(path) > 4096:  # (PATH_MAX)
+        raise AdapterError(f"a LoRA adapter path of {len(path)} characters (at most 4096 characters)")
     folder = Path(path).expanduser()
     try:
-        if folder.is_dir():
+        if folder.is_dir() and (folder / "adapter_config.json").is_file():
             return folder
     except OSError as e:  # a name too long, a loop of links
         raise AdapterError(f"LoRA adapter folder {path[:300]!r}: {e.strerror or e}") from None
     if path.startswith((".", "/", "~")) or path.count("/") != 1:
-        raise AdapterError(f"LoRA adapter folder {path!r} does not exist and is not a hub id (org/name)")
+        raise AdapterError(f"no LoRA adapter at {path[:300]!r} (a folder with adapter_config.json)")
     from huggingface_hub import snapshot_download
 
     try:

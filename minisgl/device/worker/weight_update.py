@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from minisgl.checkpoint.locate import resolve_model_path
+from minisgl.checkpoint.locate import client_checkpoint, resolve_model_path
 from minisgl.checkpoint.model_config import ModelConfig
 from minisgl.checkpoint.safetensors_header import FLOAT_DTYPES
 from minisgl.device.distributed import get_tp_info
@@ -107,7 +107,10 @@ class WeightUpdater:
         try:
             if load_format == "dummy":
                 raise ValueError("load_format dummy has no weights to load")
-            folder = resolve_model_path(task.model_path, load_format)
+            if task.model_path == self.runner.args.model:  # (back to the served checkpoint: as the launch found it)
+                folder = resolve_model_path(task.model_path, load_format)
+            else:
+                folder = client_checkpoint(task.model_path, load_format)
             self._check_config(ModelConfig.from_path(folder, self.runner.args.model_overrides()))
             tensors = list(checkpoint_tensors(folder))
             wmap.check(((name, shape) for name, _, shape in tensors), complete=True)

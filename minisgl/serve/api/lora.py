@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from minisgl.serve.api.base import ApiBase, read_body
+from minisgl.serve.api.client_paths import check_client_path
 from minisgl.serve.api.errors import BadRequest
 from minisgl.serve.api.fields import Schema
 from minisgl.serve.api.protocol import Label
@@ -73,6 +74,7 @@ class LoraRoutes(ApiBase):
 
     async def load_lora_adapter(self, request: Request) -> Response:
         body: LoadAdapter = await read_body(request, LoadAdapter, self.args, LOAD)
+        check_client_path(body.lora_path, self.args, "lora_path")
         return await self._lora("lora_load", body.lora_name, body.lora_path, body.pinned)
 
     async def load_lora_adapter_from_tensors(self, request: Request) -> Response:

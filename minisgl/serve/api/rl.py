@@ -9,8 +9,10 @@ they are. Each becomes one control message for the scheduler, which runs it betw
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
+import time
 from typing import Annotated, Any
 
 import msgspec
@@ -18,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from minisgl.serve.api.base import ApiBase, error_response, read_body
+from minisgl.serve.api.client_paths import check_client_path
 from minisgl.serve.api.errors import BadRequest
 from minisgl.serve.api.fields import Schema
 from minisgl.serve.api.protocol import Label
@@ -37,6 +40,27 @@ from minisgl.wire.steps import WorkerTask
 
 # A weight update may load a checkpoint or wait for a trainer's broadcast: no 30 s limit.
 UPDATE_TIMEOUT_S = 3600.0
+# A trainer starts its store beside its /init_weights_update_group call: the join reaches the
+# workers (whose step loop waits for the rendezvous) only once that store accepts connections.
+TRAINER_WAIT_S = 60.0
+
+
+async def listening(host: str, port: int, deadline_s: float) -> bool:
+    """Whether something accepts TCP connections at host:port within ``deadline_s`` (retried;
+    the connection is closed at once)."""
+    end = time.monotonic() + deadline_s
+    while True:
+        try:
+            left = max(end - time.monotonic(), 0.1)
+            _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout=min(left, 5.0))
+            writer.close()
+            return True
+        except (OSError, asyncio.TimeoutError, UnicodeError):  # (refused, unreachable, no such host)
+            if time.monotonic() >= end:
+                return False
+            await asyncio.sleep(0.25)
+
+
 # SGLang's knobs of its own update machinery; none changes what the weights become here.
 UPDATE_INERT = {
     "is_async",
@@ -151,6 +175,7 @@ class RlRoutes(ApiBase):
 
     async def update_weights_from_disk(self, request: Request) -> Response:
         body: FromDisk = await self._body(request, FromDisk, FROM_DISK)
+        check_client_path(body.model_path, self.args, "model_path", served=self.args.model)
         return await self._weights(LoadWeights(body.model_path, body.load_format or "auto"), body)
 
     async def update_weights_from_tensor(self, request: Request) -> Response:
@@ -181,6 +206,10 @@ class RlRoutes(ApiBase):
         b: WeightGroupSpec = await self._body(request, WeightGroupSpec, INIT_GROUP)
         if not 0 < b.master_port < 65536 or b.world_size < 2 or b.rank_offset < 1:
             raise BadRequest("master_port must be a port, world_size >= 2 and rank_offset >= 1 (the trainer is rank 0)")
+        if not await listening(b.master_address, b.master_port, TRAINER_WAIT_S):
+            raise BadRequest(
+                f"no trainer listens at {b.master_address[:200]}:{b.master_port} (waited {TRAINER_WAIT_S:g} s)"
+            )
         return await self._weights(JoinWeightGroup(**msgspec.structs.asdict(b)))
 
     async def destroy_weights_update_group(self, request: Request) -> Response:
