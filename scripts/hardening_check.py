@@ -298,6 +298,39 @@ def stopped_process(a: Audit, model: str, port: int, name: str, watchdog: float)
     a.case(f"SIGSTOP of the {name}", f"exit {code} after {took:.1f} s, {len(left)} processes left", ok)
 
 
+def killed_scheduler(a: Audit, model: str, port: int, watchdog: float) -> None:
+    """kill -9 of the scheduler while a request runs: that request is answered 503 (the server
+    is going away), never 500, and the server exits 1 leaving no process."""
+    proc, processes = watched_server(model, port, watchdog)
+    pids = list(processes.values())
+    body = {"text": "Tell me a long story.", "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}}
+    answers: list[str] = []
+
+    def run() -> None:
+        try:
+            r = httpx.post(f"http://127.0.0.1:{port}/generate", json=body, timeout=120)
+            answers.append(f"{r.status_code} {r.text[:120]}")
+        except httpx.HTTPError as e:  # (the server closed the connection without an answer)
+            answers.append(type(e).__name__)
+
+    t = threading.Thread(target=run)
+    t.start()
+    time.sleep(0.3)
+    os.kill(processes["scheduler"], signal.SIGKILL)
+    t.join(120)
+    try:
+        code = proc.wait(watchdog + 30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        code = None
+    left = [p for p in pids if p != processes["scheduler"] and alive(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    got = answers[0] if answers else "no answer"
+    ok = got.startswith("503") and code == 1 and not left
+    a.case("kill -9 of the scheduler mid-request", f"request {got}, exit {code}, {len(left)} processes left", ok)
+
+
 def stopped_launcher(a: Audit, model: str, port: int, watchdog: float) -> None:
     """SIGSTOP of the launcher itself: its engine processes exit within the limit; continued,
     it exits 1."""
@@ -340,6 +373,7 @@ def main() -> None:
     for name in ("scheduler", "tokenizer"):
         stopped_process(a, args.model, args.port, name, args.watchdog)
     stopped_launcher(a, args.model, args.port, args.watchdog)
+    killed_scheduler(a, args.model, args.port, args.watchdog)
     if args.out:
         Path(args.out).write_text(json.dumps([{"case": n, "got": g, "ok": ok} for n, g, ok in a.rows], indent=1))
     failed = [n for n, _, ok in a.rows if not ok]

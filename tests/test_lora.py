@@ -110,6 +110,18 @@ def test_the_cache_is_never_shared_across_adapters(tiny_llama, adapters, referen
     llm.scheduler.check_integrity()
 
 
+def test_an_unloaded_adapter_no_request_names_frees_its_host_copy_at_once(tiny_llama, adapters):
+    """A trainer's load/unload cycles without a request between them: each unload frees the
+    adapter's host copy on the workers then, not with some later step."""
+    llm = _llm(tiny_llama, enable_lora=True, max_loras_per_batch=2, max_lora_rank=8)
+    for i in range(5):
+        assert llm.load_lora_adapter(f"v{i}", str(adapters["a1"]))[0]
+        assert len(llm.runner.lora_host) == 1
+        assert llm.unload_lora_adapter(f"v{i}")[0]
+        assert llm.runner.lora_host == {}
+    llm.scheduler.check_integrity()
+
+
 def test_adapters_load_and_unload_while_serving(tiny_llama, adapters, references, tmp_path):
     """More adapters than device slots: requests wait for a slot and every one gets its own
     adapter's tokens; an unloaded adapter serves the requests queued under it, then its host copy

@@ -95,6 +95,12 @@ class ReadWeights(msgspec.Struct, array_like=True, tag=True):
     rows: int = 100
 
 
+class DropLoras(msgspec.Struct, array_like=True, tag=True):
+    """Free the host copies of adapters no request names any more (an unload between steps)."""
+
+    keys: list[str]
+
+
 WorkerTask = (
     LoadWeights
     | TensorWeights
@@ -103,6 +109,7 @@ WorkerTask = (
     | LeaveWeightGroup
     | MemoryOccupation
     | LoadLora
+    | DropLoras
     | ReadWeights
 )
 

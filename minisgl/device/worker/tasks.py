@@ -12,7 +12,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from minisgl.wire.control import LoadLora, LocalLora, LocalTensors, MemoryOccupation, ReadWeights, WorkerReply
+from minisgl.wire.control import (
+    DropLoras,
+    LoadLora,
+    LocalLora,
+    LocalTensors,
+    MemoryOccupation,
+    ReadWeights,
+    WorkerReply,
+)
 from minisgl.wire.steps import WorkerTask
 
 if TYPE_CHECKING:
@@ -22,6 +30,10 @@ logger = logging.getLogger(__name__)
 
 
 def run_task(runner: ModelRunner, task: WorkerTask | LocalTensors | LocalLora) -> WorkerReply:
+    if isinstance(task, DropLoras):
+        for key in task.keys:
+            runner.lora_host.pop(key, None)
+        return WorkerReply(True, f"freed {len(task.keys)} adapters' host copies")
     if isinstance(task, MemoryOccupation):
         if runner.memory_saver is None:
             from minisgl.device.worker.memory_saver import MemorySaver

@@ -20,6 +20,7 @@ from minisgl.serve.scheduler.lora import LoraError
 from minisgl.serve.scheduler.request import Req, ReqEvent
 from minisgl.wire.control import (
     BroadcastWeights,
+    DropLoras,
     LoadLora,
     LoadWeights,
     LocalLora,
@@ -165,6 +166,11 @@ class ControlPlane:
             self.sched.loras.remove(name)
         except LoraError as e:
             raise ControlError(str(e)) from None
+        loras = self.sched.loras
+        if loras.drops:  # (no request names it: its host copy goes now, not with the next step)
+            self.collect_inflight()
+            self.sched.executor.run_task(DropLoras(loras.drops))
+            loras.drops = []
 
     def load_startup_loras(self) -> None:
         """--lora-paths, loaded before the first request."""
