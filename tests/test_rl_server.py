@@ -101,6 +101,40 @@ def test_update_from_disk_with_the_body_rl_clients_send(server, checkpoints, ref
     idle_and_clean(server)
 
 
+def test_weights_checker_sees_an_update_reach_every_weight(server, checkpoints, reference):
+    """SGLang's /weights_checker as slime drives it: checksum, snapshot, reset every weight to
+    random values (a new cache epoch: no KV of the old weights is served), compare (400 naming
+    what differs), update from disk, compare again (200), and the tokens are the checkpoint's."""
+    first = post(server, "/weights_checker", {"action": "checksum"}).json()
+    assert first["success"] and len(first["ranks"]) == 1 and len(first["per_engine_checksum"]) == 64
+    sums = first["ranks"][0]["checksums"]
+    assert "model.embed_tokens.weight" in sums and not any("cos_sin" in name for name in sums)
+    assert first["ranks"][0]["parallelism_info"]["tp_size"] == 1
+    assert httpx.get(f"{server.url}/weights_checker", timeout=30).json() == first  # (GET: a checksum)
+    assert post(server, "/weights_checker", {"action": "snapshot"}).json()["success"]
+    assert post(server, "/weights_checker", {"action": "compare"}).status_code == 200
+    assert post(server, "/weights_checker", {"action": "reset_tensors"}).json()["success"]
+    assert outputs(server) != reference["A"]
+    r = post(server, "/weights_checker", {"action": "compare"})
+    assert r.status_code == 400 and "differ from the snapshot" in r.json()["message"]
+    skipped = post(server, "/weights_checker", {"action": "checksum", "skip_tensor_list": ["layers.1."]}).json()
+    assert skipped["success"] and not any("layers.1." in name for name in skipped["ranks"][0]["checksums"])
+    to_a(server, checkpoints)
+    r = post(server, "/weights_checker", {"action": "compare"})
+    assert r.status_code == 200 and r.json()["success"], r.text
+    assert (
+        post(server, "/weights_checker", {"action": "checksum"}).json()["per_engine_checksum"]
+        == first["per_engine_checksum"]
+    )
+    assert outputs(server) == reference["A"]
+    for body in ({"restore_weights_before_load": True}, {"post_process_quantization": True}):  # (slime's)
+        r = post(server, "/post_process_weights", body)
+        assert r.status_code == 200 and r.json()["success"] is True
+    bad = post(server, "/weights_checker", {"action": "explode"})
+    assert bad.status_code == 400 and "action must be one of" in bad.json()["message"]
+    idle_and_clean(server)
+
+
 def test_get_weights_by_name_over_http(server, checkpoints):
     """SGLang's route and body (GET or POST): the tensor's first rows as nested lists, the new
     weights' after an update; a bad name or size is a 400 naming it."""

@@ -546,7 +546,8 @@ def test_speculation_on_cuda_keeps_tokens(tmp_path, dtype, spec):
 
 def test_server_streams_every_accepted_token(tiny_llama):
     """Through the server a verify step's tokens all reach the client, streamed or not, with
-    their logprobs, as the offline engine gives them."""
+    their logprobs, as the offline engine gives them; each request's meta_info carries SGLang's
+    spec_* counts, which add up to the server's."""
     import httpx
 
     from tests.server_utils import running_server
@@ -554,21 +555,30 @@ def test_server_streams_every_accepted_token(tiny_llama):
     prompts = looping_prompts(3, seed=12)
     params = {"temperature": 0.0, "max_new_tokens": 48, "ignore_eos": True}
     want = tokens(make_llm(tiny_llama, page_size=4).generate(prompts, params))
+    metas = []
     with running_server(tiny_llama, "--page-size", "4", "--speculative-algorithm", "NGRAM") as srv:
         for prompt, expected in zip(prompts, want):
             body = {"input_ids": prompt, "sampling_params": params, "return_logprob": True}
             got = httpx.post(f"{srv.url}/generate", json=body, timeout=60).json()
             assert got["output_ids"] == expected
             assert len(got["meta_info"]["output_token_logprobs"]) == len(expected)
+            metas.append(got["meta_info"])
             streamed: list[int] = []
             with httpx.stream("POST", f"{srv.url}/generate", json={**body, "stream": True}, timeout=60) as r:
                 lines = r.iter_lines()
                 for line in lines:
                     if line.startswith("data: ") and line != "data: [DONE]":
-                        streamed = json.loads(line[6:])["output_ids"]
+                        event = json.loads(line[6:])
+                        streamed = event["output_ids"]
             assert streamed == expected
+            metas.append(event["meta_info"])
         stats = srv.server_info()["scheduler"]
         assert stats["spec_accepted_tokens"] > 0 and stats["spec_accept_length"] > 1
+        for meta in metas:  # each decode step gave one token and the drafts it accepted
+            assert meta["completion_tokens"] == 1 + meta["spec_verify_ct"] + meta["spec_accept_token_num"]
+            assert meta["spec_accept_rate"] == meta["spec_accept_token_num"] / meta["spec_draft_token_num"]
+        assert sum(m["spec_accept_token_num"] for m in metas) == stats["spec_accepted_tokens"]
+        assert sum(m["spec_draft_token_num"] for m in metas) == stats["spec_draft_tokens"]
         metrics = httpx.get(f"{srv.url}/metrics", timeout=30).text
         line = next(x for x in metrics.splitlines() if x.startswith("sglang:spec_accept_length{"))
         assert float(line.split()[-1]) > 1

@@ -95,6 +95,20 @@ class ReadWeights(msgspec.Struct, array_like=True, tag=True):
     rows: int = 100
 
 
+CHECK_ACTIONS = ("checksum", "snapshot", "reset_tensors", "compare")
+
+
+class CheckWeights(msgspec.Struct, array_like=True, tag=True):
+    """SGLang's /weights_checker: ``checksum`` the weights (a hash per tensor and per rank),
+    ``snapshot`` them (a host copy), ``reset_tensors`` (random values, to see an update replace
+    every one) or ``compare`` them with the snapshot; names containing a ``skip`` entry are left
+    out, and ``allow_quant_error`` lets fp8 weights differ by their rounding."""
+
+    action: str = "checksum"
+    allow_quant_error: bool = False
+    skip: list[str] = []
+
+
 class DropLoras(msgspec.Struct, array_like=True, tag=True):
     """Free the host copies of adapters no request names any more (an unload between steps)."""
 
@@ -111,6 +125,7 @@ WorkerTask = (
     | LoadLora
     | DropLoras
     | ReadWeights
+    | CheckWeights
 )
 
 
@@ -147,7 +162,8 @@ class ControlReq(msgspec.Struct, tag=True):
     (runs ``task`` on every worker; ``abort_all``, ``flush_cache``, ``weight_version`` say what
     it means for requests and the cache), "weight_version" (``weight_version`` None: read it),
     "lora_load" and "lora_unload" (``lora_name``, ``lora_path``), "read_weights" (``task``: a
-    ReadWeights; the rows come back as ``parameter``)."""
+    ReadWeights; the rows come back as ``parameter``), "check_weights" (``task``: a CheckWeights;
+    checksums come back as ``ranks``)."""
 
     cid: int
     op: str

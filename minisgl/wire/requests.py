@@ -112,6 +112,8 @@ class TokenOut(msgspec.Struct, array_like=True):
     # last hidden states of every position.
     routed_experts: bytes = b""
     hidden_states: bytes = b""
+    # (a server that speculates) the request's verify steps, draft tokens and accepted ones so far
+    spec: list[int] = []
 
 
 class TokenBatch(msgspec.Struct, tag=True):
@@ -146,6 +148,7 @@ class ReqUpdate(msgspec.Struct, array_like=True):
     prompt_ids: list[int] = []  # with the first update, when the request asked (``GenerateReq.prompt_ids``)
     host_cached_tokens: int = 0  # of cached_tokens, those the host tier supplied
     entropy: list[float] = []  # per new token, when the request asked (``GenerateReq.entropy``)
+    spec: list[int] = []  # ``TokenOut.spec``: the totals so far
 
     def then(self, later: ReqUpdate) -> ReqUpdate:
         """One update saying what this one and then ``later`` said (updates held back or queued
@@ -166,6 +169,7 @@ class ReqUpdate(msgspec.Struct, array_like=True):
             self.prompt_ids or later.prompt_ids,
             later.host_cached_tokens,
             self.entropy + later.entropy,
+            later.spec or self.spec,
         )
 
 

@@ -46,6 +46,7 @@ from minisgl.wire.steps import ForwardBatch, NewRequest, StepOutput, WorkerTask
 
 if TYPE_CHECKING:
     from minisgl.device.models.lora_adapter import Shards
+    from minisgl.device.worker.weight_checker import WeightChecker
     from minisgl.device.worker.weight_update import WeightUpdater
 
 logger = logging.getLogger(__name__)
@@ -171,6 +172,7 @@ class ModelRunner:
         self.graph_capture_s = 0.0
         self.capture_graphs()
         self.weight_updater: WeightUpdater | None = None  # made with the first control task
+        self.weight_checker: WeightChecker | None = None  # likewise (/weights_checker)
         self.memory_saver = None
         logger.info(
             "KV cache: %d pages x %d tokens (%.2f GiB, %s) on %s",

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from minisgl.wire.control import (
+    CheckWeights,
     DropLoras,
     LoadLora,
     LocalLora,
@@ -50,6 +51,12 @@ def run_task(runner: ModelRunner, task: WorkerTask | LocalTensors | LocalLora) -
         return load_lora(runner, task)
     if isinstance(task, ReadWeights):
         return read_weights(runner, task)
+    if isinstance(task, CheckWeights):
+        if runner.weight_checker is None:
+            from minisgl.device.worker.weight_checker import WeightChecker
+
+            runner.weight_checker = WeightChecker(runner)
+        return runner.weight_checker.run(task)
     reply = runner.updater().run(task)
     logger.info("%s (%.2f s)", reply.message, reply.seconds)
     return reply

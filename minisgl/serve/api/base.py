@@ -67,6 +67,7 @@ class Run:
         self.entropy: list[float] = []  # each output token's distribution's, when asked
         self.routed_experts = b""  # with the last update, when the request asked for them
         self.hidden_states = b""  # likewise
+        self.spec: list[int] = []  # (a server that speculates) verify steps, drafted, accepted
         self.e2e_latency = 0.0
         self._first: ReqUpdate | None = first
 
@@ -88,6 +89,7 @@ class Run:
             self.routed_experts = upd.routed_experts
         if upd.hidden_states:
             self.hidden_states = upd.hidden_states
+        self.spec = upd.spec or self.spec
         if upd.finish_reason is not None:
             self.finish_reason = upd.finish_reason
             self.e2e_latency = self.timer.finished(upd.finish_reason, self.prompt_tokens, self.cached_tokens)
@@ -329,6 +331,13 @@ class ApiBase:
                         None if lp.logprob is None else [_logprob_entry(p, t, s, with_text) for t, s, p in lp.ids]
                         for lp in lps
                     ]
+        verify_ct, drafted, accepted = run.spec or (0, 0, 0)
+        if verify_ct > 0:  # (SGLang leaves them out before a request's first verify step)
+            meta.update(
+                spec_verify_ct=verify_ct, spec_draft_token_num=drafted, spec_accept_token_num=accepted,
+                spec_accept_rate=accepted / drafted if drafted else 0.0,
+                spec_accept_length=len(run.token_ids) / verify_ct,
+            )  # fmt: skip
         if opts.routed_start >= 0:
             meta["routed_experts"] = base64.b64encode(run.routed_experts).decode()
         if opts.entropy:

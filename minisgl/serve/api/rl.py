@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import hashlib
 import time
 from typing import Annotated, Any
 
@@ -27,6 +28,7 @@ from minisgl.serve.api.protocol import Label
 from minisgl.wire.control import (
     MAX_READ_ROWS,
     BroadcastWeights,
+    CheckWeights,
     ControlReply,
     JoinWeightGroup,
     LeaveWeightGroup,
@@ -115,6 +117,17 @@ class MemoryTags(msgspec.Struct, kw_only=True):
     tags: list[str] | None = None
 
 
+class PostProcess(msgspec.Struct, kw_only=True):
+    restore_weights_before_load: bool = False
+    post_process_quantization: bool = False
+
+
+class WeightsCheck(msgspec.Struct, kw_only=True):
+    action: str = "checksum"
+    allow_quant_error: bool = False
+    skip_tensor_list: list[Annotated[str, msgspec.Meta(max_length=1024)]] | None = None
+
+
 class WeightsByName(msgspec.Struct, kw_only=True):
     name: str
     truncate_size: Annotated[int, msgspec.Meta(ge=0, le=MAX_READ_ROWS)] = 100
@@ -130,6 +143,8 @@ PAUSE = Schema("pause_generation", inert=UPDATE_INERT)
 WEIGHT_VERSION = Schema("update_weight_version", inert=UPDATE_INERT)
 MEMORY = Schema("release_memory_occupation", inert=UPDATE_INERT)
 WEIGHTS_BY_NAME = Schema("get_weights_by_name")
+WEIGHTS_CHECK = Schema("weights_checker")
+POST_PROCESS = Schema("post_process_weights")
 
 
 def refuse_pickled(args: Any, route: str) -> Response | None:
@@ -226,6 +241,30 @@ class RlRoutes(ApiBase):
         if not reply.ok:
             return error_response(400, str(reply.data.get("error")), param="name")
         return JSONResponse(reply.data["parameter"])
+
+    async def post_process_weights(self, request: Request) -> Response:
+        """SGLang's hooks around a load for int4/fp4 (compressed-tensors) checkpoints, which this
+        engine does not serve: its updates land ready to serve (FP8 scales made as they land),
+        so there is nothing to restore or post-process."""
+        await self._body(request, PostProcess, POST_PROCESS)
+        return JSONResponse({"success": True, "message": "nothing to post-process: updated weights land ready"})
+
+    async def weights_checker(self, request: Request) -> Response:
+        """SGLang's /weights_checker (``CheckWeights``): success and message, with ``ranks`` (each
+        rank's checksums) and ``per_engine_checksum`` for a checksum; 400 when a compare finds
+        a difference."""
+        body: WeightsCheck = await self._body(request, WeightsCheck, WEIGHTS_CHECK)
+        task = CheckWeights(body.action, body.allow_quant_error, body.skip_tensor_list or [])
+        reply = await self.client.control("check_weights", timeout=UPDATE_TIMEOUT_S, task=task)
+        data = dict(reply.data)
+        out: dict[str, Any] = {"success": reply.ok, "message": str(data.get("error", data.get("message", "")))}
+        if reply.ok and "ranks" in data:
+            ranks = list(data["ranks"])
+            total = hashlib.sha256()
+            for info in ranks:
+                total.update(str(info["per_gpu_checksum"]).encode())
+            out.update(ranks=ranks, per_engine_checksum=total.hexdigest())
+        return JSONResponse(out, status_code=200 if reply.ok else 400)
 
     async def pause_generation(self, request: Request) -> Response:
         body: Pause = await self._body(request, Pause, PAUSE)

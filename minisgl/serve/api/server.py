@@ -174,6 +174,8 @@ ROUTES: list[tuple[str, str, list[str]]] = [
     ("/stop_profile", "stop_profile", ["POST"]),
     ("/update_weights_from_disk", "update_weights_from_disk", ["POST"]),
     ("/get_weights_by_name", "get_weights_by_name", ["GET", "POST"]),
+    ("/weights_checker", "weights_checker", ["GET", "POST"]),
+    ("/post_process_weights", "post_process_weights", ["POST"]),
     ("/update_weights_from_tensor", "update_weights_from_tensor", ["POST"]),
     ("/update_weights_from_distributed", "update_weights_from_distributed", ["POST"]),
     ("/init_weights_update_group", "init_weights_update_group", ["POST"]),

@@ -20,6 +20,7 @@ from minisgl.serve.scheduler.lora import LoraError
 from minisgl.serve.scheduler.request import Req, ReqEvent
 from minisgl.wire.control import (
     BroadcastWeights,
+    CheckWeights,
     DropLoras,
     LoadLora,
     LoadWeights,
@@ -111,10 +112,11 @@ class ControlPlane:
         self.collect_inflight()
         if isinstance(task, MemoryOccupation):
             return self._memory(task)
-        if "weights" in self.released and isinstance(task, (*UPDATES, ReadWeights)):
+        if "weights" in self.released and isinstance(task, (*UPDATES, ReadWeights, CheckWeights)):
             raise ControlError("the weights are released: resume_memory_occupation with tag weights first")
         reply = self.sched.executor.run_task(task)
-        if reply.ok and isinstance(task, UPDATES):
+        reset = isinstance(task, CheckWeights) and task.action == "reset_tensors"
+        if reply.ok and (isinstance(task, UPDATES) or reset):  # (a reset leaves random weights: new ones too)
             self.new_weights(flush_cache)
         return reply
 

@@ -24,7 +24,7 @@ from minisgl.serve.scheduler.scheduler import Scheduler
 from minisgl.serve.scheduler.worker_link import WorkerLink
 from minisgl.serve.tokenizer import eos_ids, load_tokenizer
 from minisgl.utils import init_logging, keep_torch_out
-from minisgl.wire.control import ControlReply, ControlReq, LoadLora, ReadWeights
+from minisgl.wire.control import CheckWeights, ControlReply, ControlReq, LoadLora, ReadWeights
 from minisgl.wire.ipc import Addresses, Receiver, Sender, become_child
 from minisgl.wire.requests import AbortReq, EngineInfo, TokenBatch, TokenizedBatch, TokenizedReq, TokenOut, ToScheduler
 
@@ -133,6 +133,12 @@ class SchedulerProcess:
                 return self._weights(msg)
             if msg.op in ("lora_load", "lora_unload"):
                 return self._lora(msg)
+            if msg.op == "check_weights" and isinstance(msg.task, CheckWeights):
+                reply = sched.control.run_task(msg.task)
+                data: dict = {"message": reply.message}
+                if reply.values is not None:
+                    data["ranks"] = reply.values
+                return ControlReply(cid, reply.ok, data if reply.ok else {**data, "error": reply.message})
             if msg.op == "read_weights" and isinstance(msg.task, ReadWeights):
                 reply = sched.control.run_task(msg.task)
                 data = {"parameter": reply.values or []} if reply.ok else {"error": reply.message}
@@ -213,6 +219,8 @@ class SchedulerProcess:
             host_cached_tokens=req.host_cached_tokens,
             error=req.error,
         )
+        if self.sched.spec is not None:  # each decode step gave one token and what it accepted
+            out.spec = [len(req.output_ids) - 1 - req.spec_accepted, req.spec_drafted, req.spec_accepted]
         if req.options.top_logprobs >= 0:
             out.logprobs = req.output_logprobs[new]
         if req.options.entropy:

@@ -99,6 +99,9 @@ class Req:
     verify_step: int = -1
     verify_draft: list[int] = field(default_factory=list)
     verify_chain: bool = True
+    # (speculation) draft tokens verified and those kept: SGLang's per-request spec_* meta_info
+    spec_drafted: int = 0
+    spec_accepted: int = 0
     # Place in the waiting queue (None while not waiting): its sequence number and trie node.
     queue_seq: int | None = None
     queue_node: Any = None

@@ -319,6 +319,8 @@ class SpecPlanner:
                     break
             keep += range(at, at + take)
             at += len(draft) + 1
+            req.spec_drafted += len(draft)
+            req.spec_accepted += take - 1
             self.accepted_tokens += accepted
             step_accepted += accepted
             count_run(req, accepted > 0)

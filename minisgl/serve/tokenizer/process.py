@@ -96,6 +96,7 @@ class RequestState:
             prompt_ids=self.unsent_prompt,
             host_cached_tokens=out.host_cached_tokens,
             entropy=out.entropy,
+            spec=out.spec,
         )
         self.unsent_prompt = []
         if self.text is not None:
