@@ -308,6 +308,10 @@ def test_update_from_distributed_broadcast_at_tp2(checkpoints, reference):
     with running_server(checkpoints["A"], "--page-size", "4", "--max-total-tokens", "8192", "--tp-size", "2") as srv:
         assert outputs(srv) == reference["A"]
         broadcast_updates(srv, checkpoints, reference, engine_ranks=2)
+        sums = post(srv, "/weights_checker", {"action": "checksum"}).json()  # (each rank hashes its shard)
+        assert [r["parallelism_info"]["tp_rank"] for r in sums["ranks"]] == [0, 1]
+        assert sums["ranks"][0]["checksums"].keys() == sums["ranks"][1]["checksums"].keys()
+        assert sums["ranks"][0]["per_gpu_checksum"] != sums["ranks"][1]["per_gpu_checksum"]
 
 
 def _stream(srv: ServerProcess, prompt: list[int], n: int, out: list) -> None:
