@@ -83,8 +83,30 @@ def test_max_thinking_tokens_over_http(thinking_server, tiny_llama):
 
 
 def test_max_thinking_tokens_needs_a_reasoning_parser(server):  # noqa: F811
-    r = httpx.post(f"{server.url}/generate", json={"text": "a", "max_thinking_tokens": 4})
-    assert r.status_code == 400 and "--reasoning-parser" in r.json()["error"]["message"]
+    for field, value in (("max_thinking_tokens", 4), ("require_reasoning", True)):
+        r = httpx.post(f"{server.url}/generate", json={"text": "a", field: value})
+        assert r.status_code == 400 and "--reasoning-parser" in r.json()["error"]["message"], r.text
+
+
+def test_require_reasoning_holds_the_grammar_until_the_thinking_closes(thinking_server, tiny_llama):
+    """SGLang's require_reasoning: the output starts in the thinking, which the grammar leaves
+    free (the tokens are the unconstrained ones), and the grammar constrains what follows the
+    close marker (here forced by a budget of 5)."""
+    import re
+
+    llm = LLM(str(tiny_llama), device="cpu", max_total_tokens=8192)
+    tok = llm.tokenizer
+    close = tok.encode("</think>", add_special_tokens=False)
+    prompt = tok.encode("Question: why?")
+    params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+    body = {"input_ids": prompt, "sampling_params": {**params, "regex": "[a-z]+"}, "require_reasoning": True}
+    out = httpx.post(f"{thinking_server.url}/generate", json={**body, "max_thinking_tokens": 5}, timeout=60).json()
+    ids = out["output_ids"]
+    free = llm.generate(prompt, {**params, "max_new_tokens": 5})[0]["output_ids"]
+    assert ids[:5] == free and ids[5 : 5 + len(close)] == close, ids
+    answer = tok.decode(ids[5 + len(close) :], skip_special_tokens=True)
+    assert re.fullmatch("[a-z]+", answer), answer
+    idle_and_clean(thinking_server)
 
 
 def sglang_processor(cls_name: str, protocol: int = 4) -> str:

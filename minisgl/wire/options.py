@@ -30,6 +30,7 @@ class RequestOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
     think_budget: int = -1
     think_open: bool = False
     think_markers: list[list[int]] = []  # the open and close markers' ids (the tokenizer's)
+    require_reasoning: bool = False  # SGLang's: the model thinks first; a grammar constrains what follows
     prediction: str | None = None  # OpenAI's predicted output: a draft source, no result depends on it
     prediction_ids: list[int] = []  # ``prediction`` tokenized (the tokenizer's)
     no_logs: bool = False  # SGLang's no_logs (zero data retention): --log-requests skips it
@@ -37,3 +38,8 @@ class RequestOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
     @property
     def logprobs(self) -> bool:
         return self.top_logprobs >= 0
+
+    @property
+    def thinks(self) -> bool:
+        """Whether the scheduler follows its thinking (a budget, or a grammar held until after it)."""
+        return self.think_budget >= 0 or self.require_reasoning

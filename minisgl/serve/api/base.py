@@ -353,8 +353,7 @@ class ApiBase:
         parser = self.args.reasoning_parser
         if asked is not None and parser is None:
             raise BadRequest(
-                f"{asked} (a thinking budget) needs a server started with --reasoning-parser (it names the "
-                "thinking markers)",
+                f"{asked} needs a server started with --reasoning-parser (it names the thinking markers)",
                 param=asked,
             )
         return parser is not None and starts_in_reasoning(parser)

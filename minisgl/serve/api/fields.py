@@ -163,7 +163,6 @@ GENERATE = Schema(
         "bootstrap_room": None,
         "bootstrap_pair_key": None,
         "decode_tp_size": None,
-        "require_reasoning": False,
         "need_wait_for_mm_inputs": None,
         "num_items_assigned": None,
         "max_dynamic_patch": None,

@@ -141,6 +141,7 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
     return_prompt_token_ids: bool = False  # the prompt's token ids beside the output's (prompt_token_ids)
     return_entropy: bool = False  # each output token's distribution's entropy (output_token_entropy)
     max_thinking_tokens: Int32 | None = None  # a reasoning model's thinking budget (--reasoning-parser)
+    require_reasoning: bool = False  # the output starts with thinking; a grammar applies after it
     custom_logit_processor: str | None = None  # SGLang's thinking-budget ones only (api/logit_processors.py)
     return_routed_experts: bool = False  # MoE: each position's experts (--enable-return-routed-experts)
     routed_experts_start_len: Int32 = 0  # from this position on (0: the whole prompt too)
@@ -231,6 +232,7 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
                     cache_salt=keys[i],
                     lora=loras[i],
                     think_budget=budgets[i],
+                    require_reasoning=self.require_reasoning,
                     no_logs=self.no_logs,
                 )
             )
@@ -256,9 +258,11 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
 
     @property
     def thinking_budget_asked(self) -> str | None:
-        """The field that asks for a thinking budget, if one does."""
+        """The field that asks for a thinking budget or the thinking first, if one does."""
         if self.max_thinking_tokens is not None:
             return "max_thinking_tokens"
+        if self.require_reasoning:
+            return "require_reasoning"
         return "custom_logit_processor" if self.custom_logit_processor is not None else None
 
     def _logprob_ids(self, count: int) -> list[list[int]]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from minisgl.serve.scheduler.request import PromptScore, Req
+from minisgl.serve.scheduler.think_budget import grammar_on
 from minisgl.wire.steps import StepOutput
 
 
@@ -78,11 +79,12 @@ def apply_output(
             finish(req, "length")
             continue
         req.output_ids.append(token)
+        constrained = req.matcher is not None and grammar_on(req)  # (the close marker itself is free)
         if req.think is not None:
             req.think.accept(token)
         record_logprobs(req, out, i)
         reason = "stop" if token in req.stop_ids else "length" if len(req.output_ids) >= req.max_outputs else None
-        if req.matcher is not None:
+        if constrained:
             if not req.matcher.accept_token(token):  # sampled under its mask, so never expected
                 kind = req.params.grammar[0] if req.params.grammar else "grammar"
                 req.error = (

@@ -42,7 +42,7 @@ from minisgl.serve.scheduler.prefill_batch import mixed_batch, prefill_batch
 from minisgl.serve.scheduler.queue import WaitingQueue
 from minisgl.serve.scheduler.request import Req, ReqEvent
 from minisgl.serve.scheduler.speculative import Drafter, Drafts, SpecPlanner
-from minisgl.serve.scheduler.think_budget import ThinkBudget, masks
+from minisgl.serve.scheduler.think_budget import ThinkBudget, grammar_on, masks
 from minisgl.utils import cdiv, context_overflow
 from minisgl.wire.control import WorkerReply
 from minisgl.wire.options import RequestOptions
@@ -219,7 +219,7 @@ class Scheduler:
     def add_request(self, prompt_ids: list[int], params: SamplingParams, options: RequestOptions | None = None) -> Req:
         """Validate and queue a request. Raises ValueError naming what is wrong."""
         opts = options if options is not None else RequestOptions()
-        routed_start, think = opts.routed_start, opts.think_budget >= 0
+        routed_start, think = opts.routed_start, opts.thinks
         if routed_start >= 0 and not self.args.enable_return_routed_experts:
             raise ValueError("return_routed_experts needs a server started with --enable-return-routed-experts")
         if opts.hidden_states and not self.args.enable_return_hidden_states:
@@ -234,9 +234,11 @@ class Scheduler:
             raise ValueError("the prompt is empty")
         if think:
             if len(opts.think_markers) != 2 or not all(opts.think_markers):
-                raise ValueError("max_thinking_tokens needs the reasoning markers known")
-            if params.grammar is not None:
-                raise ValueError("max_thinking_tokens cannot be combined with structured output")
+                raise ValueError("max_thinking_tokens and require_reasoning need the reasoning markers known")
+            if params.grammar is not None and not opts.require_reasoning:
+                raise ValueError(
+                    "max_thinking_tokens with structured output needs require_reasoning (a grammar after thinking)"
+                )
         if not ids_in_range(prompt_ids, self.vocab_size):
             raise ValueError(f"input_ids must be in [0, {self.vocab_size})")
         if len(prompt_ids) >= self.context_len:
@@ -281,7 +283,9 @@ class Scheduler:
         req.max_outputs = max_len - len(prompt_ids)
         if think:
             open_ids, close_ids = opts.think_markers
-            open_at_start = opts.think_open or ThinkBudget.open_in(req.prompt_ids, open_ids, close_ids)
+            open_at_start = (
+                opts.think_open or opts.require_reasoning or ThinkBudget.open_in(req.prompt_ids, open_ids, close_ids)
+            )
             req.think = ThinkBudget(opts.think_budget, open_ids, close_ids, open_at_start)
         req.masked = grammar is not None or think
         req.plain = not opts.logprobs and not opts.entropy and not req.masked and params.max_new_tokens > 0
@@ -508,7 +512,7 @@ class Scheduler:
             rows = [sampled[i] for i in batch.mask_rows]
             self.executor.sample_masked(
                 masks(
-                    [(r.matcher, r.params.json_schema is not None, r.think) for r in rows],
+                    [(r.matcher if grammar_on(r) else None, r.params.json_schema is not None, r.think) for r in rows],
                     self.grammar,
                     self.vocab_size,
                 )

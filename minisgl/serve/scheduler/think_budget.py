@@ -1,5 +1,7 @@
 """Thinking budgets (SGLang's ``max_thinking_tokens``): a reasoning model thinks for at most that
-many tokens, then its end-of-thinking marker is forced, token by token, and it answers.
+many tokens, then its end-of-thinking marker is forced, token by token, and it answers. With
+SGLang's ``require_reasoning`` the output starts in the thinking and a grammar constrains only the
+tokens after its close marker (``grammar_on``).
 
 The thinking opens at the start of the output when the prompt left it open (the template wrote
 the open marker last, or the reasoning parser says the model always starts there), else when the
@@ -19,7 +21,7 @@ class ThinkBudget:
     """One request's thinking: whether it is open, its tokens so far, and the marker's progress."""
 
     def __init__(self, budget: int, open_ids: list[int], close_ids: list[int], open_at_start: bool):
-        self.budget = budget
+        self.budget = budget if budget >= 0 else NO_BUDGET
         self.open_ids, self.close_ids = open_ids, close_ids
         self.thinking = open_at_start
         self.done = False  # the marker closed it (thinking happens once)
@@ -59,6 +61,15 @@ class ThinkBudget:
         """Whether the budget may run out within ``ahead`` more tokens (those already launched):
         from then on its rows are masked, the mask deciding once the tokens before are known."""
         return self.thinking and self.used + ahead >= self.budget
+
+
+NO_BUDGET = 1 << 62  # (require_reasoning alone: the thinking is followed, never cut)
+
+
+def grammar_on(req: Any) -> bool:
+    """Whether a request's grammar constrains its next token: at once, or with require_reasoning
+    (``think`` set beside a grammar) once its thinking has closed."""
+    return req.think is None or req.think.done
 
 
 # Tokens of a request that may be launched but not yet seen when a step is built (overlap keeps

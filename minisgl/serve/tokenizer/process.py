@@ -273,7 +273,7 @@ class TokenizerProcess:
         """The ids of the reasoning models' open and close markers (a thinking budget forces the
         close one)."""
         if self.tokenizer is None:
-            raise ValueError(f"max_thinking_tokens: {self._no_tokenizer} (its markers are text)")
+            raise ValueError(f"max_thinking_tokens and require_reasoning: {self._no_tokenizer} (the markers are text)")
         return self.think_marker_ids
 
     def _prediction(self, req: GenerateReq) -> list[int]:
@@ -319,7 +319,7 @@ class TokenizerProcess:
                     req.options,
                     prediction=None,
                     prediction_ids=self._prediction(req),
-                    think_markers=self._think_markers() if req.options.think_budget >= 0 else [],
+                    think_markers=self._think_markers() if req.options.thinks else [],
                 )
             except ValueError as e:
                 refused.append(ReqUpdate(req.rid, error=str(e)))
