@@ -106,6 +106,10 @@ def test_require_reasoning_holds_the_grammar_until_the_thinking_closes(thinking_
     assert ids[:5] == free and ids[5 : 5 + len(close)] == close, ids
     answer = tok.decode(ids[5 + len(close) :], skip_special_tokens=True)
     assert re.fullmatch("[a-z]+", answer), answer
+    # A prompt whose thinking is already closed (a template that turned it off): the grammar holds at once.
+    closed = tok.encode("Question: why?<think>\n\n</think>\n\n")
+    out = httpx.post(f"{thinking_server.url}/generate", json={**body, "input_ids": closed}, timeout=60).json()
+    assert re.fullmatch("[a-z]+", out["text"]), out["text"]
     idle_and_clean(thinking_server)
 
 
@@ -212,3 +216,25 @@ def test_sglang_thinking_budget_processor_over_http(thinking_server, server):  #
     free = httpx.post(f"{url}/generate", json={"input_ids": prompt_ids, "sampling_params": params}).json()
     assert choice["token_ids"] == budgeted["output_ids"] != free["output_ids"]
     idle_and_clean(thinking_server)
+
+
+def test_chat_with_an_always_thinking_model_holds_its_grammar_until_the_thinking_closes(tiny_llama):
+    """Chat with a grammar on a server whose reasoning parser says the model always starts
+    thinking (qwen3-thinking): the thinking (closed here by a budget of 4) is free, the answer
+    after it follows the grammar."""
+    import re
+
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "why?"}],
+        "max_tokens": 24,
+        "temperature": 0,
+        "regex": "[a-z]+",
+        "custom_logit_processor": sglang_processor("Qwen3ThinkingBudgetLogitProcessor"),
+        "custom_params": {"thinking_budget": 4},
+    }
+    with running_server(tiny_llama, "--reasoning-parser", "qwen3-thinking", "--max-total-tokens", "8192") as srv:
+        message = httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
+        thinking, answer = message["reasoning_content"], message["content"]
+        assert re.fullmatch("[a-z]+", answer) and not re.fullmatch("[a-z]+", thinking), message
+        idle_and_clean(srv)

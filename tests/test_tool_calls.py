@@ -325,7 +325,8 @@ def test_forced_tool_calls_over_the_openai_client(server):
             )
             r = client.chat.completions.create(**kw)
             whole = _whole(r.choices[0].message)
-            assert r.choices[0].finish_reason == finish, r
+            # (with parallel calls a random model may go on calling until max_tokens: the calls made are kept)
+            assert r.choices[0].finish_reason in ({finish, "length"} if parallel else {finish}), r
             assert whole["content"] == "" and whole["calls"], whole
             assert len(whole["calls"]) == 1 or parallel
             for call in whole["calls"]:
@@ -334,7 +335,7 @@ def test_forced_tool_calls_over_the_openai_client(server):
             if isinstance(choice, dict):
                 assert [c["name"] for c in whole["calls"]] == ["add"]
             streamed, streamed_finish = _streamed(client, **kw)
-            assert streamed_finish == finish
+            assert streamed_finish == r.choices[0].finish_reason
             strip = lambda m: {**m, "calls": [{**c, "id": None} for c in m["calls"]]}  # noqa: E731 (ids are fresh)
             assert strip(streamed) == strip(whole)
     idle_and_clean(server)

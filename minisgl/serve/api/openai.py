@@ -276,6 +276,8 @@ class OpenAIRoutes(ApiBase):
         for j in range(body.n):
             sampling = body.sampling(max_new, j)
             sampling.json_schema = plan.schema or sampling.json_schema  # a forced call's grammar
+            # (a model that always starts thinking: its grammar constrains the answer after it)
+            after_thinking = think_open and sampling.grammar is not None
             reqs.append(
                 GenerateReq(
                     ids[j] if ids is not None else f"{rid}-{j}",
@@ -291,6 +293,7 @@ class OpenAIRoutes(ApiBase):
                         routed_start=body.routed_start,
                         think_budget=budget,
                         think_open=think_open,
+                        require_reasoning=after_thinking,
                     ),
                     messages=messages if given is None else None,
                     input_ids=given,

@@ -287,6 +287,8 @@ class Scheduler:
                 opts.think_open or opts.require_reasoning or ThinkBudget.open_in(req.prompt_ids, open_ids, close_ids)
             )
             req.think = ThinkBudget(opts.think_budget, open_ids, close_ids, open_at_start)
+            if opts.require_reasoning and ThinkBudget.closed_in(req.prompt_ids, open_ids, close_ids):
+                req.think.thinking, req.think.done = False, True  # (the template closed it: no thinking)
         req.masked = grammar is not None or think
         req.plain = not opts.logprobs and not opts.entropy and not req.masked and params.max_new_tokens > 0
         if adapter is not None and not (params.max_new_tokens == 0 and not req.scores_prompt):

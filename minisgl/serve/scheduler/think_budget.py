@@ -33,6 +33,12 @@ class ThinkBudget:
         """Whether the prompt's last open marker comes after its last close marker."""
         return _last(prompt, open_ids) > _last(prompt, close_ids)
 
+    @staticmethod
+    def closed_in(prompt: list[int], open_ids: list[int], close_ids: list[int]) -> bool:
+        """Whether the prompt already holds a whole thinking section (a template that turned the
+        thinking off writes an empty one)."""
+        return _last(prompt, close_ids) > _last(prompt, open_ids) >= 0
+
     def accept(self, token: int) -> None:
         width = max(len(self.open_ids), len(self.close_ids))
         self.recent = (self.recent + [token])[-width:]
