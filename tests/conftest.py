@@ -16,10 +16,20 @@ from minisgl.device.tiny_model import ARCHS, make_tiny_model  # noqa: E402
 SERVER_HELPERS = ("ServerProcess", "running_server")  # a module holding one starts servers
 
 
+# The quick loop (-m quick): the core's unit modules (the cache, scheduler, models against
+# transformers, sampling, the layout), a few minutes on two cores where the whole suite takes 35.
+QUICK_MODULES = {
+    "test_cascade", "test_detokenizer", "test_fp8", "test_flags", "test_imports", "test_kvcache", "test_layout",
+    "test_loader", "test_metrics", "test_models", "test_piecewise", "test_policy", "test_radix_cache",
+    "test_request_options", "test_sampling", "test_scheduler", "test_scheduler_fuzz", "test_step_inputs",
+}  # fmt: skip
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Groups for -m: ``cuda`` (marked; skipped without a GPU), ``server`` (the test's module
     starts real servers: seconds each), ``interpreter`` (Triton kernels run on CPU by Triton's
-    interpreter: minutes each) and ``unit`` (the rest)."""
+    interpreter: minutes each) and ``unit`` (the rest); ``quick``: the unit tests of
+    ``QUICK_MODULES``."""
     skip = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs CUDA")
     for item in items:
         if "cuda" in item.keywords:
@@ -31,6 +41,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.interpreter)
         else:
             item.add_marker(pytest.mark.unit)
+            if item.module.__name__.rpartition(".")[2] in QUICK_MODULES:
+                item.add_marker(pytest.mark.quick)
 
 
 @pytest.fixture(scope="session")
