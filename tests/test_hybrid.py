@@ -426,7 +426,7 @@ def test_a_prefill_step_batches_the_conv_and_runs_a_part_way_snapshot_in_two_pas
             if cut is not None and i == 0:
                 conv[6], ssm[6] = conv[slot], ssm[slot]
     pool.prepare(meta, [], splits=[1, 6, 70])
-    assert pool.splits is not None and not pool.decode
+    assert pool.prefill.splits is not None and not pool.decode
     mixed = varlen_conv(x, weight, pool.conv[0], pool.prefill)
     q, k, v = (t.reshape(95, -1, dk).contiguous() for t in mixed.split([hk * dk, hk * dk, hv * dv], dim=-1))
     g = -gates.A_log.exp() * torch.nn.functional.softplus(a + gates.dt_bias)

@@ -67,8 +67,6 @@ class StatePool:
         # the row its state after them is copied to or -1)
         self.segments: list[tuple[int, int, int, int]] = []
         self.slots = torch.zeros(0, dtype=torch.int64, device=device)  # each segment's slot
-        self.cu_seqlens = torch.zeros(1, dtype=torch.int64, device=device)  # the segments' token offsets
-        self.splits: Splits | None = None
         self.prefill: PrefillIndex | None = None  # (a step that is not all decode rows)
         self.decode = False
         self.graph_slots: torch.Tensor | None = None  # (CUDA graphs) the buffer the captured steps read
@@ -104,14 +102,15 @@ class StatePool:
             row += n
         self.segments = segments
         self.decode = all(n == 1 for n in meta.new_lens)
-        self.splits = Splits.of(segments, self.conv.device) if cut else None
         seg_slots = np.array([s[0] for s in segments], dtype=np.int64)
+        self.prefill = None
         if graph:  # (straight into the captured buffer: one copy)
             self.slots = self.graph_slots[: len(seg_slots)]
             self.slots.copy_(torch.from_numpy(seg_slots), non_blocking=True)
-            self.prefill = None
+        elif self.decode:
+            self.slots = torch.from_numpy(seg_slots).to(self.conv.device, non_blocking=True)
         else:
-            self.slots, self.cu_seqlens, self.prefill = self._prefill_index(meta, segments, seg_slots, cut)
+            self.slots, self.prefill = self._prefill_index(meta, segments, seg_slots, cut)
         set_state_pool(self)
         fresh = [s for s, c in zip(meta.slots, meta.cached_lens) if c == 0]
         if fresh:  # (built on the host and sent without waiting: no sync with the step before)
@@ -122,25 +121,28 @@ class StatePool:
 
     def _prefill_index(
         self, meta: AttentionMetadata, segments: list[tuple[int, int, int, int]], seg_slots: np.ndarray, cut: dict
-    ) -> tuple[torch.Tensor, torch.Tensor, PrefillIndex | None]:
-        """The segments' slots and token offsets, and for a step that is not all decode rows the
-        ``PrefillIndex``: built on the host and sent in one copy."""
+    ) -> tuple[torch.Tensor, PrefillIndex]:
+        """The segments' slots and the step's ``PrefillIndex`` (with its ``Splits`` when some
+        request saves a snapshot part-way): built on the host and sent in one copy."""
         offsets = np.array([s[1] for s in segments] + [sum(meta.new_lens)], dtype=np.int64)
-        if self.decode:
-            flat = torch.from_numpy(np.concatenate([seg_slots, offsets])).to(self.conv.device, non_blocking=True)
-            return *flat.split([len(seg_slots), len(offsets)]), None
-        lens = np.asarray(meta.new_lens, dtype=np.int64)
         points = [(slot, i, n) for i, (slot, n) in enumerate(zip(meta.slots, meta.new_lens))]
         points += [(save, meta.slots.index(slot), head) for slot, (save, head) in cut.items()]
-        req_slots = np.asarray(meta.slots, dtype=np.int64)
-        conv = conv_index(lens, self.shape.conv_width, points)
-        parts = [seg_slots, offsets, req_slots, *conv, chunk_indices(np.diff(offsets))]
-        flat = torch.from_numpy(np.concatenate([p.reshape(-1) for p in parts])).to(self.conv.device, non_blocking=True)
-        pieces = list(flat.split([p.size for p in parts]))
-        return pieces[0], pieces[1], PrefillIndex(
-            pieces[2], pieces[3], pieces[4], pieces[5].view(-1, self.shape.conv_width), pieces[6],
-            pieces[7].view(-1, 2),
-        )  # fmt: skip
+        order, outputs, state_rows, state_dst = conv_index(
+            np.asarray(meta.new_lens, dtype=np.int64), self.shape.conv_width, points
+        )
+        parts = {
+            "slots": seg_slots, "req_slots": np.asarray(meta.slots, dtype=np.int64), "order": order,
+            "outputs": outputs, "state_rows": state_rows, "state_dst": state_dst, "cu_seqlens": offsets,
+            "chunk_indices": chunk_indices(np.diff(offsets)),
+        }  # fmt: skip
+        split = split_parts(segments) if cut else {}
+        arrays = [*parts.values(), *split.values()]
+        # (one copy to the device for all: eager hybrid prefill steps are host-bound)
+        flat = torch.from_numpy(np.concatenate([x.reshape(-1) for x in arrays])).to(self.conv.device, non_blocking=True)
+        sent = [t.view(x.shape) for t, x in zip(flat.split([x.size for x in arrays]), arrays)]
+        index = dict(zip(parts, sent))
+        splits = Splits(**dict(zip(split, sent[len(parts) :]))) if cut else None
+        return index.pop("slots"), PrefillIndex(**index, splits=splits)
 
 
 def chunk_indices(lens: np.ndarray, chunk: int = FLA_CHUNK) -> np.ndarray:
@@ -172,17 +174,23 @@ def conv_index(lens: np.ndarray, width: int, points: list[tuple[int, int, int]])
     return [order, outputs, rows, dst]
 
 
-@dataclass
-class PrefillIndex:
-    """Where a prefill step's tokens and states sit (``StatePool._prefill_index``): for the
-    batched causal conv (``gated_delta.varlen_conv``) and FLA's varlen kernels."""
-
-    req_slots: torch.Tensor  # each request's slot: its conv inputs come first
-    order: torch.Tensor  # rows of cat(the requests' conv inputs, the tokens) in padded order
-    outputs: torch.Tensor  # the conv's output columns that are the tokens'
-    state_rows: torch.Tensor  # [points, width] padded rows whose inputs are a state ...
-    state_dst: torch.Tensor  # ... and the pool rows they go to
-    chunk_indices: torch.Tensor  # FLA's, of the segments
+def split_parts(segments: list[tuple[int, int, int, int]]) -> dict[str, np.ndarray]:
+    """The fields of ``Splits`` for the step's segments, on the host."""
+    heads = [i for i, s in enumerate(segments) if s[3] >= 0]
+    tails = {i + 1 for i in heads}
+    finals = [i for i in range(len(segments)) if i not in tails and segments[i][3] < 0]
+    tokens, offsets = [], [0]
+    for i in heads:
+        _, start, n, _ = segments[i + 1]
+        tokens += range(start, start + n)
+        offsets.append(offsets[-1] + n)
+    lists = {
+        "heads": heads, "save_rows": [segments[i][3] for i in heads], "finals": finals,
+        "final_slots": [segments[i][0] for i in finals], "tail_slots": [segments[i][0] for i in heads],
+        "tokens": tokens, "cu_seqlens": offsets,
+    }  # fmt: skip
+    parts = {name: np.array(values, dtype=np.int64) for name, values in lists.items()}
+    return {**parts, "chunk_indices": chunk_indices(np.diff(parts["cu_seqlens"]))}
 
 
 @dataclass
@@ -201,25 +209,20 @@ class Splits:
     cu_seqlens: torch.Tensor  # the second segments' offsets in ``tokens``
     chunk_indices: torch.Tensor  # FLA's, of the second segments
 
-    @classmethod
-    def of(cls, segments: list[tuple[int, int, int, int]], device: torch.device) -> Splits:
-        heads = [i for i, s in enumerate(segments) if s[3] >= 0]
-        tails = {i + 1 for i in heads}
-        finals = [i for i in range(len(segments)) if i not in tails and segments[i][3] < 0]
-        tokens, offsets = [], [0]
-        for i in heads:
-            _, start, n, _ = segments[i + 1]
-            tokens += range(start, start + n)
-            offsets.append(offsets[-1] + n)
-        chunks = chunk_indices(np.diff(offsets)).reshape(-1).tolist()
-        lists = (
-            heads, [segments[i][3] for i in heads], finals, [segments[i][0] for i in finals],
-            [segments[i][0] for i in heads], tokens, offsets, chunks,
-        )  # fmt: skip
-        # (one copy to the device for all: eager hybrid prefill steps are host-bound)
-        flat = torch.tensor([x for part in lists for x in part], dtype=torch.int64).to(device, non_blocking=True)
-        fields = flat.split([len(part) for part in lists])
-        return cls(*fields[:-1], fields[-1].view(-1, 2))
+
+@dataclass
+class PrefillIndex:
+    """Where a prefill step's tokens and states sit (``StatePool._prefill_index``): for the
+    batched causal conv (``gated_delta.varlen_conv``) and FLA's varlen kernels."""
+
+    req_slots: torch.Tensor  # each request's slot: its conv inputs come first
+    order: torch.Tensor  # rows of cat(the requests' conv inputs, the tokens) in padded order
+    outputs: torch.Tensor  # the conv's output columns that are the tokens'
+    state_rows: torch.Tensor  # [points, width] padded rows whose inputs are a state ...
+    state_dst: torch.Tensor  # ... and the pool rows they go to
+    cu_seqlens: torch.Tensor  # the segments' token offsets
+    chunk_indices: torch.Tensor  # FLA's, of the segments
+    splits: Splits | None  # (requests saving a snapshot part-way)
 
 
 _pool: weakref.ref[StatePool] | None = None

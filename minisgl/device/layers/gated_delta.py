@@ -97,8 +97,9 @@ def fla_chunked(
         )  # fmt: skip
         return o, final
 
-    o, ht = run(None, ssm[pool.slots], pool.cu_seqlens, pool.prefill.chunk_indices)
-    sp = pool.splits
+    index = pool.prefill
+    o, ht = run(None, ssm[pool.slots], index.cu_seqlens, index.chunk_indices)
+    sp = index.splits
     if sp is None:
         ssm[pool.slots] = ht.to(ssm.dtype)
         return o[0]
