@@ -282,13 +282,7 @@ class Scheduler:
         req.stop_ids = frozenset((params.stop_token_ids or []) + ([] if params.ignore_eos else list(self.eos_ids)))
         req.max_outputs = max_len - len(prompt_ids)
         if think:
-            open_ids, close_ids = opts.think_markers
-            open_at_start = (
-                opts.think_open or opts.require_reasoning or ThinkBudget.open_in(req.prompt_ids, open_ids, close_ids)
-            )
-            req.think = ThinkBudget(opts.think_budget, open_ids, close_ids, open_at_start)
-            if opts.require_reasoning and ThinkBudget.closed_in(req.prompt_ids, open_ids, close_ids):
-                req.think.thinking, req.think.done = False, True  # (the template closed it: no thinking)
+            req.think = ThinkBudget.of(req.prompt_ids, opts)
         req.masked = grammar is not None or think
         req.plain = not opts.logprobs and not opts.entropy and not req.masked and params.max_new_tokens > 0
         if adapter is not None and not (params.max_new_tokens == 0 and not req.scores_prompt):

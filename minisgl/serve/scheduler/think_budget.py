@@ -12,21 +12,35 @@ runs out (``near``), so a budgeted request keeps the batch overlapped the rest o
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from minisgl.wire.options import RequestOptions
 
 
 class ThinkBudget:
     """One request's thinking: whether it is open, its tokens so far, and the marker's progress."""
 
-    def __init__(self, budget: int, open_ids: list[int], close_ids: list[int], open_at_start: bool):
+    def __init__(self, budget: int, open_ids: list[int], close_ids: list[int], open_at_start: bool, done: bool = False):
         self.budget = budget if budget >= 0 else NO_BUDGET
         self.open_ids, self.close_ids = open_ids, close_ids
-        self.thinking = open_at_start
-        self.done = False  # the marker closed it (thinking happens once)
+        self.thinking = open_at_start and not done
+        self.done = done  # the marker closed it (thinking happens once)
         self.used = 0  # tokens inside the thinking so far
         self.recent: list[int] = []  # the last tokens, enough to see either marker end
+
+    @classmethod
+    def of(cls, prompt: list[int], opts: RequestOptions) -> ThinkBudget:
+        """A request's thinking (its RequestOptions): open at the start when the prompt left it
+        open, the model always starts there, or require_reasoning says it thinks first; with
+        require_reasoning a prompt that already closed it (a template that turned thinking off)
+        has done its thinking."""
+        open_ids, close_ids = opts.think_markers
+        thinks_first = opts.think_open or opts.require_reasoning or cls.open_in(prompt, open_ids, close_ids)
+        done = opts.require_reasoning and cls.closed_in(prompt, open_ids, close_ids)
+        return cls(opts.think_budget, open_ids, close_ids, thinks_first, done)
 
     @staticmethod
     def open_in(prompt: list[int], open_ids: list[int], close_ids: list[int]) -> bool:
