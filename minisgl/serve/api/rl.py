@@ -256,15 +256,13 @@ class RlRoutes(ApiBase):
         body: WeightsCheck = await self._body(request, WeightsCheck, WEIGHTS_CHECK)
         task = CheckWeights(body.action, body.allow_quant_error, body.skip_tensor_list or [])
         reply = await self.client.control("check_weights", timeout=UPDATE_TIMEOUT_S, task=task)
-        data = dict(reply.data)
-        out: dict[str, Any] = {"success": reply.ok, "message": str(data.get("error", data.get("message", "")))}
-        if reply.ok and "ranks" in data:
-            ranks = list(data["ranks"])
-            total = hashlib.sha256()
-            for info in ranks:
-                total.update(str(info["per_gpu_checksum"]).encode())
-            out.update(ranks=ranks, per_engine_checksum=total.hexdigest())
-        return JSONResponse(out, status_code=200 if reply.ok else 400)
+        if not (reply.ok and "ranks" in reply.data):
+            return _answer(reply)
+        ranks = list(reply.data["ranks"])
+        total = hashlib.sha256()
+        for info in ranks:
+            total.update(str(info["per_gpu_checksum"]).encode())
+        return _answer(reply, ranks=ranks, per_engine_checksum=total.hexdigest())
 
     async def pause_generation(self, request: Request) -> Response:
         body: Pause = await self._body(request, Pause, PAUSE)
