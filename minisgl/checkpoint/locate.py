@@ -7,6 +7,7 @@ from pathlib import Path
 
 from minisgl.checkpoint.gguf_file import converted_checkpoint, find_gguf
 
+MAX_PATH_CHARS = 4096  # PATH_MAX on Linux: a longer path a client sends is refused unread
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
 
 

@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from minisgl.checkpoint.locate import MAX_PATH_CHARS
 from minisgl.checkpoint.model_config import ModelConfig
 from minisgl.checkpoint.safetensors_header import CheckpointError, header, read_json
 from minisgl.config.args import LORA_TARGET_MODULES, EngineArgs, parse_lora_paths
@@ -61,8 +62,8 @@ def _folder(path: str) -> Path:
     """The adapter's folder: a local one (``~`` expanded for the operator's --lora-paths; a
     client's path is absolute, ``serve/api/client_paths.py``), else a hub id. A local path that
     holds no adapter gets one answer whatever is there."""
-    if len(path) > 4096:  # (PATH_MAX)
-        raise AdapterError(f"a LoRA adapter path of {len(path)} characters (at most 4096 characters)")
+    if len(path) > MAX_PATH_CHARS:
+        raise AdapterError(f"a LoRA adapter path of {len(path)} characters (at most {MAX_PATH_CHARS} characters)")
     folder = Path(path).expanduser()
     try:
         if folder.is_dir() and (folder / "adapter_config.json").is_file():

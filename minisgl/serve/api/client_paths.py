@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import os
 
+from minisgl.checkpoint.locate import MAX_PATH_CHARS
 from minisgl.config.args import ServerArgs
 from minisgl.serve.api.errors import BadRequest
-
-MAX_PATH_CHARS = 4096  # PATH_MAX on Linux
 
 
 def check_client_path(path: str, args: ServerArgs, field: str, served: str | None = None) -> None:
@@ -31,8 +30,7 @@ def check_client_path(path: str, args: ServerArgs, field: str, served: str | Non
             "and hub ids are not resolved for clients)",
             param=field,
         )
-    roots = args.weight_update_dirs
-    if roots:
-        real = os.path.realpath(path)
-        if not any(os.path.commonpath([real, os.path.realpath(r)]) == os.path.realpath(r) for r in roots):
+    if args.weight_update_dirs:
+        real, roots = os.path.realpath(path), [os.path.realpath(r) for r in args.weight_update_dirs]
+        if not any(os.path.commonpath([real, root]) == root for root in roots):
             raise BadRequest(f"{field} {path[:200]!r} is outside --weight-update-dirs", status=403, param=field)
