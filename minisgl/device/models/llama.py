@@ -148,10 +148,16 @@ class DecoderLayer(nn.Module):
         return self.attention_input(x, residual, positions, bufs["q"])[1]
 
     def mix(self, tokens: int, bufs: dict[str, torch.Tensor]) -> None:
-        get_attention_backend().forward(bufs["q"][:tokens], self.self_attn.layer_id, out=bufs["attn"][:tokens])
+        attend_into(bufs, tokens, self.self_attn.layer_id)
 
     def mixer_output(self, bufs: dict[str, torch.Tensor], residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.attention_output(bufs["attn"], residual)
+
+
+def attend_into(bufs: dict[str, torch.Tensor], tokens: int, kv_layer: int) -> None:
+    """Attention of the step's first ``tokens`` queries in ``bufs["q"]`` into ``bufs["attn"]``: an
+    attention layer's eager part between its pieces."""
+    get_attention_backend().forward(bufs["q"][:tokens], kv_layer, out=bufs["attn"][:tokens])
 
 
 def defers_reduce(config: ModelConfig) -> bool:

@@ -23,7 +23,7 @@ from minisgl.device.layers.gated_delta import GatedDeltaNet
 from minisgl.device.layers.linear import QKVParallelLinear, RowParallelLinear
 from minisgl.device.layers.norm import RMSNorm
 from minisgl.device.layers.rotary import RotaryEmbedding
-from minisgl.device.models.llama import MLP, DecoderModel, LlamaForCausalLM, SparseMoeBlock
+from minisgl.device.models.llama import MLP, DecoderModel, LlamaForCausalLM, SparseMoeBlock, attend_into
 from minisgl.utils import divide
 
 
@@ -129,8 +129,9 @@ class HybridLayer(nn.Module):
 
     def mix(self, tokens: int, bufs: dict[str, torch.Tensor]) -> None:
         if hasattr(self, "linear_attn"):
-            return self.linear_attn.mix_into(tokens, bufs)
-        get_attention_backend().forward(bufs["q"][:tokens], self.self_attn.kv_layer, out=bufs["attn"][:tokens])
+            self.linear_attn.mix_into(tokens, bufs)
+        else:
+            attend_into(bufs, tokens, self.self_attn.kv_layer)
 
     def mixer_output(self, bufs: dict[str, torch.Tensor], residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if hasattr(self, "linear_attn"):
