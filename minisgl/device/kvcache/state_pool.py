@@ -63,6 +63,8 @@ class StatePool:
         s = shape
         self.conv = torch.zeros(s.layers, slots, s.conv_channels, s.conv_width, dtype=conv_dtype, device=device)
         self.ssm = torch.zeros(s.layers, slots, s.heads, s.k_dim, s.v_dim, dtype=ssm_dtype, device=device)
+        # each layer's first row in the pool flattened over layers (``StepReplay``'s graphs address it so)
+        self.layer_base = torch.arange(s.layers, device=device) * slots
         # per request, two for one that saves a snapshot part-way: (slot, first token row, tokens,
         # the row its state after them is copied to or -1)
         self.segments: list[tuple[int, int, int, int]] = []

@@ -15,6 +15,8 @@ faster kernels are compared against.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,6 +27,9 @@ from minisgl.device.kernels.fused import rmsnorm_torch
 from minisgl.device.kvcache.state_pool import PrefillIndex, get_state_pool
 from minisgl.device.layers.linear import ColumnParallelLinear, RowParallelLinear
 from minisgl.utils import divide
+
+if TYPE_CHECKING:
+    from minisgl.device.worker.step_replay import StepReplay
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -40,16 +45,24 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> t
     return F.silu(y).t()
 
 
-def varlen_conv(x: torch.Tensor, weight: torch.Tensor, conv: torch.Tensor, index: PrefillIndex) -> torch.Tensor:
+def _offset(base: torch.Tensor | None):
+    return (lambda rows: rows) if base is None else (lambda rows: rows + base)
+
+
+def varlen_conv(
+    x: torch.Tensor, weight: torch.Tensor, conv: torch.Tensor, index: PrefillIndex, base: torch.Tensor | None = None
+) -> torch.Tensor:
     """``causal_conv`` of every request of a step at once: each request's state inputs (its row
     of ``conv`` [rows, C, W]) are laid before its tokens (rows of ``x`` [T, C]) in one padded
     sequence, one depthwise conv runs over it, and its columns at the tokens are the outputs.
     The states after the points ``index`` names (each request's last token, part-way snapshots)
-    are written to their rows."""
-    states = conv[index.req_slots].transpose(1, 2).reshape(-1, x.shape[1]).to(x.dtype)
+    are written to their rows. ``base``: a device offset added to every pool row (``conv`` is
+    then every layer's rows, flattened)."""
+    rows = _offset(base)
+    states = conv[rows(index.req_slots)].transpose(1, 2).reshape(-1, x.shape[1]).to(x.dtype)
     padded = torch.cat([states, x])[index.order]
     y = F.conv1d(padded.t().unsqueeze(0), weight.unsqueeze(1), groups=weight.shape[0]).squeeze(0)
-    conv[index.state_dst] = padded[index.state_rows].transpose(1, 2).to(conv.dtype)
+    conv[rows(index.state_dst)] = padded[index.state_rows].transpose(1, 2).to(conv.dtype)
     return F.silu(y[:, index.outputs].t())
 
 
@@ -80,13 +93,21 @@ def gated_delta_rule(
 
 
 def fla_chunked(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, ssm: torch.Tensor, pool
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm: torch.Tensor,
+    pool,
+    base: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``gated_delta_rule`` over every prompt chunk of the step in flash-linear-attention's varlen
     chunked kernel: normalised q, k [T, Hk, dk] (each key head shared by its value heads, q
     scaled in the kernel), v [T, Hv, dv], float32 g and beta [T, Hv]; states gathered from the
     pool's rows and written back. FLA's forward is called below its autograd wrapper, whose
-    checks and casts cost as much host time as its kernels take on the GPU."""
+    checks and casts cost as much host time as its kernels take on the GPU. ``base`` as in
+    ``varlen_conv``."""
     from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
 
     def run(rows: torch.Tensor | None, initial: torch.Tensor, cu_seqlens: torch.Tensor, chunks: torch.Tensor):
@@ -97,18 +118,19 @@ def fla_chunked(
         )  # fmt: skip
         return o, final
 
-    index = pool.prefill
-    o, ht = run(None, ssm[pool.slots], index.cu_seqlens, index.chunk_indices)
+    index, rows = pool.prefill, _offset(base)
+    slots = rows(pool.slots)
+    o, ht = run(None, ssm[slots], index.cu_seqlens, index.chunk_indices)
     sp = index.splits
     if sp is None:
-        ssm[pool.slots] = ht.to(ssm.dtype)
+        ssm[slots] = ht.to(ssm.dtype)
         return o[0]
     # Requests saving a snapshot part-way: their first segments' states are the snapshots, and
     # their second segments run again from those (the first pass ran them from a stale state).
-    ssm[sp.save_rows] = ht[sp.heads].to(ssm.dtype)
-    ssm[sp.final_slots] = ht[sp.finals].to(ssm.dtype)
+    ssm[rows(sp.save_rows)] = ht[sp.heads].to(ssm.dtype)
+    ssm[rows(sp.final_slots)] = ht[sp.finals].to(ssm.dtype)
     o2, ht2 = run(sp.tokens, ht[sp.heads], sp.cu_seqlens, sp.chunk_indices)
-    ssm[sp.tail_slots] = ht2.to(ssm.dtype)
+    ssm[rows(sp.tail_slots)] = ht2.to(ssm.dtype)
     o = o[0]
     o[sp.tokens] = o2[0]
     return o
@@ -210,8 +232,12 @@ class GatedDeltaNet(nn.Module):
         qkv, z, b, a = self._project(x)
         return self.output(self.mix(qkv, b, a).to(x.dtype), z)
 
-    def mix(self, qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-        """The conv and the recurrence of the step's tokens from their requests' states: o [T, Hv, dv]."""
+    def mix(
+        self, qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, params: list[torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """The conv and the recurrence of the step's tokens from their requests' states: o [T, Hv, dv].
+        ``params`` (prefill only): ``replay_tensors``' stand-ins for this layer's own, which a
+        graph captured at another layer reads (``StepReplay``)."""
         pool = get_state_pool()
         conv, ssm = pool.conv[self.index], pool.ssm[self.index]
         if qkv.is_cuda and pool.decode:  # in place by slot, in two kernels (CUDA graphs replay them)
@@ -219,7 +245,16 @@ class GatedDeltaNet(nn.Module):
 
             mixed = conv_step(qkv.contiguous(), self.conv1d.weight, conv, pool.slots)
             return delta_step(mixed, a.contiguous(), b.contiguous(), self.A_log, self.dt_bias, ssm, pool.slots, self.hk)
-        return self._mix(qkv, b, a, conv, ssm, pool)
+        if params is None:
+            params = [self.conv1d.weight, self.A_log, self.dt_bias, None]
+        else:  # (every layer's rows, addressed from the layer's base row)
+            conv, ssm = pool.conv.flatten(0, 1), pool.ssm.flatten(0, 1)
+        return self._mix(qkv, b, a, conv, ssm, pool, *params)
+
+    def replay_tensors(self) -> list[torch.Tensor]:
+        """What the mixing reads of this layer: its conv weight, gate parameters and the first
+        row of its layer in the flattened state pool."""
+        return [self.conv1d.weight, self.A_log, self.dt_bias, get_state_pool().layer_base[self.index]]
 
     def output(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """The gated per-head norm of ``o`` [T, Hv, dv] (in the model's dtype), projected back."""
@@ -238,30 +273,44 @@ class GatedDeltaNet(nn.Module):
         for name, value in zip(("qkv", "z", "b", "a"), self._project(x)):
             bufs[name].copy_(value)
 
-    def mix_into(self, tokens: int, bufs: dict[str, torch.Tensor]) -> None:
-        bufs["o"][:tokens].copy_(self.mix(bufs["qkv"][:tokens], bufs["b"][:tokens], bufs["a"][:tokens]))
+    def mix_into(self, tokens: int, bufs: dict[str, torch.Tensor], replay: StepReplay | None = None) -> None:
+        def run(params: list[torch.Tensor] | None = None) -> None:
+            bufs["o"][:tokens].copy_(self.mix(bufs["qkv"][:tokens], bufs["b"][:tokens], bufs["a"][:tokens], params))
 
-    def gates(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The log decay g and the write strength beta [T, Hv], float32."""
-        return -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float()), b.float().sigmoid()
+        if replay is None or get_state_pool().decode:
+            return run()
+        replay.run("gated_delta", self.replay_tensors(), run)
 
-    def _mix(self, qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor, pool):
+    def _mix(
+        self,
+        qkv: torch.Tensor,
+        b: torch.Tensor,
+        a: torch.Tensor,
+        conv: torch.Tensor,
+        ssm: torch.Tensor,
+        pool,
+        weight: torch.Tensor,
+        A_log: torch.Tensor,
+        dt_bias: torch.Tensor,
+        base: torch.Tensor | None,
+    ) -> torch.Tensor:
         """The conv and the gated delta rule in torch (FLA's chunked kernel for GPU prefill):
-        o [T, Hv, dv] (float32 in torch), the requests' rows of ``conv`` and ``ssm`` updated."""
-        weight = self.conv1d.weight
+        o [T, Hv, dv] (float32 in torch), the requests' rows of ``conv`` and ``ssm`` updated.
+        ``base`` (CUDA prefill): ``conv`` and ``ssm`` are every layer's rows, this layer's from it."""
         if pool.decode:
             states = conv[pool.slots]
             mixed = causal_conv_step(qkv, weight, states)
             conv[pool.slots] = states
         else:
-            mixed = varlen_conv(qkv, weight, conv, pool.prefill)
+            mixed = varlen_conv(qkv, weight, conv, pool.prefill, base)
         t, qk = qkv.shape[0], 2 * self.hk * self.dk
         q, k = l2norm(mixed[:, :qk].reshape(t, 2 * self.hk, self.dk).float()).split(self.hk, dim=1)
         v = mixed[:, qk:].reshape(t, self.hv, self.dv)
-        g, beta = self.gates(a, b)
+        g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())  # log decay
+        beta = b.float().sigmoid()  # write strength
         if qkv.is_cuda:
             q, k, v = (x.to(qkv.dtype).contiguous() for x in (q, k, v))
-            return fla_chunked(q, k, v, g, beta, ssm, pool)
+            return fla_chunked(q, k, v, g, beta, ssm, pool, base)
         q = q.repeat_interleave(self.ratio, dim=1) * self.dk**-0.5
         k, v = k.repeat_interleave(self.ratio, dim=1), v.float()
         if pool.decode:  # one token per request: every request in one batched step

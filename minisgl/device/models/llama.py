@@ -12,6 +12,8 @@ residual add (``RMSNorm(..., reduce=True)``).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -26,6 +28,9 @@ from minisgl.device.layers.norm import RMSNorm
 from minisgl.device.layers.quantization import Fp8Act
 from minisgl.device.layers.rotary import RotaryEmbedding
 from minisgl.utils import divide
+
+if TYPE_CHECKING:
+    from minisgl.device.worker.step_replay import StepReplay
 
 
 class Attention(nn.Module):
@@ -147,7 +152,7 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         return self.attention_input(x, residual, positions, bufs["q"])[1]
 
-    def mix(self, tokens: int, bufs: dict[str, torch.Tensor]) -> None:
+    def mix(self, tokens: int, bufs: dict[str, torch.Tensor], replay: StepReplay | None = None) -> None:
         attend_into(bufs, tokens, self.self_attn.layer_id)
 
     def mixer_output(self, bufs: dict[str, torch.Tensor], residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,9 +225,11 @@ class DecoderModel(nn.Module):
         if res.data_ptr() != residual.data_ptr():  # the fused norms update it in place; the torch ones do not
             residual.copy_(res)
 
-    def mix(self, i: int, tokens: int, bufs: dict[str, torch.Tensor]) -> None:
-        """Layer ``i``'s mixing over the step's first ``tokens`` rows of ``bufs``, between its pieces."""
-        self.layers[i].mix(tokens, bufs)
+    def mix(self, i: int, tokens: int, bufs: dict[str, torch.Tensor], replay: StepReplay | None = None) -> None:
+        """Layer ``i``'s mixing over the step's first ``tokens`` rows of ``bufs``, between its
+        pieces (``replay``: a layer kind whose mixing can replay one captured at an earlier
+        layer of the step does)."""
+        self.layers[i].mix(tokens, bufs, replay)
 
 
 class LlamaForCausalLM(nn.Module):

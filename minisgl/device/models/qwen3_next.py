@@ -12,6 +12,8 @@ gated shared expert.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -25,6 +27,9 @@ from minisgl.device.layers.norm import RMSNorm
 from minisgl.device.layers.rotary import RotaryEmbedding
 from minisgl.device.models.llama import MLP, DecoderModel, LlamaForCausalLM, SparseMoeBlock, attend_into
 from minisgl.utils import divide
+
+if TYPE_CHECKING:
+    from minisgl.device.worker.step_replay import StepReplay
 
 
 def zero_centred(norm: RMSNorm) -> RMSNorm:
@@ -127,9 +132,9 @@ class HybridLayer(nn.Module):
             bufs["gate"].copy_(self.self_attn.project(h, positions, bufs["q"])[1])
         return residual
 
-    def mix(self, tokens: int, bufs: dict[str, torch.Tensor]) -> None:
+    def mix(self, tokens: int, bufs: dict[str, torch.Tensor], replay: StepReplay | None = None) -> None:
         if hasattr(self, "linear_attn"):
-            self.linear_attn.mix_into(tokens, bufs)
+            self.linear_attn.mix_into(tokens, bufs, replay)
         else:
             attend_into(bufs, tokens, self.self_attn.kv_layer)
 

@@ -26,6 +26,7 @@ import torch
 from minisgl.device.attention.context import set_attention_backend
 from minisgl.device.distributed import get_tp_info
 from minisgl.device.worker.cuda_graph import StepInputs, with_requests
+from minisgl.device.worker.step_replay import StepReplay
 from minisgl.utils import progress
 from minisgl.wire.steps import ForwardBatch
 
@@ -60,6 +61,8 @@ class PiecewiseGraphRunner:
         self.residual = torch.zeros(n, hidden, dtype=dtype, device=dev)
         self.hidden = torch.zeros(n, hidden, dtype=dtype, device=dev)
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        # (hybrids) a step's linear-attention mixing replayed from one layer's capture
+        self.replay = StepReplay() if capture and runner.states is not None else None
         if capture:
             self._capture()
 
@@ -108,6 +111,9 @@ class PiecewiseGraphRunner:
         ``tokens`` rows."""
         cache, model = self.runner.kv_cache, self.model
         layers = model.num_pieces - 1
+        replay = self.replay if graphs is not None else None
+        if replay is not None:
+            replay.new_step()
         for i in range(layers + 1):
             if graphs is None:
                 self._piece(i, size)
@@ -116,7 +122,7 @@ class PiecewiseGraphRunner:
                     cache.wait_layer(model.layers[i].kv_layer)  # host-tier copies (a no-op in capture)
                 graphs[i].replay()
             if i < layers:
-                model.mix(i, tokens, self.bufs)
+                model.mix(i, tokens, self.bufs, replay)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states [T, hidden] of the step's new tokens (a view of a static buffer: valid
