@@ -164,6 +164,14 @@ class EngineArgs:
         SCHED,
         "decode every request over all its pages, even those it shares with others",
     )
+    enable_deterministic_inference: bool = knob(
+        False,
+        SCHED,
+        "batch-invariant arithmetic: a request's tokens and logprobs are the same bits whatever "
+        "shares its batch, however its prompt is chunked and whether its prefix was cached "
+        "(sampled requests: with a sampling_seed). CPU only so far (the CUDA kernels are not "
+        "built); not with speculative decoding, LoRA, FP8 or hybrid models",
+    )
     # Speculative decoding drafted from the radix tree and each request's own tokens (NGRAM).
     speculative_algorithm: str | None = knob(
         None,
@@ -551,6 +559,22 @@ class EngineArgs:
                 f"--hicache-io-backend must be one of {', '.join(HICACHE_IO_BACKENDS)}, got {self.hicache_io_backend!r}"
             )
         self._validate_lora()
+        self._validate_deterministic()
+
+    def _validate_deterministic(self) -> None:
+        if not self.enable_deterministic_inference:
+            return
+        refused = {
+            "speculative_algorithm": "verify steps are not batch-invariant",
+            "lora_enabled": "adapter products are not batch-invariant yet",
+            "quantization": "FP8 GEMMs are not batch-invariant yet",
+        }
+        for name, why in refused.items():
+            if getattr(self, name):
+                flag = "--enable-lora" if name == "lora_enabled" else "--" + name.replace("_", "-")
+                raise ValueError(f"--enable-deterministic-inference with {flag}: {why}")
+        if self.kv_cache_dtype.startswith("fp8"):
+            raise ValueError("--enable-deterministic-inference with an fp8 KV cache: not batch-invariant yet")
 
     @property
     def lora_enabled(self) -> bool:

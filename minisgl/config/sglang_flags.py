@@ -69,7 +69,6 @@ REFUSED: dict[str, tuple[int, str]] = {
     "--speculative-eagle-topk": (ONE, "no EAGLE drafts: --speculative-algorithm NGRAM drafts chains"),
     "--allow-auto-truncate": (SWITCH, "an over-long prompt is refused with a 400, never truncated"),
     "--preferred-sampling-params": (ONE, "server-wide sampling defaults are not supported: send them per request"),
-    "--enable-deterministic-inference": (SWITCH, "batch-invariant kernels are not built"),
     "--enable-multimodal": (SWITCH, "multimodal models are not served"),
     "--constrained-json-whitespace-pattern": (ONE, "xgrammar's JSON whitespace rule is used as it is"),
 }

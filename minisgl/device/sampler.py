@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from minisgl.device import batch_invariant
 from minisgl.wire.sampling import SamplingParams
 
 _M32 = 0xFFFFFFFF
@@ -295,11 +296,11 @@ class Sampler:
     ) -> None:
         """The sampled tokens' logprobs into ``out``, and as asked the top ``top_n``, those of
         ``id_union`` and the entropy of the distribution they were sampled from."""
-        logprobs = torch.log_softmax(logits, dim=-1)
+        logprobs = batch_invariant.rowwise(lambda x: torch.log_softmax(x, dim=-1), logits)
         out.logprobs = logprobs.gather(1, out.tokens[:, None]).squeeze(1)
         if entropy:  # -sum p log p over the logprobs' distribution (masked tokens add 0)
             probs = logprobs.exp()
-            out.entropy = -torch.special.xlogy(probs, probs).sum(dim=-1)
+            out.entropy = -batch_invariant.rowwise(lambda p: torch.special.xlogy(p, p).sum(dim=-1), probs)
         if top_n > 0:
             out.top_logprobs, out.top_ids = logprobs.topk(top_n, dim=-1)
         if id_union:
@@ -327,7 +328,7 @@ class Sampler:
         positions = self._to_device(torch.from_numpy(seq_lens))
         if shift is not None:
             positions = positions + shift
-        probs = torch.softmax(logits / self.temperature[slots, None], dim=-1)
+        probs = batch_invariant.rowwise(lambda x: torch.softmax(x, dim=-1), logits / self.temperature[slots, None])
         if self.h_truncate[slots_np].any():
             probs = self._top_k_top_p(probs, self.top_k[slots], self.top_p[slots])
         if self.h_min_p[slots_np].any():

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from minisgl.device import batch_invariant
 from minisgl.device.attention.base import AttentionBackend, AttentionMetadata
 from minisgl.device.kernels.rope_store import from_cache, rope_rows, rope_store_torch
 from minisgl.utils import cdiv, into
@@ -114,14 +115,21 @@ class TorchBackend(AttentionBackend):
         return out, lse.transpose(0, 1)
 
     def attend(self, q: torch.Tensor, layer_id: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        if batch_invariant.enabled():
+            return self._forward_each(q, layer_id, out, per_query=True)
         if self._decode is not None:
             return into(self._forward_decode(q, layer_id), out)
         if self.meta.cascade:
             return into(self._forward_cascade(q, layer_id), out)
         return self._forward_each(q, layer_id, out)
 
-    def _forward_each(self, q: torch.Tensor, layer_id: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        """One request at a time, causal within its new tokens."""
+    def _forward_each(
+        self, q: torch.Tensor, layer_id: int, out: torch.Tensor | None = None, per_query: bool = False
+    ) -> torch.Tensor:
+        """One request at a time, causal within its new tokens. ``per_query`` (batch-invariant
+        mode): one query at a time over exactly the keys it sees, so its bits depend on nothing
+        but those keys: not on the batch, the chunk it came in, or whether its prefix was cached
+        or decoded."""
         meta = self.meta
         out = torch.empty_like(q) if out is None else out
         start = 0
@@ -129,10 +137,16 @@ class TorchBackend(AttentionBackend):
             total = cached + new
             keys, values = self._gather(layer_id, i, 0, total)
             # New token j sits at position cached + j and sees keys 0..cached + j.
-            q_pos = torch.arange(cached, total, device=q.device)[:, None]
-            k_pos = torch.arange(total, device=q.device)[None, :]
-            got, _ = self._attend(q[start : start + new], keys, values, k_pos > q_pos)
-            out[start : start + new] = got.to(q.dtype)
+            if per_query:
+                for j in range(new):
+                    seen = cached + j + 1
+                    got, _ = self._attend(q[start + j : start + j + 1], keys[:seen], values[:seen], None)
+                    out[start + j] = got[0].to(q.dtype)
+            else:
+                q_pos = torch.arange(cached, total, device=q.device)[:, None]
+                k_pos = torch.arange(total, device=q.device)[None, :]
+                got, _ = self._attend(q[start : start + new], keys, values, k_pos > q_pos)
+                out[start : start + new] = got.to(q.dtype)
             start += new
         return out
 

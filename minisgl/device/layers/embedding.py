@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minisgl.device import batch_invariant
 from minisgl.device.distributed import all_gather_last_dim, all_reduce, argmax_over_ranks, get_tp_info
 from minisgl.device.layers.linear import Piece, linear_fp32
 from minisgl.device.layers.quantization import dequantize, fp8_logits, quantize_weight
@@ -96,7 +97,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         elif hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16):
             logits = linear_fp32(hidden, self.weight, out)
         else:
-            logits = F.linear(hidden, self.weight)
+            logits = batch_invariant.linear(hidden, self.weight)
         if out is not None and logits.data_ptr() != out.data_ptr():
             logits = out.copy_(logits)
         return self.gather(logits) if gather else logits

@@ -12,9 +12,9 @@ rank holds the scales of the full rows), an fp8 one is cut with its scales.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from minisgl.device import batch_invariant
 from minisgl.device.distributed import all_reduce, all_reduce_max, get_tp_info
 from minisgl.device.layers.fp8_scheme import Fp8Scheme
 from minisgl.device.layers.lora import LoraWeights
@@ -121,7 +121,7 @@ class ColumnParallelLinear(nn.Module):
         if self.quant is not None:
             y = fp8_linear(x, self.weight, self.weight_scale, self.bias, self.quant.block)
             return y if self.lora is None else self.lora.add(x, y, self.quant.block)
-        y = F.linear(x, self.weight, self.bias)
+        y = batch_invariant.linear(x, self.weight, self.bias)
         return y if self.lora is None else self.lora.add(x, y)
 
 
@@ -307,7 +307,7 @@ class RowParallelLinear(nn.Module):
 
     def _matmul(self, x: torch.Tensor | Fp8Act, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         if self.quant is None:
-            y = F.linear(x, self.weight) if out_dtype is None else linear_fp32(x, self.weight)
+            y = batch_invariant.linear(x, self.weight) if out_dtype is None else linear_fp32(x, self.weight)
             return y if self.lora is None else self.lora.add(x, y)
         act = x
         if isinstance(x, torch.Tensor) and self.scales_across_ranks:

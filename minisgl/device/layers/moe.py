@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minisgl.device import batch_invariant
 from minisgl.device.distributed import get_tp_info
 from minisgl.device.layers.fp8_scheme import Fp8Scheme
 from minisgl.device.layers.linear import (
@@ -78,11 +79,11 @@ def experts_torch(
             down = dequantize(down, w2_scale[e], quant.block)
         # Rounded where the fused path rounds: the first GEMM's output to the model dtype, the
         # SiLU-and-mul product to it (or, under fp8, quantized straight from float32).
-        gate_up = (_fake_quant(x[token], quant).float() @ up.float().t()).to(x.dtype).float()
+        gate_up = batch_invariant.linear(_fake_quant(x[token], quant).float(), up.float()).to(x.dtype).float()
         gate, value = gate_up.chunk(2, dim=-1)
         act = F.silu(gate) * value
         act = act.to(x.dtype).float() if quant is None else _fake_quant(act, quant).float()
-        out.index_add_(0, token, (act @ down.float().t()) * weights[token, slot, None])
+        out.index_add_(0, token, batch_invariant.linear(act, down.float()) * weights[token, slot, None])
     return out.to(x.dtype)
 
 

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from minisgl.checkpoint.model_config import ModelConfig
+from minisgl.device import batch_invariant
 from minisgl.device.attention.context import get_attention_backend
 from minisgl.device.distributed import all_reduce, get_tp_info
 from minisgl.device.kernels.fused import silu_and_mul
@@ -89,12 +90,13 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """x [T, H] (never fp8: the router reads it); with ``reduce=False`` the partial sums."""
-        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        weights, ids = route(batch_invariant.linear(x, self.gate.weight), self.top_k, self.renormalize)
         if self.capture is not None:
             self.capture.record(self.layer_id, ids)
         y = self.experts(x, weights, ids)
         if hasattr(self, "shared_expert"):
-            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, reduce=False)
+            gate = batch_invariant.linear(x, self.shared_expert_gate.weight)
+            y = y + torch.sigmoid(gate) * self.shared_expert(x, reduce=False)
         return all_reduce(y) if reduce else y
 
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from minisgl.checkpoint.locate import resolve_model_path
 from minisgl.checkpoint.model_config import ModelConfig
 from minisgl.config.args import EngineArgs
+from minisgl.device import batch_invariant
 from minisgl.device.attention import base
 from minisgl.device.attention.base import AttentionMetadata, Gains
 from minisgl.device.attention.context import set_attention_backend
@@ -106,8 +107,15 @@ class ModelRunner:
         args.validate()
         self.args = args
         self.device = resolve_device(args.device, args.gpu_index(0))
+        if args.enable_deterministic_inference and self.device.type != "cpu":
+            raise ValueError(
+                "--enable-deterministic-inference: the batch-invariant CUDA kernels are not built yet (CPU only)"
+            )
+        batch_invariant.enable(args.enable_deterministic_inference)
         self.model_dir = model_dir or resolve_model_path(args.model, args.load_format, args.revision)
         self.config = ModelConfig.from_path(self.model_dir, args.model_overrides())
+        if args.enable_deterministic_inference and self.config.quantization_config:
+            raise ValueError("--enable-deterministic-inference: FP8 checkpoints' GEMMs are not batch-invariant yet")
         self.dtype = resolve_dtype(args.dtype, self.config.torch_dtype, self.device)
         self.kv_dtype = parse_kv_cache_dtype(args.kv_cache_dtype, self.dtype)
         self.context_len = self.config.context_limit(args.context_length)
@@ -654,7 +662,8 @@ class ModelRunner:
             wanted = torch.tensor(batch.score_logprob_ids, dtype=torch.int64).to(self.device, non_blocking=True)
         for at in range(0, len(rows), self.SCORE_BLOCK):
             block = slice(at, at + self.SCORE_BLOCK)
-            logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows[block]]).float(), dim=-1)
+            logits = self.model.compute_logits(hidden[rows[block]]).float()
+            logprobs = batch_invariant.rowwise(lambda x: torch.log_softmax(x, dim=-1), logits)
             parts["score_logprobs"].append(logprobs.gather(1, ids[block, None]).squeeze(1))
             if batch.score_top > 0:
                 top, top_ids = logprobs.topk(batch.score_top, dim=-1)

@@ -79,6 +79,7 @@ HYBRID_REFUSED = {
     "lora_paths": "adapters on the Gated DeltaNet projections are not built",
     "enable_lora": "adapters on the Gated DeltaNet projections are not built",
     "enable_hierarchical_cache": "the host tier does not keep state snapshots",
+    "enable_deterministic_inference": "the Gated DeltaNet kernels are not batch-invariant",
 }
 
 
