@@ -188,3 +188,24 @@ def test_salted_prefixes_live_in_trees_of_their_own():
     cache.insert_prefix([5, 6], [4], salt="a")
     assert cache.reset() == [4] and cache.match_prefix([5, 6], "a")[0].cached_len == 0
     cache.check_integrity()
+
+
+def test_a_salts_tree_goes_when_it_empties():
+    """A client that sends a new cache_salt each time (or the trees of replaced weights) must
+    leave nothing behind: a lookup under an unknown salt makes no tree, and a salt's root goes
+    with its last page; its next insert starts a new one."""
+    cache = RadixCacheManager(2)
+    for i in range(100):
+        handle, _ = cache.match_prefix([1, 2, 3, 4], f"s{i}")
+        cache.lock_handle(handle)
+        handle, _, _ = cache.commit([1, 2, 3, 4], [2 * i, 2 * i + 1], handle, salt=f"s{i}")
+        cache.lock_handle(handle, unlock=True)
+        cache.insert_prefix([7], [], salt=f"short{i}")  # (less than a page: nothing to keep)
+    assert len(cache.roots) == 101
+    cache.check_integrity()
+    assert len(cache.evict(200)) == 200
+    assert list(cache.roots) == [None] and len(cache._salt_of) == 1
+    cache.check_integrity()
+    cache.insert_prefix([1, 2], [0], salt="s0")
+    assert cache.match_prefix([1, 2], "s0")[1] == [0] and cache.match_prefix([1, 2], "s1")[1] == []
+    cache.check_integrity()

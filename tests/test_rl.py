@@ -184,6 +184,11 @@ def test_the_tensor_payload_decoder_imports_nothing_else(tmp_path):
         with pytest.raises(ValueError, match="tensor name") as refused:
             decode_named_tensors(payload)
         assert len(payload) < 6000 and len(str(refused.value)) < 200
+    # Lists nested 200,000 deep (400 kB of opcodes): the unpickler and the checks after it
+    # recurse nowhere, so this is a 400, not a RecursionError; the request size bounds the rest.
+    deep = b"\x80\x04" + b"]" * 200_000 + b"a" * 199_999 + b"."
+    with pytest.raises(ValueError, match="pairs"):
+        decode_named_tensors(deep)
     named = [("a", torch.arange(6, dtype=torch.float32).view(2, 3)), ("b", torch.ones(4, dtype=torch.bfloat16))]
     for flattened in (False, True):
         out = decode_named_tensors(

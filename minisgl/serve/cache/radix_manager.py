@@ -85,13 +85,20 @@ class RadixHandle(CacheHandle):
     __hash__ = object.__hash__
 
 
+def _new_root() -> _Node:
+    root = _Node([], [], None, 0)
+    root.ref = 1  # a root is never evicted
+    return root
+
+
 class RadixCacheManager(BaseCacheManager):
     def __init__(self, page_size: int):
         super().__init__(page_size)
         self._clock = itertools.count(1)
-        self.root = _Node([], [], None, 0)
-        self.root.ref = 1  # the root is never evicted
-        # cache_salt: each salt has a tree of its own, so tenants never share pages.
+        self.root = _new_root()
+        # cache_salt: each salt has a tree of its own, so tenants never share pages. A salt's
+        # root is made by its first insert and goes when its tree empties (a client sending a
+        # new salt each time, or the trees of weights replaced by an update, leave nothing).
         self.roots: dict[str | None, _Node] = {None: self.root}
         self._salt_of: dict[_Node, str | None] = {self.root: None}  # (roots hash by identity)
         self.evictable_pages = 0  # device pages only, here and below
@@ -126,15 +133,16 @@ class RadixCacheManager(BaseCacheManager):
     def _root(self, salt: str | None) -> _Node:
         root = self.roots.get(salt)
         if root is None:
-            root = self.roots[salt] = _Node([], [], None, 0)
-            root.ref = 1
+            root = self.roots[salt] = _new_root()
             self._salt_of[root] = salt
         return root
 
     def _walk(self, ids: list[int], on_device: bool = True, salt: str | None = None) -> tuple[_Node, int]:
         """Deepest node whose path is a prefix of ids (splitting an edge if needed), and its
-        length; ``on_device``: through nodes with device pages only."""
-        node, matched, tick = self._root(salt), 0, next(self._clock)
+        length; ``on_device``: through nodes with device pages only (a lookup: a salt without
+        a tree matches nothing, on a root of its own that is not kept)."""
+        root = self.roots.get(salt) if on_device or not self.aligned(len(ids)) else self._root(salt)
+        node, matched, tick = root or _new_root(), 0, next(self._clock)
         limit = self.aligned(len(ids))
         while matched < limit:
             child = node.children.get(self._edge(ids, matched))
@@ -293,8 +301,12 @@ class RadixCacheManager(BaseCacheManager):
         return node.parent is not None and node.pages is not None and not node.ref and self._bottom(node)
 
     def _remove(self, node: _Node) -> None:
-        """Take a node with no device descendants out of the tree, with everything below it."""
-        del node.parent.children[self._edge(node.key, 0)]
+        """Take a node with no device descendants out of the tree, with everything below it (and
+        a salt's root left with nothing)."""
+        parent = node.parent
+        del parent.children[self._edge(node.key, 0)]
+        if parent.parent is None and not parent.children and parent is not self.root:
+            del self.roots[self._salt_of.pop(parent)]
         stack = [node]
         while stack:
             n = stack.pop()
@@ -363,6 +375,7 @@ class RadixCacheManager(BaseCacheManager):
             f"size counters {(self.evictable_pages, self.protected_pages)} != tree {(evictable, protected)}"
         )
         assert self._num_nodes == len(nodes), f"node count {self._num_nodes} != tree {len(nodes)}"
+        assert all(r.children for r in self.roots.values() if r is not self.root), "an empty salt's tree is kept"
         queued = {id(n) for _, n in self._leaves}
         assert all(id(n) in queued for n in nodes if self._device_leaf(n)), "an evictable leaf is not queued"
         self._check_tiers(nodes)
