@@ -564,17 +564,15 @@ class EngineArgs:
     def _validate_deterministic(self) -> None:
         if not self.enable_deterministic_inference:
             return
-        refused = {
-            "speculative_algorithm": "verify steps are not batch-invariant",
-            "lora_enabled": "adapter products are not batch-invariant yet",
-            "quantization": "FP8 GEMMs are not batch-invariant yet",
-        }
-        for name, why in refused.items():
-            if getattr(self, name):
-                flag = "--enable-lora" if name == "lora_enabled" else "--" + name.replace("_", "-")
-                raise ValueError(f"--enable-deterministic-inference with {flag}: {why}")
-        if self.kv_cache_dtype.startswith("fp8"):
-            raise ValueError("--enable-deterministic-inference with an fp8 KV cache: not batch-invariant yet")
+        refused = [
+            ("--speculative-algorithm", self.speculative_algorithm, "verify steps are not batch-invariant"),
+            ("--enable-lora", self.lora_enabled, "adapter products are not batch-invariant yet"),
+            ("--quantization", self.quantization, "FP8 GEMMs are not batch-invariant yet"),
+            ("an fp8 KV cache", self.kv_cache_dtype.startswith("fp8"), "not batch-invariant yet"),
+        ]
+        for what, asked, why in refused:
+            if asked:
+                raise ValueError(f"--enable-deterministic-inference with {what}: {why}")
 
     @property
     def lora_enabled(self) -> bool:

@@ -50,3 +50,11 @@ def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torc
     if not _enabled or x.shape[0] <= 1:
         return fn(x)
     return torch.cat([fn(row) for row in x.split(1)])
+
+
+def log_softmax(x: torch.Tensor) -> torch.Tensor:
+    return rowwise(lambda r: torch.log_softmax(r, dim=-1), x)
+
+
+def softmax(x: torch.Tensor) -> torch.Tensor:
+    return rowwise(lambda r: torch.softmax(r, dim=-1), x)

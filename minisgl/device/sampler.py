@@ -296,7 +296,7 @@ class Sampler:
     ) -> None:
         """The sampled tokens' logprobs into ``out``, and as asked the top ``top_n``, those of
         ``id_union`` and the entropy of the distribution they were sampled from."""
-        logprobs = batch_invariant.rowwise(lambda x: torch.log_softmax(x, dim=-1), logits)
+        logprobs = batch_invariant.log_softmax(logits)
         out.logprobs = logprobs.gather(1, out.tokens[:, None]).squeeze(1)
         if entropy:  # -sum p log p over the logprobs' distribution (masked tokens add 0)
             probs = logprobs.exp()
@@ -328,7 +328,7 @@ class Sampler:
         positions = self._to_device(torch.from_numpy(seq_lens))
         if shift is not None:
             positions = positions + shift
-        probs = batch_invariant.rowwise(lambda x: torch.softmax(x, dim=-1), logits / self.temperature[slots, None])
+        probs = batch_invariant.softmax(logits / self.temperature[slots, None])
         if self.h_truncate[slots_np].any():
             probs = self._top_k_top_p(probs, self.top_k[slots], self.top_p[slots])
         if self.h_min_p[slots_np].any():

@@ -45,8 +45,9 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> t
     return F.silu(y).t()
 
 
-def _offset(base: torch.Tensor | None):
-    return (lambda rows: rows) if base is None else (lambda rows: rows + base)
+def _pool_rows(rows: torch.Tensor, base: torch.Tensor | None) -> torch.Tensor:
+    """Pool rows ``rows`` of one layer, as rows of the pool flattened over layers from ``base``."""
+    return rows if base is None else rows + base
 
 
 def varlen_conv(
@@ -58,11 +59,10 @@ def varlen_conv(
     The states after the points ``index`` names (each request's last token, part-way snapshots)
     are written to their rows. ``base``: a device offset added to every pool row (``conv`` is
     then every layer's rows, flattened)."""
-    rows = _offset(base)
-    states = conv[rows(index.req_slots)].transpose(1, 2).reshape(-1, x.shape[1]).to(x.dtype)
+    states = conv[_pool_rows(index.req_slots, base)].transpose(1, 2).reshape(-1, x.shape[1]).to(x.dtype)
     padded = torch.cat([states, x])[index.order]
     y = F.conv1d(padded.t().unsqueeze(0), weight.unsqueeze(1), groups=weight.shape[0]).squeeze(0)
-    conv[rows(index.state_dst)] = padded[index.state_rows].transpose(1, 2).to(conv.dtype)
+    conv[_pool_rows(index.state_dst, base)] = padded[index.state_rows].transpose(1, 2).to(conv.dtype)
     return F.silu(y[:, index.outputs].t())
 
 
@@ -118,8 +118,7 @@ def fla_chunked(
         )  # fmt: skip
         return o, final
 
-    index, rows = pool.prefill, _offset(base)
-    slots = rows(pool.slots)
+    index, slots = pool.prefill, _pool_rows(pool.slots, base)
     o, ht = run(None, ssm[slots], index.cu_seqlens, index.chunk_indices)
     sp = index.splits
     if sp is None:
@@ -127,10 +126,10 @@ def fla_chunked(
         return o[0]
     # Requests saving a snapshot part-way: their first segments' states are the snapshots, and
     # their second segments run again from those (the first pass ran them from a stale state).
-    ssm[rows(sp.save_rows)] = ht[sp.heads].to(ssm.dtype)
-    ssm[rows(sp.final_slots)] = ht[sp.finals].to(ssm.dtype)
+    ssm[_pool_rows(sp.save_rows, base)] = ht[sp.heads].to(ssm.dtype)
+    ssm[_pool_rows(sp.final_slots, base)] = ht[sp.finals].to(ssm.dtype)
     o2, ht2 = run(sp.tokens, ht[sp.heads], sp.cu_seqlens, sp.chunk_indices)
-    ssm[rows(sp.tail_slots)] = ht2.to(ssm.dtype)
+    ssm[_pool_rows(sp.tail_slots, base)] = ht2.to(ssm.dtype)
     o = o[0]
     o[sp.tokens] = o2[0]
     return o

@@ -662,8 +662,7 @@ class ModelRunner:
             wanted = torch.tensor(batch.score_logprob_ids, dtype=torch.int64).to(self.device, non_blocking=True)
         for at in range(0, len(rows), self.SCORE_BLOCK):
             block = slice(at, at + self.SCORE_BLOCK)
-            logits = self.model.compute_logits(hidden[rows[block]]).float()
-            logprobs = batch_invariant.rowwise(lambda x: torch.log_softmax(x, dim=-1), logits)
+            logprobs = batch_invariant.log_softmax(self.model.compute_logits(hidden[rows[block]]).float())
             parts["score_logprobs"].append(logprobs.gather(1, ids[block, None]).squeeze(1))
             if batch.score_top > 0:
                 top, top_ids = logprobs.topk(batch.score_top, dim=-1)

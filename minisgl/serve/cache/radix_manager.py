@@ -141,9 +141,12 @@ class RadixCacheManager(BaseCacheManager):
         """Deepest node whose path is a prefix of ids (splitting an edge if needed), and its
         length; ``on_device``: through nodes with device pages only (a lookup: a salt without
         a tree matches nothing, on a root of its own that is not kept)."""
-        root = self.roots.get(salt) if on_device or not self.aligned(len(ids)) else self._root(salt)
-        node, matched, tick = root or _new_root(), 0, next(self._clock)
         limit = self.aligned(len(ids))
+        if not on_device and limit:  # (an insert of whole pages: its salt's tree is made if new)
+            root = self._root(salt)
+        else:
+            root = self.roots.get(salt) or _new_root()
+        node, matched, tick = root, 0, next(self._clock)
         while matched < limit:
             child = node.children.get(self._edge(ids, matched))
             if child is None or (on_device and child.pages is None):
