@@ -19,6 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.multi_turn import engine_kwargs  # noqa: E402
 from minisgl.llm import LLM  # noqa: E402
 from minisgl.wire.sampling import SamplingParams  # noqa: E402
 
@@ -48,8 +49,11 @@ def main() -> None:
     ap.add_argument("--flag-off", action="store_true")
     ap.add_argument("--engine-args", default="", help="more EngineArgs as k=v,k=v (e.g. device=cpu,dtype=float32)")
     args = ap.parse_args()
-    engine = dict(kv.split("=", 1) for kv in args.engine_args.split(",") if kv)
-    kw = {"load_format": args.load_format, "enable_deterministic_inference": not args.flag_off, **engine}
+    kw = {
+        "load_format": args.load_format,
+        "enable_deterministic_inference": not args.flag_off,
+        **engine_kwargs(args.engine_args),
+    }
     rng = random.Random(args.seed)
     target = [rng.randrange(3, 1000) for _ in range(args.prompt_len)]
     requests = {

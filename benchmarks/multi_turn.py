@@ -196,6 +196,15 @@ def run_online(args: argparse.Namespace, mode: str) -> dict:
     }
 
 
+def engine_kwargs(text: str) -> dict:
+    """``--engine-args`` k=v,k=v as EngineArgs keywords (true -> True, digits -> int)."""
+    out = {}
+    for item in filter(None, text.split(",")):
+        k, v = item.split("=", 1)
+        out[k] = True if v.lower() == "true" else int(v) if v.isdigit() else v
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
@@ -217,10 +226,7 @@ def main() -> None:
     ap.add_argument("--engine-args", default="", help="more EngineArgs as k=v,k=v (e.g. device=cpu,dtype=float32)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    args.engine = {}
-    for item in filter(None, args.engine_args.split(",")):
-        k, v = item.split("=", 1)
-        args.engine[k] = True if v.lower() == "true" else int(v) if v.isdigit() else v
+    args.engine = engine_kwargs(args.engine_args)
     print(f"working set {working_set(args)} tokens; device pool {engine_flags(args, 'device')['max_total_tokens']}")
     rows = [(run_online if args.online else run_offline)(args, mode) for mode in args.modes]
     keys = ["seconds", "total_tok_per_s", "hit_rate", "host_hit_rate", "prefill_tokens", "retractions"]
