@@ -129,13 +129,10 @@ class StatePool:
         offsets = np.array([s[1] for s in segments] + [sum(meta.new_lens)], dtype=np.int64)
         points = [(slot, i, n) for i, (slot, n) in enumerate(zip(meta.slots, meta.new_lens))]
         points += [(save, meta.slots.index(slot), head) for slot, (save, head) in cut.items()]
-        order, outputs, state_rows, state_dst = conv_index(
-            np.asarray(meta.new_lens, dtype=np.int64), self.shape.conv_width, points
-        )
         parts = {
-            "slots": seg_slots, "req_slots": np.asarray(meta.slots, dtype=np.int64), "order": order,
-            "outputs": outputs, "state_rows": state_rows, "state_dst": state_dst, "cu_seqlens": offsets,
-            "chunk_indices": chunk_indices(np.diff(offsets)),
+            "slots": seg_slots, "req_slots": np.asarray(meta.slots, dtype=np.int64),
+            **conv_index(np.asarray(meta.new_lens, dtype=np.int64), self.shape.conv_width, points),
+            "cu_seqlens": offsets, "chunk_indices": chunk_indices(np.diff(offsets)),
         }  # fmt: skip
         split = split_parts(segments) if cut else {}
         arrays = [*parts.values(), *split.values()]
@@ -157,11 +154,11 @@ def chunk_indices(lens: np.ndarray, chunk: int = FLA_CHUNK) -> np.ndarray:
     return np.stack([seq, np.arange(len(seq), dtype=np.int64) - first], axis=1)
 
 
-def conv_index(lens: np.ndarray, width: int, points: list[tuple[int, int, int]]) -> list[np.ndarray]:
-    """The batched causal conv's indices (``PrefillIndex``) for requests of ``lens`` new tokens
-    (rows in order), each laid out as its ``width`` state inputs then its tokens; ``points``:
-    (pool row, request, tokens) - the state after a request's first tokens goes to that row.
-    Returns order, outputs, state rows and their destinations."""
+def conv_index(lens: np.ndarray, width: int, points: list[tuple[int, int, int]]) -> dict[str, np.ndarray]:
+    """The causal conv's fields of ``PrefillIndex`` for requests of ``lens`` new tokens (rows in
+    order); ``points``: (pool row, request, tokens) - the state after a request's first tokens
+    goes to that row. The torch conv lays each request out as its ``width`` state inputs then
+    its tokens; the Triton one reads tokens and states where they are."""
     n_req = len(lens)
     padded = lens + width
     starts = np.cumsum(padded) - padded  # each request's first row in the padded layout
@@ -170,10 +167,13 @@ def conv_index(lens: np.ndarray, width: int, points: list[tuple[int, int, int]])
     token_start = np.cumsum(lens) - lens
     order = np.where(i < width, req * width + i, n_req * width + token_start[req] + i - width)
     outputs = np.repeat(starts, lens) + np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(token_start, lens)
-    dst = np.array([p[0] for p in points], dtype=np.int64)
-    ends = np.array([starts[p[1]] + p[2] for p in points], dtype=np.int64)  # (a state's first padded row)
-    rows = ends[:, None] + np.arange(width, dtype=np.int64)
-    return [order, outputs, rows, dst]
+    dst, point_req, point_len = (np.array([p[i] for p in points], dtype=np.int64) for i in range(3))
+    ends = starts[point_req] + point_len  # (a state's first padded row)
+    return {
+        "order": order, "outputs": outputs, "state_rows": ends[:, None] + np.arange(width, dtype=np.int64),
+        "state_dst": dst, "point_req": point_req, "point_len": point_len,
+        "token_req": np.repeat(np.arange(n_req, dtype=np.int64), lens), "req_start": token_start,
+    }  # fmt: skip
 
 
 def split_parts(segments: list[tuple[int, int, int, int]]) -> dict[str, np.ndarray]:
@@ -222,6 +222,10 @@ class PrefillIndex:
     outputs: torch.Tensor  # the conv's output columns that are the tokens'
     state_rows: torch.Tensor  # [points, width] padded rows whose inputs are a state ...
     state_dst: torch.Tensor  # ... and the pool rows they go to
+    point_req: torch.Tensor  # (the same points for the Triton conv: each one's request ...
+    point_len: torch.Tensor  # ... and its tokens before the point)
+    token_req: torch.Tensor  # each token's request
+    req_start: torch.Tensor  # each request's first token row
     cu_seqlens: torch.Tensor  # the segments' token offsets
     chunk_indices: torch.Tensor  # FLA's, of the segments
     splits: Splits | None  # (requests saving a snapshot part-way)

@@ -257,6 +257,10 @@ class GatedDeltaNet(nn.Module):
 
     def output(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """The gated per-head norm of ``o`` [T, Hv, dv] (in the model's dtype), projected back."""
+        if o.is_cuda:
+            from minisgl.device.kernels.gdn_prefill import gated_norm
+
+            return self.out_proj(gated_norm(o, z, self.norm.weight, self.eps))
         o = rmsnorm_torch(o, self.norm.weight, self.eps) * F.silu(z.float())
         return self.out_proj(o.to(z.dtype).reshape(o.shape[0], -1))
 
@@ -293,9 +297,16 @@ class GatedDeltaNet(nn.Module):
         dt_bias: torch.Tensor,
         base: torch.Tensor | None,
     ) -> torch.Tensor:
-        """The conv and the gated delta rule in torch (FLA's chunked kernel for GPU prefill):
-        o [T, Hv, dv] (float32 in torch), the requests' rows of ``conv`` and ``ssm`` updated.
+        """The conv and the gated delta rule in torch (on the GPU, a prefill step's in
+        ``gdn_prefill``'s kernels and FLA's chunked one): o [T, Hv, dv] (float32 in torch), the
+        requests' rows of ``conv`` and ``ssm`` updated.
         ``base`` (CUDA prefill): ``conv`` and ``ssm`` are every layer's rows, this layer's from it."""
+        if qkv.is_cuda:  # (prefill: decode steps on the GPU take ``mix``'s kernels)
+            from minisgl.device.kernels.gdn_prefill import conv_prefill, gates
+
+            heads = (self.hk, self.dk, self.hv, self.dv)
+            q, k, v = conv_prefill(qkv, weight, conv, pool.prefill, base, heads)
+            return fla_chunked(q, k, v, *gates(a, b, A_log, dt_bias), ssm, pool, base)
         if pool.decode:
             states = conv[pool.slots]
             mixed = causal_conv_step(qkv, weight, states)
@@ -307,9 +318,6 @@ class GatedDeltaNet(nn.Module):
         v = mixed[:, qk:].reshape(t, self.hv, self.dv)
         g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())  # log decay
         beta = b.float().sigmoid()  # write strength
-        if qkv.is_cuda:
-            q, k, v = (x.to(qkv.dtype).contiguous() for x in (q, k, v))
-            return fla_chunked(q, k, v, g, beta, ssm, pool, base)
         q = q.repeat_interleave(self.ratio, dim=1) * self.dk**-0.5
         k, v = k.repeat_interleave(self.ratio, dim=1), v.float()
         if pool.decode:  # one token per request: every request in one batched step
